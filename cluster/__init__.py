@@ -1,0 +1,1 @@
+"""The `baton` CLI, configuration, Ray start-up and worker pools."""

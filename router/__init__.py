@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP router: API, tokenization, prefix index, routing policy. Never imports torch."""

@@ -1,0 +1,203 @@
+"""Paged KV block accounting: allocation, reference counts, prefix cache and LRU eviction.
+
+Every block is in exactly one of two states:
+- referenced (ref_count > 0): owned by one or more running sequences;
+- free (ref_count == 0): in `_free`, an LRU-ordered dict. A free block may still hold a cached
+  prefix (its hash is in `_cached`); it is reused, and its hash dropped, only when it reaches
+  the front of the LRU order and a new block is needed.
+
+Prefix caching covers full blocks only. A cached block is looked up by its chained hash and then
+its token ids are compared, so a hash collision can never serve the wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from workers.block_hash import ROOT_PARENT_HASH, hash_block
+from workers.kv_events import KVEvent, KVEventKind
+from workers.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._events: list[KVEvent] = []
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found cached
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by sequences (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_ids))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash seq's full blocks within its first num_tokens tokens (each block hashed once)."""
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= num_tokens:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT_HASH
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids caching seq's longest prefix; leaves at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        # The last token must be computed to produce logits, so it never comes from the cache.
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks * self.block_size)
+        hits = []
+        for i in range(max_blocks):
+            block_id = self._cached.get(seq.block_hashes[i])
+            if block_id is None:
+                break
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if self.blocks[block_id].token_ids != tokens:
+                break  # hash collision: never serve another prefix's KV
+            hits.append(block_id)
+        return hits
+
+    def allocate_prefix_and_new(self, seq: Sequence, cached_block_ids: list[int], num_new_tokens: int) -> bool:
+        """Admit a sequence that has no blocks yet: take its cached prefix, then fresh blocks.
+
+        Returns False, changing nothing, when there is not enough room.
+        """
+        assert not seq.block_ids and seq.num_computed_tokens == 0
+        num_cached_tokens = len(cached_block_ids) * self.block_size
+        total = num_cached_tokens + num_new_tokens
+        new_needed = -(-total // self.block_size) - len(cached_block_ids)
+        # Cached blocks sitting in the free list stop being free once referenced.
+        reusable_free = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        if new_needed > len(self._free) - reusable_free:
+            return False
+        for block_id in cached_block_ids:
+            self._ref(block_id)
+        seq.block_ids = list(cached_block_ids)
+        seq.num_computed_tokens = num_cached_tokens
+        self.allocate(seq, num_new_tokens)
+        if self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += num_cached_tokens
+        return True
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give seq enough blocks to hold num_new_tokens more tokens. Caller checked can_allocate."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        assert needed <= len(self._free), "caller must check can_allocate first"
+        for _ in range(needed):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            seq.block_ids.append(block_id)
+
+    def _evict(self, block: Block) -> None:
+        assert block.block_hash is not None
+        if self._cached.get(block.block_hash) == block.block_id:
+            del self._cached[block.block_hash]
+            self._events.append(KVEvent(KVEventKind.REMOVED, (block.block_hash,)))
+        block.block_hash = None
+        block.token_ids = None
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of seq's blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        self._extend_hashes(seq, num_full * bs)
+        stored = []
+        for i in range(num_full):
+            block = self.blocks[seq.block_ids[i]]
+            if block.block_hash is not None:
+                continue
+            block_hash = seq.block_hashes[i]
+            if block_hash in self._cached:
+                continue  # another sequence computed the same block first; keep theirs
+            block.block_hash = block_hash
+            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self._cached[block_hash] = block.block_id
+            stored.append(block_hash)
+        if stored:
+            self._events.append(KVEvent(KVEventKind.STORED, tuple(stored)))
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references. Its cached blocks stay reusable until evicted."""
+        # Tail first, so under LRU a prefix outlives the blocks that extend it.
+        for block_id in reversed(seq.block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    # Uncached blocks go first in line for reuse: they hold nothing worth keeping.
+                    self._free[block_id] = None
+                    self._free.move_to_end(block_id, last=False)
+                else:
+                    self._free[block_id] = None
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached-but-free block (used on restart and in tests)."""
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+        self._events.append(KVEvent(KVEventKind.CLEARED))
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent (tests call this after stress runs)."""
+        for block in self.blocks:
+            assert (block.ref_count == 0) == (block.block_id in self._free), block
+            if block.block_hash is not None:
+                assert block.token_ids is not None
+        for block_hash, block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == block_hash
+

@@ -1,0 +1,47 @@
+"""Engine configuration: one dataclass, checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+@dataclass
+class EngineConfig:
+    """Knobs named as in vLLM where the same knob exists.
+
+    kv_cache_memory: bytes for the paged KV cache; num_kv_blocks, when set, wins over it.
+    max_num_batched_tokens: per-step token budget shared by decodes and prefill chunks.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    device: str = "cpu"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+            positive(name)
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

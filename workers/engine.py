@@ -1,0 +1,266 @@
+"""The engine: add requests, step, stream outputs. One process, no Ray, no HTTP.
+
+    engine = LLMEngine.from_model_dir(None)          # the default model
+    rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+
+A step schedules (Scheduler), runs the model over the flat batch (ModelRunner), samples
+(sampler), then checks stop conditions and frees finished sequences' blocks into the prefix cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.block_manager import BlockManager
+from workers.config import EngineConfig
+from workers.detokenizer import Decode, IncrementalDetokenizer
+from workers.model_config import ModelConfig
+from workers.model_files import resolve_model_dir
+from workers.model_runner import ModelRunner, iter_safetensors
+from workers.outputs import RequestOutput, TokenLogprob
+from workers.sampler import SamplingRow, sample
+from workers.sampling_params import SamplingParams
+from workers.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class _RequestState:
+    seq: Sequence
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+    num_sent_tokens: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_computed_tokens: int  # tokens run through the model since start (prompt and output)
+
+
+@dataclass
+class Completion:
+    """A finished request, as the batch `generate` helper returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None
+
+
+def load_tokenizer_decode(model_dir: Path) -> Decode | None:
+    """A decode function from the folder's tokenizer.json, skipping special tokens."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        weights,
+        decode: Decode | None = None,
+        kv_cache: torch.Tensor | None = None,
+    ) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = model_config
+        self.config = config
+        self.runner = ModelRunner(model_config, config, weights, kv_cache=kv_cache)
+        capacity = self.runner.num_blocks * config.block_size
+        self.max_model_len = min(self.runner.max_model_len, capacity)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        from workers.scheduler import Scheduler  # after ModelRunner: shares its chunk type
+
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.decode = decode
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        self._requests: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+        self.num_computed_tokens = 0
+
+    @classmethod
+    def from_model_dir(cls, model: str | os.PathLike | None = None, config: EngineConfig | None = None, **kwargs) -> "LLMEngine":
+        model_dir = resolve_model_dir(model)
+        model_config = ModelConfig.from_model_dir(model_dir)
+        return cls(model_config, config or EngineConfig(), iter_safetensors(model_dir), load_tokenizer_decode(model_dir), **kwargs)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; this engine's context is {self.max_model_len} tokens "
+                f"and at least one must be left to generate"
+            )
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.stop and self.decode is None:
+            raise ValueError("stop strings need a tokenizer; this engine was built without one")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.decode, params.stop) if self.decode else None
+        seq = Sequence(request_id, prompt, params)
+        self._requests[request_id] = _RequestState(seq, generator, detok)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks. Returns False if it was not running here."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        state.seq.finish_reason = "abort"
+        self.scheduler.finish(state.seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        chunks = sched.chunks
+        sample_mask = [c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens for c in chunks]
+        logits = self.runner.execute(chunks, sample_mask)
+        self.num_computed_tokens += sched.num_tokens
+        sampled: list[Sequence] = []
+        for chunk, sampling in zip(chunks, sample_mask):
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_computed_blocks(chunk.seq)
+            if sampling:
+                sampled.append(chunk.seq)
+        if not sampled:
+            return []
+        rows = [self._sampling_row(seq) for seq in sampled]
+        tokens, logprobs = sample(logits, rows)
+        return [self._advance(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, logprobs)]
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.sampling_params
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        state = self._requests[seq.request_id]
+        return SamplingRow(p, seq.output_token_ids, seq.prompt_token_ids, state.generator, banned)
+
+    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        state = self._requests[seq.request_id]
+        p = seq.sampling_params
+        seq.append_token(token)
+        if logprob is not None:
+            state.pending_logprobs.append(logprob)
+        reason = None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason = "stop"
+        if state.detokenizer is not None:
+            state.detokenizer.add(seq.output_token_ids)
+            if state.detokenizer.stopped and reason is None:
+                reason = "stop"
+        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        finished = reason is not None
+        text = state.detokenizer.take(final=finished) if state.detokenizer is not None else ""
+        out = RequestOutput(
+            request_id=seq.request_id,
+            token_ids=seq.output_token_ids[state.num_sent_tokens :],
+            text=text,
+            logprobs=state.pending_logprobs if logprob is not None else None,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+        state.num_sent_tokens = seq.num_output_tokens
+        state.pending_logprobs = []
+        if finished:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+        return out
+
+    # ---- conveniences --------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_computed_tokens=self.num_computed_tokens,
+        )
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run a batch of prompts to completion (continuous batching inside) and return them in order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        collected: dict[str, Completion] = {
+            rid: Completion(rid, list(p), [], "", None, 0, [] if sp.logprobs is not None else None)
+            for rid, p, sp in zip(ids, prompts, params)
+        }
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                done = collected.get(out.request_id)
+                if done is None:
+                    continue
+                done.token_ids.extend(out.token_ids)
+                done.text += out.text
+                done.num_cached_tokens = out.num_cached_tokens
+                if out.logprobs is not None and done.logprobs is not None:
+                    done.logprobs.extend(out.logprobs)
+                if out.finished:
+                    done.finish_reason = out.finish_reason
+                    pending.discard(out.request_id)
+        return [collected[rid] for rid in ids]

@@ -1,0 +1,1 @@
+"""Model implementations on the paged KV cache."""

@@ -1,0 +1,216 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) on the paged KV cache.
+
+One implementation serves all of them: they differ only in q/k/v biases (Qwen2), rope scaling
+(Llama 3) and tied embeddings, which ModelConfig records. q/k/v and gate/up projections are
+fused into one matrix each at load time, so a layer runs four matrix products instead of seven.
+Every hot op goes through `kernels.ops`, which picks Triton on CUDA and PyTorch on the CPU.
+
+Batch layout (see AttentionMetadata): the flat token batch holds the decode tokens first (one per
+sequence), then the new tokens of each prefilling sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kernels import ops
+from workers.model_config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flat batch reads and writes KV.
+
+    slot_mapping[t]: cache slot (block_id * block_size + offset) receiving token t's K/V.
+    The first num_decode_tokens tokens belong to decoding sequences (one each), described by
+    decode_block_tables / decode_context_lens. The rest are prefill chunks of the sequences in
+    prefill_block_tables, split by prefill_query_start_loc; prefill_context_lens counts each
+    sequence's tokens including the chunk.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
+    prefill_context_lens: torch.Tensor
+
+
+@dataclass
+class KVCacheView:
+    """One layer's paged K and V ([num_blocks, block_size, num_kv_heads, head_dim] each) and FP8 scales."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCacheView,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        ops.store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        nd = meta.num_decode_tokens
+        if nd == num_tokens:
+            out = ops.paged_decode_attention(
+                q, kv.k_cache, kv.v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale, kv.k_scale, kv.v_scale,
+            )
+        else:
+            out = torch.empty_like(q)
+            if nd:
+                out[:nd] = ops.paged_decode_attention(
+                    q[:nd], kv.k_cache, kv.v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                    self.scale, kv.k_scale, kv.v_scale,
+                )
+            out[nd:] = ops.paged_prefill_attention(
+                q[nd:], kv.k_cache, kv.v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                meta.prefill_context_lens, self.scale, kv.k_scale, kv.v_scale,
+            )
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+
+    def forward(self, hidden, residual, positions, cos_sin_cache, meta, kv):
+        if residual is None:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, self.input_layernorm, self.eps)
+        else:
+            hidden, residual = ops.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, meta, kv)
+        hidden, residual = ops.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        # float32 [max_positions, head_dim]; the model runner fills it for its context length.
+        self.cos_sin_cache = torch.empty(0)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_layers: list[KVCacheView]) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden_size] (normed)."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_layers):
+            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, meta, kv)
+        hidden, _ = ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_hf_weights(self, weights) -> None:
+        """Load (name, tensor) pairs with Hugging Face names, fusing q/k/v and gate/up."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        fused = {
+            "q_proj": ("self_attn.qkv_proj", 0, q),
+            "k_proj": ("self_attn.qkv_proj", q, kv),
+            "v_proj": ("self_attn.qkv_proj", q + kv, kv),
+            "gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "up_proj": ("mlp.gate_up_proj", inter, inter),
+        }
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor, start: int | None = None, size: int | None = None) -> None:
+            if name not in params:
+                raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
+            target = params[name].data
+            if start is not None:
+                target = target[start : start + size]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(name if start is None else f"{name}[{start}]")
+
+        for hf_name, tensor in weights:
+            if "rotary_emb" in hf_name:
+                continue
+            name = hf_name.removeprefix("model.")
+            if name == "lm_head.weight":
+                if self.lm_head is not None:
+                    put("lm_head", tensor)
+                continue
+            if name == "norm.weight":
+                put("norm", tensor)
+                continue
+            if name.endswith("layernorm.weight"):
+                put(name.removesuffix(".weight"), tensor)
+                continue
+            parts = name.split(".")  # layers.{i}.{self_attn|mlp}.{proj}.{weight|bias}
+            if len(parts) == 5 and parts[3] in fused:
+                target, start, size = fused[parts[3]]
+                put(f"layers.{parts[1]}.{target}.{parts[4]}", tensor, start, size)
+                continue
+            put(name, tensor)
+
+        expected = set()
+        for pname in params:
+            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                expected |= {f"{pname}[0]", f"{pname}[{q}]", f"{pname}[{q + kv}]"}
+            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+                expected |= {f"{pname}[0]", f"{pname}[{inter}]"}
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

@@ -1,0 +1,34 @@
+"""What the engine hands back each step: plain, torch-free dataclasses that cross process boundaries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a generated token, and of the most likely alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """One step's increment for one request.
+
+    token_ids and text hold only what is new since the previous output of that request; text
+    already has stop strings cut off. finish_reason is "stop" (EOS, stop token or stop string),
+    "length" (max_tokens or the context limit) or "abort".
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0

@@ -1,0 +1,62 @@
+"""A request inside the engine: its tokens, its KV blocks and where it stands."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from workers.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued; needs (re)computing its tokens' KV
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; another worker pushes the prompt's KV
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose K/V are in the cache. Prefill advances it by chunks, decode by one.
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache when first scheduled (reported as cached_tokens).
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Hashes of this sequence's full blocks, extended as blocks fill (computed once per block).
+    block_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
