@@ -1,0 +1,115 @@
+"""Oracle helpers for engine tests: transformers greedy runs and the near-tie comparison rule."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+LOGIT_TOL = 1e-3  # fp32, different summation order
+NEAR_TIE = 1e-3  # a divergence is allowed only where the reference's top-2 gap is below this
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    logits: list[torch.Tensor]  # one [vocab] float32 row per generated token
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> Reference:
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id if eos_token_id is not None else 0,
+    )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return Reference(tokens, [row[0].float() for row in out.logits])
+
+
+@dataclass
+class Comparison:
+    diverged_at: int | None  # first differing step, None when identical
+    max_logit_error: float  # over steps before the divergence (nan when logits not given)
+
+
+def compare_greedy(ours: list[int], ref: Reference, our_logits: list[torch.Tensor] | None = None) -> Comparison:
+    """Check ours against the reference by the rule in the tests' docstrings; raise AssertionError if broken.
+
+    Tokens must match until the first difference; at that step the reference's top-2 logit gap
+    must be below NEAR_TIE (floating-point order can flip a near tie), and every earlier step's
+    logits must agree within LOGIT_TOL. A shorter output must stop where the reference stops.
+    """
+    n = min(len(ours), len(ref.token_ids))
+    diverged = next((i for i in range(n) if ours[i] != ref.token_ids[i]), None)
+    if diverged is None and len(ours) != len(ref.token_ids):
+        raise AssertionError(f"lengths differ with equal tokens: ours {len(ours)} vs reference {len(ref.token_ids)}")
+    checked = n if diverged is None else diverged
+    max_err = float("nan")
+    if our_logits is not None:
+        errs = [float((our_logits[i] - ref.logits[i]).abs().max()) for i in range(checked)]
+        max_err = max(errs, default=0.0)
+        assert max_err < LOGIT_TOL, f"logits differ by {max_err:.2e} before any divergence (tolerance {LOGIT_TOL})"
+    if diverged is not None:
+        top2 = torch.topk(ref.logits[diverged], 2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < NEAR_TIE, (
+            f"tokens diverge at step {diverged} (ours {ours[diverged]}, reference {ref.token_ids[diverged]}) "
+            f"where the reference's top-2 gap is {gap:.2e}, not a near tie"
+        )
+    return Comparison(diverged, max_err)
+
+
+def save_tiny_model(kind: str, **overrides) -> tuple[str, torch.nn.Module]:
+    """A tiny random transformers model of the given family, saved to a temp folder."""
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    common.update(overrides)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "mistral":
+        config = transformers.MistralConfig(sliding_window=None, **common)
+        cls = transformers.MistralForCausalLM
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(1234)
+    model = cls(config).eval()
+    # Random init gives tiny biases of zero; make them matter so a dropped bias fails the test.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    folder = tempfile.mkdtemp(prefix=f"baton-tiny-{kind}-")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def run_with_logits(engine, prompts: list[list[int]], params) -> tuple[list, list[list[torch.Tensor]]]:
+    """engine.generate, also recording the logits each prompt was sampled from at every step."""
+    import workers.engine as engine_module
+
+    recorded: dict[tuple[int, ...], list[torch.Tensor]] = {tuple(p): [] for p in prompts}
+    real_sample = engine_module.sample
+
+    def recording_sample(logits, rows):
+        for row_logits, row in zip(logits, rows):
+            recorded[tuple(row.prompt_token_ids)].append(row_logits.clone())
+        return real_sample(logits, rows)
+
+    engine_module.sample = recording_sample
+    try:
+        completions = engine.generate(prompts, params)
+    finally:
+        engine_module.sample = real_sample
+    return completions, [recorded[tuple(p)] for p in prompts]

@@ -1,0 +1,77 @@
+"""Tiny random Llama, Mistral and Qwen2 models: greedy tokens and logits match transformers.
+
+Covers GQA ratios, tied and untied embeddings, Qwen2's q/k/v biases, an explicit head_dim,
+and Llama 3 rope scaling with positions past the original context (where scaling matters).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.engine.helpers import compare_greedy, hf_greedy, run_with_logits, save_tiny_model
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.model_config import ModelConfig
+from workers.model_runner import iter_safetensors
+from workers.sampling_params import SamplingParams
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}
+
+CASES = {
+    "llama-gqa2-untied-llama3rope": ("llama", dict(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)),
+    "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral-gqa4-untied": ("mistral", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
+    "qwen2-bias-tied-gqa2": ("qwen2", dict(tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_model_matches_transformers(case):
+    kind, overrides = CASES[case]
+    folder, hf = save_tiny_model(kind, **overrides)
+    config = ModelConfig.from_model_dir(folder)
+    assert config.tie_word_embeddings == overrides["tie_word_embeddings"]
+    engine = LLMEngine(config, EngineConfig(num_kv_blocks=128, max_num_batched_tokens=96), iter_safetensors(folder))
+    rng = random.Random(7)
+    # Lengths straddle block boundaries; 300 tokens runs well past the rope original context of 64.
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 15, 16, 17, 40, 300)]
+    new_tokens = 20
+    completions, logits = run_with_logits(
+        engine, prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    )
+    with torch.inference_mode():
+        refs = [_hf_no_eos(hf, p, new_tokens) for p in prompts]
+    diverged = [i for i, (c, r, lg) in enumerate(zip(completions, refs, logits)) if compare_greedy(c.token_ids, r, lg).diverged_at is not None]
+    assert len(diverged) <= 1, diverged
+
+
+def _hf_no_eos(model, prompt, n):
+    model.generation_config.eos_token_id = None
+    return hf_greedy(model, prompt, n, eos_token_id=None)
+
+
+def test_missing_and_unsupported_models_name_the_problem(tmp_path):
+    from workers.model_files import ModelNotFoundError, resolve_model_dir
+
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_model_dir(tmp_path / "nope")
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ModelNotFoundError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        resolve_model_dir(tmp_path)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    folder, hf = save_tiny_model("llama", tie_word_embeddings=False)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    engine = LLMEngine(ModelConfig.from_model_dir(tmp_path), EngineConfig(num_kv_blocks=16), iter_safetensors(tmp_path))
+    [done] = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    with torch.inference_mode():
+        ref = _hf_no_eos(hf, [5, 6, 7, 8], 8)
+    compare_greedy(done.token_ids, ref)
