@@ -1,0 +1,49 @@
+"""Checks and the cache gather shared by the decode and prefill attention wrappers (no kernels here)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels._checks import FLOAT_DTYPES, check_kv_cache, check_same_device, check_scale, check_tensor, is_fp8, require
+
+
+def check_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale):
+    check_tensor(q, "q", 3, FLOAT_DTYPES)
+    check_kv_cache(k_cache, v_cache)
+    check_tensor(block_tables, "block_tables", 2, (torch.int32, torch.int64))
+    check_tensor(context_lens, "context_lens", 1, (torch.int32, torch.int64))
+    _, _, hk, d = k_cache.shape
+    hq = q.shape[1]
+    require(q.shape[2] == d, f"q head_dim {q.shape[2]} != cache head_dim {d}")
+    require(hk > 0 and hq % hk == 0, f"num query heads {hq} must be a multiple of num kv heads {hk}")
+    if not is_fp8(k_cache.dtype):
+        require(k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} must be q dtype {q.dtype} or float8_e4m3fn")
+    require(block_tables.shape[0] == context_lens.shape[0],
+            f"block_tables has {block_tables.shape[0]} rows, context_lens {context_lens.shape[0]}")
+    require(isinstance(scale, (int, float)) and not isinstance(scale, bool), f"scale must be a float, got {scale!r}")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens)
+    return float(scale), check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
+
+
+@functools.lru_cache(maxsize=16)
+def _fp8_table(device: torch.device) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
+
+
+def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 [*block_ids.shape[:-1], n * block_size, Hk, D] from cache[block_ids], dequantized when FP8.
+
+    `scale` is ignored unless the cache is FP8. index_select on the flat ids is the fastest gather
+    on CPU; the result keeps the cache's row layout, which the callers read through strided views.
+    """
+    nb, bs, hk, d = cache.shape
+    flat = block_ids.reshape(-1)
+    shape = tuple(block_ids.shape[:-1]) + (block_ids.shape[-1] * bs, hk, d)
+    if is_fp8(cache.dtype):
+        raw = cache.view(torch.uint8).index_select(0, flat)
+        # A 256-entry lookup is several times faster than torch's float8 cast on CPU.
+        table = _fp8_table(cache.device) * scale
+        return table.index_select(0, raw.reshape(-1).int()).view(shape)
+    return cache.index_select(0, flat).float().view(shape)

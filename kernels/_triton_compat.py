@@ -1,0 +1,61 @@
+"""Late-bound Triton JIT, so that `TRITON_INTERPRET` is read at first launch, not at import.
+
+Triton decides between compiling and interpreting when `triton.jit` decorates a function. The
+engine may import the kernels long before a test sets `TRITON_INTERPRET=1`, so each kernel is
+wrapped here and jitted on first use, once per interpreter setting. Importing this module never
+fails when Triton is missing: the CPU references must keep working on machines without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # macOS or a minimal install: references only
+    HAS_TRITON = False
+
+    class _MissingTriton:
+        constexpr = None  # lets `x: tl.constexpr` annotations evaluate
+
+        def __getattr__(self, name):
+            raise RuntimeError("triton is not installed; use BATON_KERNELS=reference")
+
+    triton = tl = _MissingTriton()  # type: ignore[assignment]
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+class LazyJIT:
+    """`kernel[grid](...)` like a JITFunction, jitted at first launch for the current mode."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._jitted: dict[bool, object] = {}
+
+    def __getitem__(self, grid):
+        mode = interpreting()
+        jitted = self._jitted.get(mode)
+        if jitted is None:
+            if not HAS_TRITON:
+                raise RuntimeError("triton is not installed; use BATON_KERNELS=reference")
+            jitted = triton.jit(self.fn)
+            self._jitted[mode] = jitted
+        return jitted[grid]
+
+
+def lazy_jit(fn) -> LazyJIT:
+    return LazyJIT(fn)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b

@@ -1,0 +1,195 @@
+"""Paged decode attention (one query token per sequence), split-K over the context (flash-decoding).
+
+Stage 1 (this file's kernel) computes, for each (sequence, query head group, context split), the
+partial output normalised by its own softmax sum, plus that split's log-sum-exp; stage 2
+(`decode_attention_reduce.py`) merges the splits. Short contexts get one split, so stage 2 is
+only launched when there is more than one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels._attn_common import check_attention, gather_kv
+from kernels._checks import check_last_dim_contiguous, is_fp8, require
+from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale):
+    out = check_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    require(q.shape[0] == context_lens.shape[0], f"q has {q.shape[0]} sequences, context_lens {context_lens.shape[0]}")
+    return out
+
+
+def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                                     k_scale: float = 1.0, v_scale: float = 1.0):
+    scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    B, hq, d = q.shape
+    if B == 0:
+        return q.new_empty((0, hq, d))
+    lens = context_lens.long()
+    require(int(lens.min()) >= 1, "context_lens must be >= 1")
+    # Padding every sequence to the longest one wastes most of the work when one long context
+    # decodes beside many short ones: group sequences by length (powers of two, at most 2x padding).
+    buckets = torch.ceil(torch.log2(lens.float())).long()
+    if B == 1 or int(buckets.min()) == int(buckets.max()):
+        return _attend_padded(q, k_cache, v_cache, block_tables, lens, scale, k_scale, v_scale)
+    out = torch.empty_like(q)
+    for bucket in buckets.unique().tolist():
+        rows = torch.nonzero(buckets == bucket).flatten()
+        out[rows] = _attend_padded(q[rows], k_cache, v_cache, block_tables[rows], lens[rows], scale, k_scale, v_scale)
+    return out
+
+
+def _attend_padded(q, k_cache, v_cache, block_tables, lens, scale, k_scale, v_scale):
+    B, hq, d = q.shape
+    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(lens.max())
+    nblk = cdiv(max_len, bs)
+    require(nblk <= block_tables.shape[1],
+            f"context of {max_len} tokens needs {nblk} blocks, block_tables has {block_tables.shape[1]}")
+    # Padding entries of block_tables may be garbage: point them at block 0 and mask the tokens.
+    used = torch.arange(nblk, device=q.device)[None, :] * bs < lens[:, None]
+    bt = torch.where(used, block_tables[:, :nblk].long(), 0)
+    k = gather_kv(k_cache, bt, k_scale)  # [B, L, Hk, D]
+    v = gather_kv(v_cache, bt, v_scale)
+    group = hq // hk
+    qf = q.float().reshape(B, hk, group, d)
+    invalid = (torch.arange(nblk * bs, device=q.device)[None, :] >= lens[:, None])[:, None, :]  # [B, 1, L]
+    out = torch.empty((B, hk, group, d), dtype=torch.float32, device=q.device)
+    # One batched matmul pair per kv head: k[:, :, h] is a strided [B, L, D] view that bmm reads
+    # in place, where a single 4-D matmul over (B, Hk) would first copy all of K and V.
+    for h in range(hk):
+        scores = torch.bmm(qf[:, h], k[:, :, h].transpose(1, 2)) * scale  # [B, G, L]
+        scores.masked_fill_(invalid, float("-inf"))
+        torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h], out=out[:, h])
+    return out.reshape(B, hq, d).to(q.dtype)
+
+
+_LOG2E = 1.4426950408889634
+
+
+@lazy_jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale, v_scale, split_len, max_ctx,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+    G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # One program per (sequence, kv head, context split). All G query heads sharing the kv head
+    # are processed together, so each K/V row is read once per split (GQA costs no extra bandwidth).
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    # Clamped to what the block table can address: a bad context_len must not read past it.
+    ctx = tl.minimum(tl.load(lens_ptr + b), max_ctx)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + g
+    gmask = g < G
+    dmask = d < D
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        page = tl.load(bt_ptr + b * stride_bt + n // BS, mask=nmask, other=0).to(tl.int64)
+        rows = (page * BS + n % BS) * HK + kvh
+        kv_mask = nmask[:, None] & dmask[None, :]
+        # FP8 K/V are exact in fp16/bf16; their scales are folded into qk_scale and v_scale.
+        k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # An empty split (context shorter than its start) leaves l_i = 0: give it weight 0, not NaN.
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / safe_l[:, None] * v_scale
+    omask = gmask[:, None] & dmask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # mid_o is [B, Hq, NUM_SPLITS, D] and mid_lse [B, Hq, NUM_SPLITS], both contiguous; lse in base 2.
+        row = (b * (HK * G) + heads) * NUM_SPLITS + sp
+        tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=omask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=gmask)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _num_splits(batch: int, kv_heads: int, max_ctx: int, block_n: int, device: torch.device) -> int:
+    sms = _sm_count(device)
+    # Enough programs to fill the GPU twice over, but no split shorter than 256 tokens.
+    want = cdiv(2 * sms, max(batch * kv_heads, 1))
+    return max(1, min(want, cdiv(max_ctx, 256), 64))
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                                  k_scale: float = 1.0, v_scale: float = 1.0, *, num_splits: int | None = None):
+    """Triton paged decode attention. `num_splits` overrides the split-K heuristic (tests use it)."""
+    from kernels.decode_attention_reduce import merge_splits_triton
+
+    scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    check_last_dim_contiguous(q, "q")
+    require(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim")
+    require(context_lens.is_contiguous(), "context_lens must be contiguous")
+    B, hq, d = q.shape
+    out = torch.empty((B, hq, d), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    _, bs, hk, _ = k_cache.shape
+    group = hq // hk
+    block_n = 64
+    if not is_fp8(k_cache.dtype):
+        k_scale = v_scale = 1.0  # scales only describe FP8 storage, as in the reference
+    # Bound the context by the block table width, so choosing the grid needs no device sync.
+    max_ctx = block_tables.shape[1] * bs
+    if num_splits is None:
+        num_splits = _num_splits(B, hk, max_ctx, block_n, q.device)
+    require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits must be a positive int, got {num_splits!r}")
+    split_len = cdiv(cdiv(max_ctx, num_splits), block_n) * block_n
+    num_splits = cdiv(max_ctx, split_len)
+    if num_splits > 1:
+        mid_o = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out
+    # float32 dots run in IEEE precision, not TF32. The interpreter multiplies bfloat16 dot operands
+    # as raw bits, so under it bfloat16 is widened to float32 too.
+    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
+    _decode_split_kernel[(B, hk, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse,
+        scale * k_scale * _LOG2E, v_scale, split_len, max_ctx,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        G=group, HK=hk, D=d, BS=bs, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)), DOT_F32=dot_f32,
+        PRECISION="ieee" if dot_f32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        merge_splits_triton(mid_o, mid_lse, out)
+    return out

@@ -1,0 +1,96 @@
+"""The kernel entry points the engine calls: Triton on CUDA tensors, PyTorch references otherwise.
+
+`BATON_KERNELS` (read at each call) forces the choice: `auto` (default), `triton` (also on CPU
+tensors, which needs `TRITON_INTERPRET=1`; that is how the tests check the kernels), or
+`reference`. The references are the production CPU path, not just test oracles.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import (block_copy, decode_attention, fp8_gemm as _fp8_gemm, fp8_quant, kv_store, prefill_attention,
+                     rms_norm as _rms_norm, rotary, silu_mul)
+from kernels._triton_compat import HAS_TRITON, interpreting
+from kernels.rotary import build_rope_cache
+
+__all__ = [
+    "backend_for", "rms_norm", "rotary_embedding", "build_rope_cache", "silu_and_mul", "store_kv",
+    "paged_decode_attention", "paged_prefill_attention", "scaled_fp8_quant", "fp8_gemm",
+    "pack_kv_blocks", "unpack_kv_blocks",
+]
+
+_MODES = ("auto", "triton", "reference")
+
+
+def backend_for(tensor: torch.Tensor) -> str:
+    """"triton" or "reference" for an op whose main input is `tensor`."""
+    mode = os.environ.get("BATON_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"BATON_KERNELS must be one of {_MODES}, got {mode!r}")
+    on_cuda = bool(getattr(tensor, "is_cuda", False))
+    if mode == "auto":
+        return "triton" if (HAS_TRITON and on_cuda) else "reference"
+    if mode == "triton":
+        if not HAS_TRITON:
+            raise ValueError("BATON_KERNELS=triton but triton is not installed")
+        if not on_cuda and isinstance(tensor, torch.Tensor) and not interpreting():
+            raise ValueError("BATON_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)")
+    return mode
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    fn = _rms_norm.rms_norm_triton if backend_for(x) == "triton" else _rms_norm.rms_norm_reference
+    return fn(x, weight, eps, residual)
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache) -> None:
+    fn = rotary.rotary_embedding_triton if backend_for(q) == "triton" else rotary.rotary_embedding_reference
+    fn(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    fn = silu_mul.silu_and_mul_triton if backend_for(x) == "triton" else silu_mul.silu_and_mul_reference
+    return fn(x)
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    fn = kv_store.store_kv_triton if backend_for(k_cache) == "triton" else kv_store.store_kv_reference
+    fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                           k_scale: float = 1.0, v_scale: float = 1.0):
+    fn = (decode_attention.paged_decode_attention_triton if backend_for(q) == "triton"
+          else decode_attention.paged_decode_attention_reference)
+    return fn(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
+                            k_scale: float = 1.0, v_scale: float = 1.0):
+    fn = (prefill_attention.paged_prefill_attention_triton if backend_for(q) == "triton"
+          else prefill_attention.paged_prefill_attention_reference)
+    return fn(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale)
+
+
+def scaled_fp8_quant(x, scale=None, per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = fp8_quant.scaled_fp8_quant_triton if backend_for(x) == "triton" else fp8_quant.scaled_fp8_quant_reference
+    return fn(x, scale, per_token)
+
+
+def fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias=None):
+    fn = _fp8_gemm.fp8_gemm_triton if backend_for(a) == "triton" else _fp8_gemm.fp8_gemm_reference
+    return fn(a, b, scale_a, scale_b, out_dtype, bias)
+
+
+def pack_kv_blocks(kv_cache, block_ids) -> torch.Tensor:
+    fn = block_copy.pack_kv_blocks_triton if backend_for(kv_cache) == "triton" else block_copy.pack_kv_blocks_reference
+    return fn(kv_cache, block_ids)
+
+
+def unpack_kv_blocks(kv_cache, block_ids, packed) -> None:
+    fn = (block_copy.unpack_kv_blocks_triton if backend_for(kv_cache) == "triton"
+          else block_copy.unpack_kv_blocks_reference)
+    fn(kv_cache, block_ids, packed)

@@ -1,0 +1,157 @@
+"""Paged prefill attention: causal attention of a batch of new query tokens over each sequence's cached K/V.
+
+Chunked prefill and prefix caching both show up as a sequence whose first context tokens are
+already in the cache: query token j of sequence i sits at position context_len - q_len + j.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._attn_common import check_attention, gather_kv
+from kernels._checks import check_last_dim_contiguous, check_tensor, is_fp8, require
+from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
+
+
+def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale):
+    out = check_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    check_tensor(query_start_loc, "query_start_loc", 1, (torch.int32, torch.int64))
+    require(query_start_loc.shape[0] == context_lens.shape[0] + 1,
+            f"query_start_loc needs B+1 = {context_lens.shape[0] + 1} entries, got {query_start_loc.shape[0]}")
+    require(query_start_loc.device == q.device, "query_start_loc must be on q's device")
+    return out
+
+
+def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
+                                      k_scale: float = 1.0, v_scale: float = 1.0):
+    scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                     scale, k_scale, v_scale)
+    T, hq, d = q.shape
+    out = q.new_empty((T, hq, d))
+    B = context_lens.shape[0]
+    if T == 0 or B == 0:
+        return out
+    bs = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    require(starts[0] == 0 and starts[-1] == T,
+            f"query_start_loc must run from 0 to {T}, got {starts[0]}..{starts[-1]}")
+    for i in range(B):
+        s, e, ctx = starts[i], starts[i + 1], lens[i]
+        ql = e - s
+        if ql == 0:
+            continue
+        require(0 < ql <= ctx, f"sequence {i}: {ql} new tokens but context_len {ctx}")
+        nb = cdiv(ctx, bs)
+        require(nb <= block_tables.shape[1],
+                f"sequence {i} needs {nb} blocks, block_tables has {block_tables.shape[1]}")
+        ids = block_tables[i, :nb].long()
+        k = gather_kv(k_cache, ids, k_scale)[:ctx].transpose(0, 1)  # [Hk, ctx, D]
+        v = gather_kv(v_cache, ids, v_scale)[:ctx].transpose(0, 1)
+        qi = q[s:e].float().transpose(0, 1)  # [Hq, ql, D]
+        if ql == ctx:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            qpos = torch.arange(ctx - ql, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s:e] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+_LOG2E = 1.4426950408889634
+
+
+@lazy_jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr,
+    qk_scale, v_scale, max_ctx,
+    stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+    G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One program per (tile of BLOCK_M new tokens, query head, sequence); the grid is sized for the
+    # longest sequence, so tiles past a shorter sequence's end do nothing.
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    m0 = tile * BLOCK_M
+    if m0 < q_len:
+        # Clamped to what the block table can address: a bad context_len must not read past it.
+        ctx = tl.minimum(tl.load(lens_ptr + b), max_ctx)
+        prefix = ctx - q_len
+        kvh = h // G
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mmask = offs_m < q_len
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        tok = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=mmask[:, None] & dmask[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        qpos = prefix + offs_m
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # Causality: nothing past this tile's last position is ever visible.
+        end = tl.minimum(ctx, prefix + m0 + BLOCK_M)
+        for n0 in range(0, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nmask = n < end
+            page = tl.load(bt_ptr + b * stride_bt + n // BS, mask=nmask, other=0).to(tl.int64)
+            rows = (page * BS + n % BS) * HK + kvh
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            # Key 0 is visible to every row, so no row is ever fully masked (no NaN).
+            s = tl.where(nmask[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        o = acc / l_i[:, None] * v_scale
+        tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
+                                   k_scale: float = 1.0, v_scale: float = 1.0):
+    scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                     scale, k_scale, v_scale)
+    check_last_dim_contiguous(q, "q")
+    require(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim")
+    require(context_lens.is_contiguous() and query_start_loc.is_contiguous(),
+            "context_lens and query_start_loc must be contiguous")
+    T, hq, d = q.shape
+    out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
+    B = context_lens.shape[0]
+    if T == 0 or B == 0:
+        return out
+    _, bs, hk, _ = k_cache.shape
+    if not is_fp8(k_cache.dtype):
+        k_scale = v_scale = 1.0  # scales only describe FP8 storage, as in the reference
+    # One host sync to size the grid; prefill is compute-bound, so it is cheap here.
+    max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_m = 16 if max_q <= 16 else 32 if max_q <= 64 else 64
+    num_warps = 4
+    if q.is_cuda and max_q >= 128:
+        block_m, num_warps = 128, 8  # long prompts: bigger tiles amortise each K/V tile over more queries
+    block_n = 64
+    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
+    _prefill_kernel[(cdiv(max_q, block_m), hq, B)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        scale * k_scale * _LOG2E, v_scale, block_tables.shape[1] * bs,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        G=hq // hk, HK=hk, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
+        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", num_warps=num_warps, num_stages=2,
+    )
+    return out

@@ -1,0 +1,75 @@
+"""RMSNorm, optionally fused with the residual add before it (HF Llama semantics)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor, require
+from kernels._triton_compat import lazy_jit, next_pow2, tl
+
+
+def _check(x, weight, eps, residual) -> None:
+    check_tensor(x, "x", 2, FLOAT_DTYPES)
+    check_tensor(weight, "weight", 1, FLOAT_DTYPES)
+    require(weight.shape[0] == x.shape[1], f"weight has {weight.shape[0]} elements, x has hidden size {x.shape[1]}")
+    require(isinstance(eps, (int, float)) and eps >= 0, f"eps must be a non-negative float, got {eps!r}")
+    if residual is not None:
+        check_tensor(residual, "residual", 2, (x.dtype,))
+        require(residual.shape == x.shape, f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    check_same_device(x=x, weight=weight, residual=residual)
+
+
+def _norm(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    sf = s.float()
+    inv = torch.rsqrt(sf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (sf * inv * weight.float()).to(s.dtype)
+
+
+def rms_norm_reference(x, weight, eps: float, residual=None):
+    _check(x, weight, eps, residual)
+    if residual is None:
+        return _norm(x, weight, eps)
+    s = x + residual
+    return _norm(s, weight, eps), s
+
+
+@lazy_jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
+    H, stride_x, stride_r, stride_out, stride_sum, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # Round the sum to the activation dtype first so the norm sees exactly the residual stream it returns.
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * stride_sum + cols, s, mask=mask)
+        x = s
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x, weight, eps: float, residual=None):
+    _check(x, weight, eps, residual)
+    check_last_dim_contiguous(x, "x")
+    require(weight.is_contiguous(), "weight must be contiguous")
+    if residual is not None:
+        check_last_dim_contiguous(residual, "residual")
+    T, H = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    s = torch.empty_like(out) if residual is not None else None
+    if T > 0:
+        r = residual if residual is not None else x
+        ss = s if s is not None else out
+        block = next_pow2(H)
+        _rms_norm_kernel[(T,)](
+            x, r, weight, out, ss, H, x.stride(0), r.stride(0), out.stride(0), ss.stride(0), float(eps),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        )
+    return out if residual is None else (out, s)

@@ -1,0 +1,43 @@
+"""SwiGLU activation: silu(gate) * up on the fused gate_up projection output."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, require
+from kernels._triton_compat import cdiv, lazy_jit, tl
+
+
+def _check(x) -> int:
+    check_tensor(x, "x", 2, FLOAT_DTYPES)
+    require(x.shape[1] % 2 == 0, f"x last dim must be even (gate and up halves), got {x.shape[1]}")
+    return x.shape[1] // 2
+
+
+def silu_and_mul_reference(x):
+    inter = _check(x)
+    xf = x.float()
+    return (torch.nn.functional.silu(xf[:, :inter]) * xf[:, inter:]).to(x.dtype)
+
+
+@lazy_jit
+def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_triton(x):
+    inter = _check(x)
+    check_last_dim_contiguous(x, "x")
+    T = x.shape[0]
+    out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
+    if T > 0 and inter > 0:
+        block = 1024
+        _silu_mul_kernel[(T, cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
