@@ -25,7 +25,7 @@ from workers.detokenizer import Decode, IncrementalDetokenizer
 from workers.model_config import ModelConfig
 from workers.model_files import resolve_model_dir
 from workers.model_runner import ModelRunner, iter_safetensors
-from workers.outputs import RequestOutput, TokenLogprob
+from workers.outputs import KVReservation, RequestOutput, TokenLogprob
 from workers.sampler import SamplingRow, sample
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence, SequenceStatus
@@ -38,6 +38,8 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None
     num_sent_tokens: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prefill-only requests stop after their first token and keep their blocks until release().
+    prefill_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class LLMEngine:
         self.decode = decode
         self.eos_token_ids = set(model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
+        self._held: dict[str, Sequence] = {}  # prefilled requests whose blocks await sending
         self._ids = itertools.count()
         self.num_computed_tokens = 0
 
@@ -110,7 +113,20 @@ class LLMEngine:
         return cls(model_config, config or EngineConfig(), iter_safetensors(model_dir), load_tokenizer_decode(model_dir), **kwargs)
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> str:
+        """Queue a request. With prefill_only, it ends here after its first token and keeps its KV
+        blocks (see held_block_ids / release) so they can be sent to a decode worker."""
+        seq = self._new_sequence(prompt_token_ids, params, request_id, prefill_only)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(self, prompt_token_ids, params, request_id, prefill_only=False) -> Sequence:
         params = params or SamplingParams()
         params.validate()
         prompt = list(prompt_token_ids)
@@ -136,12 +152,64 @@ class LLMEngine:
             generator = torch.Generator(device="cpu").manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.decode, params.stop) if self.decode else None
         seq = Sequence(request_id, prompt, params)
-        self._requests[request_id] = _RequestState(seq, generator, detok)
-        self.scheduler.add(seq)
-        return request_id
+        self._requests[request_id] = _RequestState(seq, generator, detok, prefill_only=prefill_only)
+        return seq
+
+    # ---- disaggregation: prefill side ------------------------------------------------------
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """KV blocks of a finished prefill-only request, in token order."""
+        seq = self._held.get(request_id)
+        if seq is None:
+            raise ValueError(f"no prefilled request {request_id!r} holds blocks here")
+        return list(seq.block_ids)
+
+    def release(self, request_id: str) -> bool:
+        """Free a prefill-only request's blocks (they stay in the prefix cache)."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    # ---- disaggregation: decode side -------------------------------------------------------
+    def reserve_for_kv(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> KVReservation | None:
+        """Set aside blocks for a prompt another worker prefills; None when there is no room now.
+
+        Blocks already in this worker's prefix cache are reused and need not be sent.
+        """
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        cached = self.block_manager.find_cached_prefix(seq)
+        uncached = seq.num_tokens - len(cached) * self.block_manager.block_size
+        if len(self.scheduler.running) >= self.config.max_num_seqs or not self.block_manager.allocate_prefix_and_new(seq, cached, uncached):
+            del self._requests[request_id]
+            return None
+        # Blocks are reserved, KV not yet there: computed tokens count only what the cache held.
+        seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.scheduler.running.append(seq)
+        return KVReservation(request_id, list(seq.block_ids), seq.num_cached_tokens)
+
+    def start_decoding(self, request_id: str, first_token: int) -> None:
+        """The prompt's KV has arrived and its first token was sampled elsewhere: decode on."""
+        state = self._requests.get(request_id)
+        if state is None or state.seq.status is not SequenceStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for KV here")
+        seq = state.seq
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_computed_blocks(seq)
+        seq.append_token(first_token)
+        if state.detokenizer is not None:
+            # The prefill worker already streamed this text; advance past it identically.
+            state.detokenizer.add(seq.output_token_ids)
+            state.detokenizer.take(final=False)
+        state.num_sent_tokens = 1
+        seq.status = SequenceStatus.RUNNING
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks. Returns False if it was not running here."""
+        if self.release(request_id):
+            return True
         state = self._requests.pop(request_id, None)
         if state is None:
             return False
@@ -151,6 +219,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def has_schedulable_work(self) -> bool:
+        """Whether step() would compute anything (sequences waiting for KV from a peer do not count)."""
+        return bool(self.scheduler.waiting) or any(s.status is SequenceStatus.RUNNING for s in self.scheduler.running)
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -216,6 +288,10 @@ class LLMEngine:
         if finished:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+        elif state.prefill_only:
+            self.scheduler.detach(seq)
+            self._held[seq.request_id] = seq
             del self._requests[seq.request_id]
         return out
 

@@ -32,3 +32,16 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """Blocks a decode worker set aside for a prompt whose KV another worker computes.
+
+    The first num_cached_tokens tokens (whole blocks) were already in this worker's prefix cache;
+    the sender only needs to fill block_ids[num_cached_tokens // block_size:].
+    """
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int

@@ -103,6 +103,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a sequence out of scheduling but keep its blocks (a prefill awaiting its send)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and release its blocks."""
         if seq in self.running:

@@ -1,0 +1,135 @@
+"""Start-up and shut-down: Ray on loopback (or an existing cluster), the two pools, the router."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.config import ServeConfig
+
+log = logging.getLogger("baton")
+
+
+@dataclass
+class Deployment:
+    """A running set of pools with the router's backend in front of them."""
+
+    config: ServeConfig
+    model_dir: Path
+    model_name: str
+    max_model_len: int
+    workers: list[tuple[str, str, object]]  # (worker id, role, actor handle)
+    backend: object
+    owns_ray: bool
+
+    def shutdown(self) -> None:
+        import ray
+
+        pending = []
+        for _, _, handle in self.workers:
+            try:
+                pending.append(handle.shutdown.remote())
+            except Exception:  # already dead
+                pass
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=10)
+        for _, _, handle in self.workers:
+            try:
+                ray.kill(handle)
+            except Exception:
+                pass
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def start_ray(address: str | None) -> bool:
+    """Connect to `address`, or start a private Ray on 127.0.0.1. Returns True if we started it."""
+    # Must be set before Ray starts: it makes a local Ray bind to loopback only.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, namespace="baton", log_to_driver=True)
+        return False
+    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, namespace="baton",
+             log_to_driver=True, configure_logging=False)
+    return True
+
+
+def deploy(config: ServeConfig, ready_timeout_s: float = 300.0) -> Deployment:
+    """Resolve the model, start Ray and both pools; return once every worker answers."""
+    import ray
+
+    from router.ray_backend import RayBackend
+    from workers.actors import actor_class
+    from workers.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
+    from workers.worker import WorkerConfig
+
+    model_dir = resolve_model_dir(config.model)  # converts a GGUF once, with a progress bar
+    model_name = config.served_model_name or (DEFAULT_MODEL_NAME if config.model is None else Path(config.model).name)
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    max_model_len = config.max_model_len or hf_config.get("max_position_embeddings", 4096)
+
+    owns_ray = start_ray(config.address)
+    engine_config = config.engine_config()
+    transport = config.transport_kind
+    workers = []
+    use_gpu = transport == "nccl"
+    for role, count in (("prefill", config.prefill_workers), ("decode", config.decode_workers)):
+        cls = actor_class(role)
+        for i in range(count):
+            worker_id = f"{role}-{i}"
+            wc = WorkerConfig(worker_id, role, str(model_dir), engine_config, transport=transport)
+            handle = cls.options(name=f"baton-{worker_id}", num_cpus=0, num_gpus=1 if use_gpu else 0).remote(wc)
+            workers.append((worker_id, role, handle))
+    started = time.monotonic()
+    pending = {handle.ready.remote(): wid for wid, _, handle in workers}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(1.0, ready_timeout_s - (time.monotonic() - started)))
+        if not done:
+            raise RuntimeError(f"workers {sorted(pending.values())} not ready after {ready_timeout_s:.0f} s")
+        wid = pending.pop(done[0])
+        ray.get(done[0])  # raises the worker's start-up error, if any
+        log.info("worker %s ready after %.1f s", wid, time.monotonic() - started)
+    backend = RayBackend(workers)
+    return Deployment(config, model_dir, model_name, max_model_len, workers, backend, owns_ray)
+
+
+def build_app(deployment: Deployment):
+    from router.app import build_app as build_router_app
+    from router.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_dir(deployment.model_dir)
+    return build_router_app(deployment.backend, tokenizer, deployment.model_name, deployment.max_model_len)
+
+
+def serve(config: ServeConfig) -> None:
+    """Run until Ctrl-C or SIGTERM, then take everything down."""
+    from router.app import serve as serve_http
+
+    # uvicorn re-raises SIGTERM once it has drained; turning it into KeyboardInterrupt (as
+    # Ctrl-C is) lets the finally clause below stop the workers and free their shared memory.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    started = time.monotonic()
+    deployment = deploy(config)
+    try:
+        app = build_app(deployment)
+        log.info("serving %s on http://%s:%d (start-up %.1f s)", deployment.model_name, config.host, config.port,
+                 time.monotonic() - started)
+        serve_http(app, host=config.host, port=config.port, log_level=config.log_level)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        log.info("shutting down workers")
+        deployment.shutdown()
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt

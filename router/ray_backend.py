@@ -1,0 +1,232 @@
+"""The serving backend over Ray actor pools: runs each request's lifecycle across the two pools.
+
+Remote prefill: reserve blocks on the decode worker D -> prefill worker P computes the prompt and
+pushes its KV into them -> the first token goes to the client -> D decodes the rest. Local
+prefill: D runs the whole request. Tokens come back through one long-poll loop per decode worker
+that carries every request's new tokens at once.
+
+Failures: a prefill worker that dies (or whose transfer fails) makes D prefill locally instead;
+a decode worker that dies fails its requests with a retryable error; nothing waits forever.
+Imports ray but never torch: worker-side objects cross as torch-free dataclasses or bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from router.backend import BackendError, GenerateRequest, WorkerInfo
+from workers.outputs import RequestOutput
+from workers.worker import PrefillRequest
+
+log = logging.getLogger("baton.router")
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    role: str
+    handle: object
+    alive: bool = True
+    stats: object | None = None
+    endpoint: bytes | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Stream:
+    decode_worker: str
+    queue: asyncio.Queue
+    prefill_worker: str | None = None
+
+
+class RayBackend:
+    def __init__(self, workers: list[tuple[str, str, object]], health_interval_s: float = 2.0,
+                 health_timeout_s: float = 10.0, poll_timeout_s: float = 0.05) -> None:
+        self._workers = {wid: _Worker(wid, role, handle) for wid, role, handle in workers}
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.poll_timeout_s = poll_timeout_s
+        self._streams: dict[str, _Stream] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.counters = {"remote_prefill": 0, "local_prefill": 0, "prefill_fallbacks": 0,
+                         "kv_blocks_transferred": 0, "kv_bytes_transferred": 0}
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._health_loop()))
+        for w in self._workers.values():
+            if w.role == "decode":
+                self._tasks.append(loop.create_task(self._pump(w)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+
+    def workers(self) -> list[WorkerInfo]:
+        try:
+            self._ensure_started()
+        except RuntimeError:
+            pass  # no running loop (called from sync code): report what we know
+        infos = []
+        for w in self._workers.values():
+            s = w.stats
+            infos.append(WorkerInfo(
+                worker_id=w.worker_id, role=w.role, alive=w.alive,
+                running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
+                kv_usage=s.kv_usage if s else 0.0,
+            ))
+        return infos
+
+    def worker_stats(self) -> dict[str, object]:
+        return {wid: w.stats for wid, w in self._workers.items()}
+
+    async def refresh_stats(self) -> None:
+        """Ask every worker for its stats now; a worker that does not answer is marked dead."""
+        async def one(w: _Worker) -> None:
+            try:
+                w.stats = await asyncio.wait_for(w.handle.stats.remote(), self.health_timeout_s)
+                w.alive, w.last_seen = True, time.monotonic()
+            except (RayError, asyncio.TimeoutError) as exc:
+                if w.alive:
+                    log.warning("worker %s (%s) is down: %s", w.worker_id, w.role, exc)
+                w.alive = False
+                if w.role == "decode":
+                    self._fail_streams(w.worker_id, f"decode worker {w.worker_id} is down")
+
+        await asyncio.gather(*(one(w) for w in self._workers.values()))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.refresh_stats()
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _pump(self, w: _Worker) -> None:
+        while True:
+            if not w.alive:
+                await asyncio.sleep(self.health_interval_s)
+                continue
+            try:
+                outputs = await w.handle.poll_outputs.remote(self.poll_timeout_s)
+            except RayError as exc:
+                w.alive = False
+                self._fail_streams(w.worker_id, f"decode worker {w.worker_id} failed: {exc}")
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(out)
+
+    def _fail_streams(self, decode_worker: str, message: str) -> None:
+        for stream in self._streams.values():
+            if stream.decode_worker == decode_worker:
+                stream.queue.put_nowait(BackendError(message, retryable=True))
+
+    def _get(self, worker_id: str) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise BackendError(f"unknown worker {worker_id!r}")
+        return w
+
+    async def _endpoint(self, w: _Worker) -> bytes:
+        if w.endpoint is None:
+            w.endpoint = await w.handle.endpoint.remote()
+        return w.endpoint
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self._ensure_started()
+        rid = request.request_id
+        decode = self._get(request.route.decode_worker)
+        stream = _Stream(decode.worker_id, asyncio.Queue())
+        self._streams[rid] = stream
+        finished = False
+        try:
+            first = None
+            if request.route.prefill_worker is not None:
+                stream.prefill_worker = request.route.prefill_worker
+                first = await self._remote_prefill(request, decode, self._get(request.route.prefill_worker))
+                stream.prefill_worker = None
+            if first is None:
+                self.counters["local_prefill"] += 1
+                await self._call(decode, decode.handle.submit.remote(rid, request.prompt_token_ids, request.sampling_params))
+            else:
+                finished = first.finished
+                yield first
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True  # the worker is gone; nothing left to abort there
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                # The consumer went away (client disconnect) or something failed: free the
+                # request's blocks in both pools. A task, because this may run while closing.
+                asyncio.get_running_loop().create_task(self._abort_on(rid, stream))
+
+    async def _call(self, w: _Worker, ref):
+        try:
+            return await ref
+        except RayActorError as exc:
+            w.alive = False
+            raise BackendError(f"{w.role} worker {w.worker_id} died: {exc}", retryable=True) from exc
+
+    async def _remote_prefill(self, request: GenerateRequest, decode: _Worker, prefill: _Worker) -> RequestOutput | None:
+        """Prefill on P into blocks reserved on D. Returns the first token, or None to prefill on D instead."""
+        rid = request.request_id
+        reservation = await self._call(decode, decode.handle.reserve.remote(rid, request.prompt_token_ids, request.sampling_params))
+        if reservation is None:
+            return None  # D has no room right now: queue it there as a local request
+        try:
+            endpoint = await self._endpoint(decode)
+            result = await prefill.handle.prefill.remote(PrefillRequest(
+                rid, request.prompt_token_ids, request.sampling_params, endpoint,
+                reservation.block_ids, reservation.num_cached_tokens,
+            ))
+        except RayActorError as exc:
+            prefill.alive = False
+            log.warning("prefill worker %s died during %s; prefilling on %s", prefill.worker_id, rid, decode.worker_id)
+            self.counters["prefill_fallbacks"] += 1
+            await self._call(decode, decode.handle.abort.remote(rid))
+            return None
+        except RayError as exc:
+            log.warning("remote prefill of %s failed (%s); prefilling on %s", rid, exc, decode.worker_id)
+            self.counters["prefill_fallbacks"] += 1
+            await self._call(decode, decode.handle.abort.remote(rid))
+            return None
+        self.counters["remote_prefill"] += 1
+        self.counters["kv_blocks_transferred"] += result.num_blocks_sent
+        self.counters["kv_bytes_transferred"] += result.bytes_sent
+        if result.output.finished:
+            await self._call(decode, decode.handle.abort.remote(rid))  # nothing to decode: free the reservation
+        else:
+            await self._call(decode, decode.handle.start_decode.remote(rid, result.output.token_ids[0]))
+        return result.output
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            await self._abort_on(request_id, stream)
+
+    async def _abort_on(self, request_id: str, stream: _Stream) -> None:
+        targets = [stream.decode_worker] + ([stream.prefill_worker] if stream.prefill_worker else [])
+        for wid in targets:
+            w = self._workers[wid]
+            if w.alive:
+                try:
+                    await w.handle.abort.remote(request_id)
+                except RayError:
+                    pass  # a dead worker holds nothing any more

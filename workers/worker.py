@@ -1,0 +1,307 @@
+"""A worker: one engine driven by its own thread, its KV transport, and the calls the router makes.
+
+Roles: a prefill worker runs prompts to their first token and pushes the prompt's KV blocks into a
+decode worker's reserved blocks; a decode worker reserves blocks, waits for the KV, then decodes
+in its continuous batch and queues outputs for the router to collect. A decode worker also runs
+whole requests itself (local prefill). The class runs without Ray (tests use it directly);
+`workers.actors` wraps it as Ray actors.
+
+Threading: the engine is not thread-safe, so only the engine thread touches it. Calls from other
+threads (Ray runs actor methods on a thread pool) queue closures to the engine thread and wait for
+their result. Outputs go to an outbox that `poll_outputs` drains in batches: one call carries every
+request's new tokens, so streaming costs one RPC per step, not one per token.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from workers.config import EngineConfig
+from workers.outputs import RequestOutput
+from workers.sampling_params import SamplingParams
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    role: str
+    model: str | None = None  # None: the default model
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: str = "auto"
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # The decode worker's KVEndpoint, pickled: the router passes it through without unpickling
+    # (unpickling would import torch there). None: nothing to send.
+    peer_endpoint: bytes | None
+    dst_block_ids: list[int] = field(default_factory=list)
+    dst_num_cached_tokens: int = 0  # leading tokens (whole blocks) the decode worker had cached
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    output: RequestOutput  # the first token (finished when the request ends with it)
+    num_blocks_sent: int
+    bytes_sent: int
+    transfer_seconds: float
+    prefill_seconds: float
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    role: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    kv_blocks_sent: int
+    kv_bytes_sent: int
+    kv_blocks_received: int
+    prompt_tokens: int
+    generation_tokens: int
+    pid: int
+
+
+class EngineWorker:
+    def __init__(self, config: WorkerConfig, engine=None, transport=None) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        self.role = config.role
+        if engine is None:
+            engine, transport = _build_engine_and_transport(config, transport)
+        self.engine = engine
+        self.transport = transport
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: list[RequestOutput] = []
+        self._outbox_ready = threading.Condition()
+        self._first_token_waiters: dict[str, Future] = {}
+        self._recv_handles: dict[str, object] = {}
+        self._peers: dict[bytes, str] = {}  # endpoint blob -> transport peer id
+        self._counters = {"kv_blocks_sent": 0, "kv_bytes_sent": 0, "kv_blocks_received": 0,
+                          "prompt_tokens": 0, "generation_tokens": 0}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{self.worker_id}", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopped.is_set():
+            block = not engine.has_schedulable_work()
+            try:
+                while True:
+                    fn, fut = self._commands.get(block=block, timeout=0.5 if block else None)
+                    block = False
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # the caller's thread re-raises it
+                        fut.set_exception(exc)
+            except queue.Empty:
+                pass
+            if engine.has_schedulable_work():
+                try:
+                    self._dispatch(engine.step())
+                except Exception as exc:  # a failed step must fail its requests, not hang them
+                    self._fail_all(exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        ready = []
+        for out in outputs:
+            self._counters["generation_tokens"] += len(out.token_ids)
+            waiter = self._first_token_waiters.pop(out.request_id, None)
+            if waiter is not None:
+                waiter.set_result(out)
+            else:
+                ready.append(out)
+        if ready:
+            with self._outbox_ready:
+                self._outbox.extend(ready)
+                self._outbox_ready.notify_all()
+
+    def _fail_all(self, exc: Exception) -> None:
+        failed = []
+        for request_id in list(self.engine._requests):
+            self.engine.abort(request_id)
+            waiter = self._first_token_waiters.pop(request_id, None)
+            if waiter is not None:
+                waiter.set_exception(exc)
+            else:
+                failed.append(RequestOutput(request_id, [], finished=True, finish_reason="abort"))
+        with self._outbox_ready:
+            self._outbox.extend(failed)
+            self._outbox_ready.notify_all()
+
+    def _call(self, fn, timeout_s: float | None = 60.0):
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return fut.result(timeout=timeout_s)
+
+    # ---- calls ---------------------------------------------------------------------------
+    def ready(self) -> str:
+        return self.worker_id
+
+    def endpoint(self) -> bytes:
+        """This worker's KV endpoint, pickled, for prefill workers to push into."""
+        if self.transport is None:
+            raise ValueError(f"worker {self.worker_id} has no KV transport")
+        return pickle.dumps(self.transport.endpoint())
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Run a whole request here (local prefill, then decode); outputs go to poll_outputs."""
+        self._counters["prompt_tokens"] += len(prompt_token_ids)
+        self._call(lambda: self.engine.add_request(prompt_token_ids, params, request_id))
+
+    def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """Compute the prompt's KV and first token, push the blocks to the peer, return the token."""
+        rid = request.request_id
+        started = time.perf_counter()
+        waiter: Future = Future()
+        self._counters["prompt_tokens"] += len(request.prompt_token_ids)
+
+        def add():
+            self._first_token_waiters[rid] = waiter
+            try:
+                self.engine.add_request(request.prompt_token_ids, request.sampling_params, rid, prefill_only=True)
+            except BaseException:
+                self._first_token_waiters.pop(rid, None)
+                raise
+
+        self._call(add)
+        try:
+            output: RequestOutput = waiter.result(timeout=self.config.transfer_timeout_s * 4)
+        except BaseException:
+            self._call(lambda: self.engine.abort(rid))
+            raise
+        prefill_seconds = time.perf_counter() - started
+        sent = nbytes = 0
+        transfer_seconds = 0.0
+        try:
+            if not output.finished and request.peer_endpoint is not None:
+                src = self._call(lambda: self.engine.held_block_ids(rid))
+                if len(src) != len(request.dst_block_ids):
+                    raise ValueError(f"request {rid}: {len(src)} KV blocks here, {len(request.dst_block_ids)} reserved on the decode worker")
+                skip = request.dst_num_cached_tokens // self.engine.block_manager.block_size
+                peer_id = self._connect(request.peer_endpoint)
+                handle = self.transport.send(peer_id, src[skip:], request.dst_block_ids[skip:], rid, self.config.transfer_timeout_s)
+                result = self.transport.wait(handle)
+                if not result.ok:
+                    from kvtransfer import KVTransferError
+
+                    raise KVTransferError(f"KV transfer for {rid} ended {result.status.name}: {result.error}")
+                sent, nbytes, transfer_seconds = len(src) - skip, result.nbytes, result.seconds
+                self._counters["kv_blocks_sent"] += sent
+                self._counters["kv_bytes_sent"] += nbytes
+        finally:
+            self._call(lambda: self.engine.release(rid))
+        return PrefillResult(output, sent, nbytes, transfer_seconds, prefill_seconds)
+
+    def _connect(self, endpoint_blob: bytes) -> str:
+        peer_id = self._peers.get(endpoint_blob)
+        if peer_id is None:
+            peer_id = self.transport.connect(pickle.loads(endpoint_blob))
+            self._peers[endpoint_blob] = peer_id
+        return peer_id
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        """Set aside blocks for a prompt a prefill worker will push; None when full right now."""
+        reservation = self._call(lambda: self.engine.reserve_for_kv(prompt_token_ids, params, request_id))
+        if reservation is not None and self.transport is not None:
+            skip = reservation.num_cached_tokens // self.engine.block_manager.block_size
+            self._recv_handles[request_id] = self.transport.expect(
+                request_id, reservation.block_ids[skip:], self.config.transfer_timeout_s
+            )
+        return reservation
+
+    def start_decode(self, request_id: str, first_token: int) -> None:
+        """The prefill worker has pushed the KV: check it landed and decode on."""
+        handle = self._recv_handles.pop(request_id, None)
+        if handle is not None:
+            result = self.transport.wait(handle)
+            if not result.ok:
+                self._call(lambda: self.engine.abort(request_id))
+                from kvtransfer import KVTransferError
+
+                raise KVTransferError(f"KV for {request_id} did not arrive: {result.status.name} {result.error or ''}")
+            self._counters["kv_blocks_received"] += handle.num_blocks
+        self._call(lambda: self.engine.start_decoding(request_id, first_token))
+
+    def abort(self, request_id: str) -> bool:
+        handle = self._recv_handles.pop(request_id, None)
+        if handle is not None:
+            self.transport.abort(request_id)  # no bytes land in the blocks once this returns
+        return self._call(lambda: self.engine.abort(request_id))
+
+    def poll_outputs(self, timeout_s: float = 0.05) -> list[RequestOutput]:
+        """Every queued output, waiting up to timeout_s for the first one."""
+        with self._outbox_ready:
+            if not self._outbox:
+                self._outbox_ready.wait(timeout_s)
+            outputs, self._outbox = self._outbox, []
+        return outputs
+
+    def stats(self) -> WorkerStats:
+        s = self._call(self.engine.stats, timeout_s=10.0)
+        c = self._counters
+        return WorkerStats(
+            worker_id=self.worker_id, role=self.role, num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_usage=s.kv_usage, num_blocks=s.num_blocks, num_free_blocks=s.num_free_blocks,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, kv_blocks_sent=c["kv_blocks_sent"], kv_bytes_sent=c["kv_bytes_sent"],
+            kv_blocks_received=c["kv_blocks_received"], prompt_tokens=c["prompt_tokens"],
+            generation_tokens=c["generation_tokens"], pid=os.getpid(),
+        )
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _build_engine_and_transport(config: WorkerConfig, transport=None):
+    """Load the model and allocate its KV cache through the transport (which may put it in shared memory)."""
+    import torch
+
+    from kvtransfer import KVLayout, create_transport
+    from workers.engine import LLMEngine, load_tokenizer_decode
+    from workers.model_config import ModelConfig
+    from workers.model_files import resolve_model_dir
+    from workers.model_runner import TORCH_DTYPES, iter_safetensors, kv_block_bytes
+
+    ec = config.engine
+    model_dir = resolve_model_dir(config.model, quiet=True)
+    model_config = ModelConfig.from_model_dir(model_dir)
+    kv_dtype = TORCH_DTYPES[ec.dtype] if ec.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    num_blocks = ec.num_kv_blocks or ec.kv_cache_memory // kv_block_bytes(model_config, ec.block_size, kv_dtype)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory {ec.kv_cache_memory} bytes holds no KV block")
+    layout = KVLayout(
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+        block_size=ec.block_size, dtype=str(kv_dtype).removeprefix("torch."),
+    )
+    transport = transport or create_transport(config.transport)
+    kv_cache = transport.allocate_cache(layout, num_blocks)
+    engine = LLMEngine(model_config, ec, iter_safetensors(model_dir), load_tokenizer_decode(model_dir), kv_cache=kv_cache)
+    return engine, transport
