@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
@@ -55,6 +56,8 @@ class RayBackend:
         self.poll_timeout_s = poll_timeout_s
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
+        # Seconds from a worker queueing an output to the router receiving it (bounded sample).
+        self.stream_delays: deque[float] = deque(maxlen=10000)
         self.counters = {"remote_prefill": 0, "local_prefill": 0, "prefill_fallbacks": 0,
                          "kv_blocks_transferred": 0, "kv_bytes_transferred": 0}
 
@@ -122,7 +125,9 @@ class RayBackend:
                 w.alive = False
                 self._fail_streams(w.worker_id, f"decode worker {w.worker_id} failed: {exc}")
                 continue
+            now = time.time()
             for out in outputs:
+                self.stream_delays.append(now - out.created_at)
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.queue.put_nowait(out)

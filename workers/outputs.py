@@ -32,6 +32,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    created_at: float = 0.0  # time.time() when the worker queued it (streaming-overhead measurement)
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from workers.config import EngineConfig
+from workers.kv_events import KVEvent
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
 
 ROLES = ("prefill", "decode")
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted while a call was waiting on it."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,24 @@ class WorkerStats:
     pid: int
 
 
+@dataclass(frozen=True)
+class KVEventBatch:
+    """KV events since the last heartbeat, in order. When the bounded buffer overflowed (nobody
+    collected for a long time), `events` is empty and `snapshot` holds every hash cached now."""
+
+    events: list[KVEvent]
+    snapshot: tuple[int, ...] | None = None
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class WorkerHeartbeat:
+    """What the router's health loop collects in one RPC per interval: load and KV events."""
+
+    stats: WorkerStats
+    kv_events: KVEventBatch
+
+
 class EngineWorker:
     def __init__(self, config: WorkerConfig, engine=None, transport=None) -> None:
         self.config = config
@@ -101,6 +124,12 @@ class EngineWorker:
         self._peers: dict[bytes, str] = {}  # endpoint blob -> transport peer id
         self._counters = {"kv_blocks_sent": 0, "kv_bytes_sent": 0, "kv_blocks_received": 0,
                           "prompt_tokens": 0, "generation_tokens": 0}
+        # KV events drained from the engine after every step (engine thread only); bounded so a
+        # router that stops collecting cannot grow it: past the bound we send a snapshot instead.
+        self._kv_events: list[KVEvent] = []
+        self._kv_event_hashes = 0
+        self._kv_events_lost = False
+        self._max_kv_event_hashes = max(1024, 4 * getattr(getattr(engine, "block_manager", None), "num_blocks", 256))
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.worker_id}", daemon=True)
         self._thread.start()
@@ -125,10 +154,37 @@ class EngineWorker:
                     self._dispatch(engine.step())
                 except Exception as exc:  # a failed step must fail its requests, not hang them
                     self._fail_all(exc)
+            self._drain_kv_events()
+
+    def _drain_kv_events(self) -> None:
+        bm = getattr(self.engine, "block_manager", None)
+        if bm is None:
+            return
+        events = bm.drain_events()
+        if not events or self._kv_events_lost:
+            return
+        self._kv_events.extend(events)
+        self._kv_event_hashes += sum(len(e.block_hashes) or 1 for e in events)
+        if self._kv_event_hashes > self._max_kv_event_hashes:
+            self._kv_events, self._kv_event_hashes, self._kv_events_lost = [], 0, True
+
+    def _take_kv_events(self) -> KVEventBatch:
+        """Engine thread: hand over the buffered events (or a snapshot after an overflow)."""
+        self._drain_kv_events()
+        bm = self.engine.block_manager
+        if self._kv_events_lost:
+            # The block manager keeps no public list of cached hashes; its hash -> block map is it.
+            batch = KVEventBatch([], tuple(bm._cached), bm.block_size)
+        else:
+            batch = KVEventBatch(self._kv_events, None, bm.block_size)
+        self._kv_events, self._kv_event_hashes, self._kv_events_lost = [], 0, False
+        return batch
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         ready = []
+        now = time.time()
         for out in outputs:
+            out.created_at = now
             self._counters["generation_tokens"] += len(out.token_ids)
             waiter = self._first_token_waiters.pop(out.request_id, None)
             if waiter is not None:
@@ -191,6 +247,8 @@ class EngineWorker:
         self._call(add)
         try:
             output: RequestOutput = waiter.result(timeout=self.config.transfer_timeout_s * 4)
+        except RequestAborted:
+            raise
         except BaseException:
             self._call(lambda: self.engine.abort(rid))
             raise
@@ -251,7 +309,13 @@ class EngineWorker:
         handle = self._recv_handles.pop(request_id, None)
         if handle is not None:
             self.transport.abort(request_id)  # no bytes land in the blocks once this returns
-        return self._call(lambda: self.engine.abort(request_id))
+        def abort_here() -> bool:
+            waiter = self._first_token_waiters.pop(request_id, None)
+            if waiter is not None:  # a prefill in flight: release the call waiting for its token
+                waiter.set_exception(RequestAborted(f"request {request_id} was aborted"))
+            return self.engine.abort(request_id)
+
+        return self._call(abort_here)
 
     def poll_outputs(self, timeout_s: float = 0.05) -> list[RequestOutput]:
         """Every queued output, waiting up to timeout_s for the first one."""
@@ -261,8 +325,15 @@ class EngineWorker:
             outputs, self._outbox = self._outbox, []
         return outputs
 
+    def heartbeat(self) -> WorkerHeartbeat:
+        """Stats and the KV events since the last heartbeat, taken together on the engine thread."""
+        s, events = self._call(lambda: (self.engine.stats(), self._take_kv_events()), timeout_s=10.0)
+        return WorkerHeartbeat(self._make_stats(s), events)
+
     def stats(self) -> WorkerStats:
-        s = self._call(self.engine.stats, timeout_s=10.0)
+        return self._make_stats(self._call(self.engine.stats, timeout_s=10.0))
+
+    def _make_stats(self, s) -> WorkerStats:
         c = self._counters
         return WorkerStats(
             worker_id=self.worker_id, role=self.role, num_running=s.num_running, num_waiting=s.num_waiting,

@@ -1,0 +1,98 @@
+"""Prefill on one worker, KV pushed over shared memory, decode on another: same tokens as one engine.
+
+Runs two EngineWorkers in this process (no Ray): the decode worker reserves blocks, the prefill
+worker computes the prompt and pushes its blocks into them, the decode worker continues.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.sampling_params import SamplingParams
+from workers.worker import EngineWorker, PrefillRequest, WorkerConfig
+
+pytestmark = pytest.mark.slow
+CONFIG = EngineConfig(kv_cache_memory=48 << 20)
+
+
+@pytest.fixture(scope="module")
+def pair(default_model_dir):
+    prefill = EngineWorker(WorkerConfig("p0", "prefill", str(default_model_dir), CONFIG, transport="shm"))
+    decode = EngineWorker(WorkerConfig("d0", "decode", str(default_model_dir), CONFIG, transport="shm"))
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def handoff(prefill, decode, request_id, prompt, params):
+    reservation = decode.reserve(request_id, prompt, params)
+    assert reservation is not None
+    result = prefill.prefill(PrefillRequest(request_id, prompt, params, decode.endpoint(),
+                                            reservation.block_ids, reservation.num_cached_tokens))
+    tokens = list(result.output.token_ids)
+    if result.output.finished:
+        decode.abort(request_id)
+        return tokens, result, reservation
+    decode.start_decode(request_id, tokens[0])
+    while True:
+        outputs = decode.poll_outputs(5.0)
+        assert outputs, "decode worker produced nothing for 5 s"
+        for out in outputs:
+            tokens += out.token_ids
+        if any(o.finished for o in outputs):
+            return tokens, result, reservation
+
+
+def test_handoff_matches_single_engine_and_moves_the_right_blocks(pair, default_model_dir, chat_prompts):
+    prefill, decode = pair
+    alone = LLMEngine.from_model_dir(default_model_dir, CONFIG)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    for i, prompt in enumerate(chat_prompts[:3]):
+        [want] = alone.generate([prompt], params)
+        got, result, reservation = handoff(prefill, decode, f"r{i}", prompt, params)
+        assert got == want.token_ids
+        assert result.num_blocks_sent == len(reservation.block_ids) - reservation.num_cached_tokens // 16
+        assert result.bytes_sent == result.num_blocks_sent * decode.engine.runner.kv_cache[:, :, 0].numel() * 4
+    # Later prompts share the system prompt: the decode worker reused its own cached blocks.
+    assert reservation.num_cached_tokens > 0
+    for worker in pair:
+        stats = worker.stats()
+        assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_transferred_blocks_equal_the_prefill_workers_blocks(pair, chat_prompts):
+    prefill, decode = pair
+    prompt = chat_prompts[5]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    reservation = decode.reserve("bytes", prompt, params)
+    result = prefill.prefill(PrefillRequest("bytes", prompt, params, decode.endpoint(), reservation.block_ids,
+                                            reservation.num_cached_tokens))
+    # max_tokens=1: the request ends with its first token, nothing is sent, the reservation is freed.
+    assert result.output.finished and result.num_blocks_sent == 0
+    decode.abort("bytes")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill.engine.block_manager.reset_prefix_cache()
+    reservation = decode.reserve("bytes2", prompt, params)
+    src_holder = {}
+    real_release = prefill.engine.release
+
+    def capture_then_release(rid):  # runs on the prefill engine thread before the blocks are freed
+        src_holder["ids"] = prefill.engine.held_block_ids(rid)
+        return real_release(rid)
+
+    prefill.engine.release = capture_then_release
+    try:
+        result = prefill.prefill(PrefillRequest("bytes2", prompt, params, decode.endpoint(), reservation.block_ids,
+                                                reservation.num_cached_tokens))
+    finally:
+        prefill.engine.release = real_release
+    skip = reservation.num_cached_tokens // 16
+    src = prefill.engine.runner.kv_cache[:, :, src_holder["ids"][skip:]]
+    dst = decode.engine.runner.kv_cache[:, :, reservation.block_ids[skip:]]
+    assert torch.equal(src, dst)
+    decode.start_decode("bytes2", result.output.token_ids[0])
+    while not any(o.finished for o in decode.poll_outputs(5.0)):
+        pass
