@@ -1,0 +1,192 @@
+"""KV transfer throughput between a prefill actor and a decode actor (two Ray actors on
+127.0.0.1), for each cross-process CPU backend, against a plain in-process memcpy of the same
+number of bytes in the same actor (the machine's limit).
+
+    .venv/bin/python bench/kv_transfer.py [--reps 7] [--out bench/results/kv_transfer.json]
+
+A transfer is timed inside the prefill actor from `send()` to a terminal result; the decode
+actor has already called `expect()`. For gloo that includes the receiver's unpack and its
+verdict coming back; for shm the copy lands directly in the decode actor's cache.
+
+Two modes: "isolated" (one transfer per Ray call, so each starts in an actor process that was
+just woken up) and "back-to-back" (all repetitions in one actor call, as when a prefill
+worker ships several requests in a row). Block ids move every repetition and the memcpy
+baseline rotates through 256 MiB, so neither finds its data in the CPU caches; a hot-cache
+memcpy is recorded alongside. Sizes go from one 64 KiB block to 1024 blocks (64 MiB), with
+block ids either one contiguous run or scattered (one run per block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import random
+import statistics
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from kvtransfer import KVLayout, Role  # noqa: E402
+from kvtransfer.testing import KVWorker  # noqa: E402
+
+# 4 layers x K/V x 16 tokens x 2 KV heads x 64 dims x fp32 = 64 KiB per block.
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+BLOCK_COUNTS = [1, 4, 16, 64, 256, 1024]
+NUM_BLOCKS = 1024 + 64
+BACKENDS = ["shm", "gloo"]
+MODES = ("isolated", "back_to_back")
+
+
+class BenchWorker(KVWorker):
+    def memcpy_bytes_per_s(self, nbytes: int, reps: int, cold: bool) -> float:
+        """Median bytes/s of `dst.copy_(src)`. Cold: src/dst rotate through 256 MiB pools so
+        no copy finds its data in the CPU caches (the DRAM limit); hot: the same buffers."""
+        pool = max(nbytes, 256 << 20) if cold else nbytes
+        src = torch.randint(0, 256, (pool,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in
+        slots = pool // nbytes
+        times = []
+        for rep in range(reps):
+            off = (rep % slots) * nbytes
+            t0 = time.perf_counter()
+            dst[off:off + nbytes].copy_(src[off:off + nbytes])
+            times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times)
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def expect_batch(self, plans: list) -> None:
+        for tid, _, dst in plans:
+            self.expect(tid, dst, 60.0)
+
+    def send_batch(self, peer: str, plans: list) -> list[float]:
+        """Transfers one after the other inside this actor, each timed on its own."""
+        out = []
+        for tid, src, dst in plans:
+            result, seconds = self.send_and_wait(peer, src, dst, tid, 60.0)
+            assert result.ok, result
+            out.append(seconds)
+        return out
+
+    def all_received(self, plans: list) -> bool:
+        return all(self.wait(tid, Role.RECV, 10.0).ok for tid, _, _ in plans)
+
+
+def block_ids(n: int, pattern: str, rep: int, offset: int) -> list[int]:
+    """Ids for one repetition; they move every repetition so that, like the cold memcpy,
+    a transfer does not find its blocks in the CPU caches."""
+    if pattern == "scattered":
+        return random.Random(rep * 7919 + n + offset).sample(range(NUM_BLOCKS), n)
+    start = (rep * n + offset) % (NUM_BLOCKS - n + 1)
+    return list(range(start, start + n))
+
+
+def plans(kind: str, mode: str, n: int, pattern: str, reps: int) -> list:
+    """reps + 1 transfers; the first one warms up and is not counted."""
+    return [(f"{kind}-{mode}-{pattern}-{n}-{rep}", block_ids(n, pattern, rep, 0),
+             block_ids(n, pattern, rep, NUM_BLOCKS // 2)) for rep in range(reps + 1)]
+
+
+def measure(p, d, peer: str, kind: str, n: int, pattern: str, reps: int, mode: str) -> float:
+    batch = plans(kind, mode, n, pattern, reps)
+    if mode == "back_to_back":
+        ray.get(d.expect_batch.remote(batch))
+        times = ray.get(p.send_batch.remote(peer, batch))
+    else:
+        times = []
+        for plan in batch:
+            ray.get(d.expect_batch.remote([plan]))
+            times += ray.get(p.send_batch.remote(peer, [plan]))
+    assert ray.get(d.all_received.remote(batch))
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--out", default=str(REPO / "bench/results/kv_transfer.json"))
+    args = parser.parse_args()
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
+                                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    actor = ray.remote(num_cpus=0)(BenchWorker)
+    p, d = actor.remote(), actor.remote()
+    rows = []
+    try:
+        memcpy = {(n, cold): ray.get(p.memcpy_bytes_per_s.remote(
+            n * LAYOUT.block_bytes, max(args.reps, 9), cold))
+            for n in BLOCK_COUNTS for cold in (True, False)}
+        threads = ray.get(p.threads.remote())
+        for kind in BACKENDS:
+            endpoint = ray.get(d.setup.remote(kind, LAYOUT, NUM_BLOCKS, 1))
+            ray.get(p.setup.remote(kind, LAYOUT, NUM_BLOCKS, 2))
+            peer = ray.get(p.connect.remote(endpoint))
+            for pattern in ("contiguous", "scattered"):
+                for n in BLOCK_COUNTS:
+                    nbytes = n * LAYOUT.block_bytes
+                    row = {"backend": kind, "block_ids": pattern, "blocks": n, "bytes": nbytes,
+                           "memcpy_bytes_per_s": memcpy[n, True],
+                           "memcpy_hot_cache_bytes_per_s": memcpy[n, False]}
+                    for mode in MODES:
+                        seconds = measure(p, d, peer, kind, n, pattern, args.reps, mode)
+                        row[f"{mode}_seconds_median"] = seconds
+                        row[f"{mode}_bytes_per_s"] = nbytes / seconds
+                        row[f"{mode}_ratio_to_memcpy"] = nbytes / seconds / memcpy[n, True]
+                    rows.append(row)
+            ray.get([p.close.remote(), d.close.remote()])
+    finally:
+        ray.shutdown()
+
+    big = [r for r in rows if r["bytes"] >= 1 << 20]
+    mean_ratio = {k: {m: statistics.mean(r[f"{m}_ratio_to_memcpy"] for r in big
+                                         if r["backend"] == k) for m in MODES}
+                  for k in BACKENDS}
+    default = max(BACKENDS, key=lambda k: mean_ratio[k]["isolated"])
+    report = {
+        "benchmark": "kv_transfer",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "torch": torch.__version__, "ray": ray.__version__,
+                    "torch_threads_in_actors": threads,
+                    "note": "2 cores shared with other developers' jobs: expect noise"},
+        "layout": {"num_layers": LAYOUT.num_layers, "num_kv_heads": LAYOUT.num_kv_heads,
+                   "head_dim": LAYOUT.head_dim, "block_size": LAYOUT.block_size,
+                   "dtype": LAYOUT.dtype, "block_bytes": LAYOUT.block_bytes},
+        "reps": args.reps,
+        "results": rows,
+        "mean_ratio_1MiB_plus": mean_ratio,
+        "target": "ratio_to_memcpy >= 0.5 for transfers of 1 MiB and more",
+        "auto_cpu_default": default,
+    }
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+    print(f"{'backend':8} {'block ids':10} {'size':>5} {'memcpy':>7} | {'isolated':>8} "
+          f"{'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)")
+    for r in rows:
+        size = f"{r['bytes'] >> 10}K" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20}M"
+        print(f"{r['backend']:8} {r['block_ids']:10} {size:>5} "
+              f"{r['memcpy_bytes_per_s'] / 1e9:7.2f} | "
+              f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
+              f"{r['back_to_back_bytes_per_s'] / 1e9:12.2f} "
+              f"{r['back_to_back_ratio_to_memcpy']:5.2f}")
+    summary = {k: {m: round(v, 2) for m, v in ratios.items()} for k, ratios in mean_ratio.items()}
+    print("mean ratio for >= 1 MiB:", summary, "-> auto CPU default:", default)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

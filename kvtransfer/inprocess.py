@@ -1,0 +1,136 @@
+"""In-process backend: both caches live in one process (engine tests, single-process serving).
+
+It is also the fake backend for the serving layer's failure tests: `fault="drop"` never
+delivers (the transfer runs into its deadline), `fault="delay"` delivers after `fault_delay_s`,
+`fault="fail"` fails at once. Without a `fault` argument the environment variable
+`BATON_KV_FAULT` (`drop`, `fail`, `delay` or `delay:SECONDS`) is read when the transport is
+created.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Optional, Sequence
+
+
+from ._common import Record, TransportCore, copy_blocks, ids_hash
+from .base import KVEndpoint, Role, TransferHandle, TransferStatus
+
+FAULT_ENV = "BATON_KV_FAULT"
+FAULTS = ("drop", "delay", "fail")
+
+
+def parse_fault(spec: Optional[str], delay_s: float) -> tuple[Optional[str], float]:
+    if not spec:
+        return None, delay_s
+    name, _, arg = spec.partition(":")
+    if name not in FAULTS:
+        raise ValueError(f"unknown KV fault {spec!r}; expected one of {FAULTS} (delay:SECONDS)")
+    if arg:
+        try:
+            delay_s = float(arg)
+        except ValueError:
+            raise ValueError(f"bad delay in KV fault {spec!r}") from None
+    return name, delay_s
+
+
+class InProcessTransport(TransportCore):
+    kind = "inprocess"
+
+    def __init__(self, fault: Optional[str] = None, fault_delay_s: float = 0.5) -> None:
+        super().__init__()
+        self._worker_id = f"inproc-{uuid.uuid4().hex[:12]}"
+        spec = fault if fault is not None else os.environ.get(FAULT_ENV, "")
+        self._fault, self._fault_delay_s = parse_fault(spec, fault_delay_s)
+        self._peers: dict[str, "InProcessTransport"] = {}
+
+    def __reduce__(self):  # noqa: D105 - endpoints carry a live reference
+        raise TypeError("an in-process KV endpoint only works inside its own process; use the "
+                        "shm or gloo backend between processes")
+
+    def endpoint(self) -> KVEndpoint:
+        _, layout = self._require_cache()
+        return KVEndpoint(self.kind, self._worker_id, layout, self._num_blocks,
+                          {"transport": self})
+
+    def connect(self, peer: KVEndpoint) -> str:
+        _, layout = self._require_cache()
+        if peer.kind != self.kind:
+            raise ValueError(f"cannot connect a {self.kind} transport to a {peer.kind} endpoint")
+        layout.check_compatible(peer.layout)
+        self._peers[peer.worker_id] = peer.address["transport"]
+        return peer.worker_id
+
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int],
+               timeout_s: float) -> TransferHandle:
+        dst, timeout_s = self._prepare_expect(transfer_id, dst_block_ids, timeout_s)
+        return self._new_record(transfer_id, Role.RECV, dst, timeout_s).handle()
+
+    def send(self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+             transfer_id: str, timeout_s: float) -> TransferHandle:
+        self._require_cache()
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            raise ValueError(f"unknown peer {peer_id!r}: call connect() with its endpoint first")
+        src, dst, timeout_s = self._prepare_send(peer._num_blocks, src_block_ids, dst_block_ids,
+                                                 transfer_id, timeout_s)
+        rec = self._new_record(transfer_id, Role.SEND, src, timeout_s)
+        rec.extra["dst"] = dst
+        if not rec.status.is_terminal:
+            threading.Thread(target=self._run_send, args=(rec, peer), daemon=True,
+                             name=f"kv-inproc-send-{transfer_id}").start()
+        return rec.handle()
+
+    def _run_send(self, rec: Record, peer: "InProcessTransport") -> None:
+        if self._fault == "drop":
+            return  # never delivered: both sides run into their deadlines
+        if self._fault == "fail":
+            self._finish(rec, TransferStatus.FAILED, "injected fault: transfer failed")
+            return
+        if self._fault == "delay" and rec.cancel.wait(self._fault_delay_s):
+            return
+        dst = rec.extra["dst"]
+        with peer._cond:
+            peer._cond.wait_for(
+                lambda: peer._get(rec.transfer_id, Role.RECV) is not None or rec.cancel.is_set()
+                or peer._closed,
+                timeout=max(0.0, rec.deadline - time.monotonic()),
+            )
+            target = peer._get(rec.transfer_id, Role.RECV)
+        if rec.cancel.is_set():
+            return
+        if target is None:
+            self._finish(rec, TransferStatus.FAILED,
+                         f"receiver never expected transfer {rec.transfer_id!r}")
+            return
+        if ids_hash(target.block_ids) != ids_hash(dst):
+            msg = (f"transfer {rec.transfer_id!r}: sender's dst_block_ids {dst} differ from the "
+                   f"receiver's {target.block_ids}")
+            peer._finish(target, TransferStatus.FAILED, msg)
+            self._finish(rec, TransferStatus.FAILED, msg)
+            return
+        peer._expire_if_due(target)
+        # Lock order sender -> receiver; abort/expiry take only one of the two.
+        with rec.mem_lock, target.mem_lock:
+            if target.status.is_terminal:
+                self._finish(rec, target.status, f"receiver side: {target.error}")
+                return
+            if rec.status.is_terminal:
+                return
+            self._set_transferring(rec)
+            peer._set_transferring(target)
+            copy_blocks(peer._bytes, dst, self._bytes, rec.block_ids)
+            peer._finish(target, TransferStatus.SUCCESS)
+            self._finish(rec, TransferStatus.SUCCESS)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._abort_all(f"{self.kind} transport closed")
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._peers.clear()

@@ -1,0 +1,82 @@
+"""A minimal worker that owns one transport and one cache: what tests and the benchmark run
+as a Ray actor (or directly, in-process) on each side of a transfer. Not used in serving."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from . import create_transport
+from .base import KVEndpoint, KVLayout, Role, TransferResult, TransferStatus
+
+
+def seeded_bytes(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
+    """Deterministic cache contents (flat uint8) that any process can recompute."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (layout.block_bytes * num_blocks,), generator=g,
+                         dtype=torch.uint8)
+
+
+class KVWorker:
+    """One side of a transfer. Methods take and return plain picklable values."""
+
+    def __init__(self) -> None:
+        self.transport = None
+        self.cache: Optional[torch.Tensor] = None
+        self.handles: dict = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def setup(self, kind: str, layout: KVLayout, num_blocks: int, seed: Optional[int],
+              options: Optional[dict] = None) -> KVEndpoint:
+        self.close()
+        self.transport = create_transport(kind, **(options or {}))
+        self.cache = self.transport.allocate_cache(layout, num_blocks)
+        if seed is not None:
+            self.cache.view(torch.uint8).view(-1).copy_(seeded_bytes(layout, num_blocks, seed))
+        return self.transport.endpoint()
+
+    def connect(self, endpoint: KVEndpoint) -> str:
+        return self.transport.connect(endpoint)
+
+    def expect(self, transfer_id: str, dst: Sequence[int], timeout_s: float) -> None:
+        self.handles[(Role.RECV, transfer_id)] = self.transport.expect(transfer_id, dst,
+                                                                       timeout_s)
+
+    def send(self, peer_id: str, src: Sequence[int], dst: Sequence[int], transfer_id: str,
+             timeout_s: float) -> None:
+        self.handles[(Role.SEND, transfer_id)] = self.transport.send(peer_id, src, dst,
+                                                                     transfer_id, timeout_s)
+
+    def poll(self, transfer_id: str, role: Role) -> TransferStatus:
+        return self.transport.poll(self.handles[(role, transfer_id)])
+
+    def wait(self, transfer_id: str, role: Role,
+             timeout_s: Optional[float] = None) -> TransferResult:
+        return self.transport.wait(self.handles[(role, transfer_id)], timeout_s)
+
+    def abort(self, transfer_id: str) -> None:
+        self.transport.abort(transfer_id)
+
+    def send_and_wait(self, peer_id: str, src: Sequence[int], dst: Sequence[int],
+                      transfer_id: str, timeout_s: float) -> tuple[TransferResult, float]:
+        """Benchmark helper: wall seconds from send() to a terminal result, in this process."""
+        t0 = time.perf_counter()
+        handle = self.transport.send(peer_id, src, dst, transfer_id, timeout_s)
+        result = self.transport.wait(handle)
+        return result, time.perf_counter() - t0
+
+    def cache_bytes(self) -> torch.Tensor:
+        """Copy of the cache as uint8 `[L, 2, num_blocks, bytes per block per layer/kv]`."""
+        assert self.cache is not None
+        c = self.cache.view(torch.uint8)
+        return c.reshape(c.shape[0], 2, c.shape[2], -1).clone()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.transport, self.cache, self.handles = None, None, {}

@@ -1,0 +1,84 @@
+"""Fixtures for the kvtransfer contract suite: a prefill side P and a decode side D, either two
+objects in this process (inprocess) or two Ray actors (cross-process backends)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+import torch
+
+from kvtransfer.testing import KVWorker
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BACKENDS = ("inprocess", "shm", "gloo", "nccl")
+CROSS_PROCESS = {"shm", "gloo", "nccl"}
+
+
+class RaySide:
+    """Calls a KVWorker actor synchronously, with a bound so a broken backend fails the test
+    instead of hanging it."""
+
+    def __init__(self, actor) -> None:
+        self._actor = actor
+
+    def __getattr__(self, name):
+        import ray
+
+        method = getattr(self._actor, name)
+        return lambda *args: ray.get(method.remote(*args), timeout=60)
+
+
+@pytest.fixture(scope="session")
+def ray_sides():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
+                                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    worker = ray.remote(num_cpus=0)(KVWorker)
+    p, d = worker.remote(), worker.remote()
+    sides = RaySide(p), RaySide(d)
+    assert sides[0].pid() != sides[1].pid() != os.getpid()
+    yield sides
+    for side in sides:
+        side.close()
+    ray.shutdown()
+
+
+@pytest.fixture(params=BACKENDS)
+def kind(request) -> str:
+    if request.param == "nccl" and not torch.cuda.is_available():
+        pytest.skip("nccl backend needs CUDA")
+    return request.param
+
+
+@pytest.fixture
+def sides(kind, request):
+    """(P, D) for this backend: P sends, D receives."""
+    if kind in CROSS_PROCESS:
+        pair = request.getfixturevalue("ray_sides")
+    else:
+        pair = KVWorker(), KVWorker()
+    yield pair
+    for side in pair:
+        side.close()
+
+
+@pytest.fixture
+def sides_for(request):
+    """Like `sides`, for tests that pick their backend themselves."""
+    made = []
+
+    def make(kind: str):
+        pair = request.getfixturevalue("ray_sides") if kind in CROSS_PROCESS else \
+            (KVWorker(), KVWorker())
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        for side in pair:
+            side.close()
