@@ -54,9 +54,9 @@ def make_prompt(rng: random.Random, approx_tokens: int, prefix: str = "") -> str
     return prefix + " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-async def one_request(client: httpx.AsyncClient, args, prompt: str) -> RequestResult:
+async def one_request(client: httpx.AsyncClient, args, prompt: str | list[int]) -> RequestResult:
     result = RequestResult(ok=False, prompt_chars=len(prompt))
-    if args.endpoint == "/v1/completions":
+    if isinstance(prompt, list) or args.endpoint == "/v1/completions":
         body = {"model": args.model, "prompt": prompt}
     else:
         body = {"model": args.model, "messages": [{"role": "user", "content": prompt}]}
@@ -136,12 +136,18 @@ def summarize(results: list[RequestResult], duration_s: float, args) -> dict:
 async def run(args) -> dict:
     rng = random.Random(args.seed)
     prefix = make_prompt(rng, args.shared_prefix_len) + " " if args.shared_prefix_len else ""
-    prompts = [make_prompt(rng, args.input_len, prefix) for _ in range(args.num_prompts)]
+    if args.token_ids:
+        # Exact lengths: random ids from the middle of the vocabulary, sent to /v1/completions.
+        args.endpoint = "/v1/completions"
+        shared = [rng.randrange(1000, 40000) for _ in range(args.shared_prefix_len)]
+        prompts = [shared + [rng.randrange(1000, 40000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    else:
+        prompts = [make_prompt(rng, args.input_len, prefix) for _ in range(args.num_prompts)]
     limits = httpx.Limits(max_connections=max(args.max_concurrency or 0, 1) + 64)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
         semaphore = asyncio.Semaphore(args.max_concurrency or len(prompts))
 
-        async def gated(prompt: str) -> RequestResult:
+        async def gated(prompt) -> RequestResult:
             async with semaphore:
                 return await one_request(client, args, prompt)
 
@@ -165,6 +171,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--shared-prefix-len", type=int, default=0)
+    p.add_argument("--token-ids", action="store_true",
+                   help="send exact-length prompts as token ids to /v1/completions (input-len is then exact)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
     p.add_argument("--temperature", type=float, default=0.0)
