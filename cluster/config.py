@@ -44,10 +44,17 @@ class ServeConfig:
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     transport: str = "auto"
     address: str | None = None
     threads_per_worker: int | None = None
     log_level: str = "info"
+    # Routing (router.routing): policy name, conditional disaggregation and the kv-aware cost.
+    routing_policy: str = "kv-aware"
+    local_prefill_threshold: int = 64
+    prefill_queue_threshold: int = 8192
+    routing_temperature: float = 0.1
+    routing_weights: dict | None = None  # {uncached, queue, kv, running}: see router.routing
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -60,6 +67,7 @@ class ServeConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         self.engine_config()  # validates the engine knobs now, with their names
+        self.routing_config()  # and the routing knobs
 
     @classmethod
     def load(cls, config_file: str | None, overrides: dict) -> "ServeConfig":
@@ -88,10 +96,27 @@ class ServeConfig:
             return self.threads_per_worker
         return max(1, (os.cpu_count() or 1) // (self.prefill_workers + self.decode_workers))
 
+    def routing_config(self):
+        from router.routing import RoutingConfig
+
+        if not isinstance(self.routing_weights or {}, dict):
+            raise ValueError(f"routing_weights must be a mapping such as {{uncached: 1.0, kv: 512}}, got {self.routing_weights!r}")
+        weights = dict(self.routing_weights or {})
+        known = ("uncached", "queue", "kv", "running")
+        unknown = sorted(set(weights) - set(known))
+        if unknown:
+            raise ValueError(f"unknown routing weight(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        return RoutingConfig(
+            policy=self.routing_policy, temperature=self.routing_temperature,
+            local_prefill_threshold=self.local_prefill_threshold, prefill_queue_threshold=self.prefill_queue_threshold,
+            **{f"w_{k}": v for k, v in weights.items()},
+        )
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             block_size=self.block_size, kv_cache_memory=self.kv_cache_memory, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization,
             num_threads=self.worker_threads(),
         )

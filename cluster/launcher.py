@@ -63,8 +63,12 @@ def start_ray(address: str | None) -> bool:
     return True
 
 
-def deploy(config: ServeConfig, ready_timeout_s: float = 300.0) -> Deployment:
-    """Resolve the model, start Ray and both pools; return once every worker answers."""
+def deploy(config: ServeConfig, ready_timeout_s: float = 300.0, actor_name_prefix: str = "baton") -> Deployment:
+    """Resolve the model, start Ray and both pools; return once every worker answers.
+
+    `actor_name_prefix` names the actors (`<prefix>-prefill-0`, ...): two deployments in one Ray
+    (tests, benchmarks) need different prefixes.
+    """
     import ray
 
     from router.ray_backend import RayBackend
@@ -87,7 +91,7 @@ def deploy(config: ServeConfig, ready_timeout_s: float = 300.0) -> Deployment:
         for i in range(count):
             worker_id = f"{role}-{i}"
             wc = WorkerConfig(worker_id, role, str(model_dir), engine_config, transport=transport)
-            handle = cls.options(name=f"baton-{worker_id}", num_cpus=0, num_gpus=1 if use_gpu else 0).remote(wc)
+            handle = cls.options(name=f"{actor_name_prefix}-{worker_id}", num_cpus=0, num_gpus=1 if use_gpu else 0).remote(wc)
             workers.append((worker_id, role, handle))
     started = time.monotonic()
     pending = {handle.ready.remote(): wid for wid, _, handle in workers}
@@ -104,10 +108,12 @@ def deploy(config: ServeConfig, ready_timeout_s: float = 300.0) -> Deployment:
 
 def build_app(deployment: Deployment):
     from router.app import build_app as build_router_app
+    from router.routing import make_policy
     from router.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_dir(deployment.model_dir)
-    return build_router_app(deployment.backend, tokenizer, deployment.model_name, deployment.max_model_len)
+    policy = make_policy(deployment.config.routing_config(), deployment.backend.prefix_index, deployment.config.block_size)
+    return build_router_app(deployment.backend, tokenizer, deployment.model_name, deployment.max_model_len, policy)
 
 
 def serve(config: ServeConfig) -> None:

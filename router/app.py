@@ -12,6 +12,10 @@ live worker; 500 for unexpected failures, never with a stack trace.
 Streaming sends `data: <chunk JSON>\\n\\n` frames straight from the backend's async generator (no
 polling, no per-token sleeps) and ends with `data: [DONE]\\n\\n`. A client that disconnects, while
 streaming or while waiting for a non-streamed answer, gets its request aborted in the backend.
+
+Observability: every request carries a `RequestTrace` (router.trace) that ends up in the app's
+`RouterMetrics` (router.metrics): `GET /metrics` (Prometheus text), `GET /v1/status` (JSON) and
+`GET /dashboard` (the operator page, router/static/dashboard.html, polling /v1/status).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import anyio
@@ -33,6 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import __version__
 from router.backend import BackendError, GenerateRequest, ServingBackend
+from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from router.metrics import RouterMetrics
 from router.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -48,6 +55,7 @@ from router.protocol import (
 )
 from router.routing import NoWorkerAvailable, RoundRobinPolicy, RoutingPolicy, live_workers
 from router.tokenizer import ChatTemplateError, Tokenizer
+from router.trace import RequestTrace
 from workers.outputs import RequestOutput, TokenLogprob
 from workers.sampling_params import SamplingParams
 
@@ -304,6 +312,7 @@ class _Server:
         self.max_model_len = max_model_len
         self.policy = policy
         self.created = int(time.time())
+        self.metrics = RouterMetrics(model_name, backend)
 
     # -- request parsing
     @staticmethod
@@ -392,9 +401,14 @@ class _Server:
         params: SamplingParams,
         stream: bool,
         fmt: _Format,
+        started: float | None = None,
     ) -> Response:
+        trace = RequestTrace(request_id, len(prompt_ids))
+        if started is not None:
+            trace.started = started  # arrival at the router, before parsing and tokenizing
         route = self.policy.choose(prompt_ids, self.backend.workers())
-        outputs = self.backend.generate(GenerateRequest(request_id, prompt_ids, params, route))
+        trace.set_route(route)
+        outputs = self._traced(self.backend.generate(GenerateRequest(request_id, prompt_ids, params, route, trace)), trace)
         acc = _Accumulator(num_prompt_tokens=len(prompt_ids))
         headers = {"X-Request-Id": request_id}
         if not stream:
@@ -424,6 +438,25 @@ class _Server:
             media_type="text/event-stream",
             headers={**_SSE_HEADERS, **headers},
         )
+
+    async def _traced(self, outputs: AsyncIterator[RequestOutput], trace: RequestTrace) -> AsyncIterator[RequestOutput]:
+        """Pass outputs through, timing tokens; record the trace however the request ends."""
+        finish_reason, error = None, None
+        try:
+            async for out in outputs:
+                trace.token(len(out.token_ids))
+                if out.finished:
+                    finish_reason = out.finish_reason or "stop"
+                yield out
+        except Exception as e:
+            error = str(e) or type(e).__name__
+            raise
+        finally:
+            try:
+                await outputs.aclose()
+            finally:
+                trace.finish(finish_reason or "abort", error)
+                self.metrics.observe(trace)
 
     @staticmethod
     async def _collect(outputs: AsyncIterator[RequestOutput], acc: _Accumulator) -> None:
@@ -549,6 +582,7 @@ def build_app(
 
     @_handler
     async def chat_completions(request: Request) -> Response:
+        started = time.perf_counter()
         req: ChatCompletionRequest = server.parse(ChatCompletionRequest, await server.read_json(request))
         server.check_model(req.model)
         check_common(req)
@@ -564,10 +598,11 @@ def build_app(
             include_usage=bool(req.stream and opts and opts.include_usage),
             continuous_usage=bool(opts and opts.continuous_usage_stats), logprobs=req.logprobs,
         )
-        return await server.generate(request, request_id, prompt_ids, params, req.stream, fmt)
+        return await server.generate(request, request_id, prompt_ids, params, req.stream, fmt, started)
 
     @_handler
     async def completions(request: Request) -> Response:
+        started = time.perf_counter()
         req: CompletionRequest = server.parse(CompletionRequest, await server.read_json(request))
         server.check_model(req.model)
         check_common(req)
@@ -584,7 +619,7 @@ def build_app(
             include_usage=bool(req.stream and opts and opts.include_usage),
             continuous_usage=bool(opts and opts.continuous_usage_stats), logprobs=req.logprobs is not None,
         )
-        return await server.generate(request, request_id, prompt_ids, params, req.stream, fmt)
+        return await server.generate(request, request_id, prompt_ids, params, req.stream, fmt, started)
 
     @_handler
     async def list_models(request: Request) -> Response:
@@ -638,6 +673,23 @@ def build_app(
             raise APIError(f"token id {bad} is out of range [0, {tokenizer.vocab_size})", 400, "tokens")
         return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
+    @_handler
+    async def metrics(request: Request) -> Response:
+        return Response(server.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    @_handler
+    async def status(request: Request) -> Response:
+        return JSONResponse(server.metrics.status())
+
+    dashboard_html = (Path(__file__).parent / "static" / "dashboard.html").read_bytes()
+
+    @_handler
+    async def dashboard(request: Request) -> Response:
+        return Response(dashboard_html, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/status", status, methods=["GET"])
+    app.add_api_route("/dashboard", dashboard, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])

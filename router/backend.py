@@ -9,9 +9,11 @@ three methods.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, runtime_checkable
 
+from router.trace import RequestTrace
 from workers.outputs import RequestOutput, TokenLogprob
 from workers.sampling_params import SamplingParams
 
@@ -35,6 +37,12 @@ class WorkerInfo:
     running: int = 0  # sequences being computed
     waiting: int = 0  # sequences queued
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0 to 1
+    # Prompt tokens routed to this worker whose prefill has not produced a first token yet (the
+    # router's own count: the KV-aware policy's queue term).
+    queued_prefill_tokens: int = 0
+    prefix_cache_queries: int = 0  # cumulative, from the worker's prefix cache
+    prefix_cache_hits: int = 0
+    last_heartbeat: float | None = None  # wall-clock time of the last stats answer (None: never)
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,8 @@ class RouteDecision:
     decode_worker: str
     prefill_worker: str | None = None
     reason: str = ""  # for metrics and logs, e.g. "round_robin"
+    # Leading prompt blocks the prefilling worker (P, or D when local) holds per the prefix index.
+    cached_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,8 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     route: RouteDecision
+    # Filled in by the backend (prefill/transfer times, fallbacks) when given; see router.trace.
+    trace: RequestTrace | None = None
 
 
 class BackendError(RuntimeError):
@@ -113,6 +125,7 @@ class FakeBackend:
     finished: list[str] = field(default_factory=list)
     _seen_prompts: list[tuple[int, ...]] = field(default_factory=list)
     _abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
+    _active: dict[str, RouteDecision] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._reply_ids = self.tokenizer.encode(self.reply, add_special_tokens=False)
@@ -120,10 +133,16 @@ class FakeBackend:
     # -- ServingBackend
     def workers(self) -> list[WorkerInfo]:
         out = []
+        active = {}
+        for route in self._active.values():
+            active[route.decode_worker] = active.get(route.decode_worker, 0) + 1
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(n):
                 wid = f"{role}-{i}"
-                out.append(WorkerInfo(wid, role, alive=wid not in self.dead, running=len(self._abort_events)))
+                # Made-up but consistent load: each running request holds 5% of a decode worker's KV.
+                running = active.get(wid, 0)
+                out.append(WorkerInfo(wid, role, alive=wid not in self.dead, running=running,
+                                      kv_usage=min(1.0, 0.05 * running), last_heartbeat=time.time()))
         return out
 
     async def abort(self, request_id: str) -> None:
@@ -141,7 +160,13 @@ class FakeBackend:
         prompt = request.prompt_token_ids
         cached = self._cached_tokens(prompt)
         self._seen_prompts.append(tuple(prompt))
+        if request.trace is not None:
+            request.trace.cached_tokens = cached
+            if request.route.prefill_worker is not None:
+                request.trace.kv_bytes = (len(prompt) - cached) * 1024  # made up: 1 KiB per token
+                request.trace.kv_blocks = -(-(len(prompt) - cached) // self.block_size)
         aborted = self._abort_events[request.request_id] = asyncio.Event()
+        self._active[request.request_id] = request.route
         eos = self.tokenizer.eos_token_id
         detok = self.tokenizer.detokenizer(prompt)
         full = ""  # all text so far (stop strings cut)
@@ -207,6 +232,7 @@ class FakeBackend:
                     return
         finally:
             self._abort_events.pop(request.request_id, None)
+            self._active.pop(request.request_id, None)
 
     # -- helpers
     def _cached_tokens(self, prompt: list[int]) -> int:

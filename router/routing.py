@@ -1,17 +1,54 @@
 """Routing policies: which prefill worker and which decode worker serve a request.
 
-The interface is one method, `choose(prompt_token_ids, workers) -> RouteDecision`, so a
-KV-aware policy (prefix overlap, load, conditional disaggregation) can replace round-robin
-without touching the HTTP layer.
+The interface is one method, `choose(prompt_token_ids, workers) -> RouteDecision`, so policies
+swap without touching the HTTP layer. Four are built in (`make_policy(name, ...)`):
+
+- `kv-aware` (default, `KvAwarePolicy`): prefix overlap from the router's `PrefixIndex`, load,
+  and conditional disaggregation. Cost of a candidate worker W, in prompt-token equivalents:
+
+      cost(W) = w_uncached * uncached_tokens(W)        # prompt minus W's longest cached prefix
+              + w_queue    * queued_prefill_tokens(W)  # prompts routed to W, not yet prefilled
+              + w_kv       * kv_usage(W)               # (decode only) 0..1, a full cache costs w_kv
+              + w_running  * (running(W) + waiting(W)) # (decode only) per sequence in its batch
+
+  queued_prefill_tokens counts the whole prompts (cached part included) of requests routed to W
+  that have no first token yet: a prefill reads its whole context in attention and holds all of
+  its blocks, and counting whole prompts is what stops herding. With a hot prefix cached on W
+  only, W keeps winning while its queue is shorter than the recomputation saved (the prefix
+  length); past that, requests split about evenly instead of piling onto W.
+  The decode worker D is drawn from the decode pool (its prefix counts: `reserve` and local
+  prefill reuse D's cache). Then: D prefills locally when D's uncached part is at most
+  `local_prefill_threshold` tokens (reason `local_short_uncached`), when no prefill worker is
+  alive (`local_no_prefill_worker`), or when every prefill worker has more than
+  `prefill_queue_threshold` queued tokens (`local_prefill_busy`). Otherwise the prefill worker
+  P is drawn from the prefill pool (`remote_prefill`).
+  Each draw is a softmax over -cost / (temperature * scale), scale = the prompt length: at
+  temperature 0.1 a worker costing 10% of the prompt more is e times less likely. A hot prefix
+  thus keeps its worker while that worker's queue is short, and spills over once the queue costs
+  more than the recomputation elsewhere, instead of herding everything onto one worker.
+  temperature 0 is a plain argmin (ties to the lowest id).
+- `round-robin`: each pool in turn; always remote prefill (local only without prefill workers).
+- `random`: uniform over each pool's live workers; always remote prefill.
+- `least-loaded`: fewest running + waiting (then queued prefill tokens, then KV usage).
 """
 
 from __future__ import annotations
 
+import math
+import random
+from dataclasses import dataclass, fields
 from typing import Protocol, Sequence
 
 from router.backend import RouteDecision, WorkerInfo
+from router.prefix_index import PrefixIndex
+from workers.block_hash import hash_prefix_blocks
 
-__all__ = ["NoWorkerAvailable", "RoundRobinPolicy", "RoutingPolicy", "live_workers"]
+__all__ = [
+    "POLICIES", "KvAwarePolicy", "LeastLoadedPolicy", "NoWorkerAvailable", "RandomPolicy", "RoundRobinPolicy",
+    "RoutingConfig", "RoutingPolicy", "live_workers", "make_policy",
+]
+
+POLICIES = ("kv-aware", "round-robin", "random", "least-loaded")
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -66,3 +103,148 @@ class RoundRobinPolicy:
                 raise NoWorkerAvailable("prefill")
             return RouteDecision(decode_worker=decode, prefill_worker=None, reason="local_prefill_no_prefill_worker")
         return RouteDecision(decode_worker=decode, prefill_worker=prefill, reason="round_robin")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Knobs of the routing policies (`baton serve --routing-policy ...` and config keys)."""
+
+    policy: str = "kv-aware"
+    w_uncached: float = 1.0
+    w_queue: float = 1.0
+    w_kv: float = 512.0
+    w_running: float = 16.0
+    temperature: float = 0.1
+    local_prefill_threshold: int = 64  # uncached tokens at or below which D prefills itself
+    prefill_queue_threshold: int = 8192  # queued tokens per prefill worker beyond which D prefills itself
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("w_") or f.name in ("temperature", "local_prefill_threshold", "prefill_queue_threshold"):
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or math.isnan(value):
+                    raise ValueError(f"routing option {f.name} must be a number >= 0, got {value!r}")
+
+
+class RandomPolicy:
+    """Uniformly random live worker in each pool; remote prefill whenever a prefill worker lives."""
+
+    def __init__(self, seed: int | None = None, local_prefill_fallback: bool = True) -> None:
+        self._rng = random.Random(seed)
+        self.local_prefill_fallback = local_prefill_fallback
+
+    def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
+        decode = live_workers(workers, "decode")
+        if not decode:
+            raise NoWorkerAvailable("decode")
+        d = self._rng.choice(decode).worker_id
+        prefill = live_workers(workers, "prefill")
+        if not prefill:
+            if not self.local_prefill_fallback:
+                raise NoWorkerAvailable("prefill")
+            return RouteDecision(d, None, "local_no_prefill_worker")
+        return RouteDecision(d, self._rng.choice(prefill).worker_id, "random")
+
+
+def _load_key(w: WorkerInfo) -> tuple:
+    return (w.running + w.waiting, w.queued_prefill_tokens, w.kv_usage, w.worker_id)
+
+
+class LeastLoadedPolicy:
+    """The live worker with the fewest running + waiting sequences in each pool; remote prefill."""
+
+    def __init__(self, local_prefill_fallback: bool = True) -> None:
+        self.local_prefill_fallback = local_prefill_fallback
+
+    def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
+        decode = live_workers(workers, "decode")
+        if not decode:
+            raise NoWorkerAvailable("decode")
+        d = min(decode, key=_load_key).worker_id
+        prefill = live_workers(workers, "prefill")
+        if not prefill:
+            if not self.local_prefill_fallback:
+                raise NoWorkerAvailable("prefill")
+            return RouteDecision(d, None, "local_no_prefill_worker")
+        return RouteDecision(d, min(prefill, key=_load_key).worker_id, "least_loaded")
+
+
+class KvAwarePolicy:
+    """Prefix overlap + load, with conditional disaggregation; see the module docstring for the cost."""
+
+    def __init__(self, index: PrefixIndex, block_size: int, config: RoutingConfig | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.index = index
+        self.block_size = block_size
+        self.config = config or RoutingConfig()
+        self._rng = random.Random(self.config.seed)
+
+    def _cost(self, w: WorkerInfo, uncached: int, decode: bool) -> float:
+        c = self.config
+        cost = c.w_uncached * uncached + c.w_queue * w.queued_prefill_tokens
+        if decode:
+            cost += c.w_kv * w.kv_usage + c.w_running * (w.running + w.waiting)
+        return cost
+
+    def _draw(self, candidates: list[WorkerInfo], costs: list[float], scale: float) -> int:
+        t = self.config.temperature
+        best = min(range(len(costs)), key=lambda i: (costs[i], candidates[i].worker_id))
+        if t <= 0 or len(costs) == 1:
+            return best
+        lo = costs[best]
+        weights = [math.exp(-(c - lo) / (t * scale)) for c in costs]
+        r = self._rng.random() * sum(weights)
+        for i, wt in enumerate(weights):
+            r -= wt
+            if r <= 0:
+                return i
+        return best
+
+    def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
+        c = self.config
+        n = len(prompt_token_ids)
+        bs = self.block_size
+        # The last prompt token is always computed (it yields the logits), so never count it cached.
+        hashes = hash_prefix_blocks(prompt_token_ids[: max(0, n - 1)], bs)
+        matched = self.index.match(hashes) if hashes else {}
+        scale = float(max(n, bs))
+
+        decode = live_workers(workers, "decode")
+        if not decode:
+            raise NoWorkerAvailable("decode")
+        d_uncached = [n - matched.get(w.worker_id, 0) * bs for w in decode]
+        i = self._draw(decode, [self._cost(w, u, True) for w, u in zip(decode, d_uncached)], scale)
+        d, d_unc = decode[i], d_uncached[i]
+        d_blocks = matched.get(d.worker_id, 0)
+
+        if d_unc <= c.local_prefill_threshold:
+            return RouteDecision(d.worker_id, None, "local_short_uncached", d_blocks)
+        prefill = live_workers(workers, "prefill")
+        if not prefill:
+            return RouteDecision(d.worker_id, None, "local_no_prefill_worker", d_blocks)
+        if min(w.queued_prefill_tokens for w in prefill) > c.prefill_queue_threshold:
+            return RouteDecision(d.worker_id, None, "local_prefill_busy", d_blocks)
+        p_uncached = [n - matched.get(w.worker_id, 0) * bs for w in prefill]
+        j = self._draw(prefill, [self._cost(w, u, False) for w, u in zip(prefill, p_uncached)], scale)
+        p = prefill[j]
+        return RouteDecision(d.worker_id, p.worker_id, "remote_prefill", matched.get(p.worker_id, 0))
+
+
+def make_policy(config: RoutingConfig | str = "kv-aware", index: PrefixIndex | None = None,
+                block_size: int = 16) -> RoutingPolicy:
+    """The policy named by `config.policy` (kv-aware needs the backend's prefix index)."""
+    if isinstance(config, str):
+        config = RoutingConfig(policy=config)
+    if config.policy == "kv-aware":
+        if index is None:
+            raise ValueError("the kv-aware routing policy needs a prefix index (the backend's)")
+        return KvAwarePolicy(index, block_size, config)
+    if config.policy == "round-robin":
+        return RoundRobinPolicy(local_prefill_fallback=True)
+    if config.policy == "random":
+        return RandomPolicy(config.seed)
+    return LeastLoadedPolicy()

@@ -353,13 +353,15 @@ class EngineWorker:
 
 def _build_engine_and_transport(config: WorkerConfig, transport=None):
     """Load the model and allocate its KV cache through the transport (which may put it in shared memory)."""
+    import dataclasses
+
     import torch
 
     from kvtransfer import KVLayout, create_transport
     from workers.engine import LLMEngine, load_tokenizer_decode
     from workers.model_config import ModelConfig
     from workers.model_files import resolve_model_dir
-    from workers.model_runner import TORCH_DTYPES, iter_safetensors, kv_block_bytes
+    from workers.model_runner import TORCH_DTYPES, iter_safetensors, kv_block_bytes, kv_cache_scales, load_model
 
     ec = config.engine
     model_dir = resolve_model_dir(config.model, quiet=True)
@@ -368,11 +370,17 @@ def _build_engine_and_transport(config: WorkerConfig, transport=None):
     num_blocks = ec.num_kv_blocks or ec.kv_cache_memory // kv_block_bytes(model_config, ec.block_size, kv_dtype)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {ec.kv_cache_memory} bytes holds no KV block")
+    # The model comes first: FP8 KV scales are calibrated on it, and they belong to the layout
+    # the transport checks when a prefill worker connects (deterministic, so equal configs pair).
+    weights = iter_safetensors(model_dir)
+    model = load_model(model_config, ec, weights, ec.max_model_len)
+    kv_scales = kv_cache_scales(model, ec, weights)
+    ec = dataclasses.replace(ec, kv_scales=kv_scales) if ec.kv_cache_dtype == "fp8" else ec
     layout = KVLayout(
         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-        block_size=ec.block_size, dtype=str(kv_dtype).removeprefix("torch."),
+        block_size=ec.block_size, dtype=str(kv_dtype).removeprefix("torch."), kv_scales=kv_scales,
     )
     transport = transport or create_transport(config.transport)
     kv_cache = transport.allocate_cache(layout, num_blocks)
-    engine = LLMEngine(model_config, ec, iter_safetensors(model_dir), load_tokenizer_decode(model_dir), kv_cache=kv_cache)
+    engine = LLMEngine(model_config, ec, model, load_tokenizer_decode(model_dir), kv_cache=kv_cache)
     return engine, transport

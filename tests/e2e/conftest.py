@@ -46,7 +46,9 @@ def server():
     from router.app import make_server
 
     port = free_port()
-    config = ServeConfig(port=port, kv_cache_memory="192MiB", max_num_seqs=64)
+    # local_prefill_threshold=0: these tests check the prefill -> decode handoff, so every request
+    # goes through it (the kv-aware default would prefill their short prompts on the decode worker).
+    config = ServeConfig(port=port, kv_cache_memory="192MiB", max_num_seqs=64, local_prefill_threshold=0)
     deployment = deploy(config)
     http = make_server(build_app(deployment), port=port)
     thread = threading.Thread(target=http.run, daemon=True)

@@ -1,0 +1,224 @@
+"""Prometheus metrics and the `/v1/status` snapshot behind the operator dashboard.
+
+One `RouterMetrics` per app, with its own `CollectorRegistry` (never the global one), so several
+apps and tests coexist in one process. Names follow vLLM's with the `baton:` prefix and a
+`model_name` label; per-worker series add `worker` and `role`.
+
+Two sources:
+- request metrics, observed by the router when a request finishes (its `RequestTrace`):
+  token counters, latency histograms, KV transfer bytes/seconds, routing decisions;
+- worker metrics, read from the backend's worker snapshot at scrape time (a custom collector):
+  running/waiting, KV usage, prefix cache queries/hits, worker up/down. Nothing polls workers
+  for a scrape: the backend's health loop already keeps that snapshot fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter as Tally
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from router.trace import RequestTrace
+
+__all__ = ["CONTENT_TYPE", "RouterMetrics", "percentile"]
+
+log = logging.getLogger("baton.router.trace")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# A thinned version of vLLM's buckets reaching lower (GPU runs are fast) and higher (CPU runs are
+# slow). Thinned because every bucket is a series to scrape: /metrics must stay cheap (< 5 ms).
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.75, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 480.0)
+BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 3))  # 1 KiB .. 8 GiB
+
+STATUS_WINDOW_S = 60.0
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of an already sorted list (None when empty)."""
+    if not sorted_values:
+        return None
+    k = min(len(sorted_values) - 1, max(0, int(round(q / 100.0 * len(sorted_values) + 0.5)) - 1))
+    return sorted_values[k]
+
+
+class _WorkerCollector:
+    """Per-worker gauges and counters, read from the backend's snapshot at scrape time."""
+
+    def __init__(self, owner: "RouterMetrics") -> None:
+        self.owner = owner
+
+    def describe(self):  # no describe-time collection (the registry would call collect otherwise)
+        return []
+
+    def collect(self):
+        m = self.owner.model_name
+        labels = ["model_name", "worker", "role"]
+        running = GaugeMetricFamily("baton:num_requests_running", "Requests running on the worker.", labels=labels)
+        waiting = GaugeMetricFamily("baton:num_requests_waiting", "Requests waiting on the worker.", labels=labels)
+        kv = GaugeMetricFamily("baton:kv_cache_usage_perc", "KV cache usage, 0 to 1 (1 = full).", labels=labels)
+        queued = GaugeMetricFamily("baton:queued_prefill_tokens", "Prompt tokens routed to the worker and not yet prefilled.",
+                                   labels=labels)
+        up = GaugeMetricFamily("baton:worker_up", "1 when the worker answers its health checks, else 0.", labels=labels)
+        pool = GaugeMetricFamily("baton:workers_up", "Live workers per pool.", labels=["model_name", "role"])
+        queries = CounterMetricFamily("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=labels)
+        hits = CounterMetricFamily("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=labels)
+        indexed = GaugeMetricFamily("baton:prefix_index_blocks", "KV blocks the router's prefix index holds for the worker.",
+                                    labels=labels)
+        live = {"prefill": 0, "decode": 0}
+        index = getattr(self.owner.backend, "prefix_index", None)
+        for w in self.owner.backend.workers():
+            lv = [m, w.worker_id, w.role]
+            running.add_metric(lv, w.running)
+            waiting.add_metric(lv, w.waiting)
+            kv.add_metric(lv, w.kv_usage)
+            queued.add_metric(lv, w.queued_prefill_tokens)
+            up.add_metric(lv, 1.0 if w.alive else 0.0)
+            queries.add_metric(lv, w.prefix_cache_queries)
+            hits.add_metric(lv, w.prefix_cache_hits)
+            if index is not None:
+                indexed.add_metric(lv, index.num_blocks(w.worker_id))
+            live[w.role] = live.get(w.role, 0) + (1 if w.alive else 0)
+        for role, n in live.items():
+            pool.add_metric([m, role], n)
+        yield from (running, waiting, kv, queued, up, pool, queries, hits)
+        if index is not None:
+            yield indexed
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str, backend: Any, recent: int = 256) -> None:
+        self.model_name = model_name
+        self.backend = backend
+        self.started = time.time()
+        self.registry = CollectorRegistry(auto_describe=False)
+        r, ml = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens of finished requests.", ml, registry=r)
+        self.generation_tokens = Counter("baton:generation_tokens", "Generated tokens of finished requests.", ml, registry=r)
+        self.success = Counter("baton:request_success", "Requests that finished, by finish reason.",
+                               ml + ["finished_reason"], registry=r)
+        self.failures = Counter("baton:request_failure", "Requests that failed in the worker pools.", ml, registry=r)
+        self.routing = Counter("baton:routing_decisions", "Routing decisions: remote or local prefill, and why.",
+                               ml + ["decision", "reason"], registry=r)
+        self.kv_bytes_total = Counter("baton:kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers.",
+                                      ml, registry=r)
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, ml, buckets=buckets, registry=r)
+
+        self.ttft = hist("baton:time_to_first_token_seconds", "Arrival at the router to the first token.", TTFT_BUCKETS)
+        self.itl = hist("baton:inter_token_latency_seconds", "Gap between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = hist("baton:e2e_request_latency_seconds", "Arrival to the last token.", REQUEST_BUCKETS)
+        self.queue = hist("baton:request_queue_time_seconds", "Arrival to the start of prefill (routing, reservation, RPC).",
+                          REQUEST_BUCKETS)
+        self.prefill = hist("baton:request_prefill_time_seconds", "Prefill to the first token (the prefilling worker's queue included).",
+                            REQUEST_BUCKETS)
+        self.decode = hist("baton:request_decode_time_seconds", "First token to the last token.", REQUEST_BUCKETS)
+        self.kv_bytes = hist("baton:kv_transfer_bytes_per_request", "KV bytes moved per remotely prefilled request.",
+                             BYTES_BUCKETS)
+        self.kv_seconds = hist("baton:kv_transfer_seconds", "KV transfer time per remotely prefilled request.", ITL_BUCKETS)
+        self.registry.register(_WorkerCollector(self))
+        # Create the unlabelled-by-outcome series now, so they read 0 (not "no data") before traffic.
+        for c in (self.prompt_tokens, self.generation_tokens, self.failures, self.kv_bytes_total):
+            c.labels(model_name)
+
+        # For /v1/status: recent traces and samples, and totals (cheap to summarize on each call).
+        self.recent: deque[tuple[float, RequestTrace]] = deque(maxlen=recent)
+        self._itl_samples: deque[tuple[float, float]] = deque(maxlen=1024)
+        self.routing_counts: Tally = Tally()
+        self.totals = {"requests": 0, "failed": 0, "prompt_tokens": 0, "generation_tokens": 0, "kv_bytes": 0,
+                       "cached_tokens": 0}
+
+    # ---- recording -----------------------------------------------------------------------
+    def observe(self, trace: RequestTrace) -> None:
+        """Record a finished (or failed) request."""
+        m = self.model_name
+        now = time.time()
+        self.routing.labels(m, trace.decision, trace.reason or "unknown").inc()
+        self.routing_counts[(trace.decision, trace.reason or "unknown")] += 1
+        self.prompt_tokens.labels(m).inc(trace.prompt_tokens)
+        self.generation_tokens.labels(m).inc(trace.output_tokens)
+        t = self.totals
+        t["requests"] += 1
+        t["prompt_tokens"] += trace.prompt_tokens
+        t["generation_tokens"] += trace.output_tokens
+        t["cached_tokens"] += trace.cached_tokens
+        if trace.error is not None:
+            self.failures.labels(m).inc()
+            t["failed"] += 1
+        else:
+            self.success.labels(m, trace.finish_reason or "abort").inc()
+        if trace.ttft_s is not None:
+            self.ttft.labels(m).observe(trace.ttft_s)
+            self.queue.labels(m).observe(trace.queue_s)
+            self.prefill.labels(m).observe(trace.prefill_s)
+            self.decode.labels(m).observe(trace.decode_s)
+        if trace.e2e_s is not None:
+            self.e2e.labels(m).observe(trace.e2e_s)
+        itl = self.itl.labels(m)
+        for gap in trace.itl_s:
+            itl.observe(gap)
+        # Keep at most 16 gaps per request for the status percentiles (evenly spaced).
+        step = max(1, len(trace.itl_s) // 16)
+        self._itl_samples.extend((now, g) for g in trace.itl_s[::step])
+        if trace.decision == "remote":
+            self.kv_bytes.labels(m).observe(trace.kv_bytes)
+            self.kv_seconds.labels(m).observe(trace.transfer_s)
+            self.kv_bytes_total.labels(m).inc(trace.kv_bytes)
+            t["kv_bytes"] += trace.kv_bytes
+        self.recent.append((now, trace))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("trace %s", trace.summary())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- /v1/status ----------------------------------------------------------------------
+    def status(self, max_recent: int = 25) -> dict:
+        now = time.time()
+        window = min(STATUS_WINDOW_S, max(1.0, now - self.started))
+        since = now - window
+        index = getattr(self.backend, "prefix_index", None)
+        pools: dict[str, list[dict]] = {"prefill": [], "decode": []}
+        for w in self.backend.workers():
+            q, h = w.prefix_cache_queries, w.prefix_cache_hits
+            pools.setdefault(w.role, []).append({
+                "worker_id": w.worker_id, "role": w.role, "alive": w.alive, "running": w.running, "waiting": w.waiting,
+                "kv_usage": w.kv_usage, "queued_prefill_tokens": w.queued_prefill_tokens,
+                "prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_hit_rate": (h / q) if q else None,
+                "last_heartbeat_age_s": max(0.0, now - w.last_heartbeat) if w.last_heartbeat is not None else None,
+                "indexed_blocks": index.num_blocks(w.worker_id) if index is not None else None,
+            })
+        in_window = [(t, tr) for t, tr in self.recent if t >= since]
+        ttfts = sorted(tr.ttft_s for _, tr in in_window if tr.ttft_s is not None)
+        itls = sorted(g for t, g in self._itl_samples if t >= since)
+        gen = sum(tr.output_tokens for _, tr in in_window)
+        kvb = sum(tr.kv_bytes for _, tr in in_window if tr.decision == "remote")
+        routing: dict[str, Any] = {"remote": 0, "local": 0, "by_reason": {}}
+        for (decision, reason), n in self.routing_counts.items():
+            routing[decision] = routing.get(decision, 0) + n
+            routing["by_reason"][f"{decision}:{reason}"] = n
+        series = [{"t": t, "ttft_s": tr.ttft_s, "itl_s": tr.itl_mean_s, "decision": tr.decision}
+                  for t, tr in list(self.recent)[-120:]]
+        recent = [dict(tr.to_dict(), finished_at=t) for t, tr in list(self.recent)[-max_recent:]][::-1]
+        return {
+            "model": self.model_name, "time": now, "uptime_s": now - self.started,
+            "pools": pools,
+            "totals": dict(self.totals),
+            "routing": routing,
+            "window": {
+                "seconds": window, "requests": len(in_window),
+                "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+                "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
+                "tokens_per_s": gen / window, "kv_bytes_per_s": kvb / window,
+            },
+            "series": series,
+            "recent": recent,
+        }

@@ -1,0 +1,104 @@
+"""The operator dashboard in headless Chromium against a live router on 127.0.0.1 (FakeBackend).
+
+Needs Debian's chromium + chromium-driver and the selenium package (`make test` installs them);
+skipped with a message saying so when they are missing. Never downloads a browser.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from router.app import build_app
+from router.backend import FakeBackend
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+def browser(tmp_path):
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (make install adds it)")
+    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+        pytest.skip("chromium and chromedriver are not installed: apt-get install -y chromium chromium-driver")
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ.setdefault("SE_AVOID_STATS", "true")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium-profile'}",
+                 "--window-size=1440,1400"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def severe_console_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+def test_dashboard_shows_pools_then_traffic(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from router.tokenizer import Tokenizer
+    from tests.router.conftest import running_server
+    from workers.model_files import resolve_model_dir
+
+    tokenizer = Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
+    backend = FakeBackend(tokenizer, num_prefill=2, num_decode=2, first_token_delay=0.01, token_delay=0.002)
+    with running_server(build_app(backend, tokenizer, "SmolLM2-135M-Instruct", 8192)) as url:
+        assert url.startswith("http://127.0.0.1:")
+        browser.get(url + "/dashboard")
+        # Before any traffic: both pools listed, empty states, no console errors.
+        wait_for(lambda: browser.execute_script("return document.body.dataset.polls"), 10, "the first status poll")
+        rows = {r.get_attribute("data-worker"): r.get_attribute("class")
+                for r in browser.find_elements(By.CSS_SELECTOR, "#workers tr[data-worker]")}
+        assert rows == {"prefill-0": "pool-prefill", "prefill-1": "pool-prefill", "decode-0": "pool-decode",
+                        "decode-1": "pool-decode"}
+        assert "no requests yet" in browser.find_element(By.ID, "recent").text
+        assert browser.find_elements(By.CSS_SELECTOR, "#ttft-chart circle.pt") == []
+        assert severe_console_errors(browser) == []
+
+        ids = []
+        for i in range(4):
+            r = httpx.post(url + "/v1/chat/completions", timeout=30,
+                           json={"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 8})
+            assert r.status_code == 200
+            ids.append(r.json()["id"])
+        points = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#ttft-chart circle.pt"), 10, "TTFT points")
+        assert len(points) == 4
+        recent = browser.find_elements(By.CSS_SELECTOR, "#recent tr")
+        assert len(recent) == 4
+        titles = {r.find_element(By.CSS_SELECTOR, "td").get_attribute("title") for r in recent}
+        assert titles == set(ids)
+        assert "remote" in browser.find_element(By.ID, "routing").text
+        assert severe_console_errors(browser) == []
+        shot = tmp_path / "dashboard.png"
+        assert browser.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+        (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, ROOT / "bench" / "results" / "dashboard.png")

@@ -1,0 +1,61 @@
+"""EngineWorker side of KV events: drained on the engine thread after each step into a bounded
+buffer, handed over with the stats in one `heartbeat`, replaced by a snapshot after an overflow."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from workers.block_manager import BlockManager
+from workers.kv_events import KVEvent, KVEventKind
+from workers.worker import EngineWorker, WorkerConfig
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.block_manager = BlockManager(num_blocks=8, block_size=4)
+
+    def has_schedulable_work(self) -> bool:
+        return False
+
+    def stats(self):
+        bm = self.block_manager
+        return SimpleNamespace(num_running=0, num_waiting=0, kv_usage=bm.usage, num_blocks=bm.num_blocks,
+                               num_free_blocks=bm.num_free_blocks, prefix_cache_queries=0, prefix_cache_hits=0,
+                               num_preemptions=0)
+
+
+def make_worker() -> tuple[EngineWorker, BlockManager]:
+    engine = _Engine()
+    return EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine, transport=None), engine.block_manager
+
+
+def test_heartbeat_carries_events_in_order_once():
+    worker, bm = make_worker()
+    try:
+        worker._call(lambda: bm._events.extend([KVEvent(KVEventKind.STORED, (1, 2)), KVEvent(KVEventKind.REMOVED, (1,))]))
+        beat = worker.heartbeat()
+        assert beat.stats.worker_id == "decode-0" and beat.kv_events.block_size == 4
+        assert [(e.kind, e.block_hashes) for e in beat.kv_events.events] == [
+            (KVEventKind.STORED, (1, 2)), (KVEventKind.REMOVED, (1,))]
+        assert beat.kv_events.snapshot is None
+        assert worker.heartbeat().kv_events.events == []  # handed over once
+    finally:
+        worker.shutdown()
+
+
+def test_overflow_sends_a_snapshot_of_the_cache_instead():
+    worker, bm = make_worker()
+    try:
+        def flood():
+            bm._cached.update({111: 0, 222: 1})  # what the cache holds now
+            for i in range(worker._max_kv_event_hashes + 10):
+                bm._events.append(KVEvent(KVEventKind.STORED, (10_000 + i,)))
+
+        worker._call(flood)
+        worker._call(lambda: None)  # one more loop turn: the drain after the command ran
+        assert len(worker._kv_events) == 0  # the buffer did not grow past its bound
+        batch = worker.heartbeat().kv_events
+        assert batch.events == [] and sorted(batch.snapshot) == [111, 222]
+        assert worker.heartbeat().kv_events.snapshot is None  # back to plain events
+    finally:
+        worker.shutdown()
