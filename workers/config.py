@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass
@@ -14,6 +15,10 @@ class EngineConfig:
 
     kv_cache_memory: bytes for the paged KV cache; num_kv_blocks, when set, wins over it.
     max_num_batched_tokens: per-step token budget shared by decodes and prefill chunks.
+    quantization: "fp8" quantizes every linear layer of a float checkpoint to FP8 (e4m3, one
+    scale per output channel) at load time; FP8 checkpoints load as FP8 whatever this says.
+    kv_cache_dtype: "fp8" stores K/V as float8_e4m3fn with per-layer scales: kv_scales when given
+    (one (k_scale, v_scale) per layer), else calibrated at load time (workers.quantization).
     """
 
     block_size: int = 16
@@ -27,6 +32,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None
+    quantization: str | None = None
+    kv_scales: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -45,3 +52,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_scales is not None:
+            scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
+            if not all(k > 0 and v > 0 and k < float("inf") and v < float("inf") for k, v in scales):
+                raise ValueError(f"kv_scales must be finite and > 0, got {self.kv_scales!r}")
+            self.kv_scales = scales

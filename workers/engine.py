@@ -340,3 +340,34 @@ class LLMEngine:
                     done.finish_reason = out.finish_reason
                     pending.discard(out.request_id)
         return [collected[rid] for rid in ids]
+
+    def score(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n-1, float32 [n - 1] (for perplexity).
+
+        Runs chunked prefill (chunk_size tokens a step, default max_num_batched_tokens) through
+        the paged KV cache, so the scores see exactly what generation sees, FP8 KV included.
+        Uses fresh blocks, never the prefix cache, and frees them; call it between steps.
+        """
+        ids = list(token_ids)
+        if len(ids) < 2:
+            raise ValueError(f"score needs at least 2 tokens, got {len(ids)}")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"score got {len(ids)} tokens; this engine's context is {self.max_model_len} tokens")
+        chunk_size = chunk_size or self.config.max_num_batched_tokens
+        seq = self._new_sequence(ids, SamplingParams(max_tokens=1), request_id=f"score-{next(self._ids)}")
+        del self._requests[seq.request_id]  # never scheduled: only its blocks are used
+        bm = self.block_manager
+        if not bm.can_allocate(seq, len(ids)):
+            raise ValueError(f"score needs {bm.blocks_needed(seq, len(ids))} free KV blocks, {bm.num_free_blocks} are free")
+        bm.allocate(seq, len(ids))
+        from workers.model_runner import ScheduledChunk
+
+        out = []
+        try:
+            while seq.num_computed_tokens < len(ids):
+                n = min(chunk_size, len(ids) - seq.num_computed_tokens)
+                out.append(self.runner.next_token_logprobs(ScheduledChunk(seq, n)))
+                seq.num_computed_tokens += n
+        finally:
+            bm.free(seq)
+        return torch.cat(out)

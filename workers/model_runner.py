@@ -9,6 +9,7 @@ transfer move a sequence's blocks in one gather.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from kernels import ops
+from workers import quantization as q8
 from workers.config import EngineConfig
 from workers.model_config import ModelConfig
 from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
@@ -32,14 +34,67 @@ class ScheduledChunk:
     num_tokens: int
 
 
-def iter_safetensors(model_dir: Path):
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {model_dir}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+class SafetensorsCheckpoint:
+    """A model folder's weights as (name, tensor) pairs, plus what the loader needs besides them:
+    the folder (its tokenizer calibrates FP8 KV scales) and config.json's quantization_config."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.files = sorted(self.model_dir.glob("*.safetensors"))
+        if not self.files:
+            raise ValueError(f"no *.safetensors files in {model_dir}")
+        config_file = self.model_dir / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.quantization_config: dict | None = config.get("quantization_config")
+
+    def __iter__(self):
+        for file in self.files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+
+def iter_safetensors(model_dir: Path) -> SafetensorsCheckpoint:
+    return SafetensorsCheckpoint(model_dir)
+
+
+def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, max_model_len: int | None = None) -> LlamaForCausalLM:
+    """Build the model and load `weights` into it, quantizing to FP8 as the config or checkpoint says.
+
+    Pre-quantized checkpoints load their FP8 tensors as they are; a float checkpoint with
+    engine_config.quantization == "fp8" is loaded in float, then each linear layer is quantized.
+    """
+    device = torch.device(engine_config.device)
+    dtype = TORCH_DTYPES[engine_config.dtype]
+    checkpoint_quant = q8.parse_quantization_config(getattr(weights, "quantization_config", None))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config)
+    if checkpoint_quant is not None:
+        q8.prepare_for_checkpoint(model, checkpoint_quant)
+    model = q8.cast_model(model.to_empty(device=device), dtype)
+    # The rope table stays float32 whatever the model dtype: positions need the precision.
+    model.cos_sin_cache = ops.build_rope_cache(
+        model_config.head_dim, max_model_len or model_config.max_position_embeddings,
+        model_config.rope_theta, model_config.rope_scaling,
+    ).to(device)
+    with torch.no_grad():
+        model.load_hf_weights(weights, checkpoint_quant)
+        if checkpoint_quant is None and engine_config.quantization == "fp8":
+            q8.quantize_linears(model)
+    return model.eval()
+
+
+def kv_cache_scales(model: LlamaForCausalLM, engine_config: EngineConfig, weights=None) -> tuple[tuple[float, float], ...]:
+    """Per-layer (k_scale, v_scale): given in the config, calibrated for an FP8 cache, else all 1.0."""
+    num_layers = model.config.num_layers
+    if engine_config.kv_cache_dtype != "fp8":
+        return ((1.0, 1.0),) * num_layers
+    if engine_config.kv_scales is not None:
+        if len(engine_config.kv_scales) != num_layers:
+            raise ValueError(f"kv_scales has {len(engine_config.kv_scales)} (k, v) pairs; the model has {num_layers} layers")
+        return tuple((float(k), float(v)) for k, v in engine_config.kv_scales)
+    tokens = q8.calibration_token_ids(getattr(weights, "model_dir", None), model.config.vocab_size)
+    return q8.calibrate_kv_scales(model, tokens, TORCH_DTYPES[engine_config.dtype], engine_config.block_size)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -55,16 +110,19 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[engine_config.dtype]
         self.block_size = engine_config.block_size
         self.max_model_len = engine_config.max_model_len or model_config.max_position_embeddings
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_config)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        # The rope table stays float32 whatever the model dtype: positions need the precision.
-        model.cos_sin_cache = ops.build_rope_cache(
-            model_config.head_dim, self.max_model_len, model_config.rope_theta, model_config.rope_scaling
-        ).to(self.device)
-        with torch.no_grad():
-            model.load_hf_weights(weights)
-        self.model = model.eval()
+        # `weights` may be a model load_model already built (workers need its KV scales before
+        # their transport allocates the cache).
+        if isinstance(weights, LlamaForCausalLM):
+            self.model = weights
+            if engine_config.kv_cache_dtype == "fp8" and engine_config.kv_scales is None:
+                # Calibration tokenizes with the checkpoint's tokenizer, which a bare model lacks.
+                raise ValueError("a prebuilt model with an FP8 KV cache needs EngineConfig.kv_scales "
+                                 "(from model_runner.kv_cache_scales on the checkpoint)")
+            if self.model.cos_sin_cache.shape[0] < self.max_model_len:
+                raise ValueError(f"prebuilt model's rope table covers {self.model.cos_sin_cache.shape[0]} positions, "
+                                 f"max_model_len is {self.max_model_len}")
+        else:
+            self.model = load_model(model_config, engine_config, weights, self.max_model_len)
 
         self.kv_dtype = self.dtype if engine_config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         if kv_cache is None:
@@ -79,8 +137,9 @@ class ModelRunner:
             )
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[2]
-        self.k_scales = [1.0] * model_config.num_layers
-        self.v_scales = [1.0] * model_config.num_layers
+        self.kv_scales = kv_cache_scales(self.model, engine_config, weights)
+        self.k_scales = [k for k, _ in self.kv_scales]
+        self.v_scales = [v for _, v in self.kv_scales]
 
     def kv_views(self) -> list[KVCacheView]:
         return [
@@ -99,6 +158,25 @@ class ModelRunner:
         Returns float32 logits [number of True in sample_mask, vocab] for the last token of each
         chunk whose sample_mask entry is True, in chunk order.
         """
+        hidden, logits_index = self._forward(chunks, sample_mask)
+        return self.model.compute_logits(hidden[logits_index])
+
+    @torch.inference_mode()
+    def next_token_logprobs(self, chunk: ScheduledChunk, rows_per_slice: int = 256) -> torch.Tensor:
+        """Run one prefill chunk; float32 log p(token[p + 1] | tokens[:p + 1]) for each of its
+        positions p that has a next token in chunk.seq (the last position of the sequence has none).
+        Logits are formed rows_per_slice at a time to bound memory ([rows, vocab] float32)."""
+        hidden, _ = self._forward([chunk], [False])
+        seq, start = chunk.seq, chunk.seq.num_computed_tokens
+        targets = seq.token_ids[start + 1 : start + chunk.num_tokens + 1]
+        out = []
+        for i in range(0, len(targets), rows_per_slice):
+            logits = self.model.compute_logits(hidden[i : i + rows_per_slice][: len(targets) - i])
+            rows = torch.tensor(targets[i : i + rows_per_slice], device=logits.device)
+            out.append(torch.log_softmax(logits, dim=-1).gather(1, rows[:, None])[:, 0])
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def _forward(self, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> tuple[torch.Tensor, list[int]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -143,4 +221,4 @@ class ModelRunner:
             meta,
             self.kv_views(),
         )
-        return self.model.compute_logits(hidden[logits_index])
+        return hidden, logits_index

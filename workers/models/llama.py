@@ -156,8 +156,14 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, self.lm_head_weight).float()
 
     # ---- weights -------------------------------------------------------------------------
-    def load_hf_weights(self, weights) -> None:
-        """Load (name, tensor) pairs with Hugging Face names, fusing q/k/v and gate/up."""
+    def load_hf_weights(self, weights, quant=None) -> None:
+        """Load (name, tensor) pairs with Hugging Face names, fusing q/k/v and gate/up.
+
+        quant (workers.quantization.CheckpointQuantization) describes a pre-quantized FP8
+        checkpoint; its linear layers must already be Fp8Linear (see prepare_for_checkpoint).
+        Each projection's scale (`weight_scale`, or `weight_scale_inv` in the HF fp8 format, which
+        multiplies despite its name) lands in the rows of the fused matrix its weight fills.
+        """
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         inter = cfg.intermediate_size
@@ -177,6 +183,15 @@ class LlamaForCausalLM(nn.Module):
             target = params[name].data
             if start is not None:
                 target = target[start : start + size]
+            if name.endswith("weight_scale"):
+                in_features = self.get_submodule(name.rsplit(".", 1)[0]).in_features
+                tensor = quant.expand_scale(tensor, target.shape[0], in_features, name)
+            elif name.endswith("weight") and (tensor.dtype == torch.float8_e4m3fn) != (target.dtype == torch.float8_e4m3fn):
+                # Copying raw FP8 codes into a float weight (or the reverse) would load wrong values silently.
+                raise ValueError(
+                    f"checkpoint tensor for {name} is {tensor.dtype} but the model expects {target.dtype}; "
+                    f"FP8 checkpoints need a quantization_config, and every linear layer must be quantized"
+                )
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
             target.copy_(tensor)
@@ -186,6 +201,14 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in hf_name:
                 continue
             name = hf_name.removeprefix("model.")
+            # Static activation / KV scales of FP8 checkpoints: activations stay dynamic here, and
+            # KV scales come from EngineConfig.kv_scales or calibration.
+            if name.endswith(("input_scale", "k_scale", "v_scale", "output_scale")):
+                continue
+            if name.endswith(("weight_scale", "weight_scale_inv")):
+                if quant is None:
+                    raise ValueError(f"checkpoint has FP8 scale {hf_name} but config.json has no quantization_config")
+                name = name.removesuffix("_inv")
             if name == "lm_head.weight":
                 if self.lm_head is not None:
                     put("lm_head", tensor)
@@ -196,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("layernorm.weight"):
                 put(name.removesuffix(".weight"), tensor)
                 continue
-            parts = name.split(".")  # layers.{i}.{self_attn|mlp}.{proj}.{weight|bias}
+            parts = name.split(".")  # layers.{i}.{self_attn|mlp}.{proj}.{weight|bias|weight_scale}
             if len(parts) == 5 and parts[3] in fused:
                 target, start, size = fused[parts[3]]
                 put(f"layers.{parts[1]}.{target}.{parts[4]}", tensor, start, size)
@@ -205,9 +228,9 @@ class LlamaForCausalLM(nn.Module):
 
         expected = set()
         for pname in params:
-            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias", "qkv_proj.weight_scale")):
                 expected |= {f"{pname}[0]", f"{pname}[{q}]", f"{pname}[{q + kv}]"}
-            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias", "gate_up_proj.weight_scale")):
                 expected |= {f"{pname}[0]", f"{pname}[{inter}]"}
             else:
                 expected.add(pname)
