@@ -66,11 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from cluster.launcher import serve
-        from workers.model_files import ModelNotFoundError
 
         try:
             serve(config)
-        except ModelNotFoundError as exc:
+        except ValueError as exc:  # ModelNotFoundError, KV layout mismatches, bad settings
             print(f"baton serve: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

@@ -69,8 +69,6 @@ def deploy(config: ServeConfig, ready_timeout_s: float = 300.0, actor_name_prefi
     `actor_name_prefix` names the actors (`<prefix>-prefill-0`, ...): two deployments in one Ray
     (tests, benchmarks) need different prefixes.
     """
-    import ray
-
     from router.ray_backend import RayBackend
     from workers.actors import actor_class
     from workers.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
@@ -93,6 +91,20 @@ def deploy(config: ServeConfig, ready_timeout_s: float = 300.0, actor_name_prefi
             wc = WorkerConfig(worker_id, role, str(model_dir), engine_config, transport=transport)
             handle = cls.options(name=f"{actor_name_prefix}-{worker_id}", num_cpus=0, num_gpus=1 if use_gpu else 0).remote(wc)
             workers.append((worker_id, role, handle))
+    deployment = Deployment(config, model_dir, model_name, max_model_len, workers, None, owns_ray)
+    try:
+        _wait_ready(workers, ready_timeout_s)
+        _check_pairs(workers)
+    except BaseException:
+        deployment.shutdown()  # no actor, shared memory segment or private Ray outlives a failed start
+        raise
+    deployment.backend = RayBackend(workers)
+    return deployment
+
+
+def _wait_ready(workers: list[tuple[str, str, object]], ready_timeout_s: float) -> None:
+    import ray
+
     started = time.monotonic()
     pending = {handle.ready.remote(): wid for wid, _, handle in workers}
     while pending:
@@ -102,8 +114,23 @@ def deploy(config: ServeConfig, ready_timeout_s: float = 300.0, actor_name_prefi
         wid = pending.pop(done[0])
         ray.get(done[0])  # raises the worker's start-up error, if any
         log.info("worker %s ready after %.1f s", wid, time.monotonic() - started)
-    backend = RayBackend(workers)
-    return Deployment(config, model_dir, model_name, max_model_len, workers, backend, owns_ray)
+
+
+def _check_pairs(workers: list[tuple[str, str, object]]) -> None:
+    """Every prefill worker handshakes with every decode worker before serving: workers whose KV
+    layouts differ (dtype, block size, heads, FP8 scales) are refused at start-up, not mid-request."""
+    import ray
+
+    prefill = [(wid, h) for wid, role, h in workers if role == "prefill"]
+    for decode_id, role, decode in workers:
+        if role != "decode" or not prefill:
+            continue
+        endpoint = ray.get(decode.endpoint.remote())
+        for prefill_id, handle in prefill:
+            try:
+                ray.get(handle.connect_peer.remote(endpoint))
+            except ray.exceptions.RayTaskError as exc:
+                raise ValueError(f"{prefill_id} cannot send KV to {decode_id}: {exc.cause}") from None
 
 
 def build_app(deployment: Deployment):

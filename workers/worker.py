@@ -275,6 +275,11 @@ class EngineWorker:
             self._call(lambda: self.engine.release(rid))
         return PrefillResult(output, sent, nbytes, transfer_seconds, prefill_seconds)
 
+    def connect_peer(self, endpoint_blob: bytes) -> None:
+        """Handshake with a decode worker now (at start-up), so an incompatible KV layout fails
+        before any request does: raises KVLayoutMismatch naming the field."""
+        self._connect(endpoint_blob)
+
     def _connect(self, endpoint_blob: bytes) -> str:
         peer_id = self._peers.get(endpoint_blob)
         if peer_id is None:

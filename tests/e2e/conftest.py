@@ -39,7 +39,7 @@ class RunningServer:
             time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server():
     from cluster.config import ServeConfig
     from cluster.launcher import build_app, deploy

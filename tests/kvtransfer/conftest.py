@@ -35,9 +35,12 @@ def ray_sides():
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
-                                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    # Another suite in this session may have started Ray already: share it, leave it running.
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
+                                           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     worker = ray.remote(num_cpus=0)(KVWorker)
     p, d = worker.remote(), worker.remote()
     sides = RaySide(p), RaySide(d)
@@ -45,7 +48,10 @@ def ray_sides():
     yield sides
     for side in sides:
         side.close()
-    ray.shutdown()
+    for actor in (p, d):
+        ray.kill(actor)
+    if owns_ray:
+        ray.shutdown()
 
 
 @pytest.fixture(params=BACKENDS)
