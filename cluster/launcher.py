@@ -147,11 +147,12 @@ def serve(config: ServeConfig) -> None:
     """Run until Ctrl-C or SIGTERM, then take everything down."""
     from router.app import serve as serve_http
 
-    # uvicorn re-raises SIGTERM once it has drained; turning it into KeyboardInterrupt (as
-    # Ctrl-C is) lets the finally clause below stop the workers and free their shared memory.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     started = time.monotonic()
     deployment = deploy(config)
+    # uvicorn re-raises SIGTERM once it has drained; turning it into KeyboardInterrupt (as
+    # Ctrl-C is) lets the finally clause below stop the workers and free their shared memory.
+    # Installed after Ray starts, which sets a SIGTERM handler of its own that exits with 15.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         app = build_app(deployment)
         log.info("serving %s on http://%s:%d (start-up %.1f s)", deployment.model_name, config.host, config.port,
