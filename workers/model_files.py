@@ -80,9 +80,12 @@ def check_model_dir(path: Path) -> dict:
 
 
 def _gguf_fingerprint(path: Path) -> str:
-    stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    """Identifies the file's content, not where it lies: every venv installing the same package
+    shares one converted folder."""
+    digest = hashlib.sha256(f"{path.name}:{path.stat().st_size}:".encode())
+    with path.open("rb") as f:
+        digest.update(f.read(1 << 20))  # the header and metadata, which differ between model files
+    return digest.hexdigest()[:12]
 
 
 def convert_gguf(gguf_path: Path, *, quiet: bool = False) -> Path:
