@@ -102,6 +102,20 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
 
 
+def kv_cache_torch_dtype(engine_config: EngineConfig) -> torch.dtype:
+    return TORCH_DTYPES[engine_config.dtype] if engine_config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int:
+    """Blocks the KV cache gets: num_kv_blocks if set, else as many as kv_cache_memory holds."""
+    num_blocks = engine_config.num_kv_blocks or engine_config.kv_cache_memory // kv_block_bytes(
+        model_config, engine_config.block_size, kv_cache_torch_dtype(engine_config)
+    )
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory {engine_config.kv_cache_memory} bytes holds no KV block")
+    return num_blocks
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, weights, kv_cache: torch.Tensor | None = None):
         self.model_config = model_config
@@ -124,15 +138,11 @@ class ModelRunner:
         else:
             self.model = load_model(model_config, engine_config, weights, self.max_model_len)
 
-        self.kv_dtype = self.dtype if engine_config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        self.kv_dtype = kv_cache_torch_dtype(engine_config)
         if kv_cache is None:
-            num_blocks = engine_config.num_kv_blocks or engine_config.kv_cache_memory // kv_block_bytes(
-                model_config, self.block_size, self.kv_dtype
-            )
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory {engine_config.kv_cache_memory} bytes holds no KV block")
             kv_cache = torch.zeros(
-                (model_config.num_layers, 2, num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim),
+                (model_config.num_layers, 2, num_kv_blocks(model_config, engine_config), self.block_size,
+                 model_config.num_kv_heads, model_config.head_dim),
                 dtype=self.kv_dtype, device=self.device,
             )
         self.kv_cache = kv_cache

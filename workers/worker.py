@@ -360,21 +360,19 @@ def _build_engine_and_transport(config: WorkerConfig, transport=None):
     """Load the model and allocate its KV cache through the transport (which may put it in shared memory)."""
     import dataclasses
 
-    import torch
-
     from kvtransfer import KVLayout, create_transport
     from workers.engine import LLMEngine, load_tokenizer_decode
     from workers.model_config import ModelConfig
     from workers.model_files import resolve_model_dir
-    from workers.model_runner import TORCH_DTYPES, iter_safetensors, kv_block_bytes, kv_cache_scales, load_model
+    from workers.model_runner import (
+        iter_safetensors, kv_cache_scales, kv_cache_torch_dtype, load_model, num_kv_blocks,
+    )
 
     ec = config.engine
     model_dir = resolve_model_dir(config.model, quiet=True)
     model_config = ModelConfig.from_model_dir(model_dir)
-    kv_dtype = TORCH_DTYPES[ec.dtype] if ec.kv_cache_dtype == "auto" else torch.float8_e4m3fn
-    num_blocks = ec.num_kv_blocks or ec.kv_cache_memory // kv_block_bytes(model_config, ec.block_size, kv_dtype)
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {ec.kv_cache_memory} bytes holds no KV block")
+    kv_dtype = kv_cache_torch_dtype(ec)
+    num_blocks = num_kv_blocks(model_config, ec)
     # The model comes first: FP8 KV scales are calibrated on it, and they belong to the layout
     # the transport checks when a prefill worker connects (deterministic, so equal configs pair).
     weights = iter_safetensors(model_dir)
