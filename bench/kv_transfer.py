@@ -3,6 +3,8 @@
 number of bytes in the same actor (the machine's limit).
 
     .venv/bin/python bench/kv_transfer.py [--reps 7] [--out bench/results/kv_transfer.json]
+    # quicker, for development (prints only unless --out is given):
+    .venv/bin/python bench/kv_transfer.py --backends shm --blocks 16 64 --out ''
 
 A transfer is timed inside the prefill actor from `send()` to a terminal result; the decode
 actor has already called `expect()`. For gloo that includes the receiver's unpack and its
@@ -44,6 +46,7 @@ BLOCK_COUNTS = [1, 4, 16, 64, 256, 1024]
 NUM_BLOCKS = 1024 + 64
 BACKENDS = ["shm", "gloo"]
 MODES = ("isolated", "back_to_back")
+PATTERNS = ("contiguous", "scattered")
 
 
 class BenchWorker(KVWorker):
@@ -115,8 +118,17 @@ def measure(p, d, peer: str, kind: str, n: int, pattern: str, reps: int, mode: s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--out", default=str(REPO / "bench/results/kv_transfer.json"))
+    parser.add_argument("--out", default=str(REPO / "bench/results/kv_transfer.json"),
+                        help="JSON report path; '' to only print")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=BACKENDS)
+    parser.add_argument("--blocks", nargs="+", type=int, default=BLOCK_COUNTS,
+                        help=f"transfer sizes in 64 KiB blocks (default {BLOCK_COUNTS})")
+    parser.add_argument("--patterns", nargs="+", choices=PATTERNS, default=PATTERNS)
     args = parser.parse_args()
+    for n in args.blocks:
+        if not 1 <= n <= NUM_BLOCKS:
+            parser.error(f"--blocks {n}: must be in 1..{NUM_BLOCKS}")
+    backends, block_counts = args.backends, args.blocks
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
@@ -127,14 +139,14 @@ def main() -> None:
     try:
         memcpy = {(n, cold): ray.get(p.memcpy_bytes_per_s.remote(
             n * LAYOUT.block_bytes, max(args.reps, 9), cold))
-            for n in BLOCK_COUNTS for cold in (True, False)}
+            for n in block_counts for cold in (True, False)}
         threads = ray.get(p.threads.remote())
-        for kind in BACKENDS:
+        for kind in backends:
             endpoint = ray.get(d.setup.remote(kind, LAYOUT, NUM_BLOCKS, 1))
             ray.get(p.setup.remote(kind, LAYOUT, NUM_BLOCKS, 2))
             peer = ray.get(p.connect.remote(endpoint))
-            for pattern in ("contiguous", "scattered"):
-                for n in BLOCK_COUNTS:
+            for pattern in args.patterns:
+                for n in block_counts:
                     nbytes = n * LAYOUT.block_bytes
                     row = {"backend": kind, "block_ids": pattern, "blocks": n, "bytes": nbytes,
                            "memcpy_bytes_per_s": memcpy[n, True],
@@ -152,8 +164,8 @@ def main() -> None:
     big = [r for r in rows if r["bytes"] >= 1 << 20]
     mean_ratio = {k: {m: statistics.mean(r[f"{m}_ratio_to_memcpy"] for r in big
                                          if r["backend"] == k) for m in MODES}
-                  for k in BACKENDS}
-    default = max(BACKENDS, key=lambda k: mean_ratio[k]["isolated"])
+                  for k in backends if any(r["backend"] == k for r in big)}
+    default = max(mean_ratio, key=lambda k: mean_ratio[k]["isolated"]) if mean_ratio else None
     report = {
         "benchmark": "kv_transfer",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -170,9 +182,10 @@ def main() -> None:
         "target": "ratio_to_memcpy >= 0.5 for transfers of 1 MiB and more",
         "auto_cpu_default": default,
     }
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
 
     print(f"{'backend':8} {'block ids':10} {'size':>5} {'memcpy':>7} | {'isolated':>8} "
           f"{'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)")
@@ -185,7 +198,8 @@ def main() -> None:
               f"{r['back_to_back_ratio_to_memcpy']:5.2f}")
     summary = {k: {m: round(v, 2) for m, v in ratios.items()} for k, ratios in mean_ratio.items()}
     print("mean ratio for >= 1 MiB:", summary, "-> auto CPU default:", default)
-    print("wrote", out)
+    if args.out:
+        print("wrote", args.out)
 
 
 if __name__ == "__main__":

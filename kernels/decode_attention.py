@@ -4,14 +4,20 @@ Stage 1 (this file's kernel) computes, for each (sequence, query head group, con
 partial output normalised by its own softmax sum, plus that split's log-sum-exp; stage 2
 (`decode_attention_reduce.py`) merges the splits. Short contexts get one split, so stage 2 is
 only launched when there is more than one.
+
+On the CPU, `paged_decode_attention_cpu` runs kernels/csrc/paged_decode_attention.cpp (built on
+first use by kernels.cpu_native), which reads K/V in place from the pages; the reference gathers
+every sequence's K/V into a padded copy first, which costs more than the attention itself.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
 
+from kernels import cpu_native
 from kernels._attn_common import check_attention, gather_kv
 from kernels._checks import check_last_dim_contiguous, is_fp8, require
 from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
@@ -66,6 +72,66 @@ def _attend_padded(q, k_cache, v_cache, block_tables, lens, scale, k_scale, v_sc
         scores.masked_fill_(invalid, float("-inf"))
         torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h], out=out[:, h])
     return out.reshape(B, hq, d).to(q.dtype)
+
+
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+_NATIVE_ERRORS = {1: "bad head or block geometry", 2: "context_lens must be >= 1"}
+
+
+@functools.lru_cache(maxsize=1)
+def _native_fn():
+    lib = cpu_native.load("paged_decode_attention")
+    if lib is None:
+        return None
+    fn = lib.baton_paged_decode_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64,
+                   i64, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.restype = i32
+    return fn
+
+
+def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention_cpu handles these tensors (CPU, float32/bfloat16 q, built library)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and _native_fn() is not None)
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_fp8_table(scale: float) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * scale
+
+
+def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                               k_scale: float = 1.0, v_scale: float = 1.0):
+    """The native CPU kernel; same contract as the reference. Needs native_available(q, k_cache)."""
+    scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    fn = _native_fn()
+    require(native_available(q, k_cache), f"no native CPU decode attention for q {q.dtype} on {q.device}, "
+                                          f"cache {k_cache.dtype} (or the library could not be built)")
+    check_last_dim_contiguous(q, "q")
+    block_tables = block_tables.to(torch.int32)
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    B, hq, d = q.shape
+    out = torch.empty((B, hq, d), dtype=q.dtype)
+    if B == 0:
+        return out
+    nb, bs, hk, _ = k_cache.shape
+    fp8 = is_fp8(k_cache.dtype)
+    k_table = _scaled_fp8_table(k_scale) if fp8 else None
+    v_table = _scaled_fp8_table(v_scale) if fp8 else None
+    err = fn(
+        q.data_ptr(), q.stride(0), q.stride(1), _NATIVE_DTYPES[q.dtype],
+        k_cache.data_ptr(), v_cache.data_ptr(), _NATIVE_DTYPES[k_cache.dtype], nb,
+        k_table.data_ptr() if fp8 else None, v_table.data_ptr() if fp8 else None,
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        B, hq, hk, d, bs, scale, torch.get_num_threads(),
+    )
+    require(err == 0, f"native decode attention: {_NATIVE_ERRORS.get(err, f'error {err}')}")
+    return out
 
 
 _LOG2E = 1.4426950408889634

@@ -2,7 +2,9 @@
 
 `BATON_KERNELS` (read at each call) forces the choice: `auto` (default), `triton` (also on CPU
 tensors, which needs `TRITON_INTERPRET=1`; that is how the tests check the kernels), or
-`reference`. The references are the production CPU path, not just test oracles.
+`reference`. The references are the production CPU path, not just test oracles, except for
+decode attention: in `auto` mode CPU tensors go to its native kernel (kernels/cpu_native.py)
+when it can be built.
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ _MODES = ("auto", "triton", "reference")
 
 
 def backend_for(tensor: torch.Tensor) -> str:
-    """"triton" or "reference" for an op whose main input is `tensor`."""
+    """"triton", "native" (auto mode on a CPU tensor) or "reference" for an op whose main input is `tensor`.
+
+    Ops without a native CPU kernel treat "native" as "reference"."""
     mode = os.environ.get("BATON_KERNELS", "auto").strip().lower() or "auto"
     if mode not in _MODES:
         raise ValueError(f"BATON_KERNELS must be one of {_MODES}, got {mode!r}")
     on_cuda = bool(getattr(tensor, "is_cuda", False))
     if mode == "auto":
-        return "triton" if (HAS_TRITON and on_cuda) else "reference"
+        if on_cuda:
+            return "triton" if HAS_TRITON else "reference"
+        return "native"
     if mode == "triton":
         if not HAS_TRITON:
             raise ValueError("BATON_KERNELS=triton but triton is not installed")
@@ -63,8 +69,13 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                            k_scale: float = 1.0, v_scale: float = 1.0):
-    fn = (decode_attention.paged_decode_attention_triton if backend_for(q) == "triton"
-          else decode_attention.paged_decode_attention_reference)
+    backend = backend_for(q)
+    if backend == "triton":
+        fn = decode_attention.paged_decode_attention_triton
+    elif backend == "native" and decode_attention.native_available(q, k_cache):
+        fn = decode_attention.paged_decode_attention_cpu
+    else:
+        fn = decode_attention.paged_decode_attention_reference
     return fn(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 
 

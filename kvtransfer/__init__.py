@@ -41,10 +41,11 @@ from .base import (
 )
 
 # Chosen from bench/kv_transfer.py (bench/results/kv_transfer.json, 2-core dev VM): between
-# two actors, shm moved 16-64 MiB at 0.9x an in-process memcpy (0.5-0.6x with scattered
-# block ids) and 1 MiB at 0.35x (isolated) to 0.67x (back-to-back); gloo over loopback TCP
-# pays a pack, the socket and an unpack and stayed near 0.1x. gloo remains the choice when
-# the two workers do not share a node.
+# two actors, shm moved 1-64 MiB of contiguous block ids at 0.5-0.9x an in-process memcpy
+# (isolated; 0.9-1.0x back-to-back) and scattered ids at 0.36-0.6x (the memory system's
+# cost of one 8 KiB stream per block and layer); gloo over loopback TCP pays a pack, the
+# socket and an unpack and stayed near 0.1x. gloo remains the choice when the two workers
+# do not share a node.
 CPU_DEFAULT = "shm"
 KINDS = ("auto", "inprocess", "shm", "gloo", "nccl")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -38,8 +39,8 @@ def transfer_key(transfer_id: str) -> int:
 def ids_hash(block_ids: Sequence[int]) -> int:
     """63-bit fingerprint of a destination id list; both sides compare it to catch a sender
     and receiver that disagree about where the blocks go."""
-    data = np.asarray(block_ids, dtype=np.int64).tobytes()
-    digest = hashlib.blake2b(data, digest_size=8).digest()
+    # array("q") gives the same little-endian int64 bytes as numpy at half the cost.
+    digest = hashlib.blake2b(array("q", block_ids).tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
@@ -60,13 +61,15 @@ def check_timeout(timeout_s: float) -> float:
 
 
 def check_block_ids(ids: Sequence[int], num_blocks: int, what: str, unique: bool) -> list[int]:
+    # Conversion and the range and duplicate checks run in C (map/min/max/set): half the
+    # time of a Python loop.
     try:
-        out = [int(i) for i in ids]
+        out = list(map(int, ids))
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a sequence of ints, got {ids!r}") from None
-    for i in out:
-        if not 0 <= i < num_blocks:
-            raise ValueError(f"{what} contains {i}, outside the cache's 0..{num_blocks - 1}")
+    if out and (min(out) < 0 or max(out) >= num_blocks):
+        bad = next(i for i in out if not 0 <= i < num_blocks)
+        raise ValueError(f"{what} contains {bad}, outside the cache's 0..{num_blocks - 1}")
     if unique and len(set(out)) != len(out):
         raise ValueError(f"{what} contains duplicate block ids: {out}")
     return out
@@ -75,14 +78,18 @@ def check_block_ids(ids: Sequence[int], num_blocks: int, what: str, unique: bool
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, count) runs where both id lists are consecutive, so each run is
     one strided copy instead of one per block."""
+    assert len(src) == len(dst), (len(src), len(dst))
     runs: list[tuple[int, int, int]] = []
+    if not len(src):
+        return runs
+    s0, d0, n = src[0], dst[0], 0
     for s, d in zip(src, dst):
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
+        if s == s0 + n and d == d0 + n:
+            n += 1
+        else:
+            runs.append((s0, d0, n))
+            s0, d0, n = s, d, 1
+    runs.append((s0, d0, n))
     return runs
 
 
@@ -92,26 +99,41 @@ def byte_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(torch.uint8)
 
 
-def _host_views(*tensors: torch.Tensor) -> Optional[list]:
-    """numpy views of CPU tensors (same memory), else None. Slicing numpy costs ~1 us per
-    run against ~4.5 us for torch, which decides the speed of scattered block ids
-    (measured on 1024 scattered 64 KiB blocks: 9.1 vs 6.0 GB/s); contiguous copies run at
-    the same speed either way."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return [t.numpy() for t in tensors]
-    return None
+def block_rows(cache_bytes: torch.Tensor) -> np.ndarray:
+    """numpy `[L * 2, N, bytes of one block in one layer's K or V]` view of a contiguous CPU
+    byte cache (same memory). Slicing numpy costs ~1 us per run against ~4.5 us for torch,
+    and three dims slice faster than six; make it once per cache, not per transfer."""
+    if cache_bytes.device.type != "cpu" or not cache_bytes.is_contiguous():
+        raise ValueError("block_rows needs a contiguous CPU cache")
+    shape = cache_bytes.shape
+    return cache_bytes.numpy().reshape(shape[0] * shape[1], shape[2], -1)
+
+
+def copy_runs(dst: np.ndarray, src: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> None:
+    """Copy (src_start, dst_start, count) block runs between two `block_rows()` views.
+
+    One numpy assignment per run is the fastest way measured here (2-core VM, 1024 scattered
+    64 KiB blocks, 64 MiB): 5.7 ms, against 15.8 ms for numpy fancy indexing (a gather into a
+    temporary, then a scatter), 43-70 ms for torch index_select + index_copy_ (byte-wise
+    kernels; chunking through a cache-sized staging buffer does not help), ~2x for
+    ctypes.memmove per row and 1.5x for torch copy_ per run. The loop itself costs ~0.5 us
+    per run; the rest of a scattered copy's gap to a contiguous one (~5.2 vs 3.2 us per
+    block) is the memory system starting fresh 8 KiB streams for every block and layer,
+    which neither sorting the runs by address nor 2 MiB pages changed."""
+    for s, d, n in runs:
+        dst[:, d:d + n] = src[:, s:s + n]
 
 
 def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
                 src_ids: Sequence[int]) -> None:
     """Copy block bytes src[:, :, src_ids] -> dst[:, :, dst_ids] (byte views)."""
-    views = _host_views(dst, src)
-    d, s_ = views if views is not None else (dst, src)
-    for s, di, n in coalesce(src_ids, dst_ids):
-        if views is not None:
-            d[:, :, di:di + n] = s_[:, :, s:s + n]
-        else:
-            d[:, :, di:di + n].copy_(s_[:, :, s:s + n])
+    runs = coalesce(src_ids, dst_ids)
+    if dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous() \
+            and src.is_contiguous():
+        copy_runs(block_rows(dst), block_rows(src), runs)
+        return
+    for s, d, n in runs:
+        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
 
 
 def pack_blocks(src: torch.Tensor, ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
@@ -127,7 +149,7 @@ def unpack_blocks(dst: torch.Tensor, ids: Sequence[int], packed: torch.Tensor) -
     copy_blocks(dst, ids, packed, range(len(ids)))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Record:
     """Book-keeping of one transfer on one side."""
 
@@ -144,8 +166,12 @@ class Record:
     # Held while this transfer reads or writes cache memory, so that expiry and abort wait
     # for an in-progress copy instead of racing it.
     mem_lock: threading.Lock = field(default_factory=threading.Lock)
-    done: threading.Event = field(default_factory=threading.Event)
-    cancel: threading.Event = field(default_factory=threading.Event)
+    # Set (under the transport's condition, which is then notified) once abort or expiry
+    # starts. A flag, and `done` an Event made only when someone has to sleep on it: an
+    # Event per transfer was a visible part of a small transfer's fixed cost, and most
+    # shm transfers are terminal before anyone waits.
+    cancelled: bool = False
+    done: Optional[threading.Event] = None
     extra: dict = field(default_factory=dict)
 
     def handle(self) -> TransferHandle:
@@ -246,7 +272,8 @@ class TransportCore(KVTransport):
             if rec.status.is_terminal:
                 return False
             rec.status, rec.error, rec.t_end = status, error, time.monotonic()
-            rec.done.set()
+            if rec.done is not None:
+                rec.done.set()
             self._cond.notify_all()
             return True
 
@@ -257,9 +284,14 @@ class TransportCore(KVTransport):
 
     def _terminate(self, rec: Record, status: TransferStatus, error: str) -> None:
         """Fail/abort from outside the data path; waits for an in-progress memory copy."""
-        rec.cancel.set()
+        self._cancel(rec)
         with rec.mem_lock:
             self._finish(rec, status, error)
+
+    def _cancel(self, rec: Record) -> None:
+        with self._cond:
+            rec.cancelled = True
+            self._cond.notify_all()
 
     def _refresh(self, rec: Record) -> None:
         """Hook: pull status kept outside this process (shared memory) into `rec`."""
@@ -279,6 +311,8 @@ class TransportCore(KVTransport):
 
     def wait(self, handle: TransferHandle, timeout_s: Optional[float] = None) -> TransferResult:
         rec = self._record(handle)
+        if rec.status.is_terminal:  # e.g. an shm send that copied inline: nothing to refresh
+            return rec.result()
         give_up = None if timeout_s is None else time.monotonic() + max(0.0, float(timeout_s))
         slice_s = 0.0002
         while True:
@@ -292,6 +326,11 @@ class TransportCore(KVTransport):
             until = rec.deadline if give_up is None else min(rec.deadline, give_up)
             # Short growing slices: some completions are only visible by polling (shared
             # memory written by another process); local completions set `done` at once.
+            with self._cond:
+                if rec.status.is_terminal:
+                    continue
+                if rec.done is None:
+                    rec.done = threading.Event()
             rec.done.wait(max(0.0, min(until - now, slice_s)) + 1e-4)
             slice_s = min(slice_s * 2, 0.005)
 

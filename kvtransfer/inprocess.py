@@ -90,17 +90,19 @@ class InProcessTransport(TransportCore):
         if self._fault == "fail":
             self._finish(rec, TransferStatus.FAILED, "injected fault: transfer failed")
             return
-        if self._fault == "delay" and rec.cancel.wait(self._fault_delay_s):
-            return
+        if self._fault == "delay":
+            with self._cond:
+                if self._cond.wait_for(lambda: rec.cancelled, timeout=self._fault_delay_s):
+                    return
         dst = rec.extra["dst"]
         with peer._cond:
             peer._cond.wait_for(
-                lambda: peer._get(rec.transfer_id, Role.RECV) is not None or rec.cancel.is_set()
+                lambda: peer._get(rec.transfer_id, Role.RECV) is not None or rec.cancelled
                 or peer._closed,
                 timeout=max(0.0, rec.deadline - time.monotonic()),
             )
             target = peer._get(rec.transfer_id, Role.RECV)
-        if rec.cancel.is_set():
+        if rec.cancelled:
             return
         if target is None:
             self._finish(rec, TransferStatus.FAILED,

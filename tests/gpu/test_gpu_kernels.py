@@ -18,7 +18,7 @@ def test_auto_dispatch_uses_triton_on_cuda():
     from kernels import ops
 
     assert ops.backend_for(torch.zeros(1, device="cuda")) == "triton"
-    assert ops.backend_for(torch.zeros(1)) == "reference"
+    assert ops.backend_for(torch.zeros(1)) == "native"
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])

@@ -12,10 +12,10 @@ from kernel_testlib import DEVICE, randn
 def test_backend_selection(monkeypatch):
     cpu = torch.zeros(1)
     monkeypatch.delenv("BATON_KERNELS", raising=False)
-    assert ops.backend_for(cpu) == "reference"
+    assert ops.backend_for(cpu) == "native"
     monkeypatch.setenv("BATON_KERNELS", "auto")
-    assert ops.backend_for(cpu) == "reference"
-    assert ops.backend_for(torch.zeros(1, device=DEVICE)) == ("triton" if DEVICE.type == "cuda" else "reference")
+    assert ops.backend_for(cpu) == "native"
+    assert ops.backend_for(torch.zeros(1, device=DEVICE)) == ("triton" if DEVICE.type == "cuda" else "native")
     monkeypatch.setenv("BATON_KERNELS", "triton")
     assert ops.backend_for(torch.zeros(1, device=DEVICE)) == "triton"
     monkeypatch.setenv("BATON_KERNELS", "Reference")

@@ -1,0 +1,175 @@
+// Paged decode attention for CPU tensors: one query token per sequence, K/V read in place from the
+// paged cache (no gather copy), softmax in float32. Built at first use by kernels/cpu_native.py
+// (plain C ABI, no torch headers, so it compiles in about a second) and called through ctypes.
+//
+// Layout: q and out [B, Hq, D] with the given batch/head strides and unit stride over D;
+// k_cache and v_cache contiguous [num_blocks, block_size, Hk, D]; block_tables [B, *] int32 with
+// row stride bt_stride; context_lens [B] int32. One sequence per work item: each token's K/V row
+// (all kv heads, contiguous) is read and widened once for every query head.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFp8E4M3 = 2 };
+
+inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);                   // round to nearest even, as torch does
+    return uint16_t(bits >> 16);
+}
+
+// A cache element type and how to widen it to float32. FP8 goes through a 256-entry table that
+// already holds the layer's K or V scale. Dot products read the cache in place through a typed
+// pointer (no widened copy), which lets them vectorize straight off the pages.
+template <int KIND> struct Elem;
+template <> struct Elem<kFloat32> {
+    using T = float;
+    static float get(const T* p, int i, const float*) { return p[i]; }
+};
+template <> struct Elem<kBFloat16> {
+    using T = uint16_t;
+    static float get(const T* p, int i, const float*) { return bf16_to_float(p[i]); }
+};
+template <> struct Elem<kFp8E4M3> {
+    using T = uint8_t;
+    static float get(const T* p, int i, const float* table) { return table[p[i]]; }
+};
+
+struct Args {
+    const void* q; int64_t q_stride_b, q_stride_h; int q_dtype;
+    const void* k_cache; const void* v_cache; int64_t num_blocks;
+    const float* k_fp8_table; const float* v_fp8_table;
+    const int32_t* block_tables; int64_t bt_stride, max_blocks_per_seq; const int32_t* context_lens;
+    void* out; int64_t out_stride_b, out_stride_h;
+    int64_t B; int Hq, Hk, D, block_size; float scale; int num_threads;
+};
+
+template <int KV>
+void attend(const Args& a) {
+    using T = typename Elem<KV>::T;
+    const T* k_cache = static_cast<const T*>(a.k_cache);
+    const T* v_cache = static_cast<const T*>(a.v_cache);
+    const int G = a.Hq / a.Hk, D = a.D, Hq = a.Hq;
+    const int64_t row_len = int64_t(a.Hk) * D;  // one token's K (or V), every kv head: contiguous
+    const int64_t max_ctx = a.max_blocks_per_seq * a.block_size;
+    const int shift = __builtin_ctz(unsigned(a.block_size));
+    const int64_t in_block = a.block_size - 1;
+    auto first_row = [&](int64_t page) -> int64_t {
+        return (page < 0 || page >= a.num_blocks ? 0 : page) << shift;  // garbage ids must not read out of bounds
+    };
+
+#pragma omp parallel num_threads(a.num_threads)
+    {
+        std::vector<float> qf(size_t(Hq) * D), acc(size_t(Hq) * D), scores, inv_sum(Hq);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < a.B; ++b) {
+            int64_t ctx = a.context_lens[b];
+            if (ctx > max_ctx) ctx = max_ctx;  // a bad length must not read past the block table
+            const int32_t* table = a.block_tables + b * a.bt_stride;
+            for (int h = 0; h < Hq; ++h) {
+                const int64_t base = b * a.q_stride_b + int64_t(h) * a.q_stride_h;
+                float* qh = &qf[size_t(h) * D];
+                if (a.q_dtype == kFloat32) {
+                    const float* src = static_cast<const float*>(a.q) + base;
+                    for (int d = 0; d < D; ++d) qh[d] = src[d] * a.scale;
+                } else {
+                    const uint16_t* src = static_cast<const uint16_t*>(a.q) + base;
+                    for (int d = 0; d < D; ++d) qh[d] = bf16_to_float(src[d]) * a.scale;
+                }
+            }
+            scores.resize(size_t(Hq) * ctx);
+
+            // Pass 1: scores[h][t] = q_h . k_t (query head h reads kv head h / G). Tokens are walked
+            // with shifts and masks: a division per token costs as much as its dot products.
+            int64_t row0 = 0;
+            for (int64_t t = 0; t < ctx; ++t) {
+                if ((t & in_block) == 0) row0 = first_row(table[t >> shift]);
+                const int64_t k_off = (row0 + (t & in_block)) * row_len;
+                for (int h = 0; h < Hq; ++h) {
+                    const float* qh = &qf[size_t(h) * D];
+                    const T* kh = k_cache + k_off + int64_t(h / G) * D;
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                    for (int d = 0; d < D; ++d) s += qh[d] * Elem<KV>::get(kh, d, a.k_fp8_table);
+                    scores[size_t(h) * ctx + t] = s;
+                }
+            }
+            for (int h = 0; h < Hq; ++h) {
+                float* sh = &scores[size_t(h) * ctx];
+                float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+                for (int64_t t = 0; t < ctx; ++t) m = sh[t] > m ? sh[t] : m;
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < ctx; ++t) {
+                    sh[t] = std::exp(sh[t] - m);
+                    sum += sh[t];
+                }
+                inv_sum[h] = 1.0f / sum;  // sum >= 1: the maximum contributes exp(0)
+            }
+            // Pass 2: out_h = sum_t p[h][t] v_t / sum
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            for (int64_t t = 0; t < ctx; ++t) {
+                if ((t & in_block) == 0) row0 = first_row(table[t >> shift]);
+                const int64_t v_off = (row0 + (t & in_block)) * row_len;
+                for (int h = 0; h < Hq; ++h) {
+                    const float p = scores[size_t(h) * ctx + t];
+                    const T* vh = v_cache + v_off + int64_t(h / G) * D;
+                    float* ah = &acc[size_t(h) * D];
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) ah[d] += p * Elem<KV>::get(vh, d, a.v_fp8_table);
+                }
+            }
+            for (int h = 0; h < Hq; ++h) {
+                const float* ah = &acc[size_t(h) * D];
+                const int64_t base = b * a.out_stride_b + int64_t(h) * a.out_stride_h;
+                if (a.q_dtype == kFloat32) {
+                    float* o = static_cast<float*>(a.out) + base;
+                    for (int d = 0; d < D; ++d) o[d] = ah[d] * inv_sum[h];
+                } else {
+                    uint16_t* o = static_cast<uint16_t*>(a.out) + base;
+                    for (int d = 0; d < D; ++d) o[d] = float_to_bf16(ah[d] * inv_sum[h]);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// Returns 0, or 1 for bad geometry / dtype, 2 for a context length below 1.
+extern "C" int baton_paged_decode_attention(
+    const void* q, int64_t q_stride_b, int64_t q_stride_h, int q_dtype,
+    const void* k_cache, const void* v_cache, int kv_dtype, int64_t num_blocks,
+    const float* k_fp8_table, const float* v_fp8_table,
+    const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks_per_seq, const int32_t* context_lens,
+    void* out, int64_t out_stride_b, int64_t out_stride_h,
+    int64_t B, int Hq, int Hk, int D, int block_size,
+    float scale, int num_threads) {
+    if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || block_size <= 0 || (block_size & (block_size - 1)) != 0) return 1;
+    if (q_dtype != kFloat32 && q_dtype != kBFloat16) return 1;
+    for (int64_t b = 0; b < B; ++b)
+        if (context_lens[b] < 1) return 2;
+    const Args a{q, q_stride_b, q_stride_h, q_dtype, k_cache, v_cache, num_blocks, k_fp8_table, v_fp8_table,
+                 block_tables, bt_stride, max_blocks_per_seq, context_lens, out, out_stride_b, out_stride_h,
+                 B, Hq, Hk, D, block_size, scale, num_threads};
+    switch (kv_dtype) {
+        case kFloat32: attend<kFloat32>(a); return 0;
+        case kBFloat16: attend<kBFloat16>(a); return 0;
+        case kFp8E4M3: attend<kFp8E4M3>(a); return 0;
+        default: return 1;
+    }
+}
