@@ -80,8 +80,9 @@ def machine_info() -> dict:
 
 
 # ---- Baton ---------------------------------------------------------------------------------
-def run_baton(model_dir, reqs, concurrency: int, kv_cache_memory: int) -> dict:
-    engine = LLMEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=concurrency, kv_cache_memory=kv_cache_memory))
+def run_baton(model_dir, reqs, concurrency: int, kv_cache_memory: int, dtype: str = "float32") -> dict:
+    engine = LLMEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=concurrency, kv_cache_memory=kv_cache_memory,
+                                                              dtype=dtype))
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.generate([[101 + i for i in range(40)], [201 + i for i in range(20)]], warm)
     prompts = [p for p, _ in reqs]
@@ -102,10 +103,10 @@ def run_baton(model_dir, reqs, concurrency: int, kv_cache_memory: int) -> dict:
 
 
 # ---- transformers --------------------------------------------------------------------------
-def load_hf(model_dir):
+def load_hf(model_dir, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None  # same as ignore_eos: always the requested length
     return model
 
@@ -171,6 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[8, 32])
     ap.add_argument("--skip-hf-batched", action="store_true")
     ap.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="bytes of KV cache for Baton")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights and activations, the same for Baton and transformers")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, nproc)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "engine_throughput.json"))
     args = ap.parse_args(argv)
@@ -237,7 +240,7 @@ def main(argv=None) -> int:
             "torch_threads": threads,
             "model": str(model_dir),
             "model_name": Path(model_dir).name,
-            "dtype": "float32",
+            "dtype": args.dtype,
             "workload": {
                 "num_requests": len(reqs), "seed": SEED,
                 "prompt_tokens": {"range": list(PROMPT_RANGE), "total": sum(prompt_lens), "mean": sum(prompt_lens) / len(reqs)},
@@ -249,9 +252,10 @@ def main(argv=None) -> int:
                 "sampling": "greedy (temperature 0), ignore_eos: each request yields exactly its requested tokens",
             },
             "notes": [
-                "Baton: all requests added at once, EngineConfig(max_num_seqs=C, kv_cache_memory=%d), fresh engine per C; "
-                "engine construction not timed; a 2-request warm-up precedes each timed run." % args.kv_cache_memory,
-                "transformers: AutoModelForCausalLM float32, generate(do_sample=False, eos_token_id=None, "
+                f"Baton: all requests added at once, EngineConfig(max_num_seqs=C, kv_cache_memory={args.kv_cache_memory}, "
+                f"dtype={args.dtype}), fresh engine per C; "
+                "engine construction not timed; a 2-request warm-up precedes each timed run.",
+                f"transformers: AutoModelForCausalLM {args.dtype}, generate(do_sample=False, eos_token_id=None, "
                 "min_new_tokens=max_new_tokens), one warm-up call.",
                 "transformers padded batches: requests in order, left padding + attention mask, each batch generates up to "
                 "its longest requested output (generated_tokens_incl_padding); only each request's requested tokens count "
@@ -280,13 +284,13 @@ def main(argv=None) -> int:
         sub = reqs[:n_seq] if c == 1 else reqs
         log(f"Baton, max_num_seqs={c}, {len(sub)} requests ...")
         results[f"baton_c{c}"] = {"system": "baton", "concurrency": c, "requests": len(sub),
-                                  **run_baton(model_dir, sub, c, args.kv_cache_memory), "loadavg_after": loadavg()}
+                                  **run_baton(model_dir, sub, c, args.kv_cache_memory, args.dtype), "loadavg_after": loadavg()}
         log(f"  {results[f'baton_c{c}']['tok_s']:.1f} tok/s")
 
     def hf_seq_job():
         nonlocal hf
         if hf is None:
-            hf = load_hf(model_dir)
+            hf = load_hf(model_dir, args.dtype)
         log(f"transformers sequential, {n_seq} of {len(reqs)} requests ...")
         results["hf_sequential"] = {"system": "transformers", "concurrency": 1, "requests": n_seq,
                                     **run_hf_sequential(hf, reqs[:n_seq]), "loadavg_after": loadavg()}
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
     def hf_batch_job(b):
         nonlocal hf
         if hf is None:
-            hf = load_hf(model_dir)
+            hf = load_hf(model_dir, args.dtype)
         log(f"transformers padded batches of {b}, {len(reqs)} requests ...")
         results[f"hf_batch{b}"] = {"system": "transformers", "concurrency": b, "requests": len(reqs),
                                    **run_hf_batched(hf, reqs, b), "loadavg_after": loadavg()}

@@ -22,6 +22,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,8 @@ def _build(name: str) -> ctypes.CDLL | None:
         log.warning("no C++ compiler found: the %s CPU kernel falls back to PyTorch", name)
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode())
+    headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity()]).encode())
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -82,3 +86,24 @@ def load(name: str) -> ctypes.CDLL | None:
     if not enabled():
         return None
     return _build(name)
+
+
+# Dtype codes the sources share (kernels/csrc/baton_cpu.h).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+I32, I64, F32, PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+@functools.lru_cache(maxsize=None)
+def _function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | None:
+    lib = _build(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes = list(argtypes)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | None:
+    """`symbol` from kernels/csrc/{name}.cpp with its ctypes signature (it returns an int status), or None."""
+    return _function(name, symbol, argtypes) if enabled() else None

@@ -12,7 +12,6 @@ every sequence's K/V into a padded copy first, which costs more than the attenti
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -74,21 +73,14 @@ def _attend_padded(q, k_cache, v_cache, block_tables, lens, scale, k_scale, v_sc
     return out.reshape(B, hq, d).to(q.dtype)
 
 
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _NATIVE_ERRORS = {1: "bad head or block geometry", 2: "context_lens must be >= 1"}
+_I64, _I32, _PTR = cpu_native.I64, cpu_native.I32, cpu_native.PTR
+_NATIVE_ARGS = (_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64,
+                _I64, _I32, _I32, _I32, _I32, cpu_native.F32, _I32)
 
 
-@functools.lru_cache(maxsize=1)
 def _native_fn():
-    lib = cpu_native.load("paged_decode_attention")
-    if lib is None:
-        return None
-    fn = lib.baton_paged_decode_attention
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64,
-                   i64, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = i32
-    return fn
+    return cpu_native.function("paged_decode_attention", "baton_paged_decode_attention", _NATIVE_ARGS)
 
 
 def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -123,8 +115,8 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     k_table = _scaled_fp8_table(k_scale) if fp8 else None
     v_table = _scaled_fp8_table(v_scale) if fp8 else None
     err = fn(
-        q.data_ptr(), q.stride(0), q.stride(1), _NATIVE_DTYPES[q.dtype],
-        k_cache.data_ptr(), v_cache.data_ptr(), _NATIVE_DTYPES[k_cache.dtype], nb,
+        q.data_ptr(), q.stride(0), q.stride(1), cpu_native.DTYPE_CODES[q.dtype],
+        k_cache.data_ptr(), v_cache.data_ptr(), cpu_native.DTYPE_CODES[k_cache.dtype], nb,
         k_table.data_ptr() if fp8 else None, v_table.data_ptr() if fp8 else None,
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_native
 from kernels._checks import (FLOAT_DTYPES, FP8_MAX, check_kv_cache, check_last_dim_contiguous, check_same_device,
                              check_scale, check_tensor, is_fp8, require)
 from kernels._triton_compat import lazy_jit, next_pow2, tl
@@ -47,6 +48,38 @@ def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale: floa
             flat.view(torch.uint8)[slots] = rows.view(torch.uint8)
         else:
             flat[slots] = rows
+
+
+_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.I64,
+                cpu_native.PTR, cpu_native.PTR, cpu_native.PTR, cpu_native.I64, cpu_native.I32, cpu_native.I32,
+                cpu_native.I64, cpu_native.I32)
+
+
+def _native_fn():
+    return cpu_native.function("kv_store", "baton_store_kv", _NATIVE_ARGS)
+
+
+def native_available(key, k_cache) -> bool:
+    """Whether store_kv_cpu handles these tensors (CPU, cache of key's float dtype, built library);
+    FP8 caches need quantizing and stay on the reference."""
+    return (k_cache.device.type == "cpu" and not is_fp8(k_cache.dtype) and k_cache.dtype == key.dtype
+            and _native_fn() is not None)
+
+
+def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """The native CPU kernel (kernels/csrc/kv_store.cpp); same contract as the reference."""
+    _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    require(native_available(key, k_cache), f"no native CPU store_kv for {key.dtype} into a {k_cache.dtype} cache")
+    check_last_dim_contiguous(key, "key")
+    check_last_dim_contiguous(value, "value")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    nb, bs, hk, d = k_cache.shape
+    err = _native_fn()(
+        key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0], hk, d, nb * bs, key.element_size(),
+    )
+    require(err == 0, f"slot_mapping has a slot past the cache's {nb * bs} slots"
+            if err == 2 else f"native store_kv failed with status {err}")
 
 
 @lazy_jit

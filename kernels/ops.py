@@ -2,9 +2,10 @@
 
 `BATON_KERNELS` (read at each call) forces the choice: `auto` (default), `triton` (also on CPU
 tensors, which needs `TRITON_INTERPRET=1`; that is how the tests check the kernels), or
-`reference`. The references are the production CPU path, not just test oracles, except for
-decode attention: in `auto` mode CPU tensors go to its native kernel (kernels/cpu_native.py)
-when it can be built.
+`reference`. In `auto` mode CPU tensors go to a native C++ kernel (kernels/cpu_native.py) where
+there is one and it can be built: decode attention, RMSNorm, rotary embedding and the KV store.
+Every other op, and every op without a compiler, runs its PyTorch reference, which is therefore
+production code, not just a test oracle.
 """
 
 from __future__ import annotations
@@ -48,12 +49,24 @@ def backend_for(tensor: torch.Tensor) -> str:
 
 
 def rms_norm(x, weight, eps: float, residual=None):
-    fn = _rms_norm.rms_norm_triton if backend_for(x) == "triton" else _rms_norm.rms_norm_reference
+    backend = backend_for(x)
+    if backend == "triton":
+        fn = _rms_norm.rms_norm_triton
+    elif backend == "native" and _rms_norm.native_available(x, weight):
+        fn = _rms_norm.rms_norm_cpu
+    else:
+        fn = _rms_norm.rms_norm_reference
     return fn(x, weight, eps, residual)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache) -> None:
-    fn = rotary.rotary_embedding_triton if backend_for(q) == "triton" else rotary.rotary_embedding_reference
+    backend = backend_for(q)
+    if backend == "triton":
+        fn = rotary.rotary_embedding_triton
+    elif backend == "native" and rotary.native_available(q):
+        fn = rotary.rotary_embedding_cpu
+    else:
+        fn = rotary.rotary_embedding_reference
     fn(positions, q, k, cos_sin_cache)
 
 
@@ -63,7 +76,13 @@ def silu_and_mul(x):
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    fn = kv_store.store_kv_triton if backend_for(k_cache) == "triton" else kv_store.store_kv_reference
+    backend = backend_for(k_cache)
+    if backend == "triton":
+        fn = kv_store.store_kv_triton
+    elif backend == "native" and kv_store.native_available(key, k_cache):
+        fn = kv_store.store_kv_cpu
+    else:
+        fn = kv_store.store_kv_reference
     fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 

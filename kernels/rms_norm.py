@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_native
 from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor, require
 from kernels._triton_compat import lazy_jit, next_pow2, tl
 
@@ -31,6 +32,45 @@ def rms_norm_reference(x, weight, eps: float, residual=None):
         return _norm(x, weight, eps)
     s = x + residual
     return _norm(s, weight, eps), s
+
+
+_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I32,
+                cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I64,
+                cpu_native.F32, cpu_native.I32, cpu_native.I32)
+_NATIVE_MAX_HIDDEN = 8192  # the kernel keeps one row on its stack
+
+
+def _native_fn():
+    return cpu_native.function("rms_norm", "baton_rms_norm", _NATIVE_ARGS)
+
+
+def native_available(x, weight) -> bool:
+    """Whether rms_norm_cpu handles these tensors (CPU float32/bfloat16, hidden size <= 8192, built library)."""
+    native = (torch.float32, torch.bfloat16)
+    return (x.device.type == "cpu" and x.dtype in native and weight.dtype in native
+            and x.shape[-1] <= _NATIVE_MAX_HIDDEN and _native_fn() is not None)
+
+
+def rms_norm_cpu(x, weight, eps: float, residual=None):
+    """The native CPU kernel (kernels/csrc/rms_norm.cpp); same contract as the reference."""
+    _check(x, weight, eps, residual)
+    require(native_available(x, weight), f"no native CPU rms_norm for x {x.dtype} / weight {weight.dtype} on {x.device}")
+    check_last_dim_contiguous(x, "x")
+    weight = weight.contiguous()
+    T, H = x.shape
+    out = torch.empty((T, H), dtype=x.dtype)
+    summed = None
+    if residual is not None:
+        check_last_dim_contiguous(residual, "residual")
+        summed = torch.empty((T, H), dtype=x.dtype)
+    err = _native_fn()(
+        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), weight.data_ptr(), cpu_native.DTYPE_CODES[weight.dtype],
+        out.data_ptr(), out.stride(0), None if summed is None else summed.data_ptr(), H, T, H, float(eps),
+        cpu_native.DTYPE_CODES[x.dtype], torch.get_num_threads(),
+    )
+    require(err == 0, f"native rms_norm failed with status {err}")
+    return out if residual is None else (out, summed)
 
 
 @lazy_jit

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from kernels import cpu_native
 from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor, require
 from kernels._triton_compat import cdiv, lazy_jit, next_pow2, tl
 
@@ -77,6 +78,38 @@ def rotary_embedding_reference(positions, q, k, cos_sin_cache) -> None:
         o2 = x2 * cos + x1 * sin
         t[..., :half] = o1.to(t.dtype)
         t[..., half:] = o2.to(t.dtype)
+
+
+_NATIVE_ARGS = (cpu_native.PTR, cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I32,
+                cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I32, cpu_native.I32,
+                cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I32, cpu_native.I32)
+
+
+def _native_fn():
+    return cpu_native.function("rotary", "baton_rotary", _NATIVE_ARGS)
+
+
+def native_available(q) -> bool:
+    """Whether rotary_embedding_cpu handles q (CPU float32/bfloat16, built library)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and _native_fn() is not None
+
+
+def rotary_embedding_cpu(positions, q, k, cos_sin_cache) -> None:
+    """The native CPU kernel (kernels/csrc/rotary.cpp), in place; same contract as the reference."""
+    _check(positions, q, k, cos_sin_cache)
+    require(native_available(q), f"no native CPU rotary embedding for {q.dtype} on {q.device}")
+    check_last_dim_contiguous(q, "q")
+    check_last_dim_contiguous(k, "k")
+    positions = positions.to(torch.int64).contiguous()
+    cos_sin_cache = cos_sin_cache.contiguous()
+    T, hq, d = q.shape
+    err = _native_fn()(
+        positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), hq, k.data_ptr(), k.stride(0), k.stride(1),
+        k.shape[1], d, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], T, cpu_native.DTYPE_CODES[q.dtype],
+        torch.get_num_threads(),
+    )
+    require(err == 0, f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache length)"
+            if err == 2 else f"native rotary failed with status {err}")
 
 
 @lazy_jit

@@ -12,24 +12,11 @@
 #include <cstring>
 #include <vector>
 
+#include "baton_cpu.h"
+
 namespace {
 
-enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFp8E4M3 = 2 };
-
-inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);                   // round to nearest even, as torch does
-    return uint16_t(bits >> 16);
-}
+using namespace baton;
 
 // A cache element type and how to widen it to float32. FP8 goes through a 256-entry table that
 // already holds the layer's K or V scale. Dot products read the cache in place through a typed
@@ -57,12 +44,14 @@ struct Args {
     int64_t B; int Hq, Hk, D, block_size; float scale; int num_threads;
 };
 
-template <int KV>
+// DIM > 0 fixes the head dim at compile time (64 and 128 cover most models): the dot products then
+// unroll into a few full-width vector FMAs with no remainder loop. DIM == 0 reads it from a.D.
+template <int KV, int DIM>
 void attend(const Args& a) {
     using T = typename Elem<KV>::T;
     const T* k_cache = static_cast<const T*>(a.k_cache);
     const T* v_cache = static_cast<const T*>(a.v_cache);
-    const int G = a.Hq / a.Hk, D = a.D, Hq = a.Hq;
+    const int G = a.Hq / a.Hk, D = DIM > 0 ? DIM : a.D, Hq = a.Hq;
     const int64_t row_len = int64_t(a.Hk) * D;  // one token's K (or V), every kv head: contiguous
     const int64_t max_ctx = a.max_blocks_per_seq * a.block_size;
     const int shift = __builtin_ctz(unsigned(a.block_size));
@@ -148,6 +137,13 @@ void attend(const Args& a) {
     }
 }
 
+template <int KV>
+void dispatch_dim(const Args& a) {
+    if (a.D == 64) attend<KV, 64>(a);
+    else if (a.D == 128) attend<KV, 128>(a);
+    else attend<KV, 0>(a);
+}
+
 }  // namespace
 
 // Returns 0, or 1 for bad geometry / dtype, 2 for a context length below 1.
@@ -167,9 +163,9 @@ extern "C" int baton_paged_decode_attention(
                  block_tables, bt_stride, max_blocks_per_seq, context_lens, out, out_stride_b, out_stride_h,
                  B, Hq, Hk, D, block_size, scale, num_threads};
     switch (kv_dtype) {
-        case kFloat32: attend<kFloat32>(a); return 0;
-        case kBFloat16: attend<kBFloat16>(a); return 0;
-        case kFp8E4M3: attend<kFp8E4M3>(a); return 0;
+        case kFloat32: dispatch_dim<kFloat32>(a); return 0;
+        case kBFloat16: dispatch_dim<kBFloat16>(a); return 0;
+        case kFp8E4M3: dispatch_dim<kFp8E4M3>(a); return 0;
         default: return 1;
     }
 }

@@ -110,3 +110,79 @@ def test_library_is_cached_per_source(tmp_path, monkeypatch):
         assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not rebuilt
     finally:
         cpu_native._build.cache_clear()
+
+
+# ---- RMSNorm, rotary embedding, KV store -------------------------------------------------------
+from kernels.kv_store import store_kv_cpu, store_kv_reference  # noqa: E402
+from kernels.rms_norm import rms_norm_cpu, rms_norm_reference  # noqa: E402
+from kernels.rotary import build_rope_cache, rotary_embedding_cpu, rotary_embedding_reference  # noqa: E402
+from kernel_testlib import TOL  # noqa: E402
+from test_kernel_norm_act import hf_llama_rms_norm  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("T,H", [(1, 64), (7, 576), (3, 1000)])
+def test_native_rms_norm_matches_reference(dtype, w_dtype, T, H):
+    big = randn(T, 2 * H, dtype=dtype)
+    x = big[:, :H]  # row stride 2H, as a slice of a wider activation
+    r, w = randn(T, H, dtype=dtype, seed=1), randn(H, dtype=w_dtype, seed=2)
+    assert_close(rms_norm_cpu(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+    out, summed = rms_norm_cpu(x, w, 1e-5, residual=r)
+    out_ref, summed_ref = rms_norm_reference(x, w, 1e-5, residual=r)
+    assert torch.equal(summed, summed_ref)  # the residual stream is exact: one rounding of x + r
+    assert_close(out, out_ref)
+    assert out.dtype == summed.dtype == dtype
+
+
+def test_native_rms_norm_matches_hf_formula_in_float32():
+    x, w = randn(5, 576), randn(576, seed=1)
+    torch.testing.assert_close(rms_norm_cpu(x, w, 1e-5), hf_llama_rms_norm(x, w, 1e-5), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,D", [(9, 3, 64), (4, 4, 128), (2, 1, 32)])
+def test_native_rotary_matches_reference(dtype, hq, hk, D):
+    T = 6
+    cache = build_rope_cache(D, 512, 10000.0, None)
+    positions = torch.tensor([0, 1, 17, 200, 511, 3])
+    qkv = randn(T, (hq + 2 * hk) * D, dtype=dtype)  # q and k as views of the fused projection
+    q, k = qkv[:, : hq * D].view(T, hq, D), qkv[:, hq * D : (hq + hk) * D].view(T, hk, D)
+    q2, k2 = q.clone(), k.clone()
+    v_before = qkv[:, (hq + hk) * D :].clone()
+    rotary_embedding_cpu(positions, q, k, cache)
+    rotary_embedding_reference(positions, q2, k2, cache)
+    assert_close(q, q2, tol=TOL)
+    assert_close(k, k2, tol=TOL)
+    assert torch.equal(qkv[:, (hq + hk) * D :], v_before)  # v, beside k in the same rows, untouched
+
+
+def test_native_rotary_rejects_positions_past_the_cache():
+    cache = build_rope_cache(64, 16, 10000.0, None)
+    q, k = randn(2, 2, 64), randn(2, 1, 64)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 16\)"):
+        rotary_embedding_cpu(torch.tensor([3, 16]), q, k, cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_store_kv_matches_reference_bit_for_bit(dtype):
+    nb, bs, hk, D, T = 6, 4, 3, 64, 7
+    kv = randn(T, 2 * hk * D, dtype=dtype)
+    key, value = kv[:, : hk * D].view(T, hk, D), kv[:, hk * D :].view(T, hk, D)
+    slots = torch.tensor([0, 5, -1, 23, 9, -1, 10])
+    k1 = torch.zeros(nb, bs, hk, D, dtype=dtype)
+    v1, k2, v2 = k1.clone(), k1.clone(), k1.clone()
+    store_kv_cpu(key, value, k1, v1, slots)
+    store_kv_reference(key, value, k2, v2, slots)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert torch.equal(k1[5, 3], key[3]) and k1.count_nonzero() == 5 * hk * D
+
+
+def test_native_store_kv_rejects_slots_past_the_cache_and_fp8():
+    k, v = torch.zeros(2, 4, 1, 64), torch.zeros(2, 4, 1, 64)
+    key = randn(1, 1, 64)
+    with pytest.raises(ValueError, match="slot past the cache's 8 slots"):
+        store_kv_cpu(key, key, k, v, torch.tensor([8]))
+    assert k.count_nonzero() == 0
+    with pytest.raises(ValueError, match="no native CPU store_kv"):
+        store_kv_cpu(key, key, k.to(FP8), v.to(FP8), torch.tensor([1]))
