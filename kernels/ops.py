@@ -3,7 +3,8 @@
 `BATON_KERNELS` (read at each call) forces the choice: `auto` (default), `triton` (also on CPU
 tensors, which needs `TRITON_INTERPRET=1`; that is how the tests check the kernels), or
 `reference`. In `auto` mode CPU tensors go to a native C++ kernel (kernels/cpu_native.py) where
-there is one and it can be built: decode attention, RMSNorm, rotary embedding and the KV store.
+there is one and it can be built: decode attention, RMSNorm, rotary embedding, SiLU-and-mul and
+the KV store.
 Every other op, and every op without a compiler, runs its PyTorch reference, which is therefore
 production code, not just a test oracle.
 """
@@ -71,7 +72,13 @@ def rotary_embedding(positions, q, k, cos_sin_cache) -> None:
 
 
 def silu_and_mul(x):
-    fn = silu_mul.silu_and_mul_triton if backend_for(x) == "triton" else silu_mul.silu_and_mul_reference
+    backend = backend_for(x)
+    if backend == "triton":
+        fn = silu_mul.silu_and_mul_triton
+    elif backend == "native" and silu_mul.native_available(x):
+        fn = silu_mul.silu_and_mul_cpu
+    else:
+        fn = silu_mul.silu_and_mul_reference
     return fn(x)
 
 

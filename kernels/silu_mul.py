@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_native
 from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, require
 from kernels._triton_compat import cdiv, lazy_jit, tl
 
@@ -19,6 +20,31 @@ def silu_and_mul_reference(x):
     # In float32, rounded once, as the kernel does; mul_ in place saves a [T, inter] temporary.
     gate = torch.nn.functional.silu(x[:, :inter].float())
     return gate.mul_(x[:, inter:]).to(x.dtype)
+
+
+_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I64,
+                cpu_native.I32, cpu_native.I32)
+
+
+def _native_fn():
+    return cpu_native.function("silu_mul", "baton_silu_and_mul", _NATIVE_ARGS)
+
+
+def native_available(x) -> bool:
+    """Whether silu_and_mul_cpu handles x (CPU float32/bfloat16, built library)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _native_fn() is not None
+
+
+def silu_and_mul_cpu(x):
+    """The native CPU kernel (kernels/csrc/silu_mul.cpp); same contract as the reference."""
+    inter = _check(x)
+    require(native_available(x), f"no native CPU silu_and_mul for {x.dtype} on {x.device}")
+    check_last_dim_contiguous(x, "x")
+    out = torch.empty((x.shape[0], inter), dtype=x.dtype)
+    err = _native_fn()(x.data_ptr(), x.stride(0), out.data_ptr(), inter, x.shape[0], inter,
+                       cpu_native.DTYPE_CODES[x.dtype], torch.get_num_threads())
+    require(err == 0, f"native silu_and_mul failed with status {err}")
+    return out
 
 
 @lazy_jit

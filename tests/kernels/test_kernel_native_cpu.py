@@ -186,3 +186,17 @@ def test_native_store_kv_rejects_slots_past_the_cache_and_fp8():
     assert k.count_nonzero() == 0
     with pytest.raises(ValueError, match="no native CPU store_kv"):
         store_kv_cpu(key, key, k.to(FP8), v.to(FP8), torch.tensor([1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,inter", [(1, 64), (9, 1536), (4, 100)])
+def test_native_silu_and_mul_matches_reference(dtype, T, inter):
+    from kernels.silu_mul import silu_and_mul_cpu, silu_and_mul_reference
+
+    x = randn(T, 2 * inter + 8, dtype=dtype, scale=3.0)[:, : 2 * inter]  # row stride past the row
+    out = silu_and_mul_cpu(x)
+    assert out.dtype == dtype and out.shape == (T, inter)
+    assert_close(out, silu_and_mul_reference(x))
+    gate, up = x[:, :inter].double(), x[:, inter:].double()  # float64 oracle, written out
+    torch.testing.assert_close(out.double(), gate / (1 + torch.exp(-gate)) * up, **(
+        {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}))
