@@ -32,6 +32,12 @@ def _fp8_table(device: torch.device) -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
 
 
+@functools.lru_cache(maxsize=64)
+def scaled_fp8_table(scale: float) -> torch.Tensor:
+    """float32 [256]: every float8_e4m3fn code's value times `scale` (the native CPU kernels' dequantizer)."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * scale
+
+
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, scale: float) -> torch.Tensor:
     """float32 [*block_ids.shape[:-1], n * block_size, Hk, D] from cache[block_ids], dequantized when FP8.
 

@@ -17,7 +17,7 @@ import functools
 import torch
 
 from kernels import cpu_native
-from kernels._attn_common import check_attention, gather_kv
+from kernels._attn_common import check_attention, gather_kv, scaled_fp8_table
 from kernels._checks import check_last_dim_contiguous, is_fp8, require
 from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
 
@@ -85,13 +85,8 @@ def _native_fn():
 
 def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention_cpu handles these tensors (CPU, float32/bfloat16 q, built library)."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+    return (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
             and k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and _native_fn() is not None)
-
-
-@functools.lru_cache(maxsize=64)
-def _scaled_fp8_table(scale: float) -> torch.Tensor:
-    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * scale
 
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float,
@@ -112,8 +107,8 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
         return out
     nb, bs, hk, _ = k_cache.shape
     fp8 = is_fp8(k_cache.dtype)
-    k_table = _scaled_fp8_table(k_scale) if fp8 else None
-    v_table = _scaled_fp8_table(v_scale) if fp8 else None
+    k_table = scaled_fp8_table(k_scale) if fp8 else None
+    v_table = scaled_fp8_table(v_scale) if fp8 else None
     err = fn(
         q.data_ptr(), q.stride(0), q.stride(1), cpu_native.DTYPE_CODES[q.dtype],
         k_cache.data_ptr(), v_cache.data_ptr(), cpu_native.DTYPE_CODES[k_cache.dtype], nb,

@@ -3,7 +3,7 @@
 `BATON_KERNELS` (read at each call) forces the choice: `auto` (default), `triton` (also on CPU
 tensors, which needs `TRITON_INTERPRET=1`; that is how the tests check the kernels), or
 `reference`. In `auto` mode CPU tensors go to a native C++ kernel (kernels/cpu_native.py) where
-there is one and it can be built: decode attention, RMSNorm, rotary embedding, SiLU-and-mul and
+there is one and it can be built: decode and prefill attention, RMSNorm, rotary embedding, SiLU-and-mul and
 the KV store.
 Every other op, and every op without a compiler, runs its PyTorch reference, which is therefore
 production code, not just a test oracle.
@@ -107,8 +107,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
                             k_scale: float = 1.0, v_scale: float = 1.0):
-    fn = (prefill_attention.paged_prefill_attention_triton if backend_for(q) == "triton"
-          else prefill_attention.paged_prefill_attention_reference)
+    backend = backend_for(q)
+    if backend == "triton":
+        fn = prefill_attention.paged_prefill_attention_triton
+    elif backend == "native" and prefill_attention.native_available(q, k_cache):
+        fn = prefill_attention.paged_prefill_attention_cpu
+    else:
+        fn = prefill_attention.paged_prefill_attention_reference
     return fn(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale)
 
 

@@ -2,6 +2,10 @@
 
 Chunked prefill and prefix caching both show up as a sequence whose first context tokens are
 already in the cache: query token j of sequence i sits at position context_len - q_len + j.
+
+On the CPU, `paged_prefill_attention_cpu` runs kernels/csrc/paged_prefill_attention.cpp (built on
+first use by kernels.cpu_native): it reads K/V in place from the pages, where the reference gathers
+and widens each sequence's context and then calls torch's flash kernel, which runs in float32.
 """
 
 from __future__ import annotations
@@ -9,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._attn_common import check_attention, gather_kv
+from kernels import cpu_native
+from kernels._attn_common import check_attention, gather_kv, scaled_fp8_table
 from kernels._checks import check_last_dim_contiguous, check_tensor, is_fp8, require
 from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
 
@@ -59,6 +64,64 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_s
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+_NATIVE_ERRORS = {1: "bad head geometry or dtype",
+                  2: "a sequence has more new tokens than context, or more context than its block table holds",
+                  3: "no specialisation for this block size / head dim"}
+_I64, _I32, _PTR = cpu_native.I64, cpu_native.I32, cpu_native.PTR
+_NATIVE_ARGS = (_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64,
+                _I64, _I32, _I32, _I32, _I32, cpu_native.F32, _I32)
+# (block_size, head_dim) pairs the kernel is compiled for; others use the reference.
+_NATIVE_SHAPES = {(16, 64), (16, 128)}
+
+
+def _native_fn():
+    return cpu_native.function("paged_prefill_attention", "baton_paged_prefill_attention", _NATIVE_ARGS)
+
+
+def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_prefill_attention_cpu handles these tensors (CPU, float32/bfloat16 q, a compiled
+    block size / head dim, built library)."""
+    return (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and k_cache.dim() == 4
+            and (k_cache.shape[1], k_cache.shape[3]) in _NATIVE_SHAPES and _native_fn() is not None)
+
+
+def paged_prefill_attention_cpu(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
+                                k_scale: float = 1.0, v_scale: float = 1.0):
+    """The native CPU kernel; same contract as the reference. Needs native_available(q, k_cache)."""
+    scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                     scale, k_scale, v_scale)
+    require(native_available(q, k_cache), f"no native CPU prefill attention for q {q.dtype}, cache {k_cache.dtype} "
+                                          f"{tuple(k_cache.shape)} (or the library could not be built)")
+    check_last_dim_contiguous(q, "q")
+    block_tables = block_tables.to(torch.int32)
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    T, hq, d = q.shape
+    out = torch.empty((T, hq, d), dtype=q.dtype)
+    B = context_lens.shape[0]
+    if T == 0 or B == 0:
+        return out
+    starts = query_start_loc.tolist()
+    require(starts[0] == 0 and starts[-1] == T, f"query_start_loc must run from 0 to {T}, got {starts[0]}..{starts[-1]}")
+    nb, bs, hk, _ = k_cache.shape
+    fp8 = is_fp8(k_cache.dtype)
+    k_table = scaled_fp8_table(k_scale) if fp8 else None
+    v_table = scaled_fp8_table(v_scale) if fp8 else None
+    err = _native_fn()(
+        q.data_ptr(), q.stride(0), q.stride(1), cpu_native.DTYPE_CODES[q.dtype],
+        k_cache.data_ptr(), v_cache.data_ptr(), cpu_native.DTYPE_CODES[k_cache.dtype], nb,
+        k_table.data_ptr() if fp8 else None, v_table.data_ptr() if fp8 else None,
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+        query_start_loc.data_ptr(), context_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1), B, hq, hk, d, bs, scale, torch.get_num_threads(),
+    )
+    require(err == 0, f"native prefill attention: {_NATIVE_ERRORS.get(err, f'error {err}')}")
     return out
 
 

@@ -47,7 +47,8 @@ def _native_fn():
 def native_available(x, weight) -> bool:
     """Whether rms_norm_cpu handles these tensors (CPU float32/bfloat16, hidden size <= 8192, built library)."""
     native = (torch.float32, torch.bfloat16)
-    return (x.device.type == "cpu" and x.dtype in native and weight.dtype in native
+    return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.device.type == "cpu"
+            and x.dtype in native and weight.dtype in native
             and x.shape[-1] <= _NATIVE_MAX_HIDDEN and _native_fn() is not None)
 
 

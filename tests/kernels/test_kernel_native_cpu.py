@@ -200,3 +200,50 @@ def test_native_silu_and_mul_matches_reference(dtype, T, inter):
     gate, up = x[:, :inter].double(), x[:, inter:].double()  # float64 oracle, written out
     torch.testing.assert_close(out.double(), gate / (1 + torch.exp(-gate)) * up, **(
         {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}))
+
+
+# ---- prefill attention ---------------------------------------------------------------------------
+from kernels.prefill_attention import (native_available as prefill_native_available,  # noqa: E402
+                                       paged_prefill_attention_cpu, paged_prefill_attention_reference)
+from test_kernel_attention import _prefill_case  # noqa: E402
+
+
+@pytest.mark.parametrize("hq,hk", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, FP8)])
+@pytest.mark.parametrize("D", [64, 128])
+def test_native_prefill_matches_reference(hq, hk, dtype, cache_dtype, D):
+    # Whole prompts, a chunk after a cached prefix that ends mid-page, a single token, and one query
+    # block plus a partial one (65 new tokens) after 100 cached: causal masks inside and across tiles.
+    qlens, ctxs = [70, 9, 1, 65], [70, 30, 17, 165]
+    q, k, v, bt, qsl, cl = _prefill_case(qlens, ctxs, hq, hk, D, cache_dtype, dtype, bs=16)
+    assert prefill_native_available(q, k)
+    expected = paged_prefill_attention_reference(q, k, v, bt, qsl, cl, 1 / math.sqrt(D), 0.05, 0.05)
+    out = paged_prefill_attention_cpu(q, k, v, bt, qsl, cl, 1 / math.sqrt(D), 0.05, 0.05)
+    assert out.dtype == dtype
+    assert_close(out, expected, tol=ATTN_TOL)
+
+
+def test_native_prefill_matches_dense_oracle():
+    qlens, ctxs = [33, 5], [100, 5]
+    q, k, v, bt, qsl, cl = _prefill_case(qlens, ctxs, 6, 2, 64, torch.float32, torch.float32, bs=16)
+    out = paged_prefill_attention_cpu(q, k, v, bt, qsl, cl, 0.1)
+    start = 0
+    for i, (ql, n) in enumerate(zip(qlens, ctxs)):
+        kd, vd = dense_kv(k, bt[i], n, 1.0), dense_kv(v, bt[i], n, 1.0)
+        expected = naive_attention(q[start:start + ql], kd, vd, 0.1, list(range(n - ql, n)))
+        torch.testing.assert_close(out[start:start + ql].double(), expected, atol=1e-5, rtol=1e-5)
+        start += ql
+
+
+def test_native_prefill_rejects_bad_input_and_dispatch_falls_back_for_other_block_sizes(monkeypatch):
+    q, k, v, bt, qsl, cl = _prefill_case([4], [4], 2, 1, 64, torch.float32, torch.float32, bs=16)
+    with pytest.raises(ValueError, match="more new tokens than context"):
+        paged_prefill_attention_cpu(q, k, v, bt, qsl, torch.tensor([3], dtype=torch.int32), 0.1)
+    with pytest.raises(ValueError, match="query_start_loc must run from 0 to 4"):
+        paged_prefill_attention_cpu(q, k, v, bt, torch.tensor([0, 3], dtype=torch.int32), cl, 0.1)
+    q4, k4, v4, bt4, qsl4, cl4 = _prefill_case([4], [4], 2, 1, 64, torch.float32, torch.float32, bs=4)
+    assert not prefill_native_available(q4, k4)  # block size 4 is not compiled: ops uses the reference
+    monkeypatch.setenv("BATON_KERNELS", "auto")
+    assert_close(ops.paged_prefill_attention(q4, k4, v4, bt4, qsl4, cl4, 0.1),
+                 paged_prefill_attention_reference(q4, k4, v4, bt4, qsl4, cl4, 0.1), tol=ATTN_TOL)

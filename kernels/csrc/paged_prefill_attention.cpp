@@ -1,0 +1,271 @@
+// Paged prefill attention for CPU tensors: each sequence's new query tokens attend causally to its
+// whole context, K/V read in place from the pages. Flash-attention style: one work item is a
+// block of up to kQueryBlock queries of one sequence and all query heads of one kv head; it walks
+// the context 64 tokens (four pages) at a time with an online softmax in float32.
+//
+// Per tile of four pages, K is widened and transposed to kt[d][token] so the scores of four query rows at a
+// time accumulate as whole-page vectors (independent FMA chains, no horizontal reductions), and
+// V is widened to v[token][d] so each row's output accumulates as head-dim vectors. A page's K/V
+// is thus converted once and reused by every query row of the block (G heads x up to 64 queries).
+//
+// Layout: q and out [T, Hq, D] (strides given, unit stride over D); caches contiguous
+// [num_blocks, block_size, Hk, D]; block_tables [B, *] int32; query_start_loc [B + 1] int32;
+// context_lens [B] int32 counts each sequence's tokens including its new ones.
+
+#include <cmath>
+#include <vector>
+
+#include "baton_cpu.h"
+
+using namespace baton;
+
+namespace {
+
+constexpr int kQueryBlock = 64;
+constexpr int kRowGroup = 4;
+
+template <int KIND> struct KV;
+template <> struct KV<kFloat32> {
+    using T = float;
+    static float get(const T* p, int i, const float*) { return p[i]; }
+};
+template <> struct KV<kBFloat16> {
+    using T = uint16_t;
+    static float get(const T* p, int i, const float*) { return bf16_to_float(p[i]); }
+};
+template <> struct KV<kFp8E4M3> {
+    using T = uint8_t;
+    static float get(const T* p, int i, const float* table) { return table[p[i]]; }
+};
+
+struct Args {
+    const void* q; int64_t q_stride_t, q_stride_h; int q_dtype;
+    const void* k_cache; const void* v_cache; int64_t num_blocks;
+    const float* k_fp8_table; const float* v_fp8_table;
+    const int32_t* block_tables; int64_t bt_stride, max_blocks_per_seq;
+    const int32_t* query_start_loc; const int32_t* context_lens;
+    void* out; int64_t out_stride_t, out_stride_h;
+    int64_t B; int Hq, Hk, D; float scale; int num_threads;
+};
+
+// 16 float32 lanes: one page of 16 tokens, or 16 elements of a head. GCC/Clang vector extensions
+// lower this to whatever the target has (one AVX-512 register, two AVX2 ones, ...).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // for unaligned rows
+constexpr int BS = 16;             // tokens per page this kernel is written for
+constexpr int TP = 4;              // pages per tile: softmax bookkeeping is paid once per 64 tokens
+constexpr int TILE = BS * TP;
+constexpr int TV = TILE / 16;      // vectors per tile row
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 (scores minus their running max), 16 lanes at once: 2^(x log2 e) split into
+// 2^n (exponent bits) times a degree-6 polynomial for 2^f, |f| <= 0.5 (relative error ~2e-7).
+// Written out because a constant-length loop over std::exp gets unrolled into scalar calls.
+inline v16 exp_nonpositive(v16 x) {
+    v16 y = x * 1.4426950408889634f;
+    y = y < -127.0f ? v16{} - 127.0f : y;                 // also maps -inf; 2^-127 underflows to 0 below
+    const v16i n = __builtin_convertvector(y - 0.5f, v16i);  // y <= 0: truncation rounds to nearest
+    const v16 f = y - __builtin_convertvector(n, v16);
+    v16 p = f * 1.5403530e-4f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const v16i bits = (n + 127) << 23;  // n = -127 gives exponent 0: the result is 0
+    v16 scale;
+    __builtin_memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+
+// DIM: head dim (compile-time so the tile loops unroll into whole vectors).
+template <int KVK, int DIM>
+void attend(const Args& a, const std::vector<int64_t>& items) {
+    using Elem = KV<KVK>;
+    using T = typename Elem::T;
+    constexpr int NV = DIM / 16;  // vectors per head row
+    const T* k_cache = static_cast<const T*>(a.k_cache);
+    const T* v_cache = static_cast<const T*>(a.v_cache);
+    const int G = a.Hq / a.Hk;
+    const int64_t row_len = int64_t(a.Hk) * DIM;
+    const int64_t n_items = int64_t(items.size());
+
+#pragma omp parallel num_threads(a.num_threads)
+    {
+        const int max_rows = (G * kQueryBlock + kRowGroup - 1) / kRowGroup * kRowGroup;
+        std::vector<float> qf(size_t(max_rows) * DIM), acc(size_t(max_rows) * DIM), m(max_rows), l(max_rows);
+        std::vector<int64_t> qpos(max_rows);
+        alignas(64) float kt[DIM][TILE];
+        alignas(64) float vt[TILE][DIM];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; ++it) {
+            // items[it] packs (sequence, kv head, first query of the block).
+            const int64_t b = items[it] >> 40, h = (items[it] >> 24) & 0xffff, q0 = items[it] & 0xffffff;
+            const int64_t start = a.query_start_loc[b], q_len = a.query_start_loc[b + 1] - start;
+            const int64_t ctx = a.context_lens[b], prefix = ctx - q_len;
+            const int nq = int(q_len - q0 < kQueryBlock ? q_len - q0 : kQueryBlock);
+            const int rows = G * nq, padded = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
+            for (int r = 0; r < padded; ++r) {
+                float* qr = &qf[size_t(r) * DIM];
+                m[r] = -INFINITY;
+                l[r] = 0.0f;
+                for (int d = 0; d < DIM; ++d) acc[size_t(r) * DIM + d] = 0.0f;
+                if (r >= rows) {  // padding rows: zero queries at position -1 see nothing
+                    for (int d = 0; d < DIM; ++d) qr[d] = 0.0f;
+                    qpos[r] = -1;
+                    continue;
+                }
+                const int g = r / nq, j = r % nq;
+                const int64_t tok = start + q0 + j;
+                const int64_t base = tok * a.q_stride_t + (h * G + g) * a.q_stride_h;
+                if (a.q_dtype == kFloat32) {
+                    const float* src = static_cast<const float*>(a.q) + base;
+                    for (int d = 0; d < DIM; ++d) qr[d] = src[d] * a.scale;
+                } else {
+                    const uint16_t* src = static_cast<const uint16_t*>(a.q) + base;
+                    for (int d = 0; d < DIM; ++d) qr[d] = bf16_to_float(src[d]) * a.scale;
+                }
+                qpos[r] = prefix + q0 + j;
+            }
+            const int64_t last = prefix + q0 + nq - 1;  // the block's last query position
+            const int32_t* table = a.block_tables + b * a.bt_stride;
+            for (int64_t t0 = 0; t0 <= last; t0 += TILE) {
+                const int n = int(last + 1 - t0 < TILE ? last + 1 - t0 : TILE);
+                for (int c = 0; c < TILE; ++c) {
+                    if (c < n) {
+                        int64_t page = table[(t0 + c) / BS];
+                        if (page < 0 || page >= a.num_blocks) page = 0;  // garbage ids must not read out of bounds
+                        const int64_t off = ((page * BS + (t0 + c) % BS) * row_len) + h * DIM;
+                        const T* kr = k_cache + off;
+                        const T* vr = v_cache + off;
+                        for (int d = 0; d < DIM; ++d) {
+                            kt[d][c] = Elem::get(kr, d, a.k_fp8_table);
+                            vt[c][d] = Elem::get(vr, d, a.v_fp8_table);
+                        }
+                    } else {
+                        for (int d = 0; d < DIM; ++d) kt[d][c] = vt[c][d] = 0.0f;
+                    }
+                }
+                for (int r0 = 0; r0 < padded; r0 += kRowGroup) {
+                    // Scores of four rows over the tile: 4 x TV independent FMA chains.
+                    v16 s[kRowGroup][TV] = {};
+                    const float* q = &qf[size_t(r0) * DIM];
+                    for (int d = 0; d < DIM; ++d) {
+                        v16 k[TV];
+                        for (int i = 0; i < TV; ++i) k[i] = load(&kt[d][16 * i]);
+                        for (int rr = 0; rr < kRowGroup; ++rr) {
+                            const float qd = q[rr * DIM + d];
+                            for (int i = 0; i < TV; ++i) s[rr][i] += qd * k[i];
+                        }
+                    }
+                    alignas(64) float p[kRowGroup][TILE];
+                    float alpha[kRowGroup];
+                    for (int rr = 0; rr < kRowGroup; ++rr) {
+                        const int r = r0 + rr;
+                        const int64_t visible = qpos[r] - t0 + 1;  // tokens of this tile the row may see
+                        const int vis = visible <= 0 ? 0 : int(visible < n ? visible : n);
+                        if (vis == 0) {  // fully masked (or padding): nothing changes for this row
+                            alpha[rr] = 1.0f;
+                            for (int c = 0; c < TILE; ++c) p[rr][c] = 0.0f;
+                            continue;
+                        }
+                        float* sc = p[rr];
+                        for (int i = 0; i < TV; ++i) store(&sc[16 * i], s[rr][i]);
+                        for (int c = vis; c < TILE; ++c) sc[c] = -INFINITY;
+                        v16 vmax = load(sc);
+                        for (int i = 1; i < TV; ++i) {
+                            const v16 x = load(&sc[16 * i]);
+                            vmax = x > vmax ? x : vmax;
+                        }
+                        float tile_max = vmax[0];
+                        for (int c = 1; c < 16; ++c) tile_max = vmax[c] > tile_max ? vmax[c] : tile_max;
+                        const float m_new = m[r] > tile_max ? m[r] : tile_max;
+                        alpha[rr] = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the row's first tile
+                        v16 vsum = {};
+                        for (int i = 0; i < TV; ++i) {
+                            const v16 e = exp_nonpositive(load(&sc[16 * i]) - m_new);
+                            store(&sc[16 * i], e);
+                            vsum += e;
+                        }
+                        float psum = 0.0f;
+                        for (int c = 0; c < 16; ++c) psum += vsum[c];
+                        l[r] = l[r] * alpha[rr] + psum;
+                        m[r] = m_new;
+                    }
+                    // Output of four rows: 4 x NV accumulators held in registers across the tile.
+                    v16 o[kRowGroup][NV];
+                    for (int rr = 0; rr < kRowGroup; ++rr)
+                        for (int i = 0; i < NV; ++i) o[rr][i] = load(&acc[size_t(r0 + rr) * DIM + 16 * i]) * alpha[rr];
+                    for (int c = 0; c < n; ++c) {
+                        v16 v[NV];
+                        for (int i = 0; i < NV; ++i) v[i] = load(&vt[c][16 * i]);
+                        for (int rr = 0; rr < kRowGroup; ++rr) {
+                            const float pc = p[rr][c];
+                            for (int i = 0; i < NV; ++i) o[rr][i] += pc * v[i];
+                        }
+                    }
+                    for (int rr = 0; rr < kRowGroup; ++rr)
+                        for (int i = 0; i < NV; ++i) store(&acc[size_t(r0 + rr) * DIM + 16 * i], o[rr][i]);
+                }
+            }
+            for (int r = 0; r < rows; ++r) {
+                const int g = r / nq, j = r % nq;
+                const int64_t tok = start + q0 + j;
+                const int64_t base = tok * a.out_stride_t + (h * G + g) * a.out_stride_h;
+                const float inv = 1.0f / l[r];  // l >= 1: every query sees at least itself
+                const float* ar = &acc[size_t(r) * DIM];
+                if (a.q_dtype == kFloat32) {
+                    float* o = static_cast<float*>(a.out) + base;
+                    for (int d = 0; d < DIM; ++d) o[d] = ar[d] * inv;
+                } else {
+                    uint16_t* o = static_cast<uint16_t*>(a.out) + base;
+                    for (int d = 0; d < DIM; ++d) o[d] = float_to_bf16(ar[d] * inv);
+                }
+            }
+        }
+    }
+}
+
+template <int KVK>
+int dispatch(const Args& a, int block_size, const std::vector<int64_t>& items) {
+    if (block_size == BS && a.D == 64) attend<KVK, 64>(a, items);
+    else if (block_size == BS && a.D == 128) attend<KVK, 128>(a, items);
+    else return 3;  // not specialised: the caller uses the PyTorch path
+    return 0;
+}
+
+}  // namespace
+
+// Returns 0; 1 for bad geometry; 2 for a sequence whose new tokens exceed its context or run past
+// the block table; 3 for a (block_size, head_dim) pair without a specialisation.
+extern "C" int baton_paged_prefill_attention(
+    const void* q, int64_t q_stride_t, int64_t q_stride_h, int q_dtype,
+    const void* k_cache, const void* v_cache, int kv_dtype, int64_t num_blocks,
+    const float* k_fp8_table, const float* v_fp8_table,
+    const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks_per_seq,
+    const int32_t* query_start_loc, const int32_t* context_lens,
+    void* out, int64_t out_stride_t, int64_t out_stride_h,
+    int64_t B, int Hq, int Hk, int D, int block_size, float scale, int num_threads) {
+    if (Hk <= 0 || Hq % Hk != 0 || Hk > 0xffff || D <= 0) return 1;
+    if (q_dtype != kFloat32 && q_dtype != kBFloat16) return 1;
+    std::vector<int64_t> items;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b], ctx = context_lens[b];
+        if (q_len < 0 || q_len > ctx || ctx > max_blocks_per_seq * block_size || q_len >= (1 << 24)) return 2;
+        for (int h = 0; h < Hk; ++h)
+            for (int64_t q0 = 0; q0 < q_len; q0 += kQueryBlock) items.push_back((b << 40) | (int64_t(h) << 24) | q0);
+    }
+    const Args a{q, q_stride_t, q_stride_h, q_dtype, k_cache, v_cache, num_blocks, k_fp8_table, v_fp8_table,
+                 block_tables, bt_stride, max_blocks_per_seq, query_start_loc, context_lens, out, out_stride_t,
+                 out_stride_h, B, Hq, Hk, D, scale, num_threads};
+    switch (kv_dtype) {
+        case kFloat32: return dispatch<kFloat32>(a, block_size, items);
+        case kBFloat16: return dispatch<kBFloat16>(a, block_size, items);
+        case kFp8E4M3: return dispatch<kFp8E4M3>(a, block_size, items);
+        default: return 1;
+    }
+}
