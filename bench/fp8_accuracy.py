@@ -69,8 +69,11 @@ CONFIGS = {
     "fp8 weights": dict(quantization="fp8"),
     "fp8 KV": dict(kv_cache_dtype="fp8"),
     "fp8 weights + KV": dict(quantization="fp8", kv_cache_dtype="fp8"),
+    # Not FP8, but the same question for `--dtype bfloat16` (weights, activations and KV in
+    # bfloat16; norms, softmax and attention sums in float32), the fast mode on CPUs with bf16 FMA.
+    "bfloat16": dict(dtype="bfloat16"),
 }
-LIMITS = {"fp8 weights": 0.03, "fp8 KV": 0.03, "fp8 weights + KV": 0.05}
+LIMITS = {"fp8 weights": 0.03, "fp8 KV": 0.03, "fp8 weights + KV": 0.05, "bfloat16": 0.01}
 
 
 def eval_windows(tokenizer, windows: int) -> list[list[int]]:

@@ -1,0 +1,123 @@
+"""Where one decode step of the engine goes, by category, with and without the native CPU kernels.
+
+    .venv/bin/python bench/decode_profile.py [--batch 16] [--context 256] [--steps 20]
+        [--out bench/results/decode_profile.json]
+
+Setup: the default model, one torch thread (as one worker of `baton serve` on this 2-core
+machine), `--batch` sequences of `--context` random prompt tokens, prefilled, then `--steps`
+decode steps timed (wall clock, no profiler) and the same number again under cProfile for the
+split. Runs for float32 and bfloat16, each with the native kernels (BATON_NATIVE_KERNELS=1, the
+default: attention, RMSNorm, rotary, KV store, SiLU-and-mul in kernels/csrc) and without them (=0:
+the PyTorch references, i.e. the engine before those kernels existed).
+
+Categories are cumulative times of the engine's entry points (each includes its argument
+checks): linear layers (torch's linear, lm_head included), attention, norm / rotary / KV store /
+SiLU, sampling; "python and scheduling" is the rest of the step (module calls, batch building,
+scheduler, detokenizing). cProfile's per-call cost inflates the python share; the table scales
+every category so the total matches the unprofiled step time. Transport and streaming are not
+part of an engine step: bench/kv_transfer.py and bench/stream_overhead.py measure them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from workers.config import EngineConfig  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
+
+# Per category, the (file suffix, function name) entries whose cumulative times are summed.
+CATEGORIES = {
+    "linear layers": [("", "torch._C._nn.linear")],
+    "attention": [("kernels/ops.py", "paged_decode_attention"), ("kernels/ops.py", "paged_prefill_attention")],
+    "norm, rotary, KV store, SiLU": [("kernels/ops.py", "rms_norm"), ("kernels/ops.py", "rotary_embedding"),
+                                     ("kernels/ops.py", "store_kv"), ("kernels/ops.py", "silu_and_mul")],
+    "sampling": [("workers/sampler.py", "sample")],
+}
+
+
+def build_engine(dtype: str, batch: int, context: int) -> LLMEngine:
+    engine = LLMEngine.from_model_dir(None, EngineConfig(dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20))
+    rng = random.Random(0)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(100, 40000) for _ in range(context)],
+                           SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
+    while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill every prompt
+    for _ in range(3):
+        engine.step()
+    return engine
+
+
+def split(profile: cProfile.Profile) -> dict[str, float]:
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    total = sum(v[2] for v in stats.values())
+    out = {}
+    for category, entries in CATEGORIES.items():
+        seconds = 0.0
+        for (file, _line, name), value in stats.items():
+            for want_file, want_name in entries:
+                if file.endswith(want_file) and (name == want_name or name == f"<built-in method {want_name}>"):
+                    seconds += value[3]
+        out[category] = seconds
+    out["python and scheduling"] = max(0.0, total - sum(out.values()))
+    return out
+
+
+def measure(dtype: str, native: bool, args) -> dict:
+    os.environ["BATON_NATIVE_KERNELS"] = "1" if native else "0"
+    engine = build_engine(dtype, args.batch, args.context)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / args.steps * 1000
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.steps):
+        engine.step()
+    profile.disable()
+    parts = split(profile)
+    scale = step_ms / (sum(parts.values()) / args.steps * 1000)
+    ms = {k: v / args.steps * 1000 * scale for k, v in parts.items()}
+    return {"dtype": dtype, "native_kernels": native, "step_ms": step_ms,
+            "tokens_per_s": args.batch / step_ms * 1000, "split_ms": ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "decode_profile.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    runs = [measure(dtype, native, args) for dtype in ("float32", "bfloat16") for native in (False, True)]
+    print(f"decode step, {args.batch} sequences of ~{args.context} tokens, 1 thread (ms)")
+    cats = list(runs[0]["split_ms"])
+    print("| config | step | " + " | ".join(cats) + " |")
+    print("|---|---:|" + "---:|" * len(cats))
+    for r in runs:
+        label = f"{r['dtype']}, {'native kernels' if r['native_kernels'] else 'PyTorch references'}"
+        print(f"| {label} | {r['step_ms']:.1f} | " + " | ".join(f"{r['split_ms'][c]:.1f}" for c in cats) + " |")
+    doc = {"benchmark": "decode step profile", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "command": " ".join([sys.executable, *sys.argv]), "batch": args.batch, "context": args.context,
+           "steps": args.steps, "torch_threads": 1, "loadavg": list(os.getloadavg()), "runs": runs}
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
