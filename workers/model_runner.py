@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from kernels import ops
+from workers import packed_linear
 from workers import quantization as q8
 from workers.config import EngineConfig
 from workers.model_config import ModelConfig
@@ -81,6 +82,8 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
         model.load_hf_weights(weights, checkpoint_quant)
         if checkpoint_quant is None and engine_config.quantization == "fp8":
             q8.quantize_linears(model)
+        if device.type == "cpu":
+            packed_linear.prepack(model)
     return model.eval()
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels import ops
+from workers import packed_linear
 from workers.model_config import ModelConfig
 
 
@@ -138,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         # float32 [max_positions, head_dim]; the model runner fills it for its context length.
         self.cos_sin_cache = torch.empty(0)
+        # oneDNN-packed copy of the lm_head on CPU (workers.packed_linear.prepack), else None.
+        self.packed_lm_head: torch.Tensor | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -153,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return packed_linear.packed_linear(hidden, self.packed_lm_head, None).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     # ---- weights -------------------------------------------------------------------------

@@ -1,0 +1,55 @@
+"""oneDNN-prepacked linear layers: same products as F.linear, swapped in for plain nn.Linear only."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from workers import packed_linear
+from workers.quantization import Fp8Linear
+
+if not packed_linear.available(torch.zeros(2, 2)):
+    pytest.skip("oneDNN prepacking is not available in this torch build", allow_module_level=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, rows, bias):
+    g = torch.Generator().manual_seed(0)
+    linear = nn.Linear(96, 200, bias=bias).to(dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    expected = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    out = packed_linear.PackedLinear(linear)(x)
+    assert out.dtype == dtype and out.shape == (rows, 200)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(out.double(), expected, **tol)
+    if dtype == torch.bfloat16:  # the same oneDNN kernel F.linear uses, without the per-call reorder
+        assert torch.equal(out, F.linear(x, linear.weight, linear.bias))
+
+
+def test_non_contiguous_input():
+    linear = nn.Linear(64, 32)
+    x = torch.randn(10, 128)[:, ::2]
+    torch.testing.assert_close(packed_linear.PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_prepack_swaps_plain_linears_only_and_packs_the_lm_head():
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8, bias=False))
+            self.fp8 = Fp8Linear(8, 8, bias=False)
+            self.lm_head_weight = torch.randn(20, 8)
+
+    toy = Toy()
+    weight = toy.block[0].weight
+    assert packed_linear.prepack(toy) == 2
+    assert isinstance(toy.block[0], packed_linear.PackedLinear) and isinstance(toy.block[2], packed_linear.PackedLinear)
+    assert toy.block[0].weight is weight  # the parameter is kept for tools that read it
+    assert isinstance(toy.fp8, Fp8Linear)
+    assert toy.packed_lm_head is not None
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(packed_linear.packed_linear(x, toy.packed_lm_head, None), x @ toy.lm_head_weight.T,
+                               atol=1e-5, rtol=1e-5)
