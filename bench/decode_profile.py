@@ -6,9 +6,10 @@
 Setup: the default model, one torch thread (as one worker of `baton serve` on this 2-core
 machine), `--batch` sequences of `--context` random prompt tokens, prefilled, then `--steps`
 decode steps timed (wall clock, no profiler) and the same number again under cProfile for the
-split. Runs for float32 and bfloat16, each with the native kernels (BATON_NATIVE_KERNELS=1, the
-default: attention, RMSNorm, rotary, KV store, SiLU-and-mul in kernels/csrc) and without them (=0:
-the PyTorch references, i.e. the engine before those kernels existed).
+split. Runs for float32 and bfloat16, each three ways: "before" (BATON_NATIVE_KERNELS=0 and
+BATON_PACKED_LINEAR=0: PyTorch references and plain F.linear, the engine before this work), with
+the native kernels (attention, RMSNorm, rotary, KV store, SiLU-and-mul in kernels/csrc), and
+with those plus oneDNN-prepacked linear layers (workers/packed_linear.py; the default).
 
 Categories are cumulative times of the engine's entry points (each includes its argument
 checks): linear layers (torch's linear, lm_head included), attention, norm / rotary / KV store /
@@ -41,7 +42,7 @@ from workers.sampling_params import SamplingParams  # noqa: E402
 
 # Per category, the (file suffix, function name) entries whose cumulative times are summed.
 CATEGORIES = {
-    "linear layers": [("", "torch._C._nn.linear")],
+    "linear layers": [("", "torch._C._nn.linear"), ("workers/packed_linear.py", "packed_linear")],
     "attention": [("kernels/ops.py", "paged_decode_attention"), ("kernels/ops.py", "paged_prefill_attention")],
     "norm, rotary, KV store, SiLU": [("kernels/ops.py", "rms_norm"), ("kernels/ops.py", "rotary_embedding"),
                                      ("kernels/ops.py", "store_kv"), ("kernels/ops.py", "silu_and_mul")],
@@ -77,8 +78,9 @@ def split(profile: cProfile.Profile) -> dict[str, float]:
     return out
 
 
-def measure(dtype: str, native: bool, args) -> dict:
+def measure(dtype: str, native: bool, packed: bool, args) -> dict:
     os.environ["BATON_NATIVE_KERNELS"] = "1" if native else "0"
+    os.environ["BATON_PACKED_LINEAR"] = "1" if packed else "0"  # read when the model loads
     engine = build_engine(dtype, args.batch, args.context)
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -92,7 +94,7 @@ def measure(dtype: str, native: bool, args) -> dict:
     parts = split(profile)
     scale = step_ms / (sum(parts.values()) / args.steps * 1000)
     ms = {k: v / args.steps * 1000 * scale for k, v in parts.items()}
-    return {"dtype": dtype, "native_kernels": native, "step_ms": step_ms,
+    return {"dtype": dtype, "native_kernels": native, "packed_linear": packed, "step_ms": step_ms,
             "tokens_per_s": args.batch / step_ms * 1000, "split_ms": ms}
 
 
@@ -104,13 +106,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "decode_profile.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    runs = [measure(dtype, native, args) for dtype in ("float32", "bfloat16") for native in (False, True)]
+    runs = [measure(dtype, native, packed, args) for dtype in ("float32", "bfloat16")
+            for native, packed in ((False, False), (True, False), (True, True))]
     print(f"decode step, {args.batch} sequences of ~{args.context} tokens, 1 thread (ms)")
     cats = list(runs[0]["split_ms"])
     print("| config | step | " + " | ".join(cats) + " |")
     print("|---|---:|" + "---:|" * len(cats))
     for r in runs:
-        label = f"{r['dtype']}, {'native kernels' if r['native_kernels'] else 'PyTorch references'}"
+        label = r["dtype"] + (", + prepacked linears" if r["packed_linear"] else
+                              ", + native kernels" if r["native_kernels"] else ", before (PyTorch references)")
         print(f"| {label} | {r['step_ms']:.1f} | " + " | ".join(f"{r['split_ms'][c]:.1f}" for c in cats) + " |")
     doc = {"benchmark": "decode step profile", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": " ".join([sys.executable, *sys.argv]), "batch": args.batch, "context": args.context,

@@ -9,12 +9,14 @@ thread, the default model's 30 layers): float32 2.3x at 16 and at 256 rows, bflo
 rows (decode, where re-reading the reordered weight doubled the memory traffic), 1.05x at 256.
 
 `prepack(model)` swaps every plain `nn.Linear` (FP8 layers keep their own path) for a
-`PackedLinear` and packs the lm_head. Where oneDNN is unavailable nothing changes.
+`PackedLinear` and packs the lm_head. Where oneDNN is unavailable, or with
+`BATON_PACKED_LINEAR=0`, nothing changes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -27,8 +29,12 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _ROWS_HINT = 16
 
 
+def enabled() -> bool:
+    return os.environ.get("BATON_PACKED_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
+    return (enabled() and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 

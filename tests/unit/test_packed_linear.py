@@ -53,3 +53,9 @@ def test_prepack_swaps_plain_linears_only_and_packs_the_lm_head():
     x = torch.randn(3, 8)
     torch.testing.assert_close(packed_linear.packed_linear(x, toy.packed_lm_head, None), x @ toy.lm_head_weight.T,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_switch_off_leaves_the_model_alone(monkeypatch):
+    monkeypatch.setenv("BATON_PACKED_LINEAR", "0")
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert packed_linear.prepack(model) == 0 and type(model[0]) is nn.Linear
