@@ -62,7 +62,8 @@ def _native_fn():
 def native_available(key, k_cache) -> bool:
     """Whether store_kv_cpu handles these tensors (CPU, cache of key's float dtype, built library);
     FP8 caches need quantizing and stay on the reference."""
-    return (isinstance(key, torch.Tensor) and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" and not is_fp8(k_cache.dtype) and k_cache.dtype == key.dtype
+    return (isinstance(key, torch.Tensor) and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu"
+            and not is_fp8(k_cache.dtype) and k_cache.dtype == key.dtype
             and _native_fn() is not None)
 
 

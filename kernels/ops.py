@@ -3,10 +3,9 @@
 `BATON_KERNELS` (read at each call) forces the choice: `auto` (default), `triton` (also on CPU
 tensors, which needs `TRITON_INTERPRET=1`; that is how the tests check the kernels), or
 `reference`. In `auto` mode CPU tensors go to a native C++ kernel (kernels/cpu_native.py) where
-there is one and it can be built: decode and prefill attention, RMSNorm, rotary embedding, SiLU-and-mul and
-the KV store.
-Every other op, and every op without a compiler, runs its PyTorch reference, which is therefore
-production code, not just a test oracle.
+there is one and it can be built: decode and prefill attention, RMSNorm, rotary embedding,
+SiLU-and-mul and the KV store. Every other op, and every op without a compiler, runs its PyTorch
+reference, which is therefore production code, not just a test oracle.
 """
 
 from __future__ import annotations
@@ -49,71 +48,54 @@ def backend_for(tensor: torch.Tensor) -> str:
     return mode
 
 
-def rms_norm(x, weight, eps: float, residual=None):
-    backend = backend_for(x)
+def _choose(tensor, triton_fn, native_ok, native_fn, reference_fn):
+    """The implementation for an op whose main input is `tensor`; native_ok() is asked only when
+    auto mode picks "native" (it checks dtypes and that the library builds)."""
+    backend = backend_for(tensor)
     if backend == "triton":
-        fn = _rms_norm.rms_norm_triton
-    elif backend == "native" and _rms_norm.native_available(x, weight):
-        fn = _rms_norm.rms_norm_cpu
-    else:
-        fn = _rms_norm.rms_norm_reference
+        return triton_fn
+    if backend == "native" and native_ok():
+        return native_fn
+    return reference_fn
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    fn = _choose(x, _rms_norm.rms_norm_triton, lambda: _rms_norm.native_available(x, weight),
+                 _rms_norm.rms_norm_cpu, _rms_norm.rms_norm_reference)
     return fn(x, weight, eps, residual)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache) -> None:
-    backend = backend_for(q)
-    if backend == "triton":
-        fn = rotary.rotary_embedding_triton
-    elif backend == "native" and rotary.native_available(q):
-        fn = rotary.rotary_embedding_cpu
-    else:
-        fn = rotary.rotary_embedding_reference
+    fn = _choose(q, rotary.rotary_embedding_triton, lambda: rotary.native_available(q),
+                 rotary.rotary_embedding_cpu, rotary.rotary_embedding_reference)
     fn(positions, q, k, cos_sin_cache)
 
 
 def silu_and_mul(x):
-    backend = backend_for(x)
-    if backend == "triton":
-        fn = silu_mul.silu_and_mul_triton
-    elif backend == "native" and silu_mul.native_available(x):
-        fn = silu_mul.silu_and_mul_cpu
-    else:
-        fn = silu_mul.silu_and_mul_reference
+    fn = _choose(x, silu_mul.silu_and_mul_triton, lambda: silu_mul.native_available(x),
+                 silu_mul.silu_and_mul_cpu, silu_mul.silu_and_mul_reference)
     return fn(x)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    backend = backend_for(k_cache)
-    if backend == "triton":
-        fn = kv_store.store_kv_triton
-    elif backend == "native" and kv_store.native_available(key, k_cache):
-        fn = kv_store.store_kv_cpu
-    else:
-        fn = kv_store.store_kv_reference
+    fn = _choose(k_cache, kv_store.store_kv_triton, lambda: kv_store.native_available(key, k_cache),
+                 kv_store.store_kv_cpu, kv_store.store_kv_reference)
     fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                            k_scale: float = 1.0, v_scale: float = 1.0):
-    backend = backend_for(q)
-    if backend == "triton":
-        fn = decode_attention.paged_decode_attention_triton
-    elif backend == "native" and decode_attention.native_available(q, k_cache):
-        fn = decode_attention.paged_decode_attention_cpu
-    else:
-        fn = decode_attention.paged_decode_attention_reference
+    fn = _choose(q, decode_attention.paged_decode_attention_triton,
+                 lambda: decode_attention.native_available(q, k_cache),
+                 decode_attention.paged_decode_attention_cpu, decode_attention.paged_decode_attention_reference)
     return fn(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
                             k_scale: float = 1.0, v_scale: float = 1.0):
-    backend = backend_for(q)
-    if backend == "triton":
-        fn = prefill_attention.paged_prefill_attention_triton
-    elif backend == "native" and prefill_attention.native_available(q, k_cache):
-        fn = prefill_attention.paged_prefill_attention_cpu
-    else:
-        fn = prefill_attention.paged_prefill_attention_reference
+    fn = _choose(q, prefill_attention.paged_prefill_attention_triton,
+                 lambda: prefill_attention.native_available(q, k_cache),
+                 prefill_attention.paged_prefill_attention_cpu, prefill_attention.paged_prefill_attention_reference)
     return fn(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale)
 
 

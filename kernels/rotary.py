@@ -91,7 +91,8 @@ def _native_fn():
 
 def native_available(q) -> bool:
     """Whether rotary_embedding_cpu handles q (CPU float32/bfloat16, built library)."""
-    return isinstance(q, torch.Tensor) and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and _native_fn() is not None
+    return (isinstance(q, torch.Tensor) and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and _native_fn() is not None)
 
 
 def rotary_embedding_cpu(positions, q, k, cos_sin_cache) -> None:

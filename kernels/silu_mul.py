@@ -32,7 +32,8 @@ def _native_fn():
 
 def native_available(x) -> bool:
     """Whether silu_and_mul_cpu handles x (CPU float32/bfloat16, built library)."""
-    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _native_fn() is not None
+    return (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and _native_fn() is not None)
 
 
 def silu_and_mul_cpu(x):

@@ -54,21 +54,15 @@ extern "C" int baton_rms_norm(const void* x, int64_t x_stride, const void* resid
                               void* sum_out, int64_t sum_stride, int64_t T, int64_t H, float eps, int dtype,
                               int num_threads) {
     if (H <= 0 || H > 8192) return 1;
-    const int key = dtype * 2 + w_dtype;
-    switch (key) {
-        case kFloat32 * 2 + kFloat32:
-            norm_rows<kFloat32, kFloat32>(x, x_stride, residual, r_stride, weight, out, out_stride, sum_out, sum_stride, T, H, eps, num_threads);
-            return 0;
-        case kFloat32 * 2 + kBFloat16:
-            norm_rows<kFloat32, kBFloat16>(x, x_stride, residual, r_stride, weight, out, out_stride, sum_out, sum_stride, T, H, eps, num_threads);
-            return 0;
-        case kBFloat16 * 2 + kFloat32:
-            norm_rows<kBFloat16, kFloat32>(x, x_stride, residual, r_stride, weight, out, out_stride, sum_out, sum_stride, T, H, eps, num_threads);
-            return 0;
-        case kBFloat16 * 2 + kBFloat16:
-            norm_rows<kBFloat16, kBFloat16>(x, x_stride, residual, r_stride, weight, out, out_stride, sum_out, sum_stride, T, H, eps, num_threads);
-            return 0;
-        default:
-            return 1;
+    auto run = [&](auto norm) {
+        norm(x, x_stride, residual, r_stride, weight, out, out_stride, sum_out, sum_stride, T, H, eps, num_threads);
+        return 0;
+    };
+    switch (dtype * 2 + w_dtype) {
+        case kFloat32 * 2 + kFloat32: return run(norm_rows<kFloat32, kFloat32>);
+        case kFloat32 * 2 + kBFloat16: return run(norm_rows<kFloat32, kBFloat16>);
+        case kBFloat16 * 2 + kFloat32: return run(norm_rows<kBFloat16, kFloat32>);
+        case kBFloat16 * 2 + kBFloat16: return run(norm_rows<kBFloat16, kBFloat16>);
+        default: return 1;
     }
 }
