@@ -1,8 +1,8 @@
 """Iteration-level scheduling: which sequences compute how many tokens in the next step.
 
 Each step spends a token budget (max_num_batched_tokens). Running sequences come first, in
-arrival order: a decoding sequence needs one token, a sequence still prefilling needs the rest of
-its prompt, cut to the budget (chunked prefill). Waiting sequences are admitted after, while
+arrival order, the decoding ones (one token each) before those still prefilling (the rest of the
+prompt, cut to what the budget has left: chunked prefill). Waiting sequences are admitted after, while
 budget, sequence slots and KV blocks last. When a running sequence cannot get a block, the most
 recently arrived running sequence is preempted: its blocks are freed (cached full blocks stay in
 the prefix cache) and it is recomputed later from its prompt and the tokens it already produced.
@@ -49,25 +49,32 @@ class Scheduler:
         bm = self.block_manager
         scheduled: list[ScheduledChunk] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.status is not SequenceStatus.RUNNING:
-                i += 1  # waiting for KV from another worker: holds blocks, computes nothing
-                continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not bm.can_allocate(seq, n):
-                victim = self._pick_victim(seq)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # seq itself was preempted; self.running shrank past it
-            bm.allocate(seq, n)
-            scheduled.append(ScheduledChunk(seq, n))
-            budget -= n
-            i += 1
+        # Decodes first, then the running prefills' next chunks: a long prompt being prefilled must
+        # not take the budget from sequences that joined the batch after it and only need a token.
+        computing: set[int] = set()
+        for decode_pass in (True, False):
+            i = 0
+            while i < len(self.running) and budget > 0:
+                seq = self.running[i]
+                # Not RUNNING: waiting for KV from another worker, holds blocks, computes nothing.
+                if (seq.status is not SequenceStatus.RUNNING or id(seq) in computing
+                        or (seq.num_uncomputed_tokens == 1) != decode_pass):
+                    i += 1
+                    continue
+                n = min(seq.num_uncomputed_tokens, budget)
+                while not bm.can_allocate(seq, n):
+                    victim = self._pick_victim(seq, computing)
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # seq itself was preempted; self.running shrank past it
+                bm.allocate(seq, n)
+                scheduled.append(ScheduledChunk(seq, n))
+                computing.add(id(seq))
+                budget -= n
+                i = self.running.index(seq) + 1  # preempting later sequences never moves seq
 
         # Admitting new work while preempting would only thrash.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -88,10 +95,10 @@ class Scheduler:
         out.chunks = [c for c in scheduled if c.num_tokens == 1] + [c for c in scheduled if c.num_tokens != 1]
         return out
 
-    def _pick_victim(self, current: Sequence) -> Sequence:
-        """The latest-arrived running sequence that computes this step (current last of all)."""
+    def _pick_victim(self, current: Sequence, computing: set[int]) -> Sequence:
+        """The latest-arrived running sequence not yet given work this step (current last of all)."""
         for seq in reversed(self.running):
-            if seq.status is SequenceStatus.RUNNING:
+            if seq.status is SequenceStatus.RUNNING and id(seq) not in computing and seq is not current:
                 return seq
         return current
 
