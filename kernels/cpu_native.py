@@ -64,21 +64,28 @@ def _build(name: str) -> ctypes.CDLL | None:
     headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
     key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity()]).encode())
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: workers starting together never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            proc = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
-            if proc.returncode != 0:
-                log.warning("building the %s CPU kernel failed, falling back to PyTorch:\n%s", name, proc.stderr[-2000:])
-                return None
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            _compile(compiler, source, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:  # unwritable cache, failed build, unloadable library
+        log.warning("the %s CPU kernel is unavailable (%s); falling back to PyTorch", name, exc)
+        return None
+
+
+def _compile(compiler: str, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: workers starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise subprocess.SubprocessError(f"{compiler} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def load(name: str) -> ctypes.CDLL | None:
@@ -107,6 +114,12 @@ def _function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | N
 def function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | None:
     """`symbol` from kernels/csrc/{name}.cpp with its ctypes signature (it returns an int status), or None."""
     return _function(name, symbol, argtypes) if enabled() else None
+
+
+def forget_loaded() -> None:
+    """Drop the memoised libraries and functions (tests use it after changing the environment)."""
+    _build.cache_clear()
+    _function.cache_clear()
 
 
 def build_all() -> dict[str, bool]:

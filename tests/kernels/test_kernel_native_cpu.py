@@ -99,17 +99,17 @@ def test_disabled_native_kernels_fall_back(monkeypatch):
 
 def test_library_is_cached_per_source(tmp_path, monkeypatch):
     monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
-    cpu_native._build.cache_clear()
+    cpu_native.forget_loaded()
     try:
         assert cpu_native.load("paged_decode_attention") is not None
         built = list((tmp_path / "kernels").glob("paged_decode_attention-*.so"))
         assert len(built) == 1
         mtime = built[0].stat().st_mtime_ns
-        cpu_native._build.cache_clear()
+        cpu_native.forget_loaded()
         assert cpu_native.load("paged_decode_attention") is not None
         assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not rebuilt
     finally:
-        cpu_native._build.cache_clear()
+        cpu_native.forget_loaded()
 
 
 # ---- RMSNorm, rotary embedding, KV store -------------------------------------------------------
@@ -247,3 +247,31 @@ def test_native_prefill_rejects_bad_input_and_dispatch_falls_back_for_other_bloc
     monkeypatch.setenv("BATON_KERNELS", "auto")
     assert_close(ops.paged_prefill_attention(q4, k4, v4, bt4, qsl4, cl4, 0.1),
                  paged_prefill_attention_reference(q4, k4, v4, bt4, qsl4, cl4, 0.1), tol=ATTN_TOL)
+
+
+def test_unwritable_cache_or_broken_compiler_falls_back_to_pytorch(tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")  # the cache directory cannot be created under a file
+    monkeypatch.setenv("BATON_CACHE_DIR", str(blocker))
+    cpu_native.forget_loaded()
+    try:
+        assert cpu_native.load("rms_norm") is None
+        monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
+        monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+        monkeypatch.setattr(cpu_native.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
+        cpu_native.forget_loaded()
+        assert cpu_native.load("rms_norm") is None
+    finally:
+        cpu_native.forget_loaded()
+    x, w = randn(2, 64), randn(64, seed=1)
+    monkeypatch.setenv("BATON_KERNELS", "auto")
+    monkeypatch.setenv("BATON_CACHE_DIR", str(blocker))
+    cpu_native.forget_loaded()
+    calls = []
+    monkeypatch.setattr("kernels.rms_norm.rms_norm_reference",
+                        lambda *a, **kw: calls.append(1) or rms_norm_reference(*a, **kw))
+    try:
+        assert_close(ops.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+        assert calls == [1]  # ops fell back to the PyTorch reference
+    finally:
+        cpu_native.forget_loaded()
