@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from kernels import cpu_native
 from kernels._checks import FLOAT_DTYPES, check_kv_cache, check_same_device, check_scale, check_tensor, is_fp8, require
 
 
@@ -35,7 +36,22 @@ def _fp8_table(device: torch.device) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def scaled_fp8_table(scale: float) -> torch.Tensor:
     """float32 [256]: every float8_e4m3fn code's value times `scale` (the native CPU kernels' dequantizer)."""
-    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * scale
+    return _fp8_table(torch.device("cpu")) * scale
+
+
+def native_int32(t: torch.Tensor) -> torch.Tensor:
+    """`t` as int32 with a unit last stride (what the native kernels index with)."""
+    t = t.to(torch.int32)
+    return t.contiguous() if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1 else t
+
+
+def native_cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple:
+    """The cache part of a native attention kernel's arguments: (k ptr, v ptr, dtype code,
+    num_blocks, k FP8 table ptr, v FP8 table ptr). The tables are memoised, so they outlive the call."""
+    fp8 = is_fp8(k_cache.dtype)
+    return (k_cache.data_ptr(), v_cache.data_ptr(), cpu_native.DTYPE_CODES[k_cache.dtype], k_cache.shape[0],
+            scaled_fp8_table(k_scale).data_ptr() if fp8 else None,
+            scaled_fp8_table(v_scale).data_ptr() if fp8 else None)
 
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, scale: float) -> torch.Tensor:

@@ -42,6 +42,7 @@ def enabled() -> bool:
     return os.environ.get("BATON_NATIVE_KERNELS", "1").strip() not in ("0", "false", "no", "off")
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_identity() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -49,6 +50,11 @@ def _cpu_identity() -> str:
         return "".join(sorted(set(lines)))
     except OSError:
         return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler_version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
 
 
 def _compiler() -> str | None:
@@ -63,7 +69,7 @@ def _build(name: str) -> ctypes.CDLL | None:
         log.warning("no C++ compiler found: the %s CPU kernel falls back to PyTorch", name)
         return None
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+        version = _compiler_version(compiler)
         headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
         parts = [source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity()]
         target = cache_dir() / f"{name}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"

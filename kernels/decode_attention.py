@@ -17,7 +17,7 @@ import functools
 import torch
 
 from kernels import cpu_native
-from kernels._attn_common import check_attention, gather_kv, scaled_fp8_table
+from kernels._attn_common import check_attention, gather_kv, native_cache_args, native_int32
 from kernels._checks import check_last_dim_contiguous, is_fp8, require
 from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
 
@@ -94,26 +94,19 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
                                k_scale: float = 1.0, v_scale: float = 1.0):
     """The native CPU kernel; same contract as the reference. Needs native_available(q, k_cache)."""
     scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
-    fn = _native_fn()
     require(native_available(q, k_cache), f"no native CPU decode attention for q {q.dtype} on {q.device}, "
                                           f"cache {k_cache.dtype} (or the library could not be built)")
     check_last_dim_contiguous(q, "q")
-    block_tables = block_tables.to(torch.int32)
-    if block_tables.shape[1] and block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    context_lens = context_lens.to(torch.int32).contiguous()
+    block_tables = native_int32(block_tables)
+    context_lens = native_int32(context_lens)
     B, hq, d = q.shape
     out = torch.empty((B, hq, d), dtype=q.dtype)
     if B == 0:
         return out
-    nb, bs, hk, _ = k_cache.shape
-    fp8 = is_fp8(k_cache.dtype)
-    k_table = scaled_fp8_table(k_scale) if fp8 else None
-    v_table = scaled_fp8_table(v_scale) if fp8 else None
-    err = fn(
+    _, bs, hk, _ = k_cache.shape
+    err = _native_fn()(
         q.data_ptr(), q.stride(0), q.stride(1), cpu_native.DTYPE_CODES[q.dtype],
-        k_cache.data_ptr(), v_cache.data_ptr(), cpu_native.DTYPE_CODES[k_cache.dtype], nb,
-        k_table.data_ptr() if fp8 else None, v_table.data_ptr() if fp8 else None,
+        *native_cache_args(k_cache, v_cache, k_scale, v_scale),
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1),
         B, hq, hk, d, bs, scale, torch.get_num_threads(),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
-from kernels._attn_common import check_attention, gather_kv, scaled_fp8_table
+from kernels._attn_common import check_attention, gather_kv, native_cache_args, native_int32
 from kernels._checks import check_last_dim_contiguous, check_tensor, is_fp8, require
 from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
 
@@ -98,11 +98,9 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, block_tables, query_start_l
     require(native_available(q, k_cache), f"no native CPU prefill attention for q {q.dtype}, cache {k_cache.dtype} "
                                           f"{tuple(k_cache.shape)} (or the library could not be built)")
     check_last_dim_contiguous(q, "q")
-    block_tables = block_tables.to(torch.int32)
-    if block_tables.shape[1] and block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    query_start_loc = query_start_loc.to(torch.int32).contiguous()
-    context_lens = context_lens.to(torch.int32).contiguous()
+    block_tables = native_int32(block_tables)
+    query_start_loc = native_int32(query_start_loc)
+    context_lens = native_int32(context_lens)
     T, hq, d = q.shape
     out = torch.empty((T, hq, d), dtype=q.dtype)
     B = context_lens.shape[0]
@@ -110,14 +108,10 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, block_tables, query_start_l
         return out
     starts = query_start_loc.tolist()
     require(starts[0] == 0 and starts[-1] == T, f"query_start_loc must run from 0 to {T}, got {starts[0]}..{starts[-1]}")
-    nb, bs, hk, _ = k_cache.shape
-    fp8 = is_fp8(k_cache.dtype)
-    k_table = scaled_fp8_table(k_scale) if fp8 else None
-    v_table = scaled_fp8_table(v_scale) if fp8 else None
+    _, bs, hk, _ = k_cache.shape
     err = _native_fn()(
         q.data_ptr(), q.stride(0), q.stride(1), cpu_native.DTYPE_CODES[q.dtype],
-        k_cache.data_ptr(), v_cache.data_ptr(), cpu_native.DTYPE_CODES[k_cache.dtype], nb,
-        k_table.data_ptr() if fp8 else None, v_table.data_ptr() if fp8 else None,
+        *native_cache_args(k_cache, v_cache, k_scale, v_scale),
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         query_start_loc.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1), B, hq, hk, d, bs, scale, torch.get_num_threads(),

@@ -41,4 +41,21 @@ template <> struct Act<kBFloat16> {
 };
 
 
+// A KV cache element type and how to widen it to float32. FP8 goes through a 256-entry table that
+// already holds the layer's K or V scale. The attention kernels read the cache in place through a
+// typed pointer (no widened copy), which lets their loops vectorize straight off the pages.
+template <int KIND> struct CacheElem;
+template <> struct CacheElem<kFloat32> {
+    using T = float;
+    static float get(const T* p, int i, const float*) { return p[i]; }
+};
+template <> struct CacheElem<kBFloat16> {
+    using T = uint16_t;
+    static float get(const T* p, int i, const float*) { return bf16_to_float(p[i]); }
+};
+template <> struct CacheElem<kFp8E4M3> {
+    using T = uint8_t;
+    static float get(const T* p, int i, const float* table) { return table[p[i]]; }
+};
+
 }  // namespace baton

@@ -18,23 +18,6 @@ namespace {
 
 using namespace baton;
 
-// A cache element type and how to widen it to float32. FP8 goes through a 256-entry table that
-// already holds the layer's K or V scale. Dot products read the cache in place through a typed
-// pointer (no widened copy), which lets them vectorize straight off the pages.
-template <int KIND> struct Elem;
-template <> struct Elem<kFloat32> {
-    using T = float;
-    static float get(const T* p, int i, const float*) { return p[i]; }
-};
-template <> struct Elem<kBFloat16> {
-    using T = uint16_t;
-    static float get(const T* p, int i, const float*) { return bf16_to_float(p[i]); }
-};
-template <> struct Elem<kFp8E4M3> {
-    using T = uint8_t;
-    static float get(const T* p, int i, const float* table) { return table[p[i]]; }
-};
-
 struct Args {
     const void* q; int64_t q_stride_b, q_stride_h; int q_dtype;
     const void* k_cache; const void* v_cache; int64_t num_blocks;
@@ -48,7 +31,7 @@ struct Args {
 // unroll into a few full-width vector FMAs with no remainder loop. DIM == 0 reads it from a.D.
 template <int KV, int DIM>
 void attend(const Args& a) {
-    using T = typename Elem<KV>::T;
+    using T = typename CacheElem<KV>::T;
     const T* k_cache = static_cast<const T*>(a.k_cache);
     const T* v_cache = static_cast<const T*>(a.v_cache);
     const int G = a.Hq / a.Hk, D = DIM > 0 ? DIM : a.D, Hq = a.Hq;
@@ -92,7 +75,7 @@ void attend(const Args& a) {
                     const T* kh = k_cache + k_off + int64_t(h / G) * D;
                     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                    for (int d = 0; d < D; ++d) s += qh[d] * Elem<KV>::get(kh, d, a.k_fp8_table);
+                    for (int d = 0; d < D; ++d) s += qh[d] * CacheElem<KV>::get(kh, d, a.k_fp8_table);
                     scores[size_t(h) * ctx + t] = s;
                 }
             }
@@ -119,7 +102,7 @@ void attend(const Args& a) {
                     const T* vh = v_cache + v_off + int64_t(h / G) * D;
                     float* ah = &acc[size_t(h) * D];
 #pragma omp simd
-                    for (int d = 0; d < D; ++d) ah[d] += p * Elem<KV>::get(vh, d, a.v_fp8_table);
+                    for (int d = 0; d < D; ++d) ah[d] += p * CacheElem<KV>::get(vh, d, a.v_fp8_table);
                 }
             }
             for (int h = 0; h < Hq; ++h) {

@@ -24,20 +24,6 @@ namespace {
 constexpr int kQueryBlock = 64;
 constexpr int kRowGroup = 4;
 
-template <int KIND> struct KV;
-template <> struct KV<kFloat32> {
-    using T = float;
-    static float get(const T* p, int i, const float*) { return p[i]; }
-};
-template <> struct KV<kBFloat16> {
-    using T = uint16_t;
-    static float get(const T* p, int i, const float*) { return bf16_to_float(p[i]); }
-};
-template <> struct KV<kFp8E4M3> {
-    using T = uint8_t;
-    static float get(const T* p, int i, const float* table) { return table[p[i]]; }
-};
-
 struct Args {
     const void* q; int64_t q_stride_t, q_stride_h; int q_dtype;
     const void* k_cache; const void* v_cache; int64_t num_blocks;
@@ -85,7 +71,7 @@ inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 // DIM: head dim (compile-time so the tile loops unroll into whole vectors).
 template <int KVK, int DIM>
 void attend(const Args& a, const std::vector<int64_t>& items) {
-    using Elem = KV<KVK>;
+    using Elem = CacheElem<KVK>;
     using T = typename Elem::T;
     constexpr int NV = DIM / 16;  // vectors per head row
     const T* k_cache = static_cast<const T*>(a.k_cache);
