@@ -1,8 +1,11 @@
-"""Shared fixtures: the default model, its transformers oracle, tiny random models."""
+"""Session environment for every test, and the default model's tokenizer (tests/e2e and
+tests/router bring their own variants)."""
 
 from __future__ import annotations
 
 import os
+
+import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -10,3 +13,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # for the whole session so the kernel tests can run their kernels on CPU tensors. The GPU script
 # sets TRITON_INTERPRET=0 to compile them instead.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from router.tokenizer import Tokenizer
+    from workers.model_files import resolve_model_dir
+
+    try:
+        return Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
+    except Exception as e:  # pragma: no cover - depends on the machine
+        pytest.skip(f"default model not available: {e}")

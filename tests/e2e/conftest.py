@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -13,6 +14,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    """predicate()'s first truthy value, polled every 0.1 s; AssertionError naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
 
 
 class RunningServer:
@@ -39,28 +52,34 @@ class RunningServer:
             time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def server():
-    from cluster.config import ServeConfig
+@contextlib.contextmanager
+def serving(config, actor_name_prefix: str = "baton"):
+    """Deploy `config` (its port free, see free_port) and run its router in a thread for the block."""
     from cluster.launcher import build_app, deploy
     from router.app import make_server
 
-    port = free_port()
-    # local_prefill_threshold=0: these tests check the prefill -> decode handoff, so every request
-    # goes through it (the kv-aware default would prefill their short prompts on the decode worker).
-    config = ServeConfig(port=port, kv_cache_memory="192MiB", max_num_seqs=64, local_prefill_threshold=0)
-    deployment = deploy(config)
-    http = make_server(build_app(deployment), port=port)
+    deployment = deploy(config, actor_name_prefix=actor_name_prefix)
+    http = make_server(build_app(deployment), port=config.port)
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not http.started:
-        assert time.monotonic() < deadline, "router did not start"
-        time.sleep(0.05)
-    yield RunningServer(deployment, http, thread, port)
-    http.should_exit = True
-    thread.join(timeout=10)
-    deployment.shutdown()
+    try:
+        wait_until(lambda: http.started, 30, "the router to start")
+        yield RunningServer(deployment, http, thread, config.port)
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+        deployment.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    from cluster.config import ServeConfig
+
+    # local_prefill_threshold=0: these tests check the prefill -> decode handoff, so every request
+    # goes through it (the kv-aware default would prefill their short prompts on the decode worker).
+    config = ServeConfig(port=free_port(), kv_cache_memory="192MiB", max_num_seqs=64, local_prefill_threshold=0)
+    with serving(config) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,9 @@ engine's answer is the accuracy reference, compared token by token.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import free_port, serving
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.sampling_params import SamplingParams
@@ -38,8 +35,6 @@ def test_serve_fp8_answers_like_the_fp8_engine_and_reports_float32_agreement():
     import openai
 
     from cluster.config import ServeConfig
-    from cluster.launcher import build_app, deploy
-    from router.app import make_server
     from router.tokenizer import Tokenizer
     from workers.model_files import resolve_model_dir
 
@@ -51,28 +46,13 @@ def test_serve_fp8_answers_like_the_fp8_engine_and_reports_float32_agreement():
     del fp8
     [ref] = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=32 << 20)).generate([prompt], params)
 
-    port = free_port()
-    config = ServeConfig(port=port, kv_cache_memory="32MiB", max_num_seqs=8, quantization="fp8", kv_cache_dtype="fp8",
-                         local_prefill_threshold=0)
-    deployment = deploy(config, actor_name_prefix="baton-fp8")
-    http = make_server(build_app(deployment), port=port)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not http.started:
-            assert time.monotonic() < deadline, "router did not start"
-            time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    config = ServeConfig(port=free_port(), kv_cache_memory="32MiB", max_num_seqs=8, quantization="fp8",
+                         kv_cache_dtype="fp8", local_prefill_threshold=0)
+    with serving(config, actor_name_prefix="baton-fp8") as running:
+        client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused")
         reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, temperature=0,
                                                max_tokens=24)
-        import ray
-
-        stats = {wid: ray.get(h.stats.remote(), timeout=30) for wid, _, h in deployment.workers}
-    finally:
-        http.should_exit = True
-        thread.join(timeout=10)
-        deployment.shutdown()
+        stats = running.stats()
     assert reply.choices[0].message.content == want.text
     # The request crossed the FP8 handoff: bytes per prompt token are the FP8 size
     # (2 x 30 layers x 3 KV heads x 64 head_dim x 1 byte, whole blocks).

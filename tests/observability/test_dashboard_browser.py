@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,7 @@ import pytest
 
 from router.app import build_app
 from router.backend import FakeBackend
+from tests.e2e.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -46,17 +46,6 @@ def browser(tmp_path):
         driver.quit()
 
 
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def severe_console_errors(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
 
@@ -74,7 +63,7 @@ def test_dashboard_shows_pools_then_traffic(browser, tmp_path):
         assert url.startswith("http://127.0.0.1:")
         browser.get(url + "/dashboard")
         # Before any traffic: both pools listed, empty states, no console errors.
-        wait_for(lambda: browser.execute_script("return document.body.dataset.polls"), 10, "the first status poll")
+        wait_until(lambda: browser.execute_script("return document.body.dataset.polls"), 10, "the first status poll")
         rows = {r.get_attribute("data-worker"): r.get_attribute("class")
                 for r in browser.find_elements(By.CSS_SELECTOR, "#workers tr[data-worker]")}
         assert rows == {"prefill-0": "pool-prefill", "prefill-1": "pool-prefill", "decode-0": "pool-decode",
@@ -89,7 +78,7 @@ def test_dashboard_shows_pools_then_traffic(browser, tmp_path):
                            json={"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 8})
             assert r.status_code == 200
             ids.append(r.json()["id"])
-        points = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#ttft-chart circle.pt"), 10, "TTFT points")
+        points = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#ttft-chart circle.pt"), 10, "TTFT points")
         assert len(points) == 4
         recent = browser.find_elements(By.CSS_SELECTOR, "#recent tr")
         assert len(recent) == 4

@@ -12,19 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import build_app
 from router.backend import FakeBackend
-from router.tokenizer import Tokenizer
 
 MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from workers.model_files import resolve_model_dir
-
-    try:
-        return Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
-    except Exception as e:  # pragma: no cover - depends on the machine
-        pytest.skip(f"default model not available: {e}")
 
 
 def scrape(client) -> dict[tuple[str, frozenset], float]:

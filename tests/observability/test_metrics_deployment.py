@@ -10,6 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.conftest import free_port, serving, wait_until
+
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     out = {}
@@ -27,40 +29,14 @@ def total(samples, name: str, **labels) -> float:
     return sum(v for k, v in samples.items() if k[0] == name and all(dict(k[1]).get(a) == b for a, b in labels.items()))
 
 
-def wait_until(fn, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def deployment():
-    import threading
-
     from cluster.config import ServeConfig
-    from cluster.launcher import build_app, deploy
-    from router.app import make_server
-    from tests.e2e.conftest import free_port
 
-    port = free_port()
-    config = ServeConfig(port=port, prefill_workers=1, decode_workers=1, kv_cache_memory="24MiB", max_num_seqs=8,
+    config = ServeConfig(port=free_port(), prefill_workers=1, decode_workers=1, kv_cache_memory="24MiB", max_num_seqs=8,
                          local_prefill_threshold=32)
-    dep = deploy(config, actor_name_prefix="obs-test")
-    http = make_server(build_app(dep), port=port)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: http.started, 30, "the router to start")
-        yield dep, f"http://127.0.0.1:{port}"
-    finally:
-        http.should_exit = True
-        thread.join(timeout=10)
-        dep.shutdown()
+    with serving(config, actor_name_prefix="obs-test") as running:
+        yield running.deployment, running.base_url
 
 
 @pytest.mark.slow

@@ -136,14 +136,3 @@ def test_counters_through_the_http_app(tokenizer):
         assert 'baton:routing_decisions_total{decision="remote",model_name="m",reason="remote_prefill"} 1.0' in text
         client.portal.call(backend.close)
     assert backend.counters["local_prefill"] == 1 and backend.counters["remote_prefill"] == 1
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from router.tokenizer import Tokenizer
-    from workers.model_files import resolve_model_dir
-
-    try:
-        return Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
-    except Exception as e:  # pragma: no cover - depends on the machine
-        pytest.skip(f"default model not available: {e}")
