@@ -17,6 +17,9 @@ SiLU, sampling; "python and scheduling" is the rest of the step (module calls, b
 scheduler, detokenizing). cProfile's per-call cost inflates the python share; the table scales
 every category so the total matches the unprofiled step time. Transport and streaming are not
 part of an engine step: bench/kv_transfer.py and bench/stream_overhead.py measure them.
+
+Prefill is timed too, outside the split: one `--long-prompt` prompt alone (default 2,000 tokens),
+then the `--batch` prompts together (chunked under the engine's default 1,024-token budget).
 """
 
 from __future__ import annotations
@@ -50,17 +53,30 @@ CATEGORIES = {
 }
 
 
-def build_engine(dtype: str, batch: int, context: int) -> LLMEngine:
+def prefill_seconds(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
+    """Wall time until every prompt has its first token (the requests stay, decoding)."""
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    return time.perf_counter() - start
+
+
+def build_engine(dtype: str, batch: int, context: int, long_prompt: int) -> tuple[LLMEngine, dict]:
+    """An engine decoding `batch` sequences, and how long the prefills took (not part of the split)."""
     engine = LLMEngine.from_model_dir(None, EngineConfig(dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20))
     rng = random.Random(0)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(100, 40000) for _ in range(context)],
-                           SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
-    while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # prefill every prompt
+    timings = {}
+    if long_prompt:
+        timings[f"prefill_1x{long_prompt}_s"] = prefill_seconds(
+            engine, [[rng.randrange(100, 40000) for _ in range(long_prompt)]], 1)
+        engine.step()  # the long request finishes and leaves the batch
+    prompts = [[rng.randrange(100, 40000) for _ in range(context)] for _ in range(batch)]
+    timings[f"prefill_{batch}x{context}_s"] = prefill_seconds(engine, prompts, 10_000)
     for _ in range(3):
         engine.step()
-    return engine
+    return engine, timings
 
 
 def split(profile: cProfile.Profile) -> dict[str, float]:
@@ -81,7 +97,7 @@ def split(profile: cProfile.Profile) -> dict[str, float]:
 def measure(dtype: str, native: bool, packed: bool, args) -> dict:
     os.environ["BATON_NATIVE_KERNELS"] = "1" if native else "0"
     os.environ["BATON_PACKED_LINEAR"] = "1" if packed else "0"  # read when the model loads
-    engine = build_engine(dtype, args.batch, args.context)
+    engine, prefill = build_engine(dtype, args.batch, args.context, args.long_prompt)
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -95,7 +111,7 @@ def measure(dtype: str, native: bool, packed: bool, args) -> dict:
     scale = step_ms / (sum(parts.values()) / args.steps * 1000)
     ms = {k: v / args.steps * 1000 * scale for k, v in parts.items()}
     return {"dtype": dtype, "native_kernels": native, "packed_linear": packed, "step_ms": step_ms,
-            "tokens_per_s": args.batch / step_ms * 1000, "split_ms": ms}
+            "tokens_per_s": args.batch / step_ms * 1000, "split_ms": ms, "prefill": prefill}
 
 
 def main() -> None:
@@ -103,6 +119,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--long-prompt", type=int, default=2000, help="also time one prompt this long (0: skip)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "decode_profile.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -110,12 +127,13 @@ def main() -> None:
             for native, packed in ((False, False), (True, False), (True, True))]
     print(f"decode step, {args.batch} sequences of ~{args.context} tokens, 1 thread (ms)")
     cats = list(runs[0]["split_ms"])
-    print("| config | step | " + " | ".join(cats) + " |")
-    print("|---|---:|" + "---:|" * len(cats))
+    print("| config | step | " + " | ".join(cats) + " | prefill (s) |")
+    print("|---|---:|" + "---:|" * len(cats) + "---|")
     for r in runs:
         label = r["dtype"] + (", + prepacked linears" if r["packed_linear"] else
                               ", + native kernels" if r["native_kernels"] else ", before (PyTorch references)")
-        print(f"| {label} | {r['step_ms']:.1f} | " + " | ".join(f"{r['split_ms'][c]:.1f}" for c in cats) + " |")
+        print(f"| {label} | {r['step_ms']:.1f} | " + " | ".join(f"{r['split_ms'][c]:.1f}" for c in cats) + " | "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items()) + " |")
     doc = {"benchmark": "decode step profile", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": " ".join([sys.executable, *sys.argv]), "batch": args.batch, "context": args.context,
            "steps": args.steps, "torch_threads": 1, "loadavg": list(os.getloadavg()), "runs": runs}
