@@ -1,10 +1,12 @@
 """Baton kernels: Triton kernels, each beside its PyTorch reference and its checked host wrapper.
 
-The engine calls only `kernels.ops`, which dispatches to Triton on CUDA tensors and to the
-PyTorch references (the production CPU path) otherwise; `BATON_KERNELS=auto|triton|reference`
-overrides the choice, and with `TRITON_INTERPRET=1` the Triton kernels run on CPU tensors.
+The engine calls only `kernels.ops`, which dispatches to Triton on CUDA tensors and, on the CPU,
+to native C++ kernels (kernels/csrc/, built by kernels/cpu_native.py) where there is one, else to
+the PyTorch references; `BATON_KERNELS=auto|triton|reference` overrides the choice, and with
+`TRITON_INTERPRET=1` the Triton kernels run on CPU tensors.
 
 One kernel per module: rms_norm, rotary (and the RoPE cache), silu_mul, kv_store, decode_attention
 (split-K) with decode_attention_reduce (its merge), prefill_attention, fp8_quant, fp8_gemm,
-block_copy (KV pack/unpack). Modules starting with `_` hold shared checks and helpers, no kernels.
+block_copy (KV pack/unpack for network transfers, and the native cache-to-cache copy that
+kvtransfer's shared-memory backend calls directly). Modules starting with `_` hold shared checks and helpers, no kernels.
 """

@@ -1,9 +1,15 @@
-"""Gather KV blocks of every layer into one contiguous buffer (for a transfer) and scatter them back."""
+"""Moving KV blocks of every layer: gather them into one contiguous buffer (for a transfer over
+the network) and scatter them back, or copy them straight from one cache into another (two
+workers sharing memory on one node: kernels/csrc/kv_block_copy.cpp)."""
 
 from __future__ import annotations
 
+from array import array
+from typing import Sequence
+
 import torch
 
+from kernels import cpu_native
 from kernels._checks import KV_DTYPES, check_same_device, check_tensor, require
 from kernels._triton_compat import cdiv, lazy_jit, tl
 
@@ -104,3 +110,72 @@ def unpack_kv_blocks_triton(kv_cache, block_ids, packed) -> None:
     _check(kv_cache, block_ids)
     _check_packed(kv_cache, block_ids, packed)
     _launch(kv_cache, packed, block_ids, scatter=True)
+
+
+# -- cache to cache ------------------------------------------------------------------------------
+
+def _check_caches(dst, src) -> None:
+    for name, t in (("dst", dst), ("src", src)):
+        check_tensor(t, name, 6)
+        require(t.is_contiguous(), f"{name} must be a contiguous [L, 2, num_blocks, ...] cache")
+    require(dst.dtype == src.dtype, f"dst dtype {dst.dtype} != src dtype {src.dtype}")
+    require(dst.shape[:2] == src.shape[:2] and dst.shape[3:] == src.shape[3:],
+            f"dst {tuple(dst.shape)} and src {tuple(src.shape)} differ in more than num_blocks (dim 2)")
+
+
+def _check_ids(dst_ids: Sequence[int], dst_blocks: int, src_ids: Sequence[int], src_blocks: int) -> None:
+    require(len(dst_ids) == len(src_ids), f"dst_ids has {len(dst_ids)} ids but src_ids has {len(src_ids)}")
+    for name, ids, n in (("dst_ids", dst_ids, dst_blocks), ("src_ids", src_ids, src_blocks)):
+        require(not len(ids) or (min(ids) >= 0 and max(ids) < n), f"{name} must lie in [0, {n})")
+
+
+def copy_kv_blocks_reference(dst, dst_ids: Sequence[int], src, src_ids: Sequence[int]) -> None:
+    """dst[:, :, dst_ids] = src[:, :, src_ids] for two caches that differ only in num_blocks."""
+    _check_caches(dst, src)
+    _check_ids(dst_ids, dst.shape[2], src_ids, src.shape[2])
+    if len(dst_ids):
+        _bytes(dst)[:, :, torch.tensor(list(dst_ids), device=dst.device)] = \
+            _bytes(src)[:, :, torch.tensor(list(src_ids), device=src.device)]
+
+
+_COPY_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.I64,
+              cpu_native.I64, cpu_native.I64, cpu_native.PTR, cpu_native.PTR, cpu_native.I64)
+
+
+def _copy_fn():
+    return cpu_native.function("kv_block_copy", "baton_copy_kv_blocks", _COPY_ARGS)
+
+
+def copy_native_available(dst, src) -> bool:
+    """Whether KVBlockCopier handles this pair (both contiguous CPU tensors, built library)."""
+    return (all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() for t in (dst, src))
+            and _copy_fn() is not None)
+
+
+class KVBlockCopier:
+    """Native block copies from one fixed CPU cache into another. Shapes, strides and pointers
+    are checked and looked up once, here: a 1 MiB transfer moves in ~60 us, so a transfer's
+    fixed cost has to stay at a C call. Keeps both tensors alive while it exists."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        _check_caches(dst, src)
+        require(copy_native_available(dst, src), f"no native CPU block copy for {dst.device} tensors")
+        self._dst, self._src, self._fn = dst, src, _copy_fn()
+        block_bytes = src[0, 0, 0].numel() * src.element_size()
+        # [L, 2, N, ...] contiguous is [L * 2 rows, N blocks, block_bytes] in memory.
+        self._call_prefix = (dst.data_ptr(), dst.shape[2] * block_bytes, dst.shape[2],
+                             src.data_ptr(), src.shape[2] * block_bytes, src.shape[2],
+                             src.shape[0] * src.shape[1], block_bytes)
+
+    def __call__(self, dst_ids: array, src_ids: array) -> None:
+        """Copy src block src_ids[i] to dst block dst_ids[i]; ids as array('q')."""
+        require(dst_ids.typecode == "q" and src_ids.typecode == "q", "block ids must be array('q')")
+        require(len(dst_ids) == len(src_ids), f"dst_ids has {len(dst_ids)} ids but src_ids has {len(src_ids)}")
+        status = self._fn(*self._call_prefix, dst_ids.buffer_info()[0], src_ids.buffer_info()[0], len(dst_ids))
+        require(status == 0, f"block ids out of range: dst_ids must lie in [0, {self._dst.shape[2]}), "
+                             f"src_ids in [0, {self._src.shape[2]})")
+
+
+def copy_kv_blocks_cpu(dst, dst_ids: Sequence[int], src, src_ids: Sequence[int]) -> None:
+    """The native CPU copy (kernels/csrc/kv_block_copy.cpp); same contract as the reference."""
+    KVBlockCopier(dst, src)(array("q", dst_ids), array("q", src_ids))

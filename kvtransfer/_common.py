@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from kernels.block_copy import copy_kv_blocks_cpu, copy_native_available
+
 from .base import (
     KVLayout,
     KVTransport,
@@ -110,23 +112,26 @@ def block_rows(cache_bytes: torch.Tensor) -> np.ndarray:
 
 
 def copy_runs(dst: np.ndarray, src: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> None:
-    """Copy (src_start, dst_start, count) block runs between two `block_rows()` views.
+    """Copy (src_start, dst_start, count) block runs between two `block_rows()` views: the
+    path when the native copy (kernels/csrc/kv_block_copy.cpp) is off or cannot be built.
 
-    One numpy assignment per run is the fastest way measured here (2-core VM, 1024 scattered
-    64 KiB blocks, 64 MiB): 5.7 ms, against 15.8 ms for numpy fancy indexing (a gather into a
-    temporary, then a scatter), 43-70 ms for torch index_select + index_copy_ (byte-wise
-    kernels; chunking through a cache-sized staging buffer does not help), ~2x for
-    ctypes.memmove per row and 1.5x for torch copy_ per run. The loop itself costs ~0.5 us
-    per run; the rest of a scattered copy's gap to a contiguous one (~5.2 vs 3.2 us per
-    block) is the memory system starting fresh 8 KiB streams for every block and layer,
-    which neither sorting the runs by address nor 2 MiB pages changed."""
+    Of the Python-level ways, one numpy assignment per run is the fastest measured here
+    (2-core VM, 1024 scattered 64 KiB blocks, 64 MiB): 5.7 ms, against 15.8 ms for numpy
+    fancy indexing (a gather into a temporary, then a scatter), 43-70 ms for torch
+    index_select + index_copy_, ~2x for ctypes.memmove per row and 1.5x for torch copy_ per
+    run. It copies one 8 KiB piece at a time, though, so scattered blocks run at ~60% of a
+    contiguous copy; the native copy keeps eight pieces in flight."""
     for s, d, n in runs:
         dst[:, d:d + n] = src[:, s:s + n]
 
 
 def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
                 src_ids: Sequence[int]) -> None:
-    """Copy block bytes src[:, :, src_ids] -> dst[:, :, dst_ids] (byte views)."""
+    """Copy block bytes src[:, :, src_ids] -> dst[:, :, dst_ids] (byte views): the native
+    copy on the CPU when it is built, else numpy or torch per run of consecutive ids."""
+    if copy_native_available(dst, src):
+        copy_kv_blocks_cpu(dst, dst_ids, src, src_ids)
+        return
     runs = coalesce(src_ids, dst_ids)
     if dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous() \
             and src.is_contiguous():

@@ -2,8 +2,8 @@
 
 The receiver's cache lives in a shared memory file (`/dev/shm/baton_kv_*`, a temp file where
 there is no /dev/shm). A sender maps it and copies its blocks straight into the reserved
-slots: one numpy assignment per run of consecutive block ids (all layers, K and V at once),
-no staging buffer.
+slots with one native call (kernels/csrc/kv_block_copy.cpp; numpy per run of consecutive ids
+when native kernels are off), no staging buffer.
 
 Completion and aborts go through a slot table in the same segment, in front of the cache:
 the receiver's `expect()` writes (key, PENDING, dst-id fingerprint), preferably into the
@@ -34,12 +34,15 @@ import tempfile
 import threading
 import time
 import uuid
+from array import array
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+from kernels.block_copy import KVBlockCopier, copy_native_available
 
 from ._common import (
     Record,
@@ -208,6 +211,8 @@ class ShmTransport(TransportCore):
         self._jobs: "queue.Queue[Optional[Record]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
         self._rows: Optional[np.ndarray] = None  # block_rows() of our cache, when on the CPU
+        # Per peer: the native copy from our cache into its segment, when our cache is on the CPU.
+        self._copiers: dict[str, Optional[KVBlockCopier]] = {}
 
     # -- cache ---------------------------------------------------------------------------
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
@@ -278,6 +283,8 @@ class ShmTransport(TransportCore):
                                   "blocks")
         self._peers[peer.worker_id] = seg
         self._peer_blocks[peer.worker_id] = peer.num_blocks
+        self._copiers[peer.worker_id] = KVBlockCopier(seg.cache_bytes, self._bytes) \
+            if copy_native_available(seg.cache_bytes, self._bytes) else None
         return peer.worker_id
 
     # -- receiver --------------------------------------------------------------------------
@@ -375,8 +382,8 @@ class ShmTransport(TransportCore):
         if rec.status.is_terminal:
             return rec.handle()
         # Everything the copy needs is worked out before the segment lock is taken.
-        rec.extra.update(seg=seg, key=transfer_key(transfer_id), nblocks=len(dst),
-                         dst_hash=ids_hash(dst), runs=coalesce(src, dst), dst=dst)
+        rec.extra.update(seg=seg, copier=self._copiers[peer_id], key=transfer_key(transfer_id),
+                         nblocks=len(dst), dst_hash=ids_hash(dst), dst=dst)
         # Common case: the receiver reserved and expect()ed first. Copy right here: one
         # memcpy, no thread hand-off (which cost ~0.2 ms per transfer on the 2-core VM).
         if not self._try_send(rec):
@@ -452,8 +459,11 @@ class ShmTransport(TransportCore):
             # Only a holder of rec.mem_lock moves a send record on (abort and expiry take it
             # too), so no need for the transport lock here.
             rec.status = TransferStatus.TRANSFERRING
-            if self._rows is not None:
-                copy_runs(seg.rows, self._rows, extra["runs"])
+            copier = extra["copier"]
+            if copier is not None:
+                copier(array("q", extra["dst"]), array("q", rec.block_ids))
+            elif self._rows is not None:  # native kernels off or unbuildable
+                copy_runs(seg.rows, self._rows, coalesce(rec.block_ids, extra["dst"]))
             else:  # a registered cache on another device
                 copy_blocks(seg.cache_bytes, extra["dst"], self._bytes, rec.block_ids)
             row[_STATE] = _SUCCESS
@@ -472,6 +482,7 @@ class ShmTransport(TransportCore):
         for seg in self._peers.values():
             os.close(seg.fd)
         self._peers.clear()
+        self._copiers.clear()
         seg, self._own = self._own, None
         if seg is not None:
             os.close(seg.fd)

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from kernels import cpu_native
 from kvtransfer import KVLayout, TransferStatus, create_transport
 from kvtransfer._common import block_rows, coalesce, copy_blocks, copy_runs, transfer_key
 from kvtransfer.testing import seeded_bytes
@@ -116,6 +117,7 @@ def shm_pair():
 @pytest.mark.parametrize("expect_first", [True, False], ids=["inline", "background"])
 def test_shm_send_lands_exactly(shm_pair, layout, structure, expect_first):
     p, d, peer, p_cache, d_cache = shm_pair(layout)
+    assert (p._copiers[peer] is None) == (cpu_native.load("kv_block_copy") is None)  # native when built
     src_ids, dst_ids = STRUCTURES[structure]
     want = expected(d_cache, dst_ids, p_cache, src_ids)
     if expect_first:
@@ -127,6 +129,19 @@ def test_shm_send_lands_exactly(shm_pair, layout, structure, expect_first):
         hs = p.send(peer, src_ids, dst_ids, "x", 10.0)
         hr = d.expect("x", dst_ids, 10.0)
     assert p.wait(hs).ok and d.wait(hr).ok
+    assert torch.equal(d_cache.view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_shm_send_without_native_kernels_lands_exactly(shm_pair, monkeypatch, structure):
+    # Connecting with native kernels off leaves the numpy copy per run of ids.
+    monkeypatch.setenv("BATON_NATIVE_KERNELS", "0")
+    p, d, peer, p_cache, d_cache = shm_pair(LAYOUTS[1])
+    assert p._copiers[peer] is None
+    src_ids, dst_ids = STRUCTURES[structure]
+    want = expected(d_cache, dst_ids, p_cache, src_ids)
+    hr = d.expect("x", dst_ids, 10.0)
+    assert p.wait(p.send(peer, src_ids, dst_ids, "x", 10.0)).ok and d.wait(hr).ok
     assert torch.equal(d_cache.view(torch.uint8), want)
 
 
