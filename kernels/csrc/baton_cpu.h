@@ -58,4 +58,52 @@ template <> struct CacheElem<kFp8E4M3> {
     static float get(const T* p, int i, const float* table) { return table[p[i]]; }
 };
 
+// 16 float32 lanes: one page of 16 tokens, or 16 elements of a row. GCC/Clang vector extensions
+// lower this to whatever the target has (one AVX-512 register, two AVX2 ones, ...).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // for unaligned rows
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 (scores minus their running max), 16 lanes at once: 2^(x log2 e) split into
+// 2^n (exponent bits) times a degree-6 polynomial for 2^f, |f| <= 0.5 (relative error ~2e-7).
+// Written out because std::exp in a loop stays a scalar libm call (measured: SiLU-and-mul and the
+// decode softmax spent most of their time in expf).
+inline v16 exp_nonpositive(v16 x) {
+    v16 y = x * 1.4426950408889634f;
+    y = y < -127.0f ? v16{} - 127.0f : y;                 // also maps -inf; 2^-127 underflows to 0 below
+    const v16i n = __builtin_convertvector(y - 0.5f, v16i);  // y <= 0: truncation rounds to nearest
+    const v16 f = y - __builtin_convertvector(n, v16);
+    v16 p = f * 1.5403530e-4f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const v16i bits = (n + 127) << 23;  // n = -127 gives exponent 0: the result is 0
+    v16 scale;
+    __builtin_memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t v16w __attribute__((vector_size(64)));
+
+// 16 bfloat16 values to float32 and back, rounding as float_to_bf16 does (nearest even, NaN kept).
+inline v16 load(const uint16_t* p) {
+    const v16w bits = __builtin_convertvector(*reinterpret_cast<const v16h*>(p), v16w) << 16;
+    v16 f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+inline void store(uint16_t* p, v16 v) {
+    v16w bits;
+    __builtin_memcpy(&bits, &v, sizeof bits);
+    const v16w rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const v16w nan = v16w{} + 0x7fc0u;
+    *reinterpret_cast<v16h*>(p) = __builtin_convertvector((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded, v16h);
+}
+
 }  // namespace baton

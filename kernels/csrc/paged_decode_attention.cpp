@@ -84,9 +84,16 @@ void attend(const Args& a) {
                 float m = -INFINITY;
 #pragma omp simd reduction(max : m)
                 for (int64_t t = 0; t < ctx; ++t) m = sh[t] > m ? sh[t] : m;
+                v16 vsum = {};
+                int64_t t = 0;
+                for (; t + 16 <= ctx; t += 16) {
+                    const v16 e = exp_nonpositive(load(sh + t) - m);
+                    store(sh + t, e);
+                    vsum += e;
+                }
                 float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < ctx; ++t) {
+                for (int c = 0; c < 16; ++c) sum += vsum[c];
+                for (; t < ctx; ++t) {
                     sh[t] = std::exp(sh[t] - m);
                     sum += sh[t];
                 }

@@ -202,6 +202,23 @@ def test_native_silu_and_mul_matches_reference(dtype, T, inter):
         {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_silu_and_mul_extreme_gates(dtype):
+    """The vector path computes sigmoid from exp(-|g|): no overflow for large |g|, and inf/NaN
+    behave as in g / (1 + exp(-g)). 32 gates, so both halves go through the 16-lane path."""
+    from kernels.silu_mul import silu_and_mul_cpu
+
+    special = [0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, 100.0, -100.0, 1e4, -1e4,
+               float("inf"), float("-inf"), float("nan"), 0.5]
+    gate = torch.tensor(special + [-x for x in special], dtype=torch.float64)
+    up = torch.linspace(-2, 2, gate.numel(), dtype=torch.float64)
+    x = torch.cat([gate, up]).view(1, -1).to(dtype)
+    out = silu_and_mul_cpu(x).double()
+    g, u = x[:, :gate.numel()].double(), x[:, gate.numel():].double()
+    torch.testing.assert_close(out, g / (1 + torch.exp(-g)) * u, atol=1e-6, rtol=1e-2 if dtype == torch.bfloat16
+                               else 1e-5, equal_nan=True)
+
+
 # ---- prefill attention ---------------------------------------------------------------------------
 from kernels.prefill_attention import (native_available as prefill_native_available,  # noqa: E402
                                        paged_prefill_attention_cpu, paged_prefill_attention_reference)
