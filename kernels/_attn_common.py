@@ -7,7 +7,7 @@ import functools
 import torch
 
 from kernels import cpu_native
-from kernels._checks import FLOAT_DTYPES, check_kv_cache, check_same_device, check_scale, check_tensor, is_fp8, require
+from kernels._checks import FLOAT_DTYPES, check_kv_cache, check_same_device, check_scale, check_tensor, is_fp8
 
 
 def check_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale):
@@ -17,13 +17,17 @@ def check_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_sc
     check_tensor(context_lens, "context_lens", 1, (torch.int32, torch.int64))
     _, _, hk, d = k_cache.shape
     hq = q.shape[1]
-    require(q.shape[2] == d, f"q head_dim {q.shape[2]} != cache head_dim {d}")
-    require(hk > 0 and hq % hk == 0, f"num query heads {hq} must be a multiple of num kv heads {hk}")
+    if q.shape[2] != d:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {d}")
+    if not (hk > 0 and hq % hk == 0):
+        raise ValueError(f"num query heads {hq} must be a multiple of num kv heads {hk}")
     if not is_fp8(k_cache.dtype):
-        require(k_cache.dtype == q.dtype, f"cache dtype {k_cache.dtype} must be q dtype {q.dtype} or float8_e4m3fn")
-    require(block_tables.shape[0] == context_lens.shape[0],
-            f"block_tables has {block_tables.shape[0]} rows, context_lens {context_lens.shape[0]}")
-    require(isinstance(scale, (int, float)) and not isinstance(scale, bool), f"scale must be a float, got {scale!r}")
+        if k_cache.dtype != q.dtype:
+            raise ValueError(f"cache dtype {k_cache.dtype} must be q dtype {q.dtype} or float8_e4m3fn")
+    if block_tables.shape[0] != context_lens.shape[0]:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows, context_lens {context_lens.shape[0]}")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)):
+        raise ValueError(f"scale must be a float, got {scale!r}")
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens)
     return float(scale), check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
 

@@ -38,7 +38,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")).expanduser() / "kernels"
 
 
+@functools.lru_cache(maxsize=1)
 def enabled() -> bool:
+    """`BATON_NATIVE_KERNELS` as of the first call (forget_loaded() reads it again): every kernel
+    call asks, ~500 times per decode step, and an environment lookup costs a microsecond."""
     return os.environ.get("BATON_NATIVE_KERNELS", "1").strip() not in ("0", "false", "no", "off")
 
 
@@ -125,7 +128,9 @@ def function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | No
 
 
 def forget_loaded() -> None:
-    """Drop the memoised libraries and functions (tests use it after changing the environment)."""
+    """Drop the memoised libraries, functions and `BATON_NATIVE_KERNELS` setting (tests use it
+    after changing the environment)."""
+    enabled.cache_clear()
     _build.cache_clear()
     _function.cache_clear()
 

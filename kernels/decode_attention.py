@@ -24,7 +24,8 @@ from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
 
 def _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale):
     out = check_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
-    require(q.shape[0] == context_lens.shape[0], f"q has {q.shape[0]} sequences, context_lens {context_lens.shape[0]}")
+    if q.shape[0] != context_lens.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} sequences, context_lens {context_lens.shape[0]}")
     return out
 
 
@@ -53,8 +54,8 @@ def _attend_padded(q, k_cache, v_cache, block_tables, lens, scale, k_scale, v_sc
     bs, hk = k_cache.shape[1], k_cache.shape[2]
     max_len = int(lens.max())
     nblk = cdiv(max_len, bs)
-    require(nblk <= block_tables.shape[1],
-            f"context of {max_len} tokens needs {nblk} blocks, block_tables has {block_tables.shape[1]}")
+    if nblk > block_tables.shape[1]:
+        raise ValueError(f"context of {max_len} tokens needs {nblk} blocks, block_tables has {block_tables.shape[1]}")
     # Padding entries of block_tables may be garbage: point them at block 0 and mask the tokens.
     used = torch.arange(nblk, device=q.device)[None, :] * bs < lens[:, None]
     bt = torch.where(used, block_tables[:, :nblk].long(), 0)
@@ -94,8 +95,9 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
                                k_scale: float = 1.0, v_scale: float = 1.0):
     """The native CPU kernel; same contract as the reference. Needs native_available(q, k_cache)."""
     scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
-    require(native_available(q, k_cache), f"no native CPU decode attention for q {q.dtype} on {q.device}, "
-                                          f"cache {k_cache.dtype} (or the library could not be built)")
+    if not native_available(q, k_cache):
+        raise ValueError(f"no native CPU decode attention for q {q.dtype} on {q.device}, "
+                         f"cache {k_cache.dtype} (or the library could not be built)")
     check_last_dim_contiguous(q, "q")
     block_tables = native_int32(block_tables)
     context_lens = native_int32(context_lens)
@@ -111,7 +113,8 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
         out.data_ptr(), out.stride(0), out.stride(1),
         B, hq, hk, d, bs, scale, torch.get_num_threads(),
     )
-    require(err == 0, f"native decode attention: {_NATIVE_ERRORS.get(err, f'error {err}')}")
+    if err != 0:
+        raise ValueError(f"native decode attention: {_NATIVE_ERRORS.get(err, f'error {err}')}")
     return out
 
 
@@ -217,7 +220,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     max_ctx = block_tables.shape[1] * bs
     if num_splits is None:
         num_splits = _num_splits(B, hk, max_ctx, block_n, q.device)
-    require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits must be a positive int, got {num_splits!r}")
+    if not (isinstance(num_splits, int) and num_splits >= 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     split_len = cdiv(cdiv(max_ctx, num_splits), block_n) * block_n
     num_splits = cdiv(max_ctx, split_len)
     if num_splits > 1:

@@ -15,14 +15,15 @@ def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     check_tensor(value, "value", 3, (key.dtype,))
     check_kv_cache(k_cache, v_cache)
     check_tensor(slot_mapping, "slot_mapping", 1, (torch.int64, torch.int32))
-    require(key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
-    require(key.shape[1:] == k_cache.shape[2:],
-            f"key heads/head_dim {tuple(key.shape[1:])} != cache {tuple(k_cache.shape[2:])}")
-    require(slot_mapping.shape[0] == key.shape[0],
-            f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    if key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"key heads/head_dim {tuple(key.shape[1:])} != cache {tuple(k_cache.shape[2:])}")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
     if not is_fp8(k_cache.dtype):
-        require(k_cache.dtype == key.dtype,
-                f"cache dtype {k_cache.dtype} must be key dtype {key.dtype} or float8_e4m3fn")
+        if k_cache.dtype != key.dtype:
+            raise ValueError(f"cache dtype {k_cache.dtype} must be key dtype {key.dtype} or float8_e4m3fn")
     check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     return check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
 
@@ -70,7 +71,8 @@ def native_available(key, k_cache) -> bool:
 def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The native CPU kernel (kernels/csrc/kv_store.cpp); same contract as the reference."""
     _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    require(native_available(key, k_cache), f"no native CPU store_kv for {key.dtype} into a {k_cache.dtype} cache")
+    if not native_available(key, k_cache):
+        raise ValueError(f"no native CPU store_kv for {key.dtype} into a {k_cache.dtype} cache")
     check_last_dim_contiguous(key, "key")
     check_last_dim_contiguous(value, "value")
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -79,8 +81,9 @@ def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.
         key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0], hk, d, nb * bs, key.element_size(),
     )
-    require(err == 0, f"slot_mapping has a slot past the cache's {nb * bs} slots"
-            if err == 2 else f"native store_kv failed with status {err}")
+    if err != 0:
+        raise ValueError(f"slot_mapping has a slot past the cache's {nb * bs} slots" if err == 2
+                         else f"native store_kv failed with status {err}")
 
 
 @lazy_jit

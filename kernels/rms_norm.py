@@ -12,11 +12,14 @@ from kernels._triton_compat import lazy_jit, next_pow2, tl
 def _check(x, weight, eps, residual) -> None:
     check_tensor(x, "x", 2, FLOAT_DTYPES)
     check_tensor(weight, "weight", 1, FLOAT_DTYPES)
-    require(weight.shape[0] == x.shape[1], f"weight has {weight.shape[0]} elements, x has hidden size {x.shape[1]}")
-    require(isinstance(eps, (int, float)) and eps >= 0, f"eps must be a non-negative float, got {eps!r}")
+    if weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight has {weight.shape[0]} elements, x has hidden size {x.shape[1]}")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     if residual is not None:
         check_tensor(residual, "residual", 2, (x.dtype,))
-        require(residual.shape == x.shape, f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     check_same_device(x=x, weight=weight, residual=residual)
 
 
@@ -55,7 +58,8 @@ def native_available(x, weight) -> bool:
 def rms_norm_cpu(x, weight, eps: float, residual=None):
     """The native CPU kernel (kernels/csrc/rms_norm.cpp); same contract as the reference."""
     _check(x, weight, eps, residual)
-    require(native_available(x, weight), f"no native CPU rms_norm for x {x.dtype} / weight {weight.dtype} on {x.device}")
+    if not native_available(x, weight):
+        raise ValueError(f"no native CPU rms_norm for x {x.dtype} / weight {weight.dtype} on {x.device}")
     check_last_dim_contiguous(x, "x")
     weight = weight.contiguous()
     T, H = x.shape
@@ -70,7 +74,8 @@ def rms_norm_cpu(x, weight, eps: float, residual=None):
         out.data_ptr(), out.stride(0), None if summed is None else summed.data_ptr(), H, T, H, float(eps),
         cpu_native.DTYPE_CODES[x.dtype], torch.get_num_threads(),
     )
-    require(err == 0, f"native rms_norm failed with status {err}")
+    if err != 0:
+        raise ValueError(f"native rms_norm failed with status {err}")
     return out if residual is None else (out, summed)
 
 

@@ -40,10 +40,10 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Te
 
 def build_rope_cache(head_dim: int, max_position: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     """float32 [max_position, head_dim] = cat(cos, sin) over the head_dim // 2 frequencies."""
-    require(isinstance(head_dim, int) and head_dim > 0 and head_dim % 2 == 0,
-            f"head_dim must be a positive even int, got {head_dim!r}")
-    require(isinstance(max_position, int) and max_position > 0,
-            f"max_position must be a positive int, got {max_position!r}")
+    if not (isinstance(head_dim, int) and head_dim > 0 and head_dim % 2 == 0):
+        raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
+    if not (isinstance(max_position, int) and max_position > 0):
+        raise ValueError(f"max_position must be a positive int, got {max_position!r}")
     inv_freq = _inv_freq(head_dim, float(base), rope_scaling)
     t = torch.arange(max_position, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
@@ -56,10 +56,13 @@ def _check(positions, q, k, cos_sin_cache) -> None:
     check_tensor(k, "k", 3, (q.dtype,))
     check_tensor(cos_sin_cache, "cos_sin_cache", 2, (torch.float32,))
     T, _, D = q.shape
-    require(positions.shape[0] == T and k.shape[0] == T,
-            f"positions {tuple(positions.shape)}, q {tuple(q.shape)} and k {tuple(k.shape)} disagree on token count")
-    require(k.shape[2] == D and D % 2 == 0, f"q and k need the same even head_dim, got {D} and {k.shape[2]}")
-    require(cos_sin_cache.shape[1] == D, f"cos_sin_cache width {cos_sin_cache.shape[1]} != head_dim {D}")
+    if not (positions.shape[0] == T and k.shape[0] == T):
+        raise ValueError(f"positions {tuple(positions.shape)}, q {tuple(q.shape)} and k {tuple(k.shape)} "
+                         "disagree on token count")
+    if not (k.shape[2] == D and D % 2 == 0):
+        raise ValueError(f"q and k need the same even head_dim, got {D} and {k.shape[2]}")
+    if cos_sin_cache.shape[1] != D:
+        raise ValueError(f"cos_sin_cache width {cos_sin_cache.shape[1]} != head_dim {D}")
     check_same_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
 
 
@@ -98,7 +101,8 @@ def native_available(q) -> bool:
 def rotary_embedding_cpu(positions, q, k, cos_sin_cache) -> None:
     """The native CPU kernel (kernels/csrc/rotary.cpp), in place; same contract as the reference."""
     _check(positions, q, k, cos_sin_cache)
-    require(native_available(q), f"no native CPU rotary embedding for {q.dtype} on {q.device}")
+    if not native_available(q):
+        raise ValueError(f"no native CPU rotary embedding for {q.dtype} on {q.device}")
     check_last_dim_contiguous(q, "q")
     check_last_dim_contiguous(k, "k")
     positions = positions.to(torch.int64).contiguous()
@@ -109,8 +113,9 @@ def rotary_embedding_cpu(positions, q, k, cos_sin_cache) -> None:
         k.shape[1], d, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], T, cpu_native.DTYPE_CODES[q.dtype],
         torch.get_num_threads(),
     )
-    require(err == 0, f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache length)"
-            if err == 2 else f"native rotary failed with status {err}")
+    if err != 0:
+        raise ValueError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache length)" if err == 2
+                         else f"native rotary failed with status {err}")
 
 
 @lazy_jit

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_native
-from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor, require
+from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
 from kernels._triton_compat import cdiv, lazy_jit, tl
 
 
 def _check(x) -> int:
     check_tensor(x, "x", 2, FLOAT_DTYPES)
-    require(x.shape[1] % 2 == 0, f"x last dim must be even (gate and up halves), got {x.shape[1]}")
+    if x.shape[1] % 2 != 0:
+        raise ValueError(f"x last dim must be even (gate and up halves), got {x.shape[1]}")
     return x.shape[1] // 2
 
 
@@ -39,12 +40,14 @@ def native_available(x) -> bool:
 def silu_and_mul_cpu(x):
     """The native CPU kernel (kernels/csrc/silu_mul.cpp); same contract as the reference."""
     inter = _check(x)
-    require(native_available(x), f"no native CPU silu_and_mul for {x.dtype} on {x.device}")
+    if not native_available(x):
+        raise ValueError(f"no native CPU silu_and_mul for {x.dtype} on {x.device}")
     check_last_dim_contiguous(x, "x")
     out = torch.empty((x.shape[0], inter), dtype=x.dtype)
     err = _native_fn()(x.data_ptr(), x.stride(0), out.data_ptr(), inter, x.shape[0], inter,
                        cpu_native.DTYPE_CODES[x.dtype], torch.get_num_threads())
-    require(err == 0, f"native silu_and_mul failed with status {err}")
+    if err != 0:
+        raise ValueError(f"native silu_and_mul failed with status {err}")
     return out
 
 

@@ -15,6 +15,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def native_kernels_off(monkeypatch):
+    """BATON_NATIVE_KERNELS=0 for one test. kernels.cpu_native reads the variable once per process,
+    so its memo is dropped before and after."""
+    from kernels import cpu_native
+
+    monkeypatch.setenv("BATON_NATIVE_KERNELS", "0")
+    cpu_native.forget_loaded()
+    yield
+    monkeypatch.undo()
+    cpu_native.forget_loaded()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from router.tokenizer import Tokenizer

@@ -127,10 +127,9 @@ def test_bad_input_is_a_value_error_naming_the_problem():
         KVBlockCopier(dst[:, :, ::2], src)
 
 
-def test_native_copy_off_falls_back(monkeypatch):
+def test_native_copy_off_falls_back(native_kernels_off):
     src = make_cache(SHAPES["64B"], SRC_BLOCKS, 1)
     dst = make_cache(SHAPES["64B"], DST_BLOCKS, 2)
-    monkeypatch.setenv("BATON_NATIVE_KERNELS", "0")
     assert not copy_native_available(dst, src)
     with pytest.raises(ValueError, match="no native CPU block copy"):
         KVBlockCopier(dst, src)

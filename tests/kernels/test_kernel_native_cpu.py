@@ -92,9 +92,9 @@ def test_ops_dispatch_uses_native_in_auto_mode_and_reference_when_forced(monkeyp
     assert_close(auto, ref, tol=ATTN_TOL)
 
 
-def test_disabled_native_kernels_fall_back(monkeypatch):
-    monkeypatch.setenv("BATON_NATIVE_KERNELS", "0")
+def test_disabled_native_kernels_fall_back(native_kernels_off):
     assert cpu_native.load("paged_decode_attention") is None
+    assert cpu_native.function("silu_mul", "baton_silu_and_mul", ()) is None
 
 
 def test_library_is_cached_per_source(tmp_path, monkeypatch):

@@ -133,9 +133,8 @@ def test_shm_send_lands_exactly(shm_pair, layout, structure, expect_first):
 
 
 @pytest.mark.parametrize("structure", sorted(STRUCTURES))
-def test_shm_send_without_native_kernels_lands_exactly(shm_pair, monkeypatch, structure):
+def test_shm_send_without_native_kernels_lands_exactly(shm_pair, native_kernels_off, structure):
     # Connecting with native kernels off leaves the numpy copy per run of ids.
-    monkeypatch.setenv("BATON_NATIVE_KERNELS", "0")
     p, d, peer, p_cache, d_cache = shm_pair(LAYOUTS[1])
     assert p._copiers[peer] is None
     src_ids, dst_ids = STRUCTURES[structure]
