@@ -18,6 +18,9 @@ scheduler, detokenizing). cProfile's per-call cost inflates the python share; th
 every category so the total matches the unprofiled step time. Transport and streaming are not
 part of an engine step: bench/kv_transfer.py and bench/stream_overhead.py measure them.
 
+Also timed: every linear layer applied to a single row, which is what streaming the weights from
+memory once costs (the floor under any decode step at any batch size).
+
 Prefill is timed too, outside the split: one `--long-prompt` prompt alone (default 2,000 tokens),
 then the `--batch` prompts together (chunked under the engine's default 1,024-token budget).
 """
@@ -40,6 +43,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from kernels import cpu_native  # noqa: E402
+from workers.packed_linear import PackedLinear  # noqa: E402
 
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
@@ -96,6 +100,25 @@ def split(profile: cProfile.Profile) -> dict[str, float]:
     return out
 
 
+def linear_layers_one_row(model: torch.nn.Module, dtype: str) -> dict:
+    """Every linear layer (lm_head included) applied to one row: what streaming the weights once
+    costs, the floor under any decode step. Best of 5, since nothing else varies."""
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers) + \
+        model.lm_head_weight.numel() * model.lm_head_weight.element_size()
+    inputs = {m.in_features: torch.randn(1, m.in_features).to(getattr(torch, dtype)) for m in layers}
+    hidden = torch.randn(1, model.config.hidden_size).to(getattr(torch, dtype))
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(5):
+            start = time.perf_counter()
+            for m in layers:
+                m(inputs[m.in_features])
+            model.compute_logits(hidden)
+            best = min(best, time.perf_counter() - start)
+    return {"ms": best * 1000, "weight_bytes": nbytes, "gb_per_s": nbytes / best / 1e9}
+
+
 def measure(dtype: str, native: bool, packed: bool, args) -> dict:
     os.environ["BATON_NATIVE_KERNELS"] = "1" if native else "0"
     cpu_native.forget_loaded()  # it reads the variable once per process
@@ -114,7 +137,8 @@ def measure(dtype: str, native: bool, packed: bool, args) -> dict:
     scale = step_ms / (sum(parts.values()) / args.steps * 1000)
     ms = {k: v / args.steps * 1000 * scale for k, v in parts.items()}
     return {"dtype": dtype, "native_kernels": native, "packed_linear": packed, "step_ms": step_ms,
-            "tokens_per_s": args.batch / step_ms * 1000, "split_ms": ms, "prefill": prefill}
+            "tokens_per_s": args.batch / step_ms * 1000, "split_ms": ms, "prefill": prefill,
+            "linear_layers_one_row": linear_layers_one_row(engine.runner.model, dtype)}
 
 
 def main() -> None:
@@ -140,6 +164,10 @@ def main() -> None:
     doc = {"benchmark": "decode step profile", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": " ".join([sys.executable, *sys.argv]), "batch": args.batch, "context": args.context,
            "steps": args.steps, "torch_threads": 1, "loadavg": list(os.getloadavg()), "runs": runs}
+    for r in runs:
+        one = r["linear_layers_one_row"]
+        print(f"{r['dtype']}, native {r['native_kernels']}, packed {r['packed_linear']}: linear layers at one row "
+              f"{one['ms']:.1f} ms ({one['weight_bytes'] / 1e6:.0f} MB of weights, {one['gb_per_s']:.1f} GB/s)")
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 

@@ -26,7 +26,8 @@ def _check_packed(kv_cache, block_ids, packed) -> None:
     L, two, _, bs, hk, d = kv_cache.shape
     want = (L, two, block_ids.shape[0], bs, hk, d)
     check_tensor(packed, "packed", 6, (kv_cache.dtype,))
-    require(tuple(packed.shape) == want, f"packed shape {tuple(packed.shape)} != {want}")
+    if tuple(packed.shape) != want:
+        raise ValueError(f"packed shape {tuple(packed.shape)} != {want}")
     require(packed.is_contiguous(), "packed must be contiguous")
     check_same_device(kv_cache=kv_cache, packed=packed)
 
@@ -117,16 +118,21 @@ def unpack_kv_blocks_triton(kv_cache, block_ids, packed) -> None:
 def _check_caches(dst, src) -> None:
     for name, t in (("dst", dst), ("src", src)):
         check_tensor(t, name, 6)
-        require(t.is_contiguous(), f"{name} must be a contiguous [L, 2, num_blocks, ...] cache")
-    require(dst.dtype == src.dtype, f"dst dtype {dst.dtype} != src dtype {src.dtype}")
-    require(dst.shape[:2] == src.shape[:2] and dst.shape[3:] == src.shape[3:],
-            f"dst {tuple(dst.shape)} and src {tuple(src.shape)} differ in more than num_blocks (dim 2)")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [L, 2, num_blocks, ...] cache")
+    if dst.dtype != src.dtype:
+        raise ValueError(f"dst dtype {dst.dtype} != src dtype {src.dtype}")
+    if not (dst.shape[:2] == src.shape[:2] and dst.shape[3:] == src.shape[3:]):
+        raise ValueError(f"dst {tuple(dst.shape)} and src {tuple(src.shape)} differ in more than num_blocks "
+                         "(dim 2)")
 
 
 def _check_ids(dst_ids: Sequence[int], dst_blocks: int, src_ids: Sequence[int], src_blocks: int) -> None:
-    require(len(dst_ids) == len(src_ids), f"dst_ids has {len(dst_ids)} ids but src_ids has {len(src_ids)}")
+    if len(dst_ids) != len(src_ids):
+        raise ValueError(f"dst_ids has {len(dst_ids)} ids but src_ids has {len(src_ids)}")
     for name, ids, n in (("dst_ids", dst_ids, dst_blocks), ("src_ids", src_ids, src_blocks)):
-        require(not len(ids) or (min(ids) >= 0 and max(ids) < n), f"{name} must lie in [0, {n})")
+        if len(ids) and (min(ids) < 0 or max(ids) >= n):
+            raise ValueError(f"{name} must lie in [0, {n})")
 
 
 def copy_kv_blocks_reference(dst, dst_ids: Sequence[int], src, src_ids: Sequence[int]) -> None:
@@ -159,7 +165,8 @@ class KVBlockCopier:
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         _check_caches(dst, src)
-        require(copy_native_available(dst, src), f"no native CPU block copy for {dst.device} tensors")
+        if not copy_native_available(dst, src):
+            raise ValueError(f"no native CPU block copy for {dst.device} tensors")
         self._dst, self._src, self._fn = dst, src, _copy_fn()
         block_bytes = src[0, 0, 0].numel() * src.element_size()
         # [L, 2, N, ...] contiguous is [L * 2 rows, N blocks, block_bytes] in memory.
@@ -170,9 +177,11 @@ class KVBlockCopier:
     def __call__(self, dst_ids: array, src_ids: array) -> None:
         """Copy src block src_ids[i] to dst block dst_ids[i]; ids as array('q')."""
         require(dst_ids.typecode == "q" and src_ids.typecode == "q", "block ids must be array('q')")
-        require(len(dst_ids) == len(src_ids), f"dst_ids has {len(dst_ids)} ids but src_ids has {len(src_ids)}")
+        if len(dst_ids) != len(src_ids):
+            raise ValueError(f"dst_ids has {len(dst_ids)} ids but src_ids has {len(src_ids)}")
         status = self._fn(*self._call_prefix, dst_ids.buffer_info()[0], src_ids.buffer_info()[0], len(dst_ids))
-        require(status == 0, f"block ids out of range: dst_ids must lie in [0, {self._dst.shape[2]}), "
+        if status != 0:
+            raise ValueError(f"block ids out of range: dst_ids must lie in [0, {self._dst.shape[2]}), "
                              f"src_ids in [0, {self._src.shape[2]})")
 
 
