@@ -18,8 +18,10 @@ scheduler, detokenizing). cProfile's per-call cost inflates the python share; th
 every category so the total matches the unprofiled step time. Transport and streaming are not
 part of an engine step: bench/kv_transfer.py and bench/stream_overhead.py measure them.
 
-Also timed: every linear layer applied to a single row, which is what streaming the weights from
-memory once costs (the floor under any decode step at any batch size).
+Also timed: the same decode step with the batch's pages scattered over the cache (the free block
+list shuffled first, as in a server that has recycled its blocks), and every linear layer applied
+to a single row, which is what streaming the weights from memory once costs (the floor under any
+decode step at any batch size).
 
 Prefill is timed too, outside the split: one `--long-prompt` prompt alone (default 2,000 tokens),
 then the `--batch` prompts together (chunked under the engine's default 1,024-token budget).
@@ -69,9 +71,19 @@ def prefill_seconds(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
     return time.perf_counter() - start
 
 
-def build_engine(dtype: str, batch: int, context: int, long_prompt: int) -> tuple[LLMEngine, dict]:
-    """An engine decoding `batch` sequences, and how long the prefills took (not part of the split)."""
+def build_engine(dtype: str, batch: int, context: int, long_prompt: int,
+                 scatter_pages: bool = False) -> tuple[LLMEngine, dict]:
+    """An engine decoding `batch` sequences, and how long the prefills took (not part of the split).
+
+    scatter_pages: shuffle the free block list first, which is what a server's cache looks like
+    once it has recycled its blocks for a while: each sequence's pages land all over the cache."""
     engine = LLMEngine.from_model_dir(None, EngineConfig(dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20))
+    if scatter_pages:
+        free = engine.block_manager._free
+        order = list(free)
+        random.Random(1).shuffle(order)
+        free.clear()
+        free.update((block_id, None) for block_id in order)
     rng = random.Random(0)
     timings = {}
     if long_prompt:
@@ -119,25 +131,31 @@ def linear_layers_one_row(model: torch.nn.Module, dtype: str) -> dict:
     return {"ms": best * 1000, "weight_bytes": nbytes, "gb_per_s": nbytes / best / 1e9}
 
 
+def step_ms(engine: LLMEngine, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - start) / steps * 1000
+
+
 def measure(dtype: str, native: bool, packed: bool, args) -> dict:
     os.environ["BATON_NATIVE_KERNELS"] = "1" if native else "0"
     cpu_native.forget_loaded()  # it reads the variable once per process
     os.environ["BATON_PACKED_LINEAR"] = "1" if packed else "0"  # read when the model loads
+    scattered_ms = step_ms(build_engine(dtype, args.batch, args.context, 0, scatter_pages=True)[0], args.steps)
     engine, prefill = build_engine(dtype, args.batch, args.context, args.long_prompt)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    step_ms = (time.perf_counter() - start) / args.steps * 1000
+    in_order_ms = step_ms(engine, args.steps)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.steps):
         engine.step()
     profile.disable()
     parts = split(profile)
-    scale = step_ms / (sum(parts.values()) / args.steps * 1000)
+    scale = in_order_ms / (sum(parts.values()) / args.steps * 1000)
     ms = {k: v / args.steps * 1000 * scale for k, v in parts.items()}
-    return {"dtype": dtype, "native_kernels": native, "packed_linear": packed, "step_ms": step_ms,
-            "tokens_per_s": args.batch / step_ms * 1000, "split_ms": ms, "prefill": prefill,
+    return {"dtype": dtype, "native_kernels": native, "packed_linear": packed, "step_ms": in_order_ms,
+            "tokens_per_s": args.batch / in_order_ms * 1000, "split_ms": ms, "prefill": prefill,
+            "step_ms_scattered_pages": scattered_ms,
             "linear_layers_one_row": linear_layers_one_row(engine.runner.model, dtype)}
 
 
@@ -154,12 +172,12 @@ def main() -> None:
             for native, packed in ((False, False), (True, False), (True, True))]
     print(f"decode step, {args.batch} sequences of ~{args.context} tokens, 1 thread (ms)")
     cats = list(runs[0]["split_ms"])
-    print("| config | step | " + " | ".join(cats) + " | prefill (s) |")
-    print("|---|---:|" + "---:|" * len(cats) + "---|")
+    print("| config | step | step, scattered pages | " + " | ".join(cats) + " | prefill (s) |")
+    print("|---|---:|---:|" + "---:|" * len(cats) + "---|")
     for r in runs:
         label = r["dtype"] + (", + prepacked linears" if r["packed_linear"] else
                               ", + native kernels" if r["native_kernels"] else ", before (PyTorch references)")
-        print(f"| {label} | {r['step_ms']:.1f} | " + " | ".join(f"{r['split_ms'][c]:.1f}" for c in cats) + " | "
+        print(f"| {label} | {r['step_ms']:.1f} | {r['step_ms_scattered_pages']:.1f} | " + " | ".join(f"{r['split_ms'][c]:.1f}" for c in cats) + " | "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items()) + " |")
     doc = {"benchmark": "decode step profile", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": " ".join([sys.executable, *sys.argv]), "batch": args.batch, "context": args.context,

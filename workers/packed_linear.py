@@ -5,7 +5,7 @@ to oneDNN, which reorders the weight into its blocked layout on every call. Pack
 once at load time (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing pass does)
 and calling oneDNN's linear on the packed copy computes the same products (up to summation order
 and, in bfloat16, the rounding of the output) much faster on this machine: in a decode step of
-16 sequences the linear layers take 2.7x less time in float32 and 1.5x less in bfloat16, where
+16 sequences the linear layers take 2.6x less time in float32 and 1.5x less in bfloat16, where
 the per-call reorder had doubled the memory traffic (`python bench/decode_profile.py`).
 
 `prepack(model)` swaps every plain `nn.Linear` (FP8 layers keep their own path) for a
