@@ -287,10 +287,14 @@ class WeightMemory:
 
 
 def weight_memory(model: nn.Module) -> WeightMemory:
+    """The model's parameters by kind. A prepacked layer (workers.packed_linear) counts its weight
+    once, like the nn.Linear it replaced; its packed copy is a buffer, not counted here."""
+    from workers.packed_linear import PackedLinear
+
     linear_ids = set()
     linear_params = 0
     for module in model.modules():
-        if isinstance(module, (nn.Linear, Fp8Linear)):
+        if isinstance(module, (nn.Linear, Fp8Linear, PackedLinear)):
             linear_params += module.weight.numel()
             linear_ids |= {id(p) for p in module.parameters(recurse=False)}
     linear = other = 0

@@ -60,3 +60,14 @@ def test_switch_off_leaves_the_model_alone(monkeypatch):
     monkeypatch.setenv("BATON_PACKED_LINEAR", "0")
     model = nn.Sequential(nn.Linear(4, 4))
     assert packed_linear.prepack(model) == 0 and type(model[0]) is nn.Linear
+
+
+def test_weight_memory_counts_packed_layers_as_linear_layers():
+    # bench/fp8_accuracy.py reports the linear layers' bytes per dtype from weight_memory().
+    from workers.quantization import weight_memory
+
+    model = nn.Sequential(nn.Embedding(10, 32), nn.Linear(32, 64), nn.Linear(64, 32, bias=False)).to(torch.bfloat16)
+    before = weight_memory(model)
+    assert before.linear_bytes == (32 * 64 + 64 + 64 * 32) * 2 and before.other_bytes == 10 * 32 * 2
+    assert packed_linear.prepack(model) == 2
+    assert weight_memory(model) == before
