@@ -46,6 +46,7 @@ import torch  # noqa: E402
 
 from kernels import cpu_native  # noqa: E402
 from workers.packed_linear import PackedLinear  # noqa: E402
+from workers.quantization import weight_memory  # noqa: E402
 
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
@@ -116,8 +117,8 @@ def linear_layers_one_row(model: torch.nn.Module, dtype: str) -> dict:
     """Every linear layer (lm_head included) applied to one row: what streaming the weights once
     costs, the floor under any decode step. Best of 5, since nothing else varies."""
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
-    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers) + \
-        model.lm_head_weight.numel() * model.lm_head_weight.element_size()
+    lm_head = model.lm_head_weight
+    nbytes = weight_memory(model).linear_bytes + lm_head.numel() * lm_head.element_size()
     inputs = {m.in_features: torch.randn(1, m.in_features).to(getattr(torch, dtype)) for m in layers}
     hidden = torch.randn(1, model.config.hidden_size).to(getattr(torch, dtype))
     best = float("inf")

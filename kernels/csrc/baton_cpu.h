@@ -24,6 +24,18 @@ inline uint16_t float_to_bf16(float f) {
     return uint16_t(bits >> 16);
 }
 
+// out[d] = q[offset + d] * scale for a float32 or bfloat16 query row (both attention kernels work
+// on scaled float32 copies of their queries).
+inline void load_scaled_query(const void* q, int q_dtype, int64_t offset, float scale, float* out, int n) {
+    if (q_dtype == kFloat32) {
+        const float* src = static_cast<const float*>(q) + offset;
+        for (int d = 0; d < n; ++d) out[d] = src[d] * scale;
+    } else {
+        const uint16_t* src = static_cast<const uint16_t*>(q) + offset;
+        for (int d = 0; d < n; ++d) out[d] = bf16_to_float(src[d]) * scale;
+    }
+}
+
 // Typed access for templated kernels: the dtype is a compile-time constant, so loops over a row
 // vectorize (a per-element dtype branch keeps them scalar).
 template <int DT> struct Act;

@@ -62,28 +62,25 @@ void attend(const Args& a) {
             int64_t ctx = a.context_lens[b];
             if (ctx > max_ctx) ctx = max_ctx;  // a bad length must not read past the block table
             const int32_t* table = a.block_tables + b * a.bt_stride;
-            for (int h = 0; h < Hq; ++h) {
-                const int64_t base = b * a.q_stride_b + int64_t(h) * a.q_stride_h;
-                float* qh = &qf[size_t(h) * D];
-                if (a.q_dtype == kFloat32) {
-                    const float* src = static_cast<const float*>(a.q) + base;
-                    for (int d = 0; d < D; ++d) qh[d] = src[d] * a.scale;
-                } else {
-                    const uint16_t* src = static_cast<const uint16_t*>(a.q) + base;
-                    for (int d = 0; d < D; ++d) qh[d] = bf16_to_float(src[d]) * a.scale;
-                }
-            }
+            for (int h = 0; h < Hq; ++h)
+                load_scaled_query(a.q, a.q_dtype, b * a.q_stride_b + int64_t(h) * a.q_stride_h, a.scale,
+                                  &qf[size_t(h) * D], D);
             scores.resize(size_t(Hq) * ctx);
 
-            // Pass 1: scores[h][t] = q_h . k_t (query head h reads kv head h / G). Tokens are walked
-            // with shifts and masks: a division per token costs as much as its dot products.
+            // Offset of token t's row in `cache`, for t = 0, 1, ... in order (row0 follows the pages);
+            // prefetches the same row of the next page. Tokens are walked with shifts and masks: a
+            // division per token costs as much as its dot products.
             const int64_t num_pages = (ctx + in_block) >> shift;
             int64_t row0 = 0;
-            for (int64_t t = 0; t < ctx; ++t) {
+            auto token_offset = [&](const T* cache, int64_t t) -> int64_t {
                 if ((t & in_block) == 0) row0 = first_row(table[t >> shift]);
-                const int64_t k_off = (row0 + (t & in_block)) * row_len;
                 if ((t >> shift) + 1 < num_pages)
-                    prefetch_row(k_cache, first_row(table[(t >> shift) + 1]) + (t & in_block), row_len);
+                    prefetch_row(cache, first_row(table[(t >> shift) + 1]) + (t & in_block), row_len);
+                return (row0 + (t & in_block)) * row_len;
+            };
+            // Pass 1: scores[h][t] = q_h . k_t (query head h reads kv head h / G).
+            for (int64_t t = 0; t < ctx; ++t) {
+                const int64_t k_off = token_offset(k_cache, t);
                 for (int h = 0; h < Hq; ++h) {
                     const float* qh = &qf[size_t(h) * D];
                     const T* kh = k_cache + k_off + int64_t(h / G) * D;
@@ -116,10 +113,7 @@ void attend(const Args& a) {
             // Pass 2: out_h = sum_t p[h][t] v_t / sum
             std::fill(acc.begin(), acc.end(), 0.0f);
             for (int64_t t = 0; t < ctx; ++t) {
-                if ((t & in_block) == 0) row0 = first_row(table[t >> shift]);
-                const int64_t v_off = (row0 + (t & in_block)) * row_len;
-                if ((t >> shift) + 1 < num_pages)
-                    prefetch_row(v_cache, first_row(table[(t >> shift) + 1]) + (t & in_block), row_len);
+                const int64_t v_off = token_offset(v_cache, t);
                 for (int h = 0; h < Hq; ++h) {
                     const float p = scores[size_t(h) * ctx + t];
                     const T* vh = v_cache + v_off + int64_t(h / G) * D;

@@ -78,14 +78,7 @@ void attend(const Args& a, const std::vector<int64_t>& items) {
                 }
                 const int g = r / nq, j = r % nq;
                 const int64_t tok = start + q0 + j;
-                const int64_t base = tok * a.q_stride_t + (h * G + g) * a.q_stride_h;
-                if (a.q_dtype == kFloat32) {
-                    const float* src = static_cast<const float*>(a.q) + base;
-                    for (int d = 0; d < DIM; ++d) qr[d] = src[d] * a.scale;
-                } else {
-                    const uint16_t* src = static_cast<const uint16_t*>(a.q) + base;
-                    for (int d = 0; d < DIM; ++d) qr[d] = bf16_to_float(src[d]) * a.scale;
-                }
+                load_scaled_query(a.q, a.q_dtype, tok * a.q_stride_t + (h * G + g) * a.q_stride_h, a.scale, qr, DIM);
                 qpos[r] = prefix + q0 + j;
             }
             const int64_t last = prefix + q0 + nq - 1;  // the block's last query position
