@@ -113,7 +113,8 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:
 
 
 def transfer_bytes(dtype: str, kv_cache_dtype: str) -> dict:
-    from workers.worker import EngineWorker, PrefillRequest, WorkerConfig
+    from workers.protocol import PrefillRequest
+    from workers.worker import EngineWorker, WorkerConfig
 
     ec = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64)
     P = EngineWorker(WorkerConfig("p0", "prefill", None, ec, transport="shm"))

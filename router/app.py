@@ -56,7 +56,7 @@ from router.protocol import (
 from router.routing import NoWorkerAvailable, RoundRobinPolicy, RoutingPolicy, live_workers
 from router.tokenizer import ChatTemplateError, Tokenizer
 from router.trace import RequestTrace
-from workers.outputs import RequestOutput, TokenLogprob
+from workers.protocol import RequestOutput, TokenLogprob
 from workers.sampling_params import SamplingParams
 
 __all__ = ["build_app", "make_server", "serve", "COMPLETIONS_DEFAULT_MAX_TOKENS", "RETRY_AFTER_S"]

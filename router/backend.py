@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, runtime_checkable
 
 from router.trace import RequestTrace
-from workers.outputs import RequestOutput, TokenLogprob
+from workers.protocol import RequestOutput, TokenLogprob
 from workers.sampling_params import SamplingParams
 
 __all__ = [

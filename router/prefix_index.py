@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from workers.kv_events import KVEvent, KVEventKind
+from workers.protocol import KVEvent, KVEventKind
 
 __all__ = ["PrefixIndex"]
 

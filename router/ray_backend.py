@@ -29,8 +29,8 @@ from ray.exceptions import RayActorError, RayError
 
 from router.backend import BackendError, GenerateRequest, WorkerInfo
 from router.prefix_index import PrefixIndex
-from workers.outputs import RequestOutput
-from workers.worker import PrefillRequest
+from workers.protocol import RequestOutput
+from workers.protocol import PrefillRequest
 
 log = logging.getLogger("baton.router")
 

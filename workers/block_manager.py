@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from workers.block_hash import ROOT_PARENT_HASH, hash_block
-from workers.kv_events import KVEvent, KVEventKind
+from workers.protocol import KVEvent, KVEventKind
 from workers.sequence import Sequence
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 QUANTIZATIONS = (None, "fp8")
+KERNEL_BACKENDS = ("auto", "triton", "native", "reference")
 
 
 @dataclass
@@ -34,6 +35,10 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str | None = None
     kv_scales: tuple[tuple[float, float], ...] | None = None
+    # auto: Triton on CUDA, the native C++ kernels on the CPU (PyTorch reference where an op has
+    # none or no compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1.
+    kernel_backend: str = "auto"
+    packed_linear: bool = True  # CPU linear layers on oneDNN-prepacked weights
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -54,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if self.kv_scales is not None:
             scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
             if not all(k > 0 and v > 0 and k < float("inf") and v < float("inf") for k, v in scales):

@@ -25,7 +25,7 @@ from workers.detokenizer import Decode, IncrementalDetokenizer
 from workers.model_config import ModelConfig
 from workers.model_files import resolve_model_dir
 from workers.model_runner import ModelRunner, iter_safetensors
-from workers.outputs import KVReservation, RequestOutput, TokenLogprob
+from workers.protocol import KVReservation, RequestOutput, TokenLogprob
 from workers.sampler import SamplingRow, sample
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence, SequenceStatus

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.outputs import TokenLogprob
+from workers.protocol import TokenLogprob
 from workers.sampling_params import SamplingParams
 
 

@@ -23,8 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from workers.config import EngineConfig
-from workers.kv_events import KVEvent
-from workers.outputs import RequestOutput
+from workers.protocol import KVEvent, KVEventBatch, PrefillRequest, PrefillResult, RequestOutput, WorkerHeartbeat, WorkerStats
 from workers.sampling_params import SamplingParams
 
 ROLES = ("prefill", "decode")
@@ -46,65 +45,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-
-
-@dataclass(frozen=True)
-class PrefillRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    # The decode worker's KVEndpoint, pickled: the router passes it through without unpickling
-    # (unpickling would import torch there). None: nothing to send.
-    peer_endpoint: bytes | None
-    dst_block_ids: list[int] = field(default_factory=list)
-    dst_num_cached_tokens: int = 0  # leading tokens (whole blocks) the decode worker had cached
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    output: RequestOutput  # the first token (finished when the request ends with it)
-    num_blocks_sent: int
-    bytes_sent: int
-    transfer_seconds: float
-    prefill_seconds: float
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    worker_id: str
-    role: str
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_blocks: int
-    num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    kv_blocks_sent: int
-    kv_bytes_sent: int
-    kv_blocks_received: int
-    prompt_tokens: int
-    generation_tokens: int
-    pid: int
-
-
-@dataclass(frozen=True)
-class KVEventBatch:
-    """KV events since the last heartbeat, in order. When the bounded buffer overflowed (nobody
-    collected for a long time), `events` is empty and `snapshot` holds every hash cached now."""
-
-    events: list[KVEvent]
-    snapshot: tuple[int, ...] | None = None
-    block_size: int = 16
-
-
-@dataclass(frozen=True)
-class WorkerHeartbeat:
-    """What the router's health loop collects in one RPC per interval: load and KV events."""
-
-    stats: WorkerStats
-    kv_events: KVEventBatch
 
 
 class EngineWorker:

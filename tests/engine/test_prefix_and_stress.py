@@ -9,7 +9,7 @@ import pytest
 from tests.engine.helpers import save_tiny_model
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.kv_events import KVEventKind
+from workers.protocol import KVEventKind
 from workers.model_config import ModelConfig
 from workers.model_runner import iter_safetensors
 from workers.sampling_params import SamplingParams

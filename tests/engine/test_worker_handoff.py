@@ -12,7 +12,8 @@ import torch
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.sampling_params import SamplingParams
-from workers.worker import EngineWorker, PrefillRequest, WorkerConfig
+from workers.protocol import PrefillRequest
+from workers.worker import EngineWorker, WorkerConfig
 
 pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(kv_cache_memory=48 << 20)

@@ -17,7 +17,8 @@ from tests.engine.helpers import save_tiny_model
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.sampling_params import SamplingParams
-from workers.worker import EngineWorker, PrefillRequest, WorkerConfig
+from workers.protocol import PrefillRequest
+from workers.worker import EngineWorker, WorkerConfig
 
 PROMPT = list(range(5, 69))  # 64 tokens: 4 whole blocks of 16, so bytes / token has no rounding
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -15,9 +15,9 @@ import os
 from ray.exceptions import RayActorError
 
 from workers.block_hash import hash_prefix_blocks
-from workers.kv_events import KVEvent, KVEventKind
-from workers.outputs import KVReservation, RequestOutput
-from workers.worker import KVEventBatch, PrefillResult, WorkerHeartbeat, WorkerStats
+from workers.protocol import KVEvent, KVEventKind
+from workers.protocol import KVReservation, RequestOutput
+from workers.protocol import KVEventBatch, PrefillResult, WorkerHeartbeat, WorkerStats
 
 BS = 16
 

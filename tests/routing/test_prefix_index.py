@@ -6,7 +6,7 @@ import pytest
 
 from router.prefix_index import PrefixIndex
 from workers.block_hash import hash_prefix_blocks
-from workers.kv_events import KVEvent, KVEventKind
+from workers.protocol import KVEvent, KVEventKind
 
 BS = 4
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from workers.block_manager import BlockManager
-from workers.kv_events import KVEvent, KVEventKind
+from workers.protocol import KVEvent, KVEventKind
 from workers.worker import EngineWorker, WorkerConfig
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from workers.block_manager import BlockManager
-from workers.kv_events import KVEventKind
+from workers.protocol import KVEventKind
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
 
