@@ -28,7 +28,8 @@ from workers.model_runner import ModelRunner, iter_safetensors
 from workers.protocol import KVReservation, RequestOutput, TokenLogprob
 from workers.sampler import SamplingRow, sample
 from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence, SequenceStatus
+from workers.scheduler import Scheduler
+from workers.sequence import ScheduledChunk, Sequence, SequenceStatus
 
 
 @dataclass
@@ -96,8 +97,6 @@ class LLMEngine:
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(self.runner.max_model_len, capacity)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        from workers.scheduler import Scheduler  # after ModelRunner: shares its chunk type
-
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.decode = decode
         self.eos_token_ids = set(model_config.eos_token_ids)
@@ -360,8 +359,6 @@ class LLMEngine:
         if not bm.can_allocate(seq, len(ids)):
             raise ValueError(f"score needs {bm.blocks_needed(seq, len(ids))} free KV blocks, {bm.num_free_blocks} are free")
         bm.allocate(seq, len(ids))
-        from workers.model_runner import ScheduledChunk
-
         out = []
         try:
             while seq.num_computed_tokens < len(ids):

@@ -10,7 +10,6 @@ transfer move a sequence's blocks in one gather.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,17 +21,9 @@ from workers import quantization as q8
 from workers.config import EngineConfig
 from workers.model_config import ModelConfig
 from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
-from workers.sequence import Sequence
+from workers.sequence import ScheduledChunk
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """num_tokens new tokens of seq to compute this step, starting at seq.num_computed_tokens."""
-
-    seq: Sequence
-    num_tokens: int
 
 
 class SafetensorsCheckpoint:

@@ -14,8 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from workers.block_manager import BlockManager
-from workers.model_runner import ScheduledChunk
-from workers.sequence import Sequence, SequenceStatus
+from workers.sequence import ScheduledChunk, Sequence, SequenceStatus
 
 
 @dataclass

@@ -60,3 +60,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """num_tokens new tokens of seq to compute this step, starting at seq.num_computed_tokens."""
+
+    seq: Sequence
+    num_tokens: int
