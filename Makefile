@@ -43,3 +43,21 @@ test: $(STAMP) $(BROWSER_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Container images (docker/): `make image` (CUDA) and `make image-cpu` (CPU, default model inside),
+# tagged with Baton's version; IMAGE=registry.example.com/ml/baton names your registry's repository.
+IMAGE ?= baton
+IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+DOCKER ?= docker
+
+.PHONY: image image-cpu helm-schema
+
+image:
+	$(DOCKER) build -f docker/Dockerfile -t $(IMAGE):$(IMAGE_VERSION) .
+
+image-cpu:
+	$(DOCKER) build -f docker/Dockerfile.cpu -t $(IMAGE)-cpu:$(IMAGE_VERSION) .
+
+# Baton's configuration schema (`baton config schema`) into the chart's values.schema.json.
+helm-schema: $(STAMP)
+	$(PY) helm/baton/scripts/sync_values_schema.py

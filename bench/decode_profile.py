@@ -6,12 +6,13 @@
 Setup: the default model, one torch thread (as one worker of `baton serve` on this 2-core
 machine), `--batch` sequences of `--context` random prompt tokens, prefilled, then `--steps`
 decode steps timed (wall clock, no profiler) and the same number again under cProfile for the
-split. Runs for float32 and bfloat16, each three ways: "before" (BATON_NATIVE_KERNELS=0 and
-BATON_PACKED_LINEAR=0: PyTorch references and plain F.linear, the engine before this work), with
-the native kernels (attention, RMSNorm, rotary, KV store, SiLU-and-mul in kernels/csrc), and
-with those plus oneDNN-prepacked linear layers (workers/packed_linear.py; the default).
+split. Runs for float32 and bfloat16, each three ways: "before" (EngineConfig kernel_backend
+"reference" and packed_linear False: PyTorch references and plain F.linear, the engine before
+this work), with the native kernels (kernel_backend "auto": attention, RMSNorm, rotary, KV store,
+SiLU-and-mul in kernels/csrc), and with those plus oneDNN-prepacked linear layers
+(workers/packed_linear.py; the default).
 
-Categories are cumulative times of the engine's entry points (each includes its argument
+Categories are cumulative times of the kernels' entry points (each includes its argument
 checks): linear layers (torch's linear, lm_head included), attention, norm / rotary / KV store /
 SiLU, sampling; "python and scheduling" is the rest of the step (module calls, batch building,
 scheduler, detokenizing). cProfile's per-call cost inflates the python share; the table scales
@@ -44,20 +45,25 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from kernels import cpu_native  # noqa: E402
-from workers.packed_linear import PackedLinear  # noqa: E402
-from workers.quantization import weight_memory  # noqa: E402
-
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
+from workers.packed_linear import PackedLinear  # noqa: E402
+from workers.quantization import weight_memory  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
+
+
+def _kernel(module: str, op: str) -> list[tuple[str, str]]:
+    """An op's native, reference and Triton entry points in kernels/{module}.py."""
+    return [(f"kernels/{module}.py", f"{op}_{impl}") for impl in ("cpu", "reference", "triton")]
+
 
 # Per category, the (file suffix, function name) entries whose cumulative times are summed.
 CATEGORIES = {
     "linear layers": [("", "torch._C._nn.linear"), ("workers/packed_linear.py", "packed_linear")],
-    "attention": [("kernels/ops.py", "paged_decode_attention"), ("kernels/ops.py", "paged_prefill_attention")],
-    "norm, rotary, KV store, SiLU": [("kernels/ops.py", "rms_norm"), ("kernels/ops.py", "rotary_embedding"),
-                                     ("kernels/ops.py", "store_kv"), ("kernels/ops.py", "silu_and_mul")],
+    "attention": _kernel("decode_attention", "paged_decode_attention")
+                 + _kernel("prefill_attention", "paged_prefill_attention"),
+    "norm, rotary, KV store, SiLU": _kernel("rms_norm", "rms_norm") + _kernel("rotary", "rotary_embedding")
+                                    + _kernel("kv_store", "store_kv") + _kernel("silu_mul", "silu_and_mul"),
     "sampling": [("workers/sampler.py", "sample")],
 }
 
@@ -72,13 +78,15 @@ def prefill_seconds(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
     return time.perf_counter() - start
 
 
-def build_engine(dtype: str, batch: int, context: int, long_prompt: int,
+def build_engine(dtype: str, batch: int, context: int, long_prompt: int, native: bool = True, packed: bool = True,
                  scatter_pages: bool = False) -> tuple[LLMEngine, dict]:
     """An engine decoding `batch` sequences, and how long the prefills took (not part of the split).
 
     scatter_pages: shuffle the free block list first, which is what a server's cache looks like
     once it has recycled its blocks for a while: each sequence's pages land all over the cache."""
-    engine = LLMEngine.from_model_dir(None, EngineConfig(dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20))
+    config = EngineConfig(dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20,
+                          kernel_backend="auto" if native else "reference", packed_linear=packed)
+    engine = LLMEngine.from_model_dir(None, config)
     if scatter_pages:
         free = engine.block_manager._free
         order = list(free)
@@ -140,11 +148,9 @@ def step_ms(engine: LLMEngine, steps: int) -> float:
 
 
 def measure(dtype: str, native: bool, packed: bool, args) -> dict:
-    os.environ["BATON_NATIVE_KERNELS"] = "1" if native else "0"
-    cpu_native.forget_loaded()  # it reads the variable once per process
-    os.environ["BATON_PACKED_LINEAR"] = "1" if packed else "0"  # read when the model loads
-    scattered_ms = step_ms(build_engine(dtype, args.batch, args.context, 0, scatter_pages=True)[0], args.steps)
-    engine, prefill = build_engine(dtype, args.batch, args.context, args.long_prompt)
+    scattered_ms = step_ms(build_engine(dtype, args.batch, args.context, 0, native, packed, scatter_pages=True)[0],
+                           args.steps)
+    engine, prefill = build_engine(dtype, args.batch, args.context, args.long_prompt, native, packed)
     in_order_ms = step_ms(engine, args.steps)
     profile = cProfile.Profile()
     profile.enable()

@@ -10,7 +10,7 @@ of 256 tokens, so later chunks read K/V back from the cache: FP8 KV is exercised
 exp(-mean log p) over all predictions. Greedy agreement: 20 fixed chat prompts, 32 new tokens
 each (ignore_eos), compared with float32 token by token.
 
-KV cache scales are calibrated on the text shipped in workers/quantization.py, not on this one.
+KV cache scales are calibrated on the text shipped in workers/kv_calibration.py, not on this one.
 
 Memory. Weight bytes are summed over the model's tensors for float32, bfloat16 and FP8 weights;
 KV capacity is the cache's token count at a fixed 64 MiB budget for float32, bfloat16 and FP8.

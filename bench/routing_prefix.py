@@ -128,7 +128,7 @@ def run_phase(name, policy, dep, tokenizer, work) -> dict:
     app = build_app(dep.backend, tokenizer, dep.model_name, dep.max_model_len, policy)
     http, thread, url = serve(app)
     try:
-        phase = Phase(name, app, url, tokenizer, dep.config.block_size)
+        phase = Phase(name, app, url, tokenizer, dep.block_size)
         with httpx.Client(base_url=url, timeout=300) as client:
             started = time.monotonic()
             work(phase, client)
@@ -178,18 +178,18 @@ def main() -> None:
     ap.add_argument("--out-local", default="bench/results/routing_local_prefill.json")
     args = ap.parse_args()
 
-    from cluster.config import ServeConfig
+    from cluster.config import BatonConfig
     from cluster.launcher import deploy
     from router.routing import KvAwarePolicy, RoundRobinPolicy, RoutingConfig
     from router.tokenizer import Tokenizer
 
-    config = ServeConfig(prefill_workers=2, decode_workers=1, kv_cache_memory=args.kv_cache_memory, max_num_seqs=16)
+    config = BatonConfig.from_options(prefill_workers=2, decode_workers=1, kv_cache_memory=args.kv_cache_memory, max_num_seqs=16)
     t0 = time.monotonic()
     dep = deploy(config, actor_name_prefix="bench-routing")
     print(f"deployment ready in {time.monotonic() - t0:.0f} s", flush=True)
     try:
         tokenizer = Tokenizer.from_model_dir(dep.model_dir)
-        bs = config.block_size
+        bs = config.engine.block_size
         index = dep.backend.prefix_index
         time.sleep(0.1)
         chat = lambda tag: chat_workload(tag, args.conversations, args.turns, args.max_tokens)  # noqa: E731
@@ -204,7 +204,7 @@ def main() -> None:
 
     machine = {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
                "model": dep.model_name, "prefill_workers": 2, "decode_workers": 1,
-               "kv_cache_memory": config.kv_cache_memory, "block_size": config.block_size}
+               "kv_cache_memory": config.engine.kv_cache_memory, "block_size": config.engine.block_size}
     result = {
         "benchmark": "routing_prefix", **machine,
         "workload": {"conversations": args.conversations, "turns": args.turns, "max_tokens": args.max_tokens,

@@ -25,8 +25,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from router.app import build_app  # noqa: E402
-from router.backend import FakeBackend  # noqa: E402
 from router.tokenizer import Tokenizer  # noqa: E402
+from tests.fakes import FakeBackend  # noqa: E402
 from tests.router.conftest import running_server  # noqa: E402
 from workers.model_files import resolve_model_dir  # noqa: E402
 

@@ -75,14 +75,14 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/stream_overhead.json")
     args = parser.parse_args()
 
-    from cluster.config import ServeConfig
+    from cluster.config import BatonConfig
     from cluster.launcher import build_app, deploy
     from router.app import make_server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = ServeConfig(port=port, kv_cache_memory="256MiB")
+    config = BatonConfig.from_options(port=port, kv_cache_memory="256MiB")
     deployment = deploy(config)
     http = make_server(build_app(deployment), port=port)
     thread = threading.Thread(target=http.run, daemon=True)

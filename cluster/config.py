@@ -1,27 +1,52 @@
-"""`baton serve` configuration: command-line flags over an optional YAML file over defaults."""
+"""The one configuration tree of `baton serve`, and everything generated from it.
+
+`BatonConfig` is made of sections, each a dataclass defined once with its defaults, types,
+allowed values and help text (in the fields' metadata): the server (`router.config.ServerConfig`: HTTP, request limits,
+admission control, deadlines, API keys), the engine
+(`workers.config.EngineConfig`), the routing (`router.routing.RoutingConfig`), the KV transport
+and the placement of the pools. From the tree come:
+
+- the `baton serve` flags: one per field, `--<flag>` where the flag is the field's metadata
+  `flag` or else its name (names are unique across sections);
+- the YAML `--config` reader: the same tree, nested by section (`engine: {dtype: bfloat16}`);
+  an unknown key is an error naming it and the nearest known key;
+- the JSON Schema that `baton config schema` prints (the Helm chart embeds it).
+
+Precedence: defaults, then the YAML file, then flags.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import difflib
 import os
 import re
-from dataclasses import dataclass, fields
+import types
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from router.admin import AdminConfig
+from router.config import ServerConfig
+from router.routing import RoutingConfig
 from workers.config import EngineConfig
 
 TRANSPORTS = ("auto", "cpu", "shm", "gloo", "nccl")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT]?[iI]?[bB]?)?\s*$"
 
 
 def parse_size(value: str | int) -> int:
     """'1073741824', '2GB', '1.5GiB', '512MiB' -> bytes."""
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    match = _SIZE.match(str(value))
+    match = _SIZE.match(str(value)) if isinstance(value, str) else None
     unit = (match.group(2) or "").lower() if match else None
     if not match or unit not in _UNITS:
         raise ValueError(f"cannot read {value!r} as a size; use bytes or a unit such as 512MiB or 2GB")
@@ -29,98 +54,374 @@ def parse_size(value: str | int) -> int:
 
 
 @dataclass
-class ServeConfig:
-    model: str | None = None
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    prefill_workers: int = 1
-    decode_workers: int = 1
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30
-    max_num_seqs: int = 64
-    # Smaller than the engine's offline default (1024): a prefill worker then finishes one 256-token
-    # prompt per step instead of four together, so decoding starts sooner. On the CPU a 256-row
-    # matmul already runs at full speed. bench/compare_vllm.py workload 1, bfloat16, 1P+1D:
-    # 215 / 234 / 248 / 250 output tok/s at 1024 / 512 / 256 / 128 (TTFT p50 3.5 / 1.4 / 0.9 / 0.4 s).
-    max_num_batched_tokens: int = 256
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"
-    quantization: str | None = None
-    transport: str = "auto"
-    address: str | None = None
-    threads_per_worker: int | None = None
-    log_level: str = "info"
-    # Routing (router.routing): policy name, conditional disaggregation and the kv-aware cost.
-    routing_policy: str = "kv-aware"
-    local_prefill_threshold: int = 64
-    prefill_queue_threshold: int = 8192
-    routing_temperature: float = 0.1
-    routing_weights: dict | None = None  # {uncached, queue, kv, running}: see router.routing
+class TransportConfig:
+    """How prefill workers hand KV blocks to decode workers."""
+
+    kind: str = field(default="auto", metadata={
+        "flag": "transport", "choices": TRANSPORTS,
+        "help": "KV transport between prefill and decode workers; auto and cpu choose per pair of workers: "
+                "shared memory on one node, gloo between nodes (auto: nccl on GPUs); shm, gloo or nccl: "
+                "that one for every pair"})
+    transfer_timeout_s: float = field(default=30.0, metadata={
+        "flag": "kv_transfer_timeout", "help": "seconds a KV transfer may take before it fails"})
 
     def __post_init__(self) -> None:
-        self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.transfer_timeout_s}")
+
+    @property
+    def backend(self) -> str:
+        """The kvtransfer backend name ("cpu" is the shared-memory one)."""
+        return "shm" if self.kind == "cpu" else self.kind
+
+
+@dataclass
+class PlacementConfig:
+    """Where the pools run: the Ray cluster, pool sizes and resources per worker."""
+
+    address: str | None = field(default=None, metadata={
+        "help": "join this Ray cluster (auto or HOST:PORT) instead of starting a private one on 127.0.0.1",
+        "example": "auto"})
+    prefill_workers: int = field(default=1, metadata={"help": "prefill pool size (0: decode workers prefill)"})
+    decode_workers: int = field(default=1, metadata={"help": "decode pool size"})
+    threads_per_worker: int | None = field(default=None, metadata={
+        "help": "CPU threads per worker, also the CPUs each worker asks Ray for "
+                "(default: this machine's cores shared among the workers, and no CPUs asked from Ray)"})
+    gpus_per_worker: float | None = field(default=None, metadata={
+        "help": "GPUs each worker asks Ray for (default: 1 when the Ray cluster has GPUs, else 0)"})
+    prefill_resource: str | None = field(default="baton_prefill", metadata={
+        "help": "Ray custom resource a prefill worker needs, used when the cluster's nodes offer it"})
+    decode_resource: str | None = field(default="baton_decode", metadata={
+        "help": "Ray custom resource a decode worker needs, used when the cluster's nodes offer it"})
+    prefill_node_labels: str | None = field(default=None, metadata={
+        "help": "Ray node labels a prefill worker's node must carry, as key=value[,key=value] "
+                "(a Ray label selector; values may use Ray's !value and in(a,b) forms)",
+        "example": "baton-pool=prefill"})
+    decode_node_labels: str | None = field(default=None, metadata={
+        "help": "Ray node labels a decode worker's node must carry, as key=value[,key=value]",
+        "example": "baton-pool=decode"})
+    placement_timeout_s: float = field(default=120.0, metadata={
+        "flag": "placement_timeout",
+        "help": "seconds start-up waits for Ray to place each worker before it fails naming the resource "
+                "no node offers; raise it when an autoscaler launches nodes on demand"})
+    # -- healing and scaling (cluster.pool_manager, router.ray_backend)
+    max_restarts: int = field(default=3, metadata={
+        "help": "times Ray restarts a worker whose process died (it reloads the model and rejoins once it answers); "
+                "-1: without limit. A worker with no restart left is replaced by a new one"})
+    max_migrations: int = field(default=3, metadata={
+        "help": "times a request whose decode worker died moves to another decode worker (which re-prefills the "
+                "prompt and the tokens already streamed, and continues) before its stream ends with an error"})
+    migration_wait_s: float = field(default=30.0, metadata={
+        "flag": "migration_wait",
+        "help": "seconds a request whose decode worker died waits for a live decode worker to continue on "
+                "(a restarting one counts) before its stream ends with an error"})
+    drain_timeout_s: float = field(default=60.0, metadata={
+        "flag": "drain_timeout",
+        "help": "seconds a worker being removed (baton scale) lets its requests finish before they move to "
+                "other workers"})
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be >= -1 (-1: without limit), got {self.max_restarts}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        for name, flag in (("migration_wait_s", "migration_wait"), ("drain_timeout_s", "drain_timeout")):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{flag} must be >= 0 seconds, got {getattr(self, name)}")
         if self.prefill_workers < 0:
             raise ValueError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
         if self.decode_workers < 1:
             raise ValueError(f"decode_workers must be >= 1, got {self.decode_workers}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
-        self.engine_config()  # validates the engine knobs now, with their names
-        self.routing_config()  # and the routing knobs
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        if self.gpus_per_worker is not None and not self.gpus_per_worker >= 0:
+            raise ValueError(f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+        for name in ("prefill_node_labels", "decode_node_labels"):
+            parse_labels(getattr(self, name), name)  # raises ValueError naming the field
+        if not 0 < self.placement_timeout_s < float("inf"):
+            raise ValueError(f"placement_timeout must be > 0 seconds, got {self.placement_timeout_s}")
+
+    def node_labels(self, role: str) -> dict[str, str]:
+        """The label selector of a pool (`role` prefill or decode) as Ray takes it."""
+        return parse_labels(self.prefill_node_labels if role == "prefill" else self.decode_node_labels,
+                            f"{role}_node_labels")
+
+    def resource(self, role: str) -> str | None:
+        """The custom resource a pool's workers need, if the cluster offers it."""
+        return self.prefill_resource if role == "prefill" else self.decode_resource
+
+
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
+
+
+def parse_labels(text: str | None, name: str = "node_labels") -> dict[str, str]:
+    """'key=value,key2=value2' -> {'key': 'value', 'key2': 'value2'}; ValueError naming `name`."""
+    if text is None or not text.strip():
+        return {}
+    labels: dict[str, str] = {}
+    # Split on commas outside parentheses: in(a,b) is one value.
+    for item in re.split(r",(?![^()]*\))", text):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not _LABEL_KEY.match(key) or not value:
+            raise ValueError(f"{name}: cannot read {item.strip()!r} as key=value (in {text!r})")
+        if key in labels:
+            raise ValueError(f"{name}: label {key!r} given twice (in {text!r})")
+        labels[key] = value
+    return labels
+
+
+@dataclass
+class BatonConfig:
+    """Everything `baton serve` needs: the model and one section per concern."""
+
+    model: str | None = field(default=None, metadata={
+        "help": "Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct)", "example": "/models/llama"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name in the API (default: the folder's name)"})
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
 
     @classmethod
-    def load(cls, config_file: str | None, overrides: dict) -> "ServeConfig":
-        values: dict = {}
-        if config_file:
-            path = Path(config_file)
-            if not path.is_file():
-                raise ValueError(f"config file {config_file!r} does not exist")
-            loaded = yaml.safe_load(path.read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(f"config file {config_file!r} must hold a mapping of option: value")
-            values.update({k.replace("-", "_"): v for k, v in loaded.items()})
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**values)
+    def load(cls, config_file: str | os.PathLike | None = None, options: dict[str, Any] | None = None) -> "BatonConfig":
+        """Defaults, then the YAML file, then `options` (flat option names, as the flags: port=8001)."""
+        values: dict[tuple[str, ...], Any] = {}
+        if config_file is not None:
+            values.update(read_yaml(config_file))
+        by_name = {o.name: o for o in OPTIONS}
+        for name, value in (options or {}).items():
+            option = by_name.get(name.replace("-", "_"))
+            if option is None:
+                raise ValueError(f"unknown option {name!r}{_suggestion(name, by_name)}")
+            values[option.path] = option.coerce(value)
+        return build(values)
 
-    @property
-    def transport_kind(self) -> str:
-        return "shm" if self.transport == "cpu" else self.transport
+    @classmethod
+    def from_options(cls, **options: Any) -> "BatonConfig":
+        """`BatonConfig.from_options(port=8001, kv_cache_memory="64MiB")`: defaults plus options."""
+        return cls.load(None, options)
 
     def worker_threads(self) -> int:
-        if self.threads_per_worker:
-            return self.threads_per_worker
-        return max(1, (os.cpu_count() or 1) // (self.prefill_workers + self.decode_workers))
+        placement = self.placement
+        if placement.threads_per_worker:
+            return placement.threads_per_worker
+        return max(1, (os.cpu_count() or 1) // (placement.prefill_workers + placement.decode_workers))
 
-    def routing_config(self):
-        from router.routing import RoutingConfig
+    def worker_engine_config(self) -> EngineConfig:
+        """The engine configuration every worker runs with (threads filled in from the placement)."""
+        return dataclasses.replace(self.engine, num_threads=self.worker_threads())
 
-        if not isinstance(self.routing_weights or {}, dict):
-            raise ValueError(f"routing_weights must be a mapping such as {{uncached: 1.0, kv: 512}}, got {self.routing_weights!r}")
-        weights = dict(self.routing_weights or {})
-        known = ("uncached", "queue", "kv", "running")
-        unknown = sorted(set(weights) - set(known))
-        if unknown:
-            raise ValueError(f"unknown routing weight(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        return RoutingConfig(
-            policy=self.routing_policy, temperature=self.routing_temperature,
-            local_prefill_threshold=self.local_prefill_threshold, prefill_queue_threshold=self.prefill_queue_threshold,
-            **{f"w_{k}": v for k, v in weights.items()},
-        )
+    def to_dict(self) -> dict[str, Any]:
+        """The effective configuration as the YAML file would spell it."""
+        out: dict[str, Any] = {}
+        for option in OPTIONS:
+            node = out
+            for part in option.path[:-1]:
+                node = node.setdefault(part, {})
+            node[option.path[-1]] = option.get(self)
+        return out
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            block_size=self.block_size, kv_cache_memory=self.kv_cache_memory, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-            quantization=self.quantization,
-            num_threads=self.worker_threads(),
-        )
+
+# ---------------------------------------------------------------------------- the option tree
+
+
+@dataclass(frozen=True)
+class Option:
+    """One user-facing field of the tree."""
+
+    path: tuple[str, ...]  # ("engine", "block_size"), or ("model",) at the top
+    name: str  # flat name: the flag without dashes, the key of `BatonConfig.load(options=...)`
+    type: type  # int, float, str or bool
+    optional: bool  # None allowed
+    default: Any
+    help: str
+    choices: tuple | None
+    size: bool  # bytes, also written with a unit ("512MiB")
+    example: Any  # a valid non-default value (tests use it)
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def get(self, config: BatonConfig) -> Any:
+        node: Any = config
+        for part in self.path:
+            node = getattr(node, part)
+        return node
+
+    def coerce(self, value: Any) -> Any:
+        """Check a value read from YAML or given in Python; ValueError names the key."""
+        if value is None:
+            if self.optional:
+                return None
+            raise ValueError(f"{self.key} must not be null")
+        if self.size:
+            try:
+                value = parse_size(value)
+            except ValueError as exc:
+                raise ValueError(f"{self.key}: {exc}") from None
+        kind = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[self.type]
+        if isinstance(value, bool) != (self.type is bool):
+            raise ValueError(f"{self.key} must be {kind}, got {value!r}")
+        if self.type is float and isinstance(value, int):
+            value = float(value)
+        if not isinstance(value, self.type):
+            raise ValueError(f"{self.key} must be {kind}, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            allowed = ", ".join(str(c) for c in self.choices if c is not None)
+            raise ValueError(f"{self.key} must be one of {allowed}, got {value!r}")
+        return value
+
+
+def _base_type(annotation: Any) -> tuple[type, bool]:
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (base,) = [a for a in args if a is not type(None)]
+        return base, type(None) in args
+    return annotation, False
+
+
+def _section_options(cls: type, prefix: tuple[str, ...]) -> list[Option]:
+    hints = typing.get_type_hints(cls)
+    options = []
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if meta.get("internal") or dataclasses.is_dataclass(hints[f.name]):
+            continue
+        base, optional = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        options.append(Option(
+            path=prefix + (f.name,), name=meta.get("flag", f.name), type=base, optional=optional, default=default,
+            help=meta.get("help", ""), choices=meta.get("choices"), size=bool(meta.get("size")),
+            example=meta.get("example"),
+        ))
+    return options
+
+
+_HINTS = typing.get_type_hints(BatonConfig)
+SECTIONS: dict[str, type] = {f.name: _HINTS[f.name] for f in dataclasses.fields(BatonConfig)
+                             if dataclasses.is_dataclass(_HINTS[f.name])}
+OPTIONS: list[Option] = _section_options(BatonConfig, ()) + [
+    option for name, cls in SECTIONS.items() for option in _section_options(cls, (name,))
+]
+_duplicate_names = {o.name for o in OPTIONS if [p.name for p in OPTIONS].count(o.name) > 1}
+assert not _duplicate_names, f"options share a flag: {_duplicate_names}"
+
+
+def build(values: dict[tuple[str, ...], Any]) -> BatonConfig:
+    """A BatonConfig from checked values by path; each section validates itself."""
+    top = {path[0]: v for path, v in values.items() if len(path) == 1}
+    for name, cls in SECTIONS.items():
+        kwargs = {path[1]: v for path, v in values.items() if len(path) == 2 and path[0] == name}
+        try:
+            top[name] = cls(**kwargs)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+    return BatonConfig(**top)
+
+
+def _suggestion(key: str, known: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key.replace("-", "_"), list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def read_yaml(config_file: str | os.PathLike) -> dict[tuple[str, ...], Any]:
+    """Checked values by path from a YAML file nested as the tree is."""
+    path = Path(config_file)
+    if not path.is_file():
+        raise ValueError(f"config file {str(config_file)!r} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {str(config_file)!r} is not valid YAML: {exc}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config file {str(config_file)!r} must hold a mapping of option: value")
+    by_path = {o.path: o for o in OPTIONS}
+    # Where each key could be meant to go: a flat flag name in the wrong place suggests its path.
+    known = {o.key: o.key for o in OPTIONS} | {o.name: o.key for o in OPTIONS} | {s: s for s in SECTIONS}
+    values: dict[tuple[str, ...], Any] = {}
+
+    def unknown(key: str) -> ValueError:
+        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {known[close[0]]!r}?" if close else ""
+        return ValueError(f"unknown key {key!r} in {str(config_file)!r}{hint}")
+
+    for raw_key, value in loaded.items():
+        key = str(raw_key).replace("-", "_")
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ValueError(f"{key} must be a mapping of option: value, got {value!r}")
+            for raw_sub, sub_value in value.items():
+                sub = str(raw_sub).replace("-", "_")
+                option = by_path.get((key, sub))
+                if option is None:
+                    raise unknown(f"{key}.{sub}")
+                values[option.path] = option.coerce(sub_value)
+        elif (key,) in by_path:
+            values[(key,)] = by_path[(key,)].coerce(value)
+        else:
+            raise unknown(key)
+    return values
+
+
+# ---------------------------------------------------------------------------- flags and schema
+
+
+def _flag_parser(option: Option):
+    def parse(text: str) -> Any:
+        try:
+            if option.size:
+                return parse_size(text)
+            return option.type(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r} for {option.flag}") from None
+
+    parse.__name__ = option.type.__name__
+    return parse
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per option; only flags given on the command line appear in the parsed namespace."""
+    for option in OPTIONS:
+        help_text = f"{option.help} (default: {option.default})" if option.help else f"default: {option.default}"
+        kwargs: dict[str, Any] = {"dest": option.name, "default": argparse.SUPPRESS, "help": help_text}
+        if option.type is bool:
+            parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if option.choices is not None:
+            kwargs["choices"] = [c for c in option.choices if c is not None]
+        parser.add_argument(option.flag, type=_flag_parser(option), **kwargs)
+
+
+def json_schema() -> dict[str, Any]:
+    """A self-contained JSON Schema (draft-07) of the YAML file, every default and help text included."""
+
+    def leaf(option: Option) -> dict[str, Any]:
+        names = {int: "integer", float: "number", str: "string", bool: "boolean"}
+        kinds = [names[option.type]] + (["string"] if option.size else []) + (["null"] if option.optional else [])
+        entry: dict[str, Any] = {"type": kinds if len(kinds) > 1 else kinds[0], "default": option.default,
+                                 "description": option.help}
+        if option.choices is not None:
+            entry["enum"] = list(option.choices)
+        if option.size:
+            entry["pattern"] = SIZE_PATTERN
+        return entry
+
+    def node(properties: dict[str, Any], description: str) -> dict[str, Any]:
+        return {"type": "object", "description": description, "additionalProperties": False, "properties": properties}
+
+    top = {o.path[0]: leaf(o) for o in OPTIONS if len(o.path) == 1}
+    for name, cls in SECTIONS.items():
+        top[name] = node({o.path[1]: leaf(o) for o in OPTIONS if o.path[0] == name and len(o.path) == 2},
+                         (cls.__doc__ or name).strip().splitlines()[0])
+    schema = node(top, "Baton configuration (`baton serve --config FILE`)")
+    return {"$schema": "http://json-schema.org/draft-07/schema#", "title": "Baton configuration", **schema}

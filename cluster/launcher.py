@@ -1,38 +1,66 @@
-"""Start-up and shut-down: Ray on loopback (or an existing cluster), the two pools, the router."""
+"""Start-up and shut-down: Ray on loopback (or an existing cluster), the two pools, the router.
+
+Without an address Baton always starts a private Ray on 127.0.0.1 (`address="local"`: a stale
+`/tmp/ray/ray_current_cluster` or another user's Ray is never joined by accident); with
+`--address auto|HOST:PORT` it joins that cluster as a driver and asks it for nothing but the
+workers' own resources. Where the workers go and what they ask for is `cluster.placement`.
+"""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.config import ServeConfig
+import ray
+
+from cluster.config import BatonConfig
+from cluster.placement import (
+    SpawnedWorker, actor_state, cluster_nodes, connect_pairs, private_ray_cpus, resolve_pool, spawn_worker, wait_placed,
+)
+from cluster.pool_manager import PoolManager, PoolTargets
+from router.admin import install_admin
+from router.app import build_app as build_router_app
+from router.app import serve as serve_http
+from router.ray_backend import RayBackend
+from router.routing import make_policy
+from router.tokenizer import Tokenizer
+from workers.model_files import DEFAULT_MODEL_NAME, is_repo_id, resolve_model_dir
+from workers.protocol import WorkerReady
 
 log = logging.getLogger("baton")
 
 
 @dataclass
 class Deployment:
-    """A running set of pools with the router's backend in front of them."""
+    """A running set of pools with the router's backend in front of them.
 
-    config: ServeConfig
+    `max_model_len` is what every worker can hold (the smallest engine limit, each capped by its
+    KV cache), so the router refuses longer prompts with a 400 instead of a failure in a worker.
+    """
+
+    config: BatonConfig
     model_dir: Path
     model_name: str
     max_model_len: int
+    block_size: int
     workers: list[tuple[str, str, object]]  # (worker id, role, actor handle)
-    backend: object
+    backend: RayBackend | None
     owns_ray: bool
+    nodes: dict[str, str] = field(default_factory=dict)  # worker id -> Ray node id
+    kv_links: dict[tuple[str, str], str] = field(default_factory=dict)  # (prefill, decode) -> shm|gloo|nccl
+    pools: PoolManager | None = None  # scales and heals the pools at runtime
 
     def shutdown(self) -> None:
-        import ray
-
         pending = []
         for _, _, handle in self.workers:
             try:
+                if actor_state(handle)[1] is None:
+                    continue  # never placed: nothing to shut down, and nobody would answer
                 pending.append(handle.shutdown.remote())
             except Exception:  # already dead
                 pass
@@ -47,117 +75,147 @@ class Deployment:
             ray.shutdown()
 
 
-def start_ray(address: str | None) -> bool:
-    """Connect to `address`, or start a private Ray on 127.0.0.1. Returns True if we started it."""
-    # Must be set before Ray starts: it makes a local Ray bind to loopback only.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
+def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
+    """Connect to `address`, or start a private Ray on 127.0.0.1 with `num_cpus` (default: this
+    machine's). Returns True if we started it."""
     if ray.is_initialized():
         return False
-    if address:
+    # Read when Ray starts its processes: a private Ray then binds to loopback only.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address and address != "local":
+        # Joining: the cluster's nodes declare their resources; a driver passing any is refused.
         ray.init(address=address, namespace="baton", log_to_driver=True)
         return False
-    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, namespace="baton",
+    # address="local": never join a cluster found through /tmp/ray/ray_current_cluster by accident.
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False, namespace="baton",
              log_to_driver=True, configure_logging=False)
     return True
 
 
-def deploy(config: ServeConfig, ready_timeout_s: float = 300.0, actor_name_prefix: str = "baton") -> Deployment:
+def deploy(config: BatonConfig, ready_timeout_s: float = 300.0, actor_name_prefix: str = "baton") -> Deployment:
     """Resolve the model, start Ray and both pools; return once every worker answers.
 
     `actor_name_prefix` names the actors (`<prefix>-prefill-0`, ...): two deployments in one Ray
     (tests, benchmarks) need different prefixes.
     """
-    from router.ray_backend import RayBackend
-    from workers.actors import actor_class
-    from workers.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
-    from workers.worker import WorkerConfig
-
-    model_dir = resolve_model_dir(config.model)  # converts a GGUF once, with a progress bar
-    model_name = config.served_model_name or (DEFAULT_MODEL_NAME if config.model is None else Path(config.model).name)
-    hf_config = json.loads((model_dir / "config.json").read_text())
-    max_model_len = config.max_model_len or hf_config.get("max_position_embeddings", 4096)
-
-    owns_ray = start_ray(config.address)
-    engine_config = config.engine_config()
-    transport = config.transport_kind
-    workers = []
-    use_gpu = transport == "nccl"
-    for role, count in (("prefill", config.prefill_workers), ("decode", config.decode_workers)):
-        cls = actor_class(role)
-        for i in range(count):
-            worker_id = f"{role}-{i}"
-            wc = WorkerConfig(worker_id, role, str(model_dir), engine_config, transport=transport)
-            handle = cls.options(name=f"{actor_name_prefix}-{worker_id}", num_cpus=0, num_gpus=1 if use_gpu else 0).remote(wc)
-            workers.append((worker_id, role, handle))
-    deployment = Deployment(config, model_dir, model_name, max_model_len, workers, None, owns_ray)
+    # The router's tokenizer comes from this node's copy; every worker resolves the model again
+    # on its own node (a GGUF is converted once per node, with a progress bar here).
+    model_dir = resolve_model_dir(config.model)
+    model_name = config.served_model_name or (
+        DEFAULT_MODEL_NAME if config.model is None else config.model if is_repo_id(config.model) else Path(config.model).name)
+    placement = config.placement
+    owns_ray = start_ray(placement.address, private_ray_cpus(config, os.cpu_count() or 1))
+    deployment = Deployment(config, model_dir, model_name, 0, config.engine.block_size, [], None, owns_ray)
     try:
-        _wait_ready(workers, ready_timeout_s)
-        _check_pairs(workers)
+        nodes = cluster_nodes()
+        spawned: list[SpawnedWorker] = []
+        for role, count in (("prefill", placement.prefill_workers), ("decode", placement.decode_workers)):
+            pool = resolve_pool(config, role, nodes)
+            log.info("%s pool: %d workers, each with %s", role, count, pool.describe())
+            for i in range(count):
+                spawned.append(spawn_worker(config, role, i, actor_name_prefix, pool, max_restarts=placement.max_restarts))
+                deployment.workers.append(spawned[-1].as_tuple())
+        deployment.nodes = wait_placed(spawned, placement.placement_timeout_s)
+        _learn_limits(deployment, _wait_ready(deployment.workers, ready_timeout_s, deployment.nodes))
+        deployment.kv_links = connect_pairs([(w.worker_id, w.handle) for w in spawned if w.role == "prefill"],
+                                            [(w.worker_id, w.handle) for w in spawned if w.role == "decode"])
+        log.info("KV transport per pair: %s", ", ".join(f"{p}->{d} {k}" for (p, d), k in deployment.kv_links.items()))
     except BaseException:
         deployment.shutdown()  # no actor, shared memory segment or private Ray outlives a failed start
         raise
-    deployment.backend = RayBackend(workers)
+    deployment.backend = RayBackend(deployment.workers, max_migrations=placement.max_migrations,
+                                    migration_wait_s=placement.migration_wait_s)
+    deployment.pools = PoolManager(deployment, actor_name_prefix)
     return deployment
 
 
-def _wait_ready(workers: list[tuple[str, str, object]], ready_timeout_s: float) -> None:
-    import ray
-
+def _wait_ready(workers: list[tuple[str, str, object]], ready_timeout_s: float,
+                nodes: dict[str, str] | None = None) -> list[WorkerReady]:
     started = time.monotonic()
     pending = {handle.ready.remote(): wid for wid, _, handle in workers}
+    reports = []
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=max(1.0, ready_timeout_s - (time.monotonic() - started)))
         if not done:
             raise RuntimeError(f"workers {sorted(pending.values())} not ready after {ready_timeout_s:.0f} s")
         wid = pending.pop(done[0])
-        ray.get(done[0])  # raises the worker's start-up error, if any
+        try:
+            reports.append(ray.get(done[0]))
+        except ray.exceptions.RayError as exc:  # its constructor failed: the model missing on its node, ...
+            node = (nodes or {}).get(wid)
+            where = f" on node {node}" if node else ""
+            raise ValueError(f"worker {wid} failed to start{where}: {_cause(exc)}") from None
         log.info("worker %s ready after %.1f s", wid, time.monotonic() - started)
+    return reports
 
 
-def _check_pairs(workers: list[tuple[str, str, object]]) -> None:
-    """Every prefill worker handshakes with every decode worker before serving: workers whose KV
-    layouts differ (dtype, block size, heads, FP8 scales) are refused at start-up, not mid-request."""
-    import ray
+def _cause(exc: BaseException) -> str:
+    """The worker's own error out of Ray's wrapping (a traceback ending in `Error: message`)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and not isinstance(cause, ray.exceptions.RayError):
+        return f"{type(cause).__name__}: {cause}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error: " in line and not line.startswith("ray.exceptions")]
+    return errors[-1] if errors else (lines[0] if lines else repr(exc))
 
-    prefill = [(wid, h) for wid, role, h in workers if role == "prefill"]
-    for decode_id, role, decode in workers:
-        if role != "decode" or not prefill:
-            continue
-        endpoint = ray.get(decode.endpoint.remote())
-        for prefill_id, handle in prefill:
-            try:
-                ray.get(handle.connect_peer.remote(endpoint))
-            except ray.exceptions.RayTaskError as exc:
-                raise ValueError(f"{prefill_id} cannot send KV to {decode_id}: {exc.cause}") from None
+
+def _learn_limits(deployment: Deployment, reports: list[WorkerReady]) -> None:
+    """The router serves what every worker can hold: the smallest engine max_model_len (each capped
+    by its own KV cache), in the block size and dtypes the workers report."""
+    for name in ("block_size", "dtype", "kv_cache_dtype"):
+        seen = {getattr(r, name) for r in reports}
+        if len(seen) > 1:
+            raise ValueError(f"workers disagree on {name}: {sorted(map(str, seen))}")
+    limiting = min(reports, key=lambda r: r.max_model_len)
+    deployment.max_model_len, deployment.block_size = limiting.max_model_len, limiting.block_size
+    log.info("max_model_len %d (from %s: %d KV blocks of %d tokens, %s weights, %s KV cache)", limiting.max_model_len,
+             limiting.worker_id, limiting.num_blocks, limiting.block_size, limiting.dtype, limiting.kv_cache_dtype)
 
 
 def build_app(deployment: Deployment):
-    from router.app import build_app as build_router_app
-    from router.routing import make_policy
-    from router.tokenizer import Tokenizer
-
+    """The router app over the deployment's pools. Admission gates left automatic get each pool's
+    batch capacity (workers x max_num_seqs; decode workers prefill when there is no prefill pool),
+    and API keys come from BATON_API_KEY when none were configured."""
+    config = deployment.config
     tokenizer = Tokenizer.from_model_dir(deployment.model_dir)
-    policy = make_policy(deployment.config.routing_config(), deployment.backend.prefix_index, deployment.config.block_size)
-    return build_router_app(deployment.backend, tokenizer, deployment.model_name, deployment.max_model_len, policy)
+    policy = make_policy(config.routing, deployment.backend.prefix_index, deployment.block_size)
+    seqs, placement = config.engine.max_num_seqs, config.placement
+    server = dataclasses.replace(
+        config.server.with_api_key_from_env(),
+        max_running_requests=config.server.max_running_requests or placement.decode_workers * seqs,
+        max_running_prefills=config.server.max_running_prefills
+        or (placement.prefill_workers or placement.decode_workers) * seqs,
+    )
+    app = build_router_app(deployment.backend, tokenizer, deployment.model_name, deployment.max_model_len, policy,
+                           server)
+    install_admin(app, deployment.pools, config.admin.with_token_from_env())
+
+    def resize_gates(targets: PoolTargets) -> None:
+        # Automatic gate capacities follow the pools (a request waiting already gets the next free slot).
+        admission = app.state.baton.admission
+        if config.server.max_running_requests is None:
+            admission.decode.capacity = targets.decode * seqs
+        if config.server.max_running_prefills is None:
+            admission.prefill.capacity = (targets.prefill or targets.decode) * seqs
+
+    deployment.pools.on_resize = resize_gates
+    return app
 
 
-def serve(config: ServeConfig) -> None:
+def serve(config: BatonConfig) -> None:
     """Run until Ctrl-C or SIGTERM, then take everything down."""
-    from router.app import serve as serve_http
-
     started = time.monotonic()
     deployment = deploy(config)
     # uvicorn re-raises SIGTERM once it has drained; turning it into KeyboardInterrupt (as
     # Ctrl-C is) lets the finally clause below stop the workers and free their shared memory.
     # Installed after Ray starts, which sets a SIGTERM handler of its own that exits with 15.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    server = config.server
     try:
         app = build_app(deployment)
-        log.info("serving %s on http://%s:%d (start-up %.1f s)", deployment.model_name, config.host, config.port,
+        log.info("serving %s on http://%s:%d (start-up %.1f s)", deployment.model_name, server.host, server.port,
                  time.monotonic() - started)
-        serve_http(app, host=config.host, port=config.port, log_level=config.log_level)
+        serve_http(app, host=server.host, port=server.port, log_level=server.log_level)
     except KeyboardInterrupt:
         pass
     finally:

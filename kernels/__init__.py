@@ -1,9 +1,10 @@
 """Baton kernels: Triton kernels, each beside its PyTorch reference and its checked host wrapper.
 
-The engine calls only `kernels.ops`, which dispatches to Triton on CUDA tensors and, on the CPU,
-to native C++ kernels (kernels/csrc/, built by kernels/cpu_native.py) where there is one, else to
-the PyTorch references; `BATON_KERNELS=auto|triton|reference` overrides the choice, and with
-`TRITON_INTERPRET=1` the Triton kernels run on CPU tensors.
+The engine calls only the functions `kernels.ops.kernel_ops(backend, device)` resolves once, when
+the model is built: Triton on CUDA and, on the CPU, native C++ kernels (kernels/csrc/, built by
+kernels/cpu_native.py) where there is one, else the PyTorch references. EngineConfig.kernel_backend
+("auto", "triton", "native", "reference") picks; with `TRITON_INTERPRET=1` the Triton kernels run
+on CPU tensors.
 
 One kernel per module: rms_norm, rotary (and the RoPE cache), silu_mul, kv_store, decode_attention
 (split-K) with decode_attention_reduce (its merge), prefill_attention, fp8_quant, fp8_gemm,

@@ -22,7 +22,7 @@ except ImportError:  # macOS or a minimal install: references only
         constexpr = None  # lets `x: tl.constexpr` annotations evaluate
 
         def __getattr__(self, name):
-            raise RuntimeError("triton is not installed; use BATON_KERNELS=reference")
+            raise RuntimeError("triton is not installed; use kernel_backend='reference'")
 
     triton = tl = _MissingTriton()  # type: ignore[assignment]
 
@@ -43,7 +43,7 @@ class LazyJIT:
         jitted = self._jitted.get(mode)
         if jitted is None:
             if not HAS_TRITON:
-                raise RuntimeError("triton is not installed; use BATON_KERNELS=reference")
+                raise RuntimeError("triton is not installed; use kernel_backend='reference'")
             jitted = triton.jit(self.fn)
             self._jitted[mode] = jitted
         return jitted[grid]

@@ -11,7 +11,7 @@ import torch
 
 from kernels import cpu_native
 from kernels._checks import KV_DTYPES, check_same_device, check_tensor, require
-from kernels._triton_compat import cdiv, lazy_jit, tl
+from kernels._triton_compat import HAS_TRITON, cdiv, lazy_jit, tl
 
 
 def _check(kv_cache, block_ids) -> None:
@@ -113,6 +113,22 @@ def unpack_kv_blocks_triton(kv_cache, block_ids, packed) -> None:
     _launch(kv_cache, packed, block_ids, scatter=True)
 
 
+def _on_triton(kv_cache) -> bool:
+    return HAS_TRITON and isinstance(kv_cache, torch.Tensor) and kv_cache.is_cuda
+
+
+def pack_kv_blocks(kv_cache, block_ids) -> torch.Tensor:
+    """For callers without a KernelOps (the KV transports): Triton on CUDA tensors, else the reference."""
+    fn = pack_kv_blocks_triton if _on_triton(kv_cache) else pack_kv_blocks_reference
+    return fn(kv_cache, block_ids)
+
+
+def unpack_kv_blocks(kv_cache, block_ids, packed) -> None:
+    """For callers without a KernelOps (the KV transports): Triton on CUDA tensors, else the reference."""
+    fn = unpack_kv_blocks_triton if _on_triton(kv_cache) else unpack_kv_blocks_reference
+    fn(kv_cache, block_ids, packed)
+
+
 # -- cache to cache ------------------------------------------------------------------------------
 
 def _check_caches(dst, src) -> None:
@@ -160,8 +176,8 @@ def copy_native_available(dst, src) -> bool:
 
 class KVBlockCopier:
     """Native block copies from one fixed CPU cache into another. Shapes, strides and pointers
-    are checked and looked up once, here: a 1 MiB transfer moves in ~60 us, so a transfer's
-    fixed cost has to stay at a C call. Keeps both tensors alive while it exists."""
+    are checked and looked up once, here: the copy itself is fast, so a transfer's fixed cost
+    has to stay at one C call. Keeps both tensors alive while it exists."""
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         _check_caches(dst, src)

@@ -1,10 +1,10 @@
 """Native CPU kernels: C++ sources in kernels/csrc/, compiled once per machine and loaded with ctypes.
 
-The sources use a plain C ABI and no torch headers, so a build takes about a second with the
-system C++ compiler (`$CXX`, else `c++`). The library is cached under
-`$BATON_CACHE_DIR/kernels` (default `~/.cache/baton/kernels`), keyed by the source, the flags,
-the compiler and the CPU (it is built with -march=native). Without a compiler, or with
-`BATON_NATIVE_KERNELS=0`, `load()` returns None and callers use the PyTorch reference.
+The sources use a plain C ABI and no torch headers, so a build with the system C++ compiler
+(`$CXX`, else `c++`) is quick. The library is cached under `$BATON_CACHE_DIR/kernels` (default
+`~/.cache/baton/kernels`), keyed by the source, the flags, the compiler and the CPU (it is built
+with -march=native). Without a compiler, or with an unwritable cache, `load()` returns None (with
+a warning) and kernels.ops.kernel_ops() leaves the op on its PyTorch reference.
 
 Threads: the kernels use OpenMP; torch ships libgomp under the same soname, so the process keeps
 one OpenMP runtime and callers pass torch.get_num_threads().
@@ -39,13 +39,6 @@ def cache_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def enabled() -> bool:
-    """`BATON_NATIVE_KERNELS` as of the first call (forget_loaded() reads it again): every kernel
-    call asks, ~500 times per decode step, and an environment lookup costs a microsecond."""
-    return os.environ.get("BATON_NATIVE_KERNELS", "1").strip() not in ("0", "false", "no", "off")
-
-
-@functools.lru_cache(maxsize=1)
 def _cpu_identity() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -64,8 +57,9 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
-@functools.lru_cache(maxsize=None)
-def _build(name: str) -> ctypes.CDLL | None:
+def build(name: str, directory: Path | None = None) -> ctypes.CDLL | None:
+    """Compile kernels/csrc/{name}.cpp into `directory` (default cache_dir()), or find it there
+    already built, and load it; None, with a warning, when that fails. Not memoised: see load()."""
     source = SOURCE_DIR / f"{name}.cpp"
     compiler = _compiler()
     if compiler is None:
@@ -75,7 +69,7 @@ def _build(name: str) -> ctypes.CDLL | None:
         version = _compiler_version(compiler)
         headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
         parts = [source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity()]
-        target = cache_dir() / f"{name}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
+        target = (directory or cache_dir()) / f"{name}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
         if not target.exists():
             _compile(compiler, source, target)
         return ctypes.CDLL(str(target))
@@ -99,11 +93,11 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
+@functools.lru_cache(maxsize=None)
 def load(name: str) -> ctypes.CDLL | None:
-    """The compiled library for kernels/csrc/{name}.cpp, or None when native kernels are off or unbuildable."""
-    if not enabled():
-        return None
-    return _build(name)
+    """The compiled library for kernels/csrc/{name}.cpp, or None when it cannot be built; built
+    (or found in the cache) once per process."""
+    return build(name)
 
 
 # Dtype codes the sources share (kernels/csrc/baton_cpu.h).
@@ -112,27 +106,16 @@ I32, I64, F32, PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void
 
 
 @functools.lru_cache(maxsize=None)
-def _function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | None:
-    lib = _build(name)
+def function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | None:
+    """`symbol` from kernels/csrc/{name}.cpp with its ctypes signature (it returns an int status),
+    or None when the library cannot be built."""
+    lib = load(name)
     if lib is None:
         return None
     fn = getattr(lib, symbol)
     fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn
-
-
-def function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | None:
-    """`symbol` from kernels/csrc/{name}.cpp with its ctypes signature (it returns an int status), or None."""
-    return _function(name, symbol, argtypes) if enabled() else None
-
-
-def forget_loaded() -> None:
-    """Drop the memoised libraries, functions and `BATON_NATIVE_KERNELS` setting (tests use it
-    after changing the environment)."""
-    enabled.cache_clear()
-    _build.cache_clear()
-    _function.cache_clear()
 
 
 def build_all() -> dict[str, bool]:

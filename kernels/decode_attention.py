@@ -20,6 +20,7 @@ from kernels import cpu_native
 from kernels._attn_common import check_attention, gather_kv, native_cache_args, native_int32
 from kernels._checks import check_last_dim_contiguous, is_fp8, require
 from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
+from kernels.decode_attention_reduce import merge_splits_triton
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale):
@@ -82,6 +83,11 @@ _NATIVE_ARGS = (_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32, _I64, _PTR, _PTR, _PTR
 
 def _native_fn():
     return cpu_native.function("paged_decode_attention", "baton_paged_decode_attention", _NATIVE_ARGS)
+
+
+def native_built() -> bool:
+    """Whether the native library loads on this machine (built, or found cached, once per process)."""
+    return _native_fn() is not None
 
 
 def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -201,8 +207,6 @@ def _num_splits(batch: int, kv_heads: int, max_ctx: int, block_n: int, device: t
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                                   k_scale: float = 1.0, v_scale: float = 1.0, *, num_splits: int | None = None):
     """Triton paged decode attention. `num_splits` overrides the split-K heuristic (tests use it)."""
-    from kernels.decode_attention_reduce import merge_splits_triton
-
     scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     check_last_dim_contiguous(q, "q")
     require(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim")

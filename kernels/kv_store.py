@@ -60,6 +60,11 @@ def _native_fn():
     return cpu_native.function("kv_store", "baton_store_kv", _NATIVE_ARGS)
 
 
+def native_built() -> bool:
+    """Whether the native library loads on this machine (built, or found cached, once per process)."""
+    return _native_fn() is not None
+
+
 def native_available(key, k_cache) -> bool:
     """Whether store_kv_cpu handles these tensors (CPU, cache of key's float dtype, built library);
     FP8 caches need quantizing and stay on the reference."""

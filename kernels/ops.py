@@ -1,120 +1,143 @@
-"""The kernel entry points the engine calls: Triton on CUDA tensors, PyTorch references otherwise.
+"""The kernel entry points the engine calls, chosen once: `kernel_ops(backend, device)` returns a
+KernelOps whose attributes are the functions to call, so no call on the hot path decides anything.
 
-`BATON_KERNELS` (read at each call) forces the choice: `auto` (default), `triton` (also on CPU
-tensors, which needs `TRITON_INTERPRET=1`; that is how the tests check the kernels), or
-`reference`. In `auto` mode CPU tensors go to a native C++ kernel (kernels/cpu_native.py) where
-there is one and it can be built: decode and prefill attention, RMSNorm, rotary embedding,
-SiLU-and-mul and the KV store. Every other op, and every op without a compiler, runs its PyTorch
-reference, which is therefore production code, not just a test oracle.
+Backends (EngineConfig.kernel_backend):
+- "auto": Triton on CUDA (the PyTorch references when Triton is missing); on the CPU, the native
+  C++ kernel (kernels/cpu_native.py) where an op has one and it builds, else the PyTorch reference.
+- "native": "auto" on the CPU; the native kernels exist only there.
+- "triton": the Triton kernels; on the CPU only under TRITON_INTERPRET=1 (how the tests check them).
+- "reference": the PyTorch references, which are production code, not just test oracles.
+
+The native kernels handle some dtypes and shapes only; each native op checks its inputs (a few
+attribute reads) and runs the reference for the others, e.g. the FP8 KV store. A native library
+that cannot be built (no compiler, unwritable cache) leaves its op on the reference, with a warning.
 """
 
 from __future__ import annotations
 
-import os
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from kernels import (block_copy, decode_attention, fp8_gemm as _fp8_gemm, fp8_quant, kv_store, prefill_attention,
-                     rms_norm as _rms_norm, rotary, silu_mul)
+                     rms_norm as _rms_norm, rotary, sampling, silu_mul)
 from kernels._triton_compat import HAS_TRITON, interpreting
-from kernels.rotary import build_rope_cache
+# Module-level pack/unpack for callers without a KernelOps (the KV transports): Triton on CUDA tensors.
+from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks
 
-__all__ = [
-    "backend_for", "rms_norm", "rotary_embedding", "build_rope_cache", "silu_and_mul", "store_kv",
-    "paged_decode_attention", "paged_prefill_attention", "scaled_fp8_quant", "fp8_gemm",
-    "pack_kv_blocks", "unpack_kv_blocks",
-]
+__all__ = ["BACKENDS", "KernelOps", "kernel_ops", "resolve_backend", "pack_kv_blocks", "unpack_kv_blocks"]
 
-_MODES = ("auto", "triton", "reference")
+log = logging.getLogger(__name__)
 
+BACKENDS = ("auto", "triton", "native", "reference")
 
-def backend_for(tensor: torch.Tensor) -> str:
-    """"triton", "native" (auto mode on a CPU tensor) or "reference" for an op whose main input is `tensor`.
-
-    Ops without a native CPU kernel treat "native" as "reference"."""
-    mode = os.environ.get("BATON_KERNELS", "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"BATON_KERNELS must be one of {_MODES}, got {mode!r}")
-    on_cuda = bool(getattr(tensor, "is_cuda", False))
-    if mode == "auto":
-        if on_cuda:
-            return "triton" if HAS_TRITON else "reference"
-        return "native"
-    if mode == "triton":
-        if not HAS_TRITON:
-            raise ValueError("BATON_KERNELS=triton but triton is not installed")
-        if not on_cuda and isinstance(tensor, torch.Tensor) and not interpreting():
-            raise ValueError("BATON_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)")
-    return mode
+Op = Callable[..., Any]
 
 
-def _choose(tensor, triton_fn, native_ok, native_fn, reference_fn):
-    """The implementation for an op whose main input is `tensor`; native_ok() is asked only when
-    auto mode picks "native" (it checks dtypes and that the library builds)."""
-    backend = backend_for(tensor)
+@dataclass(frozen=True)
+class KernelOps:
+    """The resolved kernels. `backend` is what ran the choice: "triton", "native" (native CPU
+    kernels where they apply, references elsewhere) or "reference"."""
+
+    backend: str
+    rms_norm: Op  # (x, weight, eps, residual=None) -> out, or (out, x + residual)
+    rotary_embedding: Op  # (positions, q, k, cos_sin_cache) -> None, in place
+    silu_and_mul: Op  # (x) -> silu(x[:, :I]) * x[:, I:]
+    store_kv: Op  # (key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None
+    paged_decode_attention: Op  # (q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    paged_prefill_attention: Op  # (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, ...)
+    scaled_fp8_quant: Op  # (x, scale=None, per_token=False) -> (fp8, scale)
+    fp8_gemm: Op  # (a, b, scale_a, scale_b, out_dtype, bias=None)
+    pack_kv_blocks: Op  # (kv_cache, block_ids) -> packed
+    unpack_kv_blocks: Op  # (kv_cache, block_ids, packed) -> None
+    exponential_race: Op  # (logits, inv_temperature, keys) -> token ids: the sampler's draw
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """"triton", "native" or "reference" for `backend` on `device`; ValueError when it cannot run there."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {backend!r}")
+    device_type = torch.device(device).type
+    if backend == "reference":
+        return backend
     if backend == "triton":
-        return triton_fn
-    if backend == "native" and native_ok():
-        return native_fn
-    return reference_fn
+        if not HAS_TRITON:
+            raise ValueError("kernel_backend 'triton' needs triton, which is not installed")
+        if device_type != "cuda" and not interpreting():
+            raise ValueError(f"kernel_backend 'triton' on {device_type} tensors needs TRITON_INTERPRET=1 "
+                             "(the Triton interpreter)")
+        return backend
+    if device_type == "cpu":
+        return "native"
+    if backend == "native":
+        raise ValueError(f"kernel_backend 'native' runs on the CPU only, not on {device_type}")
+    if device_type == "cuda" and HAS_TRITON:
+        return "triton"
+    log.warning("no Triton kernels for %s tensors here: the PyTorch reference kernels run", device_type)
+    return "reference"
 
 
-def rms_norm(x, weight, eps: float, residual=None):
-    fn = _choose(x, _rms_norm.rms_norm_triton, lambda: _rms_norm.native_available(x, weight),
-                 _rms_norm.rms_norm_cpu, _rms_norm.rms_norm_reference)
-    return fn(x, weight, eps, residual)
+def _native_or_reference(built: bool, native: Op, reference: Op, supports: Op) -> Op:
+    """The native kernel for the inputs `supports` accepts, the reference for the others; the
+    reference alone when the native library did not build."""
+    if not built:
+        return reference
+
+    def op(*args, **kwargs):
+        return (native if supports(*args, **kwargs) else reference)(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = native.__name__.removesuffix("_cpu")
+    return op
 
 
-def rotary_embedding(positions, q, k, cos_sin_cache) -> None:
-    fn = _choose(q, rotary.rotary_embedding_triton, lambda: rotary.native_available(q),
-                 rotary.rotary_embedding_cpu, rotary.rotary_embedding_reference)
-    fn(positions, q, k, cos_sin_cache)
-
-
-def silu_and_mul(x):
-    fn = _choose(x, silu_mul.silu_and_mul_triton, lambda: silu_mul.native_available(x),
-                 silu_mul.silu_and_mul_cpu, silu_mul.silu_and_mul_reference)
-    return fn(x)
-
-
-def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    fn = _choose(k_cache, kv_store.store_kv_triton, lambda: kv_store.native_available(key, k_cache),
-                 kv_store.store_kv_cpu, kv_store.store_kv_reference)
-    fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                           k_scale: float = 1.0, v_scale: float = 1.0):
-    fn = _choose(q, decode_attention.paged_decode_attention_triton,
-                 lambda: decode_attention.native_available(q, k_cache),
-                 decode_attention.paged_decode_attention_cpu, decode_attention.paged_decode_attention_reference)
-    return fn(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
-
-
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                            k_scale: float = 1.0, v_scale: float = 1.0):
-    fn = _choose(q, prefill_attention.paged_prefill_attention_triton,
-                 lambda: prefill_attention.native_available(q, k_cache),
-                 prefill_attention.paged_prefill_attention_cpu, prefill_attention.paged_prefill_attention_reference)
-    return fn(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale)
-
-
-def scaled_fp8_quant(x, scale=None, per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    fn = fp8_quant.scaled_fp8_quant_triton if backend_for(x) == "triton" else fp8_quant.scaled_fp8_quant_reference
-    return fn(x, scale, per_token)
-
-
-def fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias=None):
-    fn = _fp8_gemm.fp8_gemm_triton if backend_for(a) == "triton" else _fp8_gemm.fp8_gemm_reference
-    return fn(a, b, scale_a, scale_b, out_dtype, bias)
-
-
-def pack_kv_blocks(kv_cache, block_ids) -> torch.Tensor:
-    fn = block_copy.pack_kv_blocks_triton if backend_for(kv_cache) == "triton" else block_copy.pack_kv_blocks_reference
-    return fn(kv_cache, block_ids)
-
-
-def unpack_kv_blocks(kv_cache, block_ids, packed) -> None:
-    fn = (block_copy.unpack_kv_blocks_triton if backend_for(kv_cache) == "triton"
-          else block_copy.unpack_kv_blocks_reference)
-    fn(kv_cache, block_ids, packed)
+def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> KernelOps:
+    """The kernels for `backend` (one of BACKENDS) on `device`; see the module docstring."""
+    resolved = resolve_backend(backend, device)
+    if resolved == "triton":
+        return KernelOps(
+            "triton", _rms_norm.rms_norm_triton, rotary.rotary_embedding_triton, silu_mul.silu_and_mul_triton,
+            kv_store.store_kv_triton, decode_attention.paged_decode_attention_triton,
+            prefill_attention.paged_prefill_attention_triton, fp8_quant.scaled_fp8_quant_triton,
+            _fp8_gemm.fp8_gemm_triton, block_copy.pack_kv_blocks_triton, block_copy.unpack_kv_blocks_triton,
+            # One pass of elementwise ops and an argmax: the PyTorch reference is already fused enough on CUDA.
+            sampling.exponential_race_reference,
+        )
+    references = dict(
+        rms_norm=_rms_norm.rms_norm_reference, rotary_embedding=rotary.rotary_embedding_reference,
+        silu_and_mul=silu_mul.silu_and_mul_reference, store_kv=kv_store.store_kv_reference,
+        paged_decode_attention=decode_attention.paged_decode_attention_reference,
+        paged_prefill_attention=prefill_attention.paged_prefill_attention_reference,
+        scaled_fp8_quant=fp8_quant.scaled_fp8_quant_reference, fp8_gemm=_fp8_gemm.fp8_gemm_reference,
+        pack_kv_blocks=block_copy.pack_kv_blocks_reference, unpack_kv_blocks=block_copy.unpack_kv_blocks_reference,
+        exponential_race=sampling.exponential_race_reference,
+    )
+    if resolved == "reference":
+        return KernelOps("reference", **references)
+    native = dict(
+        rms_norm=_native_or_reference(
+            _rms_norm.native_built(), _rms_norm.rms_norm_cpu, references["rms_norm"],
+            lambda x, weight, eps, residual=None: _rms_norm.native_available(x, weight)),
+        rotary_embedding=_native_or_reference(
+            rotary.native_built(), rotary.rotary_embedding_cpu, references["rotary_embedding"],
+            lambda positions, q, k, cos_sin_cache: rotary.native_available(q)),
+        silu_and_mul=_native_or_reference(
+            silu_mul.native_built(), silu_mul.silu_and_mul_cpu, references["silu_and_mul"],
+            silu_mul.native_available),
+        store_kv=_native_or_reference(
+            kv_store.native_built(), kv_store.store_kv_cpu, references["store_kv"],
+            lambda key, value, k_cache, *rest, **kw: kv_store.native_available(key, k_cache)),
+        paged_decode_attention=_native_or_reference(
+            decode_attention.native_built(), decode_attention.paged_decode_attention_cpu,
+            references["paged_decode_attention"],
+            lambda q, k_cache, *rest, **kw: decode_attention.native_available(q, k_cache)),
+        paged_prefill_attention=_native_or_reference(
+            prefill_attention.native_built(), prefill_attention.paged_prefill_attention_cpu,
+            references["paged_prefill_attention"],
+            lambda q, k_cache, *rest, **kw: prefill_attention.native_available(q, k_cache)),
+        exponential_race=_native_or_reference(
+            sampling.native_built(), sampling.exponential_race_cpu, references["exponential_race"],
+            sampling.native_available),
+    )
+    return KernelOps("native", **{**references, **native})

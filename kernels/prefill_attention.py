@@ -53,7 +53,7 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_s
                 f"sequence {i} needs {nb} blocks, block_tables has {block_tables.shape[1]}")
         ids = block_tables[i, :nb].long()
         # 4-D [1, H, len, D] inputs: torch's CPU flash kernel takes them (GQA included); 3-D ones
-        # fall back to the unfused math path, 5x slower on a 2,000-token prompt (measured).
+        # fall back to the unfused math path, several times slower on long prompts.
         k = gather_kv(k_cache, ids, k_scale)[:ctx].transpose(0, 1)[None]  # [1, Hk, ctx, D]
         v = gather_kv(v_cache, ids, v_scale)[:ctx].transpose(0, 1)[None]
         qi = q[s:e].float().transpose(0, 1)[None]  # [1, Hq, ql, D]
@@ -79,6 +79,11 @@ _NATIVE_SHAPES = {(16, 64), (16, 128)}
 
 def _native_fn():
     return cpu_native.function("paged_prefill_attention", "baton_paged_prefill_attention", _NATIVE_ARGS)
+
+
+def native_built() -> bool:
+    """Whether the native library loads on this machine (built, or found cached, once per process)."""
+    return _native_fn() is not None
 
 
 def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

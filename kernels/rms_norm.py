@@ -47,6 +47,11 @@ def _native_fn():
     return cpu_native.function("rms_norm", "baton_rms_norm", _NATIVE_ARGS)
 
 
+def native_built() -> bool:
+    """Whether the native library loads on this machine (built, or found cached, once per process)."""
+    return _native_fn() is not None
+
+
 def native_available(x, weight) -> bool:
     """Whether rms_norm_cpu handles these tensors (CPU float32/bfloat16, hidden size <= 8192, built library)."""
     native = (torch.float32, torch.bfloat16)

@@ -92,6 +92,11 @@ def _native_fn():
     return cpu_native.function("rotary", "baton_rotary", _NATIVE_ARGS)
 
 
+def native_built() -> bool:
+    """Whether the native library loads on this machine (built, or found cached, once per process)."""
+    return _native_fn() is not None
+
+
 def native_available(q) -> bool:
     """Whether rotary_embedding_cpu handles q (CPU float32/bfloat16, built library)."""
     return (isinstance(q, torch.Tensor) and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)

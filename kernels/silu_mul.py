@@ -31,6 +31,11 @@ def _native_fn():
     return cpu_native.function("silu_mul", "baton_silu_and_mul", _NATIVE_ARGS)
 
 
+def native_built() -> bool:
+    """Whether the native library loads on this machine (built, or found cached, once per process)."""
+    return _native_fn() is not None
+
+
 def native_available(x) -> bool:
     """Whether silu_and_mul_cpu handles x (CPU float32/bfloat16, built library)."""
     return (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)

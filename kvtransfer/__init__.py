@@ -18,8 +18,12 @@ Decode worker D (receiver) and prefill worker P (sender), e.g. two Ray actors:
     h = t.send(peer, src_block_ids, dst_block_ids, request_id, timeout_s=30)
     result = t.wait(h)                               # TransferResult(status, nbytes, seconds)
 
-See `kvtransfer.base` for the interface and `bench/kv_transfer.py` for the numbers behind the
-CPU default.
+Serving workers hold a `PairwiseTransport` (`kvtransfer.pairwise`): it picks the backend per
+pair of workers from both workers' `Place` (Ray node id, node IP, device): shm inside a node
+and gloo across nodes on the CPU, nccl on GPUs; `pair_kind()` is that rule.
+
+See `kvtransfer.base` for the interface, `workers.protocol` for the torch-free layout and
+endpoint, and `bench/kv_transfer.py` for the numbers behind the CPU default.
 """
 
 from __future__ import annotations
@@ -28,26 +32,37 @@ from typing import Any
 
 import torch
 
+from workers.protocol import KVEndpoint, KVLayout, KVLayoutMismatch
+
 from .base import (
-    KVEndpoint,
-    KVLayout,
-    KVLayoutMismatch,
     KVTransferError,
     KVTransport,
     Role,
     TransferHandle,
     TransferResult,
     TransferStatus,
+    check_cache,
+    dtype_name,
+    layout_from_cache,
+    torch_dtype,
 )
+from .gloo import GlooTransport
+from .inprocess import InProcessTransport
+from .nccl import NcclTransport
+from .pairwise import PairwiseTransport, PeerLink, Place, offered_kinds, pair_kind
+from .shm import ShmTransport
 
-# Chosen from bench/kv_transfer.py (bench/results/kv_transfer.json, 2-core dev VM): between
-# two actors, shm moved 1-64 MiB of contiguous block ids at 0.5-0.9x an in-process memcpy
-# (isolated; 0.9-1.0x back-to-back) and scattered ids at 0.36-0.6x (the memory system's
-# cost of one 8 KiB stream per block and layer); gloo over loopback TCP pays a pack, the
-# socket and an unpack and stayed near 0.1x. gloo remains the choice when the two workers
-# do not share a node.
+# shm between workers on one node: one copy into the peer's mapped cache, where gloo pays a
+# pack, the socket and an unpack (bench/kv_transfer.py). gloo is for workers on different nodes.
 CPU_DEFAULT = "shm"
-KINDS = ("auto", "inprocess", "shm", "gloo", "nccl")
+KINDS = ("auto", "inprocess", "shm", "gloo", "nccl", "pairwise")
+_BACKENDS: dict[str, type[KVTransport]] = {
+    "inprocess": InProcessTransport,
+    "shm": ShmTransport,
+    "gloo": GlooTransport,
+    "nccl": NcclTransport,
+    "pairwise": PairwiseTransport,
+}
 
 
 def default_kind() -> str:
@@ -56,22 +71,13 @@ def default_kind() -> str:
 
 def create_transport(kind: str = "auto", **options: Any) -> KVTransport:
     """Build a transport. `options` go to the backend's constructor, e.g. `host=` for gloo/nccl
-    (address to bind and advertise), `fault=` for inprocess, `num_slots=` for shm."""
+    (address to bind and advertise), `fault=` for inprocess, `num_slots=` for shm, `choice=`,
+    `place=` and `name=` for pairwise (the one serving workers use)."""
     if kind not in KINDS:
         raise ValueError(f"unknown KV transport {kind!r}; expected one of {KINDS}")
     if kind == "auto":
         kind = default_kind()
-    if kind == "inprocess":
-        from .inprocess import InProcessTransport
-        return InProcessTransport(**options)
-    if kind == "shm":
-        from .shm import ShmTransport
-        return ShmTransport(**options)
-    if kind == "gloo":
-        from .gloo import GlooTransport
-        return GlooTransport(**options)
-    from .gloo import NcclTransport
-    return NcclTransport(**options)
+    return _BACKENDS[kind](**options)
 
 
 __all__ = [
@@ -82,10 +88,19 @@ __all__ = [
     "KVLayoutMismatch",
     "KVTransferError",
     "KVTransport",
+    "PairwiseTransport",
+    "PeerLink",
+    "Place",
     "Role",
     "TransferHandle",
     "TransferResult",
     "TransferStatus",
+    "check_cache",
     "create_transport",
     "default_kind",
+    "dtype_name",
+    "offered_kinds",
+    "pair_kind",
+    "layout_from_cache",
+    "torch_dtype",
 ]

@@ -16,13 +16,16 @@ import torch
 
 from kernels.block_copy import copy_kv_blocks_cpu, copy_native_available
 
+from workers.protocol import KVLayout
+
 from .base import (
-    KVLayout,
     KVTransport,
     Role,
     TransferHandle,
     TransferResult,
     TransferStatus,
+    check_cache,
+    torch_dtype,
 )
 
 # Terminal records kept for late poll()/wait() calls before the oldest are dropped.
@@ -103,8 +106,8 @@ def byte_view(kv_cache: torch.Tensor) -> torch.Tensor:
 
 def block_rows(cache_bytes: torch.Tensor) -> np.ndarray:
     """numpy `[L * 2, N, bytes of one block in one layer's K or V]` view of a contiguous CPU
-    byte cache (same memory). Slicing numpy costs ~1 us per run against ~4.5 us for torch,
-    and three dims slice faster than six; make it once per cache, not per transfer."""
+    byte cache (same memory). Slicing numpy is cheaper per run than slicing torch, and three
+    dims slice faster than six; make it once per cache, not per transfer."""
     if cache_bytes.device.type != "cpu" or not cache_bytes.is_contiguous():
         raise ValueError("block_rows needs a contiguous CPU cache")
     shape = cache_bytes.shape
@@ -115,12 +118,10 @@ def copy_runs(dst: np.ndarray, src: np.ndarray, runs: Sequence[tuple[int, int, i
     """Copy (src_start, dst_start, count) block runs between two `block_rows()` views: the
     path when the native copy (kernels/csrc/kv_block_copy.cpp) is off or cannot be built.
 
-    Of the Python-level ways, one numpy assignment per run is the fastest measured here
-    (2-core VM, 1024 scattered 64 KiB blocks, 64 MiB): 5.7 ms, against 15.8 ms for numpy
-    fancy indexing (a gather into a temporary, then a scatter), 43-70 ms for torch
-    index_select + index_copy_, ~2x for ctypes.memmove per row and 1.5x for torch copy_ per
-    run. It copies one 8 KiB piece at a time, though, so scattered blocks run at ~60% of a
-    contiguous copy; the native copy keeps eight pieces in flight."""
+    Of the Python-level ways, one numpy assignment per run is the fastest (numpy fancy
+    indexing, torch index_select/index_copy_, ctypes.memmove per row and torch copy_ per run
+    are all slower). It copies one piece at a time, though, so scattered blocks run slower
+    than a contiguous copy; the native copy keeps several pieces in flight."""
     for s, d, n in runs:
         dst[:, d:d + n] = src[:, s:s + n]
 
@@ -172,9 +173,8 @@ class Record:
     # for an in-progress copy instead of racing it.
     mem_lock: threading.Lock = field(default_factory=threading.Lock)
     # Set (under the transport's condition, which is then notified) once abort or expiry
-    # starts. A flag, and `done` an Event made only when someone has to sleep on it: an
-    # Event per transfer was a visible part of a small transfer's fixed cost, and most
-    # shm transfers are terminal before anyone waits.
+    # starts. A flag, and `done` an Event made only when someone has to sleep on it: most
+    # shm transfers are terminal before anyone waits, and an Event costs a small transfer.
     cancelled: bool = False
     done: Optional[threading.Event] = None
     extra: dict = field(default_factory=dict)
@@ -206,12 +206,12 @@ class TransportCore(KVTransport):
     def register_cache(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
         if self._cache is not None:
             raise ValueError(f"{self.kind} transport already has a registered cache")
-        self._num_blocks = layout.check_cache(kv_cache)
+        self._num_blocks = check_cache(layout, kv_cache)
         self._cache, self._bytes, self._layout = kv_cache, byte_view(kv_cache), layout
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
         self._check_num_blocks(num_blocks)
-        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=layout.torch_dtype)
+        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout))
         self.register_cache(cache, layout)
         return cache
 

@@ -1,8 +1,7 @@
 """A small key-value control channel for the gloo/NCCL backends, over Python sockets.
 
-Why not torch's TCPStore: on the development VMs a TCPStore client connection sometimes
-takes 5 s to establish (measured: about 1 in 40), which would stall connect(); plain Python
-sockets on the same loopback connect in milliseconds. The server also serves as the
+Why not torch's TCPStore: a TCPStore client connection sometimes takes seconds to
+establish, which would stall connect(); plain Python sockets connect in milliseconds. The server also serves as the
 rendezvous store of each pair's process group (`StoreAdapter`), and closing it wakes every
 blocked client, which gives clean shutdown without sentinel messages.
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 
 def _nodelay(conn: Connection) -> None:
-    # Request/reply traffic of tiny messages: without this, Nagle + delayed ACKs add ~40 ms.
+    # Request/reply traffic of tiny messages: without this, Nagle + delayed ACKs add latency.
     s = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,4 +1,5 @@
-"""Point-to-point backends over torch.distributed process groups: gloo (CPU) and NCCL (GPU).
+"""Point-to-point transport over torch.distributed process groups: gloo (CPU), and the
+protocol the NCCL transport (`nccl.py`, GPU) inherits.
 
 Every receiver hosts a small control server (`_control.py`: a key-value store over Python
 sockets with a random auth key); its address is the endpoint. A sender's `connect()` posts a
@@ -16,111 +17,36 @@ Per transfer, over the pair (payloads in send order):
             thread on the sender turns into the sender's result.
 Control messages ride on the store because a timed-out receive breaks a gloo pair: the data
 path only waits for bytes already announced, bounded by the deadline plus a grace. The same
-store is the rendezvous of each pair's process group.
+store is the rendezvous of each pair's process group. Messages, chunking and per-pair
+state are in `_pair.py`.
 """
 
 from __future__ import annotations
 
-import datetime
-import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ._control import ControlClient, ControlServer, StoreAdapter
+from workers.protocol import KVEndpoint, KVLayoutMismatch
+
 from ._common import GRACE_S, Record, TransportCore, ids_hash, pack_blocks, unpack_blocks
-from .base import (
-    KVEndpoint,
-    KVLayout,
-    KVLayoutMismatch,
-    KVTransferError,
-    Role,
-    TransferHandle,
-    TransferStatus,
+from ._control import ControlClient, ControlServer, StoreAdapter
+from ._pair import (
+    CHUNK_BYTES,
+    ConnRequest,
+    InPair,
+    OutPair,
+    Parked,
+    Staging,
+    XferMsg,
+    as_timedelta,
+    chunk_spans,
 )
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(0.001, seconds))
-
-
-@dataclass(frozen=True)
-class _ConnRequest:
-    pair: str
-    worker_id: str
-    layout: KVLayout
-    num_blocks: int
-
-
-@dataclass(frozen=True)
-class _XferMsg:
-    kind: str  # "xfer" or "close"
-    transfer_id: str = ""
-    nblocks: int = 0
-    nbytes: int = 0
-    dst_hash: int = 0
-    remaining_s: float = 0.0
-    chunk_blocks: int = 1
-
-
-# Payloads are cut into chunks of about this size so that packing, the wire and unpacking
-# overlap (a 64 MiB payload went from 1.8 to ~3 GB/s on the 2-core dev VM).
-CHUNK_BYTES = 4 << 20
-
-
-def _chunks(nblocks: int, chunk_blocks: int) -> list[tuple[int, int]]:
-    return [(a, min(chunk_blocks, nblocks - a)) for a in range(0, nblocks, chunk_blocks)]
-
-
-class _Staging:
-    """Grow-only flat byte buffer reused across transfers of one pair."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.buf = torch.empty(0, dtype=torch.uint8, device=device)
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        if self.buf.numel() < nbytes:
-            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self.buf[:nbytes]
-
-
-@dataclass
-class _OutPair:
-    """Sender side of a pair."""
-
-    peer_id: str
-    pair: str
-    store: ControlClient  # used by the send thread only
-    group: object
-    peer_num_blocks: int
-    jobs: "queue.Queue[Optional[Record]]" = field(default_factory=queue.Queue)
-    in_flight: dict = field(default_factory=dict)  # seq -> Record awaiting a verdict
-    threads: list = field(default_factory=list)
-    broken: Optional[str] = None
-
-
-@dataclass
-class _Parked:
-    msg: _XferMsg
-    seq: int
-    buf: torch.Tensor
-    timer: threading.Timer
-
-
-@dataclass
-class _InPair:
-    """Receiver side of a pair."""
-
-    pair: str
-    reply_store: ControlClient
-    reply_lock: threading.Lock = field(default_factory=threading.Lock)
-    next_seq: int = 0
-    parked: dict = field(default_factory=dict)  # transfer_id -> _Parked
+from .base import KVTransferError, Role, TransferHandle, TransferStatus
 
 
 class GlooTransport(TransportCore):
@@ -137,12 +63,12 @@ class GlooTransport(TransportCore):
         self._chunk_bytes = chunk_bytes
         self._host = host
         self._port = port
-        self._connect_timeout = _td(connect_timeout_s)
+        self._connect_timeout = as_timedelta(connect_timeout_s)
         self._worker_id = f"{self.kind}-{uuid.uuid4().hex[:12]}"
         self._server: Optional[ControlServer] = None
         self._service: Optional[threading.Thread] = None
-        self._out: dict[str, _OutPair] = {}
-        self._in: dict[str, _InPair] = {}
+        self._out: dict[str, OutPair] = {}
+        self._in: dict[str, InPair] = {}
         self._threads: list[threading.Thread] = []
 
     # -- backend specifics (overridden by NCCL) -------------------------------------------
@@ -151,7 +77,7 @@ class GlooTransport(TransportCore):
 
     def _make_group(self, store: dist.Store, rank: int):
         opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = _td(3600)
+        opts._timeout = as_timedelta(3600)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._host)]
         return dist.ProcessGroupGloo(store, rank, 2, opts)
 
@@ -194,7 +120,10 @@ class GlooTransport(TransportCore):
                           self._own_address())
 
     def _serve(self) -> None:
-        store = self._client(self._own_address())
+        try:
+            store = self._client(self._own_address())
+        except Exception:  # closed right after endpoint(): nothing to serve
+            return
         i = 0
         while True:
             try:
@@ -202,7 +131,7 @@ class GlooTransport(TransportCore):
             except Exception:  # server closed: transport closing
                 return
             i += 1
-            assert isinstance(req, _ConnRequest)
+            assert isinstance(req, ConnRequest)
             try:
                 assert self._layout is not None
                 self._layout.check_compatible(req.layout)
@@ -212,18 +141,18 @@ class GlooTransport(TransportCore):
             store.set(f"conn/{req.pair}/reply", "ok")
             self._spawn(self._serve_pair, req, name=f"kv-{self.kind}-recv-{req.pair}")
 
-    def _serve_pair(self, req: _ConnRequest) -> None:
+    def _serve_pair(self, req: ConnRequest) -> None:
         address = self._own_address()
         try:
             store = self._client(address)
-            inp = _InPair(req.pair, self._client(address))
+            inp = InPair(req.pair, self._client(address))
             group = self._make_group(StoreAdapter(self._client(address), f"{req.pair}/pg",
                                                   self._connect_timeout.total_seconds()), 1)
         except Exception:
             return  # the sender's connect() reports the failure
         with self._lock:
             self._in[req.pair] = inp
-        staging = _Staging(self._device())
+        staging = Staging(self._device())
         try:
             while True:
                 msg = store.take(f"{req.pair}/msg/{inp.next_seq}")
@@ -244,7 +173,7 @@ class GlooTransport(TransportCore):
         for p in parked:
             p.timer.cancel()
 
-    def _receive(self, inp: _InPair, group, staging: _Staging, msg: _XferMsg,
+    def _receive(self, inp: InPair, group, staging: Staging, msg: XferMsg,
                  seq: int) -> bool:
         """Receive one announced payload, unpacking each chunk as it lands (or park the
         whole payload if expect() has not come yet). False if the pair broke."""
@@ -254,7 +183,7 @@ class GlooTransport(TransportCore):
         # A payload that may have to wait for its expect() gets its own buffer.
         buf = staging.get(msg.nbytes) if live else \
             torch.empty(msg.nbytes, dtype=torch.uint8, device=self._device())
-        chunks = _chunks(msg.nblocks, msg.chunk_blocks)
+        chunks = chunk_spans(msg.nblocks, msg.chunk_blocks)
         block_bytes = msg.nbytes // msg.nblocks
         works = [group.recv([buf[a * block_bytes:(a + c) * block_bytes]], 0, i)
                  for i, (a, c) in enumerate(chunks)]
@@ -264,7 +193,7 @@ class GlooTransport(TransportCore):
             failure = self._check_ids(rec, msg)
         try:
             for (a, c), work in zip(chunks, works):
-                work.wait(_td(deadline - time.monotonic() + GRACE_S))
+                work.wait(as_timedelta(deadline - time.monotonic() + GRACE_S))
                 if live and failure is None:
                     self._sync()
                     failure = self._unpack(rec, buf, a, c)
@@ -286,13 +215,13 @@ class GlooTransport(TransportCore):
                 timer = threading.Timer(max(0.0, deadline - time.monotonic()),
                                         self._expire_parked, (inp, msg.transfer_id))
                 timer.daemon = True
-                inp.parked[msg.transfer_id] = _Parked(msg, seq, buf, timer)
+                inp.parked[msg.transfer_id] = Parked(msg, seq, buf, timer)
                 timer.start()
                 return True
         self._settle(inp, rec, msg, seq, buf)
         return True
 
-    def _check_ids(self, rec: Record, msg: _XferMsg) -> Optional[tuple[TransferStatus, str]]:
+    def _check_ids(self, rec: Record, msg: XferMsg) -> Optional[tuple[TransferStatus, str]]:
         if ids_hash(rec.block_ids) == msg.dst_hash and len(rec.block_ids) == msg.nblocks:
             return None
         error = (f"transfer {msg.transfer_id!r}: sender's dst_block_ids differ from the "
@@ -316,13 +245,13 @@ class GlooTransport(TransportCore):
             self._sync()
         return None
 
-    def _settle(self, inp: _InPair, rec: Record, msg: _XferMsg, seq: int,
+    def _settle(self, inp: InPair, rec: Record, msg: XferMsg, seq: int,
                 buf: torch.Tensor) -> None:
         """Unpack a fully received (parked) payload."""
         failure = None if rec.status.is_terminal else self._check_ids(rec, msg)
         if rec.status.is_terminal:
             failure = rec.status, rec.error
-        for a, c in _chunks(msg.nblocks, msg.chunk_blocks):
+        for a, c in chunk_spans(msg.nblocks, msg.chunk_blocks):
             if failure is not None:
                 break
             failure = self._unpack(rec, buf, a, c)
@@ -331,14 +260,14 @@ class GlooTransport(TransportCore):
         status, error = failure or (TransferStatus.SUCCESS, None)
         self._verdict(inp, seq, status, error)
 
-    def _expire_parked(self, inp: _InPair, transfer_id: str) -> None:
+    def _expire_parked(self, inp: InPair, transfer_id: str) -> None:
         with self._cond:
             parked = inp.parked.pop(transfer_id, None)
         if parked is not None:
             self._verdict(inp, parked.seq, TransferStatus.FAILED,
                           f"receiver never expected transfer {transfer_id!r}")
 
-    def _verdict(self, inp: _InPair, seq: int, status: TransferStatus,
+    def _verdict(self, inp: InPair, seq: int, status: TransferStatus,
                  error: Optional[str]) -> None:
         try:
             with inp.reply_lock:
@@ -380,7 +309,7 @@ class GlooTransport(TransportCore):
                                   f"{exc}") from None
         pair = f"{self._worker_id}-{uuid.uuid4().hex[:8]}"
         assert self._layout is not None
-        store.append("conn", _ConnRequest(pair, self._worker_id, self._layout, self._num_blocks))
+        store.append("conn", ConnRequest(pair, self._worker_id, self._layout, self._num_blocks))
         try:
             reply = store.take(f"conn/{pair}/reply", self._connect_timeout.total_seconds())
         except Exception:
@@ -391,7 +320,7 @@ class GlooTransport(TransportCore):
         assert reply == "ok", reply
         group = self._make_group(StoreAdapter(self._client(peer.address), f"{pair}/pg",
                                               self._connect_timeout.total_seconds()), 0)
-        out = _OutPair(peer.worker_id, pair, store, group, peer.num_blocks)
+        out = OutPair(peer.worker_id, pair, store, group, peer.num_blocks)
         with self._lock:
             self._out[peer.worker_id] = out
         out.threads = [
@@ -418,14 +347,14 @@ class GlooTransport(TransportCore):
             out.jobs.put(rec)
         return rec.handle()
 
-    def _send_loop(self, out: _OutPair) -> None:
-        staging = _Staging(self._device())
+    def _send_loop(self, out: OutPair) -> None:
+        staging = Staging(self._device())
         seq = 0
         while True:
             rec = out.jobs.get()
             if rec is None:
                 try:  # the receiver drops the pair; the verdict watcher exits
-                    out.store.set(f"{out.pair}/msg/{seq}", _XferMsg("close"))
+                    out.store.set(f"{out.pair}/msg/{seq}", XferMsg("close"))
                     out.store.append(f"{out.pair}/verdict", "close")
                 except Exception:
                     pass
@@ -445,25 +374,25 @@ class GlooTransport(TransportCore):
                     self._set_transferring(rec)
                     with self._lock:
                         out.in_flight[seq] = rec
-                    out.store.set(f"{out.pair}/msg/{seq}", _XferMsg(
+                    out.store.set(f"{out.pair}/msg/{seq}", XferMsg(
                         "xfer", rec.transfer_id, len(dst), rec.nbytes, ids_hash(dst),
                         rec.deadline - time.monotonic(), chunk_blocks))
                     buf = staging.get(rec.nbytes)
                     block_bytes = rec.nbytes // rec.num_blocks
                     works = []
-                    for i, (a, c) in enumerate(_chunks(len(dst), chunk_blocks)):
+                    for i, (a, c) in enumerate(chunk_spans(len(dst), chunk_blocks)):
                         region = buf[a * block_bytes:(a + c) * block_bytes]
                         self._pack_chunk(rec.block_ids[a:a + c], region)
                         self._sync()
                         works.append(out.group.send([region], 1, i))
                 for work in works:
-                    work.wait(_td(rec.deadline - time.monotonic() + GRACE_S))
+                    work.wait(as_timedelta(rec.deadline - time.monotonic() + GRACE_S))
             except Exception as exc:
                 out.broken = f"{type(exc).__name__}: {exc}"
                 self._finish(rec, TransferStatus.FAILED, f"send failed, pair broken: {exc}")
             seq += 1
 
-    def _watch_verdicts(self, out: _OutPair, store: ControlClient) -> None:
+    def _watch_verdicts(self, out: OutPair, store: ControlClient) -> None:
         n = 0
         while True:
             try:
@@ -504,67 +433,3 @@ class GlooTransport(TransportCore):
         for t in list(self._threads):
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._cache = self._bytes = None
-
-
-def _kernel_ops():
-    """`kernels.ops` (Triton block pack/unpack on CUDA) when it is importable."""
-    try:
-        from kernels import ops
-    except ImportError:
-        return None
-    return ops
-
-
-class NcclTransport(GlooTransport):
-    """Same protocol with NCCL for the payload; the cache and staging live on the GPU.
-    Written against the torch.distributed API; exercised only where CUDA is available."""
-
-    kind = "nccl"
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout_s: float = 30.0,
-                 chunk_bytes: int = CHUNK_BYTES, device: Optional[torch.device] = None) -> None:
-        if not torch.cuda.is_available() or not dist.is_nccl_available():
-            raise KVTransferError("the nccl KV transport needs CUDA and an NCCL build of torch")
-        super().__init__(host, port, connect_timeout_s, chunk_bytes)
-        self._dev = torch.device(device) if device is not None else \
-            torch.device("cuda", torch.cuda.current_device())
-
-    def _device(self) -> torch.device:
-        return self._dev
-
-    def _make_group(self, store: dist.Store, rank: int):
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _td(3600)
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
-
-    def _sync(self) -> None:
-        torch.cuda.current_stream(self._dev).synchronize()
-
-    def _pack_chunk(self, ids: list[int], region: torch.Tensor) -> None:
-        # One Triton gather kernel instead of one copy per run of consecutive ids.
-        ops = _kernel_ops()
-        if ops is None:
-            return super()._pack_chunk(ids, region)
-        packed = ops.pack_kv_blocks(self._cache, torch.tensor(ids, device=self._dev))
-        region.copy_(packed.reshape(-1).view(torch.uint8))
-
-    def _unpack_chunk(self, ids: list[int], region: torch.Tensor) -> None:
-        ops = _kernel_ops()
-        if ops is None:
-            return super()._unpack_chunk(ids, region)
-        assert self._cache is not None
-        shape = (self._cache.shape[0], 2, len(ids)) + tuple(self._cache.shape[3:])
-        ops.unpack_kv_blocks(self._cache, torch.tensor(ids, device=self._dev),
-                             region.view(self._cache.dtype).view(shape))
-
-    def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
-        self._check_num_blocks(num_blocks)
-        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=layout.torch_dtype,
-                            device=self._dev)
-        self.register_cache(cache, layout)
-        return cache
-
-    def register_cache(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
-        if kv_cache.device != self._dev:
-            raise ValueError(f"nccl transport for {self._dev} got a cache on {kv_cache.device}")
-        super().register_cache(kv_cache, layout)

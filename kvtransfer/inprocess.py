@@ -2,24 +2,21 @@
 
 It is also the fake backend for the serving layer's failure tests: `fault="drop"` never
 delivers (the transfer runs into its deadline), `fault="delay"` delivers after `fault_delay_s`,
-`fault="fail"` fails at once. Without a `fault` argument the environment variable
-`BATON_KV_FAULT` (`drop`, `fail`, `delay` or `delay:SECONDS`) is read when the transport is
-created.
+`fault="fail"` fails at once; `fault="delay:SECONDS"` sets the delay too.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
 from typing import Optional, Sequence
 
+from workers.protocol import KVEndpoint
 
 from ._common import Record, TransportCore, copy_blocks, ids_hash
-from .base import KVEndpoint, Role, TransferHandle, TransferStatus
+from .base import Role, TransferHandle, TransferStatus
 
-FAULT_ENV = "BATON_KV_FAULT"
 FAULTS = ("drop", "delay", "fail")
 
 
@@ -43,8 +40,7 @@ class InProcessTransport(TransportCore):
     def __init__(self, fault: Optional[str] = None, fault_delay_s: float = 0.5) -> None:
         super().__init__()
         self._worker_id = f"inproc-{uuid.uuid4().hex[:12]}"
-        spec = fault if fault is not None else os.environ.get(FAULT_ENV, "")
-        self._fault, self._fault_delay_s = parse_fault(spec, fault_delay_s)
+        self._fault, self._fault_delay_s = parse_fault(fault, fault_delay_s)
         self._peers: dict[str, "InProcessTransport"] = {}
 
     def __reduce__(self):  # noqa: D105 - endpoints carry a live reference

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from kernels.block_copy import KVBlockCopier, copy_native_available
+from workers.protocol import KVEndpoint, KVLayout
 
 from ._common import (
     Record,
@@ -55,7 +56,7 @@ from ._common import (
     ids_hash,
     transfer_key,
 )
-from .base import KVEndpoint, KVLayout, KVTransferError, Role, TransferHandle, TransferStatus
+from .base import KVTransferError, Role, TransferHandle, TransferStatus, torch_dtype
 
 _MAGIC = 0x4B56_4241_544F_4E31  # "KVBATON1"
 _HEADER_INTS = 8
@@ -164,8 +165,8 @@ class _Segment:
 
     def find(self, key: int) -> int:
         """Slot holding `key`, or -1. Looks at the key's home slot first (where expect()
-        puts it unless taken): a scan of the whole table costs ~3 us warm and ~20-30 us
-        in a process that was just woken up."""
+        puts it unless taken): a scan of the whole table is slow in a process that was
+        just woken up."""
         home = key % len(self.slots)
         if self.slots[home, _KEY] == key:
             return home
@@ -182,14 +183,13 @@ def _layout_bytes(layout: KVLayout, num_blocks: int, num_slots: int) -> tuple[in
 def _map(path: str, fd: int, size: int, layout: KVLayout, num_blocks: int, num_slots: int,
          owner: bool) -> _Segment:
     # MAP_POPULATE: build the page tables now. Otherwise the first copy into each page of a
-    # peer's cache pays a page fault (measured: a 4 MiB transfer into untouched blocks took
-    # as long as a 16 MiB one into touched blocks).
+    # peer's cache pays a page fault.
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     mm = mmap.mmap(fd, size, flags=flags)
     offset, nbytes = _layout_bytes(layout, num_blocks, num_slots)
     raw = torch.frombuffer(mm, dtype=torch.uint8)
     shape = layout.cache_shape(num_blocks)
-    cache = raw[offset:offset + nbytes].view(layout.torch_dtype).view(shape)
+    cache = raw[offset:offset + nbytes].view(torch_dtype(layout)).view(shape)
     slots = np.ndarray((num_slots, _SLOT_COLS), dtype=np.int64, buffer=mm, offset=_HEADER_INTS * 8)
     cache_bytes = byte_view(cache)
     return _Segment(path, fd, mm, slots, cache_bytes, block_rows(cache_bytes), owner,
@@ -238,7 +238,7 @@ class ShmTransport(TransportCore):
         header[:7] = (_MAGIC, self._num_slots, num_blocks, offset, nbytes, pid,
                       _process_start(pid) or -1)
         self._own = seg
-        cache = seg.cache_bytes.view(layout.torch_dtype)
+        cache = seg.cache_bytes.view(torch_dtype(layout))
         self.register_cache(cache, layout)
         return cache
 
@@ -385,7 +385,7 @@ class ShmTransport(TransportCore):
         rec.extra.update(seg=seg, copier=self._copiers[peer_id], key=transfer_key(transfer_id),
                          nblocks=len(dst), dst_hash=ids_hash(dst), dst=dst)
         # Common case: the receiver reserved and expect()ed first. Copy right here: one
-        # memcpy, no thread hand-off (which cost ~0.2 ms per transfer on the 2-core VM).
+        # memcpy, no thread hand-off.
         if not self._try_send(rec):
             with self._lock:
                 if self._worker is None:
@@ -397,9 +397,8 @@ class ShmTransport(TransportCore):
 
     def _send_worker(self) -> None:
         """Runs the sends that found no receiver slot yet. One long-lived thread, because
-        torch's copy pays for a new OpenMP team in every new thread (measured: 1 MiB took
-        4 ms in a fresh thread, 0.04 ms in a reused one). Sends whose receiver has not
-        called expect() yet stay pending without blocking the others."""
+        torch's copy pays for a new OpenMP team in every new thread. Sends whose receiver has
+        not called expect() yet stay pending without blocking the others."""
         pending: list[Record] = []
         pause = 2e-5
         while True:

@@ -9,8 +9,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from workers.protocol import KVEndpoint, KVLayout
+
 from . import create_transport
-from .base import KVEndpoint, KVLayout, Role, TransferResult, TransferStatus
+from .base import Role, TransferResult, TransferStatus
 
 
 def seeded_bytes(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:

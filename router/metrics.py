@@ -9,12 +9,15 @@ Two sources:
   token counters, latency histograms, KV transfer bytes/seconds, routing decisions;
 - worker metrics, read from the backend's worker snapshot at scrape time (a custom collector):
   running/waiting, KV usage, prefix cache queries/hits, worker up/down. Nothing polls workers
-  for a scrape: the backend's health loop already keeps that snapshot fresh.
+  for a scrape: the backend's health loop already keeps that snapshot fresh;
+- admission, read from the router's gates at scrape time: requests running and waiting per pool,
+  and requests refused (429 queue full, 503 deadline while waiting) by reason.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter as Tally
 from collections import deque
@@ -91,12 +94,42 @@ class _WorkerCollector:
         yield from (running, waiting, kv, queued, up, pool, queries, hits)
         if index is not None:
             yield indexed
+        admission = self.owner.admission
+        if admission is not None:
+            yield from _admission_metrics(m, admission)
+
+
+def _admission_metrics(model_name: str, admission: Any):
+    gate_labels = ["model_name", "pool"]
+    running = GaugeMetricFamily("baton:router_requests_admitted", "Requests holding a slot of the pool's gate.",
+                                labels=gate_labels)
+    waiting = GaugeMetricFamily("baton:router_requests_queued", "Requests waiting in the router for a slot of the pool.",
+                                labels=gate_labels)
+    rejected = CounterMetricFamily("baton:router_requests_rejected", "Requests refused by admission control, by reason.",
+                                   labels=["model_name", "reason"])
+    for gate in (admission.decode, admission.prefill):
+        state = gate.state()
+        running.add_metric([model_name, gate.pool], state.running)
+        waiting.add_metric([model_name, gate.pool], state.waiting)
+    for reason, n in sorted(admission.rejected.items()):
+        rejected.add_metric([model_name, reason], n)
+    yield from (running, waiting, rejected)
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str, backend: Any, recent: int = 256) -> None:
+    def __init__(self, model_name: str, backend: Any, admission: Any = None, recent: int = 256) -> None:
         self.model_name = model_name
         self.backend = backend
+        self.admission = admission  # router.admission.AdmissionControl, or None
         self.started = time.time()
         self.registry = CollectorRegistry(auto_describe=False)
         r, ml = self.registry, ["model_name"]
@@ -195,6 +228,7 @@ class RouterMetrics:
                 "prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_hit_rate": (h / q) if q else None,
                 "last_heartbeat_age_s": max(0.0, now - w.last_heartbeat) if w.last_heartbeat is not None else None,
                 "indexed_blocks": index.num_blocks(w.worker_id) if index is not None else None,
+                "pid": w.pid,
             })
         in_window = [(t, tr) for t, tr in self.recent if t >= since]
         ttfts = sorted(tr.ttft_s for _, tr in in_window if tr.ttft_s is not None)
@@ -210,6 +244,8 @@ class RouterMetrics:
         recent = [dict(tr.to_dict(), finished_at=t) for t, tr in list(self.recent)[-max_recent:]][::-1]
         return {
             "model": self.model_name, "time": now, "uptime_s": now - self.started,
+            "router": {"pid": os.getpid(), "rss_bytes": _resident_bytes()},
+            "admission": self.admission.state() if self.admission is not None else None,
             "pools": pools,
             "totals": dict(self.totals),
             "routing": routing,

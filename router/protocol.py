@@ -1,13 +1,15 @@
 """OpenAI-compatible request and response schemas (pydantic 2) and their conversion to SamplingParams.
 
 Requests ignore fields they do not know (as vLLM does), so clients sending newer OpenAI fields
-still work. Every rejection is an `APIError`, which the HTTP layer turns into the OpenAI error
-envelope `{"error": {"message", "type", "param", "code"}}` with code = HTTP status.
+still work; known OpenAI fields Baton cannot honour are refused by name (router.limits). Ranges
+live in the fields (and so in the OpenAPI schema). Every rejection is an `APIError`, which the
+HTTP layer turns into the OpenAI error envelope `{"error": {"message", "type", "param", "code"}}`
+with code = HTTP status.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
@@ -17,12 +19,14 @@ from workers.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    504: "TimeoutError",
 }
 
 
@@ -46,10 +50,6 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
-
-
-def error_body(message: str, status: int, param: str | None = None, type: str | None = None) -> dict:
-    return APIError(message, status, param, type).body()
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "ChatMessage", "StreamOptions"})
@@ -81,7 +81,13 @@ def validation_error_to_api(e: ValidationError) -> APIError:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+# Ranges are OpenAI's where it documents one (temperature [0, 2], penalties [-2, 2], 20 top
+# logprobs), else vLLM's; they are in the OpenAPI schema too. Seeds must fit in 64 bits (int64).
+INT64 = (-(2**63), 2**63 - 1)
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 class StreamOptions(_Request):
@@ -109,31 +115,31 @@ class _SamplingFields(_Request):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     stop: Union[str, list[str], None] = None
-    max_tokens: StrictInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # common extras (vLLM names)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
 
@@ -152,9 +158,13 @@ class ChatCompletionRequest(_SamplingFields):
                 texts = []
                 for j, part in enumerate(m.content):
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        kind = part.get("type")
+                        why = (f"{kind} parts are not supported: this is a text-only model"
+                               if kind in ("image_url", "input_image", "input_audio", "file", "video_url") else
+                               f"got type {kind!r}")
                         raise APIError(
                             f"messages[{i}].content[{j}]: only text content parts ({{'type': 'text', 'text': ...}}) "
-                            f"are supported, got type {part.get('type')!r}",
+                            f"are supported; {why}",
                             400,
                             f"messages[{i}].content[{j}]",
                         )
@@ -168,9 +178,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
     add_special_tokens: bool = True
 

@@ -3,16 +3,18 @@
 Remote prefill: reserve blocks on the decode worker D -> prefill worker P computes the prompt and
 pushes its KV into them -> the first token goes to the client -> D decodes the rest. Local
 prefill: D runs the whole request. Tokens come back through one long-poll loop per decode worker
-that carries every request's new tokens at once.
+that carries every request's new tokens at once (router.pools, which also owns the workers'
+health, the prefix index's KV events, and adding and draining workers at runtime).
 
-KV events: the health loop's one `heartbeat` RPC per worker and interval returns the worker's
-stats and its KV events since the last one; they feed `prefix_index` (a `PrefixIndex`), which
-the KV-aware routing policy reads. A worker that stops answering, dies, or restarts (new pid) has
-its index entries dropped at once, so nothing is routed to it for its cache.
+Healing: a request whose decode worker dies **migrates** (router.migration): another decode
+worker re-prefills prompt + the tokens already streamed and the stream goes on with no token
+repeated or lost, up to `max_migrations` times (draining a worker moves its requests the same way,
+without counting); then it ends with a clean, retryable error. With no other decode worker the
+request waits up to `migration_wait_s` for one (a restarting one counts). A prefill worker that
+dies mid-request is replaced by another prefill worker, or by D itself; nothing waits forever.
 
-Failures: a prefill worker that dies (or whose transfer fails) makes D prefill locally instead;
-a decode worker that dies fails its requests with a retryable error; nothing waits forever.
-Imports ray but never torch: worker-side objects cross as torch-free dataclasses or bytes.
+Imports ray but never torch: worker-side objects (KV endpoints included) cross as the torch-free
+dataclasses of workers.protocol.
 """
 
 from __future__ import annotations
@@ -22,174 +24,54 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
 
-import ray
 from ray.exceptions import RayActorError, RayError
 
-from router.backend import BackendError, GenerateRequest, WorkerInfo
+from router.backend import BackendError, GenerateRequest
+from router.migration import Progress, WorkerLost
+from router.pools import PoolWorker, Stream, WorkerPools
 from router.prefix_index import PrefixIndex
-from workers.protocol import RequestOutput
-from workers.protocol import PrefillRequest
+from workers.protocol import PrefillRequest, RequestOutput
 
 log = logging.getLogger("baton.router")
 
 
-@dataclass
-class _Worker:
-    worker_id: str
-    role: str
-    handle: object
-    alive: bool = True
-    stats: object | None = None
-    endpoint: bytes | None = None
-    last_seen: float = field(default_factory=time.monotonic)
-    last_heartbeat: float | None = None  # wall clock of the last answer
+class _PrefillLost(Exception):
+    """The prefill worker died during a remote prefill (the reservation on D is already aborted)."""
 
 
-@dataclass
-class _Stream:
-    decode_worker: str
-    queue: asyncio.Queue
-    prefill_worker: str | None = None
-
-
-class RayBackend:
+class RayBackend(WorkerPools):
     def __init__(self, workers: list[tuple[str, str, object]], health_interval_s: float = 2.0,
                  health_timeout_s: float = 10.0, poll_timeout_s: float = 0.05,
-                 prefix_index: PrefixIndex | None = None) -> None:
-        self._workers = {wid: _Worker(wid, role, handle) for wid, role, handle in workers}
-        self.health_interval_s = health_interval_s
-        self.health_timeout_s = health_timeout_s
-        self.poll_timeout_s = poll_timeout_s
-        self._streams: dict[str, _Stream] = {}
-        self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
-        self.block_size = 16  # updated from the workers' heartbeats
-        self._queued_prefill: dict[str, int] = {wid: 0 for wid in self._workers}
-        self._tasks: list[asyncio.Task] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        # Seconds from a worker queueing an output to the router receiving it (bounded sample).
-        self.stream_delays: deque[float] = deque(maxlen=10000)
-        self.counters = {"remote_prefill": 0, "local_prefill": 0, "prefill_fallbacks": 0,
-                         "kv_blocks_transferred": 0, "kv_bytes_transferred": 0}
-
-    # ---- lifecycle ---------------------------------------------------------------------------
-    def _ensure_started(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._tasks and self._loop is loop:
-            return
-        # First use, or a new event loop (a second router app over the same workers, after the
-        # first one's server stopped): the old loop's tasks are gone with it; start them here.
-        self._loop = loop
-        self._tasks = []
-        self._tasks.append(loop.create_task(self._health_loop()))
-        for w in self._workers.values():
-            if w.role == "decode":
-                self._tasks.append(loop.create_task(self._pump(w)))
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        self._tasks = []
-
-    def workers(self) -> list[WorkerInfo]:
-        try:
-            self._ensure_started()
-        except RuntimeError:
-            pass  # no running loop (called from sync code): report what we know
-        infos = []
-        for w in self._workers.values():
-            s = w.stats
-            infos.append(WorkerInfo(
-                worker_id=w.worker_id, role=w.role, alive=w.alive,
-                running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
-                kv_usage=s.kv_usage if s else 0.0, queued_prefill_tokens=self._queued_prefill.get(w.worker_id, 0),
-                prefix_cache_queries=s.prefix_cache_queries if s else 0, prefix_cache_hits=s.prefix_cache_hits if s else 0,
-                last_heartbeat=w.last_heartbeat,
-            ))
-        return infos
-
-    def worker_stats(self) -> dict[str, object]:
-        return {wid: w.stats for wid, w in self._workers.items()}
-
-    async def refresh_stats(self) -> None:
-        """Ask every worker for its stats and KV events now; a worker that does not answer is marked dead."""
-        async def one(w: _Worker) -> None:
-            try:
-                beat = await asyncio.wait_for(w.handle.heartbeat.remote(), self.health_timeout_s)
-            except (RayError, asyncio.TimeoutError) as exc:
-                self._mark_down(w, exc)
-                return
-            old = w.stats
-            if old is not None and (old.pid != beat.stats.pid or not w.alive):
-                # Restarted (or back from the dead): what we knew of its cache is gone.
-                self.prefix_index.remove_worker(w.worker_id)
-            w.stats = beat.stats
-            w.alive, w.last_seen, w.last_heartbeat = True, time.monotonic(), time.time()
-            batch = beat.kv_events
-            self.block_size = batch.block_size
-            if batch.snapshot is not None:
-                self.prefix_index.replace(w.worker_id, batch.snapshot)
-            else:
-                self.prefix_index.apply(w.worker_id, batch.events)
-
-        await asyncio.gather(*(one(w) for w in self._workers.values()))
-
-    def _mark_down(self, w: _Worker, exc: object) -> None:
-        if w.alive:
-            log.warning("worker %s (%s) is down: %s", w.worker_id, w.role, exc)
-        w.alive = False
-        self.prefix_index.remove_worker(w.worker_id)
-        if w.role == "decode":
-            self._fail_streams(w.worker_id, f"decode worker {w.worker_id} is down")
-
-    async def _health_loop(self) -> None:
-        while True:
-            await self.refresh_stats()
-            await asyncio.sleep(self.health_interval_s)
-
-    async def _pump(self, w: _Worker) -> None:
-        while True:
-            if not w.alive:
-                await asyncio.sleep(self.health_interval_s)
-                continue
-            try:
-                outputs = await w.handle.poll_outputs.remote(self.poll_timeout_s)
-            except RayError as exc:
-                self._mark_down(w, exc)
-                continue
-            now = time.time()
-            for out in outputs:
-                self.stream_delays.append(now - out.created_at)
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.queue.put_nowait(out)
-
-    def _fail_streams(self, decode_worker: str, message: str) -> None:
-        for stream in self._streams.values():
-            if stream.decode_worker == decode_worker:
-                stream.queue.put_nowait(BackendError(message, retryable=True))
-
-    def _get(self, worker_id: str) -> _Worker:
-        w = self._workers.get(worker_id)
-        if w is None:
-            raise BackendError(f"unknown worker {worker_id!r}")
-        return w
-
-    async def _endpoint(self, w: _Worker) -> bytes:
-        if w.endpoint is None:
-            w.endpoint = await w.handle.endpoint.remote()
-        return w.endpoint
+                 prefix_index: PrefixIndex | None = None, max_migrations: int = 3,
+                 migration_wait_s: float = 30.0) -> None:
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
+        if not migration_wait_s >= 0:
+            raise ValueError(f"migration_wait_s must be >= 0, got {migration_wait_s}")
+        super().__init__(workers, health_interval_s, health_timeout_s, poll_timeout_s, prefix_index)
+        self.max_migrations = max_migrations
+        self.migration_wait_s = migration_wait_s
+        self.counters = {"remote_prefill": 0, "local_prefill": 0, "prefill_fallbacks": 0, "prefill_retries": 0,
+                         "kv_blocks_transferred": 0, "kv_bytes_transferred": 0, "migrations": 0,
+                         "migrations_failed": 0}
+        # Seconds from losing a request's decode worker to its next token on the new one (bounded).
+        self.migration_gaps: deque[float] = deque(maxlen=1000)
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self._ensure_started()
         rid = request.request_id
-        decode = self._get(request.route.decode_worker)
-        stream = _Stream(decode.worker_id, asyncio.Queue())
+        # The route was chosen a moment ago; its decode worker may have died or started draining since.
+        decode = self._usable(request.route.decode_worker) or self._pick("decode")
+        if decode is None:
+            raise BackendError("no live decode worker", retryable=True)
+        stream = Stream(decode.worker_id, asyncio.Queue())
         self._streams[rid] = stream
         trace = request.trace
-        started = time.perf_counter()
+        started = submitted = time.perf_counter()
+        progress = Progress()
+        lost_at: float | None = None
         # Count the prompt as queued on whoever prefills it, until its first token (whole prompts:
         # see the kv-aware cost in router.routing).
         queued_on = request.route.prefill_worker or decode.worker_id
@@ -197,37 +79,48 @@ class RayBackend:
         self._queued_prefill[queued_on] = self._queued_prefill.get(queued_on, 0) + queued
         finished = False
         try:
-            first = None
-            if request.route.prefill_worker is not None:
-                stream.prefill_worker = request.route.prefill_worker
-                first = await self._remote_prefill(request, decode, self._get(request.route.prefill_worker))
-                stream.prefill_worker = None
-                if first is None and trace is not None:
-                    trace.fell_back_to_local = True
-            if first is None:
-                self.counters["local_prefill"] += 1
-                submitted = time.perf_counter()
-                if trace is not None:
-                    trace.queue_s = submitted - started
-                await self._call(decode, decode.handle.submit.remote(rid, request.prompt_token_ids, request.sampling_params))
-            else:
-                self._dequeue(queued_on, queued)
-                queued = 0
-                finished = first.finished
-                yield first
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, Exception):
-                    finished = True  # the worker is gone; nothing left to abort there
-                    raise item
-                if queued:
-                    self._dequeue(queued_on, queued)
-                    queued = 0
-                    if trace is not None:
-                        trace.prefill_s = time.perf_counter() - submitted
-                        trace.cached_tokens = item.num_cached_tokens
-                finished = item.finished
-                yield item
+                try:
+                    if progress.moves == 0:
+                        first = None
+                        if request.route.prefill_worker is not None:
+                            first = await self._prefill_remotely(request, decode, stream)
+                            if first is None and trace is not None:
+                                trace.fell_back_to_local = True
+                        if first is None:
+                            self.counters["local_prefill"] += 1
+                            submitted = time.perf_counter()
+                            if trace is not None:
+                                trace.queue_s = submitted - started
+                            await self._call(decode, decode.handle.submit.remote(rid, request.prompt_token_ids,
+                                                                                  request.sampling_params))
+                        else:
+                            self._dequeue(queued_on, queued)
+                            queued = 0
+                            finished = first.finished
+                            progress.add(first)
+                            yield first
+                    else:
+                        await self._resubmit(request, decode, progress)
+                    while not finished:
+                        item = await stream.queue.get()
+                        if isinstance(item, Exception):
+                            raise item
+                        if queued:
+                            self._dequeue(queued_on, queued)
+                            queued = 0
+                            if trace is not None:
+                                trace.prefill_s = time.perf_counter() - submitted
+                                trace.cached_tokens = item.num_cached_tokens
+                        if lost_at is not None and item.token_ids:
+                            self.migration_gaps.append(time.perf_counter() - lost_at)
+                            lost_at = None
+                        finished = item.finished
+                        progress.add(item)
+                        yield item
+                except WorkerLost as lost:
+                    lost_at = lost_at or time.perf_counter()
+                    decode = await self._move(request, stream, progress, lost)
         finally:
             if queued:
                 self._dequeue(queued_on, queued)
@@ -237,25 +130,102 @@ class RayBackend:
                 # request's blocks in both pools. A task, because this may run while closing.
                 asyncio.get_running_loop().create_task(self._abort_on(rid, stream))
 
+    async def _move(self, request: GenerateRequest, stream: Stream, progress: Progress, lost: WorkerLost):
+        """Pick the decode worker that continues the request after `lost`; raise BackendError when
+        its attempts are used up or no decode worker comes back within migration_wait_s."""
+        rid = request.request_id
+        if lost.failure:
+            progress.migrations += 1
+            if progress.migrations > self.max_migrations:
+                self.counters["migrations_failed"] += 1
+                raise BackendError(f"request {rid} lost its decode worker {progress.migrations} times (last "
+                                   f"{lost.worker_id}: {lost}); giving up after {self.max_migrations} migrations",
+                                   retryable=True) from None
+        old = self._workers.get(lost.worker_id)
+        # Whatever the old worker still holds of the request must go (it may only have been slow).
+        if old is not None and not old.gone:
+            asyncio.get_running_loop().create_task(self._abort_quietly(old, rid))
+        deadline = time.monotonic() + self.migration_wait_s
+        target = self._pick("decode", exclude={lost.worker_id})
+        while target is None:
+            # No other decode worker: wait for one, the lost one restarted included.
+            if time.monotonic() > deadline:
+                self.counters["migrations_failed"] += 1
+                raise BackendError(f"request {rid}: decode worker {lost.worker_id} was lost and no decode worker "
+                                   f"was live within {self.migration_wait_s:.0f} s to continue it", retryable=True)
+            await asyncio.sleep(min(0.1, self.health_interval_s))
+            target = self._pick("decode")
+            if target is not None and target.worker_id == lost.worker_id:
+                await self._abort_quietly(target, rid)  # back after a restart: make sure it is free of it
+        progress.moves += 1
+        self.counters["migrations"] += 1
+        log.warning("request %s moves from %s to %s after %d tokens", rid, lost.worker_id, target.worker_id,
+                    len(progress.output_token_ids))
+        stream.decode_worker, stream.queue, stream.prefill_worker = target.worker_id, asyncio.Queue(), None
+        if request.trace is not None:
+            request.trace.decode_worker = target.worker_id
+        return target
+
+    async def _resubmit(self, request: GenerateRequest, decode: PoolWorker, progress: Progress) -> None:
+        """Continue the request on `decode` from what the client has (a fresh start if nothing)."""
+        try:
+            await self._call(decode, decode.handle.submit.remote(request.request_id, request.prompt_token_ids,
+                                                                 request.sampling_params, progress.resume_state()))
+        except WorkerLost:
+            raise
+        except RayError as exc:  # refused (a bug, or a worker that cannot hold the context): no retry helps
+            self.counters["migrations_failed"] += 1
+            raise BackendError(f"request {request.request_id} could not continue on {decode.worker_id}: {exc}") from None
+
+    async def _abort_quietly(self, w: PoolWorker, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(w.handle.abort.remote(request_id), self.health_timeout_s)
+        except (RayError, asyncio.TimeoutError):
+            pass  # dead or hung: it holds nothing we can free from here
+
     def _dequeue(self, worker_id: str, tokens: int) -> None:
         self._queued_prefill[worker_id] = max(0, self._queued_prefill.get(worker_id, 0) - tokens)
 
-    async def _call(self, w: _Worker, ref):
+    async def _call(self, w: PoolWorker, ref):
         try:
             return await ref
         except RayActorError as exc:
             self._mark_down(w, exc)
+            if w.role == "decode":
+                raise WorkerLost(w.worker_id, f"decode worker {w.worker_id} died: {exc}") from exc
             raise BackendError(f"{w.role} worker {w.worker_id} died: {exc}", retryable=True) from exc
 
-    async def _remote_prefill(self, request: GenerateRequest, decode: _Worker, prefill: _Worker) -> RequestOutput | None:
+    async def _prefill_remotely(self, request: GenerateRequest, decode: PoolWorker, stream: Stream) -> RequestOutput | None:
+        """Remote prefill on the routed prefill worker, or on another one if it dies; None: prefill on D."""
+        prefill = self._usable(request.route.prefill_worker) or self._pick("prefill")
+        tried: set[str] = set()
+        while prefill is not None:
+            tried.add(prefill.worker_id)
+            stream.prefill_worker = prefill.worker_id
+            if request.trace is not None:
+                request.trace.prefill_worker = prefill.worker_id
+            try:
+                return await self._remote_prefill(request, decode, prefill)
+            except _PrefillLost:
+                prefill = self._pick("prefill", exclude=tried)
+                if prefill is not None:
+                    self.counters["prefill_retries"] += 1
+                    log.warning("retrying the prefill of %s on %s", request.request_id, prefill.worker_id)
+            finally:
+                stream.prefill_worker = None
+        if request.trace is not None:
+            request.trace.prefill_worker = None
+        return None
+
+    async def _remote_prefill(self, request: GenerateRequest, decode: PoolWorker, prefill: PoolWorker) -> RequestOutput | None:
         """Prefill on P into blocks reserved on D. Returns the first token, or None to prefill on D instead."""
         rid = request.request_id
         started = time.perf_counter()
         reservation = await self._call(decode, decode.handle.reserve.remote(rid, request.prompt_token_ids, request.sampling_params))
         if reservation is None:
             return None  # D has no room right now: queue it there as a local request
+        endpoint = await self._call(decode, self._endpoint(decode))
         try:
-            endpoint = await self._endpoint(decode)
             sent = time.perf_counter()
             result = await prefill.handle.prefill.remote(PrefillRequest(
                 rid, request.prompt_token_ids, request.sampling_params, endpoint,
@@ -263,10 +233,10 @@ class RayBackend:
             ))
         except RayActorError as exc:
             self._mark_down(prefill, exc)
-            log.warning("prefill worker %s died during %s; prefilling on %s", prefill.worker_id, rid, decode.worker_id)
+            log.warning("prefill worker %s died during %s", prefill.worker_id, rid)
             self.counters["prefill_fallbacks"] += 1
             await self._call(decode, decode.handle.abort.remote(rid))
-            return None
+            raise _PrefillLost() from exc
         except RayError as exc:
             log.warning("remote prefill of %s failed (%s); prefilling on %s", rid, exc, decode.worker_id)
             self.counters["prefill_fallbacks"] += 1
@@ -295,11 +265,11 @@ class RayBackend:
         if stream is not None:
             await self._abort_on(request_id, stream)
 
-    async def _abort_on(self, request_id: str, stream: _Stream) -> None:
+    async def _abort_on(self, request_id: str, stream: Stream) -> None:
         targets = [stream.decode_worker] + ([stream.prefill_worker] if stream.prefill_worker else [])
         for wid in targets:
-            w = self._workers[wid]
-            if w.alive:
+            w = self._workers.get(wid)
+            if w is not None and w.alive:
                 try:
                     await w.handle.abort.remote(request_id)
                 except RayError:

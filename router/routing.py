@@ -6,10 +6,10 @@ swap without touching the HTTP layer. Four are built in (`make_policy(name, ...)
 - `kv-aware` (default, `KvAwarePolicy`): prefix overlap from the router's `PrefixIndex`, load,
   and conditional disaggregation. Cost of a candidate worker W, in prompt-token equivalents:
 
-      cost(W) = w_uncached * uncached_tokens(W)        # prompt minus W's longest cached prefix
-              + w_queue    * queued_prefill_tokens(W)  # prompts routed to W, not yet prefilled
-              + w_kv       * kv_usage(W)               # (decode only) 0..1, a full cache costs w_kv
-              + w_running  * (running(W) + waiting(W)) # (decode only) per sequence in its batch
+      cost(W) = weight_uncached * uncached_tokens(W)        # prompt minus W's longest cached prefix
+              + weight_queue    * queued_prefill_tokens(W)  # prompts routed to W, not yet prefilled
+              + weight_kv       * kv_usage(W)               # (decode only) 0..1, a full cache costs weight_kv
+              + weight_running  * (running(W) + waiting(W)) # (decode only) per sequence in its batch
 
   queued_prefill_tokens counts the whole prompts (cached part included) of requests routed to W
   that have no first token yet: a prefill reads its whole context in attention and holds all of
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Protocol, Sequence
 
 from router.backend import RouteDecision, WorkerInfo
@@ -66,7 +66,8 @@ class RoutingPolicy(Protocol):
 
 
 def live_workers(workers: Sequence[WorkerInfo], role: str) -> list[WorkerInfo]:
-    return [w for w in workers if w.role == role and w.alive]
+    """The pool's workers that take new requests: alive and not draining."""
+    return [w for w in workers if w.role == role and w.alive and not w.draining]
 
 
 class RoundRobinPolicy:
@@ -107,26 +108,40 @@ class RoundRobinPolicy:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """Knobs of the routing policies (`baton serve --routing-policy ...` and config keys)."""
+    """Knobs of the routing policies; each field's metadata names its `baton serve` flag."""
 
-    policy: str = "kv-aware"
-    w_uncached: float = 1.0
-    w_queue: float = 1.0
-    w_kv: float = 512.0
-    w_running: float = 16.0
-    temperature: float = 0.1
-    local_prefill_threshold: int = 64  # uncached tokens at or below which D prefills itself
-    prefill_queue_threshold: int = 8192  # queued tokens per prefill worker beyond which D prefills itself
-    seed: int | None = None
+    policy: str = field(default="kv-aware", metadata={
+        "flag": "routing_policy", "choices": POLICIES,
+        "help": "how the router picks workers; kv-aware: prefix overlap + load"})
+    weight_uncached: float = field(default=1.0, metadata={
+        "flag": "routing_weight_uncached", "help": "kv-aware cost per uncached prompt token"})
+    weight_queue: float = field(default=1.0, metadata={
+        "flag": "routing_weight_queue", "help": "kv-aware cost per prompt token queued for prefill on the worker"})
+    weight_kv: float = field(default=512.0, metadata={
+        "flag": "routing_weight_kv", "help": "kv-aware cost of a full KV cache on a decode worker (scaled by usage)"})
+    weight_running: float = field(default=16.0, metadata={
+        "flag": "routing_weight_running", "help": "kv-aware cost per sequence running or waiting on a decode worker"})
+    temperature: float = field(default=0.1, metadata={
+        "flag": "routing_temperature",
+        "help": "softmax temperature of the kv-aware draw, relative to the prompt length; 0: argmin"})
+    local_prefill_threshold: int = field(default=64, metadata={
+        "help": "uncached prompt tokens at or below which the decode worker prefills itself"})
+    prefill_queue_threshold: int = field(default=8192, metadata={
+        "help": "queued prefill tokens per prefill worker beyond which decode workers prefill locally"})
+    seed: int | None = field(default=None, metadata={
+        "flag": "routing_seed", "help": "seed of the kv-aware and random policies' draws (default: random)"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name.startswith("w_") or f.name in ("temperature", "local_prefill_threshold", "prefill_queue_threshold"):
+            if f.name not in ("policy", "seed"):
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or math.isnan(value):
                     raise ValueError(f"routing option {f.name} must be a number >= 0, got {value!r}")
+        for name in ("local_prefill_threshold", "prefill_queue_threshold"):
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"routing option {name} must be an integer, got {getattr(self, name)!r}")
 
 
 class RandomPolicy:
@@ -185,9 +200,9 @@ class KvAwarePolicy:
 
     def _cost(self, w: WorkerInfo, uncached: int, decode: bool) -> float:
         c = self.config
-        cost = c.w_uncached * uncached + c.w_queue * w.queued_prefill_tokens
+        cost = c.weight_uncached * uncached + c.weight_queue * w.queued_prefill_tokens
         if decode:
-            cost += c.w_kv * w.kv_usage + c.w_running * (w.running + w.waiting)
+            cost += c.weight_kv * w.kv_usage + c.weight_running * (w.running + w.waiting)
         return cost
 
     def _draw(self, candidates: list[WorkerInfo], costs: list[float], scale: float) -> int:

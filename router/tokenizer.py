@@ -13,14 +13,14 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["ChatTemplateError", "Tokenizer"]
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -94,7 +94,6 @@ class Tokenizer:
         chat_template: str | None = None,
         special_tokens: Mapping[str, str] | None = None,
         eos_token_ids: Sequence[int] = (),
-        model_vocab_size: int | None = None,
     ) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
@@ -110,7 +109,6 @@ class Tokenizer:
                 ids.append(eos_id)
         self.eos_token_ids: list[int] = ids
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.model_vocab_size: int = max(model_vocab_size or 0, self.vocab_size)
         self._byte_level = type(tokenizer.decoder).__name__ == "ByteLevel" if tokenizer.decoder is not None else False
         self._special_ids = {
             i for i, tok in tokenizer.get_added_tokens_decoder().items() if getattr(tok, "special", False)
@@ -147,14 +145,10 @@ class Tokenizer:
             gen = json.loads((path / "generation_config.json").read_text())
             eos = gen.get("eos_token_id")
             eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        model_vocab = None
-        if (path / "config.json").is_file():
-            model_config = json.loads((path / "config.json").read_text())
-            model_vocab = model_config.get("vocab_size")
-            if not eos_ids:
-                eos = model_config.get("eos_token_id")
-                eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        return cls(tok, chat_template=template, special_tokens=special, eos_token_ids=eos_ids, model_vocab_size=model_vocab)
+        if not eos_ids and (path / "config.json").is_file():
+            eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
+            eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(tok, chat_template=template, special_tokens=special, eos_token_ids=eos_ids)
 
     # ---------------------------------------------------------------- basics
     @property
@@ -166,19 +160,8 @@ class Tokenizer:
         return self.special_tokens.get("eos_token")
 
     @property
-    def bos_token_id(self) -> int | None:
-        return self.token_to_id(self.bos_token) if self.bos_token else None
-
-    @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        """The vocabulary entry (for byte-level BPE: the printable-byte form, e.g. 'Ġthe')."""
-        return self._tok.id_to_token(token_id)
 
     def is_valid_id(self, token_id: int) -> bool:
         return isinstance(token_id, int) and 0 <= token_id < self.vocab_size
@@ -255,40 +238,3 @@ class Tokenizer:
         if not tokenize:
             return text
         return self.encode(text, add_special_tokens=False)
-
-    def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens=skip_special_tokens)
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into a stream of text, never splitting a UTF-8 character.
-
-    Same approach as vLLM/TGI: decode a small window of recent tokens twice (with and without the
-    new ones) and emit the difference once it no longer ends in an incomplete character.
-    """
-
-    _CONTEXT = 5  # prompt tokens kept as context so leading spaces decode as in the full text
-
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self.token_ids: list[int] = list(prompt_token_ids[-self._CONTEXT :])
-        self._prefix_offset = 0
-        self._read_offset = len(self.token_ids)
-        self.text = ""
-
-    def add(self, new_token_ids: Iterable[int]) -> str:
-        """Append tokens; return the text they complete (may be '' while a character is incomplete)."""
-        out = []
-        for tid in new_token_ids:
-            self.token_ids.append(tid)
-            prefix_text = self._tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset], self._skip)
-            new_text = self._tokenizer.decode(self.token_ids[self._prefix_offset :], self._skip)
-            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-                delta = new_text[len(prefix_text) :]
-                self._prefix_offset = self._read_offset
-                self._read_offset = len(self.token_ids)
-                out.append(delta)
-        delta = "".join(out)
-        self.text += delta
-        return delta

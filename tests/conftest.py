@@ -17,15 +17,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 @pytest.fixture
 def native_kernels_off(monkeypatch):
-    """BATON_NATIVE_KERNELS=0 for one test. kernels.cpu_native reads the variable once per process,
-    so its memo is dropped before and after."""
+    """For one test, the native CPU kernels are as on a machine without a C++ compiler: no library
+    loads, so kernel_ops() and the KV block copy fall back to PyTorch."""
     from kernels import cpu_native
 
-    monkeypatch.setenv("BATON_NATIVE_KERNELS", "0")
-    cpu_native.forget_loaded()
-    yield
-    monkeypatch.undo()
-    cpu_native.forget_loaded()
+    monkeypatch.setattr(cpu_native, "load", lambda name: None)
+    monkeypatch.setattr(cpu_native, "function", lambda name, symbol, argtypes: None)
 
 
 @pytest.fixture(scope="session")

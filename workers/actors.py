@@ -1,8 +1,21 @@
-"""Ray actor shells for the two pools. All behaviour lives in workers.worker.EngineWorker."""
+"""Ray actor shells for the two pools. All behaviour lives in workers.worker.EngineWorker.
+
+The shells add what only Ray knows: the node the actor landed on and that node's IP, which the
+KV transport per pair of workers needs (`WorkerConfig.node_id`, `host`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import ray
+
 from workers.worker import EngineWorker, WorkerConfig
+
+
+def _placed(config: WorkerConfig) -> WorkerConfig:
+    """`config` with this actor's Ray node id and node IP filled in."""
+    return replace(config, node_id=ray.get_runtime_context().get_node_id(), host=ray.util.get_node_ip_address())
 
 
 class PrefillWorker(EngineWorker):
@@ -11,7 +24,7 @@ class PrefillWorker(EngineWorker):
     def __init__(self, config: WorkerConfig) -> None:
         if config.role != "prefill":
             raise ValueError(f"PrefillWorker needs role 'prefill', got {config.role!r}")
-        super().__init__(config)
+        super().__init__(_placed(config))
 
 
 class DecodeWorker(EngineWorker):
@@ -20,7 +33,7 @@ class DecodeWorker(EngineWorker):
     def __init__(self, config: WorkerConfig) -> None:
         if config.role != "decode":
             raise ValueError(f"DecodeWorker needs role 'decode', got {config.role!r}")
-        super().__init__(config)
+        super().__init__(_placed(config))
 
 
 # Actor methods block (long polls, waits for first tokens), so each actor serves calls on a pool
@@ -29,7 +42,5 @@ ACTOR_MAX_CONCURRENCY = 64
 
 
 def actor_class(role: str):
-    import ray
-
     cls = PrefillWorker if role == "prefill" else DecodeWorker
     return ray.remote(max_concurrency=ACTOR_MAX_CONCURRENCY)(cls)

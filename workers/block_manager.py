@@ -13,6 +13,7 @@ its token ids are compared, so a hash collision can never serve the wrong KV.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from workers.block_hash import ROOT_PARENT_HASH, hash_block
@@ -50,10 +51,6 @@ class BlockManager:
         return len(self._free)
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks referenced by sequences (cached-but-free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
@@ -64,6 +61,10 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+
+    def cached_hashes(self) -> tuple[int, ...]:
+        """Hashes of every block in the prefix cache now (a KV-event snapshot)."""
+        return tuple(self._cached)
 
     def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
@@ -192,10 +193,13 @@ class BlockManager:
                 self._evict(block)
         self._events.append(KVEvent(KVEventKind.CLEARED))
 
-    def check_invariants(self) -> None:
-        """Assert the bookkeeping is consistent (tests call this after stress runs)."""
+    def check_invariants(self, refs: Mapping[int, int] | None = None) -> None:
+        """Assert the bookkeeping is consistent (tests call this after stress runs). With refs
+        (block id -> references the caller's sequences hold), also that ref counts equal them."""
         for block in self.blocks:
             assert (block.ref_count == 0) == (block.block_id in self._free), block
+            if refs is not None:
+                assert block.ref_count == refs.get(block.block_id, 0), (block, refs.get(block.block_id, 0))
             if block.block_hash is not None:
                 assert block.token_ids is not None
         for block_hash, block_id in self._cached.items():

@@ -1,8 +1,13 @@
-"""Engine configuration: one dataclass, checked on construction."""
+"""Engine configuration: one dataclass, checked on construction.
+
+Each user-facing field carries its help text (and allowed values) in its dataclass metadata;
+`cluster.config` builds the `baton serve` flags, the YAML reader and the JSON Schema from them.
+Fields marked `internal` are set by code (the launcher, calibration), never by users.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -12,33 +17,35 @@ KERNEL_BACKENDS = ("auto", "triton", "native", "reference")
 
 @dataclass
 class EngineConfig:
-    """Knobs named as in vLLM where the same knob exists.
+    """Knobs named as in vLLM where the same knob exists."""
 
-    kv_cache_memory: bytes for the paged KV cache; num_kv_blocks, when set, wins over it.
-    max_num_batched_tokens: per-step token budget shared by decodes and prefill chunks.
-    quantization: "fp8" quantizes every linear layer of a float checkpoint to FP8 (e4m3, one
-    scale per output channel) at load time; FP8 checkpoints load as FP8 whatever this says.
-    kv_cache_dtype: "fp8" stores K/V as float8_e4m3fn with per-layer scales: kv_scales when given
-    (one (k_scale, v_scale) per layer), else calibrated at load time (workers.quantization).
-    """
-
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"
-    device: str = "cpu"
-    num_threads: int | None = None
-    quantization: str | None = None
-    kv_scales: tuple[tuple[float, float], ...] | None = None
-    # auto: Triton on CUDA, the native C++ kernels on the CPU (PyTorch reference where an op has
-    # none or no compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1.
-    kernel_backend: str = "auto"
-    packed_linear: bool = True  # CPU linear layers on oneDNN-prepacked weights
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
+    kv_cache_memory: int = field(default=1 << 30, metadata={
+        "help": "KV cache per worker, in bytes or with a unit such as 512MiB or 2GB", "size": True})
+    num_kv_blocks: int | None = field(default=None, metadata={"internal": True})  # wins over kv_cache_memory
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences in one worker's batch at most"})
+    # Serving wants prompts to finish one at a time so decoding starts sooner; offline benchmarks
+    # that want whole batches of prompts per step pass a larger budget.
+    max_num_batched_tokens: int = field(default=256, metadata={
+        "help": "tokens per engine step, shared by decodes and prefill chunks (chunked prefill)"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length limit (default: the model's, capped by what the KV cache holds)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of shared prompt prefixes"})
+    dtype: str = field(default="float32", metadata={"help": "weights and activations dtype", "choices": DTYPES})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache dtype; auto: the model dtype; fp8: e4m3 with per-layer scales calibrated at start-up",
+        "choices": KV_CACHE_DTYPES})
+    quantization: str | None = field(default=None, metadata={
+        "help": "fp8: quantize every linear layer to FP8 (e4m3, per-channel scales) at load time; "
+                "FP8 checkpoints load as FP8 without it", "choices": QUANTIZATIONS})
+    kernel_backend: str = field(default="auto", metadata={
+        "help": "auto: Triton on CUDA, native C++ kernels on the CPU (PyTorch reference where an op has none or no "
+                "compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1", "choices": KERNEL_BACKENDS})
+    packed_linear: bool = field(default=True, metadata={"help": "CPU linear layers on oneDNN-prepacked weights"})
+    device: str = field(default="cpu", metadata={"internal": True})
+    num_threads: int | None = field(default=None, metadata={"internal": True})
+    # One (k_scale, v_scale) per layer for an FP8 KV cache; calibrated at load time when None.
+    kv_scales: tuple[tuple[float, float], ...] | None = field(default=None, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -53,14 +60,12 @@ class EngineConfig:
                 positive(name)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        for name, allowed in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES), ("quantization", QUANTIZATIONS),
+                              ("kernel_backend", KERNEL_BACKENDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.packed_linear, bool):
+            raise ValueError("enable_prefix_caching and packed_linear must be true or false")
         if self.kv_scales is not None:
             scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
             if not all(k > 0 and v > 0 and k < float("inf") and v < float("inf") for k, v in scales):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,11 +24,11 @@ from workers.detokenizer import Decode, IncrementalDetokenizer
 from workers.model_config import ModelConfig
 from workers.model_files import resolve_model_dir
 from workers.model_runner import ModelRunner, iter_safetensors
-from workers.protocol import KVReservation, RequestOutput, TokenLogprob
-from workers.sampler import SamplingRow, sample
+from workers.protocol import KVReservation, RequestOutput, ResumeState, TokenLogprob
+from workers.sampler import Sampler, SamplingRow, draw_keys
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
-from workers.sequence import ScheduledChunk, Sequence, SequenceStatus
+from workers.sequence import ScheduledChunk, Sequence
 
 
 @dataclass
@@ -41,6 +40,8 @@ class _RequestState:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Prefill-only requests stop after their first token and keep their blocks until release().
     prefill_only: bool = False
+    # The prompt as a tensor, made on the first step that needs it (repetition penalty) and kept.
+    prompt_tensor: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.decode = decode
         self.eos_token_ids = set(model_config.eos_token_ids)
+        # Requests waiting, running or waiting for KV; prefilled ones held for a peer live in
+        # the scheduler (scheduler.held) until released.
         self._requests: dict[str, _RequestState] = {}
-        self._held: dict[str, Sequence] = {}  # prefilled requests whose blocks await sending
+        # Unseeded requests draw their noise from this engine's own generator, seeded from the OS.
+        self.sampler = Sampler(self.runner.ops.exponential_race,
+                               torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1))
         self._ids = itertools.count()
         self.num_computed_tokens = 0
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type as stored, e.g. "float32" or "float8_e4m3fn"."""
+        return str(self.runner.kv_dtype).removeprefix("torch.")
 
     @classmethod
     def from_model_dir(cls, model: str | os.PathLike | None = None, config: EngineConfig | None = None, **kwargs) -> "LLMEngine":
@@ -125,6 +135,46 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq.request_id
 
+    def resume_request(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str,
+                       resume: ResumeState) -> str:
+        """Continue a request another worker started and lost (migration after it died).
+
+        Prompt + the tokens already produced are prefilled here (through the prefix cache), then
+        decoding goes on after them. max_tokens, min_tokens, penalties and usage count the tokens
+        already produced; the detokenizer is replayed over them one token at a time, exactly as the
+        first worker ran it, so a stop string spanning the seam is still found and no text the
+        client has is sent again. A seeded request's generator restarts from its seed (best-effort:
+        reproducible, but not the draws the first worker would have made)."""
+        outputs = list(resume.output_token_ids)
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        state = self._requests[seq.request_id]
+        try:
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in outputs if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"resumed output_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
+            if len(outputs) >= seq.sampling_params.max_tokens:
+                raise ValueError(f"request {request_id!r} already produced {len(outputs)} of its "
+                                 f"{seq.sampling_params.max_tokens} max_tokens: nothing to resume")
+            if seq.num_prompt_tokens + len(outputs) >= self.max_model_len:
+                raise ValueError(f"prompt ({seq.num_prompt_tokens}) + output so far ({len(outputs)}) tokens leave no "
+                                 f"room in this engine's context of {self.max_model_len} tokens")
+            replayed = 0
+            for token in outputs:
+                seq.append_token(token)
+                if state.detokenizer is not None:
+                    state.detokenizer.add(seq.output_token_ids)
+                    replayed += len(state.detokenizer.take(final=False))
+            if state.detokenizer is not None and replayed != resume.text_chars:
+                raise ValueError(f"request {request_id!r}: replaying {len(outputs)} tokens gives {replayed} characters "
+                                 f"of text, the client has {resume.text_chars}")
+        except ValueError:
+            del self._requests[seq.request_id]
+            raise
+        state.num_sent_tokens = len(outputs)
+        self.scheduler.add(seq)
+        return seq.request_id
+
     def _new_sequence(self, prompt_token_ids, params, request_id, prefill_only=False) -> Sequence:
         params = params or SamplingParams()
         params.validate()
@@ -142,7 +192,7 @@ class LLMEngine:
             )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.stop and self.decode is None:
             raise ValueError("stop strings need a tokenizer; this engine was built without one")
@@ -157,18 +207,16 @@ class LLMEngine:
     # ---- disaggregation: prefill side ------------------------------------------------------
     def held_block_ids(self, request_id: str) -> list[int]:
         """KV blocks of a finished prefill-only request, in token order."""
-        seq = self._held.get(request_id)
-        if seq is None:
-            raise ValueError(f"no prefilled request {request_id!r} holds blocks here")
-        return list(seq.block_ids)
+        return self.scheduler.held_block_ids(request_id)
+
+    def begin_send(self, request_id: str) -> list[int]:
+        """A transfer starts reading a prefilled request's blocks (returned, in token order); they
+        stay allocated, even through an abort, until release() after the transfer has ended."""
+        return self.scheduler.begin_send(request_id)
 
     def release(self, request_id: str) -> bool:
         """Free a prefill-only request's blocks (they stay in the prefix cache)."""
-        seq = self._held.pop(request_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free(seq)
-        return True
+        return self.scheduler.release_held(request_id)
 
     # ---- disaggregation: decode side -------------------------------------------------------
     def reserve_for_kv(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> KVReservation | None:
@@ -177,37 +225,34 @@ class LLMEngine:
         Blocks already in this worker's prefix cache are reused and need not be sent.
         """
         seq = self._new_sequence(prompt_token_ids, params, request_id)
-        cached = self.block_manager.find_cached_prefix(seq)
-        uncached = seq.num_tokens - len(cached) * self.block_manager.block_size
-        if len(self.scheduler.running) >= self.config.max_num_seqs or not self.block_manager.allocate_prefix_and_new(seq, cached, uncached):
+        if not self.scheduler.add_reserved(seq):
             del self._requests[request_id]
             return None
-        # Blocks are reserved, KV not yet there: computed tokens count only what the cache held.
-        seq.num_computed_tokens = len(cached) * self.block_manager.block_size
-        seq.num_cached_tokens = seq.num_computed_tokens
-        seq.status = SequenceStatus.WAITING_FOR_KV
-        self.scheduler.running.append(seq)
         return KVReservation(request_id, list(seq.block_ids), seq.num_cached_tokens)
 
     def start_decoding(self, request_id: str, first_token: int) -> None:
         """The prompt's KV has arrived and its first token was sampled elsewhere: decode on."""
         state = self._requests.get(request_id)
-        if state is None or state.seq.status is not SequenceStatus.WAITING_FOR_KV:
+        if state is None:
             raise ValueError(f"request {request_id!r} is not waiting for KV here")
         seq = state.seq
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.cache_computed_blocks(seq)
+        self.scheduler.kv_arrived(seq)
         seq.append_token(first_token)
+        if state.generator is not None and not seq.sampling_params.greedy:
+            # The prefill worker drew that token's key from the same seed: go on after it, so a seeded
+            # request gets the tokens it would get had it been prefilled here.
+            draw_keys(state.generator, 1)
         if state.detokenizer is not None:
             # The prefill worker already streamed this text; advance past it identically.
             state.detokenizer.add(seq.output_token_ids)
             state.detokenizer.take(final=False)
         state.num_sent_tokens = 1
-        seq.status = SequenceStatus.RUNNING
 
+    # ---- leaving -------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks. Returns False if it was not running here."""
-        if self.release(request_id):
+        """Stop a request and free its blocks (a sending one's once its transfer ends: release).
+        Returns False if it was not here."""
+        if self.scheduler.abort_held(request_id):
             return True
         state = self._requests.pop(request_id, None)
         if state is None:
@@ -216,12 +261,24 @@ class LLMEngine:
         self.scheduler.finish(state.seq)
         return True
 
+    def request_ids(self) -> list[str]:
+        """Requests waiting, running or waiting for KV here (not prefilled ones held for a peer)."""
+        return list(self._requests)
+
+    def abort_all(self) -> list[str]:
+        """Abort every request request_ids() lists; returns their ids. Held prefills are left to
+        the calls sending them, which release them."""
+        ids = self.request_ids()
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
     def has_schedulable_work(self) -> bool:
         """Whether step() would compute anything (sequences waiting for KV from a peer do not count)."""
-        return bool(self.scheduler.waiting) or any(s.status is SequenceStatus.RUNNING for s in self.scheduler.running)
+        return self.scheduler.has_schedulable_work()
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -241,7 +298,7 @@ class LLMEngine:
         if not sampled:
             return []
         rows = [self._sampling_row(seq) for seq in sampled]
-        tokens, logprobs = sample(logits, rows)
+        tokens, logprobs = self.sampler(logits, rows)
         return [self._advance(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, logprobs)]
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
@@ -250,7 +307,9 @@ class LLMEngine:
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         state = self._requests[seq.request_id]
-        return SamplingRow(p, seq.output_token_ids, seq.prompt_token_ids, state.generator, banned)
+        if p.repetition_penalty != 1.0 and state.prompt_tensor is None:
+            state.prompt_tensor = torch.tensor(seq.prompt_token_ids, dtype=torch.long)
+        return SamplingRow(p, seq.output_token_ids, seq.prompt_token_ids, state.generator, banned, state.prompt_tensor)
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         state = self._requests[seq.request_id]
@@ -289,8 +348,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
         elif state.prefill_only:
-            self.scheduler.detach(seq)
-            self._held[seq.request_id] = seq
+            self.scheduler.hold(seq)
             del self._requests[seq.request_id]
         return out
 

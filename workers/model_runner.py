@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels import ops
+from kernels.ops import kernel_ops
+from kernels.rotary import build_rope_cache
 from workers import packed_linear
 from workers import quantization as q8
 from workers.config import EngineConfig
+from workers.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from workers.model_config import ModelConfig
 from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
 from workers.sequence import ScheduledChunk
@@ -51,29 +53,32 @@ def iter_safetensors(model_dir: Path) -> SafetensorsCheckpoint:
 
 
 def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, max_model_len: int | None = None) -> LlamaForCausalLM:
-    """Build the model and load `weights` into it, quantizing to FP8 as the config or checkpoint says.
+    """Build the model on the kernels engine_config.kernel_backend picks, and load `weights` into it,
+    quantizing to FP8 as the config or checkpoint says.
 
     Pre-quantized checkpoints load their FP8 tensors as they are; a float checkpoint with
     engine_config.quantization == "fp8" is loaded in float, then each linear layer is quantized.
+    On the CPU, plain linear layers are prepacked for oneDNN when engine_config.packed_linear is set.
     """
     device = torch.device(engine_config.device)
     dtype = TORCH_DTYPES[engine_config.dtype]
+    ops = kernel_ops(engine_config.kernel_backend, device)
     checkpoint_quant = q8.parse_quantization_config(getattr(weights, "quantization_config", None))
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config)
+        model = LlamaForCausalLM(model_config, ops)
     if checkpoint_quant is not None:
-        q8.prepare_for_checkpoint(model, checkpoint_quant)
+        q8.prepare_for_checkpoint(model, checkpoint_quant, ops)
     model = q8.cast_model(model.to_empty(device=device), dtype)
     # The rope table stays float32 whatever the model dtype: positions need the precision.
-    model.cos_sin_cache = ops.build_rope_cache(
+    model.cos_sin_cache = build_rope_cache(
         model_config.head_dim, max_model_len or model_config.max_position_embeddings,
         model_config.rope_theta, model_config.rope_scaling,
     ).to(device)
     with torch.no_grad():
         model.load_hf_weights(weights, checkpoint_quant)
         if checkpoint_quant is None and engine_config.quantization == "fp8":
-            q8.quantize_linears(model)
-        if device.type == "cpu":
+            q8.quantize_linears(model, ops)
+        if device.type == "cpu" and engine_config.packed_linear:
             packed_linear.prepack(model)
     return model.eval()
 
@@ -87,8 +92,8 @@ def kv_cache_scales(model: LlamaForCausalLM, engine_config: EngineConfig, weight
         if len(engine_config.kv_scales) != num_layers:
             raise ValueError(f"kv_scales has {len(engine_config.kv_scales)} (k, v) pairs; the model has {num_layers} layers")
         return tuple((float(k), float(v)) for k, v in engine_config.kv_scales)
-    tokens = q8.calibration_token_ids(getattr(weights, "model_dir", None), model.config.vocab_size)
-    return q8.calibrate_kv_scales(model, tokens, TORCH_DTYPES[engine_config.dtype], engine_config.block_size)
+    tokens = calibration_token_ids(getattr(weights, "model_dir", None), model.config.vocab_size)
+    return calibrate_kv_scales(model, tokens, TORCH_DTYPES[engine_config.dtype], engine_config.block_size)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -131,6 +136,7 @@ class ModelRunner:
                                  f"max_model_len is {self.max_model_len}")
         else:
             self.model = load_model(model_config, engine_config, weights, self.max_model_len)
+        self.ops = self.model.ops  # the kernels the model was built on
 
         self.kv_dtype = kv_cache_torch_dtype(engine_config)
         if kv_cache is None:

@@ -4,19 +4,17 @@
 to oneDNN, which reorders the weight into its blocked layout on every call. Packing each weight
 once at load time (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing pass does)
 and calling oneDNN's linear on the packed copy computes the same products (up to summation order
-and, in bfloat16, the rounding of the output) much faster on this machine: in a decode step of
-16 sequences the linear layers take 2.6x less time in float32 and 1.5x less in bfloat16, where
-the per-call reorder had doubled the memory traffic (`python bench/decode_profile.py`).
+and, in bfloat16, the rounding of the output) without the per-call reorder, a second pass over
+every weight in each decode step (`bench/decode_profile.py` measures the gain).
 
 `prepack(model)` swaps every plain `nn.Linear` (FP8 layers keep their own path) for a
-`PackedLinear` and packs the lm_head. Where oneDNN is unavailable, or with
-`BATON_PACKED_LINEAR=0`, nothing changes.
+`PackedLinear` and packs the lm_head; the model runner calls it when EngineConfig.packed_linear
+is set. Where oneDNN is unavailable nothing changes.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -29,12 +27,8 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _ROWS_HINT = 16
 
 
-def enabled() -> bool:
-    return os.environ.get("BATON_PACKED_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def available(weight: torch.Tensor) -> bool:
-    return (enabled() and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
+    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 

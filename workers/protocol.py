@@ -1,5 +1,6 @@
 """Everything that crosses a process boundary between the router and the workers: plain,
-torch-free dataclasses (requests, outputs, KV events, worker stats and heartbeats).
+torch-free dataclasses (requests, outputs, KV events, the KV layout and transfer
+endpoints, worker stats and heartbeats).
 
 The router imports this module; so it must never import torch or an engine module.
 """
@@ -7,6 +8,7 @@ The router imports this module; so it must never import torch or an engine modul
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from workers.sampling_params import SamplingParams
@@ -56,6 +58,17 @@ class KVReservation:
 
 
 
+@dataclass(frozen=True)
+class ResumeState:
+    """Where a migrated request stands: its first decode worker died after producing
+    `output_token_ids`, of whose text the client already received `text_chars` characters. The
+    new decode worker prefills prompt + these tokens and decodes on from there (stop conditions,
+    penalties and usage count them; their text is not sent again)."""
+
+    output_token_ids: tuple[int, ...]
+    text_chars: int
+
+
 class KVEventKind(enum.Enum):
     STORED = "stored"
     REMOVED = "removed"
@@ -68,14 +81,128 @@ class KVEvent:
     block_hashes: tuple[int, ...] = ()
 
 
+# ---- KV transfer: the layout both ends must agree on, and a receiver's endpoint -------------
+
+# Bytes per element of each KV cache dtype, by torch's dtype name (without "torch.").
+KV_DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+}
+
+
+class KVLayoutMismatch(ValueError):
+    """Two workers' KV caches cannot exchange blocks; the message names the field."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything both ends must agree on for raw block bytes to mean the same thing.
+
+    The cache is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` of `dtype`
+    (a name from KV_DTYPE_ITEMSIZE). `kv_scales` holds one (k_scale, v_scale) pair per layer
+    for FP8 caches; it is empty for other dtypes (scales of 1.0 are normalised to empty, so
+    "no scales" and "all ones" agree).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    kv_scales: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in KV_DTYPE_ITEMSIZE:
+            raise ValueError(
+                f"KVLayout.dtype {self.dtype!r} is not one of {sorted(KV_DTYPE_ITEMSIZE)}"
+            )
+        scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
+        if scales and len(scales) != self.num_layers:
+            raise ValueError(
+                f"KVLayout.kv_scales has {len(scales)} entries, expected one (k, v) pair per "
+                f"layer ({self.num_layers})"
+            )
+        for i, (k, v) in enumerate(scales):
+            if not (math.isfinite(k) and math.isfinite(v) and k > 0 and v > 0):
+                raise ValueError(f"KVLayout.kv_scales[{i}] = {(k, v)} must be finite and > 0")
+        if all(k == 1.0 and v == 1.0 for k, v in scales):
+            scales = ()
+        object.__setattr__(self, "kv_scales", scales)
+
+    @property
+    def element_size(self) -> int:
+        return KV_DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block occupies across all layers, K and V."""
+        return (
+            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+            * self.element_size
+        )
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def check_compatible(self, peer: "KVLayout") -> None:
+        """Raise KVLayoutMismatch naming the first field that differs (ours vs the peer's)."""
+        if not isinstance(peer, KVLayout):
+            raise KVLayoutMismatch(f"peer layout is {type(peer).__name__}, not KVLayout")
+        checks = (
+            ("dtype", self.dtype, peer.dtype),
+            ("block_size", self.block_size, peer.block_size),
+            ("num_layers", self.num_layers, peer.num_layers),
+            ("num_kv_heads", self.num_kv_heads, peer.num_kv_heads),
+            ("head_dim", self.head_dim, peer.head_dim),
+        )
+        for name, ours, theirs in checks:
+            if ours != theirs:
+                raise KVLayoutMismatch(f"KV layout mismatch: {name} local={ours!r} peer={theirs!r}")
+        if self.kv_scales != peer.kv_scales:
+            # Raw FP8 bytes quantised with one scale and dequantised with another are wrong
+            # values, silently; name the first differing layer to make that debuggable.
+            ours_s = self.kv_scales or ((1.0, 1.0),) * self.num_layers
+            theirs_s = peer.kv_scales or ((1.0, 1.0),) * peer.num_layers
+            layer = next(i for i, (a, b) in enumerate(zip(ours_s, theirs_s)) if a != b)
+            raise KVLayoutMismatch(
+                f"KV layout mismatch: kv_scales differ at layer {layer}: "
+                f"local={ours_s[layer]!r} peer={theirs_s[layer]!r}"
+            )
+
+
+@dataclass(frozen=True)
+class KVEndpoint:
+    """A receiver's cache as its peers see it: a decode worker publishes it, the router passes
+    it on in PrefillRequest, a prefill worker's transport connects to it.
+
+    `kind` names the transport backend; `address` is backend-specific plain data (segment
+    name, control server host/port/key) and takes no part in equality or hashing.
+    """
+
+    kind: str
+    worker_id: str
+    layout: KVLayout
+    num_blocks: int
+    address: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def peer_key(self) -> tuple[str, str]:
+        """Identifies the receiving transport (worker ids are unique per transport)."""
+        return (self.kind, self.worker_id)
+
+
 @dataclass(frozen=True)
 class PrefillRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    # The decode worker's KVEndpoint, pickled: the router passes it through without unpickling
-    # (unpickling would import torch there). None: nothing to send.
-    peer_endpoint: bytes | None
+    peer_endpoint: KVEndpoint | None  # the decode worker's; None: nothing to send
     dst_block_ids: list[int] = field(default_factory=list)
     dst_num_cached_tokens: int = 0  # leading tokens (whole blocks) the decode worker had cached
 
@@ -125,3 +252,17 @@ class WorkerHeartbeat:
 
     stats: WorkerStats
     kv_events: KVEventBatch
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """A worker's start-up report (`ready()`): the limits its engine really has, so the router
+    refuses what no worker can hold instead of failing inside one."""
+
+    worker_id: str
+    role: str
+    max_model_len: int  # the engine's: the model's context, capped by what the KV cache holds
+    block_size: int
+    num_blocks: int
+    dtype: str  # weights and activations
+    kv_cache_dtype: str  # the cache's element type as stored, e.g. "float32" or "float8_e4m3fn"

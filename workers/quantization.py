@@ -1,4 +1,4 @@
-"""FP8 (float8_e4m3fn) weights and KV-cache scales.
+"""FP8 (float8_e4m3fn) weights.
 
 Three ways a linear layer ends up in FP8:
 
@@ -16,24 +16,23 @@ scales). Block scales are expanded along rows at load time (3% of the weight byt
 fused q/k/v and gate/up matrices can be concatenated whatever the row block alignment.
 
 On the CPU the weight is dequantized at each call (weight-only FP8: activations stay in the
-model dtype). torch's own float8 -> float cast is slow on the CPU (about 5 ns per element), so
-the cast here is done with integer bit operations through float16 (about 0.5 ns per element),
-exact for every finite e4m3 value. On CUDA, per-channel layers run the W8A8 `fp8_gemm` kernel.
+model dtype). torch's own float8 -> float cast is slow on the CPU, so the cast here is done with
+integer bit operations through float16, exact for every finite e4m3 value. With the Triton
+kernels, per-channel layers run the W8A8 `fp8_gemm` kernel.
 
-KV cache scales: one (k_scale, v_scale) per layer, calibrated by running the float model on a
-fixed text shipped in this module (not the evaluation text) and taking amax / 448 of each
-layer's K and V, rounded up to 4 significant bits so that two workers computing them agree.
+FP8 KV cache scales are calibrated in workers/kv_calibration.py.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from kernels.ops import KernelOps
+from workers.packed_linear import PackedLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -41,26 +40,6 @@ FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization / --quantization
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # quantization_config.quant_method we read
-
-# Calibration text for KV scales: plain English of several registers, written for this purpose.
-# It must not be the text accuracy is measured on (pydoc topics), or the measurement would flatter.
-CALIBRATION_TEXT = (
-    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
-    "polished the great lens, and wrote the weather in a leather notebook: wind from the north-west, "
-    "light rain, visibility four miles. Ships passed in the night and never knew his name.\n\n"
-    "To make bread, mix 500 g of flour with 350 ml of warm water, 10 g of salt and 7 g of yeast. "
-    "Knead for ten minutes, let the dough rise for an hour, shape it, and bake at 230 degrees "
-    "Celsius for about 35 minutes, until the crust is deep brown and sounds hollow when tapped.\n\n"
-    "User: Can you explain what a hash table is?\nAssistant: A hash table stores key-value pairs. "
-    "A hash function turns each key into an index in an array, so looking a key up takes constant "
-    "time on average. Collisions, when two keys map to the same index, are resolved by chaining or "
-    "by probing for the next free slot.\n\n"
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "In 1969, three astronauts flew to the Moon. Two of them walked on its surface for a few hours, "
-    "collected rocks, planted a flag, and returned safely to Earth eight days after launch."
-)
-CALIBRATION_MAX_TOKENS = 512
-
 
 # ---- FP8 arithmetic -------------------------------------------------------------------------
 def fp8_to_float(w: torch.Tensor) -> torch.Tensor:
@@ -104,11 +83,15 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int
 
 class Fp8Linear(nn.Module):
     """y = x @ dequant(weight).T + bias with an FP8 weight and float32 scales [N, G], one per row and
-    group of group_size input columns (G = 1, group_size = in_features: per output channel)."""
+    group of group_size input columns (G = 1, group_size = in_features: per output channel).
+
+    ops: the model's kernels; with Triton ones, per-channel layers quantize the activations and
+    run the W8A8 GEMM, otherwise (and without ops) the weight is dequantized at each call."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int | None = None,
-                 device=None, bias_dtype: torch.dtype = torch.float32) -> None:
+                 device=None, bias_dtype: torch.dtype = torch.float32, ops: KernelOps | None = None) -> None:
         super().__init__()
+        self.ops = ops
         self.in_features = in_features
         self.out_features = out_features
         self.group_size = group_size or in_features
@@ -121,9 +104,9 @@ class Fp8Linear(nn.Module):
                      if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, ops: KernelOps | None = None) -> "Fp8Linear":
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, None,
-                    device=linear.weight.device, bias_dtype=linear.weight.dtype)
+                    device=linear.weight.device, bias_dtype=linear.weight.dtype, ops=ops)
         q, scale = quantize_per_channel(linear.weight)
         layer.weight.data.copy_(q)
         layer.weight_scale.data.copy_(scale)
@@ -135,9 +118,8 @@ class Fp8Linear(nn.Module):
         return dequantize(self.weight, self.weight_scale, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels import ops
-
-        if self.weight_scale.shape[1] == 1 and ops.backend_for(x) == "triton":
+        ops = self.ops
+        if ops is not None and ops.backend == "triton" and self.weight_scale.shape[1] == 1:
             # Hopper path: per-token dynamic activation scales, per-channel weight scales.
             x2 = x.reshape(-1, self.in_features)
             a, scale_a = ops.scaled_fp8_quant(x2, per_token=True)
@@ -165,9 +147,9 @@ def _replace_linears(model: nn.Module, make) -> int:
     return count
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear (loaded, float) by a per-channel Fp8Linear; returns how many."""
-    return _replace_linears(model, Fp8Linear.from_linear)
+def quantize_linears(model: nn.Module, ops: KernelOps | None = None) -> int:
+    """Replace every nn.Linear (loaded, float) by a per-channel Fp8Linear running on `ops`; returns how many."""
+    return _replace_linears(model, lambda linear: Fp8Linear.from_linear(linear, ops))
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -259,15 +241,16 @@ def parse_quantization_config(config: dict | None) -> CheckpointQuantization | N
                      f"supported: {', '.join(CHECKPOINT_METHODS)}")
 
 
-def prepare_for_checkpoint(model: nn.Module, quant: CheckpointQuantization) -> int:
-    """Replace every nn.Linear by an empty Fp8Linear the checkpoint's FP8 tensors load into."""
+def prepare_for_checkpoint(model: nn.Module, quant: CheckpointQuantization, ops: KernelOps | None = None) -> int:
+    """Replace every nn.Linear by an empty Fp8Linear (running on `ops`) the checkpoint's FP8 tensors load into."""
 
     def make(linear: nn.Linear) -> Fp8Linear:
         device = linear.weight.device
         if device.type == "meta":
             device = None
         return Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                         quant.group_size(linear.in_features), device=device, bias_dtype=linear.weight.dtype)
+                         quant.group_size(linear.in_features), device=device, bias_dtype=linear.weight.dtype,
+                         ops=ops)
 
     return _replace_linears(model, make)
 
@@ -289,8 +272,6 @@ class WeightMemory:
 def weight_memory(model: nn.Module) -> WeightMemory:
     """The model's parameters by kind. A prepacked layer (workers.packed_linear) counts its weight
     once, like the nn.Linear it replaced; its packed copy is a buffer, not counted here."""
-    from workers.packed_linear import PackedLinear
-
     linear_ids = set()
     linear_params = 0
     for module in model.modules():
@@ -305,70 +286,3 @@ def weight_memory(model: nn.Module) -> WeightMemory:
         else:
             other += nbytes
     return WeightMemory(linear, other, linear_params)
-
-
-# ---- KV cache scales --------------------------------------------------------------------------
-def round_scale_up(x: float) -> float:
-    """Round a positive scale up to 4 significant bits (m / 16 * 2^e).
-
-    Two workers calibrating the same model may differ in the last bits (thread counts change
-    summation order); coarse rounding makes their scales, and so their KV layouts, identical.
-    Rounding up never makes the calibration data clip.
-    """
-    if not (x > 0 and math.isfinite(x)):
-        raise ValueError(f"scale must be finite and > 0, got {x!r}")
-    mantissa, exponent = math.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
-    return math.ldexp(math.ceil(mantissa * 16) / 16, exponent)
-
-
-def calibration_token_ids(model_dir: str | Path | None, vocab_size: int) -> list[int]:
-    """CALIBRATION_TEXT through the model's tokenizer, or fixed pseudo-random ids without one."""
-    path = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
-    if path is not None and path.is_file():
-        from tokenizers import Tokenizer
-
-        ids = Tokenizer.from_file(str(path)).encode(CALIBRATION_TEXT).ids
-        ids = [t for t in ids if 0 <= t < vocab_size]
-    else:
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab_size, (256,), generator=generator).tolist()
-    return ids[:CALIBRATION_MAX_TOKENS]
-
-
-@torch.inference_mode()
-def calibrate_kv_scales(model: nn.Module, token_ids: list[int], dtype: torch.dtype,
-                        block_size: int = 16) -> tuple[tuple[float, float], ...]:
-    """(k_scale, v_scale) per layer: amax / 448 of K and V over one float forward of token_ids.
-
-    Runs on one thread so the result does not depend on the caller's thread count.
-    """
-    from workers.models.llama import AttentionMetadata, KVCacheView
-
-    if not token_ids:
-        raise ValueError("calibration needs at least one token")
-    cfg = model.config
-    n = len(token_ids)
-    num_blocks = -(-n // block_size)
-    device = model.embed_tokens.weight.device
-    cache = torch.zeros((cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
-                        dtype=dtype, device=device)
-    i32 = dict(dtype=torch.int32, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
-        num_decode_tokens=0,
-        decode_block_tables=torch.zeros((0, 0), **i32),
-        decode_context_lens=torch.zeros((0,), **i32),
-        prefill_block_tables=torch.arange(num_blocks, **i32).reshape(1, num_blocks),
-        prefill_query_start_loc=torch.tensor([0, n], **i32),
-        prefill_context_lens=torch.tensor([n], **i32),
-    )
-    views = [KVCacheView(cache[l, 0], cache[l, 1]) for l in range(cfg.num_layers)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), meta, views)
-    finally:
-        torch.set_num_threads(threads)
-    amax = cache.float().abs().amax(dim=(2, 3, 4, 5))  # [L, 2]
-    return tuple((round_scale_up(max(float(k), 1e-6) / FP8_MAX), round_scale_up(max(float(v), 1e-6) / FP8_MAX))
-                 for k, v in amax.tolist())

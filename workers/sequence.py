@@ -11,9 +11,25 @@ from workers.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued; needs (re)computing its tokens' KV
-    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; another worker pushes the prompt's KV
-    RUNNING = "running"
+    RUNNING = "running"  # in the batch: prefilling or decoding
+    # Decode side of a remote prefill: blocks reserved; a peer pushes the prompt's KV into them.
+    WAITING_FOR_KV = "waiting_for_kv"
+    # Prefill side: prompt done and first token sampled; blocks held until sent to the decode peer.
+    HELD_FOR_PEER = "held_for_peer"
+    # Prefill side: a transfer reads the blocks; they are freed only once it has ended.
+    SENDING_KV = "sending_kv"
     FINISHED = "finished"
+
+
+# Every legal status change; the scheduler checks each one (see Scheduler._move).
+TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    SequenceStatus.WAITING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_KV, SequenceStatus.FINISHED}),
+    SequenceStatus.WAITING_FOR_KV: frozenset({SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
+    SequenceStatus.RUNNING: frozenset({SequenceStatus.WAITING, SequenceStatus.HELD_FOR_PEER, SequenceStatus.FINISHED}),
+    SequenceStatus.HELD_FOR_PEER: frozenset({SequenceStatus.SENDING_KV, SequenceStatus.FINISHED}),
+    SequenceStatus.SENDING_KV: frozenset({SequenceStatus.FINISHED}),
+    SequenceStatus.FINISHED: frozenset(),
+}
 
 
 @dataclass
@@ -52,10 +68,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

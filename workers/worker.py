@@ -8,22 +8,29 @@ whole requests itself (local prefill). The class runs without Ray (tests use it 
 
 Threading: the engine is not thread-safe, so only the engine thread touches it. Calls from other
 threads (Ray runs actor methods on a thread pool) queue closures to the engine thread and wait for
-their result. Outputs go to an outbox that `poll_outputs` drains in batches: one call carries every
+their result; the counters, added to from both, take a lock. Outputs go to an outbox that `poll_outputs` drains in batches: one call carries every
 request's new tokens, so streaming costs one RPC per step, not one per token.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from kvtransfer import KVTransferError, PairwiseTransport, PeerLink, Place, dtype_name
 from workers.config import EngineConfig
-from workers.protocol import KVEvent, KVEventBatch, PrefillRequest, PrefillResult, RequestOutput, WorkerHeartbeat, WorkerStats
+from workers.engine import LLMEngine, load_tokenizer_decode
+from workers.model_config import ModelConfig
+from workers.model_files import ModelNotFoundError, resolve_model_dir
+from workers.model_runner import iter_safetensors, kv_cache_scales, kv_cache_torch_dtype, load_model, num_kv_blocks
+from workers.protocol import (
+    KVEndpoint, KVEvent, KVEventBatch, KVLayout, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
+    WorkerHeartbeat, WorkerReady, WorkerStats,
+)
 from workers.sampling_params import SamplingParams
 
 ROLES = ("prefill", "decode")
@@ -33,14 +40,39 @@ class RequestAborted(RuntimeError):
     """The request was aborted while a call was waiting on it."""
 
 
+class Counters:
+    """Named integer counters that any thread may add to (Ray call threads and the engine thread)."""
+
+    def __init__(self, *names: str) -> None:
+        self._values = dict.fromkeys(names, 0)
+        self._lock = threading.Lock()
+
+    def add(self, **deltas: int) -> None:
+        """Add to one or more counters at once (readers see all of them or none)."""
+        with self._lock:
+            for name, delta in deltas.items():
+                if name not in self._values:
+                    raise KeyError(f"unknown counter {name!r}; known: {sorted(self._values)}")
+                self._values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     worker_id: str
     role: str
-    model: str | None = None  # None: the default model
+    model: str | None = None  # None: the default model; resolved on the worker's own node
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # KV transport choice (kvtransfer.pairwise.CHOICES): auto picks per pair of workers.
     transport: str = "auto"
     transfer_timeout_s: float = 30.0
+    # Where the worker runs, filled in by the Ray actor shell (workers.actors) from Ray's own
+    # view: the transport per pair compares node ids, and gloo/nccl rendezvous on `host`.
+    node_id: str = "local"
+    host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -61,9 +93,9 @@ class EngineWorker:
         self._outbox_ready = threading.Condition()
         self._first_token_waiters: dict[str, Future] = {}
         self._recv_handles: dict[str, object] = {}
-        self._peers: dict[bytes, str] = {}  # endpoint blob -> transport peer id
-        self._counters = {"kv_blocks_sent": 0, "kv_bytes_sent": 0, "kv_blocks_received": 0,
-                          "prompt_tokens": 0, "generation_tokens": 0}
+        self._peers: dict[tuple[str, str], str] = {}  # KVEndpoint.peer_key -> transport peer id
+        self.counters = Counters("kv_blocks_sent", "kv_bytes_sent", "kv_blocks_received", "prompt_tokens",
+                                 "generation_tokens")
         # KV events drained from the engine after every step (engine thread only); bounded so a
         # router that stops collecting cannot grow it: past the bound we send a snapshot instead.
         self._kv_events: list[KVEvent] = []
@@ -113,8 +145,7 @@ class EngineWorker:
         self._drain_kv_events()
         bm = self.engine.block_manager
         if self._kv_events_lost:
-            # The block manager keeps no public list of cached hashes; its hash -> block map is it.
-            batch = KVEventBatch([], tuple(bm._cached), bm.block_size)
+            batch = KVEventBatch([], bm.cached_hashes(), bm.block_size)
         else:
             batch = KVEventBatch(self._kv_events, None, bm.block_size)
         self._kv_events, self._kv_event_hashes, self._kv_events_lost = [], 0, False
@@ -125,7 +156,7 @@ class EngineWorker:
         now = time.time()
         for out in outputs:
             out.created_at = now
-            self._counters["generation_tokens"] += len(out.token_ids)
+            self.counters.add(generation_tokens=len(out.token_ids))
             waiter = self._first_token_waiters.pop(out.request_id, None)
             if waiter is not None:
                 waiter.set_result(out)
@@ -138,8 +169,7 @@ class EngineWorker:
 
     def _fail_all(self, exc: Exception) -> None:
         failed = []
-        for request_id in list(self.engine._requests):
-            self.engine.abort(request_id)
+        for request_id in self.engine.abort_all():
             waiter = self._first_token_waiters.pop(request_id, None)
             if waiter is not None:
                 waiter.set_exception(exc)
@@ -155,26 +185,39 @@ class EngineWorker:
         return fut.result(timeout=timeout_s)
 
     # ---- calls ---------------------------------------------------------------------------
-    def ready(self) -> str:
-        return self.worker_id
+    def ready(self) -> WorkerReady:
+        """The start-up report: this worker's real limits (the engine's, fixed once it is built)."""
+        engine = self.engine
+        return WorkerReady(
+            worker_id=self.worker_id, role=self.role, max_model_len=engine.max_model_len,
+            block_size=engine.block_manager.block_size, num_blocks=engine.block_manager.num_blocks,
+            dtype=engine.config.dtype, kv_cache_dtype=engine.kv_cache_dtype,
+        )
 
-    def endpoint(self) -> bytes:
-        """This worker's KV endpoint, pickled, for prefill workers to push into."""
+    def endpoint(self) -> KVEndpoint:
+        """This worker's KV endpoint, for prefill workers to push into (torch-free: the router
+        passes it on)."""
         if self.transport is None:
             raise ValueError(f"worker {self.worker_id} has no KV transport")
-        return pickle.dumps(self.transport.endpoint())
+        return self.transport.endpoint()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Run a whole request here (local prefill, then decode); outputs go to poll_outputs."""
-        self._counters["prompt_tokens"] += len(prompt_token_ids)
-        self._call(lambda: self.engine.add_request(prompt_token_ids, params, request_id))
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               resume: ResumeState | None = None) -> None:
+        """Run a whole request here (local prefill, then decode); outputs go to poll_outputs.
+        With `resume`, continue a request whose first decode worker died (engine.resume_request)."""
+        if resume is None:
+            self.counters.add(prompt_tokens=len(prompt_token_ids))
+            self._call(lambda: self.engine.add_request(prompt_token_ids, params, request_id))
+            return
+        self.counters.add(prompt_tokens=len(prompt_token_ids) + len(resume.output_token_ids))
+        self._call(lambda: self.engine.resume_request(prompt_token_ids, params, request_id, resume))
 
     def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Compute the prompt's KV and first token, push the blocks to the peer, return the token."""
         rid = request.request_id
         started = time.perf_counter()
         waiter: Future = Future()
-        self._counters["prompt_tokens"] += len(request.prompt_token_ids)
+        self.counters.add(prompt_tokens=len(request.prompt_token_ids))
 
         def add():
             self._first_token_waiters[rid] = waiter
@@ -197,7 +240,7 @@ class EngineWorker:
         transfer_seconds = 0.0
         try:
             if not output.finished and request.peer_endpoint is not None:
-                src = self._call(lambda: self.engine.held_block_ids(rid))
+                src = self._call(lambda: self.engine.begin_send(rid))
                 if len(src) != len(request.dst_block_ids):
                     raise ValueError(f"request {rid}: {len(src)} KV blocks here, {len(request.dst_block_ids)} reserved on the decode worker")
                 skip = request.dst_num_cached_tokens // self.engine.block_manager.block_size
@@ -205,26 +248,32 @@ class EngineWorker:
                 handle = self.transport.send(peer_id, src[skip:], request.dst_block_ids[skip:], rid, self.config.transfer_timeout_s)
                 result = self.transport.wait(handle)
                 if not result.ok:
-                    from kvtransfer import KVTransferError
-
                     raise KVTransferError(f"KV transfer for {rid} ended {result.status.name}: {result.error}")
                 sent, nbytes, transfer_seconds = len(src) - skip, result.nbytes, result.seconds
-                self._counters["kv_blocks_sent"] += sent
-                self._counters["kv_bytes_sent"] += nbytes
+                self.counters.add(kv_blocks_sent=sent, kv_bytes_sent=nbytes)
         finally:
             self._call(lambda: self.engine.release(rid))
         return PrefillResult(output, sent, nbytes, transfer_seconds, prefill_seconds)
 
-    def connect_peer(self, endpoint_blob: bytes) -> None:
+    def connect_peer(self, endpoint: KVEndpoint) -> str:
         """Handshake with a decode worker now (at start-up), so an incompatible KV layout fails
-        before any request does: raises KVLayoutMismatch naming the field."""
-        self._connect(endpoint_blob)
+        before any request does: raises KVLayoutMismatch naming the field. Returns the backend
+        that serves the pair (shm, gloo or nccl)."""
+        self._connect(endpoint)
+        kind_for = getattr(self.transport, "kind_for", None)
+        return kind_for(endpoint) if kind_for is not None else endpoint.kind
 
-    def _connect(self, endpoint_blob: bytes) -> str:
-        peer_id = self._peers.get(endpoint_blob)
+    def kv_links(self) -> list[PeerLink]:
+        """The decode workers this worker has connected to: the backend of each pair and the
+        blocks it carried."""
+        links = getattr(self.transport, "links", None)
+        return links() if links is not None else []
+
+    def _connect(self, endpoint: KVEndpoint) -> str:
+        peer_id = self._peers.get(endpoint.peer_key)
         if peer_id is None:
-            peer_id = self.transport.connect(pickle.loads(endpoint_blob))
-            self._peers[endpoint_blob] = peer_id
+            peer_id = self.transport.connect(endpoint)
+            self._peers[endpoint.peer_key] = peer_id
         return peer_id
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -244,10 +293,8 @@ class EngineWorker:
             result = self.transport.wait(handle)
             if not result.ok:
                 self._call(lambda: self.engine.abort(request_id))
-                from kvtransfer import KVTransferError
-
                 raise KVTransferError(f"KV for {request_id} did not arrive: {result.status.name} {result.error or ''}")
-            self._counters["kv_blocks_received"] += handle.num_blocks
+            self.counters.add(kv_blocks_received=handle.num_blocks)
         self._call(lambda: self.engine.start_decoding(request_id, first_token))
 
     def abort(self, request_id: str) -> bool:
@@ -279,7 +326,7 @@ class EngineWorker:
         return self._make_stats(self._call(self.engine.stats, timeout_s=10.0))
 
     def _make_stats(self, s) -> WorkerStats:
-        c = self._counters
+        c = self.counters.snapshot()
         return WorkerStats(
             worker_id=self.worker_id, role=self.role, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_usage=s.kv_usage, num_blocks=s.num_blocks, num_free_blocks=s.num_free_blocks,
@@ -298,18 +345,11 @@ class EngineWorker:
 
 def _build_engine_and_transport(config: WorkerConfig, transport=None):
     """Load the model and allocate its KV cache through the transport (which may put it in shared memory)."""
-    import dataclasses
-
-    from kvtransfer import KVLayout, create_transport
-    from workers.engine import LLMEngine, load_tokenizer_decode
-    from workers.model_config import ModelConfig
-    from workers.model_files import resolve_model_dir
-    from workers.model_runner import (
-        iter_safetensors, kv_cache_scales, kv_cache_torch_dtype, load_model, num_kv_blocks,
-    )
-
     ec = config.engine
-    model_dir = resolve_model_dir(config.model, quiet=True)
+    try:
+        model_dir = resolve_model_dir(config.model, quiet=True)
+    except ModelNotFoundError as exc:  # every node needs the files: say which one lacks them
+        raise ModelNotFoundError(f"worker {config.worker_id} on node {config.node_id} ({config.host}): {exc}") from None
     model_config = ModelConfig.from_model_dir(model_dir)
     kv_dtype = kv_cache_torch_dtype(ec)
     num_blocks = num_kv_blocks(model_config, ec)
@@ -318,12 +358,13 @@ def _build_engine_and_transport(config: WorkerConfig, transport=None):
     weights = iter_safetensors(model_dir)
     model = load_model(model_config, ec, weights, ec.max_model_len)
     kv_scales = kv_cache_scales(model, ec, weights)
-    ec = dataclasses.replace(ec, kv_scales=kv_scales) if ec.kv_cache_dtype == "fp8" else ec
+    ec = replace(ec, kv_scales=kv_scales) if ec.kv_cache_dtype == "fp8" else ec
     layout = KVLayout(
         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-        block_size=ec.block_size, dtype=str(kv_dtype).removeprefix("torch."), kv_scales=kv_scales,
+        block_size=ec.block_size, dtype=dtype_name(kv_dtype), kv_scales=kv_scales,
     )
-    transport = transport or create_transport(config.transport)
+    place = Place(config.node_id, config.host, "cuda" if ec.device.startswith("cuda") else "cpu")
+    transport = transport or PairwiseTransport(config.transport, place, config.worker_id)
     kv_cache = transport.allocate_cache(layout, num_blocks)
     engine = LLMEngine(model_config, ec, model, load_tokenizer_decode(model_dir), kv_cache=kv_cache)
     return engine, transport

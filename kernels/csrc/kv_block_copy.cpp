@@ -3,14 +3,13 @@
 //
 // Why not one memcpy per block and row: with scattered ids every piece (a block of one layer's K or
 // V, 4-8 KiB) starts a fresh memory stream, and one stream at a time leaves the memory system idle
-// while the hardware prefetcher ramps up and the page walks complete. Measured on the 2-core EPYC
-// VM, 16 scattered 64 KiB blocks: 107 us one piece at a time, 78 us with eight pieces interleaved
-// in 256-byte steps, against 66 us for one contiguous 1 MiB memcpy. A run of consecutive ids of
-// 32 KiB or more streams well on its own and is copied straight through (cutting it into pieces
-// and interleaving those made 16-64 MiB transfers slower). Stores bypass the cache where the
-// destination is 64-byte aligned: another process reads the blocks later, and skipping the
-// read-for-ownership of each destination line saves a third of the memory traffic (64 MiB moved
-// 1.2x faster than torch's copy_).
+// while the hardware prefetcher ramps up and the page walks complete. Eight pieces interleaved in
+// 256-byte steps keep several streams going, which brings scattered blocks close to the speed of
+// one contiguous memcpy (bench/kv_transfer.py). A run of consecutive ids of 32 KiB or more
+// streams well on its own and is copied straight through (cutting it into pieces and
+// interleaving those made large transfers slower). Stores bypass the cache where the destination
+// is 64-byte aligned: another process reads the blocks later, and skipping the
+// read-for-ownership of each destination line saves a third of the memory traffic.
 
 #include <cstddef>
 #include <cstdint>

@@ -1,6 +1,6 @@
 // Paged decode attention for CPU tensors: one query token per sequence, K/V read in place from the
 // paged cache (no gather copy), softmax in float32. Built at first use by kernels/cpu_native.py
-// (plain C ABI, no torch headers, so it compiles in about a second) and called through ctypes.
+// (plain C ABI, no torch headers, so it compiles quickly) and called through ctypes.
 //
 // Layout: q and out [B, Hq, D] with the given batch/head strides and unit stride over D;
 // k_cache and v_cache contiguous [num_blocks, block_size, Hk, D]; block_tables [B, *] int32 with
@@ -30,8 +30,8 @@ struct Args {
 // Once a server has recycled its blocks a sequence's pages lie scattered in memory, and each page
 // would start a fresh stream that the hardware prefetcher discovers late. So while token t is
 // used, the same row of the next page is prefetched: one row per token spreads the prefetches
-// evenly (a whole page at once was no faster). Measured on the attention alone, 16 sequences x ~300
-// tokens x 30 layers in bfloat16: scattered pages 20.4 -> 10.9 ms, pages in order ~8 ms either way.
+// evenly (a whole page at once was no faster). bench/decode_profile.py times decode steps with
+// pages scattered and in order.
 template <typename T>
 inline void prefetch_row(const T* cache, int64_t row, int64_t row_len) {
     const char* p = reinterpret_cast<const char*>(cache + row * row_len);

@@ -59,12 +59,12 @@ def serving(config, actor_name_prefix: str = "baton"):
     from router.app import make_server
 
     deployment = deploy(config, actor_name_prefix=actor_name_prefix)
-    http = make_server(build_app(deployment), port=config.port)
+    http = make_server(build_app(deployment), port=config.server.port)
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     try:
         wait_until(lambda: http.started, 30, "the router to start")
-        yield RunningServer(deployment, http, thread, config.port)
+        yield RunningServer(deployment, http, thread, config.server.port)
     finally:
         http.should_exit = True
         thread.join(timeout=10)
@@ -73,11 +73,11 @@ def serving(config, actor_name_prefix: str = "baton"):
 
 @pytest.fixture(scope="module")
 def server():
-    from cluster.config import ServeConfig
+    from cluster.config import BatonConfig
 
     # local_prefill_threshold=0: these tests check the prefill -> decode handoff, so every request
     # goes through it (the kv-aware default would prefill their short prompts on the decode worker).
-    config = ServeConfig(port=free_port(), kv_cache_memory="192MiB", max_num_seqs=64, local_prefill_threshold=0)
+    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="192MiB", max_num_seqs=64, local_prefill_threshold=0)
     with serving(config) as running:
         yield running
 

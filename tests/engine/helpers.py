@@ -97,19 +97,17 @@ def save_tiny_model(kind: str, **overrides) -> tuple[str, torch.nn.Module]:
 
 def run_with_logits(engine, prompts: list[list[int]], params) -> tuple[list, list[list[torch.Tensor]]]:
     """engine.generate, also recording the logits each prompt was sampled from at every step."""
-    import workers.engine as engine_module
-
     recorded: dict[tuple[int, ...], list[torch.Tensor]] = {tuple(p): [] for p in prompts}
-    real_sample = engine_module.sample
+    real_sampler = engine.sampler
 
-    def recording_sample(logits, rows):
+    def recording_sampler(logits, rows):
         for row_logits, row in zip(logits, rows):
             recorded[tuple(row.prompt_token_ids)].append(row_logits.clone())
-        return real_sample(logits, rows)
+        return real_sampler(logits, rows)
 
-    engine_module.sample = recording_sample
+    engine.sampler = recording_sampler
     try:
         completions = engine.generate(prompts, params)
     finally:
-        engine_module.sample = real_sample
+        engine.sampler = real_sampler
     return completions, [recorded[tuple(p)] for p in prompts]

@@ -1,10 +1,11 @@
 """The whole engine on the Triton kernels (interpreter, CPU tensors) matches the PyTorch reference path.
 
-A tiny random Llama with GQA runs prefill and decode steps twice, once with BATON_KERNELS=triton
-and TRITON_INTERPRET=1 (every op in kernels.ops goes to its Triton kernel, run by the Triton
-interpreter) and once with BATON_KERNELS=reference. Rule: identical greedy tokens, and the
-logits of every step within LOGIT_ATOL (both paths are float32; only the summation order
-differs). The kernels read BATON_KERNELS on every call, so monkeypatch sets it per run.
+A tiny random Llama with GQA runs prefill and decode steps twice, once with
+EngineConfig(kernel_backend="triton") and TRITON_INTERPRET=1 (every op the model calls is its
+Triton kernel, run by the Triton interpreter) and once with kernel_backend="reference". Rule:
+identical greedy tokens, and the logits of every step within LOGIT_ATOL (both paths are float32;
+only the summation order differs). The kernels are chosen when the engine is built, after the
+Spy below has wrapped them.
 
 TRITON_INTERPRET, though, must be set before `triton` is imported: Triton's own jitted library
 functions (tl.sum, tl.max, ...) are built as interpreted or compiled functions at import time, and
@@ -77,7 +78,6 @@ def child_outcomes(tmp_path_factory):
     """Run this module in a child pytest with TRITON_INTERPRET=1; {test name: (passed, report)}."""
     report = tmp_path_factory.mktemp("triton-path") / "junit.xml"
     env = {**os.environ, "TRITON_INTERPRET": "1", CHILD_ENV: "1"}
-    env.pop("BATON_KERNELS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", f"--junitxml={report}", __file__],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
@@ -147,11 +147,6 @@ def build_engine(folder, **config) -> LLMEngine:
     return engine
 
 
-def set_mode(monkeypatch, mode: str) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("BATON_KERNELS", mode)
-
-
 def assert_same(triton_run, reference_run) -> float:
     """Same tokens, same number of sampled steps, logits within LOGIT_ATOL; returns the max logit error."""
     (t_done, t_logits), (r_done, r_logits) = triton_run, reference_run
@@ -177,9 +172,9 @@ def test_batch_prefill_and_decode_match_reference(model, in_interpreter, request
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     runs = {}
     for mode in ("reference", "triton"):
-        set_mode(monkeypatch, mode)
         spy = Spy(monkeypatch)
-        engine = build_engine(tiny_models[model], block_size=8, num_kv_blocks=32, max_num_batched_tokens=64)
+        engine = build_engine(tiny_models[model], kernel_backend=mode, block_size=8, num_kv_blocks=32,
+                              max_num_batched_tokens=64)
         with torch.inference_mode():
             runs[mode] = run_with_logits(engine, prompts, params)
         if mode == "triton":
@@ -206,9 +201,9 @@ def test_chunked_prefill_prefix_cache_and_mixed_batch(in_interpreter, request, m
     b = a[:16] + [rng.randrange(3, 512) for _ in range(30)]
     runs = {}
     for mode in ("reference", "triton"):
-        set_mode(monkeypatch, mode)
         spy = Spy(monkeypatch)
-        engine = build_engine(tiny_models["hd16-gqa2"], block_size=8, num_kv_blocks=32, max_num_batched_tokens=16)
+        engine = build_engine(tiny_models["hd16-gqa2"], kernel_backend=mode, block_size=8, num_kv_blocks=32,
+                              max_num_batched_tokens=16)
         with torch.inference_mode():
             first = run_with_logits(engine, [a], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
             second = run_with_logits(engine, [d, b], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

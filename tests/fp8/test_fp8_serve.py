@@ -21,11 +21,11 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 def test_cli_accepts_fp8_flags():
     from cluster.cli import _parser
-    from cluster.config import ServeConfig
+    from cluster.config import BatonConfig
 
     args = vars(_parser().parse_args(["serve", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]))
     options = {k: v for k, v in args.items() if k not in ("command", "config", "model_arg")}
-    config = ServeConfig.load(None, options).engine_config()
+    config = BatonConfig.from_options(**options).engine
     assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--quantization", "int4"])
@@ -34,7 +34,7 @@ def test_cli_accepts_fp8_flags():
 def test_serve_fp8_answers_like_the_fp8_engine_and_reports_float32_agreement():
     import openai
 
-    from cluster.config import ServeConfig
+    from cluster.config import BatonConfig
     from router.tokenizer import Tokenizer
     from workers.model_files import resolve_model_dir
 
@@ -46,7 +46,7 @@ def test_serve_fp8_answers_like_the_fp8_engine_and_reports_float32_agreement():
     del fp8
     [ref] = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=32 << 20)).generate([prompt], params)
 
-    config = ServeConfig(port=free_port(), kv_cache_memory="32MiB", max_num_seqs=8, quantization="fp8",
+    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="32MiB", max_num_seqs=8, quantization="fp8",
                          kv_cache_dtype="fp8", local_prefill_threshold=0)
     with serving(config, actor_name_prefix="baton-fp8") as running:
         client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused")

@@ -17,8 +17,9 @@ from tests.engine.helpers import save_tiny_model
 from tests.fp8.helpers import hf_logprobs, is_linear_weight, write_fp8_checkpoint
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
+from workers.kv_calibration import round_scale_up
 from workers.quantization import (Fp8Linear, fp8_to_float, parse_quantization_config, quantize_per_channel,
-                                  round_scale_up, weight_memory)
+                                  weight_memory)
 
 TOKENS = [(7 * i + 3) % 500 + 5 for i in range(150)]
 

@@ -23,6 +23,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks  # noqa: E402
+
 # A transfer's payload: 64 blocks of a Llama-3-8B-like cache (32 layers, 8 kv heads, head_dim 128, block 16, bf16).
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 32, 64, 16, 8, 128
 
@@ -35,8 +37,6 @@ def free_port() -> int:
 
 def nccl_worker(rank: int, port: int, ngpu: int, iters: int, result_q) -> None:
     try:
-        from kernels import ops
-
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dev = torch.device("cuda", rank % ngpu)
         torch.cuda.set_device(dev)
@@ -47,7 +47,7 @@ def nccl_worker(rank: int, port: int, ngpu: int, iters: int, result_q) -> None:
         cache = torch.randn(LAYERS, 2, 4 * BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16,
                             generator=gen)
         ids = torch.arange(0, 4 * BLOCKS, 4, device=dev)
-        expected = ops.pack_kv_blocks(cache, ids)
+        expected = pack_kv_blocks(cache, ids)
         packed = expected.clone() if rank == 0 else torch.zeros_like(expected)
         nbytes = packed.numel() * packed.element_size()
         for i in range(iters + 3):
@@ -64,7 +64,7 @@ def nccl_worker(rank: int, port: int, ngpu: int, iters: int, result_q) -> None:
         ok = bool(torch.equal(packed, expected))
         if rank == 1:
             target = torch.zeros_like(cache)
-            ops.unpack_kv_blocks(target, ids, packed)
+            unpack_kv_blocks(target, ids, packed)
             ok = ok and bool(torch.equal(target[:, :, ids], cache[:, :, ids]))
         dist.destroy_process_group()
         result_q.put({"rank": rank, "bytes": nbytes, "seconds": dt, "iters": iters,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check for a lent H200 (or any CUDA machine), run from the repository root copy:
-#   1. the kernel tests compiled on CUDA (BATON_KERNELS=triton, no interpreter),
+#   1. the kernel tests compiled on CUDA (their kernel_ops("triton", "cuda"), no interpreter),
 #   2. a kernel benchmark (decode bandwidth, prefill TFLOP/s, FP8 GEMM vs torch._scaled_mm and bf16),
 #   3. an NCCL send/recv of a packed KV buffer between two processes,
 #   4. tests/gpu/test_*.py: GPU tests, and the hook where the end-to-end model check goes.
@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
 step "1. kernel tests on CUDA"
-BATON_KERNEL_TEST_DEVICE=cuda BATON_KERNELS=triton timeout 200 \
+BATON_KERNEL_TEST_DEVICE=cuda timeout 200 \
     "$PY" -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$RESULTS/gpu_kernel_tests.log" || status=1
 
 step "2. kernel benchmark"

@@ -5,27 +5,31 @@ import math
 import pytest
 import torch
 
+from kernels.decode_attention import paged_decode_attention_reference
+from kernels.fp8_gemm import fp8_gemm_reference
+from kernels.ops import kernel_ops
+from kernels.prefill_attention import paged_prefill_attention_reference
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.fixture(autouse=True)
-def _auto_dispatch(monkeypatch):
-    monkeypatch.delenv("BATON_KERNELS", raising=False)
+def _compiled(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def test_auto_dispatch_uses_triton_on_cuda():
-    from kernels import ops
+@pytest.fixture
+def ops():
+    return kernel_ops("auto", "cuda")
 
-    assert ops.backend_for(torch.zeros(1, device="cuda")) == "triton"
-    assert ops.backend_for(torch.zeros(1)) == "native"
+
+def test_auto_dispatch_uses_triton_on_cuda(ops):
+    assert ops.backend == "triton"
+    assert kernel_ops("auto", "cpu").backend == "native"
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_decode_long_context_split_k(cache_dtype):
-    from kernels import ops
-    from kernels.decode_attention import paged_decode_attention_reference
-
+def test_decode_long_context_split_k(cache_dtype, ops):
     B, hq, hk, D, bs = 4, 32, 8, 128, 16
     lens = [1, 1000, 8191, 8192]
     nblk = 8192 // bs
@@ -40,10 +44,7 @@ def test_decode_long_context_split_k(cache_dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_prefill_chunk_with_prefix():
-    from kernels import ops
-    from kernels.prefill_attention import paged_prefill_attention_reference
-
+def test_prefill_chunk_with_prefix(ops):
     hq, hk, D, bs = 32, 8, 128, 16
     qlens, ctxs = [512, 1, 300], [2048, 77, 300]
     nblk = 2048 // bs
@@ -59,10 +60,7 @@ def test_prefill_chunk_with_prefix():
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_fp8_gemm_large():
-    from kernels import ops
-    from kernels.fp8_gemm import fp8_gemm_reference
-
+def test_fp8_gemm_large(ops):
     g = torch.Generator(device="cuda").manual_seed(2)
     for M in (1, 16, 300, 2048):
         a, sa = ops.scaled_fp8_quant(torch.randn(M, 4096, device="cuda", generator=g), per_token=True)

@@ -7,11 +7,15 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernels.ops import kernel_ops  # noqa: E402
+
 DEVICE = torch.device("cuda" if os.environ.get("BATON_KERNEL_TEST_DEVICE") == "cuda" else "cpu")
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
     pytest.skip("BATON_KERNEL_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
 
 FP8 = torch.float8_e4m3fn
+# The kernel tests' `ops.*` calls run the Triton kernels (interpreted on CPU tensors, see conftest.py).
+ops = kernel_ops("triton", DEVICE)
 
 # (atol, rtol) for a Triton kernel against its reference, by the dtype of the output.
 TOL = {

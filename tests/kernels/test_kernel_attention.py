@@ -5,10 +5,9 @@ import math
 import pytest
 import torch
 
-from kernels import ops
 from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from kernels.prefill_attention import paged_prefill_attention_reference
-from kernel_testlib import ATTN_TOL, DEVICE, FP8, assert_close, make_block_tables, make_cache, randn
+from kernel_testlib import ATTN_TOL, DEVICE, FP8, assert_close, make_block_tables, make_cache, ops, randn
 
 
 def dense_kv(cache, block_table, n, scale):

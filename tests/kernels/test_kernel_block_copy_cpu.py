@@ -1,7 +1,7 @@
 """The native cache-to-cache block copy (kernels/csrc/kv_block_copy.cpp) against a block-by-block
 loop written here and against the torch reference: every run structure, pieces longer than the
 8 KiB interleave unit, block sizes that rule out streaming stores, an unaligned destination, bad
-input, and the fallback when native kernels are off."""
+input, and the fallback when the native library does not load."""
 
 from __future__ import annotations
 

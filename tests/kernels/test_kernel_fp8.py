@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from kernels import ops
 from kernels.fp8_gemm import fp8_gemm_reference
 from kernels.fp8_quant import scaled_fp8_quant_reference, scaled_fp8_quant_triton
-from kernel_testlib import DEVICE, FP8, assert_close, randn
+from kernel_testlib import DEVICE, FP8, assert_close, ops, randn
 
 
 def test_quant_rounds_like_torch_on_every_fp8_value_and_between():

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from kernels import ops
 from kernels.block_copy import pack_kv_blocks_reference, unpack_kv_blocks_reference
 from kernels.kv_store import store_kv_reference
-from kernel_testlib import DEVICE, FP8, randn
+from kernel_testlib import DEVICE, FP8, ops, randn
 
 
 def bits(t):

@@ -1,11 +1,13 @@
 """The native CPU decode attention (kernels/csrc) against the PyTorch reference and a dense oracle."""
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
 
-from kernels import cpu_native, ops
+from kernels import cpu_native
+from kernels.ops import KernelOps, kernel_ops
 from kernels.decode_attention import (native_available, paged_decode_attention_cpu,
                                       paged_decode_attention_reference)
 from kernel_testlib import ATTN_TOL, DEVICE, FP8, assert_close, make_block_tables, make_cache, randn
@@ -76,7 +78,7 @@ def test_context_longer_than_table_is_clamped_not_read_past():
     assert_close(long, exact, tol=ATTN_TOL)
 
 
-def test_ops_dispatch_uses_native_in_auto_mode_and_reference_when_forced(monkeypatch):
+def test_ops_dispatch_uses_native_in_auto_mode_and_reference_when_asked(monkeypatch):
     calls = []
     real = paged_decode_attention_cpu
     monkeypatch.setattr("kernels.decode_attention.paged_decode_attention_cpu",
@@ -84,32 +86,27 @@ def test_ops_dispatch_uses_native_in_auto_mode_and_reference_when_forced(monkeyp
     k, v = make_cache(8, 4, 1, 64, torch.float32)
     bt = make_block_tables([5], 4, 8, 2)
     q, cl = randn(1, 2, 64), torch.tensor([5], dtype=torch.int32)
-    monkeypatch.setenv("BATON_KERNELS", "auto")
-    auto = ops.paged_decode_attention(q, k, v, bt, cl, 0.1)
-    monkeypatch.setenv("BATON_KERNELS", "reference")
-    ref = ops.paged_decode_attention(q, k, v, bt, cl, 0.1)
+    auto = kernel_ops("auto", "cpu").paged_decode_attention(q, k, v, bt, cl, 0.1)
+    ref = kernel_ops("reference", "cpu").paged_decode_attention(q, k, v, bt, cl, 0.1)
     assert calls == [1]
     assert_close(auto, ref, tol=ATTN_TOL)
 
 
-def test_disabled_native_kernels_fall_back(native_kernels_off):
+def test_unbuilt_native_kernels_leave_every_op_on_the_reference(native_kernels_off):
     assert cpu_native.load("paged_decode_attention") is None
-    assert cpu_native.function("silu_mul", "baton_silu_and_mul", ()) is None
+    native = kernel_ops("native", "cpu")
+    reference = kernel_ops("reference", "cpu")
+    assert native.backend == "native" and native == KernelOps("native", **{
+        f.name: getattr(reference, f.name) for f in fields(KernelOps) if f.name != "backend"})
 
 
-def test_library_is_cached_per_source(tmp_path, monkeypatch):
-    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
-    cpu_native.forget_loaded()
-    try:
-        assert cpu_native.load("paged_decode_attention") is not None
-        built = list((tmp_path / "kernels").glob("paged_decode_attention-*.so"))
-        assert len(built) == 1
-        mtime = built[0].stat().st_mtime_ns
-        cpu_native.forget_loaded()
-        assert cpu_native.load("paged_decode_attention") is not None
-        assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not rebuilt
-    finally:
-        cpu_native.forget_loaded()
+def test_library_is_cached_per_source(tmp_path):
+    assert cpu_native.build("paged_decode_attention", tmp_path) is not None
+    built = list(tmp_path.glob("paged_decode_attention-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    assert cpu_native.build("paged_decode_attention", tmp_path) is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not rebuilt
 
 
 # ---- RMSNorm, rotary embedding, KV store -------------------------------------------------------
@@ -253,7 +250,7 @@ def test_native_prefill_matches_dense_oracle():
         start += ql
 
 
-def test_native_prefill_rejects_bad_input_and_dispatch_falls_back_for_other_block_sizes(monkeypatch):
+def test_native_prefill_rejects_bad_input_and_dispatch_falls_back_for_other_block_sizes():
     q, k, v, bt, qsl, cl = _prefill_case([4], [4], 2, 1, 64, torch.float32, torch.float32, bs=16)
     with pytest.raises(ValueError, match="more new tokens than context"):
         paged_prefill_attention_cpu(q, k, v, bt, qsl, torch.tensor([3], dtype=torch.int32), 0.1)
@@ -261,34 +258,22 @@ def test_native_prefill_rejects_bad_input_and_dispatch_falls_back_for_other_bloc
         paged_prefill_attention_cpu(q, k, v, bt, torch.tensor([0, 3], dtype=torch.int32), cl, 0.1)
     q4, k4, v4, bt4, qsl4, cl4 = _prefill_case([4], [4], 2, 1, 64, torch.float32, torch.float32, bs=4)
     assert not prefill_native_available(q4, k4)  # block size 4 is not compiled: ops uses the reference
-    monkeypatch.setenv("BATON_KERNELS", "auto")
-    assert_close(ops.paged_prefill_attention(q4, k4, v4, bt4, qsl4, cl4, 0.1),
+    assert_close(kernel_ops("auto", "cpu").paged_prefill_attention(q4, k4, v4, bt4, qsl4, cl4, 0.1),
                  paged_prefill_attention_reference(q4, k4, v4, bt4, qsl4, cl4, 0.1), tol=ATTN_TOL)
 
 
 def test_unwritable_cache_or_broken_compiler_falls_back_to_pytorch(tmp_path, monkeypatch):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")  # the cache directory cannot be created under a file
-    monkeypatch.setenv("BATON_CACHE_DIR", str(blocker))
-    cpu_native.forget_loaded()
-    try:
-        assert cpu_native.load("rms_norm") is None
-        monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
-        monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-        monkeypatch.setattr(cpu_native.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
-        cpu_native.forget_loaded()
-        assert cpu_native.load("rms_norm") is None
-    finally:
-        cpu_native.forget_loaded()
-    x, w = randn(2, 64), randn(64, seed=1)
-    monkeypatch.setenv("BATON_KERNELS", "auto")
-    monkeypatch.setenv("BATON_CACHE_DIR", str(blocker))
-    cpu_native.forget_loaded()
+    assert cpu_native.build("rms_norm", blocker / "kernels") is None
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(cpu_native.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
+    assert cpu_native.build("rms_norm", tmp_path / "cache") is None
+    # A library that does not load leaves its op on the reference, chosen when the ops are built.
+    monkeypatch.setattr(cpu_native, "function", lambda name, symbol, argtypes: None)
     calls = []
     monkeypatch.setattr("kernels.rms_norm.rms_norm_reference",
                         lambda *a, **kw: calls.append(1) or rms_norm_reference(*a, **kw))
-    try:
-        assert_close(ops.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
-        assert calls == [1]  # ops fell back to the PyTorch reference
-    finally:
-        cpu_native.forget_loaded()
+    x, w = randn(2, 64), randn(64, seed=1)
+    assert_close(kernel_ops("auto", "cpu").rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+    assert calls == [1]  # ops fell back to the PyTorch reference

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from kernels import ops
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
-from kernel_testlib import assert_close, randn
+from kernel_testlib import assert_close, ops, randn
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -1,40 +1,47 @@
-"""Dispatch in kernels.ops: references on CPU by default, Triton when forced, a clear error for a bad setting."""
+"""kernels.ops.kernel_ops: the backend is resolved once into functions; a clear error for a bad setting."""
 
 import pytest
 import torch
 
-from kernels import ops
+from kernels import decode_attention, rms_norm, silu_mul
+from kernels._triton_compat import LazyJIT
 from kernels.fp8_quant import scaled_fp8_quant_reference
+from kernels.ops import BACKENDS, kernel_ops, resolve_backend
 from kernels.rms_norm import rms_norm_reference
-from kernel_testlib import DEVICE, randn
+from kernel_testlib import DEVICE, ops, randn
 
 
-def test_backend_selection(monkeypatch):
-    cpu = torch.zeros(1)
-    monkeypatch.delenv("BATON_KERNELS", raising=False)
-    assert ops.backend_for(cpu) == "native"
-    monkeypatch.setenv("BATON_KERNELS", "auto")
-    assert ops.backend_for(cpu) == "native"
-    assert ops.backend_for(torch.zeros(1, device=DEVICE)) == ("triton" if DEVICE.type == "cuda" else "native")
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    assert ops.backend_for(torch.zeros(1, device=DEVICE)) == "triton"
-    monkeypatch.setenv("BATON_KERNELS", "Reference")
-    assert ops.backend_for(cpu) == "reference"
-    monkeypatch.setenv("BATON_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="BATON_KERNELS"):
-        ops.backend_for(cpu)
+def test_backend_selection():
+    assert resolve_backend("auto", "cpu") == resolve_backend("native", "cpu") == "native"
+    assert resolve_backend("auto", DEVICE) == ("triton" if DEVICE.type == "cuda" else "native")
+    assert resolve_backend("triton", DEVICE) == "triton"  # on the CPU: TRITON_INTERPRET=1 (conftest.py)
+    assert resolve_backend("reference", DEVICE) == "reference"
+    with pytest.raises(ValueError, match="kernel_backend must be one of"):
+        resolve_backend("cuda", "cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_backend("native", "cuda")
+    assert [kernel_ops(b, "cpu").backend for b in ("auto", "native", "reference")] == ["native", "native", "reference"]
+    assert BACKENDS == ("auto", "triton", "native", "reference")
+
+
+def test_resolved_functions():
+    """Triton and reference are the kernel modules' functions themselves; native ops pick per call."""
+    assert ops.rms_norm is rms_norm.rms_norm_triton
+    assert kernel_ops("reference").paged_decode_attention is decode_attention.paged_decode_attention_reference
+    native = kernel_ops("auto", "cpu")
+    assert native.fp8_gemm is kernel_ops("reference").fp8_gemm  # no native kernel: the reference
+    if silu_mul.native_built():
+        x = randn(3, 8)
+        assert torch.equal(native.silu_and_mul(x), silu_mul.silu_and_mul_cpu(x))
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setenv("BATON_KERNELS", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        ops.silu_and_mul(torch.zeros(2, 4))
+        kernel_ops("triton", "cpu")
 
 
 def test_empty_inputs_launch_nothing(monkeypatch):
-    from kernels._triton_compat import LazyJIT
-
     def no_launch(self, grid):
         raise AssertionError(f"{self.fn.__name__} launched on an empty input")
 
@@ -59,22 +66,17 @@ def test_empty_inputs_launch_nothing(monkeypatch):
 
 
 def test_reference_path_does_not_launch_triton(monkeypatch):
-    import kernels.rms_norm as mod
-
     def boom(*a, **k):
         raise AssertionError("Triton path taken")
 
-    monkeypatch.setattr(mod, "rms_norm_triton", boom)
-    monkeypatch.setenv("BATON_KERNELS", "reference")
+    monkeypatch.setattr(rms_norm, "rms_norm_triton", boom)
     x, w = randn(2, 16), randn(16, seed=1)
-    assert torch.equal(ops.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
-    monkeypatch.setenv("BATON_KERNELS", "triton")
+    assert torch.equal(kernel_ops("reference", DEVICE).rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
     with pytest.raises(AssertionError, match="Triton path"):
-        ops.rms_norm(x, w, 1e-6)
+        kernel_ops("triton", DEVICE).rms_norm(x, w, 1e-6)
 
 
-def test_non_tensor_input_is_a_value_error(monkeypatch):
-    for mode in ("reference", "triton", "auto"):
-        monkeypatch.setenv("BATON_KERNELS", mode)
+def test_non_tensor_input_is_a_value_error():
+    for backend in ("reference", "triton", "auto"):
         with pytest.raises(ValueError, match="torch.Tensor"):
-            ops.silu_and_mul([1.0])
+            kernel_ops(backend, DEVICE).silu_and_mul([1.0])

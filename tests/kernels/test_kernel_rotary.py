@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from kernels import ops
 from kernels.rotary import build_rope_cache, rotary_embedding_reference, rotary_embedding_triton
-from kernel_testlib import DEVICE, assert_close, randn
+from kernel_testlib import DEVICE, assert_close, ops, randn
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

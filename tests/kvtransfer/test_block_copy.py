@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels import cpu_native
-from kvtransfer import KVLayout, TransferStatus, create_transport
+from kvtransfer import KVLayout, TransferStatus, create_transport, torch_dtype
 from kvtransfer._common import block_rows, coalesce, copy_blocks, copy_runs, transfer_key
 from kvtransfer.testing import seeded_bytes
 
@@ -43,7 +43,7 @@ STRUCTURES = {
 
 def cache(layout: KVLayout, seed: int) -> torch.Tensor:
     flat = seeded_bytes(layout, NUM_BLOCKS, seed)
-    return flat.view(layout.torch_dtype).view(layout.cache_shape(NUM_BLOCKS)).clone()
+    return flat.view(torch_dtype(layout)).view(layout.cache_shape(NUM_BLOCKS)).clone()
 
 
 def expected(dst: torch.Tensor, dst_ids, src: torch.Tensor, src_ids) -> torch.Tensor:

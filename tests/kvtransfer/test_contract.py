@@ -7,13 +7,16 @@ independently of the transport's coalescing and packing code."""
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import pytest
 import torch
 
-from kvtransfer import KVLayout, KVLayoutMismatch, Role, TransferStatus, create_transport
-from kvtransfer.testing import seeded_bytes
+from kvtransfer import (KVLayout, KVLayoutMismatch, KVTransferError, Role, TransferStatus,
+                        create_transport)
+from kvtransfer.shm import sweep_stale_segments
+from kvtransfer.testing import KVWorker, seeded_bytes
 
 NUM_BLOCKS = 32
 P_SEED, D_SEED = 11, 22
@@ -302,12 +305,12 @@ def test_inprocess_fault_injection(fault):
         d.close()
 
 
-def test_inprocess_fault_from_environment(monkeypatch):
-    monkeypatch.setenv("BATON_KV_FAULT", "drop")
-    assert create_transport("inprocess")._fault == "drop"
-    monkeypatch.setenv("BATON_KV_FAULT", "explode")
+def test_inprocess_fault_argument_is_checked():
+    t = create_transport("inprocess", fault="delay:0.25")
+    assert (t._fault, t._fault_delay_s) == ("delay", 0.25)
+    assert create_transport("inprocess")._fault is None
     with pytest.raises(ValueError, match="unknown KV fault"):
-        create_transport("inprocess")
+        create_transport("inprocess", fault="explode")
 
 
 def test_recv_status_by_id_and_unknown_ids():
@@ -330,8 +333,6 @@ def test_recv_status_by_id_and_unknown_ids():
 
 
 def test_inprocess_endpoint_cannot_leave_the_process():
-    import pickle
-
     t = create_transport("inprocess")
     t.allocate_cache(F32, 2)
     with pytest.raises(TypeError, match="in-process"):
@@ -351,9 +352,6 @@ def test_shm_segment_of_a_killed_process_is_swept(ray_sides):
     """A segment whose owner was killed without close() is unlinked by the next sweep (every
     allocation runs one); live owners' segments are left alone."""
     import ray
-
-    from kvtransfer.shm import sweep_stale_segments
-    from kvtransfer.testing import KVWorker
 
     p, _ = ray_sides
     live = p.setup("shm", F32, NUM_BLOCKS, None).address["path"]
@@ -391,7 +389,5 @@ def test_shm_registered_cache_can_send_but_not_receive():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_nccl_needs_cuda():
-    from kvtransfer import KVTransferError
-
     with pytest.raises(KVTransferError, match="needs CUDA"):
         create_transport("nccl")

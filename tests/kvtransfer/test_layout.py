@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer import KVLayout, KVLayoutMismatch, TransferStatus
+from kvtransfer import KVLayout, KVLayoutMismatch, TransferStatus, check_cache, layout_from_cache
 from kvtransfer._common import coalesce
 
 
@@ -17,16 +17,16 @@ def layout(**changes) -> KVLayout:
 
 def test_from_cache_reads_the_engine_shape():
     cache = torch.zeros(3, 2, 10, 16, 4, 64, dtype=torch.float8_e4m3fn)
-    got = KVLayout.from_cache(cache, block_size=16, scales=[(0.5, 0.5)] * 3)
+    got = layout_from_cache(cache, block_size=16, scales=[(0.5, 0.5)] * 3)
     assert got == KVLayout(3, 4, 64, 16, "float8_e4m3fn", ((0.5, 0.5),) * 3)
     assert got.block_bytes == 3 * 2 * 16 * 4 * 64 * 1
     assert layout().block_bytes == 2 * 2 * 4 * 2 * 8 * 4
 
 
 @pytest.mark.parametrize("bad,words", [
-    (lambda: KVLayout.from_cache(torch.zeros(2, 3, 4, 4, 2, 8)), "shape"),
-    (lambda: KVLayout.from_cache(torch.zeros(2, 2, 4, 4, 2, 8), block_size=8), "block_size=8"),
-    (lambda: KVLayout.from_cache(torch.zeros(2, 2, 4, 4, 2, 8, dtype=torch.int32)), "dtype"),
+    (lambda: layout_from_cache(torch.zeros(2, 3, 4, 4, 2, 8)), "shape"),
+    (lambda: layout_from_cache(torch.zeros(2, 2, 4, 4, 2, 8), block_size=8), "block_size=8"),
+    (lambda: layout_from_cache(torch.zeros(2, 2, 4, 4, 2, 8, dtype=torch.int32)), "dtype"),
     (lambda: layout(num_layers=0), "num_layers"),
     (lambda: layout(dtype="float64"), "dtype"),
     (lambda: layout(kv_scales=((1.0, 2.0),)), "one \\(k, v\\) pair per layer"),
@@ -60,10 +60,10 @@ def test_mismatch_messages_name_field_and_values(change, words):
 
 def test_check_cache_rejects_wrong_tensor():
     with pytest.raises(KVLayoutMismatch, match="head_dim"):
-        layout().check_cache(torch.zeros(2, 2, 4, 4, 2, 16))
+        check_cache(layout(), torch.zeros(2, 2, 4, 4, 2, 16))
     with pytest.raises(ValueError, match="contiguous"):
-        layout().check_cache(torch.zeros(2, 2, 4, 4, 8, 2).transpose(-1, -2))
-    assert layout().check_cache(torch.zeros(2, 2, 7, 4, 2, 8)) == 7
+        check_cache(layout(), torch.zeros(2, 2, 4, 4, 8, 2).transpose(-1, -2))
+    assert check_cache(layout(), torch.zeros(2, 2, 7, 4, 2, 8)) == 7
 
 
 def test_status_order_and_terminality():

@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from router.app import build_app
-from router.backend import FakeBackend
 from tests.e2e.conftest import wait_until
+from tests.fakes import FakeBackend
+from tests.router.conftest import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -50,14 +51,9 @@ def severe_console_errors(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
 
 
-def test_dashboard_shows_pools_then_traffic(browser, tmp_path):
-    from selenium.webdriver.common.by import By
+def test_dashboard_shows_pools_then_traffic(browser, tmp_path, tokenizer):
+    from selenium.webdriver.common.by import By  # selenium is optional: the fixture skips without it
 
-    from router.tokenizer import Tokenizer
-    from tests.router.conftest import running_server
-    from workers.model_files import resolve_model_dir
-
-    tokenizer = Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
     backend = FakeBackend(tokenizer, num_prefill=2, num_decode=2, first_token_delay=0.01, token_delay=0.002)
     with running_server(build_app(backend, tokenizer, "SmolLM2-135M-Instruct", 8192)) as url:
         assert url.startswith("http://127.0.0.1:")

@@ -6,12 +6,12 @@ import threading
 import time
 
 import httpx
-import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import build_app
-from router.backend import FakeBackend
+from tests.fakes import KV_BYTES_PER_TOKEN, FakeBackend
+from tests.router.conftest import running_server
 
 MODEL = "test-model"
 
@@ -57,7 +57,7 @@ def test_no_traffic_metrics_status_and_dashboard(tokenizer):
 
 def test_counters_and_histograms_move_by_what_the_requests_imply(tokenizer):
     backend, client = make(tokenizer, first_token_delay=0.02, token_delay=0.005)
-    reply_tokens = len(tokenizer.encode(backend.reply, add_special_tokens=False)) + 1  # + EOS
+    reply_tokens = len(backend.reply_ids) + 1  # + EOS
     before = scrape(client)
     usages = []
     for i in range(3):
@@ -85,9 +85,9 @@ def test_counters_and_histograms_move_by_what_the_requests_imply(tokenizer):
     for h in ("request_queue_time", "request_prefill_time", "request_decode_time"):
         assert d(f"baton:{h}_seconds_count") == 4
     assert d("baton:routing_decisions_total", decision="remote", reason="round_robin") == 4
-    # FakeBackend reports 1 KiB per uncached prompt token as moved KV.
+    # The backend reports KV_BYTES_PER_TOKEN per uncached prompt token as moved KV.
     assert d("baton:kv_transfer_bytes_per_request_count") == 4
-    assert d("baton:kv_transfer_bytes_total") == 1024 * (sum(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"]
+    assert d("baton:kv_transfer_bytes_total") == KV_BYTES_PER_TOKEN * (sum(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"]
                                                            for u in usages) + prompt_stream)
     st = client.get("/v1/status").json()
     assert st["totals"]["requests"] == 4 and st["window"]["requests"] == 4
@@ -100,8 +100,6 @@ def test_counters_and_histograms_move_by_what_the_requests_imply(tokenizer):
 def test_kv_usage_and_running_return_to_idle_after_requests_finish(tokenizer):
     backend, _ = make(tokenizer, token_delay=0.02)
     app = build_app(backend, tokenizer, MODEL, 8192)
-    from tests.router.conftest import running_server
-
     with running_server(app) as url:
         done = threading.Event()
 

@@ -31,9 +31,9 @@ def total(samples, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def deployment():
-    from cluster.config import ServeConfig
+    from cluster.config import BatonConfig
 
-    config = ServeConfig(port=free_port(), prefill_workers=1, decode_workers=1, kv_cache_memory="24MiB", max_num_seqs=8,
+    config = BatonConfig.from_options(port=free_port(), prefill_workers=1, decode_workers=1, kv_cache_memory="24MiB", max_num_seqs=8,
                          local_prefill_threshold=32)
     with serving(config, actor_name_prefix="obs-test") as running:
         yield running.deployment, running.base_url

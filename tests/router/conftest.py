@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from router.app import build_app, make_server
-from router.backend import FakeBackend
 from router.tokenizer import Tokenizer
+from tests.fakes import FakeBackend
 from workers.model_files import resolve_model_dir
 
 MODEL_NAME = "SmolLM2-135M-Instruct"

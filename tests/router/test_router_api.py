@@ -1,4 +1,9 @@
-"""The HTTP API with FastAPI's TestClient and a FakeBackend: shapes, streaming, errors, routing."""
+"""The HTTP API with FastAPI's TestClient over the in-process FakeBackend (tests/fakes.py).
+
+The fake only plays a token script; the text comes from Baton's own detokenizer. So these tests
+check Baton's behaviour against references computed here: the full decode of the tokens the
+backend produced, the spec of stop strings (cut at the first match), and streamed == non-streamed.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,9 @@ import json
 
 import pytest
 
-from router.backend import DEFAULT_FAKE_REPLY, FakeBackend
-from router.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
+from router.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ModelList
+from tests.fakes import FakeBackend
+from workers.detokenizer import IncrementalDetokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 USER = [{"role": "user", "content": "What is the capital of France?"}]
@@ -23,6 +29,21 @@ def parse_sse(text: str) -> list:
         payload = frame[len("data: "):]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
+
+
+def chat_text(frames: list) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in frames if c != "[DONE]" and c["choices"])
+
+
+def stopped_reference(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, int]:
+    """(text, tokens generated) for stop strings, from the spec: decode the growing output and
+    cut at the first match; the request ends with the token that completes the match."""
+    for n in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:n])
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[: min(hits)], n
+    raise AssertionError(f"no stop string of {stops} in the reply")
 
 
 def assert_error(r, status: int, param=None, type_=None, contains=None):
@@ -54,10 +75,11 @@ def test_chat_completion(client, backend, tokenizer):
     assert body["id"].startswith("chatcmpl-") and len(body["id"]) == len("chatcmpl-") + 32
     assert body["object"] == "chat.completion" and body["model"] == MODEL
     choice = body["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": DEFAULT_FAKE_REPLY}
+    # The answer is exactly what the backend's tokens decode to (multi-byte characters included).
+    assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(backend.reply_ids)}
     assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
     prompt_ids = tokenizer.apply_chat_template(USER)
-    n_reply = len(tokenizer.encode(DEFAULT_FAKE_REPLY, add_special_tokens=False))
+    n_reply = len(backend.reply_ids)
     assert body["usage"] == {
         "prompt_tokens": len(prompt_ids), "completion_tokens": n_reply + 1,  # + EOS
         "total_tokens": len(prompt_ids) + n_reply + 1, "prompt_tokens_details": {"cached_tokens": 0},
@@ -71,6 +93,7 @@ def test_chat_completion(client, backend, tokenizer):
 
 
 def test_chat_stream_with_usage(client, tokenizer):
+    full = client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER}).json()
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "stream": True,
                                                   "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -84,9 +107,12 @@ def test_chat_stream_with_usage(client, tokenizer):
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
     assert all(c["usage"] is None for c in chunks[:-1])
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
-    assert text == DEFAULT_FAKE_REPLY
+    # Streamed and non-streamed answers agree, and no chunk carries half a character.
+    assert chat_text(chunks) == full["choices"][0]["message"]["content"]
+    assert all("\ufffd" not in (c["choices"][0]["delta"].get("content") or "") for c in chunks[:-1])
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    # the same counts, except that the second request found the first one's prompt cached
+    assert {**usage_chunk["usage"], "prompt_tokens_details": None} == {**full["usage"], "prompt_tokens_details": None}
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
     u = usage_chunk["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
@@ -111,29 +137,67 @@ def test_completion_non_stream_and_stream(client, backend, tokenizer):
     assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length"
     assert backend.requests[-1].prompt_token_ids == tokenizer.encode("Once upon a time")
 
+    full = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 100}).json()
+    assert full["choices"][0]["text"] == tokenizer.decode(backend.reply_ids)
     r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 100, "stream": True,
                                              "stream_options": {"include_usage": True}})
     frames = parse_sse(r.text)
     assert frames[-1] == "[DONE]" and frames[-2]["choices"] == []
-    assert frames[-2]["usage"]["prompt_tokens"] == 3
+    assert frames[-2]["usage"]["prompt_tokens"] == 3 and frames[-2]["usage"] == full["usage"]  # no whole block to cache
     assert all(c["object"] == "text_completion" and c["usage"] is None for c in frames[:-2])
-    assert "".join(c["choices"][0]["text"] for c in frames[:-2]) == DEFAULT_FAKE_REPLY
+    assert "".join(c["choices"][0]["text"] for c in frames[:-2]) == full["choices"][0]["text"]
     assert frames[-3]["choices"][0]["finish_reason"] == "stop"
     assert backend.requests[-1].prompt_token_ids == [1, 2, 3]
     # a one-element batch is accepted
     assert client.post("/v1/completions", json={"prompt": ["hi"], "max_tokens": 2}).status_code == 200
 
 
-def test_stop_strings_and_cached_tokens(client, backend):
+STOP_REPLY = "The capital of France is Paris. Ça va? 🎉 Yes, thanks."
+
+
+@pytest.mark.parametrize("stop", [["Paris"], ["Paris", "France"], "s. Ç", ["va? 🎉"], ["🎉", "Ça"]])
+def test_stop_strings(make_client, tokenizer, stop):
+    backend = FakeBackend(tokenizer, reply=STOP_REPLY)
+    client = make_client(backend)
+    stops = [stop] if isinstance(stop, str) else stop
+    want_text, want_tokens = stopped_reference(tokenizer, backend.reply_ids, stops)
+    body = {"messages": USER, "stop": stop, "max_tokens": 50}
+    r = client.post("/v1/chat/completions", json=body).json()
+    assert r["choices"][0]["message"]["content"] == want_text
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == want_tokens
+    assert backend.requests[-1].sampling_params.stop == stops
+    # Streamed: the same text, and each chunk is one delta of the engine's detokenizer: a possible
+    # start of a stop string is held back, never sent and then taken back.
+    frames = parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    pieces = [c["choices"][0]["delta"]["content"] for c in frames[1:-1] if c["choices"][0]["delta"].get("content")]
+    detok = IncrementalDetokenizer(tokenizer.decode, stops)
+    reference = []
+    for n in range(1, want_tokens + 1):
+        detok.add(backend.reply_ids[:n])
+        reference.append(detok.take(final=n == want_tokens))
+    assert pieces == [p for p in reference if p]
+    assert "".join(pieces) == want_text and frames[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_string_not_in_reply_and_stop_token_ids(client, backend, tokenizer):
+    r = client.post("/v1/completions", json={"prompt": "x", "stop": ["zebra"], "max_tokens": 100}).json()
+    assert r["choices"][0]["text"] == tokenizer.decode(backend.reply_ids) and r["choices"][0]["finish_reason"] == "stop"
+    # a stop token ends the answer with that token
+    r = client.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [backend.reply_ids[3]], "max_tokens": 100})
+    assert r.json()["choices"][0]["text"].startswith(tokenizer.decode(backend.reply_ids[:3]))
+    assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_cached_tokens(client, backend):
     long_user = [{"role": "user", "content": "word " * 40}]
-    r1 = client.post("/v1/chat/completions", json={"messages": long_user, "stop": ["Baton"], "max_tokens": 50})
-    assert r1.json()["choices"][0]["message"]["content"] == "Hello! I am a fake "
-    assert r1.json()["choices"][0]["finish_reason"] == "stop"
-    assert backend.requests[-1].sampling_params.stop == ["Baton"]
-    assert r1.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    r2 = client.post("/v1/chat/completions", json={"messages": long_user, "max_tokens": 5})
-    cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached > 0 and cached % 16 == 0
+    r1 = client.post("/v1/chat/completions", json={"messages": long_user, "max_tokens": 5}).json()
+    assert r1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    r2 = client.post("/v1/chat/completions", json={"messages": long_user, "max_tokens": 5}).json()
+    # The same prompt again: every whole block is cached, except that the last prompt token is
+    # always computed.
+    n = r2["usage"]["prompt_tokens"]
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16 > 0
 
 
 def test_chat_logprobs(client, tokenizer):
@@ -170,6 +234,7 @@ def test_completion_logprobs(client):
 
 def test_models_health_version(client):
     models = client.get("/v1/models").json()
+    ModelList.model_validate(models)
     assert models["object"] == "list"
     (card,) = models["data"]
     assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"] == "baton"
@@ -278,7 +343,7 @@ def test_unknown_model_is_404(client):
         ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -2.5, "frequency_penalty"),
         ("repetition_penalty", 0, "repetition_penalty"), ("top_logprobs", 30, "top_logprobs"),
         ("max_tokens", 0, "max_tokens"), ("max_completion_tokens", -1, "max_completion_tokens"),
-        ("min_tokens", 100, "min_tokens"), ("stop_token_ids", [-1], "stop_token_ids"),
+        ("min_tokens", 100, "min_tokens"), ("stop_token_ids", [-1], "stop_token_ids[0]"),
     ],
 )
 def test_out_of_range_sampling_values(client, field, value, param):

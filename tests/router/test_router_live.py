@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from router.backend import DEFAULT_FAKE_REPLY, FakeBackend
+from tests.fakes import FakeBackend
 
 MODEL = "SmolLM2-135M-Instruct"
 USER = [{"role": "user", "content": "What is the capital of France?"}]
@@ -30,7 +30,7 @@ def test_openai_client_chat_and_completions(live_server, tokenizer):
         assert [m.id for m in client.models.list().data] == [MODEL]
 
         chat = client.chat.completions.create(model=MODEL, messages=USER, temperature=0)
-        assert chat.choices[0].message.content == DEFAULT_FAKE_REPLY
+        assert chat.choices[0].message.content == tokenizer.decode(backend.reply_ids)
         assert chat.choices[0].finish_reason == "stop" and chat.object == "chat.completion"
         assert chat.usage.prompt_tokens == len(tokenizer.apply_chat_template(USER))
         assert chat.usage.prompt_tokens_details.cached_tokens == 0
@@ -41,12 +41,14 @@ def test_openai_client_chat_and_completions(live_server, tokenizer):
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
         assert all(c.usage is None for c in chunks[:-1])
         text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
-        assert text == tokenizer.decode(tokenizer.encode(DEFAULT_FAKE_REPLY, add_special_tokens=False)[:5])
+        assert text == tokenizer.decode(backend.reply_ids[:5])
         assert chunks[-2].choices[0].finish_reason == "length"
 
         comp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=100, logprobs=1)
-        assert comp.choices[0].text == DEFAULT_FAKE_REPLY and comp.object == "text_completion"
+        assert comp.choices[0].text == chat.choices[0].message.content and comp.object == "text_completion"
         assert comp.choices[0].logprobs.tokens and comp.usage.total_tokens > comp.usage.prompt_tokens
+        streamed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=100, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == comp.choices[0].text
 
         chunks = list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4, stream=True,
                                                 stream_options={"include_usage": True}))
@@ -81,7 +83,7 @@ def test_streaming_disconnect_aborts(live_server, tokenizer):
         assert wait_for(lambda: len(backend.aborted) == 1), "abort was not called"
         assert backend.aborted[0] == backend.requests[0].request_id
         assert backend.finished == []
-        assert wait_for(lambda: backend._abort_events == {})  # the generator was closed too
+        assert wait_for(lambda: backend.active == {})  # the generator was closed too
 
 
 def test_non_streaming_disconnect_aborts(live_server, tokenizer):

@@ -19,7 +19,7 @@ for name in names:
     importlib.import_module(name)
 # build an app and a tokenizer too: lazy imports on these paths count as well
 from router.app import build_app
-from router.backend import FakeBackend
+from tests.fakes import FakeBackend
 from router.tokenizer import Tokenizer
 from workers.model_files import resolve_model_dir
 tok = Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
@@ -35,6 +35,7 @@ def test_router_modules_do_not_import_torch():
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
     modules = lines["MODULES"].split(" ", 1)[1].split(",")
-    for expected in ("router.app", "router.backend", "router.protocol", "router.routing", "router.tokenizer", "router.ray_backend"):
+    for expected in ("router.app", "router.backend", "router.errors", "router.formatting", "router.protocol", "router.routes",
+                     "router.routing", "router.serving", "router.streaming", "router.tokenizer", "router.ray_backend"):
         assert expected in modules
     assert lines.get("HEAVY", "") == "", f"router imported {lines.get('HEAVY')}"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from router.tokenizer import ChatTemplateError, Tokenizer
+from workers.detokenizer import IncrementalDetokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -99,11 +100,15 @@ def test_tokenizer_without_template(model_dir, tmp_path):
         tok.render_chat([{"role": "user", "content": "a"}])
 
 
-def test_incremental_detokenizer_matches_full_decode(tokenizer):
+def test_engine_detokenizer_with_this_tokenizer_matches_full_decode(tokenizer):
+    # The one detokenizer (the engine's), driven with this tokenizer's decode as workers drive it.
     text = "héllo wörld 日本語 🎉 ok, and some more words: naïve café."
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=tokenizer.encode("prompt:"))
-    pieces = [detok.add([t]) for t in ids]
+    detok = IncrementalDetokenizer(tokenizer.decode)
+    pieces = []
+    for n in range(1, len(ids) + 1):
+        detok.add(ids[:n])
+        pieces.append(detok.take(final=n == len(ids)))
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)
 

@@ -3,23 +3,49 @@
 Each `FakeActor` answers the calls RayBackend makes (`heartbeat`, `reserve`, `prefill`,
 `start_decode`, `submit`, `poll_outputs`, `abort`, `endpoint`) the way EngineWorker does, through
 `.remote(...)` returning an awaitable. It "computes" a prompt by publishing STORED events for its
-full blocks (as the block manager does), reports cached tokens from what it stored before, and
-answers one token per request. `kill()` makes every later call raise RayActorError.
+full blocks (as the block manager does), and reports cached tokens from what it stored before.
+
+Generation is a deterministic script, so any interleaving of workers can be checked against it:
+token i of a request is `script_token(prompt, i)` with text `script_text(token)`, max_tokens of
+them ("length"), one per `step_s` for every request a decode actor runs (a continuous batch).
+`submit(..., resume)` continues from the tokens already produced, as LLMEngine.resume_request does
+(it checks the text count the router sends against the script's).
+
+`kill()` makes every later call raise (ActorDiedError: gone for good); `kill(restart_after_s=T)`
+raises ActorUnavailableError until the actor comes back T seconds later with a new pid and
+nothing of its old state, as a Ray actor restart does. `hang()` makes calls never return.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+from dataclasses import dataclass
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from workers.block_hash import hash_prefix_blocks
-from workers.protocol import KVEvent, KVEventKind
-from workers.protocol import KVReservation, RequestOutput
-from workers.protocol import KVEventBatch, PrefillResult, WorkerHeartbeat, WorkerStats
+from workers.protocol import (
+    KVEvent, KVEventBatch, KVEventKind, KVReservation, PrefillResult, RequestOutput, ResumeState, WorkerHeartbeat,
+    WorkerStats,
+)
 
 BS = 16
+_pids = itertools.count(os.getpid() + 100000)
+
+
+def script_token(prompt: list[int], i: int) -> int:
+    return (sum(prompt) * 7 + 31 * i) % 1000
+
+
+def script_text(token: int) -> str:
+    return f"<{token}>"
+
+
+def script(prompt: list[int], max_tokens: int) -> list[int]:
+    """The whole answer the fake workers give to a prompt."""
+    return [script_token(prompt, i) for i in range(max_tokens)]
 
 
 class _Method:
@@ -28,30 +54,70 @@ class _Method:
 
     def remote(self, *args):
         async def call():
-            self.actor.calls.append(self.fn.__name__.lstrip("_"))  # attempts, even on a dead actor
-            if self.actor.dead:
-                raise RayActorError()
-            return await self.fn(*args)
+            actor = self.actor
+            actor.calls.append(self.fn.__name__.lstrip("_"))  # attempts, even on a dead actor
+            if actor.hung:
+                await asyncio.Event().wait()
+            if actor.dead:
+                if actor.restarting:
+                    raise ActorUnavailableError("restarting", None)
+                raise ActorDiedError()
+            incarnation = actor.pid
+            result = await self.fn(*args)
+            if actor.dead or actor.pid != incarnation:
+                raise ActorUnavailableError("died during the call", None)  # its reply never came
+            return result
 
         return call()
 
 
+@dataclass
+class _Running:
+    prompt: list[int]
+    max_tokens: int
+    produced: int  # tokens of the script already produced (here or on an earlier worker)
+
+
 class FakeActor:
-    def __init__(self, worker_id: str, role: str, prefill_delay_s: float = 0.0) -> None:
+    def __init__(self, worker_id: str, role: str, prefill_delay_s: float = 0.0, step_s: float = 0.0) -> None:
         self.worker_id, self.role = worker_id, role
-        self.dead = False
+        self.dead = self.restarting = self.hung = False
         self.prefill_delay_s = prefill_delay_s
+        self.step_s = step_s
         self.calls: list[str] = []
+        self.submitted: list[tuple[str, ResumeState | None]] = []  # every submit's request id and resume
         self.cached: set[int] = set()
         self.events: list[KVEvent] = []
         self.outbox: asyncio.Queue | None = None
+        self.running: dict[str, _Running] = {}
+        self.reserved: set[str] = set()
+        # reserve() remembers what start_decode() needs (the real worker keeps it in its engine).
+        self._prompts: dict[str, list[int]] = {}
+        self._max_tokens: dict[str, int] = {}
+        self._stepper: asyncio.Task | None = None
         self.pid = os.getpid()  # change it to simulate a restarted worker
         for name in ("heartbeat", "reserve", "prefill", "start_decode", "submit", "poll_outputs", "abort", "endpoint"):
             setattr(self, name, _Method(self, getattr(self, "_" + name)))
 
-    def kill(self) -> None:
+    # ---- faults ----------------------------------------------------------------------------
+    def kill(self, restart_after_s: float | None = None) -> None:
         self.dead = True
+        self.running.clear()
+        self.reserved.clear()
+        if restart_after_s is not None:
+            self.restarting = True
+            asyncio.get_running_loop().call_later(restart_after_s, self._restart)
 
+    def _restart(self) -> None:
+        self.dead = self.restarting = False
+        self.pid = next(_pids)
+        self.cached, self.events, self.outbox = set(), [], None
+        self.events.append(KVEvent(KVEventKind.CLEARED))
+
+    def hang(self) -> None:
+        self.hung = True
+
+    # ---- the scripted engine -----------------------------------------------------------------
     def _queue(self) -> asyncio.Queue:
         if self.outbox is None:
             self.outbox = asyncio.Queue()
@@ -71,33 +137,70 @@ class FakeActor:
             self.events.append(KVEvent(KVEventKind.STORED, tuple(new)))
         return hit * BS
 
+    def _run(self, rid: str, prompt: list[int], max_tokens: int, produced: int) -> None:
+        self.running[rid] = _Running(list(prompt), max_tokens, produced)
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.get_running_loop().create_task(self._steps())
+
+    async def _steps(self) -> None:
+        while self.running and not self.dead:
+            await asyncio.sleep(self.step_s)
+            if self.dead:
+                return
+            for rid, r in list(self.running.items()):
+                tok = script_token(r.prompt, r.produced)
+                r.produced += 1
+                done = r.produced >= r.max_tokens
+                if done:
+                    del self.running[rid]
+                self._queue().put_nowait(RequestOutput(
+                    rid, [tok], script_text(tok), finished=done, finish_reason="length" if done else None,
+                    num_prompt_tokens=len(r.prompt), num_output_tokens=r.produced))
+
+    # ---- the calls -----------------------------------------------------------------------------
     async def _heartbeat(self):
         events, self.events = self.events, []
-        stats = WorkerStats(self.worker_id, self.role, 0, 0, 0.0, 100, 100, 0, 0, 0, 0, 0, 0, 0, 0, self.pid)
+        stats = WorkerStats(self.worker_id, self.role, len(self.running), 0, 0.0, 100, 100, 0, 0, 0, 0, 0, 0, 0, 0,
+                            self.pid)
         return WorkerHeartbeat(stats, KVEventBatch(events, None, BS))
 
     async def _endpoint(self):
-        return b"endpoint"
+        return f"endpoint-{self.worker_id}-{self.pid}"
 
     async def _reserve(self, rid, prompt, params):
         cached = self._compute(prompt)
+        self.reserved.add(rid)
+        self._prompts[rid], self._max_tokens[rid] = list(prompt), params.max_tokens
         return KVReservation(rid, list(range(-(-len(prompt) // BS))), cached)
 
     async def _prefill(self, req):
         await asyncio.sleep(self.prefill_delay_s)
         cached = self._compute(req.prompt_token_ids)
-        out = RequestOutput(req.request_id, [7], "x", num_prompt_tokens=len(req.prompt_token_ids),
+        tok = script_token(req.prompt_token_ids, 0)
+        done = req.sampling_params.max_tokens == 1
+        out = RequestOutput(req.request_id, [tok], script_text(tok), finished=done,
+                            finish_reason="length" if done else None, num_prompt_tokens=len(req.prompt_token_ids),
                             num_cached_tokens=cached, num_output_tokens=1)
         return PrefillResult(out, 3, 3 * 4096, 0.001, self.prefill_delay_s)
 
     async def _start_decode(self, rid, first_token):
-        self._queue().put_nowait(RequestOutput(rid, [8], "y", finished=True, finish_reason="length", num_output_tokens=2))
+        if rid not in self.reserved:
+            raise ValueError(f"request {rid!r} is not waiting for KV here")
+        self.reserved.discard(rid)
+        self._run(rid, self._prompts.pop(rid), self._max_tokens.pop(rid), 1)
 
-    async def _submit(self, rid, prompt, params):
-        cached = self._compute(prompt)
-        q = self._queue()
-        q.put_nowait(RequestOutput(rid, [7], "x", num_prompt_tokens=len(prompt), num_cached_tokens=cached, num_output_tokens=1))
-        q.put_nowait(RequestOutput(rid, [8], "y", finished=True, finish_reason="length", num_output_tokens=2))
+    async def _submit(self, rid, prompt, params, resume: ResumeState | None = None):
+        if rid in self.running:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        self.submitted.append((rid, resume))
+        produced = 0
+        if resume is not None:
+            produced = len(resume.output_token_ids)
+            expect = script(prompt, produced)
+            if list(resume.output_token_ids) != expect or resume.text_chars != sum(len(script_text(t)) for t in expect):
+                raise ValueError(f"resume of {rid!r} does not match what was produced")
+        self._compute(prompt)
+        self._run(rid, prompt, params.max_tokens, produced)
 
     async def _poll_outputs(self, timeout_s):
         q = self._queue()
@@ -111,4 +214,6 @@ class FakeActor:
         return out
 
     async def _abort(self, rid):
-        return True
+        self.reserved.discard(rid)
+        return self.running.pop(rid, None) is not None
+

@@ -131,7 +131,7 @@ def test_other_policies_and_factory():
 @pytest.mark.parametrize("kwargs, match", [
     ({"policy": "fastest"}, "routing policy must be one of"),
     ({"temperature": -0.5}, "temperature"),
-    ({"w_kv": float("nan")}, "w_kv"),
+    ({"weight_kv": float("nan")}, "weight_kv"),
     ({"local_prefill_threshold": -1}, "local_prefill_threshold"),
 ])
 def test_bad_routing_config_is_rejected_with_its_name(kwargs, match):
@@ -141,13 +141,14 @@ def test_bad_routing_config_is_rejected_with_its_name(kwargs, match):
 
 def test_serve_config_and_cli_reject_bad_routing_options(capsys):
     from cluster.cli import main
-    from cluster.config import ServeConfig
+    from cluster.config import BatonConfig
 
-    assert ServeConfig(routing_policy="least-loaded", local_prefill_threshold=0).routing_config().local_prefill_threshold == 0
-    with pytest.raises(ValueError, match="routing weight"):
-        ServeConfig(routing_weights={"speed": 1})
-    with pytest.raises(ValueError, match="must be a mapping"):
-        ServeConfig(routing_weights=[1, 2])
+    config = BatonConfig.from_options(routing_policy="least-loaded", local_prefill_threshold=0)
+    assert (config.routing.policy, config.routing.local_prefill_threshold) == ("least-loaded", 0)
+    with pytest.raises(ValueError, match="routing_weight_speed"):
+        BatonConfig.from_options(routing_weight_speed=1.0)
+    with pytest.raises(ValueError, match="routing.weight_kv must be a number"):
+        BatonConfig.from_options(routing_weight_kv=[1, 2])
     assert main(["serve", "--local-prefill-threshold", "-3"]) == 2
     err = capsys.readouterr().err
     assert "local_prefill_threshold" in err and "Traceback" not in err

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from router.backend import GenerateRequest
 from router.ray_backend import RayBackend
 from router.routing import KvAwarePolicy, RoutingConfig

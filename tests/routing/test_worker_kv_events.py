@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 from workers.block_manager import BlockManager
 from workers.protocol import KVEvent, KVEventKind
+from workers.sampling_params import SamplingParams
+from workers.sequence import Sequence
 from workers.worker import EngineWorker, WorkerConfig
 
 
@@ -22,6 +24,15 @@ class _Engine:
         return SimpleNamespace(num_running=0, num_waiting=0, kv_usage=bm.usage, num_blocks=bm.num_blocks,
                                num_free_blocks=bm.num_free_blocks, prefix_cache_queries=0, prefix_cache_hits=0,
                                num_preemptions=0)
+
+
+def cache_blocks(bm: BlockManager, tokens: list[int]) -> None:
+    """Compute a prompt's blocks and free them: its full blocks stay in the prefix cache."""
+    seq = Sequence("s", tokens, SamplingParams())
+    assert bm.allocate_prefix_and_new(seq, [], len(tokens))
+    seq.num_computed_tokens = len(tokens)
+    bm.cache_computed_blocks(seq)
+    bm.free(seq)
 
 
 def make_worker() -> tuple[EngineWorker, BlockManager]:
@@ -47,7 +58,7 @@ def test_overflow_sends_a_snapshot_of_the_cache_instead():
     worker, bm = make_worker()
     try:
         def flood():
-            bm._cached.update({111: 0, 222: 1})  # what the cache holds now
+            cache_blocks(bm, list(range(8)))  # what the cache holds now: two full blocks
             for i in range(worker._max_kv_event_hashes + 10):
                 bm._events.append(KVEvent(KVEventKind.STORED, (10_000 + i,)))
 
@@ -55,7 +66,8 @@ def test_overflow_sends_a_snapshot_of_the_cache_instead():
         worker._call(lambda: None)  # one more loop turn: the drain after the command ran
         assert len(worker._kv_events) == 0  # the buffer did not grow past its bound
         batch = worker.heartbeat().kv_events
-        assert batch.events == [] and sorted(batch.snapshot) == [111, 222]
+        assert batch.events == [] and len(batch.snapshot) == 2
+        assert sorted(batch.snapshot) == sorted(worker._call(bm.cached_hashes))
         assert worker.heartbeat().kv_events.snapshot is None  # back to plain events
     finally:
         worker.shutdown()

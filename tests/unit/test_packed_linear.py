@@ -5,8 +5,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tests.engine.helpers import save_tiny_model
 from workers import packed_linear
-from workers.quantization import Fp8Linear
+from workers.config import EngineConfig
+from workers.model_config import ModelConfig
+from workers.model_runner import iter_safetensors, load_model
+from workers.quantization import Fp8Linear, weight_memory
 
 if not packed_linear.available(torch.zeros(2, 2)):
     pytest.skip("oneDNN prepacking is not available in this torch build", allow_module_level=True)
@@ -56,16 +60,21 @@ def test_prepack_swaps_plain_linears_only_and_packs_the_lm_head():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_switch_off_leaves_the_model_alone(monkeypatch):
-    monkeypatch.setenv("BATON_PACKED_LINEAR", "0")
-    model = nn.Sequential(nn.Linear(4, 4))
-    assert packed_linear.prepack(model) == 0 and type(model[0]) is nn.Linear
+@pytest.mark.parametrize("packed,backend", [(True, "auto"), (False, "reference")])
+def test_engine_config_switches_prepacking_and_kernels(packed, backend):
+    folder, _ = save_tiny_model("llama")
+    config = EngineConfig(packed_linear=packed, kernel_backend=backend)
+    model = load_model(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
+    layers = [type(m) for m in model.modules() if isinstance(m, (nn.Linear, packed_linear.PackedLinear))]
+    assert layers and set(layers) == {packed_linear.PackedLinear if packed else nn.Linear}
+    assert (model.packed_lm_head is not None) == packed
+    # Every layer calls the kernels resolved once for the model.
+    assert model.ops.backend == ("native" if backend == "auto" else "reference")
+    assert all(layer.ops is model.ops and layer.self_attn.ops is model.ops for layer in model.layers)
 
 
 def test_weight_memory_counts_packed_layers_as_linear_layers():
     # bench/fp8_accuracy.py reports the linear layers' bytes per dtype from weight_memory().
-    from workers.quantization import weight_memory
-
     model = nn.Sequential(nn.Embedding(10, 32), nn.Linear(32, 64), nn.Linear(64, 32, bias=False)).to(torch.bfloat16)
     before = weight_memory(model)
     assert before.linear_bytes == (32 * 64 + 64 + 64 * 32) * 2 and before.other_bytes == 10 * 32 * 2

@@ -21,14 +21,11 @@ def simulate_step(sched: Scheduler) -> dict[str, int]:
 
 def arrive_with_remote_kv(sched: Scheduler, seq: Sequence) -> None:
     """What a decode worker does for a remotely prefilled request (LLMEngine.reserve_for_kv, then
-    start_decoding): blocks reserved, appended to the running list, then the KV and first token land."""
-    bm = sched.block_manager
-    assert bm.allocate_prefix_and_new(seq, [], seq.num_tokens)
-    seq.status = SequenceStatus.WAITING_FOR_KV
-    sched.running.append(seq)
-    seq.num_computed_tokens = seq.num_prompt_tokens
+    start_decoding): blocks reserved while waiting for KV, then the KV and first token land."""
+    assert sched.add_reserved(seq)
+    assert seq.status is SequenceStatus.WAITING_FOR_KV
+    sched.kv_arrived(seq)
     seq.append_token(7)
-    seq.status = SequenceStatus.RUNNING
 
 
 def test_decodes_that_joined_after_a_long_local_prefill_are_not_starved():

@@ -3,7 +3,8 @@
 One implementation serves all of them: they differ only in q/k/v biases (Qwen2), rope scaling
 (Llama 3) and tied embeddings, which ModelConfig records. q/k/v and gate/up projections are
 fused into one matrix each at load time, so a layer runs four matrix products instead of seven.
-Every hot op goes through `kernels.ops`, which picks Triton on CUDA and PyTorch on the CPU.
+Every hot op is a function of the model's KernelOps (kernels.ops.kernel_ops), chosen once when
+the model is built: Triton on CUDA, native C++ or PyTorch on the CPU.
 
 Batch layout (see AttentionMetadata): the flat token batch holds the decode tokens first (one per
 sequence), then the new tokens of each prefilling sequence.
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels import ops
+from kernels.ops import KernelOps
 from workers import packed_linear
 from workers.model_config import ModelConfig
 
@@ -53,8 +54,9 @@ class KVCacheView:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -77,6 +79,7 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        ops = self.ops
         ops.rotary_embedding(positions, q, k, cos_sin_cache)
         ops.store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
         nd = meta.num_decode_tokens
@@ -100,41 +103,44 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.ops = ops
+        self.self_attn = Attention(config, ops)
+        self.mlp = MLP(config, ops)
         self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
 
     def forward(self, hidden, residual, positions, cos_sin_cache, meta, kv):
         if residual is None:
             residual = hidden
-            hidden = ops.rms_norm(hidden, self.input_layernorm, self.eps)
+            hidden = self.ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
-            hidden, residual = ops.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+            hidden, residual = self.ops.rms_norm(hidden, self.input_layernorm, self.eps, residual)
         hidden = self.self_attn(hidden, positions, cos_sin_cache, meta, kv)
-        hidden, residual = ops.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        hidden, residual = self.ops.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
         return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops  # the kernels every layer calls (kernels.ops.kernel_ops)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         # float32 [max_positions, head_dim]; the model runner fills it for its context length.
@@ -152,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv in zip(self.layers, kv_layers):
             hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, meta, kv)
-        hidden, _ = ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        hidden, _ = self.ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

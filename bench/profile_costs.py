@@ -1,0 +1,211 @@
+"""Profile this machine's engine steps and fit the simulator's cost model (cluster/sim/costs.py).
+
+Runs the real engine (`workers.engine.LLMEngine`, the default model, one torch thread: what each
+worker of a default `baton serve` gets on this 2-core machine) through prefills of 32-256 new
+tokens over cached prefixes of 0-1,536 tokens, a 2,000-token prompt in 256-token chunks, decode
+batches of 1-32 sequences at contexts of 32-1,024 tokens, and mixed steps. Every engine step is
+recorded with its shape (the scheduler's chunks) and its wall time; a least-squares fit gives
+
+    step = c0 + c_token * max(tokens, knee) + c_sampled * sampled + c_decode_ctx * decode_context
+           + c_prefill_pairs * prefill_pairs + c_decode_seq * decode_seqs
+
+(knee chosen by a 1-D search; coefficients kept >= 0). The serving overheads (Ray call, stream
+delay) are measured too, when --overheads is given (starts Ray on 127.0.0.1). Writes a model
+profile that `baton plan --model-profile` and bench/sim_validate.py read:
+
+    .venv/bin/python bench/profile_costs.py [--dtype float32] [--out bench/results/cost_profile_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cluster.sim.costs import FittedCostModel, StepShape  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
+
+
+class Recorder:
+    """Wraps an engine's scheduler.schedule to capture each step's chunks, and times engine.step()."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.samples: list[dict] = []
+        self._chunks: list[tuple[int, int, bool]] = []
+        original = engine.scheduler.schedule
+
+        def schedule():
+            out = original()
+            self._chunks = [(c.seq.num_computed_tokens, c.num_tokens, c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens)
+                            for c in out.chunks]
+            return out
+
+        engine.scheduler.schedule = schedule
+
+    def step(self, label: str) -> None:
+        t0 = time.perf_counter()
+        self.engine.step()
+        dt = time.perf_counter() - t0
+        if self._chunks:
+            shape = StepShape.of(self._chunks)
+            self.samples.append({"label": label, "seconds": dt, **shape.__dict__})
+        self._chunks = []
+
+    def run_all(self, label: str, limit: int = 10_000) -> None:
+        for _ in range(limit):
+            if not self.engine.has_unfinished_requests():
+                return
+            self.step(label)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def profile(engine: LLMEngine, rng: random.Random, quick: bool) -> list[dict]:
+    rec = Recorder(engine)
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    # Warm-up (first calls allocate and pack).
+    engine.add_request(tokens(rng, 64), greedy(4))
+    rec.run_all("warmup")
+    rec.samples.clear()
+    # Prefill over cached prefixes.
+    cached = (0, 512) if quick else (0, 512, 1536)
+    new = (32, 256) if quick else (32, 96, 256)
+    for c in cached:
+        prefix = tokens(rng, c)
+        if c:
+            engine.add_request(prefix + tokens(rng, 1), greedy(1))
+            rec.run_all("warm prefix")
+        for n in new:
+            for _ in range(2):
+                engine.add_request(prefix + tokens(rng, n), greedy(1))
+                rec.run_all(f"prefill {n} over {c} cached")
+    # A long prompt in chunks.
+    engine.add_request(tokens(rng, 1000 if quick else 2000), greedy(1))
+    rec.run_all("long prompt chunks")
+    # Decode batches.
+    grid = ((1, 32), (8, 256), (16, 32)) if quick else (
+        (1, 32), (1, 1024), (4, 256), (8, 32), (8, 256), (8, 1024), (16, 32), (16, 256), (32, 32), (32, 256))
+    for b, ctx in grid:
+        for _ in range(b):
+            engine.add_request(tokens(rng, ctx), greedy(10))
+        rec.run_all(f"decode {b} x {ctx}")
+    # Mixed: a batch decoding while a prompt is prefilled.
+    for b in ((8,) if quick else (4, 16)):
+        for _ in range(b):
+            engine.add_request(tokens(rng, 64), greedy(24))
+        for _ in range(6):
+            rec.step(f"mixed {b}")
+        engine.add_request(tokens(rng, 512), greedy(1))
+        rec.run_all(f"mixed {b}")
+    return rec.samples
+
+
+def fit(samples: list[dict]) -> tuple[dict[str, float], float, dict]:
+    """Least squares on relative error (each step weighs the same whatever its length), coefficients >= 0."""
+    names = FittedCostModel.COEFFICIENTS
+    t = np.array([s["seconds"] for s in samples])
+    shapes = [StepShape(**{k: s[k] for k in StepShape.__dataclass_fields__}) for s in samples]
+    best = None
+    for knee in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        x = np.array([FittedCostModel.features(sh, knee) for sh in shapes]) / t[:, None]
+        active = list(range(len(names)))
+        while True:
+            coef, *_ = np.linalg.lstsq(x[:, active], np.ones(len(t)), rcond=None)
+            negative = [a for a, c in zip(active, coef) if c < 0]
+            if not negative:
+                break
+            active.remove(min(negative, key=lambda a: coef[active.index(a)]))
+        full = np.zeros(len(names))
+        full[active] = coef
+        pred = np.array([FittedCostModel.features(sh, knee) for sh in shapes]) @ full
+        err = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+        if best is None or err < best[2]:
+            best = (full, knee, err, pred)
+    full, knee, err, pred = best
+    rel = np.abs(pred - t) / t
+    quality = {"rms_relative_error": err, "median_relative_error": float(np.median(rel)),
+               "p90_relative_error": float(np.quantile(rel, 0.9)), "samples": len(samples)}
+    return dict(zip(names, map(float, full))), float(knee), quality
+
+
+def measure_overheads() -> dict:
+    """Ray actor call round trip on 127.0.0.1 (p50 of 200), as the router's calls to workers pay it."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray  # only this measurement needs Ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        @ray.remote(num_cpus=0)
+        class Echo:
+            def ping(self, x):
+                return x
+
+        echo = Echo.remote()
+        ray.get(echo.ping.remote(0))
+        times = []
+        for i in range(200):
+            t0 = time.perf_counter()
+            ray.get(echo.ping.remote(i))
+            times.append(time.perf_counter() - t0)
+        return {"rpc_s": statistics.median(times)}
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (a default 1+1 `baton serve` here: 1)")
+    ap.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache per worker (serve's default)")
+    ap.add_argument("--overheads", action="store_true", help="also measure the Ray call round trip")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (a test's profile, ~20 s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/cost_profile_cpu.json")
+    args = ap.parse_args()
+    config = EngineConfig(dtype=args.dtype, num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
+    engine = LLMEngine.from_model_dir(None, config)
+    started = time.perf_counter()
+    samples = profile(engine, random.Random(args.seed), args.quick)
+    coefficients, knee, quality = fit(samples)
+    bm = engine.block_manager
+    mc = engine.model_config
+    kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * (4 if args.dtype == "float32" else 2)
+    overheads = {"router_s": 0.002, "rpc_s": 0.001, "stream_s": 0.0015, "heartbeat_s": 2.0}
+    if args.overheads:
+        overheads.update(measure_overheads())
+    result = {
+        "cost_model": {"kind": "fitted", "coefficients": coefficients, "knee": knee, "kv_bytes_per_token": kv_bytes,
+                       "kv_capacity_tokens": bm.num_blocks * bm.block_size, "gpus_per_worker": 1},
+        "overheads": overheads,
+        "link": "cpu-shm",
+        "fit": quality,
+        "engine": {"dtype": args.dtype, "threads": args.threads, "block_size": bm.block_size,
+                   "max_num_batched_tokens": config.max_num_batched_tokens, "num_blocks": bm.num_blocks},
+        "profile_seconds": time.perf_counter() - started,
+        "machine": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["python"] + sys.argv),
+        "samples": samples,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("cost_model", "overheads", "fit", "profile_seconds")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

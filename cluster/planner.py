@@ -1,0 +1,246 @@
+"""The SLO planner: how many prefill and decode workers a fixed number of GPUs should run.
+
+A split's **goodput** is DistServe's: the highest request rate of the workload's mix at which at
+least `attainment` (default 90%) of requests meet both the TTFT and the TPOT SLO, found by
+bisection on the rate, each probe one simulation (cluster/sim) with the same random arrivals.
+Goodput per GPU is that rate over the GPUs the split uses.
+
+The planner does not simulate every split. It estimates each pool's capacity per worker from the
+cost model (a prefill worker: prompts per second, chunk by chunk under the token budget; a decode
+worker: requests per second at the largest batch whose step still meets the TPOT SLO and whose
+KV fits), starts from the split that balances the two, and climbs to the better neighbour until
+neither is better; the colocated layout (no prefill pool: decode workers prefill) is one more
+candidate. `exhaustive` simulates every split, the yardstick the planner is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: never a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from cluster.sim.costs import CostModel, LinkModel, ServingOverheads, StepShape  # noqa: E402
+from cluster.sim.engine import EngineSettings  # noqa: E402
+from cluster.sim.metrics import SLO  # noqa: E402
+from cluster.sim.simulator import ClusterSpec, Simulator  # noqa: E402
+from cluster.sim.workload import WorkloadSpec  # noqa: E402
+from router.routing import RoutingConfig  # noqa: E402
+
+__all__ = ["Plan", "PlanProblem", "SplitResult", "capacity_estimate", "evaluate_split", "exhaustive", "plan",
+           "plot_plan"]
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    gpus: int
+    workload: WorkloadSpec
+    slo: SLO
+    cost: CostModel
+    prefill_cost: CostModel | None = None  # default: the decode pool's
+    overheads: ServingOverheads = field(default_factory=ServingOverheads)
+    link: LinkModel = field(default_factory=lambda: LinkModel("default", 50e9))
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(seed=0))
+    attainment: float = 0.9
+    requests_per_probe: int = 400
+    rate_tolerance: float = 0.03  # bisection stops when hi/lo - 1 is below this
+    allow_colocated: bool = True
+
+    def __post_init__(self) -> None:
+        if self.slo.ttft_s is None or self.slo.tpot_s is None:
+            raise ValueError("the planner needs both a TTFT and a TPOT SLO")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+        if self.max_workers < 2:
+            raise ValueError(f"{self.gpus} GPUs hold fewer than 2 workers of {self.decode_gpus} GPU(s)")
+
+    @property
+    def pcost(self) -> CostModel:
+        return self.prefill_cost or self.cost
+
+    @property
+    def decode_gpus(self) -> int:
+        return self.cost.gpus_per_worker()
+
+    @property
+    def max_workers(self) -> int:
+        return self.gpus // max(self.decode_gpus, self.pcost.gpus_per_worker())
+
+    def splits(self) -> list[tuple[int, int]]:
+        """Every (prefill, decode) worker pair that fills the GPUs as far as whole workers go."""
+        out = [(0, self.gpus // self.decode_gpus)] if self.allow_colocated else []
+        pg, dg = self.pcost.gpus_per_worker(), self.decode_gpus
+        for p in range(1, self.gpus // pg):
+            d = (self.gpus - p * pg) // dg
+            if d >= 1:
+                out.append((p, d))
+        return out
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    prefill_workers: int
+    decode_workers: int
+    gpus: int
+    goodput: float  # requests/s at which attainment >= target
+    attainment_at_goodput: float
+    probes: int
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput / self.gpus if self.gpus else 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill_workers}P:{self.decode_workers}D"
+
+
+@dataclass(frozen=True)
+class Plan:
+    best: SplitResult
+    evaluated: tuple[SplitResult, ...]
+    simulations: int
+    method: str
+    estimate: dict
+
+    def to_dict(self) -> dict:
+        row = lambda r: {**dataclasses.asdict(r), "goodput_per_gpu": r.goodput_per_gpu, "split": r.label}  # noqa: E731
+        return {"method": self.method, "best": row(self.best), "simulations": self.simulations,
+                "estimate": self.estimate, "evaluated": [row(r) for r in self.evaluated]}
+
+
+def _prefill_seconds(cost: CostModel, engine: EngineSettings, uncached: int, cached: int) -> float:
+    """One prompt prefilled alone, chunk by chunk under the token budget."""
+    t, done = 0.0, cached
+    left = max(1, uncached)
+    while left > 0:
+        n = min(left, engine.max_num_batched_tokens)
+        t += cost.step_time(StepShape.of([(done, n, left == n)]))
+        done += n
+        left -= n
+    return t
+
+
+def capacity_estimate(problem: PlanProblem) -> dict:
+    """Per-worker capacities (requests/s) and the split that balances them."""
+    wl, eng = problem.workload, problem.engine
+    prompt = wl.mean_prompt_len()
+    cached = wl.prefix_len * wl.prefix_fraction if wl.prefix_groups else 0.0
+    out = max(1.0, wl.output_len.expected())
+    prefill_cap = 1.0 / _prefill_seconds(problem.pcost, eng, int(prompt - cached), int(cached))
+    cost = problem.cost
+    kv_blocks = eng.num_kv_blocks or cost.kv_capacity_tokens() // eng.block_size
+    context = prompt + out / 2
+    best_batch, best_step = 1, cost.step_time(StepShape.of([(int(context), 1, True)]))
+    for b in range(1, eng.max_num_seqs + 1):
+        if b * math.ceil((prompt + out) / eng.block_size) > kv_blocks:
+            break
+        step = cost.step_time(StepShape.of([(int(context), 1, True)] * b))
+        if step > 0.9 * problem.slo.tpot_s:
+            break
+        best_batch, best_step = b, step
+    decode_cap = best_batch / best_step / out
+    pg, dg = problem.pcost.gpus_per_worker(), problem.decode_gpus
+    # maximise min(p * prefill_cap, d * decode_cap) subject to p * pg + d * dg = gpus
+    p_star = problem.gpus * decode_cap / (decode_cap * pg + prefill_cap * dg)
+    return {"prefill_requests_per_s_per_worker": prefill_cap, "decode_requests_per_s_per_worker": decode_cap,
+            "decode_batch_within_tpot": best_batch, "balanced_prefill_workers": p_star,
+            "rate_upper_bound": min(p_star * prefill_cap, (problem.gpus - p_star * pg) / dg * decode_cap) * 1.5}
+
+
+def _attainment(problem: PlanProblem, p: int, d: int, rate: float) -> float:
+    wl = dataclasses.replace(problem.workload, rate=rate, duration_s=problem.requests_per_probe / rate)
+    spec = ClusterSpec(p, d, problem.engine, problem.routing, drain_limit_s=max(10.0, 4 * problem.slo.ttft_s))
+    sim = Simulator(spec, problem.cost, problem.overheads, problem.link, problem.pcost, record_itl=False)
+    return sim.run(wl.generate()).summary(problem.slo)["slo_attainment"]
+
+
+def evaluate_split(problem: PlanProblem, p: int, d: int, rate_hint: float) -> SplitResult:
+    """Bisect the rate for the highest one whose SLO attainment reaches the target."""
+    probes = 0
+    lo, lo_att, hi = 0.0, 1.0, max(rate_hint, 1e-3)
+    while True:  # grow hi until it fails
+        att = _attainment(problem, p, d, hi)
+        probes += 1
+        if att < problem.attainment or probes > 12:
+            break
+        lo, lo_att, hi = hi, att, hi * 2
+    if lo == 0.0:  # shrink until something passes
+        while probes < 14:
+            hi_fail = hi
+            hi /= 3
+            att = _attainment(problem, p, d, hi)
+            probes += 1
+            if att >= problem.attainment:
+                lo, lo_att, hi = hi, att, hi_fail
+                break
+        else:
+            return SplitResult(p, d, p * problem.pcost.gpus_per_worker() + d * problem.decode_gpus, 0.0, 0.0, probes)
+    while hi / lo - 1 > problem.rate_tolerance:
+        mid = math.sqrt(lo * hi)
+        att = _attainment(problem, p, d, mid)
+        probes += 1
+        if att >= problem.attainment:
+            lo, lo_att = mid, att
+        else:
+            hi = mid
+    gpus = p * problem.pcost.gpus_per_worker() + d * problem.decode_gpus
+    return SplitResult(p, d, gpus, lo, lo_att, probes)
+
+
+def exhaustive(problem: PlanProblem) -> Plan:
+    est = capacity_estimate(problem)
+    results = [evaluate_split(problem, p, d, est["rate_upper_bound"]) for p, d in problem.splits()]
+    best = max(results, key=lambda r: (r.goodput_per_gpu, -r.gpus))
+    return Plan(best, tuple(results), sum(r.probes for r in results), "exhaustive", est)
+
+
+def plan(problem: PlanProblem) -> Plan:
+    """Estimate, then hill-climb over the split (and try the colocated layout)."""
+    est = capacity_estimate(problem)
+    splits = [s for s in problem.splits() if s[0] > 0]
+    by_p = {p: (p, d) for p, d in splits}
+    seen: dict[tuple[int, int], SplitResult] = {}
+
+    def score(split: tuple[int, int]) -> float:
+        if split not in seen:
+            seen[split] = evaluate_split(problem, *split, est["rate_upper_bound"])
+        return seen[split].goodput_per_gpu
+
+    if splits:
+        p = min(max(1, round(est["balanced_prefill_workers"])), max(by_p))
+        current = by_p[p]
+        while True:
+            neighbours = [by_p[q] for q in (current[0] - 1, current[0] + 1) if q in by_p]
+            better = [n for n in neighbours if score(n) > score(current)]
+            if not better:
+                break
+            current = max(better, key=score)
+    if problem.allow_colocated:
+        score((0, problem.gpus // problem.decode_gpus))
+    results = sorted(seen.values(), key=lambda r: r.prefill_workers)
+    best = max(results, key=lambda r: (r.goodput_per_gpu, -r.gpus))
+    return Plan(best, tuple(results), sum(r.probes for r in results), "estimate + hill climb", est)
+
+
+def plot_plan(plans: list[Plan], path: str | Path, title: str = "") -> None:
+    """Goodput per GPU against the split, one line per plan (exhaustive first shows the whole curve)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for pl in plans:
+        rows = sorted(pl.evaluated, key=lambda r: r.prefill_workers)
+        ax.plot([r.prefill_workers for r in rows], [r.goodput_per_gpu for r in rows], marker="o", label=pl.method)
+        ax.scatter([pl.best.prefill_workers], [pl.best.goodput_per_gpu], s=160, facecolors="none", edgecolors="red")
+    ax.set_xlabel("prefill workers (the rest decode; 0: colocated)")
+    ax.set_ylabel("goodput per GPU (requests/s)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

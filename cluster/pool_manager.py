@@ -1,0 +1,230 @@
+"""The pool manager: changes the pools while the server runs, and keeps them at their size.
+
+- **Scaling** (`scale`, behind the admin endpoint and `baton scale`): a new worker is started with
+  `cluster.placement.spawn_worker` (the launcher's own way, so it asks Ray for the same GPUs, CPUs
+  and pool resource; on a cluster with an autoscaler that demand is what launches a node), placed,
+  ready, its KV layout checked against the other pool (`connect_pairs`), and only then handed to
+  the router (`RayBackend.add_worker`). A worker removed is drained first: no new request, what it
+  runs finishes within `drain_timeout_s` or migrates, then the router forgets it (its prefix-index
+  entries with it) and the actor is stopped.
+- **Healing**: workers are restartable actors (`max_restarts`): Ray restarts a dead worker's
+  process and the router re-admits it once it answers. A worker dead for good (no restart left,
+  `RayBackend.gone_workers`) is replaced by a new one, so the pool returns to its size.
+
+Everything here runs on the router's event loop; Ray's blocking calls go to a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import ray
+
+from cluster.placement import SpawnedWorker, connect_pairs, spawn_worker, wait_placed
+from router.admin import PoolsView, ScaleResult, WorkerView
+from workers.protocol import WorkerReady
+
+if TYPE_CHECKING:  # for annotations only: cluster.launcher imports this module to wire it in
+    from cluster.launcher import Deployment
+
+log = logging.getLogger("baton.pools")
+# After a replacement failed, wait this long before trying again (the health loop asks every interval).
+HEAL_RETRY_S = 30.0
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PoolTargets:
+    prefill: int
+    decode: int
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0:
+            raise ValueError(f"the prefill pool cannot have {self.prefill} workers (0 or more: 0 makes the "
+                             "decode workers prefill)")
+        if self.decode < 1:
+            raise ValueError(f"the decode pool needs at least 1 worker, got {self.decode}")
+
+    def of(self, role: str) -> int:
+        return self.prefill if role == "prefill" else self.decode
+
+
+class PoolManager:
+    """Scales and heals the pools of one running deployment (its backend must be built)."""
+
+    def __init__(self, deployment: Deployment, actor_name_prefix: str = "baton", ready_timeout_s: float = 300.0) -> None:
+        if deployment.backend is None:
+            raise ValueError("the deployment has no backend yet")
+        self.deployment = deployment
+        self.backend = deployment.backend
+        self.actor_name_prefix = actor_name_prefix
+        self.ready_timeout_s = ready_timeout_s
+        placement = deployment.config.placement
+        self.targets = PoolTargets(placement.prefill_workers, placement.decode_workers)
+        self.drain_timeout_s = placement.drain_timeout_s
+        # New workers get fresh indices: Ray frees a stopped actor's name only some time later.
+        used = {role: [int(wid.rsplit("-", 1)[1]) for wid, r, _ in deployment.workers if r == role] for role in ROLES}
+        self._next = {role: itertools.count(max(used[role], default=-1) + 1) for role in ROLES}
+        self._lock = asyncio.Lock()
+        self._healing: asyncio.Task | None = None
+        self._heal_failed_at = float("-inf")
+        self.replaced: list[tuple[str, str]] = []  # (gone worker, its replacement)
+        # Told the new targets after every scaling (the router app sizes its admission gates with it).
+        self.on_resize: Callable[[PoolTargets], None] | None = None
+        self.backend.on_gone = self._on_gone
+
+    # ---- views -------------------------------------------------------------------------------
+    def pools(self) -> PoolsView:
+        views = [WorkerView(w.worker_id, w.role, w.alive, w.draining, self.backend.in_flight(w.worker_id))
+                 for w in self.backend.workers()]
+        return PoolsView(self.targets.prefill, self.targets.decode, views)
+
+    def _serving(self, role: str) -> list[str]:
+        """The role's workers not on their way out."""
+        return [w.worker_id for w in self.backend.workers() if w.role == role and not w.draining]
+
+    # ---- scaling -------------------------------------------------------------------------------
+    async def scale(self, prefill: int | None = None, decode: int | None = None) -> ScaleResult:
+        """Start or drain workers until each pool has its new size (None: leave that pool)."""
+        async with self._lock:
+            started = time.monotonic()
+            targets = PoolTargets(self.targets.prefill if prefill is None else prefill,
+                                  self.targets.decode if decode is None else decode)
+            before = {role: len(self._serving(role)) for role in ROLES}
+            self.targets = targets
+            added: list[str] = []
+            removed: list[str] = []
+            moved = 0
+            # Grow first, then shrink: requests drained off a removed worker find the new ones.
+            grow = [role for role in ROLES for _ in range(max(0, targets.of(role) - before[role]))]
+            if grow:
+                added = await self._add_workers(grow)
+            for role in ROLES:
+                extra = len(self._serving(role)) - targets.of(role)
+                for wid in self._removal_order(role)[:max(0, extra)]:
+                    moved += await self._remove(wid)
+                    removed.append(wid)
+            if self.on_resize is not None:
+                self.on_resize(targets)
+            after = {role: len(self._serving(role)) for role in ROLES}
+            log.info("pools scaled from %s to %s (added %s, removed %s, %d requests moved) in %.1f s", before, after,
+                     added, removed, moved, time.monotonic() - started)
+            return ScaleResult(before, after, added, removed, moved, round(time.monotonic() - started, 3))
+
+    def _removal_order(self, role: str) -> list[str]:
+        """Dead ones first, then the least busy, then the newest."""
+        infos = [w for w in self.backend.workers() if w.role == role and not w.draining]
+        infos.sort(key=lambda w: (w.alive, self.backend.in_flight(w.worker_id), -int(w.worker_id.rsplit("-", 1)[1])))
+        return [w.worker_id for w in infos]
+
+    async def _add_workers(self, roles: list[str]) -> list[str]:
+        """Start one worker per entry of `roles` (together); all of them serve, or none does."""
+        config = self.deployment.config
+        restarts = config.placement.max_restarts
+        spawned: list[SpawnedWorker] = []
+        try:
+            for role in roles:
+                spawned.append(await asyncio.to_thread(
+                    spawn_worker, config, role, next(self._next[role]), self.actor_name_prefix, None,
+                    max_restarts=restarts))
+            nodes = await asyncio.to_thread(wait_placed, spawned, config.placement.placement_timeout_s)
+            reports = await asyncio.wait_for(asyncio.gather(*(w.handle.ready.remote() for w in spawned)),
+                                             self.ready_timeout_s)
+            for report in reports:
+                self._check_limits(report)
+            await asyncio.to_thread(self._connect_new, spawned)
+        except BaseException as exc:
+            for w in spawned:
+                _kill(w.handle)
+            if isinstance(exc, asyncio.TimeoutError):
+                raise RuntimeError(f"new workers not ready after {self.ready_timeout_s:.0f} s") from None
+            if isinstance(exc, ray.exceptions.RayError):
+                raise RuntimeError(f"a new worker failed to start: {exc}") from None
+            raise
+        for w in spawned:
+            self.deployment.workers.append(w.as_tuple())
+            self.deployment.nodes[w.worker_id] = nodes.get(w.worker_id, "")
+            self.backend.add_worker(w.worker_id, w.role, w.handle)
+            log.info("worker %s joined the %s pool", w.worker_id, w.role)
+        return [w.worker_id for w in spawned]
+
+    def _check_limits(self, report: WorkerReady) -> None:
+        """A new worker must hold what the router already promises clients, in the same layout."""
+        d = self.deployment
+        if report.block_size != d.block_size:
+            raise RuntimeError(f"{report.worker_id} has block size {report.block_size}, the pools {d.block_size}")
+        if report.max_model_len < d.max_model_len:
+            raise RuntimeError(f"{report.worker_id} holds {report.max_model_len} tokens, the router serves "
+                               f"{d.max_model_len}")
+
+    def _connect_new(self, spawned: list[SpawnedWorker]) -> None:
+        """The start-up handshake for every pair the new workers are in (KV layout and transport)."""
+        live = {w.worker_id for w in self.backend.workers() if w.alive}  # a dead peer would fail the handshake
+        current = {wid: (role, handle) for wid, role, handle in self.deployment.workers if wid in live}
+        current.update({w.worker_id: (w.role, w.handle) for w in spawned})
+        new = {w.worker_id for w in spawned}
+        prefill = [(wid, h) for wid, (role, h) in current.items() if role == "prefill"]
+        for wid, (role, handle) in current.items():
+            if role != "decode":
+                continue
+            senders = prefill if wid in new else [(p, h) for p, h in prefill if p in new]
+            if senders:
+                self.deployment.kv_links.update(connect_pairs(senders, [(wid, handle)]))
+
+    async def _remove(self, worker_id: str) -> int:
+        moved = await self.backend.drain_worker(worker_id, self.drain_timeout_s)
+        handle = self.backend.remove_worker(worker_id)
+        self.deployment.workers[:] = [w for w in self.deployment.workers if w[0] != worker_id]
+        self.deployment.nodes.pop(worker_id, None)
+        self.deployment.kv_links = {k: v for k, v in self.deployment.kv_links.items() if worker_id not in k}
+        await _stop(handle)
+        log.info("worker %s left its pool (%d requests moved)", worker_id, moved)
+        return moved
+
+    # ---- healing -------------------------------------------------------------------------------
+    def _on_gone(self) -> None:
+        """Called by the backend's health loop while some worker is dead for good."""
+        if (self._healing is None or self._healing.done()) and time.monotonic() - self._heal_failed_at > HEAL_RETRY_S:
+            self._healing = asyncio.get_running_loop().create_task(self.heal())
+
+    async def heal(self) -> list[str]:
+        """Replace every worker dead for good (the new one first, so a failed start leaves the dead
+        one listed and the next health interval after HEAL_RETRY_S tries again); returns the new ones."""
+        async with self._lock:
+            started = []
+            for wid in self.backend.gone_workers():
+                role = next(r for w, r, _ in self.deployment.workers if w == wid)
+                log.warning("worker %s is dead for good (no restart left): replacing it", wid)
+                try:
+                    (new,) = await self._add_workers([role])
+                except (RuntimeError, ValueError) as exc:
+                    log.error("could not replace %s: %s (retrying in %.0f s)", wid, exc, HEAL_RETRY_S)
+                    self._heal_failed_at = time.monotonic()
+                    continue
+                await self._remove(wid)
+                self.replaced.append((wid, new))
+                started.append(new)
+            return started
+
+
+async def _stop(handle) -> None:
+    """Let the worker close its transport (shared memory), then end the actor for good."""
+    try:
+        await asyncio.wait_for(handle.shutdown.remote(), 10)
+    except (ray.exceptions.RayError, asyncio.TimeoutError):
+        pass  # dead or hung: ray.kill below is all that is left
+    _kill(handle)
+
+
+def _kill(handle) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already gone
+        pass

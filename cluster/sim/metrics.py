@@ -1,0 +1,205 @@
+"""What a simulation reports: per-request records, their TTFT/TPOT/ITL distributions, goodput
+(CONVENTIONS.md's vocabulary, bench/serve.py's definitions and percentile method), per-pool
+utilisation and queueing, as JSON and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: never a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+__all__ = ["ItlSample", "RequestRecord", "SLO", "SimResult", "percentiles"]
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, r: "RequestRecord") -> bool:
+        if not r.completed:
+            return False
+        if self.ttft_s is not None and r.ttft_s > self.ttft_s:
+            return False
+        tpot = r.tpot_s
+        return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    client: str
+    prompt_len: int
+    output_len: int
+    sent_s: float
+    first_token_s: float | None = None
+    done_s: float | None = None
+    tokens: int = 0
+    last_token_s: float = 0.0
+    route: str = ""
+    prefill_worker: str | None = None
+    decode_worker: str = ""
+    cached_tokens: int = 0
+    failed: str = ""
+
+    @property
+    def completed(self) -> bool:
+        return self.done_s is not None and not self.failed
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.first_token_s or 0.0) - self.sent_s
+
+    @property
+    def e2el_s(self) -> float:
+        return (self.done_s or 0.0) - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        return (self.e2el_s - self.ttft_s) / (self.tokens - 1) if self.completed and self.tokens > 1 else None
+
+
+class ItlSample:
+    """Inter-token gaps: all of them up to `cap`, then a uniform reservoir sample (bounded memory at scale)."""
+
+    def __init__(self, cap: int = 500_000, seed: int = 0) -> None:
+        self.cap = cap
+        self.values: list[float] = []
+        self.seen = 0
+        self._rng = random.Random(seed)
+
+    def add(self, gap: float) -> None:
+        self.seen += 1
+        if len(self.values) < self.cap:
+            self.values.append(gap)
+        else:
+            j = self._rng.randrange(self.seen)
+            if j < self.cap:
+                self.values[j] = gap
+
+
+def percentiles(values: list[float], scale: float = 1000.0) -> dict:
+    """p50/p90/p99/mean, linearly interpolated exactly as bench/serve.py does (ms by default)."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        k = (len(ordered) - 1) * p
+        lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+        return (ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)) * scale
+
+    return {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "mean": statistics.fmean(values) * scale}
+
+
+@dataclass
+class PoolStats:
+    workers: int
+    gpu_seconds: float
+    busy_seconds: float
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    queue_s: list[float] = field(default_factory=list)
+
+    def summary(self, duration_s: float) -> dict:
+        return {"workers_at_end": self.workers, "gpu_seconds": self.gpu_seconds,
+                "utilisation": self.busy_seconds / self.gpu_seconds if self.gpu_seconds else 0.0,
+                "steps": self.steps, "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
+                "queue_ms": percentiles(self.queue_s)}
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    itl: ItlSample
+    pools: dict[str, PoolStats]
+    timeline: list[dict]  # sampled every heartbeat: time, pool sizes, queued work
+    decision_s: list[float]
+    duration_s: float
+    sim_wall_s: float
+    config: dict
+
+    def select(self, client: str | None = None) -> list[RequestRecord]:
+        return [r for r in self.records if client is None or r.client == client]
+
+    def summary(self, slo: SLO | None = None, client: str | None = None) -> dict:
+        slo = slo or SLO()
+        recs = self.select(client)
+        done = [r for r in recs if r.completed]
+        duration = self.duration_s or 1e-9
+        good = [r for r in recs if slo.met(r)]
+        out_tokens = sum(r.tokens for r in done)
+        itl = self.itl.values if client is None else []
+        return {
+            "requests": len(recs), "completed": len(done), "failed": len(recs) - len(done),
+            "duration_s": duration, "request_throughput": len(done) / duration,
+            "output_throughput": out_tokens / duration,
+            "goodput": len(good) / duration, "slo_attainment": len(good) / len(recs) if recs else 0.0,
+            "slo": {"ttft_ms": None if slo.ttft_s is None else slo.ttft_s * 1e3,
+                    "tpot_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3},
+            "ttft_ms": percentiles([r.ttft_s for r in done]),
+            "tpot_ms": percentiles([r.tpot_s for r in done if r.tpot_s is not None]),
+            "itl_ms": percentiles(itl),
+            "e2el_ms": percentiles([r.e2el_s for r in done]),
+            "cached_token_fraction": (sum(r.cached_tokens for r in done) / max(1, sum(r.prompt_len for r in done))),
+            "routes": _count(r.route for r in recs),
+        }
+
+    def report(self, slo: SLO | None = None) -> dict:
+        clients = sorted({r.client for r in self.records})
+        return {
+            "overall": self.summary(slo),
+            "by_client": {c: self.summary(slo, c) for c in clients} if len(clients) > 1 else {},
+            "pools": {name: p.summary(self.duration_s) for name, p in self.pools.items()},
+            "router_decision_ms": percentiles(self.decision_s),
+            "simulated_s": self.duration_s, "simulation_wall_s": self.sim_wall_s, "config": self.config,
+        }
+
+    def write_json(self, path: str | Path, slo: SLO | None = None, extra: dict | None = None) -> dict:
+        data = {**self.report(slo), "timeline": self.timeline, **(extra or {})}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+        return data
+
+    def plot(self, path: str | Path, title: str = "") -> None:
+        """TTFT and TPOT distributions, and pool sizes and queued prefill work over time."""
+        done = [r for r in self.records if r.completed]
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        for ax, values, label in ((axes[0], [r.ttft_s * 1e3 for r in done], "TTFT (ms)"),
+                                  (axes[1], [r.tpot_s * 1e3 for r in done if r.tpot_s is not None], "TPOT (ms)")):
+            if values:
+                ax.hist(values, bins=50)
+            ax.set_xlabel(label)
+            ax.set_ylabel("requests")
+        ax = axes[2]
+        if self.timeline:
+            t = [p["t"] for p in self.timeline]
+            ax.plot(t, [p["prefill_workers"] for p in self.timeline], label="prefill workers")
+            ax.plot(t, [p["decode_workers"] for p in self.timeline], label="decode workers")
+            ax.set_xlabel("time (s)")
+            ax.set_ylabel("workers")
+            ax2 = ax.twinx()
+            ax2.plot(t, [p["queued_prefill_tokens"] for p in self.timeline], color="grey", alpha=0.5,
+                     label="queued prefill tokens")
+            ax2.set_ylabel("queued prefill tokens")
+            ax.legend(loc="upper left")
+        fig.suptitle(title)
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def _count(items) -> dict:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out

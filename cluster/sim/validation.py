@@ -1,0 +1,97 @@
+"""The three validation workloads, as the simulator sees them, and the sim-vs-real comparison.
+
+bench/sim_validate.py sends the same requests to a real `baton serve` (bench/serve.py's client)
+and simulates them here; tests/sim/test_validation.py re-simulates the stored run in `make test`.
+
+1. `throughput` (bench/compare_vllm.py workload 1): 64 prompts of 256 token ids, 128 output tokens,
+   16 at a time.
+2. `mixed` (workload 2): 24 streams (32 in / 256 out, 8 at a time) while a second client sends
+   10 prompts of 2,000 tokens for 1 output token, Poisson at 0.25 per second.
+3. `chat`: multi-turn conversations sharing a system prompt; each turn's prompt is the previous
+   turn's prompt, a fixed assistant reply and a new user message (token ids, so the real run and
+   the simulation send identical prompts).
+
+Prompts and arrival times are drawn exactly as bench/serve.py draws them (same seeds, same order
+of random calls), so the simulated requests are the very ones the real client sent.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from cluster.sim.workload import Client, SimRequest, Workload
+
+__all__ = ["ChatShape", "VALIDATION_WORKLOADS", "chat_conversations", "compare", "serve_requests", "validation_workload"]
+
+VALIDATION_WORKLOADS = ("throughput", "mixed", "chat")
+METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"))
+
+
+def serve_requests(name: str, input_len: int, output_len: int, num_prompts: int, seed: int,
+                   request_rate: float | None = None) -> list[SimRequest]:
+    """bench/serve.py --token-ids: the prompts it sends, and with --request-rate the send times."""
+    rng = random.Random(seed)
+    shared: list[int] = []  # --shared-prefix-len 0
+    prompts = [shared + [rng.randrange(1000, 40000) for _ in range(input_len)] for _ in range(num_prompts)]
+    arrivals: list[float | None] = [None] * num_prompts
+    if request_rate:
+        t = 0.0
+        for i in range(num_prompts):
+            arrivals[i] = t  # the client sends, then sleeps expovariate(rate) before the next
+            t += rng.expovariate(request_rate)
+    return [SimRequest(f"{name}-{i}", tuple(p), output_len, arrivals[i]) for i, p in enumerate(prompts)]
+
+
+@dataclass(frozen=True)
+class ChatShape:
+    conversations: int = 6
+    turns: int = 4
+    concurrency: int = 3
+    system_len: int = 384
+    user_len: int = 48
+    reply_len: int = 32  # the assistant reply kept in the history (fixed tokens)
+    output_len: int = 32
+    seed: int = 7
+
+
+def chat_conversations(shape: ChatShape = ChatShape()) -> list[list[list[int]]]:
+    """Per conversation, each turn's prompt (token ids)."""
+    rng = random.Random(shape.seed)
+    draw = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]  # noqa: E731
+    system = draw(shape.system_len)
+    out = []
+    for _ in range(shape.conversations):
+        history = system + draw(shape.user_len)
+        turns = [list(history)]
+        for _ in range(shape.turns - 1):
+            history = history + draw(shape.reply_len) + draw(shape.user_len)
+            turns.append(list(history))
+        out.append(turns)
+    return out
+
+
+def validation_workload(name: str, chat: ChatShape = ChatShape()) -> Workload:
+    if name == "throughput":
+        return Workload((Client.closed_loop("throughput", serve_requests("w1", 256, 128, 64, 0), 16),))
+    if name == "mixed":
+        streams = serve_requests("streams", 32, 256, 24, 1)
+        longs = serve_requests("longs", 2000, 1, 10, 2, request_rate=0.25)
+        return Workload((Client.closed_loop("streams", streams, 8), Client.open_loop("long_prompts", longs)))
+    if name == "chat":
+        units = tuple(tuple(SimRequest(f"chat-{c}-{t}", tuple(p), chat.output_len) for t, p in enumerate(turns))
+                      for c, turns in enumerate(chat_conversations(chat)))
+        return Workload((Client("chat", units, chat.concurrency),))
+    raise ValueError(f"unknown validation workload {name!r}; known: {', '.join(VALIDATION_WORKLOADS)}")
+
+
+def compare(real: dict, simulated: dict, tolerance: float = 0.2) -> list[dict]:
+    """Rows of (metric, real, simulated, relative error, within tolerance) from two summaries
+    shaped as bench/serve.py's (ttft_ms / tpot_ms percentiles, in ms)."""
+    rows = []
+    for metric, q in METRICS:
+        r, s = real[metric][q], simulated[metric][q]
+        err = (s - r) / r if r else float("inf")
+        rows.append({"metric": f"{metric.split('_')[0].upper()} {q}", "real_ms": r, "sim_ms": s,
+                     "relative_error": err, "within": abs(err) <= tolerance})
+    return rows

@@ -1,0 +1,241 @@
+"""What the simulated clients send: requests (token ids and output lengths) and when.
+
+A `Workload` is a list of `Client`s. A client runs *units* (lists of requests sent one after the
+other: a conversation's turns, or a single request) with at most `concurrency` units in flight,
+each unit's next request sent `think_s` after the previous one finished; or, when requests carry
+`arrival_s`, it sends each at that time regardless (open loop). This covers bench/serve.py's two
+modes (fixed concurrency, Poisson arrivals) and multi-turn chats.
+
+Prompts are token ids, so the simulator's prefix index and block manager hash real blocks:
+requests of one shared-prefix group start with the same tokens. `WorkloadSpec` generates
+workloads from distributions (Poisson or bursty arrivals; fixed, uniform or lognormal lengths;
+prefix groups); `read_trace` / `write_trace` handle JSON-lines traces
+(`{"arrival_s", "prompt_len", "output_len", "prefix_group", "prefix_len"}` per line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["Client", "LengthDist", "SimRequest", "Workload", "WorkloadSpec", "read_trace", "write_trace"]
+
+VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # token ids drawn from here, as bench/serve.py does
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    request_id: str
+    prompt: tuple[int, ...]
+    output_len: int
+    arrival_s: float | None = None  # open loop: sent at this time; None: when its client is ready
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.output_len < 1:
+            raise ValueError(f"request {self.request_id}: output_len must be >= 1, got {self.output_len}")
+
+
+@dataclass(frozen=True)
+class Client:
+    """One load source. units: requests sent in order within a unit (a conversation), units in parallel."""
+
+    name: str
+    units: tuple[tuple[SimRequest, ...], ...]
+    concurrency: int | None = None  # units in flight at most (None: all)
+    think_s: float = 0.0
+    start_s: float = 0.0
+
+    @classmethod
+    def closed_loop(cls, name: str, requests: list[SimRequest], concurrency: int) -> "Client":
+        return cls(name, tuple((r,) for r in requests), concurrency)
+
+    @classmethod
+    def open_loop(cls, name: str, requests: list[SimRequest]) -> "Client":
+        if any(r.arrival_s is None for r in requests):
+            raise ValueError(f"open-loop client {name}: every request needs arrival_s")
+        return cls(name, tuple((r,) for r in requests), None)
+
+    @property
+    def requests(self) -> list[SimRequest]:
+        return [r for unit in self.units for r in unit]
+
+
+@dataclass(frozen=True)
+class Workload:
+    clients: tuple[Client, ...]
+
+    def __post_init__(self) -> None:
+        ids = [r.request_id for c in self.clients for r in c.requests]
+        if len(ids) != len(set(ids)):
+            raise ValueError("request ids must be unique across the workload")
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(c.requests) for c in self.clients)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """fixed (value), uniform (low..high inclusive) or lognormal (mean, sigma of the log), clipped to [low, high]."""
+
+    dist: str = "fixed"
+    value: int = 256
+    low: int = 1
+    high: int = 1 << 20
+    mean: float = 0.0
+    sigma: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.dist not in ("fixed", "uniform", "lognormal"):
+            raise ValueError(f"length dist must be fixed, uniform or lognormal, got {self.dist!r}")
+        if not 1 <= self.low <= self.high:
+            raise ValueError(f"length bounds must satisfy 1 <= low <= high, got {self.low}, {self.high}")
+
+    def sample(self, rng: random.Random) -> int:
+        if self.dist == "fixed":
+            return self.value
+        if self.dist == "uniform":
+            return rng.randint(self.low, self.high)
+        return min(self.high, max(self.low, int(round(rng.lognormvariate(math.log(self.mean), self.sigma)))))
+
+    def expected(self) -> float:
+        if self.dist == "fixed":
+            return float(self.value)
+        if self.dist == "uniform":
+            return (self.low + self.high) / 2
+        return min(self.high, max(self.low, self.mean * math.exp(self.sigma ** 2 / 2)))
+
+    @classmethod
+    def parse(cls, value: Any) -> "LengthDist":
+        if isinstance(value, int):
+            return cls("fixed", value)
+        if not isinstance(value, dict):
+            raise ValueError(f"a length is an integer or a mapping with dist, got {value!r}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A generator of open-loop workloads: arrivals at `rate` per second for `duration_s`.
+
+    arrival: poisson, or bursty (gamma inter-arrival times with coefficient of variation `cv`);
+    a fraction `prefix_fraction` of requests starts with one of `prefix_groups` shared prefixes
+    of `prefix_len` tokens (a system prompt), chosen by a Zipf-like weight 1/(rank+1).
+    """
+
+    rate: float = 10.0
+    duration_s: float = 60.0
+    arrival: str = "poisson"
+    cv: float = 1.0
+    prompt_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 512))
+    output_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 128))
+    prefix_groups: int = 0
+    prefix_len: int = 0
+    prefix_fraction: float = 0.0
+    seed: int = 0
+    name: str = "workload"
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0 or not self.duration_s > 0:
+            raise ValueError(f"rate and duration_s must be > 0, got {self.rate}, {self.duration_s}")
+        if self.arrival not in ("poisson", "bursty"):
+            raise ValueError(f"arrival must be poisson or bursty, got {self.arrival!r}")
+        if not 0 <= self.prefix_fraction <= 1:
+            raise ValueError(f"prefix_fraction must be in [0, 1], got {self.prefix_fraction}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "WorkloadSpec":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown workload keys {unknown}; known: {sorted(known)}")
+        data = dict(data)
+        for key in ("prompt_len", "output_len"):
+            if key in data:
+                data[key] = LengthDist.parse(data[key])
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "WorkloadSpec":
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read workload {str(path)!r}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"workload {str(path)!r} must be a mapping")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def scaled(self, factor: float) -> "WorkloadSpec":
+        return replace(self, rate=self.rate * factor)
+
+    def mean_prompt_len(self) -> float:
+        return self.prompt_len.expected() + (self.prefix_len * self.prefix_fraction if self.prefix_groups else 0)
+
+    def generate(self) -> Workload:
+        rng = random.Random(self.seed)
+        prefixes = [_tokens(random.Random(hash((self.seed, "prefix", g)) & 0xFFFFFFFF), self.prefix_len)
+                    for g in range(self.prefix_groups)]
+        weights = [1.0 / (g + 1) for g in range(self.prefix_groups)]
+        t, requests = 0.0, []
+        shape = 1.0 / (self.cv ** 2) if self.arrival == "bursty" else 1.0
+        while True:
+            t += rng.gammavariate(shape, 1.0 / (self.rate * shape)) if self.arrival == "bursty" else rng.expovariate(self.rate)
+            if t >= self.duration_s:
+                break
+            prefix: list[int] = []
+            if prefixes and rng.random() < self.prefix_fraction:
+                prefix = prefixes[rng.choices(range(len(prefixes)), weights)[0]]
+            prompt = prefix + _tokens(rng, self.prompt_len.sample(rng))
+            requests.append(SimRequest(f"{self.name}-{len(requests)}", tuple(prompt), self.output_len.sample(rng), t))
+        return Workload((Client.open_loop(self.name, requests),))
+
+
+def write_trace(path: str | Path, requests: list[SimRequest]) -> None:
+    """One JSON object per request: arrival_s, prompt (token ids) and output_len."""
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps({"request_id": r.request_id, "arrival_s": r.arrival_s, "prompt": list(r.prompt),
+                                "output_len": r.output_len}) + "\n")
+
+
+def read_trace(path: str | Path, seed: int = 0, name: str = "trace") -> Workload:
+    """An open-loop workload from a JSON-lines trace. Each line has arrival_s and output_len, and either
+    prompt (token ids) or prompt_len with an optional prefix_group / prefix_len (shared-prefix groups)."""
+    rng = random.Random(seed)
+    prefixes: dict[Any, list[int]] = {}
+    requests = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if "prompt" in row:
+                prompt = [int(t) for t in row["prompt"]]
+            else:
+                group, plen = row.get("prefix_group"), int(row.get("prefix_len", 0))
+                prefix = []
+                if group is not None and plen:
+                    prefix = prefixes.setdefault(group, _tokens(random.Random(f"{seed}-{group}"), plen))[:plen]
+                prompt = prefix + _tokens(rng, int(row["prompt_len"]) - len(prefix))
+            requests.append(SimRequest(str(row.get("request_id", f"{name}-{len(requests)}")), tuple(prompt),
+                                       int(row["output_len"]), float(row["arrival_s"])))
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}:{lineno}: bad trace line ({exc})") from None
+    if not requests:
+        raise ValueError(f"trace {str(path)!r} has no requests")
+    return Workload((Client.open_loop(name, requests),))

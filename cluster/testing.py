@@ -1,0 +1,243 @@
+"""A Ray cluster of several simulated nodes on this machine, for tests and benchmarks (not used
+in serving).
+
+`FakeCluster` runs Ray's fake multi-node provider: `RAY_FAKE_CLUSTER=1 ray start --head
+--autoscaling-config=FILE --block` in its own process group, where FILE declares node types
+(`NodeType`: resources such as CPU, GPU, `baton_prefill`; labels) with `min_workers`; the
+autoscaler then starts one raylet per simulated node, each with its own Ray node id, all on
+127.0.0.1. Everything Ray writes (sessions, logs, `ray_current_cluster`) goes under the
+cluster's own temporary folder (`RAY_TMPDIR`), so another Ray on the machine is never
+touched, and `stop()` ends exactly the processes it started, by process group.
+
+    with FakeCluster([NodeType("prefill", 2, {"CPU": 1, "baton_prefill": 1})]) as cluster:
+        ...  # this process is a driver on it (ray.init(address=cluster.address))
+        cluster.node_ids("prefill")  # Ray node ids of that node type
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+# Ray caps each simulated node's object store; they share /dev/shm with everything else here.
+OBJECT_STORE_BYTES = 128 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """`count` simulated nodes, each offering `resources` and carrying `labels`."""
+
+    name: str
+    count: int
+    resources: dict[str, float]
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.count < 0 or not self.name or self.name == "ray.head.default":
+            raise ValueError(f"bad node type {self!r}")
+
+
+def cluster_yaml(node_types: list[NodeType], gcs_port: int, head_cpus: float) -> dict:
+    """The fake provider's cluster file (the recipe in DESIGN.md)."""
+    types = {"ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0}}
+    for t in node_types:
+        types[t.name] = {"resources": {**t.resources, "object_store_memory": OBJECT_STORE_BYTES},
+                         "node_config": {}, "min_workers": t.count, "max_workers": t.count}
+        if t.labels:
+            types[t.name]["labels"] = dict(t.labels)
+    return {
+        "cluster_name": "baton-fake", "max_workers": sum(t.count for t in node_types), "upscaling_speed": 10.0,
+        "idle_timeout_minutes": 60,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{gcs_port}"},
+        "auth": {"ssh_user": "ubuntu"}, "available_node_types": types, "head_node_type": "ray.head.default",
+        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+        "initialization_commands": [], "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
+        "head_start_ray_commands": [], "worker_start_ray_commands": [],
+    }
+
+
+class FakeCluster:
+    """Start with `start()` (or `with`); this process becomes a driver on it."""
+
+    def __init__(self, node_types: list[NodeType], head_cpus: float = 1, env: dict[str, str] | None = None) -> None:
+        self.node_types = list(node_types)
+        self.head_cpus = head_cpus
+        self.env = dict(env or {})  # extra environment for every simulated node's processes
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # Short: Ray's unix socket paths under it must stay below 108 characters.
+        self.workdir = Path(tempfile.mkdtemp(prefix="btfc-", dir="/tmp"))
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout_s: float = 120.0) -> "FakeCluster":
+        config = self.workdir / "cluster.yaml"
+        config.write_text(yaml.safe_dump(cluster_yaml(self.node_types, self.port, self.head_cpus)))
+        env = dict(os.environ, RAY_FAKE_CLUSTER="1", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
+                   RAY_TMPDIR=str(self.workdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                   RAY_SCHEDULER_EVENTS="0", **self.env)
+        ray_bin = Path(sys.executable).with_name("ray")
+        self._log = (self.workdir / "ray-start.log").open("w")
+        self._proc = subprocess.Popen(
+            [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}",
+             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+             "--include-dashboard=false", f"--num-cpus={self.head_cpus}", "--num-gpus=0",
+             f"--object-store-memory={OBJECT_STORE_BYTES}", f"--autoscaling-config={config}", "--block"],
+            env=env, cwd=str(self.workdir), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._connect(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _connect(self, timeout_s: float) -> None:
+        # The driver (this process) must not pick a non-loopback address or token auth either.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self._proc.returncode}: {self.log_tail()}")
+            try:
+                ray.init(address=self.address, namespace="baton", log_to_driver=False)
+                break
+            except (ConnectionError, RuntimeError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+        want = 1 + sum(t.count for t in self.node_types)
+        while len(self.alive_nodes()) < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.alive_nodes())} of {want} Ray nodes came up in {timeout_s:.0f} s; "
+                                   f"{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Disconnect, end the process group (SIGTERM, then SIGKILL), remove the temporary folder."""
+        if ray.is_initialized():
+            ray.shutdown()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _end_group(proc)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "FakeCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- views -------------------------------------------------------------------------------
+    @staticmethod
+    def alive_nodes() -> list[dict]:
+        return [n for n in ray.nodes() if n["Alive"]]
+
+    def node_ids(self, node_type: str) -> set[str]:
+        """Ray node ids of the alive nodes of `node_type` (head: "ray.head.default")."""
+        if node_type == "ray.head.default":
+            return {n["NodeID"] for n in self.alive_nodes() if "node:__internal_head__" in n["Resources"]}
+        kind = next(t for t in self.node_types if t.name == node_type)
+        marker = {k for k in kind.resources if k not in ("CPU", "GPU", "memory")}
+        labels = kind.labels
+        return {n["NodeID"] for n in self.alive_nodes()
+                if "node:__internal_head__" not in n["Resources"]
+                and all(k in n["Resources"] for k in marker)
+                and all((n.get("Labels") or {}).get(k) == v for k, v in labels.items())}
+
+    def node_pids(self, node_id: str) -> list[int]:
+        """Processes of one simulated node: its raylet and what it started (found by the node id
+        the fake provider puts in their environment)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) != self._proc_pgid():
+                    continue
+                environ = (entry / "environ").read_bytes()
+            except (OSError, ProcessLookupError):
+                continue
+            if f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode() in environ:
+                pids.append(int(entry.name))
+        return pids
+
+    def kill_node(self, node_id: str) -> list[int]:
+        """SIGKILL every process of one simulated node, as when a machine dies; returns them."""
+        pids = self.node_pids(node_id)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def _proc_pgid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("the fake cluster is not running")
+        return self._proc.pid  # start_new_session: the group id is the leader's pid
+
+    def log_tail(self, lines: int = 20) -> str:
+        path = self.workdir / "ray-start.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM the process group, SIGKILL what is left after `grace_s`, wait until it is empty."""
+    pgid = proc.pid
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                proc.wait(timeout=0.2)  # reap the leader so the group can empty
+            except subprocess.TimeoutExpired:
+                pass
+            if not _group_alive(pgid):
+                return
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # killpg(0) also succeeds for zombies that only wait to be reaped by init: look closer.
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False

@@ -1,0 +1,97 @@
+"""The pair protocol shared by the gloo and NCCL transports: the messages a sender and a
+receiver exchange through the receiver's control store, how a payload is cut into chunks,
+the reusable staging buffer, and each side's per-pair state."""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from workers.protocol import KVLayout
+
+from ._common import Record
+from ._control import ControlClient
+
+
+def as_timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, seconds))
+
+
+@dataclass(frozen=True)
+class ConnRequest:
+    pair: str
+    worker_id: str
+    layout: KVLayout
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class XferMsg:
+    kind: str  # "xfer" or "close"
+    transfer_id: str = ""
+    nblocks: int = 0
+    nbytes: int = 0
+    dst_hash: int = 0
+    remaining_s: float = 0.0
+    chunk_blocks: int = 1
+
+
+# Payloads are cut into chunks of about this size so that packing, the wire and unpacking
+# overlap.
+CHUNK_BYTES = 4 << 20
+
+
+def chunk_spans(nblocks: int, chunk_blocks: int) -> list[tuple[int, int]]:
+    return [(a, min(chunk_blocks, nblocks - a)) for a in range(0, nblocks, chunk_blocks)]
+
+
+class Staging:
+    """Grow-only flat byte buffer reused across transfers of one pair."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buf = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf.numel() < nbytes:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.buf[:nbytes]
+
+
+@dataclass
+class OutPair:
+    """Sender side of a pair."""
+
+    peer_id: str
+    pair: str
+    store: ControlClient  # used by the send thread only
+    group: object
+    peer_num_blocks: int
+    jobs: "queue.Queue[Optional[Record]]" = field(default_factory=queue.Queue)
+    in_flight: dict = field(default_factory=dict)  # seq -> Record awaiting a verdict
+    threads: list = field(default_factory=list)
+    broken: Optional[str] = None
+
+
+@dataclass
+class Parked:
+    msg: XferMsg
+    seq: int
+    buf: torch.Tensor
+    timer: threading.Timer
+
+
+@dataclass
+class InPair:
+    """Receiver side of a pair."""
+
+    pair: str
+    reply_store: ControlClient
+    reply_lock: threading.Lock = field(default_factory=threading.Lock)
+    next_seq: int = 0
+    parked: dict = field(default_factory=dict)  # transfer_id -> Parked

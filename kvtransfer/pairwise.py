@@ -1,0 +1,349 @@
+"""One KV transport per pair of workers, chosen from where both workers run.
+
+A worker does not know its peers when it starts, so it cannot pick one backend for all of
+them. `PairwiseTransport` holds every backend a worker may need and picks one per peer at
+`connect()`, from both workers' `Place` (Ray node id, node IP, device):
+
+    same node, CPU       -> shm   (one copy into the peer's mapped cache)
+    different nodes, CPU -> gloo  (rendezvous on the receiver's node IP)
+    GPU, either way      -> nccl  (NCCL uses CUDA IPC / NVLink inside a node by itself)
+
+A choice other than auto (`--transport shm|gloo|nccl`) forces that backend for every pair;
+shm between workers on different nodes is refused at the handshake, naming both nodes.
+
+Receiving side: one cache, allocated by the first backend (shm puts it in shared memory) and
+registered with the others. The receiver's endpoint carries each backend's own endpoint plus
+its place; `expect()` announces the transfer to every backend, since the receiver does not
+know which peer will send. The first backend to finish decides: success or a failure reported
+before the deadline (only a used backend fails early) ends the transfer, and the others'
+expectations are aborted so no late byte lands. Sending side: `send()` goes through the
+backend chosen for that peer, and the per-peer counters (`links()`) say which one carried
+how many blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from workers.protocol import KVEndpoint, KVLayout
+
+from ._common import MAX_FINISHED_RECORDS, check_transfer_id
+from .base import KVTransferError, KVTransport, Role, TransferHandle, TransferResult, TransferStatus
+from .gloo import GlooTransport
+from .nccl import NcclTransport
+from .shm import ShmTransport
+
+KIND = "pairwise"
+CHOICES = ("auto", "cpu", "shm", "gloo", "nccl")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a worker's KV cache lives, as far as choosing a transport goes."""
+
+    node_id: str = "local"  # the Ray node id ("local" outside Ray: one node)
+    host: str = "127.0.0.1"  # the node's IP as Ray reports it: gloo/nccl bind and rendezvous here
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not self.node_id or not self.host:
+            raise ValueError(f"a Place needs a node id and a host, got {self!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+
+    def short(self) -> str:
+        return f"node {self.node_id[:12]} ({self.host}, {self.device})"
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """A connected receiver, as the sender sees it: which backend serves the pair, and what
+    went over it (successful transfers only)."""
+
+    peer: str  # the receiver's name (its worker id in serving)
+    peer_node_id: str
+    kind: str
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+
+
+def offered_kinds(choice: str, place: Place) -> tuple[str, ...]:
+    """The backends a worker at `place` needs for any peer, receiving backend first."""
+    if choice not in CHOICES:
+        raise ValueError(f"unknown KV transport choice {choice!r}; expected one of {CHOICES}")
+    if choice in ("shm", "gloo", "nccl"):
+        return (choice,)
+    if place.device == "cuda":
+        if choice == "cpu":
+            raise ValueError("transport 'cpu' (shm/gloo) needs the workers' KV caches on the CPU; "
+                             "GPU workers use nccl (transport auto or nccl)")
+        return ("nccl",)
+    return ("shm", "gloo")
+
+
+def pair_kind(choice: str, sender: Place, receiver: Place) -> str:
+    """The backend for one sender -> receiver pair; KVTransferError when none can serve it."""
+    if sender.device != receiver.device:
+        raise KVTransferError(f"cannot move KV between a {sender.device} cache ({sender.short()}) and a "
+                              f"{receiver.device} cache ({receiver.short()}): give both pools the same device")
+    same_node = sender.node_id == receiver.node_id
+    if choice in ("shm", "gloo", "nccl"):
+        if choice == "shm" and not same_node:
+            raise KVTransferError(f"transport shm works inside one node, but the sender is on {sender.short()} "
+                                  f"and the receiver on {receiver.short()}; use transport auto or gloo")
+        return choice
+    return offered_kinds(choice, sender)[0] if same_node else offered_kinds(choice, sender)[-1]
+
+
+def _backend(kind: str, place: Place) -> KVTransport:
+    if kind == "shm":
+        return ShmTransport()
+    if kind == "gloo":
+        return GlooTransport(host=place.host)
+    return NcclTransport(host=place.host)
+
+
+@dataclass
+class _Recv:
+    handles: dict[str, TransferHandle]  # kind -> that backend's handle
+    handle: TransferHandle  # the one the caller holds
+    started: float  # time.monotonic() at expect()
+    final: Optional[TransferResult] = None
+
+
+@dataclass
+class _Link:
+    peer: str
+    peer_node_id: str
+    kind: str
+    sub_peer: str  # the backend's own peer id
+    blocks: int = 0
+    nbytes: int = 0
+
+
+class PairwiseTransport(KVTransport):
+    """The KVTransport a serving worker holds: one backend per peer (see the module doc)."""
+
+    kind = KIND
+
+    def __init__(self, choice: str = "auto", place: Place = Place(), name: str = "") -> None:
+        """`name` is how peers' `links()` call this worker (its worker id in serving)."""
+        self.place = place
+        self.choice = choice
+        self.name = name or f"kv-{uuid.uuid4().hex[:8]}"
+        self._id = f"{KIND}-{uuid.uuid4().hex[:12]}"
+        self._subs: dict[str, KVTransport] = {k: _backend(k, place) for k in offered_kinds(choice, place)}
+        self._lock = threading.Lock()
+        self._layout: Optional[KVLayout] = None
+        self._num_blocks = 0
+        self._links: dict[str, _Link] = {}  # our peer id -> link
+        self._sends: OrderedDict[str, str] = OrderedDict()  # transfer id -> our peer id
+        self._recvs: OrderedDict[str, _Recv] = OrderedDict()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self._subs)
+
+    # -- cache ---------------------------------------------------------------------------
+    def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+        first, *others = self._subs.values()
+        cache = first.allocate_cache(layout, num_blocks)  # shm: in shared memory, so peers map it
+        for sub in others:
+            sub.register_cache(cache, layout)
+        self._layout, self._num_blocks = layout, num_blocks
+        return cache
+
+    def register_cache(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+        for sub in self._subs.values():
+            sub.register_cache(kv_cache, layout)
+        self._layout, self._num_blocks = layout, int(kv_cache.shape[2])
+
+    # -- connections ---------------------------------------------------------------------
+    def endpoint(self) -> KVEndpoint:
+        if self._layout is None:
+            raise ValueError("pairwise transport has no cache: call allocate_cache() first")
+        offers = {kind: sub.endpoint() for kind, sub in self._subs.items()}
+        address = {"name": self.name, "node_id": self.place.node_id, "host": self.place.host,
+                   "device": self.place.device, "offers": offers}
+        return KVEndpoint(KIND, self._id, self._layout, self._num_blocks, address)
+
+    def peer_place(self, peer: KVEndpoint) -> Place:
+        a = peer.address
+        return Place(a["node_id"], a["host"], a["device"])
+
+    def kind_for(self, peer: KVEndpoint) -> str:
+        """The backend this worker would use to send to `peer`."""
+        if peer.kind != KIND:
+            return peer.kind
+        return pair_kind(self.choice, self.place, self.peer_place(peer))
+
+    def connect(self, peer: KVEndpoint) -> str:
+        if self._layout is None:
+            raise ValueError("pairwise transport has no cache: call allocate_cache() first")
+        self._layout.check_compatible(peer.layout)  # KVLayoutMismatch names the field
+        peer_id = f"{peer.kind}:{peer.worker_id}"
+        with self._lock:
+            link = self._links.get(peer_id)
+        if link is not None:
+            return peer_id
+        kind = self.kind_for(peer)
+        if peer.kind == KIND:
+            sub_endpoint = peer.address["offers"].get(kind)
+            name, node_id = peer.address["name"], peer.address["node_id"]
+        else:  # a plain backend endpoint (tests, tools)
+            sub_endpoint, name, node_id = peer, peer.worker_id, "?"
+        sub = self._subs.get(kind)
+        if sub is None or sub_endpoint is None:
+            offered = sorted(peer.address.get("offers", {})) if peer.kind == KIND else [peer.kind]
+            raise KVTransferError(f"{self.name} ({self.place.short()}) needs {kind} to reach {name}, "
+                                  f"which offers {offered}; this side has {list(self._subs)}")
+        sub_peer = sub.connect(sub_endpoint)
+        with self._lock:
+            self._links[peer_id] = _Link(name, node_id, kind, sub_peer)
+        return peer_id
+
+    def links(self) -> list[PeerLink]:
+        with self._lock:
+            return [PeerLink(k.peer, k.peer_node_id, k.kind, k.blocks, k.nbytes) for k in self._links.values()]
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+             transfer_id: str, timeout_s: float) -> TransferHandle:
+        with self._lock:
+            link = self._links.get(peer_id)
+        if link is None:
+            raise ValueError(f"unknown peer {peer_id!r}: call connect() with its endpoint first")
+        handle = self._subs[link.kind].send(link.sub_peer, src_block_ids, dst_block_ids, transfer_id, timeout_s)
+        with self._lock:
+            self._sends[transfer_id] = peer_id
+            _bound(self._sends)
+        return handle
+
+    def _sent(self, handle: TransferHandle) -> tuple[KVTransport, Optional[_Link]]:
+        with self._lock:
+            peer_id = self._sends.get(handle.transfer_id)
+            link = self._links.get(peer_id) if peer_id is not None else None
+        if link is None:
+            raise ValueError(f"unknown transfer {handle.transfer_id!r} (send) on this pairwise transport")
+        return self._subs[link.kind], link
+
+    def _count(self, handle: TransferHandle, link: _Link, status: TransferStatus, nbytes: int) -> None:
+        """Once per finished send: credit the link that carried it."""
+        if not status.is_terminal:
+            return
+        with self._lock:
+            if self._sends.pop(handle.transfer_id, None) is not None and status == TransferStatus.SUCCESS:
+                link.blocks += handle.num_blocks
+                link.nbytes += nbytes
+
+    # -- receiving -------------------------------------------------------------------------
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> TransferHandle:
+        handles: dict[str, TransferHandle] = {}
+        try:
+            for kind, sub in self._subs.items():
+                handles[kind] = sub.expect(transfer_id, dst_block_ids, timeout_s)
+        except BaseException:
+            for kind in handles:
+                self._subs[kind].abort(transfer_id)
+            raise
+        first = next(iter(handles.values()))
+        handle = TransferHandle(transfer_id, Role.RECV, first.num_blocks, first.nbytes, first.deadline)
+        with self._lock:
+            self._recvs[transfer_id] = _Recv(handles, handle, time.monotonic())
+            _bound(self._recvs)
+        return handle
+
+    def _recv(self, transfer_id: str) -> _Recv:
+        with self._lock:
+            recv = self._recvs.get(transfer_id)
+        if recv is None:
+            raise ValueError(f"unknown transfer {transfer_id!r} (recv) on this pairwise transport")
+        return recv
+
+    def _settle(self, recv: _Recv) -> TransferStatus:
+        """Look at every backend once; end the transfer when one succeeded or failed."""
+        if recv.final is not None:
+            return recv.final.status
+        statuses = {kind: self._subs[kind].poll(h) for kind, h in recv.handles.items()}
+        done = [k for k, s in statuses.items() if s == TransferStatus.SUCCESS] or \
+            [k for k, s in statuses.items() if s.is_terminal]
+        if not done:
+            return max(statuses.values())
+        kind = done[0]
+        result = self._subs[kind].wait(recv.handles[kind], 0)
+        for other in recv.handles:
+            if other != kind:
+                self._subs[other].abort(recv.handle.transfer_id)  # nothing late lands in the blocks
+        recv.final = TransferResult(result.transfer_id, Role.RECV, result.status, result.nbytes, result.seconds,
+                                    result.error if result.ok else f"{kind}: {result.error}")
+        return result.status
+
+    # -- both sides --------------------------------------------------------------------------
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        if handle.role == Role.SEND:
+            sub, link = self._sent(handle)
+            status = sub.poll(handle)
+            if status.is_terminal:
+                self._count(handle, link, status, sub.wait(handle, 0).nbytes)
+            return status
+        return self._settle(self._recv(handle.transfer_id))
+
+    def wait(self, handle: TransferHandle, timeout_s: Optional[float] = None) -> TransferResult:
+        if handle.role == Role.SEND:
+            sub, link = self._sent(handle)
+            result = sub.wait(handle, timeout_s)
+            self._count(handle, link, result.status, result.nbytes)
+            return result
+        recv = self._recv(handle.transfer_id)
+        if len(recv.handles) == 1:  # one backend: its own wait, no polling here
+            (kind, h), = recv.handles.items()
+            self._subs[kind].wait(h, timeout_s)
+        give_up = None if timeout_s is None else time.monotonic() + max(0.0, float(timeout_s))
+        pause = 0.0002
+        while True:
+            status = self._settle(recv)
+            if recv.final is not None:
+                return recv.final
+            if give_up is not None and time.monotonic() >= give_up:
+                return TransferResult(handle.transfer_id, Role.RECV, status, 0, time.monotonic() - recv.started)
+            # Backends finish on their own threads (or in the peer's process, for shm): poll in
+            # short growing slices, as TransportCore.wait does.
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    def abort(self, transfer_id: str) -> None:
+        check_transfer_id(transfer_id)
+        for sub in self._subs.values():
+            sub.abort(transfer_id)
+        with self._lock:
+            recv = self._recvs.get(transfer_id)
+        if recv is not None:
+            self._settle(recv)
+
+    def _handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
+        if role == Role.RECV:
+            return self._recv(transfer_id).handle
+        with self._lock:
+            peer_id = self._sends.get(transfer_id)
+        if peer_id is None:
+            raise ValueError(f"unknown transfer {transfer_id!r} ({role.value})")
+        return self._subs[self._links[peer_id].kind]._handle_for(transfer_id, role)
+
+    def close(self) -> None:
+        # The first backend owns the cache memory (shm's segment): close it last.
+        for sub in reversed(list(self._subs.values())):
+            sub.close()
+
+
+def _bound(table: OrderedDict) -> None:
+    """Keep a routing table from growing without limit when callers never look at results."""
+    while len(table) > MAX_FINISHED_RECORDS:
+        table.popitem(last=False)

@@ -1,0 +1,191 @@
+"""Admission control: a FIFO gate per pool with a bounded waiting queue, and request deadlines.
+
+Every request holds a **decode slot** from admission to its last token (its decode worker reserves
+KV blocks for it first and keeps them to the end), and a **prefill slot** from admission to its
+first token (wherever the prefill runs). A gate lets `capacity` requests through at once; the next
+`max_waiting` wait in arrival order; anything beyond gets HTTP 429 with Retry-After at once, before
+any tokenization. Requests wait here, not inside a worker, so a deadline or a client that leaves
+costs nothing in the pools, and routing sees each request's prompt when it really starts.
+
+A request's **deadline** is its arrival plus `request_timeout` (shortened by the
+x-stainless-read-timeout header that OpenAI SDKs send): waiting past it is a 503 with Retry-After
+(the server is saturated), running past it a 504, in-band as an SSE error event once streaming;
+the caller aborts the request in the backend, which frees its blocks in both pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from router.config import ServerConfig
+from router.errors import RETRY_AFTER_S
+from router.protocol import APIError
+
+__all__ = ["AdmissionControl", "Deadline", "Gate", "Ticket", "deadline_error", "request_deadline"]
+
+CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"  # sent by the OpenAI Python and Node SDKs
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a request must be done: `at` on the time.monotonic() clock, `seconds` after its arrival."""
+
+    at: float
+    seconds: float
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+
+def request_deadline(config: ServerConfig, headers, arrival: float) -> Deadline | None:
+    """The request's deadline from `arrival` (monotonic), or None for none."""
+    timeouts = [config.request_timeout] if config.request_timeout is not None else []
+    sent = headers.get(CLIENT_TIMEOUT_HEADER)
+    if sent is not None:
+        try:
+            client = float(sent)
+        except ValueError:
+            client = math.nan  # an SDK header, not request input: garbage is ignored, not refused
+        if math.isfinite(client) and client > 0:
+            timeouts.append(client)
+    return Deadline(arrival + min(timeouts), min(timeouts)) if timeouts else None
+
+
+def deadline_error(timeout_s: float, running: bool) -> APIError:
+    if running:
+        return APIError(f"the request ran past its deadline of {timeout_s:.1f} s (request_timeout, or the client's "
+                        f"timeout) and was stopped", 504, None, "TimeoutError")
+    return APIError(f"the request waited for a free slot until its deadline ({timeout_s:.1f} s after arrival): the "
+                    f"server is saturated", 503, None, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+@dataclass
+class GateState:
+    capacity: int | None
+    running: int
+    waiting: int
+    max_waiting: int
+
+
+class Gate:
+    """`capacity` requests at once (None: no limit), then at most `max_waiting` in FIFO order."""
+
+    def __init__(self, pool: str, capacity: int | None, max_waiting: int) -> None:
+        self.pool = pool
+        self.capacity = capacity
+        self.max_waiting = max_waiting
+        self.running = 0
+        self._waiters: deque[asyncio.Future] = deque()
+
+    def state(self) -> GateState:
+        return GateState(self.capacity, self.running, len(self._waiters), self.max_waiting)
+
+    def _free(self) -> bool:
+        return self.capacity is None or self.running < self.capacity
+
+    def full(self) -> bool:
+        """True when a new request could neither run nor wait."""
+        return not (self._free() and not self._waiters) and len(self._waiters) >= self.max_waiting
+
+    def overloaded(self) -> APIError:
+        return APIError(
+            f"the {self.pool} pool is saturated: {self.running} requests running and {len(self._waiters)} waiting "
+            f"(max_waiting_{'requests' if self.pool == 'decode' else 'prefills'}={self.max_waiting}); retry later",
+            429, None, "RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def acquire(self, deadline: Deadline | None) -> float:
+        """Take a slot, waiting in line until `deadline`; returns the seconds waited."""
+        if self._free() and not self._waiters:
+            self.running += 1
+            return 0.0
+        if len(self._waiters) >= self.max_waiting:
+            raise self.overloaded()
+        started = time.monotonic()
+        granted = asyncio.get_running_loop().create_future()
+        self._waiters.append(granted)
+        try:
+            async with asyncio.timeout(None if deadline is None else deadline.remaining()):
+                await granted
+        except BaseException as e:
+            if granted.done() and not granted.cancelled():
+                self.release()  # the slot came just as we gave up: pass it on
+            else:
+                granted.cancel()
+                try:
+                    self._waiters.remove(granted)
+                except ValueError:
+                    pass
+            if isinstance(e, TimeoutError):
+                raise deadline_error(deadline.seconds if deadline else 0.0, running=False) from None
+            raise
+        return time.monotonic() - started
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot goes straight to the next in line
+                return
+        self.running -= 1
+
+
+class Ticket:
+    """One admitted request's slots; each release is idempotent."""
+
+    def __init__(self, admission: "AdmissionControl", waited_s: float) -> None:
+        self._admission = admission
+        self.waited_s = waited_s
+        self._prefill = True
+        self._decode = True
+
+    def first_token(self) -> None:
+        if self._prefill:
+            self._prefill = False
+            self._admission.prefill.release()
+
+    def release(self) -> None:
+        self.first_token()
+        if self._decode:
+            self._decode = False
+            self._admission.decode.release()
+
+
+class AdmissionControl:
+    """The decode and prefill gates, and counts of what they refused."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.decode = Gate("decode", config.max_running_requests, config.max_waiting_requests)
+        self.prefill = Gate("prefill", config.max_running_prefills, config.max_waiting_prefills)
+        self.rejected: Counter[str] = Counter()  # by reason
+
+    def check(self) -> None:
+        """Refuse at once (429) when the request could not even wait; cheap, before reading the body."""
+        for gate in (self.decode, self.prefill):
+            if gate.full():
+                self.rejected[f"{gate.pool}_queue_full"] += 1
+                raise gate.overloaded()
+
+    async def admit(self, deadline: Deadline | None) -> Ticket:
+        """Wait for a decode slot, then a prefill slot (always in that order, so nothing deadlocks)."""
+        waited = 0.0
+        for gate in (self.decode, self.prefill):
+            try:
+                waited += await gate.acquire(deadline)
+            except APIError as e:
+                self.rejected[f"{gate.pool}_queue_full" if e.status == 429 else "deadline_waiting"] += 1
+                if gate is self.prefill:
+                    self.decode.release()
+                raise
+            except BaseException:
+                if gate is self.prefill:
+                    self.decode.release()
+                raise
+        return Ticket(self, waited)
+
+    def state(self) -> dict:
+        return {"decode": vars(self.decode.state()), "prefill": vars(self.prefill.state()),
+                "rejected": dict(self.rejected)}

@@ -1,0 +1,182 @@
+"""One response formatter for both generation endpoints: stream chunks (SSE frames) and full answers.
+
+`ResponseFormat` owns everything the two endpoints share: the envelope (id, object, created,
+model), usage, finish reasons, which outputs are worth a chunk, and the SSE framing with its
+prebuilt prefix (the per-token fast path: only the choice is serialized per chunk). `ChatFormat`
+and `CompletionFormat` supply only what differs: object names, where the text goes (`delta` /
+`message` or `text`), the first chunk, and the shape of logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.tokenizer import Tokenizer
+from workers.protocol import RequestOutput, TokenLogprob
+
+__all__ = ["Accumulator", "ChatFormat", "CompletionFormat", "ResponseFormat", "dumps"]
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass
+class Accumulator:
+    """What a request produced so far: for usage and for non-streamed answers."""
+
+    num_prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, out: RequestOutput, keep: bool) -> None:
+        """Count `out`; with keep, also keep its text and logprobs (for a full answer)."""
+        self.completion_tokens += len(out.token_ids)
+        if out.num_cached_tokens > self.cached_tokens:
+            self.cached_tokens = out.num_cached_tokens
+        if keep:
+            if out.text:
+                self.text_parts.append(out.text)
+            if out.logprobs:
+                self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason or "stop"
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class ResponseFormat:
+    """Chunks and the full response of one request; subclasses fill in the endpoint's pieces."""
+
+    object_full: str
+    object_chunk: str
+
+    def __init__(self, tokenizer: Tokenizer, request_id: str, model: str, created: int, include_usage: bool,
+                 continuous_usage: bool, logprobs: bool) -> None:
+        self.tok = tokenizer
+        self.request_id = request_id
+        self.model = model
+        self.created = created
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage and include_usage
+        self.want_logprobs = logprobs
+        # Everything before the choices is the same in every chunk: build it once.
+        self._prefix = (
+            f'data: {{"id":{dumps(request_id)},"object":"{self.object_chunk}","created":{created},'
+            f'"model":{dumps(model)},"choices":['
+        )
+        self._suffix = '],"usage":null}\n\n' if include_usage else "]}\n\n"
+
+    # -- the endpoint's pieces
+    def _delta(self, text: str, finished: bool) -> tuple[str, Any]:
+        """(key, value) holding a chunk's new text."""
+        raise NotImplementedError
+
+    def _message(self, text: str) -> tuple[str, Any]:
+        """(key, value) holding the full answer's text."""
+        raise NotImplementedError
+
+    def _logprobs_body(self, lps: list[TokenLogprob]) -> dict:
+        raise NotImplementedError
+
+    def first_frame(self, acc: Accumulator) -> str | None:
+        """A frame sent before the first token's (None: none)."""
+        return None
+
+    # -- shared
+    def _logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:
+        return self._logprobs_body(lps or []) if self.want_logprobs else None
+
+    def _frame(self, choice: dict, acc: Accumulator) -> str:
+        suffix = f'],"usage":{dumps(acc.usage())}}}\n\n' if self.continuous_usage else self._suffix
+        return self._prefix + dumps(choice) + suffix
+
+    def usage_frame(self, acc: Accumulator) -> str:
+        """The extra chunk before [DONE] with `choices: []` and the whole request's usage."""
+        return self._prefix + '],"usage":' + dumps(acc.usage()) + "}\n\n"
+
+    def chunk(self, out: RequestOutput, acc: Accumulator) -> str | None:
+        """The frame for one backend output, or None when it has nothing to show (half a character)."""
+        if not out.text and not out.finished and not (self.want_logprobs and out.logprobs):
+            return None
+        key, value = self._delta(out.text, out.finished)
+        choice = {
+            "index": 0,
+            key: value,
+            "logprobs": self._logprobs(out.logprobs) if out.logprobs else None,
+            "finish_reason": (out.finish_reason or "stop") if out.finished else None,
+        }
+        return self._frame(choice, acc)
+
+    def full(self, acc: Accumulator) -> dict:
+        key, value = self._message("".join(acc.text_parts))
+        return {
+            "id": self.request_id,
+            "object": self.object_full,
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {"index": 0, key: value, "logprobs": self._logprobs(acc.logprobs), "finish_reason": acc.finish_reason}
+            ],
+            "usage": acc.usage(),
+        }
+
+
+class ChatFormat(ResponseFormat):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def _delta(self, text: str, finished: bool) -> tuple[str, Any]:
+        return "delta", ({"content": text} if text or not finished else {})
+
+    def _message(self, text: str) -> tuple[str, Any]:
+        return "message", {"role": "assistant", "content": text}
+
+    def first_frame(self, acc: Accumulator) -> str:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._frame(choice, acc)
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        return {"token": self.tok.token_text(token_id), "logprob": logprob, "bytes": list(self.tok.token_bytes(token_id))}
+
+    def _logprobs_body(self, lps: list[TokenLogprob]) -> dict:
+        return {"content": [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, l) for t, l in lp.top]}
+                            for lp in lps]}
+
+
+class CompletionFormat(ResponseFormat):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._offset = 0  # text_offset of the next token, across stream chunks
+
+    def _delta(self, text: str, finished: bool) -> tuple[str, Any]:
+        return "text", text
+
+    def _message(self, text: str) -> tuple[str, Any]:
+        return "text", text
+
+    def _logprobs_body(self, lps: list[TokenLogprob]) -> dict:
+        tok = self.tok
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for lp in lps:
+            text = tok.token_text(lp.token_id)
+            tokens.append(text)
+            token_logprobs.append(lp.logprob)
+            top_logprobs.append({tok.token_text(t): l for t, l in lp.top})
+            text_offset.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}

@@ -1,0 +1,265 @@
+"""The worker pools as the router sees them: membership, health, output pumps, draining.
+
+`WorkerPools` is the half of `router.ray_backend.RayBackend` that knows workers, not requests:
+
+- **Health**: the health loop's one `heartbeat` RPC per worker and interval returns the worker's
+  stats and its KV events since the last one; they feed `prefix_index` (a `PrefixIndex`), which
+  the KV-aware routing policy reads. A worker that stops answering, dies, or restarts (new pid)
+  has its index entries dropped at once, so nothing is routed to it for its cache. A dead worker
+  is marked down (requests on it are told: `WorkerLost`); Ray restarts it (restartable actors)
+  and the first heartbeat it answers re-admits it. One that Ray will not restart any more
+  (ActorDiedError) is `gone`: `on_gone` tells the pool manager, which replaces it.
+- **Streams**: one long-poll loop ("pump") per decode worker carries every request's new tokens
+  at once into that request's queue, only while the request still runs on that worker.
+- **Membership**: `add_worker`, `drain_worker` and `remove_worker` change the pools at runtime
+  (cluster.pool_manager creates and stops the actors). A draining worker gets no new request;
+  what it runs finishes or, after the drain timeout, moves to other workers.
+
+Imports ray but never torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ray.exceptions import ActorDiedError, RayError
+
+from router.backend import BackendError, WorkerInfo
+from router.migration import Candidate, WorkerLost, pick_worker
+from router.prefix_index import PrefixIndex
+from workers.protocol import KVEndpoint
+
+__all__ = ["WorkerPools"]
+
+log = logging.getLogger("baton.router")
+
+
+@dataclass
+class PoolWorker:
+    worker_id: str
+    role: str
+    handle: object
+    alive: bool = True
+    draining: bool = False
+    gone: bool = False  # dead for good (no restart left): only a replacement brings the pool back
+    stats: object | None = None
+    endpoint: KVEndpoint | None = None  # a decode worker's, fetched once per incarnation
+    last_seen: float = field(default_factory=time.monotonic)
+    last_heartbeat: float | None = None  # wall clock of the last answer
+
+
+@dataclass
+class Stream:
+    decode_worker: str
+    queue: asyncio.Queue  # RequestOutput or WorkerLost; a new queue per decode worker
+    prefill_worker: str | None = None
+
+
+class WorkerPools:
+    def __init__(self, workers: list[tuple[str, str, object]], health_interval_s: float = 2.0,
+                 health_timeout_s: float = 10.0, poll_timeout_s: float = 0.05,
+                 prefix_index: PrefixIndex | None = None) -> None:
+        self._workers: dict[str, PoolWorker] = {}
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.poll_timeout_s = poll_timeout_s
+        self._streams: dict[str, Stream] = {}
+        self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
+        self._queued_prefill: dict[str, int] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._pumps: dict[str, asyncio.Task] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Called from the health loop while some worker is gone for good (the pool manager's hook).
+        self.on_gone: Callable[[], None] | None = None
+        # Seconds from a worker queueing an output to the router receiving it (bounded sample).
+        self.stream_delays: deque[float] = deque(maxlen=10000)
+        for wid, role, handle in workers:
+            self.add_worker(wid, role, handle)
+
+    def _ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._tasks and self._loop is loop:
+            return
+        # First use, or a new event loop (a second router app over the same workers, after the
+        # first one's server stopped): the old loop's tasks are gone with it; start them here.
+        self._loop = loop
+        self._tasks = [loop.create_task(self._health_loop())]
+        self._pumps = {}
+        for w in self._workers.values():
+            self._start_pump(w)
+
+    def _start_pump(self, w: PoolWorker) -> None:
+        if w.role == "decode" and self._loop is not None and w.worker_id not in self._pumps:
+            self._pumps[w.worker_id] = self._loop.create_task(self._pump(w))
+
+    async def close(self) -> None:
+        for task in [*self._tasks, *self._pumps.values()]:
+            task.cancel()
+        self._tasks, self._pumps = [], {}
+
+    # ---- the pools -----------------------------------------------------------------------------
+    def add_worker(self, worker_id: str, role: str, handle: object) -> None:
+        """Serve with one more worker (already started and ready); new requests may go to it at once."""
+        if worker_id in self._workers:
+            raise ValueError(f"worker {worker_id!r} is already in the pools")
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        w = PoolWorker(worker_id, role, handle)
+        self._workers[worker_id] = w
+        self._queued_prefill[worker_id] = 0
+        self._start_pump(w)
+
+    def in_flight(self, worker_id: str) -> int:
+        """Requests the router has on this worker now (decoding there, or prefilling there)."""
+        return sum(1 for s in self._streams.values() if worker_id in (s.decode_worker, s.prefill_worker))
+
+    async def drain_worker(self, worker_id: str, timeout_s: float) -> int:
+        """Stop routing to the worker and wait, up to timeout_s, for its requests to finish; then
+        move a decode worker's remaining requests to other decode workers (a prefill worker's
+        remaining prefills fail over when it stops). Returns the requests moved."""
+        w = self._get(worker_id)
+        w.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight(worker_id) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        moved = 0
+        if w.role == "decode":
+            for stream in self._streams.values():
+                if stream.decode_worker == worker_id:
+                    stream.queue.put_nowait(WorkerLost(worker_id, f"decode worker {worker_id} is being removed", False))
+                    moved += 1
+            # The moves themselves are quick (a resubmit each); bounded anyway.
+            deadline = time.monotonic() + max(5.0, self.health_timeout_s)
+            while any(s.decode_worker == worker_id for s in self._streams.values()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        return moved
+
+    def remove_worker(self, worker_id: str) -> object:
+        """Forget the worker (its prefix-index entries go with it); returns its handle to stop."""
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            raise ValueError(f"unknown worker {worker_id!r}")
+        pump = self._pumps.pop(worker_id, None)
+        if pump is not None:
+            pump.cancel()
+        self.prefix_index.remove_worker(worker_id)
+        self._queued_prefill.pop(worker_id, None)
+        if w.role == "decode":
+            self._fail_streams(worker_id, f"decode worker {worker_id} was removed")
+        return w.handle
+
+    def gone_workers(self) -> list[str]:
+        """Workers dead for good (restarts used up): the pool manager replaces them."""
+        return [w.worker_id for w in self._workers.values() if w.gone]
+
+    def workers(self) -> list[WorkerInfo]:
+        try:
+            self._ensure_started()
+        except RuntimeError:
+            pass  # no running loop (called from sync code): report what we know
+        infos = []
+        for w in list(self._workers.values()):
+            s = w.stats
+            infos.append(WorkerInfo(
+                worker_id=w.worker_id, role=w.role, alive=w.alive,
+                running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
+                kv_usage=s.kv_usage if s else 0.0, queued_prefill_tokens=self._queued_prefill.get(w.worker_id, 0),
+                prefix_cache_queries=s.prefix_cache_queries if s else 0, prefix_cache_hits=s.prefix_cache_hits if s else 0,
+                last_heartbeat=w.last_heartbeat, draining=w.draining,
+            ))
+        return infos
+
+    # ---- health --------------------------------------------------------------------------------
+    async def refresh_stats(self) -> None:
+        """Ask every worker for its stats and KV events now; a worker that does not answer is marked dead."""
+        async def one(w: PoolWorker) -> None:
+            try:
+                beat = await asyncio.wait_for(w.handle.heartbeat.remote(), self.health_timeout_s)
+            except (RayError, asyncio.TimeoutError) as exc:
+                self._mark_down(w, exc)
+                return
+            if self._workers.get(w.worker_id) is not w:
+                return  # removed while we asked
+            old = w.stats
+            if old is not None and (old.pid != beat.stats.pid or not w.alive):
+                # Restarted (or back from the dead): what we knew of its cache is gone, and so is
+                # its KV endpoint (a new process allocated a new cache).
+                self.prefix_index.remove_worker(w.worker_id)
+                w.endpoint = None
+                log.warning("worker %s (%s) is back (pid %s)", w.worker_id, w.role, beat.stats.pid)
+            w.stats = beat.stats
+            w.alive, w.gone, w.last_seen, w.last_heartbeat = True, False, time.monotonic(), time.time()
+            batch = beat.kv_events
+            if batch.snapshot is not None:
+                self.prefix_index.replace(w.worker_id, batch.snapshot)
+            else:
+                self.prefix_index.apply(w.worker_id, batch.events)
+
+        await asyncio.gather(*(one(w) for w in list(self._workers.values())))
+
+    def _mark_down(self, w: PoolWorker, exc: object) -> None:
+        if w.alive:
+            log.warning("worker %s (%s) is down: %s", w.worker_id, w.role, exc)
+        w.alive = False
+        # ActorDiedError: no restart left (ActorUnavailableError, its sibling, means restarting).
+        w.gone = w.gone or isinstance(exc, ActorDiedError)
+        self.prefix_index.remove_worker(w.worker_id)
+        if w.role == "decode":
+            self._fail_streams(w.worker_id, f"decode worker {w.worker_id} is down")
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.refresh_stats()
+            if self.on_gone is not None and self.gone_workers():
+                self.on_gone()
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _pump(self, w: PoolWorker) -> None:
+        while True:
+            if not w.alive:
+                await asyncio.sleep(self.health_interval_s)
+                continue
+            try:
+                outputs = await w.handle.poll_outputs.remote(self.poll_timeout_s)
+            except RayError as exc:
+                self._mark_down(w, exc)
+                continue
+            now = time.time()
+            for out in outputs:
+                self.stream_delays.append(now - out.created_at)
+                stream = self._streams.get(out.request_id)
+                # Only the request's current decode worker speaks for it (one it left may linger).
+                if stream is not None and stream.decode_worker == w.worker_id:
+                    stream.queue.put_nowait(out)
+
+    def _fail_streams(self, decode_worker: str, message: str) -> None:
+        for stream in self._streams.values():
+            if stream.decode_worker == decode_worker:
+                stream.queue.put_nowait(WorkerLost(decode_worker, message))
+
+    def _get(self, worker_id: str) -> PoolWorker:
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise BackendError(f"unknown worker {worker_id!r}")
+        return w
+
+    def _usable(self, worker_id: str | None) -> PoolWorker | None:
+        w = self._workers.get(worker_id) if worker_id is not None else None
+        return w if w is not None and w.alive and not w.draining else None
+
+    def _pick(self, role: str, exclude: set[str] = frozenset()) -> PoolWorker | None:
+        candidates = [Candidate(w.worker_id, w.alive and not w.draining, self.in_flight(w.worker_id),
+                                w.stats.kv_usage if w.stats else 0.0)
+                      for w in self._workers.values() if w.role == role]
+        wid = pick_worker(candidates, exclude)
+        return None if wid is None else self._workers[wid]
+
+    async def _endpoint(self, w: PoolWorker) -> KVEndpoint:
+        if w.endpoint is None:
+            w.endpoint = await w.handle.endpoint.remote()
+        return w.endpoint

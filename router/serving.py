@@ -1,0 +1,347 @@
+"""Serving chat and text completions: parse and check a request, build its prompt and sampling
+parameters, route it, run it through the backend, and answer in full or as a stream.
+
+Both endpoints share one path (`Serving.generate`) and one formatter (router.formatting); each
+endpoint supplies only its prompt, its max_tokens rule and its format. Every rejection is an
+`APIError` (router.errors turns it into the envelope).
+
+Order of work for a generation request, cheapest refusal first: admission check (429, before the
+body is read), body limits and schema (400, router.limits and router.protocol), waiting for a decode
+and a prefill slot (router.admission, bounded by the request's deadline), then tokenization,
+routing and the backend. Prompts and completions are logged only with `log_prompts`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from router.admission import AdmissionControl, Deadline, Ticket, deadline_error, request_deadline
+from router.backend import GenerateRequest, ServingBackend
+from router.config import ServerConfig
+from router.formatting import Accumulator, ChatFormat, CompletionFormat, ResponseFormat
+from router.limits import check_limits, check_unsupported, read_json
+from router.metrics import RouterMetrics
+from router.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_chat_extras,
+    check_common,
+    check_completion_extras,
+    to_sampling_params,
+    validation_error_to_api,
+)
+from router.routing import RoutingPolicy, live_workers
+from router.streaming import ClientGone, DeadlineExceeded, await_unless_disconnected, ended, sse_response
+from router.tokenizer import ChatTemplateError, Tokenizer
+from router.trace import RequestTrace
+from workers.protocol import RequestOutput
+from workers.sampling_params import SamplingParams
+
+__all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Serving"]
+
+logger = logging.getLogger("baton.router")
+# Prompts and completions go only here, and only when the operator sets log_prompts.
+request_logger = logging.getLogger("baton.router.requests")
+
+# OpenAI's and vLLM's default for the legacy /v1/completions endpoint. Chat requests without a
+# limit may use the whole remaining context (max_model_len - prompt tokens).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise APIError("request body must be a JSON object", 400, None)
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error_to_api(e) from None
+
+
+class Serving:
+    """The model's endpoints over one backend; `metrics` records every request's trace."""
+
+    def __init__(self, backend: ServingBackend, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 policy: RoutingPolicy, config: ServerConfig) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.config = config
+        self.created = int(time.time())
+        self.admission = AdmissionControl(config)
+        self.metrics = RouterMetrics(model_name, backend, self.admission)
+
+    # -- the generation endpoints: each supplies its checks, prompt, max_tokens default and format
+    async def chat(self, request: Request, started: float) -> Response:
+        deadline = request_deadline(self.config, request.headers, time.monotonic())
+        self.admission.check()
+        req: ChatCompletionRequest = await self._request(request, ChatCompletionRequest)
+        check_chat_extras(req)
+        ticket = await self._admit(request, deadline)
+        if ticket is None:
+            return Response(status_code=499)
+        try:
+            return await self._complete(request, started, req, self.chat_prompt_ids(req), "messages", None, ChatFormat,
+                                        "chatcmpl", req.logprobs, ticket, deadline)
+        except BaseException:
+            ticket.release()
+            raise
+
+    async def completion(self, request: Request, started: float) -> Response:
+        deadline = request_deadline(self.config, request.headers, time.monotonic())
+        self.admission.check()
+        req: CompletionRequest = await self._request(request, CompletionRequest)
+        check_completion_extras(req)
+        ticket = await self._admit(request, deadline)
+        if ticket is None:
+            return Response(status_code=499)
+        try:
+            return await self._complete(request, started, req, self.completion_prompt_ids(req), "prompt",
+                                        COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionFormat, "cmpl", req.logprobs is not None,
+                                        ticket, deadline)
+        except BaseException:
+            ticket.release()
+            raise
+
+    async def _admit(self, request: Request, deadline: Deadline | None) -> Ticket | None:
+        """Wait for the request's slots; None when the client left while it waited."""
+        try:
+            return await await_unless_disconnected(request, self.admission.admit(deadline))
+        except ClientGone:
+            return None
+
+    async def _request(self, request: Request, schema: type[ChatCompletionRequest | CompletionRequest]) -> Any:
+        body = await read_json(request, self.config)
+        if not isinstance(body, dict):
+            raise APIError("request body must be a JSON object", 400, None)
+        check_unsupported(body, schema, self.tokenizer.vocab_size)
+        req = parse(schema, body)
+        self.check_model(req.model)
+        check_common(req)
+        check_limits(req, self.config, self.tokenizer.vocab_size)
+        return req
+
+    async def _complete(self, request: Request, started: float, req: ChatCompletionRequest | CompletionRequest,
+                        prompt_ids: list[int], prompt_param: str, default_max_tokens: int | None,
+                        format: type[ResponseFormat], id_prefix: str, logprobs: bool, ticket: Ticket,
+                        deadline: Deadline | None) -> Response:
+        requested, field_name = req.requested_max_tokens()
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, field_name, prompt_param, default_max_tokens)
+        params = to_sampling_params(req, max_tokens, max_tokens_field=field_name)
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        opts = req.stream_options
+        fmt = format(self.tokenizer, request_id, req.model or self.model_name, int(time.time()),
+                     include_usage=bool(req.stream and opts and opts.include_usage),
+                     continuous_usage=bool(opts and opts.continuous_usage_stats), logprobs=logprobs)
+        return await self.generate(request, request_id, prompt_ids, params, req.stream, fmt, started, ticket, deadline)
+
+    # -- checks and prompts
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                f"The model `{name}` does not exist. This server serves `{self.model_name}`.", 404, "model", "NotFoundError"
+            )
+
+    def resolve_max_tokens(self, num_prompt: int, requested: int | None, field_name: str, prompt_param: str,
+                           default: int | None = None) -> int:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has {num_prompt} tokens, "
+                f"which leaves no room for any output. Please reduce the length of the prompt.",
+                400,
+                prompt_param,
+            )
+        if requested is None:
+            room = limit - num_prompt
+            return room if default is None else min(default, room)
+        if num_prompt + requested > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} in {field_name}). "
+                f"Please reduce the length of the prompt or {field_name}.",
+                400,
+                field_name,
+            )
+        return requested
+
+    def completion_prompt_ids(self, req: CompletionRequest) -> list[int]:
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(
+                    f"batched prompts ({len(prompt)} prompts) are not supported: send one prompt per request", 400, "prompt"
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if not self.tokenizer.is_valid_id(t)), None)
+            if bad is not None:
+                raise APIError(f"prompt token id {bad} is out of range [0, {self.tokenizer.vocab_size})", 400, "prompt")
+        if not ids:
+            raise APIError("prompt must not be empty", 400, "prompt")
+        return ids
+
+    def chat_prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = False) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            messages = req.template_messages()
+        else:
+            messages = ChatCompletionRequest.model_construct(messages=req.messages or []).template_messages()
+        try:
+            text = self.tokenizer.render_chat(
+                messages, add_generation_prompt=req.add_generation_prompt, tools=getattr(req, "tools", None)
+            )
+        except ChatTemplateError as e:
+            raise APIError(str(e), 400, "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    # -- running a request
+    async def generate(self, request: Request, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       stream: bool, fmt: ResponseFormat, started: float | None = None, ticket: Ticket | None = None,
+                       deadline: Deadline | None = None) -> Response:
+        """Run an admitted request; its `ticket` is released however it ends, and past its
+        `deadline` it is aborted (504)."""
+        trace = RequestTrace(request_id, len(prompt_ids))
+        if started is not None:
+            trace.started = started  # arrival at the router, before parsing, admission and tokenizing
+        if self.config.log_prompts:
+            request_logger.info("%s prompt (%d tokens): %r", request_id, len(prompt_ids), self.tokenizer.decode(prompt_ids))
+        route = self.policy.choose(prompt_ids, self.backend.workers())
+        trace.set_route(route)
+        outputs = self._traced(self.backend.generate(GenerateRequest(request_id, prompt_ids, params, route, trace)), trace,
+                               ticket)
+        acc = Accumulator(num_prompt_tokens=len(prompt_ids))
+        headers = {"X-Request-Id": request_id}
+        # Streaming waits for the first output before sending headers, so that failures before the
+        # first token still get a proper status code.
+        work = outputs.__anext__() if stream else self._collect(outputs, acc)
+        try:
+            first = await await_unless_disconnected(request, work, deadline)
+        except StopAsyncIteration:
+            first = ended(request_id)
+        except ClientGone:
+            await self._abort(request_id, outputs, ticket)
+            return Response(status_code=499)
+        except DeadlineExceeded:
+            await self._abort(request_id, outputs, ticket)
+            raise deadline_error(deadline.seconds if deadline else 0.0, running=True) from None
+        except BaseException:
+            await self._abort(request_id, outputs, ticket)
+            raise
+        if not stream:
+            return JSONResponse(fmt.full(acc), headers=headers)
+
+        async def abort() -> None:
+            await self._abort(request_id, outputs, ticket)
+
+        return sse_response(request_id, outputs, first, fmt, acc, abort, headers, deadline)
+
+    async def _traced(self, outputs: AsyncIterator[RequestOutput], trace: RequestTrace,
+                      ticket: Ticket | None) -> AsyncIterator[RequestOutput]:
+        """Pass outputs through, timing tokens; free the prefill slot at the first output and the
+        decode slot at the end; record the trace however the request ends."""
+        finish_reason, error = None, None
+        texts: list[str] | None = [] if self.config.log_prompts else None
+        try:
+            async for out in outputs:
+                trace.token(len(out.token_ids))
+                if ticket is not None:
+                    ticket.first_token()
+                if texts is not None and out.text:
+                    texts.append(out.text)
+                if out.finished:
+                    finish_reason = out.finish_reason or "stop"
+                yield out
+        except Exception as e:
+            error = str(e) or type(e).__name__
+            raise
+        finally:
+            try:
+                await outputs.aclose()
+            finally:
+                if ticket is not None:
+                    ticket.release()
+                trace.finish(finish_reason or "abort", error)
+                self.metrics.observe(trace)
+                if texts is not None:
+                    request_logger.info("%s completion (%s): %r", trace.request_id, trace.finish_reason, "".join(texts))
+
+    @staticmethod
+    async def _collect(outputs: AsyncIterator[RequestOutput], acc: Accumulator) -> None:
+        try:
+            async for out in outputs:
+                acc.add(out, keep=True)
+                if out.finished:
+                    return
+            if acc.finish_reason is None:
+                acc.finish_reason = "abort"
+        finally:
+            await outputs.aclose()  # let the backend run its cleanup now, not at garbage collection
+
+    async def _abort(self, request_id: str, outputs: Any, ticket: Ticket | None = None) -> None:
+        # The outputs may never have started (then closing them runs no cleanup): free the slots here.
+        if ticket is not None:
+            ticket.release()
+        # Shielded: this runs while the handler is being cancelled (client gone).
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.backend.abort(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+            try:
+                await outputs.aclose()
+            except BaseException:
+                pass
+
+    # -- the other endpoints' answers
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "baton",
+                "max_model_len": self.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    def health(self) -> tuple[int, dict]:
+        """(status, body): 503 naming the pools without a live worker, else 200."""
+        workers = self.backend.workers()
+        live = {role: len(live_workers(workers, role)) for role in ("prefill", "decode")}
+        missing = [role for role, n in live.items() if n == 0]
+        if not missing:
+            return 200, {"status": "ok", "live_workers": live}
+        message = "no live worker in the " + " and ".join(missing) + " pool" + ("s" if len(missing) > 1 else "")
+        return 503, {"status": "unavailable", "missing_pools": missing, "live_workers": live, "message": message}
+
+    async def tokenize(self, request: Request) -> dict:
+        req: TokenizeRequest = parse(TokenizeRequest, await read_json(request, self.config))
+        self.check_model(req.model)
+        if req.messages is not None:
+            if not req.messages:
+                raise APIError("messages must not be empty", 400, "messages")
+            tokens = self.chat_prompt_ids(req, add_special_tokens=bool(req.add_special_tokens))
+        elif req.prompt is not None:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            tokens = self.tokenizer.encode(req.prompt, add_special_tokens=add)
+        else:
+            raise APIError("give either prompt or messages", 400, "prompt")
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, request: Request) -> dict:
+        req: DetokenizeRequest = parse(DetokenizeRequest, await read_json(request, self.config))
+        self.check_model(req.model)
+        bad = next((t for t in req.tokens if not self.tokenizer.is_valid_id(t)), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} is out of range [0, {self.tokenizer.vocab_size})", 400, "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+

@@ -1,0 +1,84 @@
+"""Helpers for cluster mode tests (tests/cluster), importable by any module there:
+
+    from cluster_fixtures import POOL_NODES, actor_nodes, cluster_config, serving_on
+
+- `cluster_config(fake_cluster, **options)`: a BatonConfig that joins the fake cluster, 2 prefill
+  and 2 decode workers with one thread (one Ray CPU) each, so each worker takes one simulated
+  node; options are flat option names, as `BatonConfig.from_options` takes them.
+- `serving_on(config, prefix)`: deploy and run the router on 127.0.0.1 for a `with` block; yields
+  a `RunningServer` (`.base_url`, `.deployment`, `.stats()`, `.wait_idle()`).
+- `actor_nodes(deployment)`: worker id -> Ray node id, read from Ray's own actor table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import ray
+
+from cluster.config import BatonConfig
+from cluster.launcher import build_app, deploy
+from cluster.testing import FakeCluster, NodeType, free_port
+from router.app import make_server
+
+POOL_NODES = [
+    NodeType("prefill", 2, {"CPU": 1, "baton_prefill": 1}, {"baton-pool": "prefill"}),
+    NodeType("decode", 2, {"CPU": 1, "baton_decode": 1}, {"baton-pool": "decode"}),
+]
+
+
+def cluster_config(cluster: FakeCluster, **options) -> BatonConfig:
+    defaults = dict(address=cluster.address, prefill_workers=2, decode_workers=2, threads_per_worker=1,
+                    kv_cache_memory="64MiB", max_num_seqs=16, local_prefill_threshold=0, port=free_port(),
+                    placement_timeout=60.0)
+    return BatonConfig.from_options(**{**defaults, **options})
+
+
+class RunningServer:
+    def __init__(self, deployment, port: int) -> None:
+        self.deployment = deployment
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def stats(self) -> dict:
+        return {wid: ray.get(h.stats.remote(), timeout=30) for wid, _, h in self.deployment.workers}
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict:
+        """Stats once every worker has no request and no referenced block (or the last stats seen)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            idle = all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
+                       for s in stats.values())
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serving_on(config: BatonConfig, prefix: str = "baton"):
+    """Deploy `config` and serve it on 127.0.0.1:config.server.port for the block."""
+    deployment = deploy(config, actor_name_prefix=prefix)
+    http = make_server(build_app(deployment), port=config.server.port)
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not http.started:
+            assert time.monotonic() < deadline, "the router did not start in 30 s"
+            time.sleep(0.1)
+        yield RunningServer(deployment, config.server.port)
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+        deployment.shutdown()
+
+
+def actor_nodes(deployment) -> dict[str, str]:
+    """Worker id -> the node id Ray's actor table gives for its actor (independent of Baton)."""
+    out = {}
+    for wid, _, handle in deployment.workers:
+        info = ray._private.state.actors(handle._actor_id.hex())
+        out[wid] = info["Address"]["NodeID"]
+    return out

@@ -1,0 +1,117 @@
+"""The engine's disaggregated lifecycle on a tiny model, through its public methods only:
+reserve / abort and prefill / hold / send / release cycles leave every block accounted for."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.test_prefix_and_stress import tiny_engine
+from workers.protocol import WorkerReady
+from workers.sampling_params import SamplingParams
+from workers.sequence import SequenceStatus
+from workers.worker import EngineWorker, WorkerConfig
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine(num_kv_blocks=32, block_size=16, max_num_batched_tokens=64)
+
+
+@pytest.fixture(autouse=True)
+def clean(engine):
+    engine.block_manager.reset_prefix_cache()
+    start = engine.block_manager.num_free_blocks
+    yield
+    assert not engine.has_unfinished_requests() and not engine.scheduler.held
+    engine.scheduler.check_invariants()
+    assert engine.block_manager.num_free_blocks == start
+
+
+def run_until_idle(engine) -> list:
+    outputs = []
+    while engine.has_schedulable_work():
+        outputs += engine.step()
+    return outputs
+
+
+def prompt(n: int, base: int = 10) -> list[int]:
+    return [3 + (base + i) % 500 for i in range(n)]  # inside the tiny vocabulary (512)
+
+
+def test_reserve_then_abort_frees_the_reservation(engine):
+    reservation = engine.reserve_for_kv(prompt(40), GREEDY, "r")
+    assert len(reservation.block_ids) == 3 and reservation.num_cached_tokens == 0
+    assert engine.request_ids() == ["r"] and not engine.has_schedulable_work()
+    engine.scheduler.check_invariants()
+    assert engine.abort("r") and not engine.abort("r")
+
+
+def test_reserve_kv_arrives_then_decodes_to_the_end(engine):
+    engine.reserve_for_kv(prompt(40), GREEDY, "r")
+    engine.start_decoding("r", 5)
+    outs = run_until_idle(engine)
+    assert outs[-1].finished and outs[-1].num_output_tokens == 4
+    with pytest.raises(ValueError, match="'r' is not waiting for KV"):
+        engine.start_decoding("r", 5)
+
+
+def test_start_decoding_a_request_not_waiting_for_kv_is_refused(engine):
+    with pytest.raises(ValueError, match="'nobody' is not waiting for KV"):
+        engine.start_decoding("nobody", 5)
+    engine.add_request(prompt(20), GREEDY, "local")
+    with pytest.raises(ValueError, match="'local' cannot go from waiting to running .needs waiting_for_kv."):
+        engine.start_decoding("local", 5)
+    engine.abort("local")
+
+
+def test_prefill_hold_send_release_cycle(engine):
+    engine.add_request(prompt(40), GREEDY, "p", prefill_only=True)
+    [first] = run_until_idle(engine)
+    assert not first.finished and len(first.token_ids) == 1
+    assert engine.request_ids() == [] and not engine.has_unfinished_requests()
+    held = engine.scheduler.held["p"]
+    assert held.status is SequenceStatus.HELD_FOR_PEER
+    with pytest.raises(ValueError, match="'p' is already in use"):
+        engine.add_request(prompt(8), GREEDY, "p")
+    blocks = engine.held_block_ids("p")
+    assert engine.begin_send("p") == blocks and held.status is SequenceStatus.SENDING_KV
+    assert engine.release("p") and not engine.release("p")
+    assert held.status is SequenceStatus.FINISHED
+
+
+def test_abort_during_send_defers_the_free_to_release(engine):
+    engine.add_request(prompt(40), GREEDY, "p", prefill_only=True)
+    run_until_idle(engine)
+    engine.begin_send("p")
+    free = engine.block_manager.num_free_blocks
+    assert engine.abort("p")
+    assert engine.block_manager.num_free_blocks == free  # the transfer still reads them
+    assert engine.release("p")
+
+
+def test_abort_all_aborts_waiting_running_and_reserved_but_not_held(engine):
+    engine.add_request(prompt(200), GREEDY, "long")
+    engine.add_request(prompt(20, base=500), GREEDY, "queued")
+    engine.reserve_for_kv(prompt(30, base=700), GREEDY, "reserved")
+    engine.add_request(prompt(16, base=900), GREEDY, "held", prefill_only=True)
+    engine.step()  # "long" takes the whole first budget
+    assert sorted(engine.abort_all()) == ["held", "long", "queued", "reserved"]
+    engine.add_request(prompt(16, base=900), GREEDY, "held", prefill_only=True)
+    run_until_idle(engine)
+    assert engine.abort_all() == [] and list(engine.scheduler.held) == ["held"]
+    engine.release("held")
+
+
+def test_worker_ready_reports_the_engines_limits(engine):
+    worker = EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine, transport=None)
+    try:
+        report = worker.ready()
+    finally:
+        worker.shutdown()
+    assert report == WorkerReady(
+        worker_id="decode-0", role="decode", max_model_len=engine.max_model_len, block_size=16, num_blocks=32,
+        dtype="float32", kv_cache_dtype="float32",
+    )
+    assert report.max_model_len == min(engine.runner.max_model_len, 32 * 16)  # capped by the KV cache

@@ -1,0 +1,151 @@
+"""One real deployment for the hardening tests: Ray on 127.0.0.1, a prefill and a decode worker, the
+router on a free port with an API key and small body limit, and every log record captured.
+
+The router's log records (baton.*, uvicorn's error and access logs, the root logger) are kept in
+`LogCapture` for the whole session, at debug level for Baton's loggers, so tests can check that a
+key or a prompt never reaches them; Ray's log files are searched too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.hardening.corpus import API_KEY, MAX_REQUEST_BODY
+
+GOOD_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+GOOD_MAX_TOKENS = 8
+LOGGERS = ("", "baton", "uvicorn", "uvicorn.error", "uvicorn.access", "ray")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LogCapture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # a bad format string is still a record: keep its raw parts
+            text = f"{record.msg} {record.args}"
+        if record.exc_info:
+            text += "\n" + logging.Formatter().formatException(record.exc_info)
+        self.lines.append(f"{record.name} {record.levelname} {text}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+class Hardened:
+    """The running deployment: base URL, auth headers, worker stats, captured logs."""
+
+    def __init__(self, deployment, server, port: int, logs: LogCapture) -> None:
+        self.deployment = deployment
+        self.server = server
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.logs = logs
+        self.auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, headers=self.auth, timeout=120, **kwargs)
+
+    def stats(self) -> dict:
+        import ray
+
+        return {wid: ray.get(h.stats.remote(), timeout=30) for wid, _, h in self.deployment.workers}
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict:
+        """Worker stats once nothing runs and no block is referenced (or the last seen at timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
+                   for s in stats.values()) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
+
+    def ray_log_files(self) -> list[Path]:
+        import ray._private.worker as ray_worker
+
+        node = getattr(ray_worker.global_worker, "node", None)
+        if node is None:
+            return []
+        return [p for p in Path(node.get_logs_dir_path()).rglob("*") if p.is_file()]
+
+
+@contextlib.contextmanager
+def hardened_deployment():
+    from cluster.config import BatonConfig
+    from cluster.launcher import build_app, deploy
+    from router.app import make_server
+
+    port = free_port()
+    config = BatonConfig.from_options(port=port, kv_cache_memory="192MiB", max_num_seqs=32, api_key=API_KEY,
+                                      max_request_body=MAX_REQUEST_BODY)
+    deployment = deploy(config, actor_name_prefix="hardening")
+    logs = LogCapture()
+    baton_logger = logging.getLogger("baton")
+    old_level = baton_logger.level
+    server = None
+    try:
+        server = make_server(build_app(deployment), port=port, log_level="info")
+        for name in LOGGERS:  # after uvicorn's Config set up its loggers
+            logging.getLogger(name).addHandler(logs)
+        baton_logger.setLevel(logging.DEBUG)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the router did not start"
+            time.sleep(0.05)
+        yield Hardened(deployment, server, port, logs)
+        server.should_exit = True
+        thread.join(timeout=15)
+    finally:
+        if server is not None:
+            server.should_exit = True
+        for name in LOGGERS:
+            logging.getLogger(name).removeHandler(logs)
+        baton_logger.setLevel(old_level)
+        deployment.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hardened():
+    with hardened_deployment() as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def good_answer() -> str:
+    """The engine alone (no Ray, no HTTP), greedy: what the good request must answer."""
+    from router.tokenizer import Tokenizer
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.model_files import resolve_model_dir
+    from workers.sampling_params import SamplingParams
+
+    model_dir = resolve_model_dir(None, quiet=True)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    engine = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20))
+    prompt = tokenizer.apply_chat_template(GOOD_MESSAGES, add_generation_prompt=True)
+    [done] = engine.generate([prompt], SamplingParams(max_tokens=GOOD_MAX_TOKENS, temperature=0.0))
+    return done.text
+
+
+def ask_good(client: httpx.Client) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={"messages": GOOD_MESSAGES, "max_tokens": GOOD_MAX_TOKENS,
+                                                     "temperature": 0})

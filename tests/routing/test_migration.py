@@ -1,0 +1,247 @@
+"""Healing and scaling in RayBackend over fake actors (no Ray, no model): requests on a dead
+decode worker migrate and continue exactly, a dead prefill worker's prefill moves to another,
+attempts are bounded, a restarted worker is re-admitted with its index entries cleared, and
+workers join and drain at runtime.
+
+Oracle: the fake workers' deterministic script (tests/routing/fake_actors.py): whatever worker
+produces token i of a request, it is `script_token(prompt, i)`, so a stream that lost or repeated a
+token, or a character of text, differs from `script(prompt, max_tokens)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from router.backend import BackendError, GenerateRequest, RouteDecision
+from router.ray_backend import RayBackend
+from router.routing import live_workers
+from workers.sampling_params import SamplingParams
+
+from .fake_actors import FakeActor, script, script_text
+
+STEP_S = 0.01
+
+
+def make(num_prefill=1, num_decode=2, **kwargs):
+    actors = {f"prefill-{i}": FakeActor(f"prefill-{i}", "prefill", prefill_delay_s=0.01) for i in range(num_prefill)}
+    actors.update({f"decode-{i}": FakeActor(f"decode-{i}", "decode", step_s=STEP_S) for i in range(num_decode)})
+    kwargs = {"health_interval_s": 0.05, "health_timeout_s": 0.5, "poll_timeout_s": 0.02, **kwargs}
+    backend = RayBackend([(wid, a.role, a) for wid, a in actors.items()], **kwargs)
+    return backend, actors
+
+
+def prompt_of(i: int) -> list[int]:
+    return [100 + i, 7, 8, 9, i % 5]
+
+
+async def stream(backend, rid, prompt, max_tokens, decode, prefill=None):
+    """(token ids, text, last output) of one request, or the exception that ended it."""
+    tokens, text, last = [], "", None
+    request = GenerateRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
+                              RouteDecision(decode, prefill))
+    try:
+        async for out in backend.generate(request):
+            tokens += out.token_ids
+            text += out.text
+            last = out
+    except BackendError as exc:
+        return exc
+    return tokens, text, last
+
+
+def assert_exact(result, prompt, max_tokens):
+    assert not isinstance(result, Exception), result
+    tokens, text, last = result
+    want = script(prompt, max_tokens)
+    assert tokens == want
+    assert text == "".join(script_text(t) for t in want)
+    assert last.finished and last.finish_reason == "length" and last.num_output_tokens == max_tokens
+
+
+async def wait_for(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_streams_on_a_killed_decode_worker_continue_exactly_on_the_other():
+    async def main():
+        backend, actors = make(num_prefill=1, num_decode=2)
+        try:
+            backend.workers()
+            n, max_tokens = 32, 40
+            tasks = [asyncio.create_task(stream(backend, f"r{i}", prompt_of(i), max_tokens, f"decode-{i % 2}",
+                                                "prefill-0" if i % 4 < 2 else None)) for i in range(n)]
+            await wait_for(lambda: len(actors["decode-0"].running) >= 8)
+            await asyncio.sleep(5 * STEP_S)
+            moved = list(actors["decode-0"].running)
+            actors["decode-0"].kill()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+            for i, result in enumerate(results):
+                assert_exact(result, prompt_of(i), max_tokens)
+            assert backend.counters["migrations"] == len(moved) >= 8
+            # Each moved request resumed from what its client had: never nothing, never everything.
+            resumes = {rid: r for rid, r in actors["decode-1"].submitted if r is not None}
+            assert set(resumes) == set(moved)
+            assert all(0 < len(r.output_token_ids) < max_tokens for r in resumes.values())
+            assert len(backend.migration_gaps) == len(moved)
+            assert [w.alive for w in backend.workers() if w.worker_id == "decode-0"] == [False]
+            assert backend.gone_workers() == ["decode-0"]  # ActorDiedError: no restart left
+            assert not backend._streams and all(not a.running for a in actors.values())
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_that_loses_too_many_workers_ends_with_a_clean_error():
+    async def main():
+        backend, actors = make(num_prefill=0, num_decode=3, max_migrations=1)
+        try:
+            backend.workers()
+            task = asyncio.create_task(stream(backend, "r", prompt_of(0), 200, "decode-0"))
+            await wait_for(lambda: "r" in actors["decode-0"].running)
+            actors["decode-0"].kill()
+            await wait_for(lambda: any("r" in actors[w].running for w in ("decode-1", "decode-2")))
+            second = next(w for w in ("decode-1", "decode-2") if "r" in actors[w].running)
+            actors[second].kill()
+            result = await asyncio.wait_for(task, 10)
+            assert isinstance(result, BackendError) and result.retryable
+            assert "giving up after 1 migrations" in str(result) and second in str(result)
+            assert backend.counters["migrations_failed"] == 1
+            third = ({"decode-1", "decode-2"} - {second}).pop()
+            assert not actors[third].running  # the stream did not also go on there
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_lone_decode_worker_that_restarts_takes_its_streams_back():
+    async def main():
+        backend, actors = make(num_prefill=1, num_decode=1)
+        d = actors["decode-0"]
+        try:
+            backend.workers()
+            d._compute(list(range(64)))  # something cached, so the index has entries to lose
+            await wait_for(lambda: backend.prefix_index.num_blocks("decode-0") > 0)
+            tasks = [asyncio.create_task(stream(backend, f"r{i}", prompt_of(i), 30, "decode-0")) for i in range(4)]
+            await wait_for(lambda: len(d.running) == 4)
+            await asyncio.sleep(5 * STEP_S)
+            old_pid = d.pid
+            d.kill(restart_after_s=0.3)
+            await wait_for(lambda: not backend.workers()[1].alive)
+            assert backend.prefix_index.num_blocks("decode-0") == 0
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            for i, result in enumerate(results):
+                assert_exact(result, prompt_of(i), 30)
+            assert d.pid != old_pid and backend.workers()[1].alive  # re-admitted
+            assert backend.gone_workers() == [] and backend.counters["migrations"] == 4
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+def test_no_decode_worker_within_the_wait_ends_the_stream_cleanly():
+    async def main():
+        backend, actors = make(num_prefill=0, num_decode=1, migration_wait_s=0.3)
+        try:
+            backend.workers()
+            task = asyncio.create_task(stream(backend, "r", prompt_of(0), 100, "decode-0"))
+            await wait_for(lambda: "r" in actors["decode-0"].running)
+            actors["decode-0"].kill()
+            started = time.monotonic()
+            result = await asyncio.wait_for(task, 5)
+            assert isinstance(result, BackendError) and "no decode worker was live within" in str(result)
+            assert time.monotonic() - started < 2.0
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_hung_decode_worker_is_given_up_and_its_streams_move():
+    async def main():
+        backend, actors = make(num_prefill=0, num_decode=2)
+        try:
+            backend.workers()
+            tasks = [asyncio.create_task(stream(backend, f"r{i}", prompt_of(i), 60, "decode-0")) for i in range(3)]
+            await wait_for(lambda: len(actors["decode-0"].running) == 3)
+            actors["decode-0"].hang()  # alive but answers nothing: the heartbeat times out
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            for i, result in enumerate(results):
+                assert_exact(result, prompt_of(i), 60)
+            assert backend.gone_workers() == []  # not known dead: Ray may still bring it back
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_dead_prefill_worker_is_replaced_by_another_then_by_the_decode_worker():
+    async def main():
+        backend, actors = make(num_prefill=2, num_decode=1)
+        try:
+            backend.workers()
+            actors["prefill-0"].prefill_delay_s = 0.3
+            task = asyncio.create_task(stream(backend, "r0", prompt_of(0), 10, "decode-0", "prefill-0"))
+            await wait_for(lambda: "prefill" in actors["prefill-0"].calls)
+            actors["prefill-0"].kill()
+            assert_exact(await asyncio.wait_for(task, 5), prompt_of(0), 10)
+            assert backend.counters["prefill_retries"] == 1 and actors["prefill-1"].calls.count("prefill") == 1
+            assert backend.counters["remote_prefill"] == 1 and backend.counters["local_prefill"] == 0
+
+            actors["prefill-1"].prefill_delay_s = 0.3
+            task = asyncio.create_task(stream(backend, "r1", prompt_of(1), 10, "decode-0", "prefill-1"))
+            await wait_for(lambda: actors["prefill-1"].calls.count("prefill") == 2)
+            actors["prefill-1"].kill()
+            assert_exact(await asyncio.wait_for(task, 5), prompt_of(1), 10)
+            assert backend.counters["local_prefill"] == 1  # no prefill worker left: D prefilled it
+            assert not actors["decode-0"].reserved  # the reservations were given back
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+def test_workers_join_and_drain_at_runtime_without_losing_a_request():
+    async def main():
+        backend, actors = make(num_prefill=1, num_decode=1)
+        try:
+            backend.workers()
+            late = FakeActor("decode-1", "decode", step_s=STEP_S)
+            backend.add_worker("decode-1", "decode", late)
+            with pytest.raises(ValueError, match="already"):
+                backend.add_worker("decode-1", "decode", late)
+            short = asyncio.create_task(stream(backend, "short", prompt_of(1), 5, "decode-1"))
+            assert_exact(await asyncio.wait_for(short, 5), prompt_of(1), 5)  # its pump runs
+
+            # Drain decode-0 while it runs long streams: new work avoids it at once, and after the
+            # drain timeout its streams move (no failure counted), then it leaves the index.
+            d0 = actors["decode-0"]
+            d0._compute(list(range(64)))
+            await wait_for(lambda: backend.prefix_index.num_blocks("decode-0") > 0)
+            tasks = [asyncio.create_task(stream(backend, f"r{i}", prompt_of(i), 80, "decode-0")) for i in range(4)]
+            await wait_for(lambda: len(d0.running) == 4)
+            drain = asyncio.create_task(backend.drain_worker("decode-0", timeout_s=0.1))
+            await asyncio.sleep(0)
+            assert [w.worker_id for w in live_workers(backend.workers(), "decode")] == ["decode-1"]
+            assert await asyncio.wait_for(drain, 5) == 4
+            assert backend.in_flight("decode-0") == 0
+            assert backend.remove_worker("decode-0") is d0
+            assert backend.prefix_index.num_blocks("decode-0") == 0
+            assert "decode-0" not in {w.worker_id for w in backend.workers()}
+            for i, result in enumerate(await asyncio.wait_for(asyncio.gather(*tasks), 10)):
+                assert_exact(result, prompt_of(i), 80)
+            assert backend.counters["migrations"] == 4 and backend.counters["migrations_failed"] == 0
+            # A request routed to the removed worker (a stale decision) goes elsewhere.
+            assert_exact(await stream(backend, "stale", prompt_of(9), 3, "decode-0"), prompt_of(9), 3)
+        finally:
+            await backend.close()
+
+    asyncio.run(main())

@@ -1,0 +1,166 @@
+"""The cluster simulator: it runs the router's own policy and index and the workers' own scheduler,
+and its timings match hand-computed oracles on cases simple enough to work out on paper."""
+
+from __future__ import annotations
+
+import inspect
+import random
+from pathlib import Path
+
+import pytest
+
+import cluster.launcher
+import cluster.sim.simulator as simulator_module
+import router.prefix_index
+import router.routing
+import workers.block_manager
+import workers.scheduler
+from cluster.sim import (
+    LINKS, SLO, Client, ClusterSpec, EngineSettings, FittedCostModel, LinkModel, ServingOverheads, SimRequest,
+    Simulator, Workload, simulate,
+)
+from router.routing import RoutingConfig
+
+STEP = 0.010  # a cost model where every step takes 10 ms, whatever it holds
+CONSTANT = FittedCostModel({"c0": STEP, "c_token": 0.0, "c_sampled": 0.0, "c_decode_ctx": 0.0,
+                            "c_prefill_pairs": 0.0, "c_decode_seq": 0.0}, knee=1, kv_bytes_per_token=1000,
+                           kv_capacity_tokens=1 << 20)
+OVERHEADS = ServingOverheads(router_s=0.002, rpc_s=0.001, stream_s=0.0005, heartbeat_s=0.5)
+LINK = LinkModel("test", bandwidth_bytes_s=1e9, latency_s=1e-4)
+
+
+def prompt(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(1000, 40000) for _ in range(n))
+
+
+def one(prompt_tokens: tuple[int, ...], output_len: int) -> Workload:
+    return Workload((Client.closed_loop("c", [SimRequest("r0", prompt_tokens, output_len)], 1),))
+
+
+def test_the_simulator_runs_the_routers_policy_and_index_classes_not_copies(monkeypatch):
+    sim = Simulator(ClusterSpec(1, 1), CONSTANT, OVERHEADS, LINK)
+    # The very classes the server builds (cluster.launcher calls router.routing.make_policy too).
+    assert type(sim.policy) is router.routing.KvAwarePolicy
+    assert type(sim.index) is router.prefix_index.PrefixIndex
+    assert sim.policy.index is sim.index
+    assert simulator_module.make_policy is router.routing.make_policy is cluster.launcher.make_policy
+    worker = next(iter(sim.workers.values()))
+    assert type(worker.scheduler) is workers.scheduler.Scheduler
+    assert type(worker.block_manager) is workers.block_manager.BlockManager
+    # No routing or scheduling code of its own in cluster/sim.
+    for path in Path(simulator_module.__file__).parent.glob("*.py"):
+        source = path.read_text()
+        assert "def choose(" not in source and "def match(" not in source and "def schedule(" not in source, path
+    # And the policy object really decides every request: count calls on the router's class.
+    calls = []
+    original = router.routing.KvAwarePolicy.choose
+    monkeypatch.setattr(router.routing.KvAwarePolicy, "choose",
+                        lambda self, p, w: calls.append(len(p)) or original(self, p, w))
+    rng = random.Random(0)
+    reqs = [SimRequest(f"r{i}", prompt(rng, 100 + i), 4) for i in range(7)]
+    result = simulate(Workload((Client.closed_loop("c", reqs, 2),)), ClusterSpec(1, 1), CONSTANT, OVERHEADS, LINK)
+    assert calls == [100 + i for i in range(7)]
+    assert len(result.decision_s) == 7
+
+
+def test_local_prefill_timing_matches_the_hand_computed_oracle():
+    rng = random.Random(1)
+    spec = ClusterSpec(0, 1)  # no prefill pool: the decode worker prefills (local_no_prefill_worker)
+    res = simulate(one(prompt(rng, 100), 5), spec, CONSTANT, OVERHEADS, LINK)
+    rec = res.records[0]
+    assert rec.route == "local_no_prefill_worker"
+    # router, submit call (one way), one prefill step, stream to the client.
+    assert rec.ttft_s == pytest.approx(0.002 + 0.0005 + STEP + 0.0005)
+    assert rec.tpot_s == pytest.approx(STEP)  # then one token per step
+    assert rec.tokens == 5
+
+
+def test_remote_prefill_timing_matches_the_hand_computed_oracle():
+    rng = random.Random(2)
+    spec = ClusterSpec(1, 1, routing=RoutingConfig(local_prefill_threshold=0, seed=0))
+    res = simulate(one(prompt(rng, 200), 3), spec, CONSTANT, OVERHEADS, LINK)
+    rec = res.records[0]
+    assert rec.route == "remote_prefill" and rec.prefill_worker == "prefill-0"
+    # reserve on D (there and back), prefill call to P, one step, P's call thread begins the send,
+    # the KV moves (12 full blocks + the partial one: 13 x 16 tokens x 1000 B), back to the router,
+    # start_decode on D (there and back).
+    transfer = 1e-4 + 13 * 16 * 1000 / 1e9
+    assert rec.ttft_s == pytest.approx(0.002 + 6 * 0.0005 + STEP + 5e-5 + transfer)
+    assert rec.tpot_s == pytest.approx(STEP + 0.0005 / 2, rel=0.1)  # first gap includes the stream delay
+    assert res.pools["prefill"].prefill_tokens == 200 and res.pools["decode"].decode_tokens == 2
+
+
+def test_chunked_prefill_takes_one_step_per_budget():
+    rng = random.Random(3)
+    spec = ClusterSpec(0, 1, engine=EngineSettings(max_num_batched_tokens=256))
+    res = simulate(one(prompt(rng, 1000), 1), spec, CONSTANT, OVERHEADS, LINK)
+    assert res.records[0].ttft_s == pytest.approx(0.002 + 0.0005 + 4 * STEP + 0.0005)  # ceil(1000/256) = 4 steps
+    assert res.pools["decode"].steps == 4
+
+
+def test_a_small_kv_cache_preempts_and_every_request_still_finishes():
+    rng = random.Random(4)
+    spec = ClusterSpec(0, 1, engine=EngineSettings(num_kv_blocks=40, max_num_batched_tokens=512))
+    reqs = [SimRequest(f"r{i}", prompt(rng, 120), 100) for i in range(8)]
+    sim = Simulator(spec, CONSTANT, OVERHEADS, LINK)
+    res = sim.run(Workload((Client.closed_loop("c", reqs, 8),)))
+    assert all(r.completed and r.tokens == 100 for r in res.records)
+    assert sim.workers["decode-0"].scheduler.num_preemptions > 0
+    sim.workers["decode-0"].scheduler.check_invariants()
+
+
+def test_kv_events_reach_the_router_and_a_shared_prefix_hits_the_cache():
+    rng = random.Random(5)
+    system = prompt(rng, 320)
+    reqs = [SimRequest(f"r{i}", system + prompt(rng, 40), 2) for i in range(6)]
+    spec = ClusterSpec(2, 1, routing=RoutingConfig(seed=0))
+    # One request at a time, a heartbeat between them: the router has seen the first's KV events.
+    workload = Workload((Client("c", (tuple(reqs),), 1, think_s=0.6),))
+    sim = Simulator(spec, CONSTANT, OVERHEADS, LINK)
+    res = sim.run(workload)
+    later = res.records[1:]
+    assert all(r.cached_tokens == 320 for r in later), [r.cached_tokens for r in later]
+    # The cache that hit is where the router sent them: all on the prefill worker holding the prefix.
+    assert len({r.prefill_worker for r in later}) == 1
+    assert sim.index.num_blocks(later[0].prefill_worker) >= 20
+
+
+def test_goodput_and_attainment_follow_the_slo():
+    rng = random.Random(6)
+    reqs = [SimRequest(f"r{i}", prompt(rng, 64), 8) for i in range(20)]
+    res = simulate(Workload((Client.closed_loop("c", reqs, 4),)), ClusterSpec(0, 1), CONSTANT, OVERHEADS, LINK)
+    ttfts = sorted(r.ttft_s for r in res.records)
+    cut = ttfts[9]
+    summary = res.summary(SLO(ttft_s=cut))
+    assert summary["slo_attainment"] == pytest.approx(sum(t <= cut for t in ttfts) / 20)
+    assert summary["goodput"] == pytest.approx(sum(t <= cut for t in ttfts) / res.duration_s)
+    assert res.summary(SLO(tpot_s=STEP / 2))["slo_attainment"] == 0.0
+
+
+def test_pools_grow_and_drain_while_it_runs():
+    rng = random.Random(7)
+    reqs = [SimRequest(f"r{i}", prompt(rng, 300), 20, arrival_s=i * 0.05) for i in range(60)]
+    sim = Simulator(ClusterSpec(1, 1), CONSTANT, OVERHEADS, LINK)
+    events = []
+
+    def control(s: Simulator) -> None:
+        if s.loop.now < 1.1:
+            events.append(("add", s.add_worker("decode", ready_in_s=0.2)))
+        elif s.loop.now < 2.1:
+            events.append(("drain", s.drain_worker("decode")))
+
+    sim.every(1.0, control)
+    res = sim.run(Workload((Client.open_loop("c", reqs),)))
+    assert all(r.completed for r in res.records)
+    assert events[0] == ("add", "decode-1") and events[1] == ("drain", "decode-1")
+    used = {r.decode_worker for r in res.records}
+    assert "decode-1" in used  # it served requests between joining and draining
+    assert sim.workers["decode-1"].removed
+    late = [r for r in res.records if r.sent_s > 2.2]
+    assert late and all(r.decode_worker == "decode-0" for r in late)
+
+
+def test_the_cpu_shm_link_preset_matches_the_measured_transfer_rate():
+    # bench/results/kv_transfer.json: ~0.7-1.0 GB/s for 1 MiB+ transfers, ~60 us per call.
+    t = LINKS["cpu-shm"].transfer_time(1 << 20)
+    assert 0.001 < t < 0.0016
