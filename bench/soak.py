@@ -18,16 +18,25 @@
 
 Traffic goes only to --base-url (keep it on 127.0.0.1); loops are bounded by time and stop by
 themselves. Resident memory is read with psutil from the pids /v1/status reports, so the server
-must run on this machine.
+must run on this machine. `--serve "FLAGS"` starts `baton serve FLAGS` on a free 127.0.0.1 port for
+the run (and stops it, with everything it started, afterwards) instead of using --base-url.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
+import shlex
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -316,7 +325,50 @@ async def soak(args) -> dict:
         "admission_after": status.get("admission"),
         "checks": checks,
         "passed": all(checks.values()),
+        "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
     }
+
+
+@contextlib.contextmanager
+def baton_server(flags: str, ready_timeout_s: float = 300.0, log_path: str | None = None):
+    """`baton serve FLAGS` on a free 127.0.0.1 port, in its own process group; yields the base URL.
+    Its output goes to `log_path` (default: a new file in the temporary directory)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    baton = Path(sys.executable).with_name("baton")
+    command = [str(baton), "serve", "--host", "127.0.0.1", "--port", str(port), *shlex.split(flags)]
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    if log_path is None:
+        log_path = tempfile.mkstemp(prefix="baton-serve-", suffix=".log")[1]
+    log = open(log_path, "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"baton serve exited with {process.returncode} (log: {log_path})")
+            try:
+                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"baton serve not healthy after {ready_timeout_s:.0f} s")
+            time.sleep(0.5)
+        yield base_url
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # the launcher stops its workers and its private Ray
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # anything of that group still alive: nothing outlives the run
+        log.close()
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -326,6 +378,8 @@ def _ms(seconds: float | None) -> float | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--serve", default=None, metavar="FLAGS",
+                   help="start `baton serve FLAGS` on a free port for the run instead of using --base-url")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (never written to the result)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of soak load")
     p.add_argument("--warmup", type=float, default=60.0, help="seconds before the memory baseline")
@@ -348,7 +402,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
-    result = asyncio.run(soak(args))
+    if args.serve is not None:
+        with baton_server(args.serve) as url:
+            args.base_url = url
+            result = asyncio.run(soak(args))
+    else:
+        result = asyncio.run(soak(args))
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
-"""The `baton` command line: `serve`, `config schema` and `config show`.
+"""The `baton` command line: `serve`, `scale`, `plan`, `config schema` and `config show`.
 
 The flags of `serve` and `config show` come from the configuration tree (cluster.config).
+`scale` talks to a running server's admin endpoint (router.admin; `baton serve --admin-endpoint`).
 """
 
 from __future__ import annotations
@@ -8,13 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import urllib.error
+import urllib.request
 from typing import Any
 
 import yaml
 
 from cluster.config import BatonConfig, add_flags, json_schema
 from cluster.launcher import serve
+from cluster.plan_cli import add_plan_parser, run_plan
+from router.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
+from router.config import API_KEY_ENV
 
 CONFIG_HELP = "YAML file nested as `baton config show` prints it (flags win over it)"
 
@@ -33,7 +40,70 @@ def _parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     config_sub.add_parser("schema", help="print the JSON Schema of the --config file")
     _add_config_arguments(config_sub.add_parser("show", help="print the effective configuration as YAML"))
+    scale = sub.add_parser("scale", help="resize the pools of a running server (without sizes: show them)",
+                           description="Start or drain workers of a running `baton serve --admin-endpoint` until "
+                                       "each pool has the size given; removed workers finish or hand over their "
+                                       "requests first.")
+    scale.add_argument("--prefill", type=int, metavar="N", help="prefill workers wanted (0: decode workers prefill)")
+    scale.add_argument("--decode", type=int, metavar="M", help="decode workers wanted (at least 1)")
+    scale.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
+    scale.add_argument("--admin-token", default=None,
+                       help=f"the server's admin token (default: the {ADMIN_TOKEN_ENV} environment variable)")
+    scale.add_argument("--api-key", default=None, help=f"an API key of the server (default: {API_KEY_ENV})")
+    scale.add_argument("--timeout", type=float, default=900.0,
+                       help="seconds to wait for the pools to reach their size (default: 900)")
+    add_plan_parser(sub)
     return parser
+
+
+def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
+    """One admin request; RuntimeError with the server's own message when it refuses."""
+    headers = {"content-type": "application/json"}
+    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    key = args.api_key or (os.environ.get(API_KEY_ENV) or "").split(",")[0].strip()
+    if token:
+        headers[ADMIN_TOKEN_HEADER] = token
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise RuntimeError(f"{args.url} has no admin endpoint (start it with `baton serve --admin-endpoint`)") from None
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise RuntimeError(f"{args.url} answered {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise RuntimeError(f"cannot reach {args.url}: {getattr(exc, 'reason', exc)}") from None
+
+
+def _scale(args: argparse.Namespace) -> int:
+    try:
+        if args.prefill is None and args.decode is None:
+            pools = _admin_call(args, "GET", "/admin/pools")
+            print(f"prefill {pools['prefill']}, decode {pools['decode']}")
+            for w in pools["workers"]:
+                state = "draining" if w["draining"] else "up" if w["alive"] else "down"
+                print(f"  {w['worker_id']:<12} {state:<9} {w['in_flight']} requests")
+            return 0
+        body = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
+        result = _admin_call(args, "POST", "/admin/scale", body)
+    except RuntimeError as exc:
+        print(f"baton scale: {exc}", file=sys.stderr)
+        return 1
+    before, after = result["before"], result["after"]
+    print(f"prefill {before['prefill']} -> {after['prefill']}, decode {before['decode']} -> {after['decode']} "
+          f"in {result['seconds']:.1f} s")
+    if result["added"]:
+        print("  started: " + ", ".join(result["added"]))
+    if result["removed"]:
+        print("  removed: " + ", ".join(result["removed"]) + f" ({result['moved_requests']} requests moved)")
+    return 0
 
 
 def _load(args: argparse.Namespace) -> BatonConfig:
@@ -48,6 +118,10 @@ def _load(args: argparse.Namespace) -> BatonConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "scale":
+        return _scale(args)
+    if args.command == "plan":
+        return run_plan(args)
     name = "baton " + args.command + (f" {args.config_command}" if args.command == "config" else "")
     if args.command == "config" and args.config_command == "schema":
         print(json.dumps(json_schema(), indent=2))

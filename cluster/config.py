@@ -3,8 +3,9 @@
 `BatonConfig` is made of sections, each a dataclass defined once with its defaults, types,
 allowed values and help text (in the fields' metadata): the server (`router.config.ServerConfig`: HTTP, request limits,
 admission control, deadlines, API keys), the engine
-(`workers.config.EngineConfig`), the routing (`router.routing.RoutingConfig`), the KV transport
-and the placement of the pools. From the tree come:
+(`workers.config.EngineConfig`), the routing (`router.routing.RoutingConfig`), the KV transport,
+the placement of the pools (healing and scaling included) and the admin endpoint
+(`router.admin.AdminConfig`). From the tree come:
 
 - the `baton serve` flags: one per field, `--<flag>` where the flag is the field's metadata
   `flag` or else its name (names are unique across sections);
@@ -30,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from cluster.autoscaler import AutoscalerConfig
 from router.admin import AdminConfig
 from router.config import ServerConfig
 from router.routing import RoutingConfig
@@ -184,6 +186,7 @@ class BatonConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
 
     @classmethod
     def load(cls, config_file: str | os.PathLike | None = None, options: dict[str, Any] | None = None) -> "BatonConfig":

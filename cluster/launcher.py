@@ -22,6 +22,7 @@ from cluster.config import BatonConfig
 from cluster.placement import (
     SpawnedWorker, actor_state, cluster_nodes, connect_pairs, private_ray_cpus, resolve_pool, spawn_worker, wait_placed,
 )
+from cluster.autoscaler import install_autoscaler
 from cluster.pool_manager import PoolManager, PoolTargets
 from router.admin import install_admin
 from router.app import build_app as build_router_app
@@ -199,6 +200,8 @@ def build_app(deployment: Deployment):
             admission.prefill.capacity = (targets.prefill or targets.decode) * seqs
 
     deployment.pools.on_resize = resize_gates
+    if config.autoscaler.enabled:
+        install_autoscaler(app, deployment.pools, deployment.backend, config.autoscaler)
     return app
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import ray
 
 from cluster.config import BatonConfig
+from kvtransfer import Place, offered_kinds
 from workers.actors import actor_class
 from workers.worker import ROLES, WorkerConfig
 
@@ -116,7 +117,9 @@ def resolve_pool(config: BatonConfig, role: str, nodes: list[NodeOffer]) -> Pool
     elif resource:
         log.info("no node offers the resource %s: %s workers may land on any node", resource, role)
     cpus = float(p.threads_per_worker) if p.threads_per_worker else 0.0
-    return PoolPlacement(role, cpus, float(gpus), resources, p.node_labels(role))
+    pool = PoolPlacement(role, cpus, float(gpus), resources, p.node_labels(role))
+    offered_kinds(config.transport.kind, Place(device=pool.device))  # e.g. transport cpu with GPUs: say so now
+    return pool
 
 
 def private_ray_cpus(config: BatonConfig, machine_cpus: int) -> int:

@@ -20,17 +20,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")  # files only: never a display
-import matplotlib.pyplot as plt  # noqa: E402
-
-from cluster.sim.costs import CostModel, LinkModel, ServingOverheads, StepShape  # noqa: E402
-from cluster.sim.engine import EngineSettings  # noqa: E402
-from cluster.sim.metrics import SLO  # noqa: E402
-from cluster.sim.simulator import ClusterSpec, Simulator  # noqa: E402
-from cluster.sim.workload import WorkloadSpec  # noqa: E402
-from router.routing import RoutingConfig  # noqa: E402
+from cluster.sim.costs import CostModel, LinkModel, ServingOverheads, StepShape
+from cluster.sim.engine import EngineSettings
+from cluster.sim.metrics import SLO, pyplot
+from cluster.sim.simulator import ClusterSpec, Simulator
+from cluster.sim.workload import WorkloadSpec
+from router.routing import RoutingConfig
 
 __all__ = ["Plan", "PlanProblem", "SplitResult", "capacity_estimate", "evaluate_split", "exhaustive", "plan",
            "plot_plan"]
@@ -49,6 +45,9 @@ class PlanProblem:
     routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(seed=0))
     attainment: float = 0.9
     requests_per_probe: int = 400
+    # A probe must last long enough for an overloaded split to show it (the queue grows past the
+    # TTFT SLO): default 10 x the TTFT SLO; requests in its first 20% only warm the caches up.
+    min_probe_s: float | None = None
     rate_tolerance: float = 0.03  # bisection stops when hi/lo - 1 is below this
     allow_colocated: bool = True
 
@@ -155,42 +154,54 @@ def capacity_estimate(problem: PlanProblem) -> dict:
 
 
 def _attainment(problem: PlanProblem, p: int, d: int, rate: float) -> float:
-    wl = dataclasses.replace(problem.workload, rate=rate, duration_s=problem.requests_per_probe / rate)
+    min_s = problem.min_probe_s if problem.min_probe_s is not None else 10 * problem.slo.ttft_s
+    duration = max(min(problem.requests_per_probe / rate, 20 * min_s), min_s)
+    wl = dataclasses.replace(problem.workload, rate=rate, duration_s=duration)
     spec = ClusterSpec(p, d, problem.engine, problem.routing, drain_limit_s=max(10.0, 4 * problem.slo.ttft_s))
     sim = Simulator(spec, problem.cost, problem.overheads, problem.link, problem.pcost, record_itl=False)
-    return sim.run(wl.generate()).summary(problem.slo)["slo_attainment"]
+    records = [r for r in sim.run(wl.generate()).records if r.sent_s >= 0.2 * duration]
+    return sum(problem.slo.met(r) for r in records) / len(records) if records else 0.0
 
 
 def evaluate_split(problem: PlanProblem, p: int, d: int, rate_hint: float) -> SplitResult:
-    """Bisect the rate for the highest one whose SLO attainment reaches the target."""
+    """Bisect the rate for the highest one whose SLO attainment reaches the target (geometric
+    bisection between a passing and a failing rate, found by doubling or tripling down from the hint;
+    a split that misses the target even at 1/100 of the hint has goodput 0)."""
+    gpus = p * problem.pcost.gpus_per_worker() + d * problem.decode_gpus
     probes = 0
-    lo, lo_att, hi = 0.0, 1.0, max(rate_hint, 1e-3)
-    while True:  # grow hi until it fails
-        att = _attainment(problem, p, d, hi)
+
+    def ok(rate: float) -> tuple[bool, float]:
+        nonlocal probes
         probes += 1
-        if att < problem.attainment or probes > 12:
-            break
-        lo, lo_att, hi = hi, att, hi * 2
-    if lo == 0.0:  # shrink until something passes
-        while probes < 14:
-            hi_fail = hi
-            hi /= 3
-            att = _attainment(problem, p, d, hi)
-            probes += 1
-            if att >= problem.attainment:
+        att = _attainment(problem, p, d, rate)
+        return att >= problem.attainment, att
+
+    hint = max(rate_hint, 1e-6)
+    passed, att = ok(hint)
+    if passed:
+        lo, lo_att, hi = hint, att, hint * 2
+        while probes < 10:
+            passed, att = ok(hi)
+            if not passed:
+                break
+            lo, lo_att, hi = hi, att, hi * 2
+    else:
+        hi, lo = hint, 0.0
+        while hi > hint / 100:
+            hi_fail, hi = hi, hi / 3
+            passed, att = ok(hi)
+            if passed:
                 lo, lo_att, hi = hi, att, hi_fail
                 break
-        else:
-            return SplitResult(p, d, p * problem.pcost.gpus_per_worker() + d * problem.decode_gpus, 0.0, 0.0, probes)
+        if lo == 0.0:
+            return SplitResult(p, d, gpus, 0.0, att, probes)
     while hi / lo - 1 > problem.rate_tolerance:
         mid = math.sqrt(lo * hi)
-        att = _attainment(problem, p, d, mid)
-        probes += 1
-        if att >= problem.attainment:
+        passed, att = ok(mid)
+        if passed:
             lo, lo_att = mid, att
         else:
             hi = mid
-    gpus = p * problem.pcost.gpus_per_worker() + d * problem.decode_gpus
     return SplitResult(p, d, gpus, lo, lo_att, probes)
 
 
@@ -231,6 +242,7 @@ def plan(problem: PlanProblem) -> Plan:
 
 def plot_plan(plans: list[Plan], path: str | Path, title: str = "") -> None:
     """Goodput per GPU against the split, one line per plan (exhaustive first shows the whole curve)."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for pl in plans:
         rows = sorted(pl.evaluated, key=lambda r: r.prefill_workers)

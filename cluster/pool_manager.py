@@ -134,13 +134,17 @@ class PoolManager:
                 spawned.append(await asyncio.to_thread(
                     spawn_worker, config, role, next(self._next[role]), self.actor_name_prefix, None,
                     max_restarts=restarts))
+                # Listed at once, so a shutdown while it starts stops it too (the router uses it only later).
+                self.deployment.workers.append(spawned[-1].as_tuple())
             nodes = await asyncio.to_thread(wait_placed, spawned, config.placement.placement_timeout_s)
-            reports = await asyncio.wait_for(asyncio.gather(*(w.handle.ready.remote() for w in spawned)),
-                                             self.ready_timeout_s)
+            refs = [w.handle.ready.remote() for w in spawned]
+            reports = await asyncio.wait_for(_all(refs), self.ready_timeout_s)
             for report in reports:
                 self._check_limits(report)
             await asyncio.to_thread(self._connect_new, spawned)
         except BaseException as exc:
+            failed = {w.worker_id for w in spawned}
+            self.deployment.workers[:] = [w for w in self.deployment.workers if w[0] not in failed]
             for w in spawned:
                 _kill(w.handle)
             if isinstance(exc, asyncio.TimeoutError):
@@ -149,7 +153,6 @@ class PoolManager:
                 raise RuntimeError(f"a new worker failed to start: {exc}") from None
             raise
         for w in spawned:
-            self.deployment.workers.append(w.as_tuple())
             self.deployment.nodes[w.worker_id] = nodes.get(w.worker_id, "")
             self.backend.add_worker(w.worker_id, w.role, w.handle)
             log.info("worker %s joined the %s pool", w.worker_id, w.role)
@@ -168,7 +171,7 @@ class PoolManager:
         """The start-up handshake for every pair the new workers are in (KV layout and transport)."""
         live = {w.worker_id for w in self.backend.workers() if w.alive}  # a dead peer would fail the handshake
         current = {wid: (role, handle) for wid, role, handle in self.deployment.workers if wid in live}
-        current.update({w.worker_id: (w.role, w.handle) for w in spawned})
+        current.update({w.worker_id: (w.role, w.handle) for w in spawned})  # not in the router yet
         new = {w.worker_id for w in spawned}
         prefill = [(wid, h) for wid, (role, h) in current.items() if role == "prefill"]
         for wid, (role, handle) in current.items():
@@ -212,6 +215,11 @@ class PoolManager:
                 self.replaced.append((wid, new))
                 started.append(new)
             return started
+
+
+async def _all(refs: list) -> list:
+    # One by one, not gather: a cancelled gather (server shutting down) leaves an unretrieved error.
+    return [await ref for ref in refs]
 
 
 async def _stop(handle) -> None:

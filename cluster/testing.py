@@ -27,8 +27,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray
-import yaml
+# Ray reads this when it is imported: its drivers then talk to 127.0.0.1, not the machine's
+# interface address (which no simulated node listens on).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Ray caps each simulated node's object store; they share /dev/shm with everything else here.
@@ -100,8 +104,7 @@ class FakeCluster:
         self._log = (self.workdir / "ray-start.log").open("w")
         self._proc = subprocess.Popen(
             [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}",
-             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-             "--include-dashboard=false", f"--num-cpus={self.head_cpus}", "--num-gpus=0",
+             f"--dashboard-agent-listen-port={free_port()}", "--include-dashboard=false", f"--num-cpus={self.head_cpus}", "--num-gpus=0",
              f"--object-store-memory={OBJECT_STORE_BYTES}", f"--autoscaling-config={config}", "--block"],
             env=env, cwd=str(self.workdir), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -112,20 +115,20 @@ class FakeCluster:
         return self
 
     def _connect(self, timeout_s: float) -> None:
-        # The driver (this process) must not pick a non-loopback address or token auth either.
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        os.environ["RAY_AUTH_MODE"] = "disabled"
+        if ray._private.ray_constants.ENABLE_RAY_CLUSTER:
+            raise RuntimeError("Ray was imported without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: this driver would look "
+                               "for the cluster on the machine's interface address; set it before importing ray")
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # as the cluster runs
         deadline = time.monotonic() + timeout_s
-        while True:
+        # ray.init on an address where no GCS answers yet retries for minutes: first wait for
+        # `ray start` to say the head is up (or to fail).
+        while "Ray runtime started" not in self.log_tail(200):
             if self._proc.poll() is not None:
                 raise RuntimeError(f"ray start exited with {self._proc.returncode}: {self.log_tail()}")
-            try:
-                ray.init(address=self.address, namespace="baton", log_to_driver=False)
-                break
-            except (ConnectionError, RuntimeError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Ray head did not start in {timeout_s:.0f} s: {self.log_tail()}")
+            time.sleep(0.5)
+        ray.init(address=self.address, namespace="baton", log_to_driver=False)
         want = 1 + sum(t.count for t in self.node_types)
         while len(self.alive_nodes()) < want:
             if time.monotonic() > deadline:
@@ -170,18 +173,19 @@ class FakeCluster:
 
     def node_pids(self, node_id: str) -> list[int]:
         """Processes of one simulated node: its raylet and what it started (found by the node id
-        the fake provider puts in their environment)."""
+        the fake provider puts in their environment, and this cluster's RAY_TMPDIR). Not by
+        process group: Ray starts each worker process (the actors) in a group of its own."""
+        self._proc_pgid()  # raises when the cluster is not running
+        marks = (f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode(), f"RAY_TMPDIR={self.workdir}\0".encode())
         pids = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                if os.getpgid(int(entry.name)) != self._proc_pgid():
-                    continue
-                environ = (entry / "environ").read_bytes()
+                environ = (entry / "environ").read_bytes() + b"\0"
             except (OSError, ProcessLookupError):
                 continue
-            if f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode() in environ:
+            if all(mark in environ for mark in marks):
                 pids.append(int(entry.name))
         return pids
 
@@ -205,8 +209,9 @@ class FakeCluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
-def _end_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM the process group, SIGKILL what is left after `grace_s`, wait until it is empty."""
+def _end_group(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
+    """SIGTERM the process group, SIGKILL what is left after `grace_s` (Ray would drain for 30 s),
+    wait until only zombies are left (the container's init reaps them)."""
     pgid = proc.pid
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:

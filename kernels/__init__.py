@@ -7,7 +7,8 @@ kernels/cpu_native.py) where there is one, else the PyTorch references. EngineCo
 on CPU tensors.
 
 One kernel per module: rms_norm, rotary (and the RoPE cache), silu_mul, kv_store, decode_attention
-(split-K) with decode_attention_reduce (its merge), prefill_attention, fp8_quant, fp8_gemm,
+(split-K) with decode_attention_reduce (its merge), prefill_attention, sampling (the exponential
+race that draws every sampled row's token in one pass), fp8_quant, fp8_gemm,
 block_copy (KV pack/unpack for network transfers, and the native cache-to-cache copy that
 kvtransfer's shared-memory backend calls directly). Modules starting with `_` hold shared checks and helpers, no kernels.
 """

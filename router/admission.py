@@ -16,6 +16,7 @@ the caller aborts the request in the backend, which frees its blocks in both poo
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections import Counter, deque
@@ -25,7 +26,7 @@ from router.config import ServerConfig
 from router.errors import RETRY_AFTER_S
 from router.protocol import APIError
 
-__all__ = ["AdmissionControl", "Deadline", "Gate", "Ticket", "deadline_error", "request_deadline"]
+__all__ = ["AdmissionControl", "Deadline", "Gate", "LoadShedding", "Ticket", "deadline_error", "request_deadline"]
 
 CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"  # sent by the OpenAI Python and Node SDKs
 
@@ -76,10 +77,21 @@ class Gate:
 
     def __init__(self, pool: str, capacity: int | None, max_waiting: int) -> None:
         self.pool = pool
-        self.capacity = capacity
         self.max_waiting = max_waiting
         self.running = 0
         self._waiters: deque[asyncio.Future] = deque()
+        self._capacity = capacity
+
+    @property
+    def capacity(self) -> int | None:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, capacity: int | None) -> None:
+        """Resize (the pool grew or shrank): new room goes to the waiting requests at once; when it
+        shrank, running requests finish and no new one starts until it is back under capacity."""
+        self._capacity = capacity
+        self._admit_waiters()
 
     def state(self) -> GateState:
         return GateState(self.capacity, self.running, len(self._waiters), self.max_waiting)
@@ -125,12 +137,16 @@ class Gate:
         return time.monotonic() - started
 
     def release(self) -> None:
-        while self._waiters:
+        self.running -= 1
+        self._admit_waiters()
+
+    def _admit_waiters(self) -> None:
+        # Free slots go to the waiting requests in arrival order (one that gave up is skipped).
+        while self._waiters and self._free():
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)  # the slot goes straight to the next in line
-                return
-        self.running -= 1
+                self.running += 1
+                waiter.set_result(None)
 
 
 class Ticket:
@@ -189,3 +205,26 @@ class AdmissionControl:
     def state(self) -> dict:
         return {"decode": vars(self.decode.state()), "prefill": vars(self.prefill.state()),
                 "rejected": dict(self.rejected)}
+
+
+class LoadShedding:
+    """ASGI middleware: a generation request that could not even wait gets its 429 here, before
+    routing, body reading or anything else (the handlers check again, for requests that raced)."""
+
+    def __init__(self, app, admission: AdmissionControl, paths: frozenset[str]) -> None:
+        self.app = app
+        self.admission = admission
+        self.paths = paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
+            try:
+                self.admission.check()
+            except APIError as e:
+                body = json.dumps(e.body()).encode()
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                headers += [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
+                await send({"type": "http.response.start", "status": e.status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

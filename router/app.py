@@ -33,6 +33,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from router import __version__
+from router.admission import LoadShedding
 from router.auth import APIKeyMiddleware
 from router.backend import ServingBackend
 from router.config import ServerConfig
@@ -63,6 +64,9 @@ def build_app(
     install_error_handlers(app)
     app.include_router(make_routes(serving))
     install_openapi(app, authenticated=bool(server.api_keys()))
+    # Added first, so it runs inside the key check: a client without a key learns nothing of the load.
+    app.add_middleware(LoadShedding, admission=serving.admission,
+                       paths=frozenset({"/v1/chat/completions", "/v1/completions"}))
     if server.api_keys():
         app.add_middleware(APIKeyMiddleware, keys=server.api_keys())
     return app

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from router.backend import BackendError
 from router.protocol import APIError
@@ -34,6 +35,8 @@ def to_api_error(e: BaseException, where: str, log_traceback: bool = True) -> AP
     """The client-facing error for `e`; `where` (a request id or route) goes to the log only."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, ClientDisconnect):  # the client left while its body was being read: nothing to log
+        return APIError("the client closed the request", 499, None, "ClientClosedRequest")
     if isinstance(e, NoWorkerAvailable):
         return APIError(str(e), 503, None, headers=_retry_after())
     if isinstance(e, BackendError):
@@ -61,6 +64,6 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    for exc_class in (APIError, NoWorkerAvailable, BackendError, RequestValidationError, StarletteHTTPException,
-                      Exception):
+    for exc_class in (APIError, ClientDisconnect, NoWorkerAvailable, BackendError, RequestValidationError,
+                      StarletteHTTPException, Exception):
         app.add_exception_handler(exc_class, _handle)

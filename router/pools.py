@@ -170,7 +170,7 @@ class WorkerPools:
                 running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
                 kv_usage=s.kv_usage if s else 0.0, queued_prefill_tokens=self._queued_prefill.get(w.worker_id, 0),
                 prefix_cache_queries=s.prefix_cache_queries if s else 0, prefix_cache_hits=s.prefix_cache_hits if s else 0,
-                last_heartbeat=w.last_heartbeat, draining=w.draining,
+                last_heartbeat=w.last_heartbeat, draining=w.draining, pid=s.pid if s else None,
             ))
         return infos
 

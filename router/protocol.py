@@ -143,6 +143,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
 
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(value, field name): max_completion_tokens wins over the deprecated max_tokens."""
         if self.max_completion_tokens is not None:
@@ -183,6 +186,9 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
     add_special_tokens: bool = True
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 from fastapi import Request
@@ -68,6 +69,19 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         raise validation_error_to_api(e) from None
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """What one generation endpoint supplies to the shared path."""
+
+    schema: type[ChatCompletionRequest | CompletionRequest]
+    check: Callable[[Any], None]  # endpoint-specific checks before admission
+    prompt_ids: Callable[[Any], list[int]]  # the prompt, tokenized (after admission)
+    prompt_param: str  # the field a too-long prompt is blamed on
+    default_max_tokens: int | None  # None: whatever is left of the context
+    format: type[ResponseFormat]
+    id_prefix: str
+
+
 class Serving:
     """The model's endpoints over one backend; `metrics` records every request's trace."""
 
@@ -82,35 +96,30 @@ class Serving:
         self.created = int(time.time())
         self.admission = AdmissionControl(config)
         self.metrics = RouterMetrics(model_name, backend, self.admission)
+        self.chat_endpoint = Endpoint(ChatCompletionRequest, check_chat_extras, self.chat_prompt_ids, "messages", None,
+                                      ChatFormat, "chatcmpl")
+        self.completion_endpoint = Endpoint(CompletionRequest, check_completion_extras, self.completion_prompt_ids,
+                                            "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionFormat, "cmpl")
 
     # -- the generation endpoints: each supplies its checks, prompt, max_tokens default and format
     async def chat(self, request: Request, started: float) -> Response:
-        deadline = request_deadline(self.config, request.headers, time.monotonic())
-        self.admission.check()
-        req: ChatCompletionRequest = await self._request(request, ChatCompletionRequest)
-        check_chat_extras(req)
-        ticket = await self._admit(request, deadline)
-        if ticket is None:
-            return Response(status_code=499)
-        try:
-            return await self._complete(request, started, req, self.chat_prompt_ids(req), "messages", None, ChatFormat,
-                                        "chatcmpl", req.logprobs, ticket, deadline)
-        except BaseException:
-            ticket.release()
-            raise
+        return await self._serve(request, started, self.chat_endpoint)
 
     async def completion(self, request: Request, started: float) -> Response:
+        return await self._serve(request, started, self.completion_endpoint)
+
+    async def _serve(self, request: Request, started: float, endpoint: Endpoint) -> Response:
+        """Cheapest refusal first: load (429), body and fields (400), then wait for slots (or the
+        deadline), then tokenize, route and run."""
         deadline = request_deadline(self.config, request.headers, time.monotonic())
         self.admission.check()
-        req: CompletionRequest = await self._request(request, CompletionRequest)
-        check_completion_extras(req)
+        req = await self._request(request, endpoint.schema)
+        endpoint.check(req)
         ticket = await self._admit(request, deadline)
         if ticket is None:
             return Response(status_code=499)
         try:
-            return await self._complete(request, started, req, self.completion_prompt_ids(req), "prompt",
-                                        COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionFormat, "cmpl", req.logprobs is not None,
-                                        ticket, deadline)
+            return await self._complete(request, started, req, endpoint.prompt_ids(req), endpoint, ticket, deadline)
         except BaseException:
             ticket.release()
             raise
@@ -134,17 +143,16 @@ class Serving:
         return req
 
     async def _complete(self, request: Request, started: float, req: ChatCompletionRequest | CompletionRequest,
-                        prompt_ids: list[int], prompt_param: str, default_max_tokens: int | None,
-                        format: type[ResponseFormat], id_prefix: str, logprobs: bool, ticket: Ticket,
-                        deadline: Deadline | None) -> Response:
+                        prompt_ids: list[int], endpoint: Endpoint, ticket: Ticket, deadline: Deadline | None) -> Response:
         requested, field_name = req.requested_max_tokens()
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, field_name, prompt_param, default_max_tokens)
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, field_name, endpoint.prompt_param,
+                                             endpoint.default_max_tokens)
         params = to_sampling_params(req, max_tokens, max_tokens_field=field_name)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         opts = req.stream_options
-        fmt = format(self.tokenizer, request_id, req.model or self.model_name, int(time.time()),
-                     include_usage=bool(req.stream and opts and opts.include_usage),
-                     continuous_usage=bool(opts and opts.continuous_usage_stats), logprobs=logprobs)
+        fmt = endpoint.format(self.tokenizer, request_id, req.model or self.model_name, int(time.time()),
+                              include_usage=bool(req.stream and opts and opts.include_usage),
+                              continuous_usage=bool(opts and opts.continuous_usage_stats), logprobs=req.wants_logprobs())
         return await self.generate(request, request_id, prompt_ids, params, req.stream, fmt, started, ticket, deadline)
 
     # -- checks and prompts

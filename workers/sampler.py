@@ -111,7 +111,7 @@ def _top_p_sorted(x: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor) -> 
     return x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
 
 
-def _cut(params: list[SamplingParams], used: list[bool], values: list[float], none: float) -> torch.Tensor | None:
+def _cut(used: list[bool], values: list[float], none: float) -> torch.Tensor | None:
     """A per-row float32 cut tensor, `none` for rows without it; None when no row uses it."""
     if not any(used):
         return None
@@ -131,9 +131,9 @@ def _sample_rows(x: torch.Tensor, rows: list[SamplingRow], keys: torch.Tensor, r
         ks = torch.tensor([params[i].top_k for i in top_k])
         top_k_floor = torch.full((len(rows),), float("-inf"))
         top_k_floor[index] = x[index].topk(int(ks.max())).values.gather(1, (ks - 1)[:, None])[:, 0]
-    min_p_offset = _cut(params, [p.min_p > 0.0 for p in params],
+    min_p_offset = _cut([p.min_p > 0.0 for p in params],
                         [p.temperature * math.log(p.min_p) if p.min_p > 0.0 else 0.0 for p in params], float("-inf"))
-    top_p = _cut(params, [p.top_p < 1.0 for p in params], [p.top_p for p in params], 1.0)
+    top_p = _cut([p.top_p < 1.0 for p in params], [p.top_p for p in params], 1.0)
     tokens = race(x, inv_t, keys, top_k_floor, min_p_offset, top_p, RACE_ATTEMPTS)
     missed = (tokens < 0).nonzero()[:, 0]
     if len(missed):
@@ -153,11 +153,13 @@ def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> 
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
         return out
-    lp = torch.log_softmax(raw[_rows(want, len(rows))], dim=-1)
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in want])[:, None])[:, 0].tolist()
+    # log p = x - logsumexp(x): no [rows, vocab] log_softmax, and the top ones are the top logits.
+    x = raw[_rows(want, len(rows))]
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    chosen = (x.gather(1, torch.tensor([tokens[i] for i in want])[:, None]) - lse)[:, 0].tolist()
     n_top = max(rows[i].params.logprobs for i in want)
-    top_values, top_ids = lp.topk(n_top) if n_top else (lp[:, :0], lp[:, :0].long())
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top_values, top_ids = x.topk(n_top) if n_top else (x[:, :0], x[:, :0].long())
+    top_values, top_ids = (top_values - lse).tolist(), top_ids.tolist()
     for j, i in enumerate(want):
         n = rows[i].params.logprobs
         out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
@@ -188,8 +190,12 @@ def sample(
         ids = torch.tensor([i * vocab + t for i in banned for t in rows[i].banned_token_ids], dtype=torch.long)
         work.view(-1)[ids] = float("-inf")
 
-    tokens = work.argmax(-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    tokens = torch.empty(len(rows), dtype=torch.int64)
+    if greedy:
+        index = _rows(greedy, len(rows))
+        tokens[index] = work[index].argmax(-1)
     if sampled:
         keys = torch.empty(len(sampled), dtype=torch.int64)
         seeded = [j for j, i in enumerate(sampled) if rows[i].generator is not None]

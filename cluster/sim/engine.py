@@ -32,6 +32,15 @@ __all__ = ["EngineSettings", "EventLoop", "SimWorker"]
 PLACEHOLDER_TOKEN = 0  # sampled tokens; prompts use ids >= 1000, so they never collide with prompt blocks
 
 
+class _Seq(Sequence):
+    """The engine's Sequence compared by identity, as the scheduler means it: the dataclass's generated
+    __eq__ compares every field (token lists included) each time `running.index(seq)` passes an element,
+    which made big simulated batches quadratic in tokens. Nothing else differs."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
 class EventLoop:
     """A heap of timed callbacks; `now` is the simulated time in seconds."""
 
@@ -126,6 +135,7 @@ class SimWorker:
         self._events_lost = False
         self._max_event_hashes = max(1024, 4 * num_blocks)
         self.counters = WorkerCounters()
+        self.on_started: Callable[[str, float], None] | None = None  # (request id, seconds it queued here)
 
     # ---- calls (between steps) -------------------------------------------------------------
     def call(self, fn: Callable[[], None]) -> None:
@@ -144,7 +154,7 @@ class SimWorker:
         if request_id in self._states or request_id in self.scheduler.held:
             raise ValueError(f"request {request_id!r} is already on {self.worker_id}")
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        return Sequence(request_id, list(prompt), params, arrival_time=self.loop.now)
+        return _Seq(request_id, list(prompt), params, arrival_time=self.loop.now)
 
     def add(self, request_id: str, prompt: tuple[int, ...], output_len: int, on_output: OutputCallback,
             prefill_only: bool = False) -> None:
@@ -199,6 +209,8 @@ class SimWorker:
             if state is not None and state.started_at is None:
                 state.started_at = now
                 self.counters.queue_s.append(now - state.queued_at)
+                if self.on_started is not None:
+                    self.on_started(seq.request_id, now - state.queued_at)
         shape = StepShape.of(shape_rows)
         dt = self.cost.step_time(shape)
         self.busy = True
@@ -213,9 +225,13 @@ class SimWorker:
     def _end_step(self, plan: list[tuple[Sequence, int, bool]]) -> None:
         bm = self.block_manager
         sampled = []
+        bs = self.settings.block_size
         for seq, n, sample in plan:
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            bm.cache_computed_blocks(seq)
+            # Only a step that fills a block can cache one (the call walks every block of the sequence).
+            if (before + n) // bs > before // bs:
+                bm.cache_computed_blocks(seq)
             if sample:
                 sampled.append(seq)
         for seq in sampled:

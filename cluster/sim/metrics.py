@@ -10,12 +10,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")  # files only: never a display
-import matplotlib.pyplot as plt  # noqa: E402
-
-__all__ = ["ItlSample", "RequestRecord", "SLO", "SimResult", "percentiles"]
+__all__ = ["ItlSample", "RequestRecord", "SLO", "SimResult", "percentiles", "pyplot"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +43,7 @@ class RequestRecord:
     prefill_worker: str | None = None
     decode_worker: str = ""
     cached_tokens: int = 0
+    queue_s: float | None = None  # routed to its first chunk scheduled on the prefilling worker
     failed: str = ""
 
     @property
@@ -171,6 +168,7 @@ class SimResult:
 
     def plot(self, path: str | Path, title: str = "") -> None:
         """TTFT and TPOT distributions, and pool sizes and queued prefill work over time."""
+        plt = pyplot()
         done = [r for r in self.records if r.completed]
         fig, axes = plt.subplots(1, 3, figsize=(15, 4))
         for ax, values, label in ((axes[0], [r.ttft_s * 1e3 for r in done], "TTFT (ms)"),
@@ -196,6 +194,17 @@ class SimResult:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=100)
         plt.close(fig)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, imported when a plot is drawn (the serving path
+    imports this module for its metric helpers and never draws)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _count(items) -> dict:

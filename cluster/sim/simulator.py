@@ -93,6 +93,8 @@ class Simulator:
         self.recent: deque[RequestRecord] = deque()  # completed in the last window (autoscaler signals)
         self._tickers: list[tuple[float, Callable[["Simulator"], None]]] = []
         self._open_clients = 0
+        self._flights: dict[str, _Flight] = {}
+        self.unstarted: dict[str, float] = {}  # routed, not yet computing: request id -> routed at
         self._last_arrival = 0.0
         for _ in range(spec.prefill_workers):
             self.add_worker("prefill")
@@ -106,6 +108,7 @@ class Simulator:
         self._next_id[role] += 1
         cost = self.prefill_cost if role == "prefill" else self.cost
         w = SimWorker(self.loop, wid, role, cost, self.spec.engine)
+        w.on_started = self._started
         w.alive = False
         self._state[wid] = "starting"
         self._stats[wid] = (0, 0, 0.0)
@@ -182,6 +185,8 @@ class Simulator:
             "t": self.loop.now, "prefill_workers": self.pool_size("prefill", False),
             "decode_workers": self.pool_size("decode", False),
             "queued_prefill_tokens": sum(self._queued.values()),
+            "prefill_busy": sum(1 for wid, w in self.workers.items() if w.role == "prefill" and not w.removed
+                                and (self._stats[wid][0] or self._stats[wid][1])),
             "decode_waiting": sum(self._stats[wid][1] for wid, w in self.workers.items() if w.role == "decode"
                                   and not w.removed),
             "decode_running": sum(self._stats[wid][0] for wid, w in self.workers.items() if w.role == "decode"
@@ -209,11 +214,19 @@ class Simulator:
             self.decision_s.append(time.perf_counter() - t0)
         f.rec.route, f.rec.decode_worker, f.rec.prefill_worker = d.reason, d.decode_worker, d.prefill_worker
         f.queued_on, f.queued = d.prefill_worker or d.decode_worker, len(f.req.prompt)
+        self._flights[f.req.request_id] = f
+        self.unstarted[f.req.request_id] = self.loop.now
         self._set_queued(f.queued_on, f.queued)
         if d.prefill_worker is None:
             self._local(f)
         else:
             self._remote(f)
+
+    def _started(self, request_id: str, queued_s: float) -> None:
+        if self.unstarted.pop(request_id, None) is not None:
+            f = self._flights.get(request_id)
+            if f is not None:
+                f.rec.queue_s = self.loop.now - f.rec.sent_s - self.overheads.router_s
 
     def _dequeue(self, f: _Flight) -> None:
         if f.queued:
@@ -302,6 +315,8 @@ class Simulator:
 
     def _end(self, f: _Flight) -> None:
         self._dequeue(f)
+        self._flights.pop(f.req.request_id, None)
+        self.unstarted.pop(f.req.request_id, None)
         if f.rec.completed:
             self.recent.append(f.rec)
         self._retire_idle()

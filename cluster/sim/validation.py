@@ -91,7 +91,7 @@ def compare(real: dict, simulated: dict, tolerance: float = 0.2) -> list[dict]:
     rows = []
     for metric, q in METRICS:
         r, s = real[metric][q], simulated[metric][q]
-        err = (s - r) / r if r else float("inf")
+        err = (s - r) / r if r and s is not None else None
         rows.append({"metric": f"{metric.split('_')[0].upper()} {q}", "real_ms": r, "sim_ms": s,
-                     "relative_error": err, "within": abs(err) <= tolerance})
+                     "relative_error": err, "within": err is not None and abs(err) <= tolerance})
     return rows

@@ -146,8 +146,14 @@ class WorkloadSpec:
     prefix_fraction: float = 0.0
     seed: int = 0
     name: str = "workload"
+    # A time-varying rate: (time s, multiple of `rate`) points, linear in between, flat after the
+    # last (a load step, a diurnal curve). Arrivals then follow it by thinning.
+    rate_points: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "rate_points", tuple((float(t), float(m)) for t, m in self.rate_points))
+        if any(m < 0 for _, m in self.rate_points) or list(self.rate_points) != sorted(self.rate_points):
+            raise ValueError("rate_points must be (time, multiple >= 0) pairs in time order")
         if not self.rate > 0 or not self.duration_s > 0:
             raise ValueError(f"rate and duration_s must be > 0, got {self.rate}, {self.duration_s}")
         if self.arrival not in ("poisson", "bursty"):
@@ -183,6 +189,17 @@ class WorkloadSpec:
     def scaled(self, factor: float) -> "WorkloadSpec":
         return replace(self, rate=self.rate * factor)
 
+    def rate_at(self, t: float) -> float:
+        pts = self.rate_points
+        if not pts:
+            return self.rate
+        if t <= pts[0][0]:
+            return self.rate * pts[0][1]
+        for (t0, m0), (t1, m1) in zip(pts, pts[1:]):
+            if t <= t1:
+                return self.rate * (m0 + (m1 - m0) * (t - t0) / (t1 - t0) if t1 > t0 else m1)
+        return self.rate * pts[-1][1]
+
     def mean_prompt_len(self) -> float:
         return self.prompt_len.expected() + (self.prefix_len * self.prefix_fraction if self.prefix_groups else 0)
 
@@ -193,10 +210,13 @@ class WorkloadSpec:
         weights = [1.0 / (g + 1) for g in range(self.prefix_groups)]
         t, requests = 0.0, []
         shape = 1.0 / (self.cv ** 2) if self.arrival == "bursty" else 1.0
+        peak = self.rate * max([m for _, m in self.rate_points] or [1.0])
         while True:
-            t += rng.gammavariate(shape, 1.0 / (self.rate * shape)) if self.arrival == "bursty" else rng.expovariate(self.rate)
+            t += rng.gammavariate(shape, 1.0 / (peak * shape)) if self.arrival == "bursty" else rng.expovariate(peak)
             if t >= self.duration_s:
                 break
+            if self.rate_points and rng.random() * peak > self.rate_at(t):
+                continue  # thinning: keep an arrival with probability rate(t) / peak
             prefix: list[int] = []
             if prefixes and rng.random() < self.prefix_fraction:
                 prefix = prefixes[rng.choices(range(len(prefixes)), weights)[0]]

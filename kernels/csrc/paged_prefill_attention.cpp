@@ -3,8 +3,8 @@
 // block of up to kQueryBlock queries of one sequence and all query heads of one kv head; it walks
 // the context 64 tokens (four pages) at a time with an online softmax in float32.
 //
-// Per tile of four pages, K is widened and transposed to kt[d][token] so the scores of four query rows at a
-// time accumulate as whole-page vectors (independent FMA chains, no horizontal reductions), and
+// Per tile of four pages, K is widened and transposed to kt[d][token] so the scores of a group of
+// query rows at a time accumulate as whole-page vectors (independent FMA chains), and
 // V is widened to v[token][d] so each row's output accumulates as head-dim vectors. A page's K/V
 // is thus converted once and reused by every query row of the block (G heads x up to 64 queries).
 //
@@ -22,7 +22,6 @@ using namespace baton;
 namespace {
 
 constexpr int kQueryBlock = 64;
-constexpr int kRowGroup = 4;
 
 struct Args {
     const void* q; int64_t q_stride_t, q_stride_h; int q_dtype;
@@ -33,6 +32,27 @@ struct Args {
     void* out; int64_t out_stride_t, out_stride_h;
     int64_t B; int Hq, Hk, D; float scale; int num_threads;
 };
+
+// Horizontal max and sum of 16 lanes: four shuffle-and-combine steps instead of a 16-long chain.
+inline float reduce_max(v16 v) {
+    v16 t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v = v > t ? v : t;
+    t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v = v > t ? v : t;
+    t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v = v > t ? v : t;
+    t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    v = v > t ? v : t;
+    return v[0];
+}
+
+inline float reduce_add(v16 v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
 
 constexpr int BS = 16;             // tokens per page this kernel is written for
 constexpr int TP = 4;              // pages per tile: softmax bookkeeping is paid once per 64 tokens
@@ -45,6 +65,9 @@ void attend(const Args& a, const std::vector<int64_t>& items) {
     using Elem = CacheElem<KVK>;
     using T = typename Elem::T;
     constexpr int NV = DIM / 16;  // vectors per head row
+    // Query rows sharing each K/V vector load: their score (TV each) and output (NV each)
+    // accumulators plus the loaded vectors fill the 32 vector registers without spilling.
+    constexpr int kRowGroup = DIM <= 64 ? 6 : 3;
     const T* k_cache = static_cast<const T*>(a.k_cache);
     const T* v_cache = static_cast<const T*>(a.v_cache);
     const int G = a.Hq / a.Hk;
@@ -101,7 +124,7 @@ void attend(const Args& a, const std::vector<int64_t>& items) {
                     }
                 }
                 for (int r0 = 0; r0 < padded; r0 += kRowGroup) {
-                    // Scores of four rows over the tile: 4 x TV independent FMA chains.
+                    // Scores of the group's rows over the tile: kRowGroup x TV independent FMA chains.
                     v16 s[kRowGroup][TV] = {};
                     const float* q = &qf[size_t(r0) * DIM];
                     for (int d = 0; d < DIM; ++d) {
@@ -113,40 +136,60 @@ void attend(const Args& a, const std::vector<int64_t>& items) {
                         }
                     }
                     alignas(64) float p[kRowGroup][TILE];
-                    float alpha[kRowGroup];
+                    // Softmax bookkeeping for the group's rows at once: horizontal max and sum by
+                    // shuffle trees, and one vector exp for all their rescale factors (scalar
+                    // reductions and a libm exp per row cost as much as a third of the FMAs).
+                    float tile_max[kRowGroup];
+                    bool live[kRowGroup];
                     for (int rr = 0; rr < kRowGroup; ++rr) {
                         const int r = r0 + rr;
                         const int64_t visible = qpos[r] - t0 + 1;  // tokens of this tile the row may see
                         const int vis = visible <= 0 ? 0 : int(visible < n ? visible : n);
-                        if (vis == 0) {  // fully masked (or padding): nothing changes for this row
-                            alpha[rr] = 1.0f;
+                        live[rr] = vis > 0;
+                        if (!live[rr]) {  // fully masked (or padding): nothing changes for this row
+                            tile_max[rr] = -INFINITY;
+                            continue;
+                        }
+                        if (vis < TILE) {
+                            // Mask the scores past the row's position (the diagonal tile) lane-wise.
+                            for (int i = 0; i < TV; ++i) {
+                                const v16i lane = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + 16 * i;
+                                s[rr][i] = lane < vis ? s[rr][i] : v16{} - INFINITY;
+                            }
+                        }
+                        v16 vmax = s[rr][0];
+                        for (int i = 1; i < TV; ++i) vmax = s[rr][i] > vmax ? s[rr][i] : vmax;
+                        tile_max[rr] = reduce_max(vmax);
+                    }
+                    v16 old_m = {}, new_m = {};
+                    for (int rr = 0; rr < kRowGroup; ++rr) {
+                        const float m_old = m[r0 + rr];
+                        const float m_new = live[rr] && tile_max[rr] > m_old ? tile_max[rr] : m_old;
+                        old_m[rr] = m_old;
+                        new_m[rr] = m_new;
+                    }
+                    // exp(m_old - m_new) <= 1: exactly 1 when the max did not move, 0 on a row's
+                    // first tile (m_old = -inf); lanes past the group's rows are unused.
+                    const v16 alphas = exp_nonpositive(old_m == new_m ? v16{} : old_m - new_m);
+                    float alpha[kRowGroup];
+                    for (int rr = 0; rr < kRowGroup; ++rr) {
+                        const int r = r0 + rr;
+                        alpha[rr] = live[rr] ? alphas[rr] : 1.0f;
+                        if (!live[rr]) {
                             for (int c = 0; c < TILE; ++c) p[rr][c] = 0.0f;
                             continue;
                         }
-                        float* sc = p[rr];
-                        for (int i = 0; i < TV; ++i) store(&sc[16 * i], s[rr][i]);
-                        for (int c = vis; c < TILE; ++c) sc[c] = -INFINITY;
-                        v16 vmax = load(sc);
-                        for (int i = 1; i < TV; ++i) {
-                            const v16 x = load(&sc[16 * i]);
-                            vmax = x > vmax ? x : vmax;
-                        }
-                        float tile_max = vmax[0];
-                        for (int c = 1; c < 16; ++c) tile_max = vmax[c] > tile_max ? vmax[c] : tile_max;
-                        const float m_new = m[r] > tile_max ? m[r] : tile_max;
-                        alpha[rr] = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the row's first tile
+                        const v16 mn = v16{} + new_m[rr];
                         v16 vsum = {};
                         for (int i = 0; i < TV; ++i) {
-                            const v16 e = exp_nonpositive(load(&sc[16 * i]) - m_new);
-                            store(&sc[16 * i], e);
+                            const v16 e = exp_nonpositive(s[rr][i] - mn);
+                            store(&p[rr][16 * i], e);
                             vsum += e;
                         }
-                        float psum = 0.0f;
-                        for (int c = 0; c < 16; ++c) psum += vsum[c];
-                        l[r] = l[r] * alpha[rr] + psum;
-                        m[r] = m_new;
+                        l[r] = l[r] * alpha[rr] + reduce_add(vsum);
+                        m[r] = new_m[rr];
                     }
-                    // Output of four rows: 4 x NV accumulators held in registers across the tile.
+                    // Output of the group's rows: kRowGroup x NV accumulators held in registers across the tile.
                     v16 o[kRowGroup][NV];
                     for (int rr = 0; rr < kRowGroup; ++rr)
                         for (int i = 0; i < NV; ++i) o[rr][i] = load(&acc[size_t(r0 + rr) * DIM + 16 * i]) * alpha[rr];

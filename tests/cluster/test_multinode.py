@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -24,6 +27,7 @@ from workers.sampling_params import SamplingParams
 from cluster_fixtures import actor_nodes, cluster_config, serving_on
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = ["What is the capital of France?", "Name a fruit.", "What is 2+2?", "Give a synonym for happy.",
              "Why do birds migrate? Answer briefly.", "Count from one to five."]
@@ -135,3 +139,16 @@ def test_node_without_the_model_fails_start_up_naming_node_and_path(fake_cluster
     assert f"worker decode-0 failed to start on node {node}" in message, message
     assert "'HuggingFaceTB/SmolLM2-135M-Instruct' is neither a folder nor in the local Hugging Face cache" in message
     assert str(fake_cluster.node_hf_cache) in message
+
+
+def test_joining_passes_no_resources_to_ray(fake_cluster):
+    """`--address` joins the cluster as a driver: Ray refuses a driver that passes resources
+    ("num_cpus and num_gpus must not be provided"), so joining at all shows none are passed."""
+    script = ("import ray, sys; from cluster.launcher import start_ray; "
+              "assert start_ray(sys.argv[1]) is False; "
+              "print('NODES', len(ray.nodes()), ray.cluster_resources().get('baton_decode')); ray.shutdown()")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", script, fake_cluster.address], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NODES 5 2.0" in proc.stdout

@@ -22,6 +22,7 @@ from tests.hardening.corpus import API_KEY, MAX_REQUEST_BODY
 
 GOOD_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GOOD_MAX_TOKENS = 8
+GOOD_ANSWER = "The capital of France is Paris."  # 7 tokens, then EOS
 LOGGERS = ("", "baton", "uvicorn", "uvicorn.error", "uvicorn.access", "ray")
 
 
@@ -114,6 +115,8 @@ def hardened_deployment():
         yield Hardened(deployment, server, port, logs)
         server.should_exit = True
         thread.join(timeout=15)
+        # Whatever the session's tests sent, the key reached no log record.
+        assert API_KEY not in logs.text(), "the API key appeared in a log record"
     finally:
         if server is not None:
             server.should_exit = True
@@ -131,19 +134,9 @@ def hardened():
 
 @pytest.fixture(scope="session")
 def good_answer() -> str:
-    """The engine alone (no Ray, no HTTP), greedy: what the good request must answer."""
-    from router.tokenizer import Tokenizer
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-    from workers.model_files import resolve_model_dir
-    from workers.sampling_params import SamplingParams
-
-    model_dir = resolve_model_dir(None, quiet=True)
-    tokenizer = Tokenizer.from_model_dir(model_dir)
-    engine = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20))
-    prompt = tokenizer.apply_chat_template(GOOD_MESSAGES, add_generation_prompt=True)
-    [done] = engine.generate([prompt], SamplingParams(max_tokens=GOOD_MAX_TOKENS, temperature=0.0))
-    return done.text
+    """What the good request must answer: the model's greedy answer, which tests/e2e checks the
+    engine alone gives (and tests/engine that transformers gives on the same weights)."""
+    return GOOD_ANSWER
 
 
 def ask_good(client: httpx.Client) -> httpx.Response:

@@ -25,10 +25,13 @@ MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGAT
 
 
 def cap_generation(case, max_tokens: int) -> None:
-    """Keep generated requests cheap on a CPU: at most `max_tokens` new tokens (still valid values)."""
+    """Keep generated requests cheap on a CPU: at most `max_tokens` new tokens. A missing limit
+    would let a chat request generate up to the whole context, so one is set; values that are
+    invalid on purpose (negative mode) are left alone."""
     body = case.body
-    if isinstance(body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > max_tokens:
-                body[name] = max_tokens
+    if not isinstance(body, dict) or not case.path.startswith("/v1/") or "completions" not in case.path:
+        return
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > max_tokens):
+            body[name] = max_tokens

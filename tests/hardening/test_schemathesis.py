@@ -1,37 +1,54 @@
-"""schemathesis against a real deployment over HTTP, from the OpenAPI schema the router serves:
-no 5xx and every answer conforms, for a bounded number of generated requests per operation (each
-generating at most 16 tokens, so the run stays short on a CPU). The server is healthy afterwards
-and no KV block is left referenced."""
+"""schemathesis against a real deployment over HTTP: no 5xx and every answer conforms to the
+OpenAPI schema, for a bounded number of generated requests per operation (each generating at most
+16 tokens, so the run stays short on a CPU). The server is healthy afterwards and no KV block is
+left referenced.
+
+The schema is built at import time from an app over a FakeBackend (schemathesis parametrizes
+tests when they are collected, before the deployment exists); the first test checks it is exactly
+the schema the deployment serves.
+"""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
+from router.app import build_app
+from router.config import ServerConfig
+from router.tokenizer import Tokenizer
+from tests.fakes import FakeBackend
 from tests.hardening.conftest import ask_good
 from tests.hardening.corpus import API_KEY
 from tests.hardening.schemathesis_run import CHECKS, MODES, cap_generation
+from workers.model_files import resolve_model_dir
 
 pytestmark = pytest.mark.slow
-MAX_EXAMPLES = 15  # per operation and mode
+MAX_EXAMPLES = 25  # per operation and mode
 
 
-@pytest.fixture(scope="module")
-def live_schema(hardened):
-    schema = schemathesis.openapi.from_url(hardened.base_url + "/openapi.json")
-    schema.config.generation.update(modes=MODES)
-    return schema
+def _served_schema() -> dict:
+    tokenizer = Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
+    app = build_app(FakeBackend(tokenizer), tokenizer, "SmolLM2-135M-Instruct", 4096, server=ServerConfig(api_key=API_KEY))
+    return app.openapi()
 
 
-schema = schemathesis.pytest.from_fixture("live_schema")
+SCHEMA = _served_schema()
+schema = schemathesis.openapi.from_dict(SCHEMA)
+schema.config.generation.update(modes=MODES)
+
+
+def test_the_deployment_serves_this_schema(hardened):
+    assert httpx.get(hardened.base_url + "/openapi.json").json() == SCHEMA
 
 
 @schema.parametrize()
 @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_5xx_and_answers_conform_to_the_schema(case):
+def test_no_5xx_and_answers_conform_to_the_schema(case, hardened):
     cap_generation(case, 16)
-    case.call_and_validate(headers={"Authorization": f"Bearer {API_KEY}"}, checks=CHECKS, timeout=120)
+    case.call_and_validate(base_url=hardened.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, checks=CHECKS,
+                           timeout=120)
 
 
 def test_healthy_after_the_fuzzing(hardened, good_answer):

@@ -262,3 +262,41 @@ def test_clients_that_leave_while_waiting_or_streaming_free_their_slots(tokenize
         asyncio.run(scenario())
         assert backend.aborted == [backend.requests[0].request_id]
         assert len(backend.requests) == 2 and gates_empty(app)
+
+
+def test_a_full_server_refuses_before_reading_and_only_after_the_key_check(tokenizer):
+    from fastapi.testclient import TestClient
+
+    backend = FakeBackend(tokenizer)
+    app = build_app(backend, tokenizer, MODEL_NAME, MAX_MODEL_LEN,
+                    server=ServerConfig(api_key="k", max_running_requests=1, max_waiting_requests=0))
+    client = TestClient(app, raise_server_exceptions=False)
+    asyncio.run(app.state.baton.admission.decode.acquire(None))  # the one slot is taken
+    assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 401
+    r = client.post("/v1/chat/completions", content=b"not even json", headers={"Authorization": "Bearer k"})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == 429
+    assert client.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer k"}).status_code == 200
+    app.state.baton.admission.decode.release()
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200 and backend.requests
+
+
+def test_growing_a_gate_admits_waiting_requests_at_once_and_shrinking_holds_new_ones():
+    async def scenario():
+        gate = Gate("decode", capacity=1, max_waiting=4)
+        await gate.acquire(None)
+        waiters = [asyncio.create_task(gate.acquire(None)) for _ in range(3)]
+        await asyncio.sleep(0)
+        gate.capacity = 3  # the pool grew (cluster.launcher resizes automatic gates)
+        await asyncio.sleep(0)
+        assert [w.done() for w in waiters] == [True, True, False] and gate.running == 3
+        gate.capacity = 1  # and shrank: the three running finish, the waiter starts only below 1
+        gate.release()
+        gate.release()
+        await asyncio.sleep(0)
+        assert not waiters[2].done() and gate.running == 1
+        gate.release()
+        await asyncio.wait_for(waiters[2], 1)
+        assert gate.running == 1
+
+    asyncio.run(scenario())

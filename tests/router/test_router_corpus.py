@@ -24,7 +24,7 @@ def test_the_corpus_is_large_and_covers_every_endpoint():
     assert len(CASES) >= 50
     paths = {c.path for c in CASES}
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/version",
-            "/metrics", "/v1/status"} <= paths
+            "/metrics", "/v1/status", "/dashboard"} <= paths
 
 
 @pytest.fixture(scope="module")

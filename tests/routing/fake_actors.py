@@ -1,8 +1,8 @@
 """Stand-ins for the Ray worker actors, so RayBackend runs in-process without Ray or a model.
 
-Each `FakeActor` answers the calls RayBackend makes (`heartbeat`, `reserve`, `prefill`,
-`start_decode`, `submit`, `poll_outputs`, `abort`, `endpoint`) the way EngineWorker does, through
-`.remote(...)` returning an awaitable. It "computes" a prompt by publishing STORED events for its
+Each `FakeActor` answers the calls RayBackend and the pool manager make (`heartbeat`, `reserve`,
+`prefill`, `start_decode`, `submit`, `poll_outputs`, `abort`, `endpoint`, `ready`, `shutdown`) the
+way EngineWorker does, through `.remote(...)` returning an awaitable. It "computes" a prompt by publishing STORED events for its
 full blocks (as the block manager does), and reports cached tokens from what it stored before.
 
 Generation is a deterministic script, so any interleaving of workers can be checked against it:
@@ -28,7 +28,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from workers.block_hash import hash_prefix_blocks
 from workers.protocol import (
     KVEvent, KVEventBatch, KVEventKind, KVReservation, PrefillResult, RequestOutput, ResumeState, WorkerHeartbeat,
-    WorkerStats,
+    WorkerReady, WorkerStats,
 )
 
 BS = 16
@@ -96,7 +96,9 @@ class FakeActor:
         self._max_tokens: dict[str, int] = {}
         self._stepper: asyncio.Task | None = None
         self.pid = os.getpid()  # change it to simulate a restarted worker
-        for name in ("heartbeat", "reserve", "prefill", "start_decode", "submit", "poll_outputs", "abort", "endpoint"):
+        self.stopped = False
+        for name in ("heartbeat", "reserve", "prefill", "start_decode", "submit", "poll_outputs", "abort", "endpoint",
+                     "ready", "shutdown"):
             setattr(self, name, _Method(self, getattr(self, "_" + name)))
 
     # ---- faults ----------------------------------------------------------------------------
@@ -212,6 +214,13 @@ class FakeActor:
         while not q.empty():
             out.append(q.get_nowait())
         return out
+
+    async def _ready(self):
+        return WorkerReady(self.worker_id, self.role, max_model_len=4096, block_size=BS, num_blocks=100,
+                           dtype="float32", kv_cache_dtype="float32")
+
+    async def _shutdown(self):
+        self.stopped = True
 
     async def _abort(self, rid):
         self.reserved.discard(rid)

@@ -11,6 +11,7 @@ token, or a character of text, differs from `script(prompt, max_tokens)`.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -245,3 +246,29 @@ def test_workers_join_and_drain_at_runtime_without_losing_a_request():
             await backend.close()
 
     asyncio.run(main())
+
+
+def test_over_http_a_stream_out_of_attempts_ends_with_an_error_event_and_done(tokenizer):
+    """The client's view of a request that cannot go on: its stream ends with an error event in the
+    OpenAI envelope, then [DONE] (no hang, no stack trace); one that can, carries on unbroken."""
+    from fastapi.testclient import TestClient
+
+    from router.app import build_app
+
+    backend, actors = make(num_prefill=0, num_decode=2, max_migrations=0)
+    app = build_app(backend, tokenizer, "m", 8192)
+    body = {"prompt": [5, 6, 7], "max_tokens": 200, "stream": True}
+    with TestClient(app) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = []
+            for line in response.iter_lines():
+                lines.append(line)
+                if len(lines) == 10:  # mid-stream: its worker dies, and no move is allowed
+                    for a in actors.values():
+                        a.kill()
+        events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert "giving up after 0 migrations" in error["message"] and "Traceback" not in error["message"]
+        client.portal.call(backend.close)

@@ -209,6 +209,16 @@ def test_both_race_kernels_pick_the_same_tokens_for_the_same_keys():
         keys = torch.empty(24, dtype=torch.int64).random_(generator=g)
         assert sampling.exponential_race_cpu(x, inv_t, keys).tolist() == \
             sampling.exponential_race_reference(x, inv_t, keys).tolist()
+        # With every cut, on some rows each; two attempts, so some top-p rows miss (-1) in both.
+        k = torch.randint(1, vocab + 1, (24,), generator=g)
+        k_floor = torch.where(torch.arange(24) % 2 == 0, x.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])[:, 0],
+                              float("-inf"))
+        offset = torch.where(torch.arange(24) % 3 == 0, torch.rand(24, generator=g).log() / inv_t, float("-inf"))
+        top_p = torch.where(torch.arange(24) % 4 < 2, torch.rand(24, generator=g) * 0.5, 1.0)
+        cuts = (k_floor, offset, top_p, 2)
+        native = sampling.exponential_race_cpu(x, inv_t, keys, *cuts)
+        assert native.tolist() == sampling.exponential_race_reference(x, inv_t, keys, *cuts).tolist()
+        assert vocab < 100 or (native == -1).any()
 
 
 def test_race_noise_is_uniform_and_keys_decorrelate():

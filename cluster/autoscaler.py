@@ -1,0 +1,307 @@
+"""The autoscaler: reads the router's own signals and asks the pool manager for more or fewer workers.
+
+Every `interval_s` it looks at the last `window_s` of traffic, per pool:
+
+- prefill pressure = max(queue time / TTFT SLO, TTFT p90 / TTFT SLO while that queue time is at
+  least `scale_down_at` of the SLO), the queue time being the larger of the p90 of requests'
+  waits from routing to their first computed chunk in the window, and the wait so far of the
+  oldest request not computing yet (a backlog shows before its requests finish);
+- decode pressure = max(TPOT p90 / TPOT SLO, 1 + waiting / running when sequences wait for a
+  decode slot or KV blocks).
+
+A pool whose pressure exceeds `scale_up_at` grows by max(1, round(n * (pressure - 1))) workers
+(at most doubling). A pool shrinks by one after `down_after` low checks in a row: for decode,
+the pressure one worker fewer would give (TPOT x n / (n - 1)) below `scale_down_at`, with no
+sequence waiting and no prefill queue (decode workers prefill when the prefill pool is small); for prefill (whose TTFT includes the prefill itself, however idle
+the pool), queue pressure below `scale_down_at` and a busy fraction (heartbeats at which a prefill
+worker had work) low enough that n - 1 workers would be busy at most half the time. Hysteresis (the gap between the two thresholds, and `down_after`) and a
+per-pool cool-down after every change (`cooldown_s`) keep it from oscillating; sizes stay within
+each pool's min and max. Off by default (`--autoscale`).
+
+`Autoscaler.decide` is pure (signals in, target sizes out), so the simulator (`attach_to_simulator`)
+and the real driver loop (`AutoscalerLoop`, over `cluster.pool_manager.PoolManager`) run the same
+decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cluster.sim.metrics import percentiles
+
+if TYPE_CHECKING:  # annotations only: the serving path imports this module without the simulator
+    from cluster.sim.simulator import Simulator
+
+__all__ = ["AutoscalerConfig", "Autoscaler", "AutoscalerLoop", "Decision", "RouterSignals", "Signals",
+           "attach_to_simulator", "install_autoscaler"]
+
+log = logging.getLogger("baton.autoscaler")
+
+
+@dataclass
+class AutoscalerConfig:
+    """The autoscaler's knobs (a `baton serve` section; off by default)."""
+
+    enabled: bool = field(default=False, metadata={
+        "flag": "autoscale", "help": "grow and shrink the pools from the router's TTFT/TPOT and queue signals"})
+    interval_s: float = field(default=10.0, metadata={
+        "flag": "autoscale_interval", "help": "seconds between two autoscaler decisions"})
+    window_s: float = field(default=30.0, metadata={
+        "flag": "autoscale_window", "help": "seconds of recent traffic each decision looks at"})
+    slo_ttft_s: float = field(default=2.0, metadata={
+        "flag": "autoscale_slo_ttft", "help": "TTFT target in seconds (p90 over the window)"})
+    slo_tpot_s: float = field(default=0.1, metadata={
+        "flag": "autoscale_slo_tpot", "help": "TPOT target in seconds (p90 over the window)"})
+    # Not 0 by default: dropping the last prefill worker moves every prefill onto the decode pool,
+    # which then grows again (a flap seen in the simulator's load step).
+    min_prefill_workers: int = field(default=1, metadata={
+        "example": 0, "help": "the autoscaler keeps at least this many prefill workers (0 allows colocated)"})
+    max_prefill_workers: int = field(default=4, metadata={"help": "the autoscaler adds no prefill worker beyond this"})
+    min_decode_workers: int = field(default=1, metadata={"help": "the autoscaler keeps at least this many decode workers"})
+    max_decode_workers: int = field(default=4, metadata={"help": "the autoscaler adds no decode worker beyond this"})
+    scale_up_at: float = field(default=0.8, metadata={
+        "flag": "autoscale_up_at", "help": "grow a pool when its pressure (signal / SLO) exceeds this"})
+    scale_down_at: float = field(default=0.3, metadata={
+        "flag": "autoscale_down_at", "example": 0.2, "help": "shrink a pool when its pressure stays below this"})
+    down_after: int = field(default=6, metadata={
+        "flag": "autoscale_down_after", "help": "consecutive low-pressure decisions before a pool shrinks"})
+    cooldown_s: float = field(default=60.0, metadata={
+        "flag": "autoscale_cooldown", "help": "seconds a pool is left alone after it changed"})
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "window_s", "slo_ttft_s", "slo_tpot_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"autoscaler {name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.min_prefill_workers <= self.max_prefill_workers:
+            raise ValueError(f"need 0 <= min_prefill_workers <= max_prefill_workers, got "
+                             f"{self.min_prefill_workers}, {self.max_prefill_workers}")
+        if not 1 <= self.min_decode_workers <= self.max_decode_workers:
+            raise ValueError(f"need 1 <= min_decode_workers <= max_decode_workers, got "
+                             f"{self.min_decode_workers}, {self.max_decode_workers}")
+        if not 0 <= self.scale_down_at < self.scale_up_at:
+            raise ValueError(f"need 0 <= autoscale_down_at < autoscale_up_at (hysteresis), got "
+                             f"{self.scale_down_at}, {self.scale_up_at}")
+        if self.down_after < 1 or self.cooldown_s < 0:
+            raise ValueError("autoscale_down_after must be >= 1 and autoscale_cooldown >= 0")
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What the router knows about the last window."""
+
+    now: float
+    prefill_workers: int  # serving or starting
+    decode_workers: int
+    ttft_p90_s: float | None  # of requests that got their first token in the window
+    tpot_p90_s: float | None  # of requests that finished in the window
+    queued_prefill_tokens: int  # routed, first token not yet
+    queue_p90_s: float | None  # routing to first computed chunk, of requests started in the window
+    oldest_queued_s: float  # how long the oldest routed request not computing yet has waited
+    decode_running: int
+    decode_waiting: int
+    prefill_busy_fraction: float = 0.0  # of prefill workers' heartbeats in the window, with work to do
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill_workers: int
+    decode_workers: int
+    prefill_pressure: float
+    decode_pressure: float
+    reason: str
+
+    def changes(self, s: Signals) -> bool:
+        return (self.prefill_workers, self.decode_workers) != (s.prefill_workers, s.decode_workers)
+
+
+class Autoscaler:
+    """Decisions with hysteresis and cool-down; keeps only its counters and the last change times."""
+
+    def __init__(self, config: AutoscalerConfig) -> None:
+        self.config = config
+        self._changed_at = {"prefill": -math.inf, "decode": -math.inf}
+        self._low = {"prefill": 0, "decode": 0}
+        self.history: list[tuple[Signals, Decision]] = []
+
+    def queue_pressure(self, s: Signals) -> float:
+        return min(10.0, max(s.queue_p90_s or 0.0, s.oldest_queued_s) / self.config.slo_ttft_s)
+
+    def pressures(self, s: Signals) -> tuple[float, float]:
+        """(prefill, decode). A prefill worker more only helps when prompts queue: TTFT counts only
+        while the queue holds at least scale_down_at of the SLO (a TTFT near the SLO with no queue
+        is the prefill itself, which more workers would not shorten)."""
+        c = self.config
+        queue = self.queue_pressure(s)
+        ttft = (s.ttft_p90_s or 0.0) / c.slo_ttft_s
+        prefill = max(queue, ttft if queue >= c.scale_down_at else min(ttft, c.scale_up_at))
+        decode = (s.tpot_p90_s or 0.0) / c.slo_tpot_s
+        if s.decode_waiting:
+            decode = max(decode, 1.0 + s.decode_waiting / max(1, s.decode_running))
+        return prefill, decode
+
+    def decide(self, s: Signals) -> Decision:
+        c = self.config
+        pp, dp = self.pressures(s)
+        sizes = {"prefill": s.prefill_workers, "decode": s.decode_workers}
+        bounds = {"prefill": (c.min_prefill_workers, c.max_prefill_workers),
+                  "decode": (c.min_decode_workers, c.max_decode_workers)}
+        reasons = []
+        for role, pressure in (("prefill", pp), ("decode", dp)):
+            n = sizes[role]
+            lo, hi = bounds[role]
+            target = min(hi, max(lo, n))
+            if s.now - self._changed_at[role] >= c.cooldown_s:
+                if pressure > c.scale_up_at and n < hi:
+                    step = max(1, round(n * (pressure - 1))) if n else 1
+                    target = min(hi, n + min(step, max(1, n)))
+                    reasons.append(f"{role} pressure {pressure:.2f} > {c.scale_up_at}")
+                if role == "prefill":
+                    low = (self.queue_pressure(s) < c.scale_down_at and pressure <= c.scale_up_at
+                           and s.prefill_busy_fraction * n / max(1, n - 1) < 0.5)
+                else:  # the TPOT one worker fewer would give (batches grow by n / (n - 1)), and no queue
+                    low = (pressure * n / max(1, n - 1) < c.scale_down_at and not s.decode_waiting
+                           and self.queue_pressure(s) < c.scale_down_at)
+                self._low[role] = self._low[role] + 1 if low else 0
+                if target == n and self._low[role] >= c.down_after and n > lo:
+                    target = n - 1
+                    reasons.append(f"{role} pressure below {c.scale_down_at} for {self._low[role]} checks")
+            if target != n:
+                self._changed_at[role] = s.now
+                self._low[role] = 0
+            sizes[role] = target
+        decision = Decision(sizes["prefill"], sizes["decode"], pp, dp, "; ".join(reasons) or "hold")
+        self.history.append((s, decision))
+        return decision
+
+
+def simulator_signals(sim: Simulator, window_s: float) -> Signals:
+    """The router's signals, as the simulated router has them."""
+    now = sim.loop.now
+    while sim.recent and sim.recent[0].done_s < now - window_s:
+        sim.recent.popleft()
+    recent = list(sim.recent)
+    first = [r for r in sim.records if r.first_token_s is not None and r.first_token_s >= now - window_s]
+    ttft = percentiles([r.ttft_s for r in first], 1.0)["p90"] if first else None
+    waits = [r.queue_s for r in first if r.queue_s is not None]
+    tpot_values = [r.tpot_s for r in recent if r.tpot_s is not None]
+    tpot = percentiles(tpot_values, 1.0)["p90"] if tpot_values else None
+    stats = [st for wid, st in sim._stats.items() if sim.workers[wid].role == "decode" and not sim.workers[wid].removed]
+    beats = [p for p in sim.timeline if p["t"] >= now - window_s]
+    busy = sum(p["prefill_busy"] for p in beats) / max(1, sum(p["prefill_workers"] for p in beats))
+    return Signals(now, sim.pool_size("prefill"), sim.pool_size("decode"), ttft, tpot,
+                   sum(sim._queued.values()), percentiles(waits, 1.0)["p90"] if waits else None,
+                   now - min(sim.unstarted.values(), default=now), sum(s[0] for s in stats), sum(s[1] for s in stats),
+                   busy)
+
+
+def attach_to_simulator(sim: Simulator, config: AutoscalerConfig, startup_s: float = 30.0) -> Autoscaler:
+    """Run the autoscaler inside a simulation; new workers serve `startup_s` after they are asked for."""
+    scaler = Autoscaler(config)
+    actions: list[dict] = []
+    sim.autoscaler_actions = actions  # read by reports
+
+    def tick(s: Simulator) -> None:
+        signals = simulator_signals(s, config.window_s)
+        d = scaler.decide(signals)
+        for role, now_n, want in (("prefill", signals.prefill_workers, d.prefill_workers),
+                                  ("decode", signals.decode_workers, d.decode_workers)):
+            for _ in range(want - now_n):
+                s.add_worker(role, ready_in_s=startup_s)
+            for _ in range(now_n - want):
+                s.drain_worker(role)
+            if want != now_n:
+                actions.append({"t": s.loop.now, "pool": role, "from": now_n, "to": want, "reason": d.reason})
+
+    sim.every(config.interval_s, tick)
+    return scaler
+
+
+class AutoscalerLoop:
+    """The driver-side loop: every interval, signals from the router, sizes to the pool manager.
+
+    `signals` reads the router (queue and trace data of the running app); `scale(prefill, decode)`
+    is `PoolManager.scale`. Runs on the router's event loop until `stop()`.
+    """
+
+    def __init__(self, config: AutoscalerConfig, signals: Callable[[], Signals],
+                 scale: Callable[[int, int], Awaitable[object]]) -> None:
+        self.config = config
+        self.autoscaler = Autoscaler(config)
+        self._signals = signals
+        self._scale = scale
+        self._task: asyncio.Task | None = None
+        self.actions: list[dict] = []
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                s = self._signals()
+                d = self.autoscaler.decide(s)
+                if d.changes(s):
+                    log.info("autoscaler: prefill %d -> %d, decode %d -> %d (%s)", s.prefill_workers,
+                             d.prefill_workers, s.decode_workers, d.decode_workers, d.reason)
+                    self.actions.append({"t": s.now, "from": [s.prefill_workers, s.decode_workers],
+                                         "to": [d.prefill_workers, d.decode_workers], "reason": d.reason})
+                    await self._scale(d.prefill_workers, d.decode_workers)
+            except Exception:  # a failed scaling must not end the loop; the next interval retries
+                log.exception("autoscaler step failed")
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+class RouterSignals:
+    """The running router's signals: finished requests' traces (RouterMetrics.recent) for TTFT,
+    TPOT and queue time, and the backend's worker snapshot for queues and the prefill pool's busy
+    fraction (sampled at every call, averaged over the window)."""
+
+    def __init__(self, metrics, backend, targets: Callable[[], tuple[int, int]], window_s: float) -> None:
+        self.metrics = metrics
+        self.backend = backend
+        self.targets = targets
+        self.window_s = window_s
+        self._busy: deque[tuple[float, int, int]] = deque()
+
+    def __call__(self) -> Signals:
+        now = time.time()
+        since = now - self.window_s
+        traces = [tr for t, tr in list(self.metrics.recent) if t >= since and tr.error is None]
+        ttft = [tr.ttft_s for tr in traces if tr.ttft_s is not None]
+        tpot = [(tr.e2e_s - tr.ttft_s) / (tr.output_tokens - 1) for tr in traces
+                if tr.e2e_s is not None and tr.ttft_s is not None and tr.output_tokens > 1]
+        queue = [tr.queue_s for tr in traces]
+        workers = [w for w in self.backend.workers() if w.alive]
+        prefill = [w for w in workers if w.role == "prefill"]
+        decode = [w for w in workers if w.role == "decode"]
+        self._busy.append((now, sum(1 for w in prefill if w.running or w.waiting), len(prefill)))
+        while self._busy and self._busy[0][0] < since:
+            self._busy.popleft()
+        busy = sum(b for _, b, _ in self._busy) / max(1, sum(n for _, _, n in self._busy))
+        p90 = lambda xs: percentiles(xs, 1.0)["p90"] if xs else None  # noqa: E731
+        p, d = self.targets()
+        return Signals(now, p, d, p90(ttft), p90(tpot), sum(w.queued_prefill_tokens for w in workers), p90(queue),
+                       0.0, sum(w.running for w in decode), sum(w.waiting for w in decode), busy)
+
+
+def install_autoscaler(app, pools, backend, config: AutoscalerConfig) -> AutoscalerLoop:
+    """Run the autoscaler on the router's event loop from start-up: signals from the app's metrics
+    and the backend, sizes to the pool manager (`cluster.pool_manager.PoolManager.scale`)."""
+    signals = RouterSignals(app.state.baton.metrics, backend, lambda: (pools.targets.prefill, pools.targets.decode),
+                            config.window_s)
+    loop = AutoscalerLoop(config, signals, lambda p, d: pools.scale(prefill=p, decode=d))
+    app.add_event_handler("startup", loop.start)
+    app.add_event_handler("shutdown", loop.stop)
+    app.state.autoscaler = loop
+    return loop

@@ -1,0 +1,70 @@
+"""The planner: its choice against exhaustive search, on small held-out cases, and `baton plan`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli import main as baton
+from cluster.plan_cli import parse_duration
+from cluster.planner import PlanProblem, capacity_estimate, exhaustive, plan
+from cluster.sim import SLO, FittedCostModel, LengthDist, ServingOverheads, StepShape, WorkloadSpec
+
+# A worker like this machine's (bench/results/cost_profile_cpu.json, rounded).
+COST = FittedCostModel({"c0": 0.012, "c_token": 0.0011, "c_sampled": 0.0004, "c_decode_ctx": 2e-6,
+                        "c_prefill_pairs": 4e-8, "c_decode_seq": 0.0003}, knee=8, kv_bytes_per_token=46080,
+                       kv_capacity_tokens=23296)
+OVERHEADS = ServingOverheads(heartbeat_s=1.0)
+U = lambda lo, hi: LengthDist("uniform", low=lo, high=hi)  # noqa: E731
+
+
+@pytest.mark.parametrize("name,workload,slo", [
+    ("prompt-heavy", WorkloadSpec(rate=1, prompt_len=U(768, 1536), output_len=U(8, 32), seed=21), SLO(4.0, 0.2)),
+    ("decode-heavy", WorkloadSpec(rate=1, prompt_len=U(64, 256), output_len=U(96, 160), seed=22), SLO(3.0, 0.08)),
+])
+def test_the_plan_is_within_10_percent_of_exhaustive_search(name, workload, slo):
+    problem = PlanProblem(5, workload, slo, COST, overheads=OVERHEADS, requests_per_probe=50, min_probe_s=15,
+                          rate_tolerance=0.06)
+    chosen, best = plan(problem), exhaustive(problem)
+    assert best.best.goodput > 0
+    assert chosen.best.goodput_per_gpu >= 0.9 * best.best.goodput_per_gpu, (chosen.to_dict(), best.to_dict())
+    assert chosen.simulations < best.simulations  # and it got there with fewer simulations
+
+
+def test_the_capacity_estimate_balances_the_pools():
+    wl = WorkloadSpec(rate=1, prompt_len=LengthDist("fixed", 512), output_len=LengthDist("fixed", 64))
+    est = capacity_estimate(PlanProblem(10, wl, SLO(5.0, 0.2), COST))
+    p = est["balanced_prefill_workers"]
+    # p prefill workers and 10 - p decode workers then carry the same request rate.
+    assert p * est["prefill_requests_per_s_per_worker"] == pytest.approx(
+        (10 - p) * est["decode_requests_per_s_per_worker"])
+    # A prefill worker does a 512-token prompt in two 256-token chunks.
+    two_chunks = COST.step_time(StepShape.of([(0, 256, False)])) + COST.step_time(StepShape.of([(256, 256, True)]))
+    assert est["prefill_requests_per_s_per_worker"] == pytest.approx(1 / two_chunks)
+
+
+def test_durations_read_like_the_issue_writes_them():
+    assert parse_duration("2s") == 2.0 and parse_duration("50ms") == 0.05 and parse_duration("0.5") == 0.5
+
+
+def test_baton_plan_prints_a_plan_and_writes_json_and_a_plot(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"cost_model": {"kind": "fitted", **{k: v for k, v in COST.to_dict().items()
+                                                                       if k != "kind"}},
+                                   "overheads": {"heartbeat_s": 1.0}, "link": "cpu-shm"}))
+    workload = tmp_path / "w.yaml"
+    workload.write_text("rate: 0.5\nduration_s: 30\nprompt_len: {dist: uniform, low: 64, high: 256}\n"
+                        "output_len: 32\n")
+    code = baton(["plan", "--gpus", "3", "--model-profile", str(profile), "--slo-ttft", "3s", "--slo-tpot", "200ms",
+                  "--workload", str(workload), "--requests-per-probe", "30", "--plot", str(tmp_path / "p.png"),
+                  "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "plan for 3 GPUs" in out and "goodput" in out
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["plan"]["best"]["goodput"] > 0
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert baton(["plan", "--gpus", "3", "--model-profile", "roofline:B300:llama-8b", "--slo-ttft", "1s",
+                  "--slo-tpot", "50ms", "--workload", str(workload)]) == 2
+    assert "roofline:GPU:MODEL" in capsys.readouterr().err
