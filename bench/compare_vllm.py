@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,18 +74,25 @@ def run_benches(args, parts: dict[str, list[str]], mode: str, tmp: Path) -> dict
     """Run one `vllm bench serve` per part, all at once; their summaries by part name."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     procs, commands, files = {}, {}, {}
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()
     for name, workload in parts.items():
         files[name] = tmp / f"{name.replace(' ', '_')}.json"
         commands[name] = bench_command(args, workload, mode, files[name])
         procs[name] = subprocess.Popen(commands[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     out = {}
+    try:
+        logs = {name: proc.communicate()[0] for name, proc in procs.items()}
+    finally:  # stopped (SIGTERM, Ctrl-C): the clients stop too
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
     for name, proc in procs.items():
-        log, _ = proc.communicate()
+        log = logs[name]
         if proc.returncode != 0:
             raise RuntimeError(f"vllm bench serve ({name}) failed:\n{log.decode()[-3000:]}")
         out[name] = {"command": " ".join(commands[name]), **summary(json.loads(files[name].read_text()))}
-    out["loadavg_before"], out["loadavg_after"] = list(load_before), list(os.getloadavg())
+    out["started"], out["loadavg_before"], out["loadavg_after"] = started, list(load_before), list(os.getloadavg())
     return out
 
 
@@ -95,6 +103,7 @@ def own_client(args) -> dict:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup in run_benches
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--label", required=True, help="e.g. baton-fp32, baton-bf16, vllm-cpu")
@@ -105,14 +114,23 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=tuple(SAMPLING_MODES), default=list(SAMPLING_MODES))
     parser.add_argument("--own-client", action="store_true", help="also run workload 1 through bench/serve.py")
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--merge", action="store_true",
+                        help="add these runs to an existing compare_<label>.json instead of replacing it")
     args = parser.parse_args()
     if args.tokenizer is None:
         args.tokenizer = str(resolve_model_dir(None))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"compare_{args.label}.json"
     result = {"label": args.label, "base_url": args.base_url, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"cores": os.cpu_count(), "note": "shared with other jobs: see each run's loadavg"},
-              "client": "vllm bench serve (vLLM 0.32.0 CPU build's CLI)", "command": " ".join(sys.argv), "runs": {}}
+              "client": "vllm bench serve (vLLM 0.32.0 CPU build's CLI)", "commands": [" ".join(sys.argv)], "runs": {}}
+    if args.merge and path.exists():
+        earlier = json.loads(path.read_text())
+        result["runs"] = earlier.get("runs", {})
+        result["commands"] = earlier.get("commands", []) + result["commands"]
+        result["date"] = earlier.get("date", result["date"])
+        result.update({k: earlier[k] for k in ("throughput_own_client",) if k in earlier})
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
             runs = result["runs"].setdefault(mode, {})
@@ -127,7 +145,6 @@ def main() -> None:
                       f"long prompts TTFT p50 {mixed['long prompts']['ttft_ms']['p50']:.0f} ms", flush=True)
     if args.own_client and args.workload in ("throughput", "all"):
         result["throughput_own_client"] = own_client(args)
-    path = out_dir / f"compare_{args.label}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -45,6 +45,7 @@ import json
 import os
 import pstats
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -240,8 +241,12 @@ def attention_gflops(dtype: str, n: int, chunk: int, fn=None) -> dict:
 
 def baseline_kernel(source: str):
     """The prefill attention entry point built from another source file (same flags)."""
-    target = Path(tempfile.mkdtemp(prefix="baton-baseline-")) / "baseline.so"
-    cpu_native._compile(cpu_native._compiler(), Path(source), target)
+    folder = Path(tempfile.mkdtemp(prefix="baton-baseline-"))
+    for header in cpu_native.SOURCE_DIR.glob("*.h"):  # the source includes them from its own folder
+        shutil.copy(header, folder)
+    shutil.copy(source, folder / "baseline.cpp")
+    target = folder / "baseline.so"
+    cpu_native._compile(cpu_native._compiler(), folder / "baseline.cpp", target)
     fn = getattr(ctypes.CDLL(str(target)), "baton_paged_prefill_attention")
     fn.argtypes = list(prefill_attention._NATIVE_ARGS)
     fn.restype = ctypes.c_int

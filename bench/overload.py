@@ -5,8 +5,8 @@ sized to what the pools sustain.
 
 1. Calibration (a server with the default gates, started for it): closed-loop streaming clients
    at concurrency 1, 2, 4, ... for --step seconds each; the sustainable concurrency C is the
-   smallest whose throughput reaches 90% of the best seen (beyond it requests only queue).
-   Give --sustainable-concurrency to skip this.
+   largest whose TTFT p99 stays within --slo-ttft-ms (beyond it the batch grows, throughput
+   creeps up and every request waits longer). Give --sustainable-concurrency to skip this.
 2. Overload (a second server, started with --max-running-requests C --max-waiting-requests C):
    4 x C closed-loop clients for --duration seconds. A refused client waits Retry-After (as the
    OpenAI SDKs do) and tries again. Reported: how fast 429s come back (p50/p99/max, must be under
@@ -96,7 +96,7 @@ async def idle_latency(http, model, n: int, max_tokens: int) -> list[float]:
     return [(await one(http, model, rng, max_tokens)).latency_s for _ in range(n)]
 
 
-async def calibrate(base_url: str, step_s: float, max_tokens: int, limit: int) -> dict:
+async def calibrate(base_url: str, step_s: float, max_tokens: int, limit: int, slo_ttft_ms: float) -> dict:
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         steps = []
@@ -107,9 +107,8 @@ async def calibrate(base_url: str, step_s: float, max_tokens: int, limit: int) -
             steps.append({"concurrency": concurrency, "throughput_rps": len(ok) / elapsed,
                           "ttft_ms": pct([s.latency_s for s in ok]), "e2e_ms": pct([s.e2e_s for s in ok])})
             concurrency *= 2
-    best = max(s["throughput_rps"] for s in steps)
-    sustainable = next(s["concurrency"] for s in steps if s["throughput_rps"] >= 0.9 * best)
-    return {"steps": steps, "best_throughput_rps": best, "sustainable_concurrency": sustainable}
+    within = [s["concurrency"] for s in steps if s["ttft_ms"]["p99"] is not None and s["ttft_ms"]["p99"] <= slo_ttft_ms]
+    return {"steps": steps, "slo_ttft_ms": slo_ttft_ms, "sustainable_concurrency": max(within, default=1)}
 
 
 def processes(status: dict) -> dict[str, dict]:
@@ -189,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sustainable-concurrency", type=int, default=None, help="skip the calibration")
     p.add_argument("--step", type=float, default=15.0, help="seconds per calibration step")
     p.add_argument("--max-calibration-concurrency", type=int, default=32)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT p99 the sustainable concurrency keeps")
     p.add_argument("--factor", type=int, default=4, help="overload clients per sustainable client")
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--recovery-window", type=float, default=20.0)
@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     sustainable = args.sustainable_concurrency
     if sustainable is None:
         with soak.baton_server(args.serve_flags, log_path=log) as url:
-            calibration = asyncio.run(calibrate(url, args.step, args.max_tokens, args.max_calibration_concurrency))
+            calibration = asyncio.run(calibrate(url, args.step, args.max_tokens, args.max_calibration_concurrency,
+                                                args.slo_ttft_ms))
         sustainable = calibration["sustainable_concurrency"]
     gates = f"--max-running-requests {sustainable} --max-waiting-requests {sustainable}"
     if args.base_url:

@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# Baton vs vLLM-CPU, both workloads of bench/compare_vllm.py (measured by `vllm bench serve`, with
-# its defaults and with --temperature 0), every server one after the other in one session on
-# 127.0.0.1 (the README's comparison table comes from one run of this script):
+# Baton vs vLLM-CPU, both workloads of bench/compare_vllm.py, measured by `vllm bench serve` with its
+# defaults (sampling) and with --temperature 0, on 127.0.0.1 (the README's comparison table comes
+# from one run of this script):
 #   bash bench/run_comparison.sh [VLLM_VENV]          (default .venv-vllm; made by setup_vllm_peer.sh)
-# Servers: vLLM-CPU float32 (its bfloat16 gives wrong answers on this model); Baton float32;
-# Baton bfloat16; with ALL=1 also Baton bfloat16 with disaggregation off (every prompt prefilled on
-# the decode worker). Set ONLY="baton-bf16 vllm-cpu" to run a subset, OWN_CLIENT=1 to add
+# Servers: vLLM-CPU float32 (its bfloat16 gives wrong answers on this model); Baton float32; Baton
+# bfloat16 (ALL=1 adds Baton bfloat16 with disaggregation off: every prompt prefilled on the decode
+# worker). All of them start first, each on its own port, and stay up; then every (sampling mode,
+# workload) pair runs against each server in turn, the order reversed every other pair, so the
+# servers meet the same load from other processes on this shared machine (an idle server costs
+# nothing: checked with ps before the runs, logged). SEQUENTIAL=1 runs one server at a time instead
+# (all its runs, then the next): a third of the memory, for a machine whose other jobs leave too
+# little for all at once. Set ONLY="baton-bf16 vllm-cpu" for a subset, OWN_CLIENT=1 to add
 # bench/serve.py's column. JSON: bench/results/compare_<label>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${1:-.venv-vllm}
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1
+# Ray kills its own workers once the node's memory passes 95%, whoever holds it; on a machine shared
+# with other jobs that killed Baton's workers mid-run (vLLM has no such monitor). Off for benchmarks.
+export RAY_memory_monitor_refresh_ms=0
 MODEL_DIR=$(.venv/bin/python -c 'from workers.model_files import resolve_model_dir; print(resolve_model_dir(None))')
-PORT=8123
 EXTRA=()
 [ "${OWN_CLIENT:-0}" = 1 ] && EXTRA+=(--own-client)
+if [ "${SEQUENTIAL:-0}" = 1 ]; then
+  for label in ${ONLY:-vllm-cpu baton-fp32 baton-bf16}; do SEQUENTIAL=0 ONLY=$label bash "$0" "$VLLM_VENV"; done
+  exit 0
+fi
+declare -A PORTS PIDS
+LABELS=()
 
 wait_healthy() {  # pid, url, seconds
   for _ in $(seq 1 "$3"); do
@@ -26,33 +39,66 @@ wait_healthy() {  # pid, url, seconds
   return 1
 }
 
-run_one() {  # label, health path, command...
-  local label=$1 health=$2
+CURRENT=
+stop_all() {
+  [ -n "$CURRENT" ] && kill -TERM "$CURRENT" 2>/dev/null || true  # a benchmark still running
+  for label in "${!PIDS[@]}"; do kill -INT -- "-${PIDS[$label]}" 2>/dev/null || true; done
+  sleep 10
+  for label in "${!PIDS[@]}"; do kill -KILL -- "-${PIDS[$label]}" 2>/dev/null || true; done
+}
+trap stop_all EXIT
+
+start() {  # label, port, command...
+  local label=$1 port=$2
   shift 2
   case " ${ONLY:-$label} " in *" $label "*) ;; *) return 0 ;; esac
-  echo "== $label: $*"
+  echo "== $label on port $port: $*"
   # Its own process group, so stopping it stops its workers too (and nothing else).
   setsid "$@" > "/tmp/baton_compare_$label.log" 2>&1 &
-  local pid=$!
-  if wait_healthy "$pid" "http://127.0.0.1:$PORT$health" 600; then
-    .venv/bin/python bench/compare_vllm.py --base-url "http://127.0.0.1:$PORT" --label "$label" \
-      --vllm "$VLLM_VENV/bin/vllm" --tokenizer "$MODEL_DIR" "${EXTRA[@]}" || echo "   $label: the benchmark failed" >&2
-  fi
-  kill -INT -- "-$pid" 2>/dev/null || true
-  for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-  kill -KILL -- "-$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  sleep 3
+  PIDS[$label]=$!
+  wait_healthy "${PIDS[$label]}" "http://127.0.0.1:$port/health" 600
+  PORTS[$label]=$port
+  LABELS+=("$label")
+  rm -f "bench/results/compare_$label.json"
 }
 
-# vLLM reserves --gpu-memory-utilization of the machine's memory (0.92 by default) and refuses to
-# start when other processes hold more than the rest: a fixed 2 GiB KV cache (Baton: 1 GiB per worker).
-run_one vllm-cpu /health "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --dtype float32 --max-model-len 4096 \
-  --gpu-memory-utilization 0.15 --kv-cache-memory-bytes 2147483648 \
-  --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port $PORT
-run_one baton-fp32 /health .venv/bin/baton serve --port $PORT --dtype float32
-run_one baton-bf16 /health .venv/bin/baton serve --port $PORT --dtype bfloat16
+# Three servers share the machine's 24 GiB with other jobs, so each gets a KV cache the workloads
+# fit in, not more: vLLM reserves --gpu-memory-utilization of the machine's memory (0.92 by
+# default, refusing to start when other processes hold more than the rest), so it gets a fixed
+# 1 GiB; Baton 512 MiB per worker (float32: 11,600 tokens; workload 2 needs at most ~10,000 on the
+# decode worker). Neither preempts or queues for KV space in these workloads.
+start vllm-cpu 18431 "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --dtype float32 --max-model-len 4096 \
+  --gpu-memory-utilization 0.15 --kv-cache-memory-bytes 1073741824 \
+  --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port 18431
+start baton-fp32 18432 .venv/bin/baton serve --port 18432 --dtype float32 --kv-cache-memory 512MiB
+start baton-bf16 18433 .venv/bin/baton serve --port 18433 --dtype bfloat16 --kv-cache-memory 512MiB
 if [ "${ALL:-0}" = 1 ]; then
-  run_one baton-bf16-local-prefill /health .venv/bin/baton serve --port $PORT --dtype bfloat16 \
-    --local-prefill-threshold 1000000
+  start baton-bf16-local-prefill 18434 .venv/bin/baton serve --port 18434 --dtype bfloat16 --kv-cache-memory 512MiB --local-prefill-threshold 1000000
 fi
+cpu_seconds() {  # process group -> CPU seconds its processes have used
+  ps -eo pgid,times | awk -v g="$1" '$1 == g {s += $2} END {print s + 0}'
+}
+declare -A BEFORE
+for label in "${LABELS[@]}"; do BEFORE[$label]=$(cpu_seconds "${PIDS[$label]}"); done
+sleep 20
+echo "== CPU seconds the idle servers used in 20 s (should be ~0):"
+for label in "${LABELS[@]}"; do echo "   $label: $(( $(cpu_seconds "${PIDS[$label]}") - BEFORE[$label] ))"; done
+
+round=0
+for mode in default "temperature 0"; do
+  for workload in throughput mixed; do
+    order=("${LABELS[@]}")
+    if (( round % 2 == 1 )); then
+      order=(); for (( i=${#LABELS[@]}-1; i>=0; i-- )); do order+=("${LABELS[$i]}"); done
+    fi
+    for label in "${order[@]}"; do
+      .venv/bin/python bench/compare_vllm.py --base-url "http://127.0.0.1:${PORTS[$label]}" --label "$label" \
+        --vllm "$VLLM_VENV/bin/vllm" --tokenizer "$MODEL_DIR" --workload "$workload" --modes "$mode" --merge \
+        "${EXTRA[@]}" &
+      CURRENT=$!
+      wait "$CURRENT" || echo "   $label $mode $workload: the benchmark failed" >&2
+      CURRENT=
+    done
+    round=$((round + 1))
+  done
+done

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from router.app import serve as serve_http
 from router.ray_backend import RayBackend
 from router.routing import make_policy
 from router.tokenizer import Tokenizer
-from workers.model_files import DEFAULT_MODEL_NAME, is_repo_id, resolve_model_dir
+from workers.model_files import DEFAULT_MODEL_NAME, ModelNotFoundError, is_repo_id, resolve_model_dir
 from workers.protocol import WorkerReady
 
 log = logging.getLogger("baton")
@@ -101,7 +102,11 @@ def deploy(config: BatonConfig, ready_timeout_s: float = 300.0, actor_name_prefi
     """
     # The router's tokenizer comes from this node's copy; every worker resolves the model again
     # on its own node (a GGUF is converted once per node, with a progress bar here).
-    model_dir = resolve_model_dir(config.model)
+    try:
+        model_dir = resolve_model_dir(config.model)
+    except ModelNotFoundError as exc:
+        raise ModelNotFoundError(f"the router on this node ({socket.gethostname()}) needs the model's tokenizer "
+                                 f"files too: {exc}") from None
     model_name = config.served_model_name or (
         DEFAULT_MODEL_NAME if config.model is None else config.model if is_repo_id(config.model) else Path(config.model).name)
     placement = config.placement

@@ -146,6 +146,10 @@ class FakeCluster:
         if self._log is not None:
             self._log.close()
             self._log = None
+        # Twice: a Ray process that was still exiting may have written its session folder again.
+        for _ in range(2):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            time.sleep(0.5)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "FakeCluster":

@@ -29,9 +29,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-# -ffast-math lets reductions and exp over a row vectorise (summation order is not bit-exact
-# anyway); -fno-finite-math-only keeps -inf meaningful, which masked attention scores rely on.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17")
+# The parts of -ffast-math that let reductions and exp over a row vectorise (summation order is not
+# bit-exact anyway), named one by one: -ffast-math itself (or -funsafe-math-optimizations) makes GCC
+# link crtfastmath.o into a shared library, which turns on flush-to-zero for the whole process when
+# the library loads, so torch and Python would lose subnormal floats. -ffinite-math-only stays off:
+# masked attention scores rely on -inf.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-freciprocal-math",
+         "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17")
 
 
 def cache_dir() -> Path:

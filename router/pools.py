@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ray.exceptions import ActorDiedError, RayError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
 from router.backend import BackendError, WorkerInfo
 from router.migration import Candidate, WorkerLost, pick_worker
@@ -51,6 +51,7 @@ class PoolWorker:
     endpoint: KVEndpoint | None = None  # a decode worker's, fetched once per incarnation
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: float | None = None  # wall clock of the last answer
+    down: asyncio.Event | None = None  # set when marked down: calls waiting on it stop waiting (see _unless_down)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class WorkerPools:
         self._tasks = [loop.create_task(self._health_loop())]
         self._pumps = {}
         for w in self._workers.values():
+            w.down = None  # an Event belongs to the loop it was used in
             self._start_pump(w)
 
     def _start_pump(self, w: PoolWorker) -> None:
@@ -186,6 +188,8 @@ class WorkerPools:
             if self._workers.get(w.worker_id) is not w:
                 return  # removed while we asked
             old = w.stats
+            if not w.alive:
+                w.down = None  # back: calls to it may wait for answers again
             if old is not None and (old.pid != beat.stats.pid or not w.alive):
                 # Restarted (or back from the dead): what we knew of its cache is gone, and so is
                 # its KV endpoint (a new process allocated a new cache).
@@ -206,6 +210,8 @@ class WorkerPools:
         if w.alive:
             log.warning("worker %s (%s) is down: %s", w.worker_id, w.role, exc)
         w.alive = False
+        if w.down is not None:
+            w.down.set()
         # ActorDiedError: no restart left (ActorUnavailableError, its sibling, means restarting).
         w.gone = w.gone or isinstance(exc, ActorDiedError)
         self.prefix_index.remove_worker(w.worker_id)
@@ -241,6 +247,28 @@ class WorkerPools:
         for stream in self._streams.values():
             if stream.decode_worker == decode_worker:
                 stream.queue.put_nowait(WorkerLost(decode_worker, message))
+
+    async def _unless_down(self, w: PoolWorker, call):
+        """Await a call to the worker, but no longer than the worker is considered alive: a call to
+        an actor Ray is restarting (or cannot place again) would wait until it is back, for ever if
+        it never is. Raises ActorUnavailableError once the worker is marked down."""
+        if w.down is None:
+            w.down = asyncio.Event()
+        if not w.alive or w.down.is_set():
+            if asyncio.iscoroutine(call):
+                call.close()
+            raise ActorUnavailableError(f"worker {w.worker_id} is down", None)
+        task = asyncio.ensure_future(call)
+        watch = asyncio.ensure_future(w.down.wait())
+        try:
+            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()  # marked down, or our caller was cancelled: stop waiting for the answer
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise ActorUnavailableError(f"worker {w.worker_id} went down (no answer to its heartbeat)", None)
 
     def _get(self, worker_id: str) -> PoolWorker:
         w = self._workers.get(worker_id)

@@ -57,6 +57,10 @@ class RayBackend(WorkerPools):
                          "migrations_failed": 0}
         # Seconds from losing a request's decode worker to its next token on the new one (bounded).
         self.migration_gaps: deque[float] = deque(maxlen=1000)
+        # RPCs that create a request's state on a decode worker (submit, reserve), kept while their
+        # caller was cancelled: the worker is a threaded actor and may run a later abort first, so
+        # the abort waits for them (else a reservation made after its abort would hold blocks forever).
+        self._creating: dict[str, object] = {}
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -92,8 +96,8 @@ class RayBackend(WorkerPools):
                             submitted = time.perf_counter()
                             if trace is not None:
                                 trace.queue_s = submitted - started
-                            await self._call(decode, decode.handle.submit.remote(rid, request.prompt_token_ids,
-                                                                                  request.sampling_params))
+                            await self._create_on(decode, rid, decode.handle.submit.remote(
+                                rid, request.prompt_token_ids, request.sampling_params))
                         else:
                             self._dequeue(queued_on, queued)
                             queued = 0
@@ -188,7 +192,7 @@ class RayBackend(WorkerPools):
 
     async def _call(self, w: PoolWorker, ref):
         try:
-            return await ref
+            return await self._unless_down(w, ref)
         except RayActorError as exc:
             self._mark_down(w, exc)
             if w.role == "decode":
@@ -221,16 +225,17 @@ class RayBackend(WorkerPools):
         """Prefill on P into blocks reserved on D. Returns the first token, or None to prefill on D instead."""
         rid = request.request_id
         started = time.perf_counter()
-        reservation = await self._call(decode, decode.handle.reserve.remote(rid, request.prompt_token_ids, request.sampling_params))
+        reservation = await self._create_on(decode, rid, decode.handle.reserve.remote(
+            rid, request.prompt_token_ids, request.sampling_params))
         if reservation is None:
             return None  # D has no room right now: queue it there as a local request
         endpoint = await self._call(decode, self._endpoint(decode))
         try:
             sent = time.perf_counter()
-            result = await prefill.handle.prefill.remote(PrefillRequest(
+            result = await self._unless_down(prefill, prefill.handle.prefill.remote(PrefillRequest(
                 rid, request.prompt_token_ids, request.sampling_params, endpoint,
                 reservation.block_ids, reservation.num_cached_tokens,
-            ))
+            )))
         except RayActorError as exc:
             self._mark_down(prefill, exc)
             log.warning("prefill worker %s died during %s", prefill.worker_id, rid)
@@ -260,12 +265,31 @@ class RayBackend(WorkerPools):
             await self._call(decode, decode.handle.start_decode.remote(rid, result.output.token_ids[0]))
         return result.output
 
+    async def _create_on(self, w: PoolWorker, request_id: str, ref):
+        """Await an RPC creating the request's state on `w`; cancelled, it stays in `_creating`."""
+        self._creating[request_id] = ref
+        try:
+            result = await self._call(w, ref)
+        except asyncio.CancelledError:
+            raise  # the abort that follows waits for the RPC, then frees what it made
+        except BaseException:
+            self._creating.pop(request_id, None)
+            raise
+        self._creating.pop(request_id, None)
+        return result
+
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             await self._abort_on(request_id, stream)
 
     async def _abort_on(self, request_id: str, stream: Stream) -> None:
+        creating = self._creating.pop(request_id, None)
+        if creating is not None:
+            try:
+                await asyncio.wait_for(asyncio.ensure_future(creating), self.health_timeout_s)
+            except Exception:
+                pass  # failed, hung or not awaitable twice: the abort below still goes out
         targets = [stream.decode_worker] + ([stream.prefill_worker] if stream.prefill_worker else [])
         for wid in targets:
             w = self._workers.get(wid)

@@ -1,6 +1,7 @@
 """The native CPU decode attention (kernels/csrc) against the PyTorch reference and a dense oracle."""
 
 import math
+from pathlib import Path
 from dataclasses import fields
 
 import pytest
@@ -277,3 +278,17 @@ def test_unwritable_cache_or_broken_compiler_falls_back_to_pytorch(tmp_path, mon
     x, w = randn(2, 64), randn(64, seed=1)
     assert_close(kernel_ops("auto", "cpu").rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
     assert calls == [1]  # ops fell back to the PyTorch reference
+
+
+def test_loading_the_native_kernels_keeps_subnormal_floats():
+    """A library linked with crtfastmath.o (GCC's -ffast-math) would set flush-to-zero process-wide
+    when it loads; subnormals must survive loading every kernel, in Python and in torch."""
+    import subprocess
+    import sys
+
+    code = ("from kernels import cpu_native; import torch\n"
+            "assert all(cpu_native.build_all().values())\n"
+            "x = 5e-324\n"
+            "assert x * 1.0 != 0.0, 'python flushes subnormals'\n"
+            "assert (torch.tensor([1e-40]) * 1.0).item() != 0.0, 'torch flushes subnormals'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[2]))
