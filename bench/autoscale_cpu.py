@@ -64,7 +64,7 @@ async def traffic(base_url: str, samples: list, pools) -> list[dict]:
 
 def main() -> None:
     config = BatonConfig.from_options(
-        port=free_port(), prefill_workers=1, decode_workers=1, kv_cache_memory="256MiB", threads_per_worker=1,
+        port=free_port(), prefill_workers=1, decode_workers=1, kv_cache_memory="256MiB",
         autoscale=True, autoscale_interval=3.0, autoscale_window=15.0, autoscale_cooldown=20.0,
         autoscale_slo_ttft=1.5, autoscale_slo_tpot=0.25, min_prefill_workers=1, max_prefill_workers=2,
         min_decode_workers=1, max_decode_workers=2, autoscale_down_after=4)

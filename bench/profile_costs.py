@@ -9,9 +9,8 @@ recorded with its shape (the scheduler's chunks) and its wall time; a least-squa
     step = c0 + c_token * max(tokens, knee) + c_sampled * sampled + c_decode_ctx * decode_context
            + c_prefill_pairs * prefill_pairs + c_decode_seq * decode_seqs
 
-(knee chosen by a 1-D search; coefficients kept >= 0). Meanwhile a second engine process keeps
-decoding and prefilling, as the other worker of a 1 + 1 deployment does (--no-peer: alone): on two
-cores the workers share caches and memory bandwidth, and a profile taken alone ran 10-40% fast. The serving overheads (Ray call, stream
+(knee chosen by a 1-D search; coefficients kept >= 0). With --peer a second engine process keeps
+decoding and prefilling meanwhile, as the other worker of a 1 + 1 deployment does part of the time. The serving overheads (Ray call, stream
 delay) are measured too, when --overheads is given (starts Ray on 127.0.0.1). Writes a model
 profile that `baton plan --model-profile` and bench/sim_validate.py read:
 
@@ -189,16 +188,16 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache per worker (serve's default)")
     ap.add_argument("--overheads", action="store_true", help="also measure the Ray call round trip")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a test's profile, ~20 s)")
-    ap.add_argument("--no-peer", action="store_true",
-                    help="profile alone; by default a second engine process keeps busy meanwhile, as the other "
-                         "worker of a 1 + 1 `baton serve` does while this one steps")
+    ap.add_argument("--peer", action="store_true",
+                    help="keep a second engine process busy meanwhile, as the other worker of a 1 + 1 `baton serve` "
+                         "is some of the time (tried once: it over-predicted the served steps 2-4x)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/cost_profile_cpu.json")
     args = ap.parse_args()
     config = EngineConfig(dtype=args.dtype, num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
     engine = LLMEngine.from_model_dir(None, config)
     peer = None
-    if not args.no_peer:
+    if args.peer:
         ctx = multiprocessing.get_context("spawn")
         stop, ready = ctx.Event(), ctx.Event()
         peer = ctx.Process(target=peer_load, args=(args.dtype, args.threads, stop, ready), daemon=True)
@@ -224,7 +223,7 @@ def main() -> None:
         "overheads": overheads,
         "link": "cpu-shm",
         "fit": quality,
-        "peer_engine_busy": not args.no_peer,
+        "peer_engine_busy": args.peer,
         "engine": {"dtype": args.dtype, "threads": args.threads, "block_size": bm.block_size,
                    "max_num_batched_tokens": config.max_num_batched_tokens, "num_blocks": bm.num_blocks},
         "profile_seconds": time.perf_counter() - started,

@@ -1,7 +1,7 @@
 """The autoscaler in the simulator: a load step and a diurnal curve, against static splits.
 
 This machine's workers (the fitted CPU profile), chat-like requests (128-512 prompt tokens,
-32-128 output tokens), Poisson arrivals whose rate follows (a) a step: low, 5x for a while, low
+32-128 output tokens), Poisson arrivals whose rate follows (a) a step: 1 req/s, 5 req/s for 5 minutes, 1 req/s
 again; (b) a day compressed into 30 minutes: a sine between 0.2x and 1x of the peak. The
 autoscaler (cluster/autoscaler.py, default hysteresis and cool-down; new workers serve 8 s after
 they are asked for, as a CPU worker's start-up takes here) starts from 1 prefill + 1 decode worker
@@ -101,7 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     cost, overheads, link = load_cost_model(args.profile)
     started = time.perf_counter()
-    peak = args.peak or 1.2
+    peak = args.peak or 5.0
     report = {"benchmark": "sim_autoscale", "profile": args.profile, "slo": {"ttft_s": SLO_TARGET.ttft_s,
               "tpot_s": SLO_TARGET.tpot_s}, "autoscaler": CONFIG.__dict__, "startup_s": STARTUP_S, "peak_rate": peak,
               "command": " ".join(["python"] + sys.argv), "scenarios": {}}

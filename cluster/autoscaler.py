@@ -26,6 +26,7 @@ decisions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -301,7 +302,17 @@ def install_autoscaler(app, pools, backend, config: AutoscalerConfig) -> Autosca
     signals = RouterSignals(app.state.baton.metrics, backend, lambda: (pools.targets.prefill, pools.targets.decode),
                             config.window_s)
     loop = AutoscalerLoop(config, signals, lambda p, d: pools.scale(prefill=p, decode=d))
-    app.add_event_handler("startup", loop.start)
-    app.add_event_handler("shutdown", loop.stop)
+    original = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):  # the app's own lifespan, with the loop running inside it
+        async with original(a) as state:
+            loop.start()
+            try:
+                yield state
+            finally:
+                loop.stop()
+
+    app.router.lifespan_context = lifespan
     app.state.autoscaler = loop
     return loop

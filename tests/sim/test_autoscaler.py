@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
+from fastapi import FastAPI
 
-from cluster.autoscaler import Autoscaler, AutoscalerConfig, Signals, attach_to_simulator
+from cluster.autoscaler import (
+    Autoscaler, AutoscalerConfig, AutoscalerLoop, RouterSignals, Signals, attach_to_simulator, install_autoscaler,
+)
 from cluster.config import BatonConfig
 from cluster.sim import SLO, ClusterSpec, FittedCostModel, LengthDist, ServingOverheads, Simulator, WorkloadSpec
+from router.backend import WorkerInfo
+from router.trace import RequestTrace
 
 CONFIG = AutoscalerConfig(enabled=True, interval_s=5, window_s=20, slo_ttft_s=3.0, slo_tpot_s=0.25,
                           min_prefill_workers=0, max_prefill_workers=3, max_decode_workers=4, down_after=3,
@@ -100,3 +109,57 @@ def test_a_load_step_grows_then_shrinks_the_pools_without_oscillating():
     assert auto["slo_attainment"] > static["slo_attainment"] + 0.2, (auto, static)
     assert len(scaler.history) == pytest.approx(420 / 5, abs=3)
     assert dataclasses.asdict(CONFIG)["cooldown_s"] == 30
+
+
+def test_the_driver_loop_reads_the_router_and_calls_the_pool_manager():
+    class Metrics:
+        recent = deque()
+
+    now = time.time()
+    for i in range(10):  # slow first tokens, long queues: the prefill pool should grow
+        tr = RequestTrace(f"r{i}", 100)
+        tr.ttft_s, tr.e2e_s, tr.output_tokens, tr.queue_s = 5.0, 6.0, 11, 4.0
+        Metrics.recent.append((now, tr))
+
+    class Backend:
+        def workers(self):
+            return [WorkerInfo("prefill-0", "prefill", running=1, queued_prefill_tokens=900),
+                    WorkerInfo("decode-0", "decode", running=4)]
+
+    signals = RouterSignals(Metrics(), Backend(), lambda: (1, 1), window_s=20)
+    s = signals()
+    assert s.ttft_p90_s == pytest.approx(5.0) and s.tpot_p90_s == pytest.approx(0.1) and s.queue_p90_s == 4.0
+    assert s.queued_prefill_tokens == 900 and s.prefill_busy_fraction == 1.0
+    calls = []
+
+    async def scale(p, d):
+        calls.append((p, d))
+
+    async def run():
+        loop = AutoscalerLoop(dataclasses.replace(CONFIG, interval_s=0.01), signals, scale)
+        loop.start()
+        await asyncio.sleep(0.1)
+        loop.stop()
+        return loop
+
+    loop = asyncio.run(run())
+    assert calls and calls[0] == (2, 1)  # grew prefill once, then the cool-down held it
+    assert len(calls) == 1 and loop.actions[0]["to"] == [2, 1]
+
+
+def test_baton_serve_runs_the_loop_inside_the_apps_lifespan():
+    app = FastAPI()
+    app.state.baton = SimpleNamespace(metrics=SimpleNamespace(recent=[]))
+    pools = SimpleNamespace(targets=SimpleNamespace(prefill=1, decode=1))
+    backend = SimpleNamespace(workers=lambda: [])
+    loop = install_autoscaler(app, pools, backend, dataclasses.replace(CONFIG, interval_s=0.01))
+
+    async def run():
+        async with app.router.lifespan_context(app):
+            await asyncio.sleep(0.05)
+            assert loop._task is not None and not loop._task.done()
+        return loop._task
+
+    task = asyncio.run(run())
+    assert task.cancelled() or task.done()
+    assert len(loop.autoscaler.history) >= 2

