@@ -12,16 +12,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-
 import ray
 
 from cluster.config import BatonConfig
-from cluster.launcher import build_app, deploy
 from cluster.testing import FakeCluster, NodeType, free_port
-from router.app import make_server
+from tests.e2e.conftest import serving
 
 POOL_NODES = [
     NodeType("prefill", 2, {"CPU": 1, "baton_prefill": 1}, {"baton-pool": "prefill"}),
@@ -36,43 +31,9 @@ def cluster_config(cluster: FakeCluster, **options) -> BatonConfig:
     return BatonConfig.from_options(**{**defaults, **options})
 
 
-class RunningServer:
-    def __init__(self, deployment, port: int) -> None:
-        self.deployment = deployment
-        self.base_url = f"http://127.0.0.1:{port}"
-
-    def stats(self) -> dict:
-        return {wid: ray.get(h.stats.remote(), timeout=30) for wid, _, h in self.deployment.workers}
-
-    def wait_idle(self, timeout_s: float = 30.0) -> dict:
-        """Stats once every worker has no request and no referenced block (or the last stats seen)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = self.stats()
-            idle = all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
-                       for s in stats.values())
-            if idle or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.2)
-
-
-@contextlib.contextmanager
 def serving_on(config: BatonConfig, prefix: str = "baton"):
-    """Deploy `config` and serve it on 127.0.0.1:config.server.port for the block."""
-    deployment = deploy(config, actor_name_prefix=prefix)
-    http = make_server(build_app(deployment), port=config.server.port)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not http.started:
-            assert time.monotonic() < deadline, "the router did not start in 30 s"
-            time.sleep(0.1)
-        yield RunningServer(deployment, config.server.port)
-    finally:
-        http.should_exit = True
-        thread.join(timeout=10)
-        deployment.shutdown()
+    """Deploy `config` and serve it on 127.0.0.1:config.server.port for the block (tests/e2e's `serving`)."""
+    return serving(config, actor_name_prefix=prefix)
 
 
 def actor_nodes(deployment) -> dict[str, str]:
