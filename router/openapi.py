@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from router.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -70,7 +71,6 @@ _ERROR_MEANINGS = {
     504: "The request ran past its deadline and was stopped",
 }
 _GENERATION_ERRORS = (400, 401, 404, 429, 500, 503, 504)
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "`data: <chunk JSON>` frames, then `data: [DONE]`"}}}
 
 
 def install_openapi(app: FastAPI, authenticated: bool) -> None:
@@ -107,17 +107,30 @@ def build_schema(app: FastAPI, authenticated: bool) -> dict[str, Any]:
     def json(model: type[BaseModel] | None) -> dict[str, Any]:
         return {"application/json": {"schema": ref(model) if model else {"type": "object"}}}
 
+    def event_stream(chunk: type[BaseModel]) -> dict[str, Any]:
+        # One schema per server-sent event, as OpenAPI 3.2 and schemathesis read text/event-stream:
+        # `data` holds a chunk (or an in-band error) as JSON, and the last event holds `[DONE]`.
+        chunk_or_error = {"anyOf": [ref(chunk), ref(ErrorResponse)]}
+        json_data = {"properties": {"data": {"contentMediaType": "application/json", "contentSchema": chunk_or_error}}}
+        return {"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"],
+            "description": "`data: <chunk JSON>` events (an error event if generation fails), then `data: [DONE]`",
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+            "if": {"properties": {"data": {"const": "[DONE]"}}}, "then": {}, "else": json_data}}}
+
     open_errors = (500,)
     keyed = (401,) if authenticated else ()
     operations: dict[tuple[str, str], dict[str, Any]] = {
         ("/v1/chat/completions", "post"): {
             "requestBody": json_body(ChatCompletionRequest),
             "responses": {"200": answer("The completion, or its event stream when stream is true",
-                                        {**json(ChatCompletionResponse), **_SSE}), **errors(*_GENERATION_ERRORS)}},
+                                        {**json(ChatCompletionResponse), **event_stream(ChatCompletionChunk)}),
+                          **errors(*_GENERATION_ERRORS)}},
         ("/v1/completions", "post"): {
             "requestBody": json_body(CompletionRequest),
             "responses": {"200": answer("The completion, or its event stream when stream is true",
-                                        {**json(CompletionResponse), **_SSE}), **errors(*_GENERATION_ERRORS)}},
+                                        {**json(CompletionResponse), **event_stream(CompletionResponse)}),
+                          **errors(*_GENERATION_ERRORS)}},
         ("/v1/models", "get"): {"responses": {"200": answer("The served model", json(ModelList)),
                                               **errors(*keyed, 500)}},
         ("/tokenize", "post"): {"requestBody": json_body(TokenizeRequest),

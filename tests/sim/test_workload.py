@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,12 +51,17 @@ def test_trace_round_trip(tmp_path):
 @pytest.mark.parametrize("input_len,output_len,num,seed,rate", [(256, 128, 64, 0, None), (2000, 1, 10, 2, 0.25)])
 def test_validation_requests_are_the_ones_bench_serve_sends(monkeypatch, input_len, output_len, num, seed, rate):
     sent, sleeps = [], []
+    real_sleep, this_thread = asyncio.sleep, threading.get_ident()
 
     async def fake_request(client, args, prompt):
         sent.append(list(prompt))
         return load.RequestResult(ok=True, prompt_chars=len(prompt), output_tokens=1, ttft_s=0.01, e2el_s=0.01)
 
     async def fake_sleep(seconds):
+        # asyncio.sleep is patched for the whole process: event loops other tests left running in
+        # other threads (servers, Ray clients) keep their own sleeps and are not recorded.
+        if threading.get_ident() != this_thread:
+            return await real_sleep(seconds)
         sleeps.append(seconds)
 
     monkeypatch.setattr(load, "one_request", fake_request)
