@@ -183,7 +183,8 @@ class RayBackend(WorkerPools):
 
     async def _abort_quietly(self, w: PoolWorker, request_id: str) -> None:
         try:
-            await asyncio.wait_for(w.handle.abort.remote(request_id), self.health_timeout_s)
+            # Not final: the request goes on elsewhere, or here again after a restart.
+            await asyncio.wait_for(w.handle.abort.remote(request_id, False), self.health_timeout_s)
         except (RayError, asyncio.TimeoutError):
             pass  # dead or hung: it holds nothing we can free from here
 
@@ -240,12 +241,12 @@ class RayBackend(WorkerPools):
             self._mark_down(prefill, exc)
             log.warning("prefill worker %s died during %s", prefill.worker_id, rid)
             self.counters["prefill_fallbacks"] += 1
-            await self._call(decode, decode.handle.abort.remote(rid))
+            await self._call(decode, decode.handle.abort.remote(rid, False))  # reserved again next try
             raise _PrefillLost() from exc
         except RayError as exc:
             log.warning("remote prefill of %s failed (%s); prefilling on %s", rid, exc, decode.worker_id)
             self.counters["prefill_fallbacks"] += 1
-            await self._call(decode, decode.handle.abort.remote(rid))
+            await self._call(decode, decode.handle.abort.remote(rid, False))  # submitted there next
             return None
         self.counters["remote_prefill"] += 1
         self.counters["kv_blocks_transferred"] += result.num_blocks_sent

@@ -15,6 +15,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_sessionfinish(session, exitstatus):
+    # The fault tests SIGKILL workers, which cannot unlink their shared-memory KV segments; a
+    # worker started later sweeps them, but the test run leaves none behind either.
+    from kvtransfer.shm import sweep_stale_segments
+
+    sweep_stale_segments()
+
+
 @pytest.fixture
 def native_kernels_off(monkeypatch):
     """For one test, the native CPU kernels are as on a machine without a C++ compiler: no library

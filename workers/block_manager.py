@@ -113,6 +113,7 @@ class BlockManager:
         for block_id in cached_block_ids:
             self._ref(block_id)
         seq.block_ids = list(cached_block_ids)
+        seq.num_registered_blocks = 0
         seq.num_computed_tokens = num_cached_tokens
         self.allocate(seq, num_new_tokens)
         if self.enable_prefix_caching:
@@ -154,7 +155,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // bs
         self._extend_hashes(seq, num_full * bs)
         stored = []
-        for i in range(num_full):
+        for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_ids[i]]
             if block.block_hash is not None:
                 continue
@@ -165,6 +166,7 @@ class BlockManager:
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self._cached[block_hash] = block.block_id
             stored.append(block_hash)
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
         if stored:
             self._events.append(KVEvent(KVEventKind.STORED, tuple(stored)))
 
@@ -183,6 +185,7 @@ class BlockManager:
                 else:
                     self._free[block_id] = None
         seq.block_ids = []
+        seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:

@@ -32,7 +32,7 @@ TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: lists of them find and remove by identity, in O(1) a compare
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -47,6 +47,9 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     # Hashes of this sequence's full blocks, extended as blocks fill (computed once per block).
     block_hashes: list[int] = field(default_factory=list)
+    # Leading blocks the prefix cache has already seen (registered, or left to an equal block
+    # registered first): each step looks only at the blocks after them.
+    num_registered_blocks: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
 

@@ -14,10 +14,12 @@ request's new tokens, so streaming costs one RPC per step, not one per token.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -34,10 +36,42 @@ from workers.protocol import (
 from workers.sampling_params import SamplingParams
 
 ROLES = ("prefill", "decode")
+log = logging.getLogger(__name__)
 
 
 class RequestAborted(RuntimeError):
     """The request was aborted while a call was waiting on it."""
+
+
+class AbortedIds:
+    """The ids of the last `capacity` requests the router ended for good (engine thread only).
+
+    A call that creates a request's state (submit, reserve, prefill) can reach a worker after the
+    router's abort of that request did, when the two race through different Ray call threads; the
+    state it made would then be held until the worker restarts. Creation calls check this list."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        self._ids.move_to_end(request_id)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def refuse(self, request_id: str) -> None:
+        """Raise RequestAborted if the request was ended for good."""
+        if request_id in self._ids:
+            raise RequestAborted(f"request {request_id} was aborted before this call reached the worker")
+
+
+@dataclass
+class PendingPrefill:
+    """A prefill call waiting on the engine thread for its prompt's first token."""
+
+    done: Future  # set to (RequestOutput, the blocks to send or None)
+    send: bool  # the KV goes to a peer: the send starts on the engine thread as the prefill ends
 
 
 class Counters:
@@ -91,7 +125,8 @@ class EngineWorker:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: list[RequestOutput] = []
         self._outbox_ready = threading.Condition()
-        self._first_token_waiters: dict[str, Future] = {}
+        self._prefills: dict[str, PendingPrefill] = {}
+        self._aborted = AbortedIds()
         self._recv_handles: dict[str, object] = {}
         self._peers: dict[tuple[str, str], str] = {}  # KVEndpoint.peer_key -> transport peer id
         self.counters = Counters("kv_blocks_sent", "kv_bytes_sent", "kv_blocks_received", "prompt_tokens",
@@ -157,9 +192,9 @@ class EngineWorker:
         for out in outputs:
             out.created_at = now
             self.counters.add(generation_tokens=len(out.token_ids))
-            waiter = self._first_token_waiters.pop(out.request_id, None)
-            if waiter is not None:
-                waiter.set_result(out)
+            pending = self._prefills.pop(out.request_id, None)
+            if pending is not None:
+                self._prefilled(pending, out)
             else:
                 ready.append(out)
         if ready:
@@ -167,12 +202,23 @@ class EngineWorker:
                 self._outbox.extend(ready)
                 self._outbox_ready.notify_all()
 
+    def _prefilled(self, pending: PendingPrefill, out: RequestOutput) -> None:
+        # begin_send here, not from the waiting call's thread: by the time that thread could queue
+        # it, this thread is inside the next step (a whole chunk of another prompt, seconds on a
+        # CPU), and this prompt's first token would wait for it.
+        try:
+            src = self.engine.begin_send(out.request_id) if pending.send and not out.finished else None
+        except Exception as exc:
+            pending.done.set_exception(exc)
+            return
+        pending.done.set_result((out, src))
+
     def _fail_all(self, exc: Exception) -> None:
         failed = []
         for request_id in self.engine.abort_all():
-            waiter = self._first_token_waiters.pop(request_id, None)
-            if waiter is not None:
-                waiter.set_exception(exc)
+            pending = self._prefills.pop(request_id, None)
+            if pending is not None:
+                pending.done.set_exception(exc)
             else:
                 failed.append(RequestOutput(request_id, [], finished=True, finish_reason="abort"))
         with self._outbox_ready:
@@ -183,6 +229,16 @@ class EngineWorker:
         fut: Future = Future()
         self._commands.put((fn, fut))
         return fut.result(timeout=timeout_s)
+
+    def _post(self, fn) -> None:
+        """Queue fn for the engine thread without waiting for it (a failure is logged)."""
+        def report(fut: Future) -> None:
+            if fut.exception() is not None:
+                log.error("worker %s: a queued engine call failed: %r", self.worker_id, fut.exception())
+
+        fut: Future = Future()
+        fut.add_done_callback(report)
+        self._commands.put((fn, fut))
 
     # ---- calls ---------------------------------------------------------------------------
     def ready(self) -> WorkerReady:
@@ -205,42 +261,46 @@ class EngineWorker:
                resume: ResumeState | None = None) -> None:
         """Run a whole request here (local prefill, then decode); outputs go to poll_outputs.
         With `resume`, continue a request whose first decode worker died (engine.resume_request)."""
-        if resume is None:
-            self.counters.add(prompt_tokens=len(prompt_token_ids))
-            self._call(lambda: self.engine.add_request(prompt_token_ids, params, request_id))
-            return
-        self.counters.add(prompt_tokens=len(prompt_token_ids) + len(resume.output_token_ids))
-        self._call(lambda: self.engine.resume_request(prompt_token_ids, params, request_id, resume))
+        def add():
+            self._aborted.refuse(request_id)
+            if resume is None:
+                self.engine.add_request(prompt_token_ids, params, request_id)
+            else:
+                self.engine.resume_request(prompt_token_ids, params, request_id, resume)
+
+        self._call(add)
+        self.counters.add(prompt_tokens=len(prompt_token_ids) + (len(resume.output_token_ids) if resume else 0))
 
     def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Compute the prompt's KV and first token, push the blocks to the peer, return the token."""
         rid = request.request_id
         started = time.perf_counter()
-        waiter: Future = Future()
-        self.counters.add(prompt_tokens=len(request.prompt_token_ids))
+        pending = PendingPrefill(Future(), send=request.peer_endpoint is not None)
 
         def add():
-            self._first_token_waiters[rid] = waiter
+            self._aborted.refuse(rid)
+            self._prefills[rid] = pending
             try:
                 self.engine.add_request(request.prompt_token_ids, request.sampling_params, rid, prefill_only=True)
             except BaseException:
-                self._first_token_waiters.pop(rid, None)
+                self._prefills.pop(rid, None)
                 raise
 
         self._call(add)
+        self.counters.add(prompt_tokens=len(request.prompt_token_ids))
         try:
-            output: RequestOutput = waiter.result(timeout=self.config.transfer_timeout_s * 4)
+            output, src = pending.done.result(timeout=self.config.transfer_timeout_s * 4)
         except RequestAborted:
             raise
         except BaseException:
-            self._call(lambda: self.engine.abort(rid))
+            # Stopped waiting: whatever state the request reached here (queued, held, sending) ends.
+            self._call(lambda: (self.engine.abort(rid), self.engine.release(rid)))
             raise
         prefill_seconds = time.perf_counter() - started
         sent = nbytes = 0
         transfer_seconds = 0.0
         try:
-            if not output.finished and request.peer_endpoint is not None:
-                src = self._call(lambda: self.engine.begin_send(rid))
+            if src is not None:
                 if len(src) != len(request.dst_block_ids):
                     raise ValueError(f"request {rid}: {len(src)} KV blocks here, {len(request.dst_block_ids)} reserved on the decode worker")
                 skip = request.dst_num_cached_tokens // self.engine.block_manager.block_size
@@ -252,7 +312,9 @@ class EngineWorker:
                 sent, nbytes, transfer_seconds = len(src) - skip, result.nbytes, result.seconds
                 self.counters.add(kv_blocks_sent=sent, kv_bytes_sent=nbytes)
         finally:
-            self._call(lambda: self.engine.release(rid))
+            # Not waited for: the engine thread may be inside a long step, and the blocks only
+            # return to the pool (the router needs the first token now).
+            self._post(lambda: self.engine.release(rid))
         return PrefillResult(output, sent, nbytes, transfer_seconds, prefill_seconds)
 
     def connect_peer(self, endpoint: KVEndpoint) -> str:
@@ -278,7 +340,11 @@ class EngineWorker:
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         """Set aside blocks for a prompt a prefill worker will push; None when full right now."""
-        reservation = self._call(lambda: self.engine.reserve_for_kv(prompt_token_ids, params, request_id))
+        def reserve_here():
+            self._aborted.refuse(request_id)
+            return self.engine.reserve_for_kv(prompt_token_ids, params, request_id)
+
+        reservation = self._call(reserve_here)
         if reservation is not None and self.transport is not None:
             skip = reservation.num_cached_tokens // self.engine.block_manager.block_size
             self._recv_handles[request_id] = self.transport.expect(
@@ -297,14 +363,21 @@ class EngineWorker:
             self.counters.add(kv_blocks_received=handle.num_blocks)
         self._call(lambda: self.engine.start_decoding(request_id, first_token))
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, final: bool = True) -> bool:
+        """Free what this worker holds of the request. `final`: the router has ended it for good,
+        so a creation call for it that arrives later is refused (RequestAborted); the router
+        passes final=False when it frees a request here to start it again (a prefill fallback, a
+        migration back to a restarted worker)."""
         handle = self._recv_handles.pop(request_id, None)
         if handle is not None:
             self.transport.abort(request_id)  # no bytes land in the blocks once this returns
+
         def abort_here() -> bool:
-            waiter = self._first_token_waiters.pop(request_id, None)
-            if waiter is not None:  # a prefill in flight: release the call waiting for its token
-                waiter.set_exception(RequestAborted(f"request {request_id} was aborted"))
+            if final:
+                self._aborted.add(request_id)
+            pending = self._prefills.pop(request_id, None)
+            if pending is not None:  # a prefill in flight: release the call waiting for its token
+                pending.done.set_exception(RequestAborted(f"request {request_id} was aborted"))
             return self.engine.abort(request_id)
 
         return self._call(abort_here)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.test_prefix_and_stress import tiny_engine
-from workers.protocol import WorkerReady
+from workers.protocol import PrefillRequest, WorkerReady
 from workers.sampling_params import SamplingParams
 from workers.sequence import SequenceStatus
-from workers.worker import EngineWorker, WorkerConfig
+from workers.worker import AbortedIds, EngineWorker, RequestAborted, WorkerConfig
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -115,3 +115,39 @@ def test_worker_ready_reports_the_engines_limits(engine):
         dtype="float32", kv_cache_dtype="float32",
     )
     assert report.max_model_len == min(engine.runner.max_model_len, 32 * 16)  # capped by the KV cache
+
+
+def test_a_creation_call_arriving_after_a_final_abort_is_refused(engine):
+    # The router's abort and a late reserve/submit/prefill of the same request race through
+    # different Ray call threads; what the late call would create must not be held for ever.
+    worker = EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine, transport=None)
+    try:
+        assert worker.abort("gone") is False  # nothing here yet
+        with pytest.raises(RequestAborted, match="gone"):
+            worker.reserve("gone", prompt(40), GREEDY)
+        with pytest.raises(RequestAborted, match="gone"):
+            worker.submit("gone", prompt(40), GREEDY)
+        with pytest.raises(RequestAborted, match="gone"):
+            worker.prefill(PrefillRequest("gone", prompt(40), GREEDY, None, [], 0))
+        assert engine.request_ids() == [] and worker.counters.snapshot()["prompt_tokens"] == 0
+        # A cleanup abort before starting the request again here (a prefill fallback, a migration
+        # back to a restarted worker) is not final: the next submit runs.
+        assert worker.reserve("again", prompt(40), GREEDY) is not None
+        assert worker.abort("again", final=False) is True
+        worker.submit("again", prompt(40), GREEDY)
+        outputs = []
+        while not any(o.finished for o in outputs):
+            outputs += worker.poll_outputs(5.0)
+        assert sum(len(o.token_ids) for o in outputs) == 4
+    finally:
+        worker.shutdown()
+
+
+def test_the_aborted_ids_are_bounded():
+    ids = AbortedIds(capacity=3)
+    for rid in "abcd":
+        ids.add(rid)
+    ids.refuse("a")  # the oldest was forgotten
+    for rid in "bcd":
+        with pytest.raises(RequestAborted):
+            ids.refuse(rid)

@@ -78,18 +78,19 @@ def test_transferred_blocks_equal_the_prefill_workers_blocks(pair, chat_prompts)
     prefill.engine.block_manager.reset_prefix_cache()
     reservation = decode.reserve("bytes2", prompt, params)
     src_holder = {}
-    real_release = prefill.engine.release
+    real_begin_send = prefill.engine.begin_send
 
-    def capture_then_release(rid):  # runs on the prefill engine thread before the blocks are freed
-        src_holder["ids"] = prefill.engine.held_block_ids(rid)
-        return real_release(rid)
+    def capture_begin_send(rid):  # runs on the prefill engine thread as the send starts
+        src_holder["ids"] = real_begin_send(rid)
+        return src_holder["ids"]
 
-    prefill.engine.release = capture_then_release
+    prefill.engine.begin_send = capture_begin_send
     try:
         result = prefill.prefill(PrefillRequest("bytes2", prompt, params, decode.endpoint(), reservation.block_ids,
                                                 reservation.num_cached_tokens))
     finally:
-        prefill.engine.release = real_release
+        prefill.engine.begin_send = real_begin_send
+    # The blocks go back to the prefix cache after the send, their contents untouched.
     skip = reservation.num_cached_tokens // 16
     src = prefill.engine.runner.kv_cache[:, :, src_holder["ids"][skip:]]
     dst = decode.engine.runner.kv_cache[:, :, reservation.block_ids[skip:]]

@@ -222,7 +222,7 @@ class FakeActor:
     async def _shutdown(self):
         self.stopped = True
 
-    async def _abort(self, rid):
+    async def _abort(self, rid, final=True):
         self.reserved.discard(rid)
         return self.running.pop(rid, None) is not None
 
