@@ -49,6 +49,8 @@ class ServerConfig:
     max_stop_sequences: int = field(default=16, metadata={
         "help": "most stop strings, and most stop_token_ids, in one request (OpenAI allows 4)"})
     max_stop_length: int = field(default=256, metadata={"help": "longest stop string, in characters"})
+    max_choices: int = field(default=16, metadata={
+        "help": "most choices one request may ask for: n, times the prompts of a batched /v1/completions request"})
     max_logprobs: int = field(default=MAX_LOGPROBS, metadata={
         "help": f"most top logprobs per token a request may ask for (at most {MAX_LOGPROBS})", "example": 5})
 

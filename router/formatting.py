@@ -16,7 +16,7 @@ from typing import Any
 from router.tokenizer import Tokenizer
 from workers.protocol import RequestOutput, TokenLogprob
 
-__all__ = ["Accumulator", "ChatFormat", "CompletionFormat", "ResponseFormat", "dumps"]
+__all__ = ["Accumulator", "ChatFormat", "Choices", "CompletionFormat", "ResponseFormat", "dumps"]
 
 
 def dumps(obj: Any) -> str:
@@ -28,6 +28,8 @@ class Accumulator:
     """What a request produced so far: for usage and for non-streamed answers."""
 
     num_prompt_tokens: int
+    # Another choice has the same prompt (n > 1): usage counts a prompt once, as OpenAI does.
+    shares_prompt: bool = False
     completion_tokens: int = 0
     cached_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)
@@ -47,12 +49,22 @@ class Accumulator:
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
 
+
+
+@dataclass
+class Choices:
+    """A request's choices (one per prompt of a batch, times n), each with its accumulator."""
+
+    accs: list[Accumulator]
+
     def usage(self) -> dict:
+        prompt = sum(a.num_prompt_tokens for a in self.accs if not a.shares_prompt)
+        completion = sum(a.completion_tokens for a in self.accs)
         return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.num_prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(a.cached_tokens for a in self.accs if not a.shares_prompt)},
         }
 
 
@@ -71,6 +83,7 @@ class ResponseFormat:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage and include_usage
         self.want_logprobs = logprobs
+        self._text_offsets: dict[int, int] = {}  # per choice: text_offset of its next token (completions)
         # Everything before the choices is the same in every chunk: build it once.
         self._prefix = (
             f'data: {{"id":{dumps(request_id)},"object":"{self.object_chunk}","created":{created},'
@@ -87,49 +100,52 @@ class ResponseFormat:
         """(key, value) holding the full answer's text."""
         raise NotImplementedError
 
-    def _logprobs_body(self, lps: list[TokenLogprob]) -> dict:
+    def _logprobs_body(self, lps: list[TokenLogprob], index: int) -> dict:
         raise NotImplementedError
 
-    def first_frame(self, acc: Accumulator) -> str | None:
-        """A frame sent before the first token's (None: none)."""
+    def first_frame(self, index: int, choices: Choices) -> str | None:
+        """A frame sent before choice `index`'s first token (None: none)."""
         return None
 
     # -- shared
-    def _logprobs(self, lps: list[TokenLogprob] | None) -> dict | None:
-        return self._logprobs_body(lps or []) if self.want_logprobs else None
+    def _logprobs(self, lps: list[TokenLogprob] | None, index: int) -> dict | None:
+        return self._logprobs_body(lps or [], index) if self.want_logprobs else None
 
-    def _frame(self, choice: dict, acc: Accumulator) -> str:
-        suffix = f'],"usage":{dumps(acc.usage())}}}\n\n' if self.continuous_usage else self._suffix
+    def _frame(self, choice: dict, choices: Choices) -> str:
+        suffix = f'],"usage":{dumps(choices.usage())}}}\n\n' if self.continuous_usage else self._suffix
         return self._prefix + dumps(choice) + suffix
 
-    def usage_frame(self, acc: Accumulator) -> str:
+    def usage_frame(self, choices: Choices) -> str:
         """The extra chunk before [DONE] with `choices: []` and the whole request's usage."""
-        return self._prefix + '],"usage":' + dumps(acc.usage()) + "}\n\n"
+        return self._prefix + '],"usage":' + dumps(choices.usage()) + "}\n\n"
 
-    def chunk(self, out: RequestOutput, acc: Accumulator) -> str | None:
-        """The frame for one backend output, or None when it has nothing to show (half a character)."""
+    def chunk(self, out: RequestOutput, index: int, choices: Choices) -> str | None:
+        """The frame for one backend output of choice `index`, or None when it has nothing to
+        show (half a character)."""
         if not out.text and not out.finished and not (self.want_logprobs and out.logprobs):
             return None
         key, value = self._delta(out.text, out.finished)
         choice = {
-            "index": 0,
+            "index": index,
             key: value,
-            "logprobs": self._logprobs(out.logprobs) if out.logprobs else None,
+            "logprobs": self._logprobs(out.logprobs, index) if out.logprobs else None,
             "finish_reason": (out.finish_reason or "stop") if out.finished else None,
         }
-        return self._frame(choice, acc)
+        return self._frame(choice, choices)
 
-    def full(self, acc: Accumulator) -> dict:
-        key, value = self._message("".join(acc.text_parts))
+    def full(self, choices: Choices) -> dict:
+        answers = []
+        for index, acc in enumerate(choices.accs):
+            key, value = self._message("".join(acc.text_parts))
+            answers.append({"index": index, key: value, "logprobs": self._logprobs(acc.logprobs, index),
+                            "finish_reason": acc.finish_reason})
         return {
             "id": self.request_id,
             "object": self.object_full,
             "created": self.created,
             "model": self.model,
-            "choices": [
-                {"index": 0, key: value, "logprobs": self._logprobs(acc.logprobs), "finish_reason": acc.finish_reason}
-            ],
-            "usage": acc.usage(),
+            "choices": answers,
+            "usage": choices.usage(),
         }
 
 
@@ -143,14 +159,14 @@ class ChatFormat(ResponseFormat):
     def _message(self, text: str) -> tuple[str, Any]:
         return "message", {"role": "assistant", "content": text}
 
-    def first_frame(self, acc: Accumulator) -> str:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return self._frame(choice, acc)
+    def first_frame(self, index: int, choices: Choices) -> str:
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._frame(choice, choices)
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         return {"token": self.tok.token_text(token_id), "logprob": logprob, "bytes": list(self.tok.token_bytes(token_id))}
 
-    def _logprobs_body(self, lps: list[TokenLogprob]) -> dict:
+    def _logprobs_body(self, lps: list[TokenLogprob], index: int) -> dict:
         return {"content": [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, l) for t, l in lp.top]}
                             for lp in lps]}
 
@@ -159,24 +175,22 @@ class CompletionFormat(ResponseFormat):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._offset = 0  # text_offset of the next token, across stream chunks
-
     def _delta(self, text: str, finished: bool) -> tuple[str, Any]:
         return "text", text
 
     def _message(self, text: str) -> tuple[str, Any]:
         return "text", text
 
-    def _logprobs_body(self, lps: list[TokenLogprob]) -> dict:
+    def _logprobs_body(self, lps: list[TokenLogprob], index: int) -> dict:
         tok = self.tok
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        offset = self._text_offsets.get(index, 0)  # across the choice's stream chunks
         for lp in lps:
             text = tok.token_text(lp.token_id)
             tokens.append(text)
             token_logprobs.append(lp.logprob)
             top_logprobs.append({tok.token_text(t): l for t, l in lp.top})
-            text_offset.append(self._offset)
-            self._offset += len(text)
+            text_offset.append(offset)
+            offset += len(text)
+        self._text_offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}

@@ -205,6 +205,11 @@ def check_logit_bias(bias: Any, vocab_size: int) -> None:
 
 def check_limits(req: ChatCompletionRequest | CompletionRequest, config: ServerConfig, vocab_size: int) -> None:
     """The configured limits and the vocabulary, on fields the schema alone cannot bound."""
+    prompts = len(req.prompts()) if isinstance(req, CompletionRequest) else 1
+    if req.n * prompts > config.max_choices:
+        field_name, what = ("n", f"n={req.n}") if prompts == 1 else ("prompt", f"{prompts} prompts x n={req.n}")
+        raise APIError(f"{what} asks for {req.n * prompts} choices; at most {config.max_choices} are allowed per "
+                       f"request (max_choices)", 400, field_name)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > config.max_stop_sequences:
         raise APIError(f"stop has {len(stop)} sequences; at most {config.max_stop_sequences} are allowed "

@@ -97,6 +97,20 @@ class _WorkerCollector:
         admission = self.owner.admission
         if admission is not None:
             yield from _admission_metrics(m, admission)
+        counters = getattr(self.owner.backend, "counters", None)
+        if counters is not None:
+            yield _healing_metrics(m, counters)
+
+
+HEALING_EVENTS = ("migrations", "migrations_failed", "prefill_retries", "prefill_fallbacks")
+
+
+def _healing_metrics(model_name: str, counters: dict[str, int]) -> CounterMetricFamily:
+    events = CounterMetricFamily("baton:healing_events", "Requests moved or retried after a worker failed, by event.",
+                                 labels=["model_name", "event"])
+    for event in HEALING_EVENTS:
+        events.add_metric([model_name, event], counters.get(event, 0))
+    return events
 
 
 def _admission_metrics(model_name: str, admission: Any):

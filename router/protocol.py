@@ -193,6 +193,13 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
 
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or each of a batch (a list of strings or of id lists)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return list(prompt)
+        return [prompt]
+
 
 class TokenizeRequest(_Request):
     model: str | None = None
@@ -320,8 +327,6 @@ class ModelList(BaseModel):
 
 def check_common(req: _SamplingFields) -> None:
     """Checks both request kinds need before tokenization."""
-    if req.n != 1:
-        raise APIError(f"n={req.n} is not supported: Baton returns exactly one choice per request (n must be 1)", 400, "n")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", 400, "stream_options")
     for name in ("max_tokens", "max_completion_tokens"):

@@ -13,10 +13,11 @@ routing and the backend. Prompts and completions are logged only with `log_promp
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 import anyio
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from router.admission import AdmissionControl, Deadline, Ticket, deadline_error, request_deadline
 from router.backend import GenerateRequest, ServingBackend
 from router.config import ServerConfig
-from router.formatting import Accumulator, ChatFormat, CompletionFormat, ResponseFormat
+from router.formatting import Accumulator, ChatFormat, Choices, CompletionFormat, ResponseFormat
 from router.limits import check_limits, check_unsupported, read_json
 from router.metrics import RouterMetrics
 from router.protocol import (
@@ -75,11 +76,61 @@ class Endpoint:
 
     schema: type[ChatCompletionRequest | CompletionRequest]
     check: Callable[[Any], None]  # endpoint-specific checks before admission
-    prompt_ids: Callable[[Any], list[int]]  # the prompt, tokenized (after admission)
+    prompts: Callable[[Any], list[list[int]]]  # the prompt(s), tokenized (after admission)
     prompt_param: str  # the field a too-long prompt is blamed on
     default_max_tokens: int | None  # None: whatever is left of the context
     format: type[ResponseFormat]
     id_prefix: str
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a request: a prompt and its sampling parameters (n choices share a prompt)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    shares_prompt: bool = False  # a later sample of the same prompt: usage counts the prompt once
+
+
+async def merge_choices(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of every choice's stream as they come, tagged with the choice's index; closing
+    it closes them all. A failure of any stream ends it with that failure."""
+    if len(streams) == 1:  # the common case: no tasks, no queue
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            index, item = await queue.get()
+            if item is done:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 class Serving:
@@ -96,9 +147,9 @@ class Serving:
         self.created = int(time.time())
         self.admission = AdmissionControl(config)
         self.metrics = RouterMetrics(model_name, backend, self.admission)
-        self.chat_endpoint = Endpoint(ChatCompletionRequest, check_chat_extras, self.chat_prompt_ids, "messages", None,
-                                      ChatFormat, "chatcmpl")
-        self.completion_endpoint = Endpoint(CompletionRequest, check_completion_extras, self.completion_prompt_ids,
+        self.chat_endpoint = Endpoint(ChatCompletionRequest, check_chat_extras, lambda req: [self.chat_prompt_ids(req)],
+                                      "messages", None, ChatFormat, "chatcmpl")
+        self.completion_endpoint = Endpoint(CompletionRequest, check_completion_extras, self.completion_prompts,
                                             "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionFormat, "cmpl")
 
     # -- the generation endpoints: each supplies its checks, prompt, max_tokens default and format
@@ -119,7 +170,7 @@ class Serving:
         if ticket is None:
             return Response(status_code=499)
         try:
-            return await self._complete(request, started, req, endpoint.prompt_ids(req), endpoint, ticket, deadline)
+            return await self._complete(request, started, req, endpoint.prompts(req), endpoint, ticket, deadline)
         except BaseException:
             ticket.release()
             raise
@@ -143,17 +194,23 @@ class Serving:
         return req
 
     async def _complete(self, request: Request, started: float, req: ChatCompletionRequest | CompletionRequest,
-                        prompt_ids: list[int], endpoint: Endpoint, ticket: Ticket, deadline: Deadline | None) -> Response:
+                        prompts: list[list[int]], endpoint: Endpoint, ticket: Ticket, deadline: Deadline | None) -> Response:
         requested, field_name = req.requested_max_tokens()
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, field_name, endpoint.prompt_param,
-                                             endpoint.default_max_tokens)
-        params = to_sampling_params(req, max_tokens, max_tokens_field=field_name)
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        choices: list[Choice] = []
+        for prompt_ids in prompts:  # each prompt n times, in OpenAI's order of choice indexes
+            max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, field_name, endpoint.prompt_param,
+                                                 endpoint.default_max_tokens)
+            params = to_sampling_params(req, max_tokens, max_tokens_field=field_name)
+            for sample in range(req.n):
+                # A seeded request stays reproducible, and its n samples differ from each other.
+                seeded = params if sample == 0 or params.seed is None else replace(params, seed=params.seed + sample)
+                choices.append(Choice(prompt_ids, seeded, shares_prompt=sample > 0))
         opts = req.stream_options
         fmt = endpoint.format(self.tokenizer, request_id, req.model or self.model_name, int(time.time()),
                               include_usage=bool(req.stream and opts and opts.include_usage),
                               continuous_usage=bool(opts and opts.continuous_usage_stats), logprobs=req.wants_logprobs())
-        return await self.generate(request, request_id, prompt_ids, params, req.stream, fmt, started, ticket, deadline)
+        return await self.generate(request, request_id, choices, req.stream, fmt, started, ticket, deadline)
 
     # -- checks and prompts
     def check_model(self, name: str | None) -> None:
@@ -185,16 +242,13 @@ class Serving:
             )
         return requested
 
-    def completion_prompt_ids(self, req: CompletionRequest) -> list[int]:
-        prompt: Any = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(
-                    f"batched prompts ({len(prompt)} prompts) are not supported: send one prompt per request", 400, "prompt"
-                )
-            prompt = prompt[0]
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """The prompt, or each prompt of a batch, tokenized."""
+        return [self.completion_prompt_ids(prompt, req.add_special_tokens) for prompt in req.prompts()]
+
+    def completion_prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
             bad = next((t for t in ids if not self.tokenizer.is_valid_id(t)), None)
@@ -218,57 +272,60 @@ class Serving:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # -- running a request
-    async def generate(self, request: Request, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       stream: bool, fmt: ResponseFormat, started: float | None = None, ticket: Ticket | None = None,
+    async def generate(self, request: Request, request_id: str, choices: list[Choice], stream: bool,
+                       fmt: ResponseFormat, started: float | None = None, ticket: Ticket | None = None,
                        deadline: Deadline | None = None) -> Response:
-        """Run an admitted request; its `ticket` is released however it ends, and past its
-        `deadline` it is aborted (504)."""
-        trace = RequestTrace(request_id, len(prompt_ids))
-        if started is not None:
-            trace.started = started  # arrival at the router, before parsing, admission and tokenizing
-        if self.config.log_prompts:
-            request_logger.info("%s prompt (%d tokens): %r", request_id, len(prompt_ids), self.tokenizer.decode(prompt_ids))
-        route = self.policy.choose(prompt_ids, self.backend.workers())
-        trace.set_route(route)
-        outputs = self._traced(self.backend.generate(GenerateRequest(request_id, prompt_ids, params, route, trace)), trace,
-                               ticket)
-        acc = Accumulator(num_prompt_tokens=len(prompt_ids))
+        """Run an admitted request's choices (each its own request in the pools, all at once);
+        its `ticket` is released however it ends, and past its `deadline` it is aborted (504)."""
+        backend_ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
+        streams = [self._start(backend_id, choice, started) for backend_id, choice in zip(backend_ids, choices)]
+        outputs = self._ticketed(merge_choices(streams), ticket)
+        accs = Choices([Accumulator(len(c.prompt_ids), shares_prompt=c.shares_prompt) for c in choices])
         headers = {"X-Request-Id": request_id}
+
+        async def abort() -> None:
+            await self._abort(backend_ids, outputs, ticket)
+
         # Streaming waits for the first output before sending headers, so that failures before the
         # first token still get a proper status code.
-        work = outputs.__anext__() if stream else self._collect(outputs, acc)
+        work = outputs.__anext__() if stream else self._collect(outputs, accs)
         try:
             first = await await_unless_disconnected(request, work, deadline)
         except StopAsyncIteration:
-            first = ended(request_id)
+            first = 0, ended(request_id)
         except ClientGone:
-            await self._abort(request_id, outputs, ticket)
+            await abort()
             return Response(status_code=499)
         except DeadlineExceeded:
-            await self._abort(request_id, outputs, ticket)
+            await abort()
             raise deadline_error(deadline.seconds if deadline else 0.0, running=True) from None
         except BaseException:
-            await self._abort(request_id, outputs, ticket)
+            await abort()
             raise
         if not stream:
-            return JSONResponse(fmt.full(acc), headers=headers)
+            return JSONResponse(fmt.full(accs), headers=headers)
+        return sse_response(request_id, outputs, first, fmt, accs, abort, headers, deadline)
 
-        async def abort() -> None:
-            await self._abort(request_id, outputs, ticket)
+    def _start(self, backend_id: str, choice: Choice, started: float | None) -> AsyncIterator[RequestOutput]:
+        """Route one choice and start it in the pools; its outputs, traced."""
+        prompt_ids = choice.prompt_ids
+        trace = RequestTrace(backend_id, len(prompt_ids))
+        if started is not None:
+            trace.started = started  # arrival at the router, before parsing, admission and tokenizing
+        if self.config.log_prompts:
+            request_logger.info("%s prompt (%d tokens): %r", backend_id, len(prompt_ids), self.tokenizer.decode(prompt_ids))
+        route = self.policy.choose(prompt_ids, self.backend.workers())
+        trace.set_route(route)
+        return self._traced(self.backend.generate(GenerateRequest(backend_id, prompt_ids, choice.params, route, trace)),
+                            trace)
 
-        return sse_response(request_id, outputs, first, fmt, acc, abort, headers, deadline)
-
-    async def _traced(self, outputs: AsyncIterator[RequestOutput], trace: RequestTrace,
-                      ticket: Ticket | None) -> AsyncIterator[RequestOutput]:
-        """Pass outputs through, timing tokens; free the prefill slot at the first output and the
-        decode slot at the end; record the trace however the request ends."""
+    async def _traced(self, outputs: AsyncIterator[RequestOutput], trace: RequestTrace) -> AsyncIterator[RequestOutput]:
+        """Pass outputs through, timing tokens; record the trace however the request ends."""
         finish_reason, error = None, None
         texts: list[str] | None = [] if self.config.log_prompts else None
         try:
             async for out in outputs:
                 trace.token(len(out.token_ids))
-                if ticket is not None:
-                    ticket.first_token()
                 if texts is not None and out.text:
                     texts.append(out.text)
                 if out.finished:
@@ -281,35 +338,53 @@ class Serving:
             try:
                 await outputs.aclose()
             finally:
-                if ticket is not None:
-                    ticket.release()
                 trace.finish(finish_reason or "abort", error)
                 self.metrics.observe(trace)
                 if texts is not None:
                     request_logger.info("%s completion (%s): %r", trace.request_id, trace.finish_reason, "".join(texts))
 
     @staticmethod
-    async def _collect(outputs: AsyncIterator[RequestOutput], acc: Accumulator) -> None:
+    async def _ticketed(outputs: AsyncIterator[tuple[int, RequestOutput]],
+                        ticket: Ticket | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Free the ticket's prefill slot at the first output and its decode slot at the end."""
         try:
-            async for out in outputs:
-                acc.add(out, keep=True)
+            async for item in outputs:
+                if ticket is not None:
+                    ticket.first_token()
+                yield item
+        finally:
+            try:
+                await outputs.aclose()
+            finally:
+                if ticket is not None:
+                    ticket.release()
+
+    @staticmethod
+    async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], choices: Choices) -> None:
+        unfinished = set(range(len(choices.accs)))
+        try:
+            async for index, out in outputs:
+                choices.accs[index].add(out, keep=True)
                 if out.finished:
-                    return
-            if acc.finish_reason is None:
-                acc.finish_reason = "abort"
+                    unfinished.discard(index)
+                    if not unfinished:
+                        return
+            for index in unfinished:
+                choices.accs[index].finish_reason = "abort"
         finally:
             await outputs.aclose()  # let the backend run its cleanup now, not at garbage collection
 
-    async def _abort(self, request_id: str, outputs: Any, ticket: Ticket | None = None) -> None:
+    async def _abort(self, backend_ids: list[str], outputs: Any, ticket: Ticket | None = None) -> None:
         # The outputs may never have started (then closing them runs no cleanup): free the slots here.
         if ticket is not None:
             ticket.release()
         # Shielded: this runs while the handler is being cancelled (client gone).
         with anyio.CancelScope(shield=True):
-            try:
-                await self.backend.abort(request_id)
-            except Exception:
-                logger.exception("abort of %s failed", request_id)
+            for backend_id in backend_ids:
+                try:
+                    await self.backend.abort(backend_id)
+                except Exception:
+                    logger.exception("abort of %s failed", backend_id)
             try:
                 await outputs.aclose()
             except BaseException:

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from router.admission import Deadline, deadline_error
 from router.errors import to_api_error
-from router.formatting import Accumulator, ResponseFormat, dumps
+from router.formatting import Choices, ResponseFormat, dumps
 from workers.protocol import RequestOutput
 
 __all__ = ["DONE", "SSE_HEADERS", "ClientGone", "DeadlineExceeded", "await_unless_disconnected", "ended",
@@ -78,33 +78,37 @@ def ended(request_id: str) -> RequestOutput:
     return RequestOutput(request_id, [], finished=True, finish_reason="abort")
 
 
-async def _frames(request_id: str, outputs: AsyncIterator[RequestOutput], first: RequestOutput, fmt: ResponseFormat,
-                  acc: Accumulator, abort: Callable[[], Awaitable[None]], deadline: Deadline | None) -> AsyncIterator[str]:
+async def _frames(request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
+                  fmt: ResponseFormat, choices: Choices, abort: Callable[[], Awaitable[None]],
+                  deadline: Deadline | None) -> AsyncIterator[str]:
     finished = False
+    unfinished = set(range(len(choices.accs)))
     try:
-        acc.add(first, keep=False)
-        frame = fmt.first_frame(acc)
-        if frame is not None:
-            yield frame
-        out = first
+        for index in sorted(unfinished):
+            frame = fmt.first_frame(index, choices)
+            if frame is not None:
+                yield frame
+        index, out = first
         while True:
-            frame = fmt.chunk(out, acc)
+            choices.accs[index].add(out, keep=False)
+            frame = fmt.chunk(out, index, choices)
             if frame is not None:
                 yield frame
             if out.finished:
-                break
+                unfinished.discard(index)
+                if not unfinished:
+                    break
             try:
                 async with asyncio.timeout(remaining(deadline)):
-                    out = await outputs.__anext__()
+                    index, out = await outputs.__anext__()
             except StopAsyncIteration:
-                out = ended(request_id)
+                index, out = min(unfinished), ended(request_id)
             except TimeoutError:
                 raise deadline_error(deadline.seconds if deadline else 0.0, running=True) from None
-            acc.add(out, keep=False)
         finished = True
         await outputs.aclose()
         if fmt.include_usage:
-            yield fmt.usage_frame(acc)
+            yield fmt.usage_frame(choices)
         yield DONE
     except Exception as e:  # a backend failure mid-stream: headers are gone, so say it in-band
         yield "data: " + dumps(to_api_error(e, request_id).body()) + "\n\n"
@@ -114,10 +118,10 @@ async def _frames(request_id: str, outputs: AsyncIterator[RequestOutput], first:
             await abort()
 
 
-def sse_response(request_id: str, outputs: AsyncIterator[RequestOutput], first: RequestOutput, fmt: ResponseFormat,
-                 acc: Accumulator, abort: Callable[[], Awaitable[None]], headers: dict[str, str],
+def sse_response(request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
+                 fmt: ResponseFormat, choices: Choices, abort: Callable[[], Awaitable[None]], headers: dict[str, str],
                  deadline: Deadline | None = None) -> StreamingResponse:
-    """The event stream of a request whose first output (`first`) already arrived; past its
-    `deadline` it ends with a 504 error event and the request is aborted."""
-    return StreamingResponse(_frames(request_id, outputs, first, fmt, acc, abort, deadline),
+    """The event stream of a request whose first output (`first`, with its choice's index)
+    already arrived; past its `deadline` it ends with a 504 error event and the request is aborted."""
+    return StreamingResponse(_frames(request_id, outputs, first, fmt, choices, abort, deadline),
                              media_type="text/event-stream", headers={**SSE_HEADERS, **headers})

@@ -18,14 +18,12 @@ never had), so it neither terminates nor replaces it; a real provider does.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 
 import pytest
 import ray
 
 from cluster.testing import FakeCluster, NodeType
-from tests.healing.helpers import check_results, clear_prompts, run_load, wait_async
+from tests.healing.helpers import check_results, clear_prompts, kill_when_running, run_load, wait_async
 
 from cluster_fixtures import POOL_NODES, actor_nodes, cluster_config, serving_on
 
@@ -70,15 +68,7 @@ def test_a_decode_node_dies_mid_stream_and_the_pool_heals(spare_cluster, referen
         victim = next(h for w, _, h in deployment.workers if w == "decode-0")
 
         async def kill_node_mid_stream(load):
-            # Kill when decode-0 itself says it is decoding several streams. (Waiting for the
-            # client to see first tokens missed them on a loaded machine: a 16-token answer was
-            # over on the worker before the client had read the other streams' first chunks.)
-            deadline = asyncio.get_running_loop().time() + 180
-            while (await victim.stats.remote()).num_running < 4:
-                assert asyncio.get_running_loop().time() < deadline, "decode-0 never ran 4 streams at once"
-                await asyncio.sleep(0.002)
-            for pid in node_pids:
-                os.kill(pid, signal.SIGKILL)
+            await kill_when_running(victim, node_pids)
 
         load = asyncio.run(run_load(server.base_url, expected, kill_node_mid_stream, DEADLINE_S + 30))
         counts = check_results(load.results, expected, DEADLINE_S)

@@ -120,3 +120,50 @@ def test_bad_requests_get_openai_errors(server):
         r = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["code"] == 400
         assert http.get("/health").status_code == 200
+
+
+def test_batched_prompts_and_n_answer_as_separate_requests_do(server, reference_engine, tokenizer):
+    """A batch of prompts on /v1/completions and n samples per prompt: choice i*n+j holds prompt
+    i's sample j. Greedy choices equal the engine alone; seeded samples equal a single request
+    with seed+j (so the n samples differ and the request is reproducible)."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    prompts = ["The three primary colors are", "Water boils at", "The largest planet is"]
+    want = reference_engine.generate([tokenizer.encode(p) for p in prompts], SamplingParams(max_tokens=12, temperature=0))
+    batch = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=12, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [w.text for w in want for _ in range(2)]
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)  # each prompt counted once
+    assert batch.usage.prompt_tokens == prompt_tokens
+    assert batch.usage.completion_tokens == 2 * sum(len(w.token_ids) for w in want)
+
+    streamed: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}))
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert streamed == {i: w.text for i, w in enumerate(want)} and set(finish) == {0, 1, 2}
+    assert chunks[-1].usage.completion_tokens == sum(len(w.token_ids) for w in want)
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    sampled = client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=16, seed=7,
+                                             n=3)
+    alone = [client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=16,
+                                            seed=7 + j).choices[0].message.content for j in range(3)]
+    assert [c.message.content for c in sampled.choices] == alone
+    assert len(set(alone)) > 1  # three seeds, not three copies
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=16, seed=7,
+                                            n=3, stream=True)
+    texts = ["", "", ""]
+    roles = set()
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.delta.role:
+                roles.add(c.index)
+    assert texts == alone and roles == {0, 1, 2}
+    idle = server.wait_idle()
+    assert all(s.num_running == 0 and s.num_free_blocks == s.num_blocks for s in idle.values()), idle

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -131,6 +133,20 @@ async def run_load(base_url: str, expected: list[Expected], during, timeout_s: f
         await during(load)
         await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
     return load
+
+
+async def kill_when_running(worker, pids: list[int], at_least: int = 4, timeout_s: float = 180.0) -> None:
+    """SIGKILL `pids` as soon as `worker` (a Ray actor handle) itself reports `at_least` sequences
+    running. (Waiting for the client to see first tokens instead missed them on a loaded machine:
+    a 16-token answer was over on the worker before the client had read the other streams' first
+    chunks.)"""
+    deadline = time.monotonic() + timeout_s
+    while (await worker.stats.remote()).num_running < at_least:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the worker never ran {at_least} sequences at once in {timeout_s} s")
+        await asyncio.sleep(0.002)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
 
 
 async def wait_async(predicate, timeout_s: float, what: str, every_s: float = 0.05):

@@ -19,10 +19,11 @@ import signal
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import BatonConfig
 from tests.e2e.conftest import free_port, serving, wait_until
-from tests.healing.helpers import Load, check_results, run_load, wait_async
+from tests.healing.helpers import Load, check_results, kill_when_running, run_load, wait_async
 
 pytestmark = pytest.mark.slow
 
@@ -85,15 +86,18 @@ def test_killing_a_decode_worker_mid_stream_loses_no_request(deployment, clear_p
     migrations = backend.counters["migrations"]
 
     async def kill_mid_stream(load):
-        # Every stream has its first tokens, so decode-0's half is mid-answer when it dies.
-        await wait_async(lambda: len(load.results) == 32 and min(load.chunks()) >= 2, 120, "streams under way")
-        os.kill(old_pid, signal.SIGKILL)
+        await kill_when_running(handle(deployment, "decode-0"), [old_pid])
 
     load = asyncio.run(run_load(deployment.base_url, expected, kill_mid_stream, DEADLINE_S + 30))
     counts = check_results(load.results, expected, DEADLINE_S)
     moved = backend.counters["migrations"] - migrations
-    # decode-0 had 16 streams, none finished when it died: each one moved and still ended exactly.
+    # decode-0's streams were mid-answer when it died: each one moved and still ended exactly.
     assert counts["exact"] == 32 and moved >= 1, (counts, moved)
+    # Operators see the moves: the router's /metrics counts them.
+    exported = {sample.labels["event"]: sample.value
+                for family in text_string_to_metric_families(httpx.get(deployment.base_url + "/metrics").text)
+                if family.name == "baton:healing_events" for sample in family.samples}
+    assert exported["migrations"] == backend.counters["migrations"] >= moved, exported
 
     wait_until(lambda: pools_whole(deployment), 180, "Ray to restart decode-0 and the router to re-admit it")
     assert pid_of(deployment, "decode-0") != old_pid

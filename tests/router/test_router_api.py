@@ -313,7 +313,8 @@ def test_chat_schema_errors_are_400_with_param(client, body, param):
         ({"prompt": {"a": 1}}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),  # a batch with an empty prompt
+        ({"prompt": [[1, 2], [10**9]]}, "prompt"),  # a batch with an id outside the vocabulary
         ({"prompt": [1, 10**9]}, "prompt"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "echo": True}, "echo"),
@@ -353,10 +354,12 @@ def test_out_of_range_sampling_values(client, field, value, param):
     assert_error(client.post("/v1/chat/completions", json=body), 400, param, contains=[param])
 
 
-def test_n_must_be_1(client):
-    assert_error(client.post("/v1/chat/completions", json={"messages": USER, "n": 2}), 400, "n", contains=["n must be 1"])
-    assert_error(client.post("/v1/completions", json={"prompt": "x", "n": 3}), 400, "n")
-    assert client.post("/v1/chat/completions", json={"messages": USER, "n": 1, "max_tokens": 1}).status_code == 200
+def test_choices_over_the_limit_are_refused(client):
+    assert_error(client.post("/v1/chat/completions", json={"messages": USER, "n": 17}), 400, "n", contains=["max_choices"])
+    assert_error(client.post("/v1/completions", json={"prompt": ["x"] * 9, "n": 2}), 400, "prompt",
+                 contains=["9 prompts", "18 choices"])
+    assert_error(client.post("/v1/chat/completions", json={"messages": USER, "n": 0}), 400, "n")
+    assert client.post("/v1/chat/completions", json={"messages": USER, "n": 16, "max_tokens": 1}).status_code == 200
 
 
 def test_context_length_errors_state_both_numbers(make_client, tokenizer):

@@ -65,7 +65,7 @@ def test_openai_client_chat_and_completions(live_server, tokenizer):
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="nope", messages=USER)
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model=MODEL, messages=USER, n=2)
+            client.chat.completions.create(model=MODEL, messages=USER, n=17)
         assert info.value.body["param"] == "n"
 
 

@@ -72,9 +72,6 @@ def test_renamed_fields_keep_the_request_name():
 
 def test_common_checks():
     with pytest.raises(APIError) as info:
-        check_common(chat(n=2))
-    assert info.value.param == "n" and "n must be 1" in info.value.message
-    with pytest.raises(APIError) as info:
         check_common(chat(stream_options={"include_usage": True}))
     assert info.value.param == "stream_options"
     with pytest.raises(APIError) as info:
