@@ -7,9 +7,8 @@ the cost model applied to the step's shape, and each sampled row gets a placehol
 
 Timing follows the real worker's threading (workers/worker.py): the engine thread runs steps back
 to back, and a call from the router (add, reserve, start decoding, release) runs only between two
-steps. So a call that arrives during a step waits for its end; and a call issued by the worker's
-own call thread right after a step (the prefill worker's begin_send) lands once the next step has
-started, as it does for real when the engine thread wins the race.
+steps, so a call that arrives during a step waits for its end. (A prefill's send begins on the
+engine thread as its step ends: the simulator calls begin_send from the step's output.)
 """
 
 from __future__ import annotations
@@ -112,8 +111,7 @@ class WorkerCounters:
 
 
 class SimWorker:
-    def __init__(self, loop: EventLoop, worker_id: str, role: str, cost: CostModel, settings: EngineSettings,
-                 call_thread_delay_s: float = 5e-5) -> None:
+    def __init__(self, loop: EventLoop, worker_id: str, role: str, cost: CostModel, settings: EngineSettings) -> None:
         self.loop = loop
         self.worker_id = worker_id
         self.role = role
@@ -124,7 +122,6 @@ class SimWorker:
             raise ValueError(f"worker {worker_id}: the KV cache holds no block of {settings.block_size} tokens")
         self.block_manager = BlockManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)
-        self.call_thread_delay_s = call_thread_delay_s
         self.alive = True  # the router may route here
         self.removed = False
         self.busy = False
@@ -145,10 +142,6 @@ class SimWorker:
             return
         fn()
         self._maybe_step()
-
-    def call_from_worker_thread(self, fn: Callable[[], None]) -> None:
-        """A call the worker's own call thread makes right after a step: it loses the race to the next step."""
-        self.loop.after(self.call_thread_delay_s, self.call, fn)
 
     def _new_seq(self, request_id: str, prompt: tuple[int, ...], output_len: int) -> Sequence:
         if request_id in self._states or request_id in self.scheduler.held:
@@ -229,7 +222,7 @@ class SimWorker:
         for seq, n, sample in plan:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            # Only a step that fills a block can cache one (the call walks every block of the sequence).
+            # Only a step that fills a block can cache one.
             if (before + n) // bs > before // bs:
                 bm.cache_computed_blocks(seq)
             if sample:

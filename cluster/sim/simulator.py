@@ -6,8 +6,8 @@ real routing policy (`router.routing.make_policy`: `KvAwarePolicy` by default) a
 the router's health loop feeds it:
 
 - remote prefill: reserve blocks on decode worker D (a call, between D's steps) -> prefill on P
-  (`prefill_only`) -> P's call thread begins the send, the KV moves (`LinkModel`), P releases the
-  blocks -> start decoding on D -> first token to the client -> D streams the rest;
+  (`prefill_only`) -> the send begins as P's step ends, the KV moves (`LinkModel`), P's release of
+  the blocks is queued (between its steps) -> start decoding on D -> first token to the client -> D streams the rest;
   no room on D: D prefills locally; a 1-token request: P's token is the answer, D's reservation is aborted;
 - local prefill (the policy's choice, or no prefill worker): D runs the whole request.
 
@@ -272,7 +272,7 @@ class Simulator:
             if finished:  # one-token request: the answer is P's token; free D's reservation first
                 self.loop.after(rpc, to_router_finished)
                 return
-            p.call_from_worker_thread(lambda: begin_send(d_cached))
+            begin_send(d_cached)  # on P's engine thread as the step ends (workers.worker)
 
         def begin_send(d_cached: int) -> None:
             blocks = p.begin_send(rid)
@@ -283,7 +283,7 @@ class Simulator:
             self.loop.after(self.link.transfer_time(nbytes), sent_done)
 
         def sent_done() -> None:
-            p.call_from_worker_thread(lambda: p.release(rid))
+            p.call(lambda: p.release(rid))  # queued for P's engine thread, not waited for
             self.loop.after(rpc, to_router)
 
         def to_router() -> None:

@@ -2,9 +2,9 @@
 stored profile of this machine and compare them with the stored real `baton serve` run. A few
 seconds; the real run is `python bench/sim_validate.py`.
 
-What holds in the stored run, and is asserted: TPOT p50 within 20% on all three workloads, and
-the re-simulation reproduces the stored numbers exactly. TTFT is not within 20% everywhere (the
-README's table says where not); those rows are checked to be the recorded ones, not hidden."""
+What holds in the stored run, and is asserted: every number within 20% but the chat's TTFT p50
+(the README's table says by how much), and the re-simulation reproduces the stored numbers
+exactly."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import sim_validate  # noqa: E402  (bench/sim_validate.py: the same simulation it reports)
 
 STORED = ROOT / "bench/results/sim_validate.json"
+KNOWN_MISSES = {("chat", "TTFT p50")}
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +32,12 @@ def stored() -> dict:
 
 
 @pytest.mark.parametrize("workload", VALIDATION_WORKLOADS)
-def test_the_simulated_tpot_matches_the_stored_real_run_within_20_percent(stored, workload):
+def test_the_simulation_matches_the_stored_real_run_within_20_percent(stored, workload):
     entry = stored["results"][workload]
     sim = sim_validate.simulate(workload, ROOT / stored["profile"])
     rows = {r["metric"]: r for r in compare(entry["real"], sim)}
-    assert rows["TPOT p50"]["within"], rows
+    for metric, row in rows.items():
+        assert row["within"] != ((workload, metric) in KNOWN_MISSES), row
     # Deterministic: the same numbers, and so the same comparison, as the stored run reported.
     for metric in ("ttft_ms", "tpot_ms"):
         for q in ("p50", "p99"):
