@@ -11,7 +11,12 @@ sized to what the pools sustain.
    4 x C closed-loop clients for --duration seconds. A refused client waits Retry-After (as the
    OpenAI SDKs do) and tries again. Reported: how fast 429s come back (p50/p99/max, must be under
    50 ms), admitted requests' TTFT (p50/p99/max: bounded by the queue), errors other than 429,
-   every process alive and its resident memory, and /health afterwards.
+   every process alive and its resident memory, and /health afterwards. Also where a 429's time
+   goes: the router's own event-loop lag during the load (baton:router_event_loop_lag_seconds
+   from its /metrics) and this client's (a probe beside the clients): on a 2-core machine that
+   also runs the workers and the clients, the latency a client measures is mostly its own. A
+   light client in a process of its own (one small request every 0.1 s) measures 429s as a client
+   that is not itself saturated sees them.
 3. Recovery: from the moment the load stops, one probe request every 0.5 s; the recovery time is
    when probe latency is back within 1.5x (or +100 ms of) the idle latency measured before the
    load, and stays there.
@@ -24,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -34,6 +41,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak  # noqa: E402  (bench/soak.py: prompts, percentiles, baton_server)
@@ -86,6 +94,52 @@ async def closed_loop(http, model, clients: int, seconds: float, max_tokens: int
     return samples, time.monotonic() - started
 
 
+async def loop_lag(samples: list[float], every_s: float = 0.05) -> None:
+    """This client's own event-loop lag, sampled until cancelled: what of a measured latency is
+    the load generator's, not the server's."""
+    while True:
+        started = time.perf_counter()
+        await asyncio.sleep(every_s)
+        samples.append(max(0.0, time.perf_counter() - started - every_s))
+
+
+def light_probe(base_url: str, model: str, seconds: float, every_s: float, out) -> None:
+    """A separate process sending one small request every `every_s` seconds (its own connection,
+    its loop otherwise idle): the 429 latency a client sees that is not itself saturated. Puts
+    (status, seconds) pairs on `out`."""
+    async def run() -> list[tuple[int, float]]:
+        results = []
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            stop_at = time.monotonic() + seconds
+            while time.monotonic() < stop_at:
+                started = time.perf_counter()
+                status = (await http.post("/v1/chat/completions", json=body)).status_code
+                results.append((status, time.perf_counter() - started))
+                await asyncio.sleep(every_s)
+        return results
+
+    out.put(asyncio.run(run()))
+
+
+def lag_buckets(metrics_text: str) -> dict[float, float]:
+    """The router's event-loop lag histogram: cumulative count per upper bound."""
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "baton:router_event_loop_lag_seconds":
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    out[float(s.labels["le"])] = s.value
+    return out
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile q of the observations between two scrapes."""
+    counts = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = counts[-1][1] if counts else 0.0
+    return next((le for le, n in counts if n >= q * total), None) if total else None
+
+
 def pct(values: list[float]) -> dict:
     return {"p50": soak._ms(soak.percentile(values, 50)), "p99": soak._ms(soak.percentile(values, 99)),
             "max": soak._ms(max(values) if values else None), "count": len(values)}
@@ -130,7 +184,21 @@ async def overload(base_url: str, args, sustainable: int) -> dict:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         baseline = await idle_latency(http, model, 5, args.max_tokens)
         before = processes((await http.get("/v1/status")).json())
-        samples, elapsed = await closed_loop(http, model, clients, args.duration, args.max_tokens, seed=1)
+        router_lag_before = lag_buckets((await http.get("/metrics")).text)
+        client_lag: list[float] = []
+        probe = asyncio.get_running_loop().create_task(loop_lag(client_lag))
+        light_results: multiprocessing.Queue = multiprocessing.get_context("spawn").Queue()
+        # Starts once the load is on (1 s in) and stops before it ends.
+        light = multiprocessing.get_context("spawn").Process(
+            target=light_probe, args=(base_url, model, max(1.0, args.duration - 3.0), 0.1, light_results))
+        load = asyncio.ensure_future(closed_loop(http, model, clients, args.duration, args.max_tokens, seed=1))
+        await asyncio.sleep(1.0)
+        light.start()
+        samples, elapsed = await load
+        light_samples = await asyncio.to_thread(light_results.get, True, 120)
+        light.join(30)
+        probe.cancel()
+        router_lag_after = lag_buckets((await http.get("/metrics")).text)
         stopped = time.monotonic()
         # Recovery: probes from the moment the load stops (requests still in flight drain meanwhile).
         probes = []
@@ -162,6 +230,13 @@ async def overload(base_url: str, args, sustainable: int) -> dict:
         "other_error_examples": [s.error for s in other[:5]],
         "admitted_throughput_rps": len(admitted) / elapsed,
         "latency_429_ms": pct([s.latency_s for s in refused]),
+        # Where a refusal's time goes: the router's own event-loop lag during the load (its
+        # /metrics histogram; p99 as the upper bound of its bucket, in ms), and this client's.
+        "router_event_loop_lag_p99_ms_at_most": None if router_lag_after == {} else
+        soak._ms(bucket_quantile(router_lag_before, router_lag_after, 0.99)),
+        "client_event_loop_lag_ms": pct(client_lag),
+        "light_client_429_ms": pct([t for status, t in light_samples if status == 429]),
+        "light_client_statuses": {str(k): v for k, v in sorted(collections.Counter(s for s, _ in light_samples).items())},
         "admitted_ttft_ms": pct([s.latency_s for s in admitted]),
         "admitted_e2e_ms": pct([s.e2e_s for s in admitted]),
         "idle_ttft_ms": pct(baseline),
@@ -174,6 +249,9 @@ async def overload(base_url: str, args, sustainable: int) -> dict:
         "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
         "checks": {
             "429_within_50ms_p99": bool(refused) and soak.percentile([s.latency_s for s in refused], 99) < 0.05,
+            "router_loop_lag_within_50ms_p99": (bucket_quantile(router_lag_before, router_lag_after, 0.99) or 1.0) <= 0.05,
+            "light_client_429_within_50ms_p99": any(s == 429 for s, _ in light_samples)
+            and soak.percentile([t for s, t in light_samples if s == 429], 99) < 0.05,
             "no_other_errors": not other,
             "nothing_died": all(p["alive"] for p in after.values()) and health == 200,
             "recovered_within_10s": recovered_at is not None and recovered_at <= 10.0,

@@ -27,6 +27,8 @@ Observability: every request carries a `RequestTrace` (router.trace) that ends u
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import uvicorn
@@ -69,6 +71,18 @@ def build_app(
                        paths=frozenset({"/v1/chat/completions", "/v1/completions"}))
     if server.api_keys():
         app.add_middleware(APIKeyMiddleware, keys=server.api_keys())
+    original = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):  # the app's own lifespan, with the event-loop lag sampled inside it
+        async with original(a) as state:
+            watcher = asyncio.get_running_loop().create_task(serving.metrics.watch_event_loop())
+            try:
+                yield state
+            finally:
+                watcher.cancel()
+
+    app.router.lifespan_context = lifespan
     return app
 
 

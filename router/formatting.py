@@ -50,7 +50,6 @@ class Accumulator:
             self.finish_reason = out.finish_reason or "stop"
 
 
-
 @dataclass
 class Choices:
     """A request's choices (one per prompt of a batch, times n), each with its accumulator."""

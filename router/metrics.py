@@ -16,6 +16,7 @@ Two sources:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # A thinned version of vLLM's buckets reaching lower (GPU runs are fast) and higher (CPU runs are
 # slow). Thinned because every bucket is a series to scrape: /metrics must stay cheap (< 5 ms).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.75, 1.0, 2.5, 5.0, 10.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 480.0)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 3))  # 1 KiB .. 8 GiB
@@ -171,6 +173,9 @@ class RouterMetrics:
         self.kv_bytes = hist("baton:kv_transfer_bytes_per_request", "KV bytes moved per remotely prefilled request.",
                              BYTES_BUCKETS)
         self.kv_seconds = hist("baton:kv_transfer_seconds", "KV transfer time per remotely prefilled request.", ITL_BUCKETS)
+        self.loop_lag = hist("baton:router_event_loop_lag_seconds",
+                             "How late the router's event loop ran a timer that was due (sampled every 50 ms): what "
+                             "any request, a 429 included, waits before the router looks at it.", LOOP_LAG_BUCKETS)
         self.registry.register(_WorkerCollector(self))
         # Create the unlabelled-by-outcome series now, so they read 0 (not "no data") before traffic.
         for c in (self.prompt_tokens, self.generation_tokens, self.failures, self.kv_bytes_total):
@@ -184,6 +189,14 @@ class RouterMetrics:
                        "cached_tokens": 0}
 
     # ---- recording -----------------------------------------------------------------------
+    async def watch_event_loop(self, every_s: float = 0.05) -> None:
+        """Sample the event loop's lag until cancelled (runs in the app's lifespan)."""
+        lag = self.loop_lag.labels(self.model_name)
+        while True:
+            started = time.perf_counter()
+            await asyncio.sleep(every_s)
+            lag.observe(max(0.0, time.perf_counter() - started - every_s))
+
     def observe(self, trace: RequestTrace) -> None:
         """Record a finished (or failed) request."""
         m = self.model_name

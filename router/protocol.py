@@ -91,8 +91,8 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class TextContentPart(_Request):
@@ -130,7 +130,7 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[TokenId] | None = None
 
@@ -138,10 +138,10 @@ class _SamplingFields(_Request):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
@@ -182,10 +182,10 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
@@ -205,8 +205,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(_Request):

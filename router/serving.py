@@ -280,7 +280,7 @@ class Serving:
         backend_ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
         streams = [self._start(backend_id, choice, started) for backend_id, choice in zip(backend_ids, choices)]
         outputs = self._ticketed(merge_choices(streams), ticket)
-        accs = Choices([Accumulator(len(c.prompt_ids), shares_prompt=c.shares_prompt) for c in choices])
+        answers = Choices([Accumulator(len(c.prompt_ids), shares_prompt=c.shares_prompt) for c in choices])
         headers = {"X-Request-Id": request_id}
 
         async def abort() -> None:
@@ -288,7 +288,7 @@ class Serving:
 
         # Streaming waits for the first output before sending headers, so that failures before the
         # first token still get a proper status code.
-        work = outputs.__anext__() if stream else self._collect(outputs, accs)
+        work = outputs.__anext__() if stream else self._collect(outputs, answers)
         try:
             first = await await_unless_disconnected(request, work, deadline)
         except StopAsyncIteration:
@@ -303,8 +303,8 @@ class Serving:
             await abort()
             raise
         if not stream:
-            return JSONResponse(fmt.full(accs), headers=headers)
-        return sse_response(request_id, outputs, first, fmt, accs, abort, headers, deadline)
+            return JSONResponse(fmt.full(answers), headers=headers)
+        return sse_response(request_id, outputs, first, fmt, answers, abort, headers, deadline)
 
     def _start(self, backend_id: str, choice: Choice, started: float | None) -> AsyncIterator[RequestOutput]:
         """Route one choice and start it in the pools; its outputs, traced."""

@@ -173,6 +173,8 @@ def corpus(max_model_len: int) -> list[BadRequest]:
         # -- tokenize and detokenize
         BadRequest("tokenize nothing", "POST", "/tokenize", body={}, param="prompt"),
         BadRequest("tokenize empty messages", "POST", "/tokenize", body={"messages": []}, param="messages"),
+        BadRequest("tokenize add_special_tokens a number", "POST", "/tokenize",
+                   body={"prompt": "hi", "add_special_tokens": 1}, param="add_special_tokens"),
         BadRequest("tokenize unknown model", "POST", "/tokenize", body={"model": "x", "prompt": "hi"}, status=404,
                    param="model"),
         BadRequest("tokenize malformed json", "POST", "/tokenize", raw=b'{"prompt": "hi"', headers=json_type,

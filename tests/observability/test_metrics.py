@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -154,3 +155,22 @@ def test_two_apps_keep_separate_registries(tokenizer):
     assert a.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
     assert value(scrape(a), "baton:request_success_total", finished_reason="length") == 1
     assert value(scrape(b), "baton:request_success_total", finished_reason="length") == 0
+
+
+def test_the_event_loop_lag_histogram_sees_a_blocked_loop(tokenizer):
+    backend = FakeBackend(tokenizer)
+    app = build_app(backend, tokenizer, MODEL, 8192)
+
+    async def run():
+        async with app.router.lifespan_context(app):
+            await asyncio.sleep(0.2)  # a few samples of an idle loop
+            time.sleep(0.2)  # a handler that blocks the loop for 200 ms: one sample lags by over 150 ms
+            await asyncio.sleep(0.1)
+
+    asyncio.run(run())
+    with TestClient(app) as client:
+        samples = scrape(client)
+    count = value(samples, "baton:router_event_loop_lag_seconds_count")
+    under_50ms = value(samples, "baton:router_event_loop_lag_seconds_bucket", le="0.05")
+    over_100ms = count - value(samples, "baton:router_event_loop_lag_seconds_bucket", le="0.1")
+    assert count >= 4 and under_50ms >= 3 and over_100ms >= 1, samples
