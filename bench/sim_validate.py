@@ -106,7 +106,9 @@ def start_server(port: int, log_path: Path) -> subprocess.Popen:
 
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+        # To the server alone: it stops its workers and Ray (a group-wide signal stops them first,
+        # and the shutdown then waits on them).
+        os.kill(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,19 @@ class Deployment:
     kv_links: dict[tuple[str, str], str] = field(default_factory=dict)  # (prefill, decode) -> shm|gloo|nccl
     pools: PoolManager | None = None  # scales and heals the pools at runtime
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 12.0) -> None:
+        """Stop the workers (bounded: when Ray's own processes were signalled too, as systemd or
+        `kill -- -PGID` do, every call to them would wait out Ray's reconnect timeout), then the
+        private Ray."""
+        stopping = threading.Thread(target=self._stop_workers, name="baton-shutdown", daemon=True)
+        stopping.start()
+        stopping.join(timeout_s)
+        if stopping.is_alive():
+            log.warning("the workers did not confirm their shutdown within %.0f s (is Ray already gone?)", timeout_s)
+        if self.owns_ray:
+            ray.shutdown()
+
+    def _stop_workers(self) -> None:
         pending = []
         for _, _, handle in self.workers:
             try:
@@ -74,8 +87,6 @@ class Deployment:
                 ray.kill(handle)
             except Exception:
                 pass
-        if self.owns_ray:
-            ray.shutdown()
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> bool:

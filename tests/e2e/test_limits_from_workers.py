@@ -61,12 +61,17 @@ def small_cache_server():
         wait_until(healthy, 180, "baton serve to become healthy")
         yield base
     finally:
-        # SIGTERM is how an operator stops it: the server takes down its workers and private Ray.
-        os.killpg(proc.pid, signal.SIGTERM)
+        # SIGTERM to the server is how an operator stops it: it takes down its workers and private
+        # Ray (2 s here). Not to the whole group: with Ray's own processes gone first, the
+        # shutdown waits on them. Then whatever of the group is left is killed.
+        os.kill(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait()
 
 
