@@ -213,6 +213,10 @@ def measure_local(args) -> tuple[list[dict], int]:
     return rows, threads
 
 
+def size_label(nbytes: int) -> str:
+    return f"{nbytes >> 10}K" if nbytes < 1 << 20 else f"{nbytes >> 20}M"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
@@ -274,7 +278,7 @@ def main() -> None:
         print(f"{'backend':8} {'block ids':10} {'size':>5} {'memcpy':>7} | {'isolated':>8} "
               f"{'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)")
         for r in rows:
-            size = f"{r['bytes'] >> 10}K" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20}M"
+            size = size_label(r["bytes"])
             print(f"{r['backend']:8} {r['block_ids']:10} {size:>5} "
                   f"{r['memcpy_bytes_per_s'] / 1e9:7.2f} | "
                   f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
@@ -286,7 +290,7 @@ def main() -> None:
         print(f"\ntransport per pair on two Ray nodes\n{'placement':10} {'chosen':6} {'block ids':10} {'size':>5} | "
               f"{'isolated':>8} {'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)")
         for r in pair_rows:
-            size = f"{r['bytes'] >> 10}K" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20}M"
+            size = size_label(r["bytes"])
             print(f"{r['placement']:10} {r['backend']:6} {r['block_ids']:10} {size:>5} | "
                   f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
                   f"{r['back_to_back_bytes_per_s'] / 1e9:12.2f} {r['back_to_back_ratio_to_memcpy']:5.2f}")

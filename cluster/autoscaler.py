@@ -26,7 +26,6 @@ decisions.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cluster.sim.metrics import percentiles
+from router.app import run_during_lifespan
 
 if TYPE_CHECKING:  # annotations only: the serving path imports this module without the simulator
     from cluster.sim.simulator import Simulator
@@ -302,17 +302,6 @@ def install_autoscaler(app, pools, backend, config: AutoscalerConfig) -> Autosca
     signals = RouterSignals(app.state.baton.metrics, backend, lambda: (pools.targets.prefill, pools.targets.decode),
                             config.window_s)
     loop = AutoscalerLoop(config, signals, lambda p, d: pools.scale(prefill=p, decode=d))
-    original = app.router.lifespan_context
-
-    @contextlib.asynccontextmanager
-    async def lifespan(a):  # the app's own lifespan, with the loop running inside it
-        async with original(a) as state:
-            loop.start()
-            try:
-                yield state
-            finally:
-                loop.stop()
-
-    app.router.lifespan_context = lifespan
+    run_during_lifespan(app, loop.start, lambda _: loop.stop())
     app.state.autoscaler = loop
     return loop

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -46,7 +46,9 @@ from router.routing import RoundRobinPolicy, RoutingPolicy
 from router.serving import COMPLETIONS_DEFAULT_MAX_TOKENS, Serving
 from router.tokenizer import Tokenizer
 
-__all__ = ["build_app", "make_server", "serve", "COMPLETIONS_DEFAULT_MAX_TOKENS", "RETRY_AFTER_S"]
+__all__ = ["build_app", "make_server", "run_during_lifespan", "serve", "COMPLETIONS_DEFAULT_MAX_TOKENS", "RETRY_AFTER_S"]
+
+T = TypeVar("T")
 
 
 def build_app(
@@ -71,19 +73,26 @@ def build_app(
                        paths=frozenset({"/v1/chat/completions", "/v1/completions"}))
     if server.api_keys():
         app.add_middleware(APIKeyMiddleware, keys=server.api_keys())
+    run_during_lifespan(app, lambda: asyncio.get_running_loop().create_task(serving.metrics.watch_event_loop()),
+                        asyncio.Task.cancel)
+    return app
+
+
+def run_during_lifespan(app: FastAPI, start: Callable[[], T], stop: Callable[[T], Any]) -> None:
+    """Extend the app's lifespan: `start()` once it has begun (on the server's event loop), and
+    `stop(what start returned)` as it ends."""
     original = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
-    async def lifespan(a):  # the app's own lifespan, with the event-loop lag sampled inside it
+    async def lifespan(a):
         async with original(a) as state:
-            watcher = asyncio.get_running_loop().create_task(serving.metrics.watch_event_loop())
+            started = start()
             try:
                 yield state
             finally:
-                watcher.cancel()
+                stop(started)
 
     app.router.lifespan_context = lifespan
-    return app
 
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning", **kwargs: Any):
