@@ -35,42 +35,39 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.sim.costs import FittedCostModel, StepShape  # noqa: E402
+from cluster.sim.workload import Client, SimRequest, Workload  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
+from workers.worker import STEP_LOG_ENV  # noqa: E402
 
 
 class Recorder:
-    """Wraps an engine's scheduler.schedule to capture each step's chunks, and times engine.step()."""
+    """Records each engine step's shape and wall time (the engine's step_observer)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.samples: list[dict] = []
-        self._chunks: list[tuple[int, int, bool]] = []
-        original = engine.scheduler.schedule
+        self._label = ""
+        engine.step_observer = self._observe
 
-        def schedule():
-            out = original()
-            self._chunks = [(c.seq.num_computed_tokens, c.num_tokens, c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens)
-                            for c in out.chunks]
-            return out
-
-        engine.scheduler.schedule = schedule
+    def _observe(self, chunks: list[tuple[int, int, bool]], seconds: float) -> None:
+        self.samples.append(sample(chunks, seconds, self._label))
 
     def step(self, label: str) -> None:
-        t0 = time.perf_counter()
+        self._label = label
         self.engine.step()
-        dt = time.perf_counter() - t0
-        if self._chunks:
-            shape = StepShape.of(self._chunks)
-            self.samples.append({"label": label, "seconds": dt, **shape.__dict__})
-        self._chunks = []
 
     def run_all(self, label: str, limit: int = 10_000) -> None:
         for _ in range(limit):
             if not self.engine.has_unfinished_requests():
                 return
             self.step(label)
+
+
+def sample(chunks: list[tuple[int, int, bool]], seconds: float, label: str) -> dict:
+    """One fit sample: a step's shape (cluster.sim.costs.StepShape) and its wall seconds."""
+    return {"label": label, "seconds": seconds, **StepShape.of(chunks).__dict__}
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -157,6 +154,60 @@ def peer_load(dtype: str, threads: int, stop, ready) -> None:
         engine.step()
 
 
+def served_workload(rng: random.Random) -> list[Workload]:
+    """What --served sends, phase after phase: a warm-up; prefills of 32-256 new tokens over cached
+    prefixes of 0-1,536 (each prefix sent once before), beside 4 streams; decode batches of 1-16 sequences of 64-512
+    tokens; 8 streams beside three 1,500-token prompts. Not the validation workloads (cluster.sim.validation)."""
+    n = iter(range(1_000_000))
+    req = lambda prompt, out, at=None: SimRequest(f"profile-{next(n)}", tuple(prompt), out, at)  # noqa: E731
+    warm = Workload((Client.closed_loop("warm-up", [req(tokens(rng, 64), 8) for _ in range(4)], 2),))
+    units = []
+    for cached in (0, 512, 1536):
+        for new in (32, 96, 256):
+            prefix = tokens(rng, cached)
+            units.append((req(prefix + tokens(rng, 16), 4), req(prefix + tokens(rng, new), 8)))
+    # Prefills run beside decoding streams, as a prefill worker's mostly do.
+    prefixes = Workload((Client("prefixes", tuple(units), 1),
+                         Client.closed_loop("streams", [req(tokens(rng, 32), 96) for _ in range(12)], 4)))
+    decodes = Workload(tuple(Client.closed_loop(f"decode {c}", [req(tokens(rng, rng.randrange(64, 513)), 64)
+                                                               for _ in range(2 * c)], c) for c in (1, 4, 8, 16)))
+    mixed = Workload((Client.closed_loop("streams", [req(tokens(rng, 32), 192) for _ in range(8)], 8),
+                      Client.open_loop("long", [req(tokens(rng, 1500), 1, at) for at in (1.0, 4.0, 7.0)])))
+    return [warm, prefixes, decodes, mixed]
+
+
+def served_samples(args) -> list[dict]:
+    """Every engine step of a real `baton serve` (bench/sim_validate.py's server and client) under
+    served_workload, both workers' steps, the warm-up's left out."""
+    import asyncio
+    import tempfile
+
+    import sim_validate  # bench/sim_validate.py
+
+    url = f"http://127.0.0.1:{args.port}"
+    with tempfile.TemporaryDirectory() as log_dir:
+        os.environ[STEP_LOG_ENV] = log_dir  # the server's workers inherit it
+        try:
+            proc = sim_validate.start_server(args.port, Path("/tmp/profile_costs_serve.log"), ("--dtype", args.dtype))
+        finally:
+            del os.environ[STEP_LOG_ENV]
+        logs = lambda: sorted(Path(log_dir).glob("*.jsonl"))  # noqa: E731
+        try:
+            warm, *phases = served_workload(random.Random(args.seed))
+            asyncio.run(sim_validate.run_real(warm, url, args.model))
+            skip = {path: len(path.read_text().splitlines()) for path in logs()}
+            for phase in phases:
+                asyncio.run(sim_validate.run_real(phase, url, args.model))
+        finally:
+            sim_validate.stop_server(proc)
+        samples = []
+        for path in logs():
+            for line in path.read_text().splitlines()[skip.get(path, 0):]:
+                step = json.loads(line)
+                samples.append(sample([tuple(c) for c in step["chunks"]], step["seconds"], f"served {step['role']}"))
+    return samples
+
+
 def measure_overheads() -> dict:
     """Ray actor call round trip on 127.0.0.1 (p50 of 200), as the router's calls to workers pay it."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -191,9 +242,16 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true",
                     help="keep a second engine process busy meanwhile, as the other worker of a 1 + 1 `baton serve` "
                          "is some of the time (tried once: it over-predicted the served steps 2-4x)")
+    ap.add_argument("--served", action="store_true",
+                    help="fit the steps of a real `baton serve --threads-per-worker 1` (both workers, beside the "
+                         "router and the client) under a profiling workload, instead of an engine alone")
+    ap.add_argument("--port", type=int, default=8124, help="with --served: the server's port on 127.0.0.1")
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct", help="with --served: the served model name")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/cost_profile_cpu.json")
     args = ap.parse_args()
+    started = time.perf_counter()
+    served = served_samples(args) if args.served else None
     config = EngineConfig(dtype=args.dtype, num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
     engine = LLMEngine.from_model_dir(None, config)
     peer = None
@@ -203,9 +261,8 @@ def main() -> None:
         peer = ctx.Process(target=peer_load, args=(args.dtype, args.threads, stop, ready), daemon=True)
         peer.start()
         ready.wait(300)
-    started = time.perf_counter()
     try:
-        samples = profile(engine, random.Random(args.seed), args.quick)
+        samples = served if served is not None else profile(engine, random.Random(args.seed), args.quick)
     finally:
         if peer is not None:
             stop.set()
@@ -224,6 +281,7 @@ def main() -> None:
         "link": "cpu-shm",
         "fit": quality,
         "peer_engine_busy": args.peer,
+        "source": "a served `baton serve --threads-per-worker 1`'s steps" if args.served else "an engine alone",
         "engine": {"dtype": args.dtype, "threads": args.threads, "block_size": bm.block_size,
                    "max_num_batched_tokens": config.max_num_batched_tokens, "num_blocks": bm.num_blocks},
         "profile_seconds": time.perf_counter() - started,

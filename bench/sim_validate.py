@@ -1,11 +1,12 @@
 """Simulator vs a real `baton serve` on this machine: TTFT p50/p99 and TPOT p50 on three workloads.
 
-Back to back, under the same conditions: (1) profile this machine's engine steps and Ray call
-(bench/profile_costs.py, unless --profile names an existing profile), (2) start a default
-`baton serve` (1 prefill + 1 decode worker, float32) on 127.0.0.1, send the three workloads of
-cluster/sim/validation.py (workload 1 and 2 of bench/compare_vllm.py, and a multi-turn chat with a
-shared system prompt) with bench/serve.py's request code, stop it, (3) simulate the very same
-requests with the profiled costs, and compare. Writes bench/results/sim_validate.json and prints
+Back to back, under the same conditions: (1) profile this machine's served engine steps and Ray call
+(`bench/profile_costs.py --served`: the steps of a real server under a profiling workload of its
+own, unless --profile names an existing profile), (2) for each of the three workloads start a fresh
+`baton serve --threads-per-worker 1` (1 prefill + 1 decode worker, float32, one core each) on
+127.0.0.1, send it the workload (cluster/sim/validation.py: workload 1 and 2 of
+bench/compare_vllm.py, and a multi-turn chat with a shared system prompt) with bench/serve.py's
+request code, stop it, (3) simulate the very same requests with the profiled costs, and compare. Writes bench/results/sim_validate.json and prints
 the table the README shows.
 
     .venv/bin/python bench/sim_validate.py                       # ~6 minutes
@@ -85,10 +86,17 @@ async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
     return rows
 
 
-def start_server(port: int, log_path: Path) -> subprocess.Popen:
+# One core per worker, as the profile times them: without it the two workers share the machine's
+# cores (cluster.placement.shared_cpu_host: a long prompt's prefill takes both, the decode worker
+# runs at idle priority), a CPU-only arrangement the simulator, built for a worker per GPU, leaves out.
+SERVER_FLAGS = ("--threads-per-worker", "1")
+
+
+def start_server(port: int, log_path: Path, extra_flags: tuple[str, ...] = ()) -> subprocess.Popen:
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     log = open(log_path, "w")
-    proc = subprocess.Popen([str(ROOT / ".venv/bin/baton"), "serve", "--port", str(port), "--log-level", "warning"],
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/baton"), "serve", "--port", str(port), "--log-level", "warning",
+                             *SERVER_FLAGS, *extra_flags],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -152,21 +160,23 @@ def main() -> None:
         extra = {k: stored[k] for k in ("real_run", "machine") if k in stored}
     else:
         if args.profile is None:
-            subprocess.run([sys.executable, str(ROOT / "bench/profile_costs.py"), "--overheads", "--out", str(profile)],
-                           check=True, cwd=ROOT)
-        proc = start_server(args.port, Path("/tmp/sim_validate_serve.log"))
+            subprocess.run([sys.executable, str(ROOT / "bench/profile_costs.py"), "--served", "--overheads",
+                            "--out", str(profile)], check=True, cwd=ROOT)
         real, started = {}, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        try:
-            for name in names:
+        for name in names:
+            # A fresh server per workload, as each simulation starts from an empty cluster (a server
+            # that ran the others first holds their blocks, its pages scattered).
+            proc = start_server(args.port, Path("/tmp/sim_validate_serve.log"))
+            try:
                 t0 = time.perf_counter()
                 rows = asyncio.run(run_real(validation_workload(name), f"http://127.0.0.1:{args.port}", args.model))
                 real[name] = {**summarize(rows), "wall_s": time.perf_counter() - t0,
                               "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5]}
                 print(f"real {name}: {json.dumps(real[name])}", flush=True)
-        finally:
-            stop_server(proc)
-        extra = {"real_run": {"started": started, "server": "baton serve --port PORT (defaults: 1 prefill + 1 decode "
-                                                               "worker, float32, 1 thread each)"},
+            finally:
+                stop_server(proc)
+        extra = {"real_run": {"started": started, "server": "baton serve --port PORT " + " ".join(SERVER_FLAGS) +
+                              " (otherwise defaults: 1 prefill + 1 decode worker, float32)"},
                  "machine": {"machine": platform.machine(), "cpus": os.cpu_count(),
                              "load_average_1m": os.getloadavg()[0]}}
     results = {}

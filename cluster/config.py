@@ -88,7 +88,9 @@ class PlacementConfig:
     decode_workers: int = field(default=1, metadata={"help": "decode pool size"})
     threads_per_worker: int | None = field(default=None, metadata={
         "help": "CPU threads per worker, also the CPUs each worker asks Ray for "
-                "(default: this machine's cores shared among the workers, and no CPUs asked from Ray)"})
+                "(default: this machine's cores shared among the workers, and no CPUs asked from Ray; with one "
+                "prefill worker, it takes every core for prompts of 1,024+ tokens and decode workers run at idle "
+                "priority)"})
     gpus_per_worker: float | None = field(default=None, metadata={
         "help": "GPUs each worker asks Ray for (default: 1 when the Ray cluster has GPUs, else 0)"})
     prefill_resource: str | None = field(default="baton_prefill", metadata={

@@ -6,6 +6,10 @@ Per pool (`resolve_pool`), from the configuration and the cluster's nodes as Ray
 - GPUs: `gpus_per_worker`, or 1 when any node has GPUs (whatever the transport flag says);
   a worker given GPUs runs its engine and KV cache on CUDA.
 - CPUs: `threads_per_worker` when given (the engine runs that many threads), else none.
+  Without it on the CPU, one prefill worker and the decode workers share the machine's cores
+  (`shared_cpu_host`): a prefill worker runs a long prompt's steps on every core, and decode
+  workers run at idle priority, so they yield to it. A long prompt's first token waits on that
+  compute; the streams lose the steps the prefill takes (bench/run_comparison.sh measures both).
 - the pool's custom resource (`baton_prefill` / `baton_decode`), 1 per worker, when a node
   offers it: that is what pins each pool to its node type on a `ray up` or KubeRay cluster.
 - a Ray label selector (`prefill_node_labels` / `decode_node_labels`), when given.
@@ -21,6 +25,7 @@ reports the KV backend each pair uses.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -148,8 +153,20 @@ def worker_config(config: BatonConfig, role: str, worker_id: str, placement: Poo
     """The WorkerConfig of one worker. The model is passed as the user gave it, so each worker
     resolves it on its own node; the engine runs where the placement gives it GPUs."""
     engine = replace(config.worker_engine_config(), device=placement.device)
+    shared = shared_cpu_host(config, placement)
+    cores = os.cpu_count() or 1
+    if shared and role == "prefill" and cores > (engine.num_threads or 1):
+        engine = replace(engine, long_prompt_threads=cores)
     return WorkerConfig(worker_id, role, config.model, engine, transport=config.transport.kind,
-                        transfer_timeout_s=config.transport.transfer_timeout_s)
+                        transfer_timeout_s=config.transport.transfer_timeout_s,
+                        idle_priority=shared and role == "decode")
+
+
+def shared_cpu_host(config: BatonConfig, placement: PoolPlacement) -> bool:
+    """Whether the pools share one machine's cores: the CPU default (no threads_per_worker, so no
+    CPUs asked from Ray, and no pool pinned to a node type) with a single prefill worker."""
+    return (placement.device == "cpu" and placement.num_cpus == 0 and not placement.resources
+            and not placement.label_selector and config.placement.prefill_workers == 1)
 
 
 def spawn_worker(config: BatonConfig, role: str, index: int, name_prefix: str = "baton",

@@ -57,9 +57,10 @@ class RayBackend(WorkerPools):
                          "migrations_failed": 0}
         # Seconds from losing a request's decode worker to its next token on the new one (bounded).
         self.migration_gaps: deque[float] = deque(maxlen=1000)
-        # RPCs that create a request's state on a decode worker (submit, reserve), kept while their
-        # caller was cancelled: the worker is a threaded actor and may run a later abort first, so
-        # the abort waits for them (else a reservation made after its abort would hold blocks forever).
+        # RPCs that create a request's state on a decode worker (submit, reserve, start_decode), kept
+        # while in flight or while their caller was cancelled: the worker is a threaded actor and may
+        # run a later abort first, so the abort waits for them (else a reservation made after its
+        # abort would hold blocks forever).
         self._creating: dict[str, object] = {}
 
     # ---- requests ----------------------------------------------------------------------------
@@ -104,6 +105,11 @@ class RayBackend(WorkerPools):
                             finished = first.finished
                             progress.add(first)
                             yield first
+                            # D's start_decode went out with the first token; it is awaited only now,
+                            # so the client does not wait for D's current engine step.
+                            starting = self._creating.get(rid)
+                            if not finished and starting is not None:
+                                await self._create_on(decode, rid, starting)
                     else:
                         await self._resubmit(request, decode, progress)
                     while not finished:
@@ -181,10 +187,10 @@ class RayBackend(WorkerPools):
             self.counters["migrations_failed"] += 1
             raise BackendError(f"request {request.request_id} could not continue on {decode.worker_id}: {exc}") from None
 
-    async def _abort_quietly(self, w: PoolWorker, request_id: str) -> None:
+    async def _abort_quietly(self, w: PoolWorker, request_id: str, final: bool = False) -> None:
         try:
-            # Not final: the request goes on elsewhere, or here again after a restart.
-            await asyncio.wait_for(w.handle.abort.remote(request_id, False), self.health_timeout_s)
+            # Not final by default: the request goes on elsewhere, or here again after a restart.
+            await asyncio.wait_for(w.handle.abort.remote(request_id, final), self.health_timeout_s)
         except (RayError, asyncio.TimeoutError):
             pass  # dead or hung: it holds nothing we can free from here
 
@@ -260,10 +266,12 @@ class RayBackend(WorkerPools):
             trace.kv_bytes = result.bytes_sent
             trace.kv_blocks = result.num_blocks_sent
             trace.cached_tokens = result.output.num_cached_tokens
-        if result.output.finished:
-            await self._call(decode, decode.handle.abort.remote(rid))  # nothing to decode: free the reservation
+        if result.output.finished:  # nothing to decode: free the reservation, not holding the answer back
+            asyncio.get_running_loop().create_task(self._abort_quietly(decode, rid, final=True))
         else:
-            await self._call(decode, decode.handle.start_decode.remote(rid, result.output.token_ids[0]))
+            # Sent now, awaited by generate() after it yields the first token; an abort meanwhile
+            # waits for it (_abort_on), so the start cannot land after the abort.
+            self._creating[rid] = decode.handle.start_decode.remote(rid, result.output.token_ids[0])
         return result.output
 
     async def _create_on(self, w: PoolWorker, request_id: str, ref):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +111,9 @@ class LLMEngine:
                                torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1))
         self._ids = itertools.count()
         self.num_computed_tokens = 0
+        # Called after every step with its chunks as (tokens computed before, tokens this step,
+        # sampled) and its wall seconds: the cost profile (bench/profile_costs.py) reads steps so.
+        self.step_observer: Callable[[list[tuple[int, int, bool]], float], None] | None = None
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -282,13 +287,24 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return []
         chunks = sched.chunks
+        self._set_threads(chunks)
         sample_mask = [c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens for c in chunks]
+        shape = None
+        if self.step_observer is not None:
+            shape = [(c.seq.num_computed_tokens, c.num_tokens, s) for c, s in zip(chunks, sample_mask)]
+        outputs = self._run(sched.num_tokens, chunks, sample_mask)
+        if shape is not None:
+            self.step_observer(shape, time.perf_counter() - started)
+        return outputs
+
+    def _run(self, num_tokens: int, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> list[RequestOutput]:
         logits = self.runner.execute(chunks, sample_mask)
-        self.num_computed_tokens += sched.num_tokens
+        self.num_computed_tokens += num_tokens
         sampled: list[Sequence] = []
         for chunk, sampling in zip(chunks, sample_mask):
             chunk.seq.num_computed_tokens += chunk.num_tokens
@@ -300,6 +316,16 @@ class LLMEngine:
         rows = [self._sampling_row(seq) for seq in sampled]
         tokens, logprobs = self.sampler(logits, rows)
         return [self._advance(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, logprobs)]
+
+    def _set_threads(self, chunks) -> None:
+        """long_prompt_threads for a step holding a long prompt's prefill chunk, else num_threads."""
+        c = self.config
+        if c.long_prompt_threads is None:
+            return
+        long = any(ch.seq.num_computed_tokens < ch.seq.num_prompt_tokens >= c.long_prompt_tokens for ch in chunks)
+        want = c.long_prompt_threads if long else (c.num_threads or 1)
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.sampling_params

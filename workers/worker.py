@@ -14,6 +14,7 @@ request's new tokens, so streaming costs one RPC per step, not one per token.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -37,6 +38,10 @@ from workers.sampling_params import SamplingParams
 
 ROLES = ("prefill", "decode")
 log = logging.getLogger(__name__)
+
+# A folder: every worker appends each engine step's shape and wall time to <worker id>.jsonl
+# there (bench/profile_costs.py --served fits the simulator's cost model to a real server's steps).
+STEP_LOG_ENV = "BATON_STEP_LOG_DIR"
 
 
 class RequestAborted(RuntimeError):
@@ -107,10 +112,22 @@ class WorkerConfig:
     # view: the transport per pair compares node ids, and gloo/nccl rendezvous on `host`.
     node_id: str = "local"
     host: str = "127.0.0.1"
+    # The engine thread runs at idle priority (Linux SCHED_IDLE): a decode worker sharing a CPU host
+    # with a prefill worker yields to it, and to the router, whenever they want a core
+    # (cluster.placement decides).
+    idle_priority: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+
+def _run_at_idle_priority(worker_id: str) -> None:
+    """The calling thread (and the threads it starts) runs only when no other thread wants the CPU."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: run as before
+        log.warning("worker %s: cannot run at idle priority (%s)", worker_id, exc)
 
 
 class EngineWorker:
@@ -122,6 +139,10 @@ class EngineWorker:
             engine, transport = _build_engine_and_transport(config, transport)
         self.engine = engine
         self.transport = transport
+        self._step_log = None
+        if os.environ.get(STEP_LOG_ENV):
+            self._step_log = open(os.path.join(os.environ[STEP_LOG_ENV], f"{self.worker_id}.jsonl"), "a", buffering=1)
+            engine.step_observer = self._log_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: list[RequestOutput] = []
         self._outbox_ready = threading.Condition()
@@ -143,6 +164,8 @@ class EngineWorker:
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.config.idle_priority:
+            _run_at_idle_priority(self.worker_id)
         engine = self.engine
         while not self._stopped.is_set():
             block = not engine.has_schedulable_work()
@@ -414,6 +437,12 @@ class EngineWorker:
         self._thread.join(timeout=5)
         if self.transport is not None:
             self.transport.close()
+        if self._step_log is not None:
+            self._step_log.close()
+
+    def _log_step(self, chunks: list[tuple[int, int, bool]], seconds: float) -> None:
+        if not self._step_log.closed:  # an engine thread that outlived shutdown's join logs nothing more
+            self._step_log.write(json.dumps({"role": self.role, "seconds": seconds, "chunks": chunks}) + "\n")
 
 
 def _build_engine_and_transport(config: WorkerConfig, transport=None):

@@ -269,7 +269,7 @@ class Simulator:
             self.loop.after(rpc, p.call, lambda: p.add(rid, f.req.prompt, f.req.output_len, on_first, prefill_only=True))
 
         def first_token(d_cached: int, finished: bool) -> None:
-            if finished:  # one-token request: the answer is P's token; free D's reservation first
+            if finished:  # one-token request: the answer is P's token; D's reservation is freed beside it
                 self.loop.after(rpc, to_router_finished)
                 return
             begin_send(d_cached)  # on P's engine thread as the step ends (workers.worker)
@@ -286,17 +286,17 @@ class Simulator:
             p.call(lambda: p.release(rid))  # queued for P's engine thread, not waited for
             self.loop.after(rpc, to_router)
 
+        # The router passes the first token on at once; D's start_decode (or the abort of a
+        # one-token request's reservation) goes out with it and waits for D's engine thread.
         def to_router() -> None:
             self._dequeue(f)
-            self.loop.after(rpc, d.call, start_decode)
-
-        def start_decode() -> None:
-            d.kv_arrived(rid)
-            self.loop.after(rpc, self._client_token, f, False)
+            self._client_token(f, False)
+            self.loop.after(rpc, d.call, lambda: d.kv_arrived(rid))
 
         def to_router_finished() -> None:
             self._dequeue(f)
-            self.loop.after(rpc, d.call, lambda: (d.abort(rid), self.loop.after(rpc, self._client_token, f, True)))
+            self._client_token(f, True)
+            self.loop.after(rpc, d.call, lambda: d.abort(rid))
 
         self.loop.after(rpc, d.call, reserve)
 

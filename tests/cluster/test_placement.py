@@ -60,6 +60,26 @@ def test_cpu_machine_asks_for_nothing_it_does_not_have():
     assert wc.engine.device == "cpu" and wc.transport == "auto" and wc.model is None  # resolved on its node
 
 
+def test_a_shared_cpu_host_gives_long_prompts_every_core_and_the_decode_worker_idle_priority(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    config = BatonConfig()  # 1 prefill + 1 decode worker, no threads_per_worker: they share the cores
+    pool = resolve_pool(config, "prefill", [HEAD])
+    prefill = worker_config(config, "prefill", "prefill-0", pool)
+    decode = worker_config(config, "decode", "decode-0", resolve_pool(config, "decode", [HEAD]))
+    assert prefill.engine.num_threads == 2 and prefill.engine.long_prompt_threads == 4 and not prefill.idle_priority
+    assert decode.engine.long_prompt_threads is None and decode.idle_priority
+    # Cores given per worker, GPUs, two prefill workers, pools pinned to node types: nothing shared.
+    for options, nodes in (({"threads_per_worker": 2}, [HEAD]), ({}, [HEAD, PREFILL, DECODE]),
+                           ({"prefill_workers": 2}, [HEAD])):
+        config = BatonConfig.from_options(**options)
+        for role in ("prefill", "decode"):
+            wc = worker_config(config, role, f"{role}-0", resolve_pool(config, role, nodes))
+            assert wc.engine.long_prompt_threads is None and not wc.idle_priority, (options, role)
+    pinned = BatonConfig.from_options(prefill_node_labels="pool=prefill")
+    wc = worker_config(pinned, "prefill", "prefill-0", resolve_pool(pinned, "prefill", [HEAD]))
+    assert wc.engine.long_prompt_threads is None
+
+
 def test_explicit_gpus_labels_and_resource_names():
     config = BatonConfig.from_options(gpus_per_worker=2.0, prefill_node_labels="pool=prefill,zone=in(a,b)",
                                       prefill_resource="fast_prefill")

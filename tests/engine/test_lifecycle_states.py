@@ -3,13 +3,17 @@ reserve / abort and prefill / hold / send / release cycles leave every block acc
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
+import torch
 
 from tests.engine.test_prefix_and_stress import tiny_engine
 from workers.protocol import PrefillRequest, WorkerReady
 from workers.sampling_params import SamplingParams
 from workers.sequence import SequenceStatus
-from workers.worker import AbortedIds, EngineWorker, RequestAborted, WorkerConfig
+from workers.worker import STEP_LOG_ENV, AbortedIds, EngineWorker, RequestAborted, WorkerConfig
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -151,3 +155,61 @@ def test_the_aborted_ids_are_bounded():
     for rid in "bcd":
         with pytest.raises(RequestAborted):
             ids.refuse(rid)
+
+
+def test_a_long_prompts_prefill_steps_run_on_long_prompt_threads(monkeypatch):
+    before = torch.get_num_threads()
+    engine = tiny_engine(num_kv_blocks=32, block_size=16, max_num_batched_tokens=64, num_threads=1,
+                         long_prompt_threads=2, long_prompt_tokens=100)
+    seen = []
+    execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda chunks, mask: (
+        seen.append((sum(c.num_tokens for c in chunks), torch.get_num_threads())), execute(chunks, mask))[1])
+    try:
+        engine.generate([prompt(150)], GREEDY)  # three prefill chunks (64, 64, 22), then decodes
+        assert seen == [(64, 2), (64, 2), (22, 2), (1, 1), (1, 1), (1, 1)]
+        seen.clear()
+        engine.generate([prompt(99)], GREEDY)  # under long_prompt_tokens: one thread throughout
+        assert {threads for _, threads in seen} == {1}
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_a_worker_at_idle_priority_runs_its_engine_thread_at_sched_idle(engine):
+    for idle, policy in ((True, os.SCHED_IDLE), (False, os.SCHED_OTHER)):
+        worker = EngineWorker(WorkerConfig("decode-0", "decode", idle_priority=idle), engine=engine, transport=None)
+        try:
+            worker.stats()  # a call the engine thread answers: its loop has started
+            assert os.sched_getscheduler(worker._thread.native_id) == policy
+        finally:
+            worker.shutdown()
+
+
+def test_the_step_observer_sees_each_steps_chunks_and_time(engine):
+    seen = []
+    engine.step_observer = lambda chunks, seconds: seen.append((chunks, seconds))
+    try:
+        engine.generate([prompt(100), prompt(30, base=200)], GREEDY)  # 64-token budget
+    finally:
+        engine.step_observer = None
+    # (tokens computed before, tokens this step, sampled), as the scheduler's budget splits them:
+    # the first prompt's chunks, then the second's beside the first's decodes.
+    assert [c for c, _ in seen[:3]] == [[(0, 64, False)], [(64, 36, True), (0, 28, False)],
+                                        [(100, 1, True), (28, 2, True)]]
+    assert all(s > 0 for _, s in seen)
+
+
+def test_a_worker_logs_its_steps_where_the_environment_says(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path))
+    worker = EngineWorker(WorkerConfig("prefill-0", "prefill"), engine=engine, transport=None)
+    try:
+        worker.submit("logged", prompt(40), GREEDY)
+        while not any(o.finished for o in worker.poll_outputs(5.0)):
+            pass
+    finally:
+        worker.shutdown()
+        engine.step_observer = None
+    steps = [json.loads(line) for line in (tmp_path / "prefill-0.jsonl").read_text().splitlines()]
+    assert [s["chunks"] for s in steps] == [[[0, 40, True]], [[40, 1, True]], [[41, 1, True]], [[42, 1, True]]]
+    assert {s["role"] for s in steps} == {"prefill"} and all(s["seconds"] > 0 for s in steps)
