@@ -10,9 +10,12 @@ recorded with its shape (the scheduler's chunks) and its wall time; a least-squa
            + c_prefill_pairs * prefill_pairs + c_decode_seq * decode_seqs
 
 (knee chosen by a 1-D search; coefficients kept >= 0). With --peer a second engine process keeps
-decoding and prefilling meanwhile, as the other worker of a 1 + 1 deployment does part of the time. The serving overheads (Ray call, stream
-delay) are measured too, when --overheads is given (starts Ray on 127.0.0.1). Writes a model
-profile that `baton plan --model-profile` and bench/sim_validate.py read:
+decoding and prefilling meanwhile, as the other worker of a 1 + 1 deployment does part of the time.
+With --served the steps are a real `baton serve --threads-per-worker 1`'s instead, logged by its
+workers (BATON_STEP_LOG_DIR) under a profiling workload of this file's own (`served_workload`):
+what the simulator's validation uses. The serving overheads (Ray call, stream delay) are measured
+too, when --overheads is given (starts Ray on 127.0.0.1). Writes a model profile that
+`baton plan --model-profile` and bench/sim_validate.py read:
 
     .venv/bin/python bench/profile_costs.py [--dtype float32] [--out bench/results/cost_profile_cpu.json]
 """
@@ -156,8 +159,9 @@ def peer_load(dtype: str, threads: int, stop, ready) -> None:
 
 def served_workload(rng: random.Random) -> list[Workload]:
     """What --served sends, phase after phase: a warm-up; prefills of 32-256 new tokens over cached
-    prefixes of 0-1,536 (each prefix sent once before), beside 4 streams; decode batches of 1-16 sequences of 64-512
-    tokens; 8 streams beside three 1,500-token prompts. Not the validation workloads (cluster.sim.validation)."""
+    prefixes of 0-1,536 (each prefix sent once before), beside 4 streams; decode batches of 1-16
+    sequences of 64-512 tokens; 8 streams beside three 1,500-token prompts. Not the validation
+    workloads (cluster.sim.validation)."""
     n = iter(range(1_000_000))
     req = lambda prompt, out, at=None: SimRequest(f"profile-{next(n)}", tuple(prompt), out, at)  # noqa: E731
     warm = Workload((Client.closed_loop("warm-up", [req(tokens(rng, 64), 8) for _ in range(4)], 2),))

@@ -6,10 +6,10 @@ own, unless --profile names an existing profile), (2) for each of the three work
 `baton serve --threads-per-worker 1` (1 prefill + 1 decode worker, float32, one core each) on
 127.0.0.1, send it the workload (cluster/sim/validation.py: workload 1 and 2 of
 bench/compare_vllm.py, and a multi-turn chat with a shared system prompt) with bench/serve.py's
-request code, stop it, (3) simulate the very same requests with the profiled costs, and compare. Writes bench/results/sim_validate.json and prints
-the table the README shows.
+request code, stop it, (3) simulate the very same requests with the profiled costs, and compare.
+Writes bench/results/sim_validate.json and prints the table the README shows.
 
-    .venv/bin/python bench/sim_validate.py                       # ~6 minutes
+    .venv/bin/python bench/sim_validate.py                       # ~4 minutes
     .venv/bin/python bench/sim_validate.py --profile bench/results/cost_profile_cpu.json --sim-only
 """
 

@@ -9,14 +9,16 @@ Every `interval_s` it looks at the last `window_s` of traffic, per pool:
 - decode pressure = max(TPOT p90 / TPOT SLO, 1 + waiting / running when sequences wait for a
   decode slot or KV blocks).
 
-A pool whose pressure exceeds `scale_up_at` grows by max(1, round(n * (pressure - 1))) workers
-(at most doubling). A pool shrinks by one after `down_after` low checks in a row: for decode,
-the pressure one worker fewer would give (TPOT x n / (n - 1)) below `scale_down_at`, with no
-sequence waiting and no prefill queue (decode workers prefill when the prefill pool is small); for prefill (whose TTFT includes the prefill itself, however idle
-the pool), queue pressure below `scale_down_at` and a busy fraction (heartbeats at which a prefill
-worker had work) low enough that n - 1 workers would be busy at most half the time. Hysteresis (the gap between the two thresholds, and `down_after`) and a
-per-pool cool-down after every change (`cooldown_s`) keep it from oscillating; sizes stay within
-each pool's min and max. Off by default (`--autoscale`).
+A pool whose pressure exceeds `scale_up_at` grows by max(1, round(n * (pressure - 1))) workers (at
+most doubling). A pool shrinks by one after `down_after` low checks in a row: for decode, the
+pressure one worker fewer would give (TPOT x n / (n - 1)) below `scale_down_at`, with no sequence
+waiting and no prefill queue (decode workers prefill when the prefill pool is small); for prefill
+(whose TTFT includes the prefill itself, however idle the pool), queue pressure below
+`scale_down_at` and a busy fraction (heartbeats at which a prefill worker had work) low enough that
+n - 1 workers would be busy at most half the time. Hysteresis (the gap between the two thresholds,
+and `down_after`), a per-pool cool-down after every change (`cooldown_s`) and no shrinking within
+two cool-downs of growing keep it from oscillating; sizes stay within each pool's min and max. Off
+by default (`--autoscale`).
 
 `Autoscaler.decide` is pure (signals in, target sizes out), so the simulator (`attach_to_simulator`)
 and the real driver loop (`AutoscalerLoop`, over `cluster.pool_manager.PoolManager`) run the same
@@ -74,7 +76,8 @@ class AutoscalerConfig:
     down_after: int = field(default=6, metadata={
         "flag": "autoscale_down_after", "help": "consecutive low-pressure decisions before a pool shrinks"})
     cooldown_s: float = field(default=60.0, metadata={
-        "flag": "autoscale_cooldown", "help": "seconds a pool is left alone after it changed"})
+        "flag": "autoscale_cooldown",
+        "help": "seconds a pool is left alone after it changed (after growing, it shrinks no sooner than twice this)"})
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "window_s", "slo_ttft_s", "slo_tpot_s"):
@@ -128,6 +131,7 @@ class Autoscaler:
     def __init__(self, config: AutoscalerConfig) -> None:
         self.config = config
         self._changed_at = {"prefill": -math.inf, "decode": -math.inf}
+        self._grew_at = {"prefill": -math.inf, "decode": -math.inf}
         self._low = {"prefill": 0, "decode": 0}
         self.history: list[tuple[Signals, Decision]] = []
 
@@ -170,12 +174,18 @@ class Autoscaler:
                     low = (pressure * n / max(1, n - 1) < c.scale_down_at and not s.decode_waiting
                            and self.queue_pressure(s) < c.scale_down_at)
                 self._low[role] = self._low[role] + 1 if low else 0
-                if target == n and self._low[role] >= c.down_after and n > lo:
+                # A pool that grew shrinks no sooner than two cool-downs later (a stabilization window,
+                # as Kubernetes' HPA holds scale-downs): a burst's aftermath, e.g. the wave of prompts
+                # a prefill backlog releases, must not have it grow and shrink back in turn.
+                stable = s.now - self._grew_at[role] >= 2 * c.cooldown_s
+                if target == n and self._low[role] >= c.down_after and n > lo and stable:
                     target = n - 1
                     reasons.append(f"{role} pressure below {c.scale_down_at} for {self._low[role]} checks")
             if target != n:
                 self._changed_at[role] = s.now
                 self._low[role] = 0
+                if target > n:
+                    self._grew_at[role] = s.now
             sizes[role] = target
         decision = Decision(sizes["prefill"], sizes["decode"], pp, dp, "; ".join(reasons) or "hold")
         self.history.append((s, decision))

@@ -10,6 +10,7 @@ Per pool (`resolve_pool`), from the configuration and the cluster's nodes as Ray
   (`shared_cpu_host`): a prefill worker runs a long prompt's steps on every core, and decode
   workers run at idle priority, so they yield to it. A long prompt's first token waits on that
   compute; the streams lose the steps the prefill takes (bench/run_comparison.sh measures both).
+  The rule reads the configured pool sizes: workers the pool manager adds later get the same.
 - the pool's custom resource (`baton_prefill` / `baton_decode`), 1 per worker, when a node
   offers it: that is what pins each pool to its node type on a `ray up` or KubeRay cluster.
 - a Ray label selector (`prefill_node_labels` / `decode_node_labels`), when given.

@@ -13,7 +13,7 @@ from router.trace import RequestTrace
 from workers.block_hash import hash_prefix_blocks
 from workers.sampling_params import SamplingParams
 
-from .fake_actors import BS, FakeActor
+from .fake_actors import BS, FakeActor, _Method
 
 HEALTH_S = 0.1
 
@@ -134,3 +134,37 @@ def test_counters_through_the_http_app(tokenizer):
         assert 'baton:routing_decisions_total{decision="remote",model_name="m",reason="remote_prefill"} 1.0' in text
         client.portal.call(backend.close)
     assert backend.counters["local_prefill"] == 1 and backend.counters["remote_prefill"] == 1
+
+
+def test_a_remote_prefills_first_token_does_not_wait_for_the_decode_worker():
+    # D answers start_decode and abort 0.5 s late (inside a long engine step): the first token
+    # reaches the client as soon as P returns it; the rest follows once D has started.
+    async def main():
+        backend, actors = make_backend(num_prefill=1)
+        d = actors["decode-0"]
+        for name in ("start_decode", "abort"):
+            async def late(*args, _fn=getattr(d, "_" + name)):
+                await asyncio.sleep(0.5)
+                return await _fn(*args)
+            late.__name__ = name  # as the calls log names it
+            setattr(d, name, _Method(d, late))
+        policy = KvAwarePolicy(backend.prefix_index, BS, RoutingConfig(seed=0, local_prefill_threshold=0))
+        try:
+            backend.workers()
+            for max_tokens in (1, 3):
+                prompt = [7000 + 100 * max_tokens + k for k in range(40)]
+                route = policy.choose(prompt, backend.workers())
+                assert route.prefill_worker == "prefill-0"
+                started, times = time.perf_counter(), []
+                async for out in backend.generate(GenerateRequest(f"r{max_tokens}", prompt,
+                                                                  SamplingParams(max_tokens=max_tokens), route)):
+                    times.append(time.perf_counter() - started)
+                assert times[0] < 0.3, times  # not behind D's 0.5 s
+                if max_tokens > 1:
+                    assert times[-1] > 0.5  # the decode worker's tokens came after its start
+            await asyncio.sleep(0.6)  # the one-token request's reservation is freed beside its answer
+            assert not d.reserved and d.calls.count("abort") == 1
+        finally:
+            await backend.close()
+
+    asyncio.run(main())

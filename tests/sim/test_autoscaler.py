@@ -163,3 +163,10 @@ def test_baton_serve_runs_the_loop_inside_the_apps_lifespan():
     task = asyncio.run(run())
     assert task.cancelled() or task.done()
     assert len(loop.autoscaler.history) >= 2
+
+
+def test_a_pool_that_grew_shrinks_no_sooner_than_two_cool_downs_later():
+    a = Autoscaler(CONFIG)  # cool-down 30 s, down_after 3 checks
+    assert a.decide(signals(0, tpot=0.3)).decode_workers == 2  # TPOT over the SLO: one more
+    shrinks = [t for t in range(30, 90, 5) if a.decide(signals(t, d=2, tpot=0.01)).decode_workers == 1]
+    assert shrinks == [60]  # low since 30 s (the cool-down), but held until 2 x 30 s after growing
