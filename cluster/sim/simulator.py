@@ -7,8 +7,9 @@ the router's health loop feeds it:
 
 - remote prefill: reserve blocks on decode worker D (a call, between D's steps) -> prefill on P
   (`prefill_only`) -> the send begins as P's step ends, the KV moves (`LinkModel`), P's release of
-  the blocks is queued (between its steps) -> start decoding on D -> first token to the client -> D streams the rest;
-  no room on D: D prefills locally; a 1-token request: P's token is the answer, D's reservation is aborted;
+  the blocks is queued (between its steps) -> first token to the client, and start decoding on D
+  (between D's steps) -> D streams the rest; no room on D: D prefills locally; a 1-token request:
+  P's token is the answer, and D's reservation is aborted beside it;
 - local prefill (the policy's choice, or no prefill worker): D runs the whole request.
 
 The router counts each request's prompt as queued prefill work on whoever prefills it until the
