@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test test-fast bench clean
 
 install: $(STAMP)
 
@@ -40,6 +40,21 @@ serve: $(STAMP)
 
 test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
+
+# The edit-test loop: no default-model load, no Ray (tests marked slow or gpu are left out), about
+# about 100 s here (2 cores). `make test` runs everything.
+FAST_TESTS := tests/unit tests/sim tests/routing tests/router tests/hardening/test_schemathesis_asgi.py \
+  tests/observability/test_metrics.py tests/observability/test_grafana_dashboard.py \
+  tests/kvtransfer/test_layout.py tests/kvtransfer/test_endpoint_torch_free.py
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not gpu" $(FAST_TESTS) $(PYTEST_ARGS)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
+
+# The documentation site (mkdocs.yml, docs/) into build/site; its measured tables come from bench/results/.
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,7 +5,7 @@ pools of 1-2 workers each, decisions every 3 s over 15 s of traffic, 20 s cool-d
 1.5 s), then Poisson traffic of 96-token-id prompts and 32 output tokens: 0.2 req/s for 30 s, 3 req/s
 for 60 s, 0.2 req/s for 90 s. The pools' sizes are sampled every second; every request must succeed.
 
-    .venv/bin/python bench/autoscale_cpu.py
+    .venv/bin/python -m bench.autoscale_cpu
 
 Writes bench/results/autoscale_cpu.json.
 """
@@ -23,14 +23,13 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 import httpx  # noqa: E402
 
-import serve as load  # noqa: E402  (bench/serve.py)
+from cluster import loadgen as load  # noqa: E402  (the request code every benchmark here uses)
 from cluster.config import BatonConfig  # noqa: E402
-from tests.e2e.conftest import free_port, serving  # noqa: E402
+from cluster.harness import free_port  # noqa: E402
+from cluster.testing import serving  # noqa: E402
 
 PHASES = ((30.0, 0.2), (60.0, 3.0), (90.0, 0.2))  # (seconds, requests/s)
 

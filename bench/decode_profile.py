@@ -1,6 +1,6 @@
 """Where one decode step of the engine goes, by category, with and without the native CPU kernels.
 
-    .venv/bin/python bench/decode_profile.py [--batch 16] [--context 256] [--steps 20]
+    .venv/bin/python -m bench.decode_profile [--batch 16] [--context 256] [--steps 20]
         [--out bench/results/decode_profile.json]
 
 Setup: the default model, one torch thread (as one worker of `baton serve` on this 2-core
@@ -52,7 +52,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
@@ -61,7 +60,7 @@ from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.packed_linear import PackedLinear  # noqa: E402
 from workers.quantization import weight_memory  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 
 
 def _kernel(module: str, op: str) -> list[tuple[str, str]]:

@@ -1,7 +1,7 @@
 """Offline engine throughput: Baton vs transformers `generate` on the same model, same requests.
 
-    .venv/bin/python bench/engine_throughput.py                      # default: 64 requests, concurrency 1 8 32
-    .venv/bin/python bench/engine_throughput.py --num-requests 16 --concurrency 1 32 --skip-hf-batched
+    .venv/bin/python -m bench.engine_throughput                      # default: 64 requests, concurrency 1 8 32
+    .venv/bin/python -m bench.engine_throughput --num-requests 16 --concurrency 1 32 --skip-hf-batched
 
 Requests: fixed RNG seed; prompts of 32-512 random token ids from the vocabulary (special ids
 excluded), outputs of 16-96 tokens, greedy, ignore_eos (so every request yields exactly its
@@ -34,13 +34,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.model_files import resolve_model_dir  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 
 SEED = 20261130
 PROMPT_RANGE = (32, 512)

@@ -1,6 +1,6 @@
 """FP8 weights and FP8 KV cache on the default model (SmolLM2-135M-Instruct) against float32.
 
-    .venv/bin/python bench/fp8_accuracy.py [--windows 20] [--out bench/results/fp8_accuracy.json]
+    .venv/bin/python -m bench.fp8_accuracy [--windows 20] [--out bench/results/fp8_accuracy.json]
 
 Accuracy. Text: Python's offline `pydoc_data.topics`, the values of its sorted keys joined with
 "\\n\\n", tokenized whole, cut into `--windows` consecutive windows of 1024 tokens without
@@ -25,45 +25,20 @@ import json
 import math
 import pathlib
 import platform
-import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.quantization import weight_memory  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
+from workers.evaluation import CHUNK, WINDOW, chat_prompts, eval_windows  # noqa: E402
 
-WINDOW = 1024
-CHUNK = 256
 NEW_TOKENS = 32
 KV_BUDGET = 64 << 20
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain recursion in one sentence.",
-    "List three primary colors.",
-    "What is 17 times 23?",
-    "Translate 'good morning' into Spanish.",
-    "Give me a short tip for learning to code.",
-    "Why is the sky blue?",
-    "Write a Python function that reverses a string.",
-    "Who wrote Romeo and Juliet?",
-    "Describe a cat in two sentences.",
-    "What is the boiling point of water in Fahrenheit?",
-    "Suggest a name for a friendly robot.",
-    "Summarize the plot of Cinderella briefly.",
-    "How many legs does a spider have?",
-    "What does CPU stand for?",
-    "Tell me a fun fact about octopuses.",
-    "Write one sentence encouraging someone before an exam.",
-    "What is photosynthesis?",
-    "Name two planets larger than Earth.",
-]
 CONFIGS = {
     "float32": dict(),
     "fp8 weights": dict(quantization="fp8"),
@@ -74,21 +49,6 @@ CONFIGS = {
     "bfloat16": dict(dtype="bfloat16"),
 }
 LIMITS = {"fp8 weights": 0.03, "fp8 KV": 0.03, "fp8 weights + KV": 0.05, "bfloat16": 0.01}
-
-
-def eval_windows(tokenizer, windows: int) -> list[list[int]]:
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    ids = tokenizer(text)["input_ids"]
-    if len(ids) < windows * WINDOW:
-        raise SystemExit(f"pydoc topics give {len(ids)} tokens, fewer than {windows} windows of {WINDOW}")
-    return [ids[i * WINDOW : (i + 1) * WINDOW] for i in range(windows)]
-
-
-def chat_prompts(tokenizer) -> list[list[int]]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          return_dict=True)["input_ids"] for q in PROMPTS]
 
 
 def perplexity(engine: LLMEngine, windows: list[list[int]]) -> tuple[float, int]:
@@ -113,7 +73,7 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:
 
 
 def transfer_bytes(dtype: str, kv_cache_dtype: str) -> dict:
-    from workers.protocol import PrefillRequest
+    from common.protocol import PrefillRequest
     from workers.worker import EngineWorker, WorkerConfig
 
     ec = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64)

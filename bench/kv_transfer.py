@@ -2,9 +2,9 @@
 127.0.0.1), for each cross-process CPU backend, against a plain in-process memcpy of the same
 number of bytes in the same actor (the machine's limit).
 
-    .venv/bin/python bench/kv_transfer.py [--reps 7] [--out bench/results/kv_transfer.json]
+    .venv/bin/python -m bench.kv_transfer [--reps 7] [--out bench/results/kv_transfer.json]
     # quicker, for development (prints only unless --out is given):
-    .venv/bin/python bench/kv_transfer.py --backends shm --blocks 16 64 --out ''
+    .venv/bin/python -m bench.kv_transfer --backends shm --blocks 16 64 --out ''
 
 Then the same measurements as serving workers make them, with the transport per pair of workers
 (`kvtransfer.PairwiseTransport`, backend chosen from the two actors' Ray nodes) on a Ray
@@ -34,11 +34,9 @@ import pathlib
 import platform
 import random
 import statistics
-import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import ray  # noqa: E402

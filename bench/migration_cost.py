@@ -18,7 +18,7 @@ and the router's own measure (loss noticed -> next token, so without Ray's detec
 Prompt lengths vary: the re-prefill grows with prompt + tokens so far. The server runs in this
 process, so client and router share one clock.
 
-    python bench/migration_cost.py --concurrency 4 --tokens 96 --after 32 --prompt-lengths 32 512
+    python -m bench.migration_cost --concurrency 4 --tokens 96 --after 32 --prompt-lengths 32 512
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ import json
 import os
 import signal
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from cluster.config import BatonConfig
+from cluster.harness import free_port, wait_until
+from cluster.testing import serving
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
@@ -106,30 +109,19 @@ def main() -> None:
 
     import ray
 
-    from cluster.config import BatonConfig
-    from cluster.launcher import build_app, deploy
-    from router.app import make_server
-    from tests.e2e.conftest import free_port, wait_until
-
     port = free_port()
     config = BatonConfig.from_options(port=port, prefill_workers=1, decode_workers=2, kv_cache_memory="256MiB",
                                       routing_policy="round-robin", admin_endpoint=True, drain_timeout=0.0)
-    deployment = deploy(config, actor_name_prefix="migcost")
-    backend = deployment.backend
-    http = make_server(build_app(deployment), port=port)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
     results = []
-    try:
-        wait_until(lambda: http.started, 60, "the router")
+    with serving(config, actor_name_prefix="migcost") as running:
+        deployment, backend, url = running.deployment, running.deployment.backend, running.base_url
 
         def whole():
             infos = backend.workers()
             return sum(1 for w in infos if w.role == "decode" and w.alive and not w.draining) == 2
 
         def decode_workers() -> list[tuple[str, object]]:
-            return sorted((wid, h) for wid, role, h in deployment.workers if role == "decode")
+            return sorted((w.worker_id, w.handle) for w in deployment.workers if w.role == "decode")
 
         asyncio.run(one_round(url, [[1, 2, 3]] * 2, 8, 1, lambda: asyncio.sleep(0, result=set())))  # warm-up
         for length in args.prompt_lengths:
@@ -140,7 +132,7 @@ def main() -> None:
                 victim_pid = ray.get(handle.stats.remote(), timeout=60).pid
 
                 async def event():
-                    where = {rid: s.decode_worker for rid, s in list(backend._streams.items())}
+                    where = backend.pools.decode_worker_of_streams()
                     if kind == "crash":
                         os.kill(victim_pid, signal.SIGKILL)
                         lost = victim
@@ -163,16 +155,12 @@ def main() -> None:
                 if kind == "drain":
                     with httpx.Client(timeout=900) as admin:
                         admin.post(url + "/admin/scale", json={"decode": 2}).raise_for_status()
-    finally:
-        http.should_exit = True
-        thread.join(timeout=10)
-        deployment.shutdown()
     result = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cores": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)},
         "concurrency": args.concurrency, "tokens": args.tokens, "moved_after_tokens": args.after,
         "threads_per_worker": config.worker_threads(), "results": results,
-        "command": f"python bench/migration_cost.py --concurrency {args.concurrency} --tokens {args.tokens} "
+        "command": f"python -m bench.migration_cost --concurrency {args.concurrency} --tokens {args.tokens} "
                    f"--after {args.after} --prompt-lengths {' '.join(map(str, args.prompt_lengths))}",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Overload: 4x the sustainable concurrency for 60 s against a router whose admission gates are
 sized to what the pools sustain.
 
-    python bench/overload.py --out bench/results/overload.json
+    python -m bench.overload --out bench/results/overload.json
 
 1. Calibration (a server with the default gates, started for it): closed-loop streaming clients
    at concurrency 1, 2, 4, ... for --step seconds each; the sustainable concurrency C is the
@@ -34,7 +34,6 @@ import json
 import multiprocessing
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +42,8 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import soak  # noqa: E402  (bench/soak.py: prompts, percentiles, baton_server)
+from bench import soak  # noqa: E402  (prompts, baton_server)
+from common.stats import percentile  # noqa: E402
 
 
 @dataclass
@@ -141,7 +140,7 @@ def bucket_quantile(before: dict[float, float], after: dict[float, float], q: fl
 
 
 def pct(values: list[float]) -> dict:
-    return {"p50": soak._ms(soak.percentile(values, 50)), "p99": soak._ms(soak.percentile(values, 99)),
+    return {"p50": soak.ms_at(values, 50), "p99": soak.ms_at(values, 99),
             "max": soak._ms(max(values) if values else None), "count": len(values)}
 
 
@@ -210,7 +209,7 @@ async def overload(base_url: str, args, sustainable: int) -> dict:
         status = (await http.get("/v1/status")).json()
         after = processes(status)
         health = (await http.get("/health")).status_code
-    normal = soak.percentile(baseline, 50)
+    normal = percentile(baseline, 50)
     limit = max(1.5 * normal, normal + 0.1)
     recovered_at = None
     for i, probe in enumerate(probes):
@@ -248,10 +247,10 @@ async def overload(base_url: str, args, sustainable: int) -> dict:
         "health_after": health,
         "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
         "checks": {
-            "429_within_50ms_p99": bool(refused) and soak.percentile([s.latency_s for s in refused], 99) < 0.05,
+            "429_within_50ms_p99": bool(refused) and percentile([s.latency_s for s in refused], 99) < 0.05,
             "router_loop_lag_within_50ms_p99": (bucket_quantile(router_lag_before, router_lag_after, 0.99) or 1.0) <= 0.05,
             "light_client_429_within_50ms_p99": any(s == 429 for s, _ in light_samples)
-            and soak.percentile([t for s, t in light_samples if s == 429], 99) < 0.05,
+            and percentile([t for s, t in light_samples if s == 429], 99) < 0.05,
             "no_other_errors": not other,
             "nothing_died": all(p["alive"] for p in after.values()) and health == 200,
             "recovered_within_10s": recovered_at is not None and recovered_at <= 10.0,

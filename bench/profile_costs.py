@@ -17,7 +17,7 @@ what the simulator's validation uses. The serving overheads (Ray call, stream de
 too, when --overheads is given (starts Ray on 127.0.0.1). Writes a model profile that
 `baton plan --model-profile` and bench/sim_validate.py read:
 
-    .venv/bin/python bench/profile_costs.py [--dtype float32] [--out bench/results/cost_profile_cpu.json]
+    .venv/bin/python -m bench.profile_costs [--dtype float32] [--out bench/results/cost_profile_cpu.json]
 """
 
 from __future__ import annotations
@@ -33,26 +33,24 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.sim.costs import FittedCostModel, StepShape  # noqa: E402
+from cluster.sim.costs import StepShape, fit_cost_model  # noqa: E402
 from cluster.sim.workload import Client, SimRequest, Workload  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 from workers.worker import STEP_LOG_ENV  # noqa: E402
 
 
 class Recorder:
-    """Records each engine step's shape and wall time (the engine's step_observer)."""
+    """Records each engine step's shape and wall time (`LLMEngine.observe_steps`)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.samples: list[dict] = []
         self._label = ""
-        engine.step_observer = self._observe
+        engine.observe_steps(self._observe)
 
     def _observe(self, chunks: list[tuple[int, int, bool]], seconds: float) -> None:
         self.samples.append(sample(chunks, seconds, self._label))
@@ -117,34 +115,6 @@ def profile(engine: LLMEngine, rng: random.Random, quick: bool) -> list[dict]:
     return rec.samples
 
 
-def fit(samples: list[dict]) -> tuple[dict[str, float], float, dict]:
-    """Least squares on relative error (each step weighs the same whatever its length), coefficients >= 0."""
-    names = FittedCostModel.COEFFICIENTS
-    t = np.array([s["seconds"] for s in samples])
-    shapes = [StepShape(**{k: s[k] for k in StepShape.__dataclass_fields__}) for s in samples]
-    best = None
-    for knee in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-        x = np.array([FittedCostModel.features(sh, knee) for sh in shapes]) / t[:, None]
-        active = list(range(len(names)))
-        while True:
-            coef, *_ = np.linalg.lstsq(x[:, active], np.ones(len(t)), rcond=None)
-            negative = [a for a, c in zip(active, coef) if c < 0]
-            if not negative:
-                break
-            active.remove(min(negative, key=lambda a: coef[active.index(a)]))
-        full = np.zeros(len(names))
-        full[active] = coef
-        pred = np.array([FittedCostModel.features(sh, knee) for sh in shapes]) @ full
-        err = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
-        if best is None or err < best[2]:
-            best = (full, knee, err, pred)
-    full, knee, err, pred = best
-    rel = np.abs(pred - t) / t
-    quality = {"rms_relative_error": err, "median_relative_error": float(np.median(rel)),
-               "p90_relative_error": float(np.quantile(rel, 0.9)), "samples": len(samples)}
-    return dict(zip(names, map(float, full))), float(knee), quality
-
-
 def peer_load(dtype: str, threads: int, stop, ready) -> None:
     """The other worker of a 1 + 1 deployment, busy: an engine decoding 8 sequences and prefilling a
     256-token prompt now and then, until told to stop (a separate process, as the other actor is)."""
@@ -186,24 +156,19 @@ def served_samples(args) -> list[dict]:
     import asyncio
     import tempfile
 
-    import sim_validate  # bench/sim_validate.py
+    from bench import sim_validate  # only --served needs its server and client
 
     url = f"http://127.0.0.1:{args.port}"
     with tempfile.TemporaryDirectory() as log_dir:
-        os.environ[STEP_LOG_ENV] = log_dir  # the server's workers inherit it
-        try:
-            proc = sim_validate.start_server(args.port, Path("/tmp/profile_costs_serve.log"), ("--dtype", args.dtype))
-        finally:
-            del os.environ[STEP_LOG_ENV]
         logs = lambda: sorted(Path(log_dir).glob("*.jsonl"))  # noqa: E731
-        try:
+        # The server's workers inherit STEP_LOG_ENV.
+        with sim_validate.baton_server(args.port, Path("/tmp/profile_costs_serve.log"), ("--dtype", args.dtype),
+                                       env={STEP_LOG_ENV: log_dir}):
             warm, *phases = served_workload(random.Random(args.seed))
             asyncio.run(sim_validate.run_real(warm, url, args.model))
             skip = {path: len(path.read_text().splitlines()) for path in logs()}
             for phase in phases:
                 asyncio.run(sim_validate.run_real(phase, url, args.model))
-        finally:
-            sim_validate.stop_server(proc)
         samples = []
         for path in logs():
             for line in path.read_text().splitlines()[skip.get(path, 0):]:
@@ -271,7 +236,7 @@ def main() -> None:
         if peer is not None:
             stop.set()
             peer.join(30)
-    coefficients, knee, quality = fit(samples)
+    coefficients, knee, quality = fit_cost_model(samples)
     bm = engine.block_manager
     mc = engine.model_config
     kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * (4 if args.dtype == "float32" else 2)

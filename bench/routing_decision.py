@@ -5,7 +5,7 @@ Fills a PrefixIndex with 10,000 blocks spread over 16 workers (8 prefill, 8 deco
 `KvAwarePolicy.choose` (hashing the prompt included) on prompts of 256..2048 tokens that share those
 prefixes, and reports p50/p99/max. Target: p99 < 1 ms. Pure Python, no Ray, a few seconds.
 
-    .venv/bin/python bench/routing_decision.py [--requests 5000] [--out bench/results/routing_decision.json]
+    .venv/bin/python -m bench.routing_decision [--requests 5000] [--out bench/results/routing_decision.json]
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import random
 import time
 from pathlib import Path
 
+from common.stats import percentile
 from router.backend import WorkerInfo
 from router.prefix_index import PrefixIndex
 from router.routing import KvAwarePolicy, RoutingConfig
-from workers.block_hash import hash_prefix_blocks
+from common.block_hash import hash_prefix_blocks
 
 BS = 16
 
@@ -64,7 +65,7 @@ def main() -> None:
         policy.choose(p, workers)
         times.append(time.perf_counter() - t0)
     times.sort()
-    q = lambda f: times[min(len(times) - 1, int(f * len(times)))] * 1e3  # noqa: E731
+    q = lambda f: percentile(times, f * 100) * 1e3  # noqa: E731  (common.stats, in ms)
     result = {
         "benchmark": "routing_decision", "policy": "kv-aware", "workers": args.workers, "indexed_blocks": indexed,
         "block_size": BS, "requests": args.requests, "prompt_tokens": [256, 2048],

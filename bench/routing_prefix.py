@@ -14,7 +14,7 @@ prefilling worker really reused. Hit rate = cached / prompt tokens. The ideal: f
 the longest prefix (whole blocks, never the last token) it shares with anything computed earlier
 in its phase (earlier prompts, and earlier conversations including their replies).
 
-    .venv/bin/python bench/routing_prefix.py [--conversations 5] [--turns 4]
+    .venv/bin/python -m bench.routing_prefix [--conversations 5] [--turns 4]
 
 Writes bench/results/routing_prefix.json and bench/results/routing_local_prefill.json.
 """
@@ -25,15 +25,15 @@ import argparse
 import json
 import os
 import platform
-import sys
-import threading
 import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
+
+from cluster.harness import serve_app  # noqa: E402
+from common.stats import percentile  # noqa: E402
 
 TOPICS = ["the water cycle", "how bridges carry weight", "why the sky is blue", "how bees make honey",
           "the history of paper", "how vaccines work", "what causes tides", "how a bicycle balances"]
@@ -57,10 +57,8 @@ def lcp(a: list[int], b: list[int]) -> int:
 
 
 def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+    """common.stats.percentile at fraction q (None when there are no values)."""
+    return percentile(values, q * 100) if values else None
 
 
 class Phase:
@@ -106,28 +104,12 @@ class Phase:
                 "decisions": decisions, "per_request": self.rows}
 
 
-def serve(app):
-    from router.app import make_server
-    from tests.e2e.conftest import free_port
-
-    port = free_port()
-    http = make_server(app, port=port)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not http.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("router did not start")
-        time.sleep(0.05)
-    return http, thread, f"http://127.0.0.1:{port}"
-
-
 def run_phase(name, policy, dep, tokenizer, work) -> dict:
     from router.app import build_app
 
     app = build_app(dep.backend, tokenizer, dep.model_name, dep.max_model_len, policy)
-    http, thread, url = serve(app)
-    try:
+    with serve_app(app) as served:
+        url = served.base_url
         phase = Phase(name, app, url, tokenizer, dep.block_size)
         with httpx.Client(base_url=url, timeout=300) as client:
             started = time.monotonic()
@@ -140,9 +122,6 @@ def run_phase(name, policy, dep, tokenizer, work) -> dict:
         print(f"{name:>28}: hit rate {out['hit_rate']:.1%} (ideal {out['ideal_hit_rate']:.1%}), "
               f"TTFT p50 {out['ttft_p50_s'] * 1000:.0f} ms, {out['decisions']}, {elapsed:.0f} s", flush=True)
         return out
-    finally:
-        http.should_exit = True
-        thread.join(timeout=10)
 
 
 def chat_workload(tag: str, conversations: int, turns: int, max_tokens: int):

@@ -92,7 +92,7 @@ for mode in default "temperature 0"; do
       order=(); for (( i=${#LABELS[@]}-1; i>=0; i-- )); do order+=("${LABELS[$i]}"); done
     fi
     for label in "${order[@]}"; do
-      .venv/bin/python bench/compare_vllm.py --base-url "http://127.0.0.1:${PORTS[$label]}" --label "$label" \
+      .venv/bin/python -m bench.compare_vllm --base-url "http://127.0.0.1:${PORTS[$label]}" --label "$label" \
         --vllm "$VLLM_VENV/bin/vllm" --tokenizer "$MODEL_DIR" --workload "$workload" --modes "$mode" --merge \
         "${EXTRA[@]}" &
       CURRENT=$!

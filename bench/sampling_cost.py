@@ -1,6 +1,6 @@
 """What each request shape costs per token, against greedy, in one run.
 
-    .venv/bin/python bench/sampling_cost.py [--batch 16] [--context 256] [--steps 12] [--reps 3]
+    .venv/bin/python -m bench.sampling_cost [--batch 16] [--context 256] [--steps 12] [--reps 3]
         [--dtypes float32 bfloat16] [--out bench/results/sampling_cost.json]
 
 Engine decode steps (the default model, one torch thread, as one worker of `baton serve`): --batch
@@ -28,15 +28,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
-from workers.protocol import TokenLogprob  # noqa: E402
+from common.protocol import TokenLogprob  # noqa: E402
 from workers.sampler import SamplingRow, sample  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 
 SHAPES = {
     "greedy": dict(temperature=0.0),

@@ -9,7 +9,7 @@ and may use 1-3 prefill and 1-4 decode workers. Compared with the smallest stati
 and the peak-sized one (3+4): SLO attainment, worker-seconds used, scaling actions, and how often
 a pool reversed direction (an oscillation is a reversal within 2 cool-downs).
 
-    .venv/bin/python bench/sim_autoscale.py [--profile bench/results/cost_profile_cpu.json]
+    .venv/bin/python -m bench.sim_autoscale [--profile bench/results/cost_profile_cpu.json]
 
 Writes bench/results/sim_autoscale.json and bench/results/sim_autoscale_{step,diurnal}.png.
 """
@@ -24,9 +24,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.autoscaler import AutoscalerConfig, attach_to_simulator  # noqa: E402
+from cluster.autoscaler import attach_to_simulator  # noqa: E402
+from cluster.autoscaler_config import AutoscalerConfig  # noqa: E402
 from cluster.sim import SLO, ClusterSpec, LengthDist, Simulator, WorkloadSpec, load_cost_model  # noqa: E402
 from cluster.sim.metrics import pyplot  # noqa: E402
 
@@ -60,11 +60,12 @@ def reversals(actions: list[dict], cooldown_s: float) -> int:
 def run(spec: WorkloadSpec, cost, overheads, link, split: tuple[int, int], autoscale: bool) -> dict:
     sim = Simulator(ClusterSpec(*split), cost, overheads, link, record_itl=False)
     if autoscale:
-        attach_to_simulator(sim, CONFIG, startup_s=STARTUP_S)
+        actions = attach_to_simulator(sim, CONFIG, startup_s=STARTUP_S).actions
+    else:
+        actions = []
     result = sim.run(spec.generate())
     summary = result.summary(SLO_TARGET)
     worker_s = sum(p.gpu_seconds for p in result.pools.values())
-    actions = getattr(sim, "autoscaler_actions", [])
     return {"split": "autoscaled from 1P:1D" if autoscale else f"static {split[0]}P:{split[1]}D",
             "slo_attainment": summary["slo_attainment"], "goodput": summary["goodput"],
             "ttft_p90_ms": summary["ttft_ms"]["p90"], "tpot_p90_ms": summary["tpot_ms"]["p90"],

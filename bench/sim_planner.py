@@ -6,7 +6,7 @@ CPU profile), SLOs TTFT 4 s (8 s for the prompt-heavy one) and TPOT 250 ms at 90
 For each: `cluster.planner.plan` (estimate + hill climb) and `cluster.planner.exhaustive` (every
 split, 0 to 7 prefill workers), goodput per GPU of each choice, and the simulations each needed.
 
-    .venv/bin/python bench/sim_planner.py [--profile bench/results/cost_profile_cpu.json] [--gpus 8]
+    .venv/bin/python -m bench.sim_planner [--profile bench/results/cost_profile_cpu.json] [--gpus 8]
 
 Writes bench/results/sim_planner.json and bench/results/sim_planner_<workload>.png.
 """
@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.planner import PlanProblem, exhaustive, plan, plot_plan  # noqa: E402
 from cluster.sim import SLO, LengthDist, WorkloadSpec, load_cost_model  # noqa: E402

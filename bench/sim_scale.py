@@ -13,7 +13,7 @@ in the simulator, with the router's real decision code in the loop (docs/scale.m
    tokenisation, SSE) measured on the real app over an in-process backend: where one router
    process saturates, and how many shards 10,000 req/s needs.
 
-    .venv/bin/python bench/sim_scale.py [--slice-seconds 20] [--full-seconds 1]
+    .venv/bin/python -m bench.sim_scale [--slice-seconds 20] [--full-seconds 1]
 
 Writes bench/results/sim_scale.json.
 """
@@ -37,23 +37,21 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from cluster.planner import PlanProblem, capacity_estimate  # noqa: E402
 from cluster.sim import (  # noqa: E402
     GPUS, LINKS, MODELS, SLO, ClusterSpec, EngineSettings, LengthDist, RooflineCostModel, ServingOverheads, Simulator,
     WorkloadSpec,
 )
-from cluster.sim.metrics import percentiles  # noqa: E402
+from common.stats import summary as percentiles  # noqa: E402
 from router.app import build_app  # noqa: E402
 from router.backend import WorkerInfo  # noqa: E402
 from router.prefix_index import PrefixIndex  # noqa: E402
 from router.routing import KvAwarePolicy, RoutingConfig  # noqa: E402
 from router.tokenizer import Tokenizer  # noqa: E402
 from workers.model_files import resolve_model_dir  # noqa: E402
-from fakes import FakeBackend  # noqa: E402  (tests/fakes.py: the in-process backend the router tests use)
-from workers.block_hash import hash_prefix_blocks  # noqa: E402
+from router.testing import FakeBackend  # noqa: E402  (the in-process backend the router tests use)
+from common.block_hash import hash_prefix_blocks  # noqa: E402
 
 GPUS_TOTAL = 1000
 RATE = 10_000.0

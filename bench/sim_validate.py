@@ -9,8 +9,8 @@ bench/compare_vllm.py, and a multi-turn chat with a shared system prompt) with b
 request code, stop it, (3) simulate the very same requests with the profiled costs, and compare.
 Writes bench/results/sim_validate.json and prints the table the README shows.
 
-    .venv/bin/python bench/sim_validate.py                       # ~4 minutes
-    .venv/bin/python bench/sim_validate.py --profile bench/results/cost_profile_cpu.json --sim-only
+    .venv/bin/python -m bench.sim_validate                       # ~4 minutes
+    .venv/bin/python -m bench.sim_validate --profile bench/results/cost_profile_cpu.json --sim-only
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import time
@@ -29,28 +28,12 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-import serve as load  # noqa: E402  (bench/serve.py: the request code every benchmark here uses)
+from cluster import loadgen as load  # noqa: E402  (the request code every benchmark here uses)
 
-from cluster.sim import ClusterSpec, EngineSettings, Simulator, load_cost_model  # noqa: E402
-from cluster.sim.metrics import percentiles  # noqa: E402
-from cluster.sim.validation import VALIDATION_WORKLOADS, compare, validation_workload  # noqa: E402
+from cluster.harness import baton_serve  # noqa: E402
+from cluster.sim.validation import VALIDATION_WORKLOADS, compare, simulate, summarize, validation_workload  # noqa: E402
 from cluster.sim.workload import Workload  # noqa: E402
-from router.routing import RoutingConfig  # noqa: E402
-
-SPEC = ClusterSpec(1, 1, EngineSettings(block_size=16, max_num_seqs=64, max_num_batched_tokens=256),
-                   RoutingConfig(seed=0))  # `baton serve`'s defaults
-
-
-def summarize(rows: list[dict]) -> dict:
-    """rows: {ok, ttft_s, tpot_s}; bench/serve.py's percentiles."""
-    done = [r for r in rows if r["ok"]]
-    return {"requests": len(rows), "completed": len(done),
-            "ttft_ms": percentiles([r["ttft_s"] for r in done]),
-            "tpot_ms": percentiles([r["tpot_s"] for r in done if r["tpot_s"] is not None])}
-
 
 async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
     """Send a Workload to a server as the simulator does: units in order, `concurrency` units at once,
@@ -92,44 +75,9 @@ async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
 SERVER_FLAGS = ("--threads-per-worker", "1")
 
 
-def start_server(port: int, log_path: Path, extra_flags: tuple[str, ...] = ()) -> subprocess.Popen:
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    log = open(log_path, "w")
-    proc = subprocess.Popen([str(ROOT / ".venv/bin/baton"), "serve", "--port", str(port), "--log-level", "warning",
-                             *SERVER_FLAGS, *extra_flags],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"baton serve exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError(f"baton serve not healthy after 300 s; see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        # To the server alone: it stops its workers and Ray (a group-wide signal stops them first,
-        # and the shutdown then waits on them).
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def simulate(name: str, profile: Path) -> dict:
-    cost, overheads, link = load_cost_model(profile)
-    sim = Simulator(SPEC, cost, overheads, link)
-    result = sim.run(validation_workload(name))
-    rows = [{"ok": r.completed, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s} for r in result.records]
-    return {**summarize(rows), "routes": result.summary()["routes"], "simulation_wall_s": result.sim_wall_s}
+def baton_server(port: int, log_path: Path, extra_flags: tuple[str, ...] = (), env: dict | None = None):
+    """`baton serve` with SERVER_FLAGS on `port` until the block ends (cluster.harness.baton_serve)."""
+    return baton_serve(["--log-level", "warning", *SERVER_FLAGS, *extra_flags], port=port, log_path=log_path, env=env)
 
 
 def table(results: dict) -> str:
@@ -160,21 +108,18 @@ def main() -> None:
         extra = {k: stored[k] for k in ("real_run", "machine") if k in stored}
     else:
         if args.profile is None:
-            subprocess.run([sys.executable, str(ROOT / "bench/profile_costs.py"), "--served", "--overheads",
+            subprocess.run([sys.executable, "-m", "bench.profile_costs", "--served", "--overheads",
                             "--out", str(profile)], check=True, cwd=ROOT)
         real, started = {}, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for name in names:
             # A fresh server per workload, as each simulation starts from an empty cluster (a server
             # that ran the others first holds their blocks, its pages scattered).
-            proc = start_server(args.port, Path("/tmp/sim_validate_serve.log"))
-            try:
+            with baton_server(args.port, Path("/tmp/sim_validate_serve.log")):
                 t0 = time.perf_counter()
                 rows = asyncio.run(run_real(validation_workload(name), f"http://127.0.0.1:{args.port}", args.model))
                 real[name] = {**summarize(rows), "wall_s": time.perf_counter() - t0,
                               "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5]}
                 print(f"real {name}: {json.dumps(real[name])}", flush=True)
-            finally:
-                stop_server(proc)
         extra = {"real_run": {"started": started, "server": "baton serve --port PORT " + " ".join(SERVER_FLAGS) +
                               " (otherwise defaults: 1 prefill + 1 decode worker, float32)"},
                  "machine": {"machine": platform.machine(), "cpus": os.cpu_count(),

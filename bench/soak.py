@@ -1,6 +1,6 @@
 """Soak test: steady load at about 80% of sustainable throughput, with careless clients, for a long time.
 
-    python bench/soak.py --base-url http://127.0.0.1:8000 --duration 600 --out bench/results/soak.json
+    python -m bench.soak --base-url http://127.0.0.1:8000 --duration 600 --out bench/results/soak.json
 
 1. Calibration: closed-loop clients (--calibration-concurrency) for --calibrate seconds measure the
    sustainable request throughput X of the mix below (or give --rate to skip it).
@@ -31,12 +31,7 @@ import json
 import os
 import random
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -44,6 +39,9 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from cluster.harness import baton_serve
+from common.stats import percentile
 
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
@@ -73,11 +71,9 @@ def prompt_text(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 90)))
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+def ms_at(values: list[float], q: float) -> float | None:
+    """common.stats.percentile(values, q) in ms, rounded (None when there are no values)."""
+    return _ms(percentile(values, q)) if values else None
 
 
 def envelope_ok(response: httpx.Response, status: int) -> bool:
@@ -310,10 +306,10 @@ async def soak(args) -> dict:
         "completed": len(normal),
         "throughput_rps": len(normal) / load_s,
         "output_tokens_per_s": sum(o.tokens for o in normal) / load_s,
-        "ttft_ms": {"p50": _ms(percentile([o.ttft_s for o in normal if o.ttft_s is not None], 50)),
-                    "p99": _ms(percentile([o.ttft_s for o in normal if o.ttft_s is not None], 99))},
-        "e2e_ms": {"p50": _ms(percentile([o.e2e_s for o in normal if o.e2e_s], 50)),
-                   "p99": _ms(percentile([o.e2e_s for o in normal if o.e2e_s], 99)),
+        "ttft_ms": {"p50": ms_at([o.ttft_s for o in normal if o.ttft_s is not None], 50),
+                    "p99": ms_at([o.ttft_s for o in normal if o.ttft_s is not None], 99)},
+        "e2e_ms": {"p50": ms_at([o.e2e_s for o in normal if o.e2e_s], 50),
+                   "p99": ms_at([o.e2e_s for o in normal if o.e2e_s], 99),
                    "mean": _ms(statistics.fmean([o.e2e_s for o in normal if o.e2e_s]) if normal else None)},
         "unintended_errors": len(unintended),
         "unintended_examples": [asdict(o) for o in unintended[:10]],
@@ -331,44 +327,10 @@ async def soak(args) -> dict:
 
 @contextlib.contextmanager
 def baton_server(flags: str, ready_timeout_s: float = 300.0, log_path: str | None = None):
-    """`baton serve FLAGS` on a free 127.0.0.1 port, in its own process group; yields the base URL.
-    Its output goes to `log_path` (default: a new file in the temporary directory)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    baton = Path(sys.executable).with_name("baton")
-    command = [str(baton), "serve", "--host", "127.0.0.1", "--port", str(port), *shlex.split(flags)]
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    if log_path is None:
-        log_path = tempfile.mkstemp(prefix="baton-serve-", suffix=".log")[1]
-    log = open(log_path, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"baton serve exited with {process.returncode} (log: {log_path})")
-            try:
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"baton serve not healthy after {ready_timeout_s:.0f} s")
-            time.sleep(0.5)
-        yield base_url
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)  # the launcher stops its workers and its private Ray
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # anything of that group still alive: nothing outlives the run
-        log.close()
+    """`baton serve FLAGS` on a free 127.0.0.1 port, in its own process group (cluster.harness.baton_serve);
+    yields the base URL. Its output goes to `log_path` (default: a new file in the temporary directory)."""
+    with baton_serve(shlex.split(flags), ready_timeout_s=ready_timeout_s, log_path=log_path) as server:
+        yield server.base_url
 
 
 def _ms(seconds: float | None) -> float | None:

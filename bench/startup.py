@@ -4,7 +4,7 @@ Runs the real CLI in a subprocess on a free 127.0.0.1 port, polls /health, then 
 SIGTERM and checks it exits. The default model must already be converted (the one-time GGUF
 conversion is reported separately when it happens first).
 
-    python bench/startup.py [--runs 3] [--out bench/results/startup.json]
+    python -m bench.startup [--runs 3] [--out bench/results/startup.json]
 """
 
 from __future__ import annotations
@@ -12,53 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster.harness import baton_serve
 
 
 def one_start(extra: list[str], timeout_s: float) -> dict:
-    port = free_port()
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    baton = Path(sys.executable).parent / "baton"
-    started = time.monotonic()
-    proc = subprocess.Popen([str(baton), "serve", "--port", str(port), *extra], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    healthy_after = None
-    try:
-        while time.monotonic() - started < timeout_s:
-            if proc.poll() is not None:
-                raise RuntimeError(f"baton serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    healthy_after = time.monotonic() - started
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-    finally:
+    """Launch `baton serve` (cluster.harness.baton_serve), time it to /health 200, then to its exit after SIGTERM."""
+    with baton_serve(extra, ready_timeout_s=timeout_s, stop_timeout_s=60) as server:
+        healthy_after = server.healthy_after_s
+        proc = server.process
         stop = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        stopped_after = time.monotonic() - stop
-    if healthy_after is None:
-        raise RuntimeError(f"not healthy within {timeout_s} s")
+    stopped_after = time.monotonic() - stop
     return {"healthy_after_s": healthy_after, "shutdown_s": stopped_after, "exit_code": proc.returncode}
 
 

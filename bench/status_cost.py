@@ -7,7 +7,7 @@ round trip and of the handler's own work (called in-process; wall and CPU time: 
 loaded machine the wall-clock p99 mostly measures preemption, the CPU time does not). The load
 average is recorded with the result. Target: p99 < 5 ms each.
 
-    .venv/bin/python bench/status_cost.py [--n 500] [--out bench/results/status_cost.json]
+    .venv/bin/python -m bench.status_cost [--n 500] [--out bench/results/status_cost.json]
 """
 
 from __future__ import annotations
@@ -16,24 +16,23 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from router.app import build_app  # noqa: E402
 from router.tokenizer import Tokenizer  # noqa: E402
-from tests.fakes import FakeBackend  # noqa: E402
-from tests.router.conftest import running_server  # noqa: E402
+from cluster.harness import serve_app  # noqa: E402
+from common.stats import percentile  # noqa: E402
+from router.testing import FakeBackend  # noqa: E402
 from workers.model_files import resolve_model_dir  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] * 1e3
+    """common.stats.percentile at fraction q, in ms."""
+    return percentile(values, q * 100) * 1e3
 
 
 def main() -> None:
@@ -47,7 +46,7 @@ def main() -> None:
     app = build_app(backend, tok, "SmolLM2-135M-Instruct", 8192)
     metrics = app.state.baton.metrics
     result = {"benchmark": "status_cost", "workers": 4, "machine": platform.machine(), "target_p99_ms": 5.0}
-    with running_server(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+    with serve_app(app) as served, httpx.Client(base_url=served.base_url, timeout=30) as client:
         for i in range(args.warm_requests):
             r = client.post("/v1/completions", json={"prompt": f"request {i}", "max_tokens": 16})
             r.raise_for_status()

@@ -7,7 +7,7 @@ N tokens each, and reports:
 - the client's inter-token latency vs the engine alone decoding the same batch in one process
   with the same thread count (the difference is the whole streaming path's per-token cost).
 
-    python bench/stream_overhead.py --concurrency 8 --tokens 64
+    python -m bench.stream_overhead --concurrency 8 --tokens 64
 """
 
 from __future__ import annotations
@@ -16,20 +16,23 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from cluster.config import BatonConfig
+from cluster.harness import free_port
+from cluster.testing import serving
+from common.stats import percentile
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def pct(values, p):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p * (len(ordered) - 1) + 0.5))] * 1000 if ordered else None
+    """common.stats.percentile at fraction p, in ms (None when there are no values)."""
+    return percentile(values, p * 100) * 1000 if values else None
 
 
 async def stream_all(base_url: str, concurrency: int, tokens: int) -> list[list[float]]:
@@ -52,7 +55,7 @@ def engine_alone_step_ms(concurrency: int, tokens: int, threads: int) -> float:
 
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
-    from workers.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     engine = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=256 << 20, num_threads=threads))
@@ -75,29 +78,14 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/stream_overhead.json")
     args = parser.parse_args()
 
-    from cluster.config import BatonConfig
-    from cluster.launcher import build_app, deploy
-    from router.app import make_server
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = BatonConfig.from_options(port=port, kv_cache_memory="256MiB")
-    deployment = deploy(config)
-    http = make_server(build_app(deployment), port=port)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.05)
-    try:
-        asyncio.run(stream_all(f"http://127.0.0.1:{port}", 2, 8))  # warm-up
-        deployment.backend.stream_delays.clear()
-        itls = [x for gaps in asyncio.run(stream_all(f"http://127.0.0.1:{port}", args.concurrency, args.tokens)) for x in gaps]
-        delays = list(deployment.backend.stream_delays)
-    finally:
-        http.should_exit = True
-        thread.join(timeout=10)
-        deployment.shutdown()
+    with serving(config) as running:
+        deployment = running.deployment
+        asyncio.run(stream_all(running.base_url, 2, 8))  # warm-up
+        deployment.backend.pools.stream_delays.clear()
+        itls = [x for gaps in asyncio.run(stream_all(running.base_url, args.concurrency, args.tokens)) for x in gaps]
+        delays = list(deployment.backend.pools.stream_delays)
     step_ms = engine_alone_step_ms(args.concurrency, args.tokens, config.worker_threads())
     itl_p50 = pct(itls, 0.5)
     result = {
@@ -109,7 +97,7 @@ def main() -> None:
         "engine_alone_step_ms_p50": step_ms,
         "streaming_overhead_ms_per_token_p50": itl_p50 - step_ms,
         "streaming_overhead_fraction_of_itl": (itl_p50 - step_ms) / itl_p50,
-        "command": f"python bench/stream_overhead.py --concurrency {args.concurrency} --tokens {args.tokens}",
+        "command": f"python -m bench.stream_overhead --concurrency {args.concurrency} --tokens {args.tokens}",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

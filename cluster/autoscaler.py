@@ -22,7 +22,8 @@ by default (`--autoscale`).
 
 `Autoscaler.decide` is pure (signals in, target sizes out), so the simulator (`attach_to_simulator`)
 and the real driver loop (`AutoscalerLoop`, over `cluster.pool_manager.PoolManager`) run the same
-decisions.
+decisions. Each reads its signals through a `SignalSource`: `RouterSignals` over the running
+router's traces and worker snapshot, `SimulatorSignals` over a simulation's public records.
 """
 
 from __future__ import annotations
@@ -34,66 +35,19 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from cluster.sim.metrics import percentiles
+from cluster.autoscaler_config import AutoscalerConfig
+from common.stats import percentile
 from router.app import run_during_lifespan
 
 if TYPE_CHECKING:  # annotations only: the serving path imports this module without the simulator
     from cluster.sim.simulator import Simulator
 
-__all__ = ["AutoscalerConfig", "Autoscaler", "AutoscalerLoop", "Decision", "RouterSignals", "Signals",
-           "attach_to_simulator", "install_autoscaler"]
+__all__ = ["Autoscaler", "AutoscalerLoop", "Decision", "RouterSignals", "SignalSource", "Signals",
+           "SimulatorSignals", "attach_to_simulator", "install_autoscaler"]
 
 log = logging.getLogger("baton.autoscaler")
-
-
-@dataclass
-class AutoscalerConfig:
-    """The autoscaler's knobs (a `baton serve` section; off by default)."""
-
-    enabled: bool = field(default=False, metadata={
-        "flag": "autoscale", "help": "grow and shrink the pools from the router's TTFT/TPOT and queue signals"})
-    interval_s: float = field(default=10.0, metadata={
-        "flag": "autoscale_interval", "help": "seconds between two autoscaler decisions"})
-    window_s: float = field(default=30.0, metadata={
-        "flag": "autoscale_window", "help": "seconds of recent traffic each decision looks at"})
-    slo_ttft_s: float = field(default=2.0, metadata={
-        "flag": "autoscale_slo_ttft", "help": "TTFT target in seconds (p90 over the window)"})
-    slo_tpot_s: float = field(default=0.1, metadata={
-        "flag": "autoscale_slo_tpot", "help": "TPOT target in seconds (p90 over the window)"})
-    # Not 0 by default: dropping the last prefill worker moves every prefill onto the decode pool,
-    # which then grows again (a flap seen in the simulator's load step).
-    min_prefill_workers: int = field(default=1, metadata={
-        "example": 0, "help": "the autoscaler keeps at least this many prefill workers (0 allows colocated)"})
-    max_prefill_workers: int = field(default=4, metadata={"help": "the autoscaler adds no prefill worker beyond this"})
-    min_decode_workers: int = field(default=1, metadata={"help": "the autoscaler keeps at least this many decode workers"})
-    max_decode_workers: int = field(default=4, metadata={"help": "the autoscaler adds no decode worker beyond this"})
-    scale_up_at: float = field(default=0.8, metadata={
-        "flag": "autoscale_up_at", "help": "grow a pool when its pressure (signal / SLO) exceeds this"})
-    scale_down_at: float = field(default=0.3, metadata={
-        "flag": "autoscale_down_at", "example": 0.2, "help": "shrink a pool when its pressure stays below this"})
-    down_after: int = field(default=6, metadata={
-        "flag": "autoscale_down_after", "help": "consecutive low-pressure decisions before a pool shrinks"})
-    cooldown_s: float = field(default=60.0, metadata={
-        "flag": "autoscale_cooldown",
-        "help": "seconds a pool is left alone after it changed (after growing, it shrinks no sooner than twice this)"})
-
-    def __post_init__(self) -> None:
-        for name in ("interval_s", "window_s", "slo_ttft_s", "slo_tpot_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"autoscaler {name} must be > 0, got {getattr(self, name)!r}")
-        if not 0 <= self.min_prefill_workers <= self.max_prefill_workers:
-            raise ValueError(f"need 0 <= min_prefill_workers <= max_prefill_workers, got "
-                             f"{self.min_prefill_workers}, {self.max_prefill_workers}")
-        if not 1 <= self.min_decode_workers <= self.max_decode_workers:
-            raise ValueError(f"need 1 <= min_decode_workers <= max_decode_workers, got "
-                             f"{self.min_decode_workers}, {self.max_decode_workers}")
-        if not 0 <= self.scale_down_at < self.scale_up_at:
-            raise ValueError(f"need 0 <= autoscale_down_at < autoscale_up_at (hysteresis), got "
-                             f"{self.scale_down_at}, {self.scale_up_at}")
-        if self.down_after < 1 or self.cooldown_s < 0:
-            raise ValueError("autoscale_down_after must be >= 1 and autoscale_cooldown >= 0")
 
 
 @dataclass(frozen=True)
@@ -134,6 +88,7 @@ class Autoscaler:
         self._grew_at = {"prefill": -math.inf, "decode": -math.inf}
         self._low = {"prefill": 0, "decode": 0}
         self.history: list[tuple[Signals, Decision]] = []
+        self.actions: list[dict] = []  # every change a simulation made on its decisions (reports read them)
 
     def queue_pressure(self, s: Signals) -> float:
         return min(10.0, max(s.queue_p90_s or 0.0, s.oldest_queued_s) / self.config.slo_ttft_s)
@@ -192,34 +147,50 @@ class Autoscaler:
         return decision
 
 
-def simulator_signals(sim: Simulator, window_s: float) -> Signals:
-    """The router's signals, as the simulated router has them."""
-    now = sim.loop.now
-    while sim.recent and sim.recent[0].done_s < now - window_s:
-        sim.recent.popleft()
-    recent = list(sim.recent)
-    first = [r for r in sim.records if r.first_token_s is not None and r.first_token_s >= now - window_s]
-    ttft = percentiles([r.ttft_s for r in first], 1.0)["p90"] if first else None
-    waits = [r.queue_s for r in first if r.queue_s is not None]
-    tpot_values = [r.tpot_s for r in recent if r.tpot_s is not None]
-    tpot = percentiles(tpot_values, 1.0)["p90"] if tpot_values else None
-    stats = [st for wid, st in sim._stats.items() if sim.workers[wid].role == "decode" and not sim.workers[wid].removed]
-    beats = [p for p in sim.timeline if p["t"] >= now - window_s]
-    busy = sum(p["prefill_busy"] for p in beats) / max(1, sum(p["prefill_workers"] for p in beats))
-    return Signals(now, sim.pool_size("prefill"), sim.pool_size("decode"), ttft, tpot,
-                   sum(sim._queued.values()), percentiles(waits, 1.0)["p90"] if waits else None,
-                   now - min(sim.unstarted.values(), default=now), sum(s[0] for s in stats), sum(s[1] for s in stats),
-                   busy)
+class SignalSource(Protocol):
+    """Where the autoscaler reads the last window from."""
+
+    def __call__(self) -> Signals:
+        ...
+
+
+def _p90(values: list[float]) -> float | None:
+    return percentile(values, 90) if values else None
+
+
+class SimulatorSignals:
+    """The router's signals, as the simulated router has them (a simulation's public records)."""
+
+    def __init__(self, sim: Simulator, window_s: float) -> None:
+        self.sim = sim
+        self.window_s = window_s
+
+    def __call__(self) -> Signals:
+        sim, window_s = self.sim, self.window_s
+        now = sim.loop.now
+        while sim.recent and sim.recent[0].done_s < now - window_s:
+            sim.recent.popleft()
+        first = [r for r in sim.records if r.first_token_s is not None and r.first_token_s >= now - window_s]
+        ttft = _p90([r.ttft_s for r in first])
+        waits = [r.queue_s for r in first if r.queue_s is not None]
+        tpot = _p90([r.tpot_s for r in sim.recent if r.tpot_s is not None])
+        running, waiting = sim.decode_load()
+        beats = [p for p in sim.timeline if p["t"] >= now - window_s]
+        busy = sum(p["prefill_busy"] for p in beats) / max(1, sum(p["prefill_workers"] for p in beats))
+        return Signals(now, sim.pool_size("prefill"), sim.pool_size("decode"), ttft, tpot,
+                       sim.queued_prefill_tokens(), _p90(waits), now - min(sim.unstarted.values(), default=now),
+                       running, waiting, busy)
 
 
 def attach_to_simulator(sim: Simulator, config: AutoscalerConfig, startup_s: float = 30.0) -> Autoscaler:
-    """Run the autoscaler inside a simulation; new workers serve `startup_s` after they are asked for."""
+    """Run the autoscaler inside a simulation; new workers serve `startup_s` after they are asked for.
+    The changes it made are in the returned autoscaler's `actions`."""
     scaler = Autoscaler(config)
-    actions: list[dict] = []
-    sim.autoscaler_actions = actions  # read by reports
+    actions = scaler.actions
+    source = SimulatorSignals(sim, config.window_s)
 
     def tick(s: Simulator) -> None:
-        signals = simulator_signals(s, config.window_s)
+        signals = source()
         d = scaler.decide(signals)
         for role, now_n, want in (("prefill", signals.prefill_workers, d.prefill_workers),
                                   ("decode", signals.decode_workers, d.decode_workers)):
@@ -241,7 +212,7 @@ class AutoscalerLoop:
     is `PoolManager.scale`. Runs on the router's event loop until `stop()`.
     """
 
-    def __init__(self, config: AutoscalerConfig, signals: Callable[[], Signals],
+    def __init__(self, config: AutoscalerConfig, signals: SignalSource,
                  scale: Callable[[int, int], Awaitable[object]]) -> None:
         self.config = config
         self.autoscaler = Autoscaler(config)
@@ -300,9 +271,8 @@ class RouterSignals:
         while self._busy and self._busy[0][0] < since:
             self._busy.popleft()
         busy = sum(b for _, b, _ in self._busy) / max(1, sum(n for _, _, n in self._busy))
-        p90 = lambda xs: percentiles(xs, 1.0)["p90"] if xs else None  # noqa: E731
         p, d = self.targets()
-        return Signals(now, p, d, p90(ttft), p90(tpot), sum(w.queued_prefill_tokens for w in workers), p90(queue),
+        return Signals(now, p, d, _p90(ttft), _p90(tpot), sum(w.queued_prefill_tokens for w in workers), _p90(queue),
                        0.0, sum(w.running for w in decode), sum(w.waiting for w in decode), busy)
 
 

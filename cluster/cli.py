@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import urllib.error
 import urllib.request
@@ -17,11 +16,11 @@ from typing import Any
 
 import yaml
 
+from common import envs
 from cluster.config import BatonConfig, add_flags, json_schema
 from cluster.launcher import serve
 from cluster.plan_cli import add_plan_parser, run_plan
-from router.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
-from router.config import API_KEY_ENV
+from router.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER, API_KEY_ENV
 
 CONFIG_HELP = "YAML file nested as `baton config show` prints it (flags win over it)"
 
@@ -59,8 +58,8 @@ def _parser() -> argparse.ArgumentParser:
 def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
     """One admin request; RuntimeError with the server's own message when it refuses."""
     headers = {"content-type": "application/json"}
-    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
-    key = args.api_key or (os.environ.get(API_KEY_ENV) or "").split(",")[0].strip()
+    token = args.admin_token or envs.admin_token()
+    key = args.api_key or (envs.api_key() or "").split(",")[0].strip()
     if token:
         headers[ADMIN_TOKEN_HEADER] = token
     if key:

@@ -5,7 +5,7 @@ allowed values and help text (in the fields' metadata): the server (`router.conf
 admission control, deadlines, API keys), the engine
 (`workers.config.EngineConfig`), the routing (`router.routing.RoutingConfig`), the KV transport,
 the placement of the pools (healing and scaling included) and the admin endpoint
-(`router.admin.AdminConfig`). From the tree come:
+(`router.config.AdminConfig`). From the tree come:
 
 - the `baton serve` flags: one per field, `--<flag>` where the flag is the field's metadata
   `flag` or else its name (names are unique across sections);
@@ -31,13 +31,13 @@ from typing import Any
 
 import yaml
 
-from cluster.autoscaler import AutoscalerConfig
-from router.admin import AdminConfig
-from router.config import ServerConfig
+from common import transports
+from common.roles import Role
+from cluster.autoscaler_config import AutoscalerConfig
+from router.config import AdminConfig, ServerConfig
 from router.routing import RoutingConfig
 from workers.config import EngineConfig
 
-TRANSPORTS = ("auto", "cpu", "shm", "gloo", "nccl")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -60,7 +60,7 @@ class TransportConfig:
     """How prefill workers hand KV blocks to decode workers."""
 
     kind: str = field(default="auto", metadata={
-        "flag": "transport", "choices": TRANSPORTS,
+        "flag": "transport", "choices": transports.CHOICES,
         "help": "KV transport between prefill and decode workers; auto and cpu choose per pair of workers: "
                 "shared memory on one node, gloo between nodes (auto: nccl on GPUs); shm, gloo or nccl: "
                 "that one for every pair"})
@@ -70,11 +70,6 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.transfer_timeout_s}")
-
-    @property
-    def backend(self) -> str:
-        """The kvtransfer backend name ("cpu" is the shared-memory one)."""
-        return "shm" if self.kind == "cpu" else self.kind
 
 
 @dataclass
@@ -147,12 +142,12 @@ class PlacementConfig:
 
     def node_labels(self, role: str) -> dict[str, str]:
         """The label selector of a pool (`role` prefill or decode) as Ray takes it."""
-        return parse_labels(self.prefill_node_labels if role == "prefill" else self.decode_node_labels,
+        return parse_labels(self.prefill_node_labels if role == Role.PREFILL else self.decode_node_labels,
                             f"{role}_node_labels")
 
     def resource(self, role: str) -> str | None:
         """The custom resource a pool's workers need, if the cluster offers it."""
-        return self.prefill_resource if role == "prefill" else self.decode_resource
+        return self.prefill_resource if role == Role.PREFILL else self.decode_resource
 
 
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")

@@ -30,11 +30,14 @@ from cluster.pool_manager import PoolManager, PoolTargets
 from router.admin import install_admin
 from router.app import build_app as build_router_app
 from router.app import serve as serve_http
+from router.flow import FlowLimits
+from router.pools import WorkerPools
 from router.ray_backend import RayBackend
 from router.routing import make_policy
 from router.tokenizer import Tokenizer
 from workers.model_files import DEFAULT_MODEL_NAME, ModelNotFoundError, is_repo_id, resolve_model_dir
-from workers.protocol import WorkerReady
+from common.protocol import WorkerReady
+from common.roles import Role
 
 log = logging.getLogger("baton")
 
@@ -52,7 +55,7 @@ class Deployment:
     model_name: str
     max_model_len: int
     block_size: int
-    workers: list[tuple[str, str, object]]  # (worker id, role, actor handle)
+    workers: list[SpawnedWorker]
     backend: RayBackend | None
     owns_ray: bool
     nodes: dict[str, str] = field(default_factory=dict)  # worker id -> Ray node id
@@ -73,7 +76,8 @@ class Deployment:
 
     def _stop_workers(self) -> None:
         pending = []
-        for _, _, handle in self.workers:
+        for w in self.workers:
+            handle = w.handle
             try:
                 if actor_state(handle)[1] is None:
                     continue  # never placed: nothing to shut down, and nobody would answer
@@ -82,9 +86,9 @@ class Deployment:
                 pass
         if pending:
             ray.wait(pending, num_returns=len(pending), timeout=10)
-        for _, _, handle in self.workers:
+        for w in self.workers:
             try:
-                ray.kill(handle)
+                ray.kill(w.handle)
             except Exception:
                 pass
 
@@ -127,30 +131,30 @@ def deploy(config: BatonConfig, ready_timeout_s: float = 300.0, actor_name_prefi
     try:
         nodes = cluster_nodes()
         spawned: list[SpawnedWorker] = []
-        for role, count in (("prefill", placement.prefill_workers), ("decode", placement.decode_workers)):
+        for role, count in ((Role.PREFILL, placement.prefill_workers), (Role.DECODE, placement.decode_workers)):
             pool = resolve_pool(config, role, nodes)
             log.info("%s pool: %d workers, each with %s", role, count, pool.describe())
             for i in range(count):
                 spawned.append(spawn_worker(config, role, i, actor_name_prefix, pool, max_restarts=placement.max_restarts))
-                deployment.workers.append(spawned[-1].as_tuple())
+                deployment.workers.append(spawned[-1])
         deployment.nodes = wait_placed(spawned, placement.placement_timeout_s)
         _learn_limits(deployment, _wait_ready(deployment.workers, ready_timeout_s, deployment.nodes))
-        deployment.kv_links = connect_pairs([(w.worker_id, w.handle) for w in spawned if w.role == "prefill"],
-                                            [(w.worker_id, w.handle) for w in spawned if w.role == "decode"])
+        deployment.kv_links = connect_pairs([(w.worker_id, w.handle) for w in spawned if w.role is Role.PREFILL],
+                                            [(w.worker_id, w.handle) for w in spawned if w.role is Role.DECODE])
         log.info("KV transport per pair: %s", ", ".join(f"{p}->{d} {k}" for (p, d), k in deployment.kv_links.items()))
     except BaseException:
         deployment.shutdown()  # no actor, shared memory segment or private Ray outlives a failed start
         raise
-    deployment.backend = RayBackend(deployment.workers, max_migrations=placement.max_migrations,
-                                    migration_wait_s=placement.migration_wait_s)
+    deployment.backend = RayBackend(WorkerPools(deployment.workers),
+                                    FlowLimits(placement.max_migrations, placement.migration_wait_s))
     deployment.pools = PoolManager(deployment, actor_name_prefix)
     return deployment
 
 
-def _wait_ready(workers: list[tuple[str, str, object]], ready_timeout_s: float,
+def _wait_ready(workers: list[SpawnedWorker], ready_timeout_s: float,
                 nodes: dict[str, str] | None = None) -> list[WorkerReady]:
     started = time.monotonic()
-    pending = {handle.ready.remote(): wid for wid, _, handle in workers}
+    pending = {w.handle.ready.remote(): w.worker_id for w in workers}
     reports = []
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=max(1.0, ready_timeout_s - (time.monotonic() - started)))
@@ -216,7 +220,7 @@ def build_app(deployment: Deployment):
         if config.server.max_running_prefills is None:
             admission.prefill.capacity = (targets.prefill or targets.decode) * seqs
 
-    deployment.pools.on_resize = resize_gates
+    deployment.pools.subscribe_resize(resize_gates)
     if config.autoscaler.enabled:
         install_autoscaler(app, deployment.pools, deployment.backend, config.autoscaler)
     return app

@@ -36,7 +36,8 @@ import ray
 from cluster.config import BatonConfig
 from kvtransfer import Place, offered_kinds
 from workers.actors import actor_class
-from workers.worker import ROLES, WorkerConfig
+from common.roles import ROLES, Role
+from workers.worker import WorkerConfig
 
 log = logging.getLogger("baton.placement")
 
@@ -140,14 +141,12 @@ def private_ray_cpus(config: BatonConfig, machine_cpus: int) -> int:
 class SpawnedWorker:
     """A worker actor that has been asked for; placed and ready come later."""
 
-    worker_id: str
-    role: str
+    worker_id: str  # "<role>-<index>"
+    role: Role
+    index: int
     handle: Any
-    placement: PoolPlacement
+    placement: PoolPlacement | None  # None: a stand-in that Ray did not place (tests)
     actor_name: str
-
-    def as_tuple(self) -> tuple[str, str, Any]:
-        return self.worker_id, self.role, self.handle
 
 
 def worker_config(config: BatonConfig, role: str, worker_id: str, placement: PoolPlacement) -> WorkerConfig:
@@ -156,11 +155,11 @@ def worker_config(config: BatonConfig, role: str, worker_id: str, placement: Poo
     engine = replace(config.worker_engine_config(), device=placement.device)
     shared = shared_cpu_host(config, placement)
     cores = os.cpu_count() or 1
-    if shared and role == "prefill" and cores > (engine.num_threads or 1):
+    if shared and role == Role.PREFILL and cores > (engine.num_threads or 1):
         engine = replace(engine, long_prompt_threads=cores)
     return WorkerConfig(worker_id, role, config.model, engine, transport=config.transport.kind,
                         transfer_timeout_s=config.transport.transfer_timeout_s,
-                        idle_priority=shared and role == "decode")
+                        idle_priority=shared and role == Role.DECODE)
 
 
 def shared_cpu_host(config: BatonConfig, placement: PoolPlacement) -> bool:
@@ -183,7 +182,7 @@ def spawn_worker(config: BatonConfig, role: str, index: int, name_prefix: str = 
     name = f"{name_prefix}-{worker_id}"
     options = {**placement.ray_options(), "name": name, **actor_options}
     handle = actor_class(role).options(**options).remote(worker_config(config, role, worker_id, placement))
-    return SpawnedWorker(worker_id, role, handle, placement, name)
+    return SpawnedWorker(worker_id, Role(role), index, handle, placement, name)
 
 
 def actor_state(handle: Any) -> tuple[str, str | None]:

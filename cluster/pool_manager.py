@@ -4,12 +4,12 @@
   `cluster.placement.spawn_worker` (the launcher's own way, so it asks Ray for the same GPUs, CPUs
   and pool resource; on a cluster with an autoscaler that demand is what launches a node), placed,
   ready, its KV layout checked against the other pool (`connect_pairs`), and only then handed to
-  the router (`RayBackend.add_worker`). A worker removed is drained first: no new request, what it
+  the router (`WorkerPools.add_worker`). A worker removed is drained first: no new request, what it
   runs finishes within `drain_timeout_s` or migrates, then the router forgets it (its prefix-index
   entries with it) and the actor is stopped.
 - **Healing**: workers are restartable actors (`max_restarts`): Ray restarts a dead worker's
   process and the router re-admits it once it answers. A worker dead for good (no restart left,
-  `RayBackend.gone_workers`) is replaced by a new one, so the pool returns to its size.
+  `WorkerPools.gone_workers`) is replaced by a new one, so the pool returns to its size.
 
 Everything here runs on the router's event loop; Ray's blocking calls go to a thread.
 """
@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 import ray
 
 from cluster.placement import SpawnedWorker, connect_pairs, spawn_worker, wait_placed
-from router.admin import PoolsView, ScaleResult, WorkerView
-from workers.protocol import WorkerReady
+from router.admin import PoolsView, ScaleResult
+from common.protocol import WorkerReady
+from common.roles import ROLES, Role
 
 if TYPE_CHECKING:  # for annotations only: cluster.launcher imports this module to wire it in
     from cluster.launcher import Deployment
@@ -36,8 +37,6 @@ if TYPE_CHECKING:  # for annotations only: cluster.launcher imports this module 
 log = logging.getLogger("baton.pools")
 # After a replacement failed, wait this long before trying again (the health loop asks every interval).
 HEAL_RETRY_S = 30.0
-
-ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class PoolTargets:
             raise ValueError(f"the decode pool needs at least 1 worker, got {self.decode}")
 
     def of(self, role: str) -> int:
-        return self.prefill if role == "prefill" else self.decode
+        return self.prefill if role == Role.PREFILL else self.decode
 
 
 class PoolManager:
@@ -63,32 +62,34 @@ class PoolManager:
         if deployment.backend is None:
             raise ValueError("the deployment has no backend yet")
         self.deployment = deployment
-        self.backend = deployment.backend
+        self.workers = deployment.backend.pools
         self.actor_name_prefix = actor_name_prefix
         self.ready_timeout_s = ready_timeout_s
         placement = deployment.config.placement
         self.targets = PoolTargets(placement.prefill_workers, placement.decode_workers)
         self.drain_timeout_s = placement.drain_timeout_s
         # New workers get fresh indices: Ray frees a stopped actor's name only some time later.
-        used = {role: [int(wid.rsplit("-", 1)[1]) for wid, r, _ in deployment.workers if r == role] for role in ROLES}
+        used = {role: [w.index for w in deployment.workers if w.role is role] for role in ROLES}
         self._next = {role: itertools.count(max(used[role], default=-1) + 1) for role in ROLES}
         self._lock = asyncio.Lock()
         self._healing: asyncio.Task | None = None
         self._heal_failed_at = float("-inf")
         self.replaced: list[tuple[str, str]] = []  # (gone worker, its replacement)
         # Told the new targets after every scaling (the router app sizes its admission gates with it).
-        self.on_resize: Callable[[PoolTargets], None] | None = None
-        self.backend.on_gone = self._on_gone
+        self._on_resize: list[Callable[[PoolTargets], None]] = []
+        self.workers.subscribe_gone(self._on_gone)
+
+    def subscribe_resize(self, callback: Callable[[PoolTargets], None]) -> None:
+        """Call `callback` with the new targets after every scaling."""
+        self._on_resize.append(callback)
 
     # ---- views -------------------------------------------------------------------------------
     def pools(self) -> PoolsView:
-        views = [WorkerView(w.worker_id, w.role, w.alive, w.draining, self.backend.in_flight(w.worker_id))
-                 for w in self.backend.workers()]
-        return PoolsView(self.targets.prefill, self.targets.decode, views)
+        return PoolsView(self.targets.prefill, self.targets.decode, self.workers.workers())
 
     def _serving(self, role: str) -> list[str]:
         """The role's workers not on their way out."""
-        return [w.worker_id for w in self.backend.workers() if w.role == role and not w.draining]
+        return [w.worker_id for w in self.workers.workers() if w.role == role and not w.draining]
 
     # ---- scaling -------------------------------------------------------------------------------
     async def scale(self, prefill: int | None = None, decode: int | None = None) -> ScaleResult:
@@ -111,8 +112,8 @@ class PoolManager:
                 for wid in self._removal_order(role)[:max(0, extra)]:
                     moved += await self._remove(wid)
                     removed.append(wid)
-            if self.on_resize is not None:
-                self.on_resize(targets)
+            for callback in self._on_resize:
+                callback(targets)
             after = {role: len(self._serving(role)) for role in ROLES}
             log.info("pools scaled from %s to %s (added %s, removed %s, %d requests moved) in %.1f s", before, after,
                      added, removed, moved, time.monotonic() - started)
@@ -120,8 +121,9 @@ class PoolManager:
 
     def _removal_order(self, role: str) -> list[str]:
         """Dead ones first, then the least busy, then the newest."""
-        infos = [w for w in self.backend.workers() if w.role == role and not w.draining]
-        infos.sort(key=lambda w: (w.alive, self.backend.in_flight(w.worker_id), -int(w.worker_id.rsplit("-", 1)[1])))
+        index = {w.worker_id: w.index for w in self.deployment.workers}
+        infos = [w for w in self.workers.workers() if w.role == role and not w.draining]
+        infos.sort(key=lambda w: (w.alive, w.in_flight, -index.get(w.worker_id, 0)))
         return [w.worker_id for w in infos]
 
     async def _add_workers(self, roles: list[str]) -> list[str]:
@@ -135,7 +137,7 @@ class PoolManager:
                     spawn_worker, config, role, next(self._next[role]), self.actor_name_prefix, None,
                     max_restarts=restarts))
                 # Listed at once, so a shutdown while it starts stops it too (the router uses it only later).
-                self.deployment.workers.append(spawned[-1].as_tuple())
+                self.deployment.workers.append(spawned[-1])
             nodes = await asyncio.to_thread(wait_placed, spawned, config.placement.placement_timeout_s)
             refs = [w.handle.ready.remote() for w in spawned]
             reports = await asyncio.wait_for(_all(refs), self.ready_timeout_s)
@@ -144,7 +146,7 @@ class PoolManager:
             await asyncio.to_thread(self._connect_new, spawned)
         except BaseException as exc:
             failed = {w.worker_id for w in spawned}
-            self.deployment.workers[:] = [w for w in self.deployment.workers if w[0] not in failed]
+            self.deployment.workers[:] = [w for w in self.deployment.workers if w.worker_id not in failed]
             for w in spawned:
                 _kill(w.handle)
             if isinstance(exc, asyncio.TimeoutError):
@@ -154,7 +156,7 @@ class PoolManager:
             raise
         for w in spawned:
             self.deployment.nodes[w.worker_id] = nodes.get(w.worker_id, "")
-            self.backend.add_worker(w.worker_id, w.role, w.handle)
+            self.workers.add_worker(w.worker_id, w.role, w.handle)
             log.info("worker %s joined the %s pool", w.worker_id, w.role)
         return [w.worker_id for w in spawned]
 
@@ -169,22 +171,22 @@ class PoolManager:
 
     def _connect_new(self, spawned: list[SpawnedWorker]) -> None:
         """The start-up handshake for every pair the new workers are in (KV layout and transport)."""
-        live = {w.worker_id for w in self.backend.workers() if w.alive}  # a dead peer would fail the handshake
-        current = {wid: (role, handle) for wid, role, handle in self.deployment.workers if wid in live}
+        live = {w.worker_id for w in self.workers.workers() if w.alive}  # a dead peer would fail the handshake
+        current = {w.worker_id: (w.role, w.handle) for w in self.deployment.workers if w.worker_id in live}
         current.update({w.worker_id: (w.role, w.handle) for w in spawned})  # not in the router yet
         new = {w.worker_id for w in spawned}
-        prefill = [(wid, h) for wid, (role, h) in current.items() if role == "prefill"]
+        prefill = [(wid, h) for wid, (role, h) in current.items() if role is Role.PREFILL]
         for wid, (role, handle) in current.items():
-            if role != "decode":
+            if role is not Role.DECODE:
                 continue
             senders = prefill if wid in new else [(p, h) for p, h in prefill if p in new]
             if senders:
                 self.deployment.kv_links.update(connect_pairs(senders, [(wid, handle)]))
 
     async def _remove(self, worker_id: str) -> int:
-        moved = await self.backend.drain_worker(worker_id, self.drain_timeout_s)
-        handle = self.backend.remove_worker(worker_id)
-        self.deployment.workers[:] = [w for w in self.deployment.workers if w[0] != worker_id]
+        moved = await self.workers.drain_worker(worker_id, self.drain_timeout_s)
+        handle = self.workers.remove_worker(worker_id)
+        self.deployment.workers[:] = [w for w in self.deployment.workers if w.worker_id != worker_id]
         self.deployment.nodes.pop(worker_id, None)
         self.deployment.kv_links = {k: v for k, v in self.deployment.kv_links.items() if worker_id not in k}
         await _stop(handle)
@@ -202,8 +204,8 @@ class PoolManager:
         one listed and the next health interval after HEAL_RETRY_S tries again); returns the new ones."""
         async with self._lock:
             started = []
-            for wid in self.backend.gone_workers():
-                role = next(r for w, r, _ in self.deployment.workers if w == wid)
+            for wid in self.workers.gone_workers():
+                role = next(w.role for w in self.deployment.workers if w.worker_id == wid)
                 log.warning("worker %s is dead for good (no restart left): replacing it", wid)
                 try:
                     (new,) = await self._add_workers([role])

@@ -1,5 +1,5 @@
-"""A Ray cluster of several simulated nodes on this machine, for tests and benchmarks (not used
-in serving).
+"""A Ray cluster of several simulated nodes on this machine, and a deployment with its router in
+a thread (`serving`), for tests and benchmarks (not used in serving).
 
 `FakeCluster` runs Ray's fake multi-node provider: `RAY_FAKE_CLUSTER=1 ray start --head
 --autoscaling-config=FILE --block` in its own process group, where FILE declares node types
@@ -16,33 +16,72 @@ touched, and `stop()` ends exactly the processes it started, by process group.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.envs import ensure_loopback_ray
+
 # Ray reads this when it is imported: its drivers then talk to 127.0.0.1, not the machine's
 # interface address (which no simulated node listens on).
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ensure_loopback_ray()
 
 import ray  # noqa: E402
 import yaml  # noqa: E402
+
+from cluster.harness import ServedApp, free_port, serve_app  # noqa: E402
+from cluster.launcher import build_app, deploy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Ray caps each simulated node's object store; they share /dev/shm with everything else here.
 OBJECT_STORE_BYTES = 128 << 20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class RunningServer:
+    """A deployment with its router served in a thread of this process (`serving`)."""
+
+    def __init__(self, deployment, served: ServedApp) -> None:
+        self.deployment = deployment
+        self.served = served
+        self.server = served.server
+        self.thread = served.thread
+        self.port = served.port
+        self.base_url = served.base_url
+
+    def stats(self) -> dict:
+        return {w.worker_id: ray.get(w.handle.stats.remote(), timeout=30) for w in self.deployment.workers}
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict:
+        """Worker stats once nothing runs and no block is referenced (or the last seen at timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
+                   for s in stats.values()) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serving(config, actor_name_prefix: str = "baton", app=None, **serve_kwargs) -> Iterator[RunningServer]:
+    """Deploy `config` (cluster.launcher.deploy; its server.port free, see free_port), run its
+    router (`app(deployment)`, default cluster.launcher.build_app) in a uvicorn thread for the
+    block, then stop both. `serve_kwargs` go to cluster.harness.serve_app."""
+    deployment = deploy(config, actor_name_prefix=actor_name_prefix)
+    try:
+        router_app = (app or build_app)(deployment)
+        with serve_app(router_app, port=config.server.port, **serve_kwargs) as served:
+            yield RunningServer(deployment, served)
+    finally:
+        deployment.shutdown()
 
 
 @dataclass(frozen=True)
@@ -97,9 +136,10 @@ class FakeCluster:
     def start(self, timeout_s: float = 120.0) -> "FakeCluster":
         config = self.workdir / "cluster.yaml"
         config.write_text(yaml.safe_dump(cluster_yaml(self.node_types, self.port, self.head_cpus)))
-        env = dict(os.environ, RAY_FAKE_CLUSTER="1", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
+        env = dict(os.environ, RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled",
                    RAY_TMPDIR=str(self.workdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                    RAY_SCHEDULER_EVENTS="0", **self.env)
+        ensure_loopback_ray(env)
         ray_bin = Path(sys.executable).with_name("ray")
         self._log = (self.workdir / "ray-start.log").open("w")
         self._proc = subprocess.Popen(

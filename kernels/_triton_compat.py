@@ -8,7 +8,8 @@ fails when Triton is missing: the CPU references must keep working on machines w
 
 from __future__ import annotations
 
-import os
+from common import envs
+
 
 try:
     import triton
@@ -28,7 +29,7 @@ except ImportError:  # macOS or a minimal install: references only
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return envs.triton_interpret()
 
 
 class LazyJIT:

@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from common import envs
+
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
@@ -39,7 +41,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-m
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")).expanduser() / "kernels"
+    return envs.cache_dir() / "kernels"
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,7 +60,7 @@ def _compiler_version(compiler: str) -> str:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    return shutil.which(envs.cxx()) or shutil.which("g++") or shutil.which("clang++")
 
 
 def build(name: str, directory: Path | None = None) -> ctypes.CDLL | None:

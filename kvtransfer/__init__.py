@@ -3,7 +3,7 @@
 Decode worker D (receiver) and prefill worker P (sender), e.g. two Ray actors:
 
     # D, at start-up: its cache lives where the backend wants it (shared memory for shm)
-    t = create_transport("auto")                     # nccl on CUDA, else shm
+    t = create_transport(default_kind())             # nccl on CUDA, else shm
     layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16,
                       dtype="float32")               # FP8: dtype + kv_scales per layer
     kv_cache = t.allocate_cache(layout, num_blocks)  # or t.register_cache(tensor, layout)
@@ -22,7 +22,7 @@ Serving workers hold a `PairwiseTransport` (`kvtransfer.pairwise`): it picks the
 pair of workers from both workers' `Place` (Ray node id, node IP, device): shm inside a node
 and gloo across nodes on the CPU, nccl on GPUs; `pair_kind()` is that rule.
 
-See `kvtransfer.base` for the interface, `workers.protocol` for the torch-free layout and
+See `kvtransfer.base` for the interface, `common.protocol` for the torch-free layout and
 endpoint, and `bench/kv_transfer.py` for the numbers behind the CPU default.
 """
 
@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from workers.protocol import KVEndpoint, KVLayout, KVLayoutMismatch
+from common.protocol import KVEndpoint, KVLayout, KVLayoutMismatch
+from common.transports import BACKENDS
 
 from .base import (
     KVTransferError,
@@ -55,7 +56,6 @@ from .shm import ShmTransport
 # shm between workers on one node: one copy into the peer's mapped cache, where gloo pays a
 # pack, the socket and an unpack (bench/kv_transfer.py). gloo is for workers on different nodes.
 CPU_DEFAULT = "shm"
-KINDS = ("auto", "inprocess", "shm", "gloo", "nccl", "pairwise")
 _BACKENDS: dict[str, type[KVTransport]] = {
     "inprocess": InProcessTransport,
     "shm": ShmTransport,
@@ -66,23 +66,23 @@ _BACKENDS: dict[str, type[KVTransport]] = {
 
 
 def default_kind() -> str:
+    """The one backend for a process that talks to peers of its own kind: nccl on CUDA, else shm.
+    (Serving workers choose per pair instead: `PairwiseTransport`, `common.transports.CHOICES`.)"""
     return "nccl" if torch.cuda.is_available() else CPU_DEFAULT
 
 
-def create_transport(kind: str = "auto", **options: Any) -> KVTransport:
-    """Build a transport. `options` go to the backend's constructor, e.g. `host=` for gloo/nccl
-    (address to bind and advertise), `fault=` for inprocess, `num_slots=` for shm, `choice=`,
-    `place=` and `name=` for pairwise (the one serving workers use)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown KV transport {kind!r}; expected one of {KINDS}")
-    if kind == "auto":
-        kind = default_kind()
+def create_transport(kind: str, **options: Any) -> KVTransport:
+    """Build the backend `kind` (one of `common.transports.BACKENDS`). `options` go to its
+    constructor, e.g. `host=` for gloo/nccl (address to bind and advertise), `fault=` for
+    inprocess, `num_slots=` for shm, `choice=`, `place=` and `name=` for pairwise (the one
+    serving workers use)."""
+    if kind not in BACKENDS:
+        raise ValueError(f"unknown KV transport {kind!r}; expected one of {BACKENDS}")
     return _BACKENDS[kind](**options)
 
 
 __all__ = [
     "CPU_DEFAULT",
-    "KINDS",
     "KVEndpoint",
     "KVLayout",
     "KVLayoutMismatch",

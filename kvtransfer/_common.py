@@ -16,7 +16,7 @@ import torch
 
 from kernels.block_copy import copy_kv_blocks_cpu, copy_native_available
 
-from workers.protocol import KVLayout
+from common.protocol import KVLayout
 
 from .base import (
     KVTransport,
@@ -264,7 +264,7 @@ class TransportCore(KVTransport):
                              f"on this {self.kind} transport")
         return rec
 
-    def _handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
+    def handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
         rec = self._get(transfer_id, role)
         if rec is None:
             raise ValueError(f"unknown transfer {transfer_id!r} ({role.value})")

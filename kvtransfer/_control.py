@@ -220,6 +220,15 @@ class ControlClient:
         """Append to an ordered stream `stream/0, stream/1, ...` with several writers."""
         self._call("append", stream, value)
 
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._call("compare_set", key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", list(keys))
+
+    def num_keys(self) -> int:
+        return self._call("num_keys")
+
     def close(self) -> None:
         try:
             self._conn.close()
@@ -254,8 +263,7 @@ class StoreAdapter(dist.Store):
 
     def compare_set(self, key, expected, desired) -> bytes:
         with self._lock:
-            return self._client._call("compare_set", self._k(key), bytes(expected),
-                                      bytes(desired))
+            return self._client.compare_set(self._k(key), bytes(expected), bytes(desired))
 
     def wait(self, keys, timeout=None) -> None:
         seconds = self._timeout if timeout is None else timeout.total_seconds()
@@ -264,7 +272,7 @@ class StoreAdapter(dist.Store):
 
     def check(self, keys) -> bool:
         with self._lock:
-            return self._client._call("check", [self._k(k) for k in keys])
+            return self._client.check([self._k(k) for k in keys])
 
     def delete_key(self, key) -> bool:
         with self._lock:
@@ -272,4 +280,4 @@ class StoreAdapter(dist.Store):
 
     def num_keys(self) -> int:
         with self._lock:
-            return self._client._call("num_keys")
+            return self._client.num_keys()

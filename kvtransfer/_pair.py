@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from workers.protocol import KVLayout
+from common.protocol import KVLayout
 
 from ._common import Record
 from ._control import ControlClient

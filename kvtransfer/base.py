@@ -11,7 +11,7 @@ lands in blocks D has already freed.
 The cache layout is the engine's: `kv_cache[num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]`. Backends move raw bytes, so every dtype (FP8 included) arrives
 bit-exact; the handshake makes sure both sides interpret those bytes the same way. `KVLayout`
-and `KVEndpoint` themselves are torch-free (workers.protocol); the torch side of the layout
+and `KVEndpoint` themselves are torch-free (common.protocol); the torch side of the layout
 (dtype mapping, reading and checking a cache tensor) is here.
 """
 
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from workers.protocol import KVEndpoint, KVLayout
+from common.protocol import KVEndpoint, KVLayout
 
 # The torch dtype behind each KVLayout.dtype name (the layout itself is torch-free).
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -204,10 +204,11 @@ class KVTransport(ABC):
 
     def recv_status(self, transfer_id: str) -> TransferStatus:
         """Receiver-side status by id (for callers that did not keep the handle)."""
-        return self.poll(self._handle_for(transfer_id, Role.RECV))
+        return self.poll(self.handle_for(transfer_id, Role.RECV))
 
     @abstractmethod
-    def _handle_for(self, transfer_id: str, role: Role) -> TransferHandle: ...
+    def handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
+        """The handle of this side's (`role`) transfer `transfer_id`; ValueError if unknown."""
 
     @abstractmethod
     def close(self) -> None:

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from workers.protocol import KVEndpoint, KVLayoutMismatch
+from common.protocol import KVEndpoint, KVLayoutMismatch
 
 from ._common import GRACE_S, Record, TransportCore, ids_hash, pack_blocks, unpack_blocks
 from ._control import ControlClient, ControlServer, StoreAdapter

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Optional, Sequence
 
-from workers.protocol import KVEndpoint
+from common.protocol import KVEndpoint
 
 from ._common import Record, TransportCore, copy_blocks, ids_hash
 from .base import Role, TransferHandle, TransferStatus
@@ -68,7 +68,7 @@ class InProcessTransport(TransportCore):
     def send(self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
              transfer_id: str, timeout_s: float) -> TransferHandle:
         self._require_cache()
-        peer = self._peers.get(peer_id)
+        peer: Optional["InProcessTransport"] = self._peers.get(peer_id)
         if peer is None:
             raise ValueError(f"unknown peer {peer_id!r}: call connect() with its endpoint first")
         src, dst, timeout_s = self._prepare_send(peer._num_blocks, src_block_ids, dst_block_ids,

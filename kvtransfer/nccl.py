@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks
-from workers.protocol import KVLayout
+from common.protocol import KVLayout
 
 from ._pair import CHUNK_BYTES, as_timedelta
 from .base import KVTransferError, torch_dtype

@@ -32,7 +32,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from workers.protocol import KVEndpoint, KVLayout
+from common.protocol import KVEndpoint, KVLayout
+from common.transports import CHOICES, FIXED_CHOICES
 
 from ._common import MAX_FINISHED_RECORDS, check_transfer_id
 from .base import KVTransferError, KVTransport, Role, TransferHandle, TransferResult, TransferStatus
@@ -41,7 +42,6 @@ from .nccl import NcclTransport
 from .shm import ShmTransport
 
 KIND = "pairwise"
-CHOICES = ("auto", "cpu", "shm", "gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 
 
@@ -79,7 +79,7 @@ def offered_kinds(choice: str, place: Place) -> tuple[str, ...]:
     """The backends a worker at `place` needs for any peer, receiving backend first."""
     if choice not in CHOICES:
         raise ValueError(f"unknown KV transport choice {choice!r}; expected one of {CHOICES}")
-    if choice in ("shm", "gloo", "nccl"):
+    if choice in FIXED_CHOICES:
         return (choice,)
     if place.device == "cuda":
         if choice == "cpu":
@@ -95,7 +95,7 @@ def pair_kind(choice: str, sender: Place, receiver: Place) -> str:
         raise KVTransferError(f"cannot move KV between a {sender.device} cache ({sender.short()}) and a "
                               f"{receiver.device} cache ({receiver.short()}): give both pools the same device")
     same_node = sender.node_id == receiver.node_id
-    if choice in ("shm", "gloo", "nccl"):
+    if choice in FIXED_CHOICES:
         if choice == "shm" and not same_node:
             raise KVTransferError(f"transport shm works inside one node, but the sender is on {sender.short()} "
                                   f"and the receiver on {receiver.short()}; use transport auto or gloo")
@@ -328,14 +328,14 @@ class PairwiseTransport(KVTransport):
         if recv is not None:
             self._settle(recv)
 
-    def _handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
+    def handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
         if role == Role.RECV:
             return self._recv(transfer_id).handle
         with self._lock:
             peer_id = self._sends.get(transfer_id)
         if peer_id is None:
             raise ValueError(f"unknown transfer {transfer_id!r} ({role.value})")
-        return self._subs[self._links[peer_id].kind]._handle_for(transfer_id, role)
+        return self._subs[self._links[peer_id].kind].handle_for(transfer_id, role)
 
     def close(self) -> None:
         # The first backend owns the cache memory (shm's segment): close it last.

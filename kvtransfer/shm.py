@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from kernels.block_copy import KVBlockCopier, copy_native_available
-from workers.protocol import KVEndpoint, KVLayout
+from common.protocol import KVEndpoint, KVLayout
 
 from ._common import (
     Record,

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from workers.protocol import KVEndpoint, KVLayout
+from common.protocol import KVEndpoint, KVLayout
 
 from . import create_transport
 from .base import Role, TransferResult, TransferStatus

@@ -17,56 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import os
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from router.backend import WorkerInfo
+from router.config import ADMIN_TOKEN_HEADER, AdminConfig
 from router.protocol import APIError
 
-__all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_HEADER", "AdminConfig", "PoolScaler", "PoolsView", "ScaleResult",
+__all__ = ["PoolScaler", "PoolsView", "ScaleResult",
            "install_admin"]
 
-ADMIN_TOKEN_ENV = "BATON_ADMIN_TOKEN"
-ADMIN_TOKEN_HEADER = "X-Baton-Admin-Token"
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
-
-
-@dataclass
-class AdminConfig:
-    """The admin endpoint (`baton scale`): off by default, loopback only unless a token is set."""
-
-    enabled: bool = field(default=False, metadata={
-        "flag": "admin_endpoint",
-        "help": "serve GET /admin/pools and POST /admin/scale (`baton scale`); answers loopback clients only, "
-                "unless admin_token is set"})
-    # repr=False: the configuration may be printed or logged; the token must not be.
-    token: str | None = field(default=None, repr=False, metadata={
-        "flag": "admin_token",
-        "help": f"token every /admin request must carry as `{ADMIN_TOKEN_HEADER}: TOKEN`; with it, clients on any "
-                f"address may scale (default: the {ADMIN_TOKEN_ENV} environment variable, else loopback only)"})
-
-    def __post_init__(self) -> None:
-        if self.token is not None and not self.token.strip():
-            raise ValueError("admin_token must not be empty")
-
-    def with_token_from_env(self, environ: Mapping[str, str] | None = None) -> "AdminConfig":
-        environ = os.environ if environ is None else environ
-        if self.token is not None or not environ.get(ADMIN_TOKEN_ENV, "").strip():
-            return self
-        return replace(self, token=environ[ADMIN_TOKEN_ENV].strip())
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    worker_id: str
-    role: str
-    alive: bool
-    draining: bool
-    in_flight: int
 
 
 @dataclass(frozen=True)
@@ -75,7 +39,7 @@ class PoolsView:
 
     prefill: int
     decode: int
-    workers: list[WorkerView]
+    workers: list[WorkerInfo]
 
 
 @dataclass(frozen=True)

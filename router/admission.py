@@ -22,6 +22,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from common.roles import Role
 from router.config import ServerConfig
 from router.errors import RETRY_AFTER_S
 from router.protocol import APIError
@@ -106,7 +107,7 @@ class Gate:
     def overloaded(self) -> APIError:
         return APIError(
             f"the {self.pool} pool is saturated: {self.running} requests running and {len(self._waiters)} waiting "
-            f"(max_waiting_{'requests' if self.pool == 'decode' else 'prefills'}={self.max_waiting}); retry later",
+            f"(max_waiting_{'requests' if self.pool == Role.DECODE else 'prefills'}={self.max_waiting}); retry later",
             429, None, "RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def acquire(self, deadline: Deadline | None) -> float:
@@ -174,8 +175,8 @@ class AdmissionControl:
     """The decode and prefill gates, and counts of what they refused."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self.decode = Gate("decode", config.max_running_requests, config.max_waiting_requests)
-        self.prefill = Gate("prefill", config.max_running_prefills, config.max_waiting_prefills)
+        self.decode = Gate(Role.DECODE, config.max_running_requests, config.max_waiting_requests)
+        self.prefill = Gate(Role.PREFILL, config.max_running_prefills, config.max_waiting_prefills)
         self.rejected: Counter[str] = Counter()  # by reason
 
     def check(self) -> None:

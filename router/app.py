@@ -15,7 +15,8 @@
 - router.openapi: the OpenAPI schema of every route, request and response (schemathesis tests it);
 - router.errors: the one exception handler. Every error a client sees uses the OpenAI envelope
   `{"error": {"message", "type", "param", "code"}}` with code = HTTP status: 400 for malformed
-  JSON, schema errors (param = the field), empty messages, n != 1, out-of-range sampling values
+  JSON, schema errors (param = the field), empty messages, more choices (n x prompts) than
+  `max_choices`, out-of-range sampling values
   and prompt + max_tokens over the context; 404 (type NotFoundError, as vLLM does) for an unknown
   model; 503 with Retry-After when a pool has no live worker; 500 for unexpected failures, never
   with a stack trace.

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, runtime_checkable
 
+from common.roles import Role
 from router.trace import RequestTrace
-from workers.protocol import RequestOutput
-from workers.sampling_params import SamplingParams
+from common.protocol import RequestOutput
+from common.sampling_params import SamplingParams
 
 __all__ = [
     "BackendError",
@@ -28,7 +29,7 @@ class WorkerInfo:
     """One worker as the router sees it: its pool, whether it is alive, and its load."""
 
     worker_id: str
-    role: str  # "prefill" | "decode"
+    role: Role
     alive: bool = True
     running: int = 0  # sequences being computed
     waiting: int = 0  # sequences queued
@@ -42,6 +43,7 @@ class WorkerInfo:
     # Being removed (scaling down): finishes or migrates what it runs, gets no new request.
     draining: bool = False
     pid: int | None = None  # the worker's process (for memory checks on one machine); None: unknown
+    in_flight: int = 0  # requests the router has on it now (decoding there, or prefilling there)
 
 
 @dataclass(frozen=True)

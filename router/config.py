@@ -1,5 +1,5 @@
 """The router's section of the configuration: its HTTP server, request limits, admission control,
-deadlines, API keys and what it may log.
+deadlines, API keys and what it may log; and the admin endpoint's section (`AdminConfig`).
 
 `ServerConfig` is one section of `cluster.config.BatonConfig`: every field becomes a `baton serve`
 flag, a YAML key (`server: {max_waiting_requests: 64}`) and a JSON Schema entry, from the metadata
@@ -9,17 +9,19 @@ have one; every limit is refused with HTTP 400 and the OpenAI error envelope nam
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from workers.sampling_params import MAX_LOGPROBS
+from common import envs
+from common.sampling_params import MAX_LOGPROBS
 
-__all__ = ["API_KEY_ENV", "LOG_LEVELS", "ServerConfig"]
+__all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_HEADER", "API_KEY_ENV", "AdminConfig", "LOG_LEVELS", "ServerConfig"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Read when --api-key is not given (vLLM reads VLLM_API_KEY the same way); comma-separated keys.
-API_KEY_ENV = "BATON_API_KEY"
+API_KEY_ENV = envs.BATON_API_KEY.name
+ADMIN_TOKEN_ENV = envs.BATON_ADMIN_TOKEN.name
+ADMIN_TOKEN_HEADER = "X-Baton-Admin-Token"
 
 
 @dataclass
@@ -99,7 +101,32 @@ class ServerConfig:
 
     def with_api_key_from_env(self, environ: Mapping[str, str] | None = None) -> "ServerConfig":
         """This configuration, its keys read from BATON_API_KEY when none were configured."""
-        environ = os.environ if environ is None else environ
-        if self.api_key is not None or not environ.get(API_KEY_ENV, "").strip():
+        key = envs.api_key(environ)
+        if self.api_key is not None or key is None:
             return self
-        return replace(self, api_key=environ[API_KEY_ENV])
+        return replace(self, api_key=key)
+
+
+@dataclass
+class AdminConfig:
+    """The admin endpoint (`baton scale`): off by default, loopback only unless a token is set."""
+
+    enabled: bool = field(default=False, metadata={
+        "flag": "admin_endpoint",
+        "help": "serve GET /admin/pools and POST /admin/scale (`baton scale`); answers loopback clients only, "
+                "unless admin_token is set"})
+    # repr=False: the configuration may be printed or logged; the token must not be.
+    token: str | None = field(default=None, repr=False, metadata={
+        "flag": "admin_token",
+        "help": f"token every /admin request must carry as `{ADMIN_TOKEN_HEADER}: TOKEN`; with it, clients on any "
+                f"address may scale (default: the {ADMIN_TOKEN_ENV} environment variable, else loopback only)"})
+
+    def __post_init__(self) -> None:
+        if self.token is not None and not self.token.strip():
+            raise ValueError("admin_token must not be empty")
+
+    def with_token_from_env(self, environ: Mapping[str, str] | None = None) -> "AdminConfig":
+        token = envs.admin_token(environ)
+        if self.token is not None or token is None:
+            return self
+        return replace(self, token=token)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.tokenizer import Tokenizer
-from workers.protocol import RequestOutput, TokenLogprob
+from common.protocol import RequestOutput, TokenLogprob
 
 __all__ = ["Accumulator", "ChatFormat", "Choices", "CompletionFormat", "ResponseFormat", "dumps"]
 

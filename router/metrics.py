@@ -27,9 +27,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from common.roles import Role
+from common.stats import percentiles
 from router.trace import RequestTrace
 
-__all__ = ["CONTENT_TYPE", "RouterMetrics", "percentile"]
+__all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
 log = logging.getLogger("baton.router.trace")
 
@@ -44,14 +46,6 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 6
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 3))  # 1 KiB .. 8 GiB
 
 STATUS_WINDOW_S = 60.0
-
-
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of an already sorted list (None when empty)."""
-    if not sorted_values:
-        return None
-    k = min(len(sorted_values) - 1, max(0, int(round(q / 100.0 * len(sorted_values) + 0.5)) - 1))
-    return sorted_values[k]
 
 
 class _WorkerCollector:
@@ -77,7 +71,7 @@ class _WorkerCollector:
         hits = CounterMetricFamily("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=labels)
         indexed = GaugeMetricFamily("baton:prefix_index_blocks", "KV blocks the router's prefix index holds for the worker.",
                                     labels=labels)
-        live = {"prefill": 0, "decode": 0}
+        live = {Role.PREFILL: 0, Role.DECODE: 0}
         index = getattr(self.owner.backend, "prefix_index", None)
         for w in self.owner.backend.workers():
             lv = [m, w.worker_id, w.role]
@@ -246,7 +240,7 @@ class RouterMetrics:
         window = min(STATUS_WINDOW_S, max(1.0, now - self.started))
         since = now - window
         index = getattr(self.backend, "prefix_index", None)
-        pools: dict[str, list[dict]] = {"prefill": [], "decode": []}
+        pools: dict[str, list[dict]] = {Role.PREFILL: [], Role.DECODE: []}
         for w in self.backend.workers():
             q, h = w.prefix_cache_queries, w.prefix_cache_hits
             pools.setdefault(w.role, []).append({
@@ -258,8 +252,11 @@ class RouterMetrics:
                 "pid": w.pid,
             })
         in_window = [(t, tr) for t, tr in self.recent if t >= since]
-        ttfts = sorted(tr.ttft_s for _, tr in in_window if tr.ttft_s is not None)
-        itls = sorted(g for t, g in self._itl_samples if t >= since)
+        ttfts = [tr.ttft_s for _, tr in in_window if tr.ttft_s is not None]
+        itls = [g for t, g in self._itl_samples if t >= since]
+        # common.stats: the one percentile definition (numpy's linear interpolation); None for no samples.
+        ttft_p50, ttft_p99 = percentiles(ttfts, (50, 99)) if ttfts else (None, None)
+        itl_p50, itl_p99 = percentiles(itls, (50, 99)) if itls else (None, None)
         gen = sum(tr.output_tokens for _, tr in in_window)
         kvb = sum(tr.kv_bytes for _, tr in in_window if tr.decision == "remote")
         routing: dict[str, Any] = {"remote": 0, "local": 0, "by_reason": {}}
@@ -278,8 +275,7 @@ class RouterMetrics:
             "routing": routing,
             "window": {
                 "seconds": window, "requests": len(in_window),
-                "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-                "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
+                "ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99, "itl_p50_s": itl_p50, "itl_p99_s": itl_p99,
                 "tokens_per_s": gen / window, "kv_bytes_per_s": kvb / window,
             },
             "series": series,

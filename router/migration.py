@@ -1,12 +1,12 @@
-"""Moving a request off a decode worker that died or is being removed (migration).
+"""Moving a request off a decode worker that died or is being removed (migration): the signal and
+the choice of where it goes.
 
 The router is the one place that knows what a client already has: every token id and every
-character of text it streamed. `Progress` keeps that per request; when the request's decode worker
-is lost, `ResumeState` carries it to another decode worker, which re-prefills prompt + those
+character of text it streamed (`router.flow.RequestFlow` keeps it). When the request's decode worker
+is lost, a `ResumeState` carries it to another decode worker, which re-prefills prompt + those
 tokens (its prefix cache helps) and decodes on (workers.engine.LLMEngine.resume_request): the
 stream continues with no token or character repeated or lost, and greedy output is what an
-undisturbed run gives. Stop conditions, max_tokens and usage stay the whole request's because the
-new worker's sequence holds the tokens already produced as output, not as prompt.
+undisturbed run gives.
 
 `WorkerLost` is how a lost decode worker reaches the request: raised by a failed call to it, or
 put into the request's queue when the health loop, the output pump or a drain gives it up.
@@ -17,12 +17,10 @@ migration, a prefill retry): the least busy live worker of the pool that takes n
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from router.backend import BackendError
-from workers.protocol import RequestOutput, ResumeState
+from router.backend import BackendError, WorkerInfo
 
-__all__ = ["Candidate", "Progress", "WorkerLost", "pick_worker"]
+__all__ = ["WorkerLost", "pick_worker"]
 
 
 class WorkerLost(BackendError):
@@ -35,39 +33,10 @@ class WorkerLost(BackendError):
         self.failure = failure
 
 
-@dataclass
-class Progress:
-    """What the client has of one request so far, and how often it moved."""
-
-    output_token_ids: list[int] = field(default_factory=list)
-    text_chars: int = 0
-    migrations: int = 0  # failed decode workers so far
-    moves: int = 0  # every move, drains included
-
-    def add(self, out: RequestOutput) -> None:
-        self.output_token_ids.extend(out.token_ids)
-        self.text_chars += len(out.text)
-
-    def resume_state(self) -> ResumeState | None:
-        """What the next decode worker continues from (None: nothing streamed yet, start afresh)."""
-        if not self.output_token_ids:
-            return None
-        return ResumeState(tuple(self.output_token_ids), self.text_chars)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A worker as pick_worker sees it."""
-
-    worker_id: str
-    usable: bool  # alive and not draining
-    streams: int  # requests the router has on it now
-    load: float = 0.0  # tie-break: KV usage reported by its last heartbeat
-
-
-def pick_worker(candidates: Iterable[Candidate], exclude: set[str] = frozenset()) -> str | None:
-    """The usable candidate with the fewest streams (then the lowest load, then the id), or None."""
-    usable = [c for c in candidates if c.usable and c.worker_id not in exclude]
+def pick_worker(workers: Iterable[WorkerInfo], exclude: frozenset[str] = frozenset()) -> str | None:
+    """The usable worker (alive, not draining) with the fewest requests in flight, then the lowest
+    KV usage, then the id; None when there is none outside `exclude`."""
+    usable = [w for w in workers if w.alive and not w.draining and w.worker_id not in exclude]
     if not usable:
         return None
-    return min(usable, key=lambda c: (c.streams, c.load, c.worker_id)).worker_id
+    return min(usable, key=lambda w: (w.in_flight, w.kv_usage, w.worker_id)).worker_id

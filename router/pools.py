@@ -1,6 +1,7 @@
 """The worker pools as the router sees them: membership, health, output pumps, draining.
 
-`WorkerPools` is the half of `router.ray_backend.RayBackend` that knows workers, not requests:
+`WorkerPools` knows workers, not requests (`router.ray_backend.RayBackend` runs the requests over it
+and reaches it only through its public methods):
 
 - **Health**: the health loop's one `heartbeat` RPC per worker and interval returns the worker's
   stats and its KV events since the last one; they feed `prefix_index` (a `PrefixIndex`), which
@@ -8,7 +9,8 @@
   has its index entries dropped at once, so nothing is routed to it for its cache. A dead worker
   is marked down (requests on it are told: `WorkerLost`); Ray restarts it (restartable actors)
   and the first heartbeat it answers re-admits it. One that Ray will not restart any more
-  (ActorDiedError) is `gone`: `on_gone` tells the pool manager, which replaces it.
+  (ActorDiedError) is `gone`: the callbacks given to `subscribe_gone` (the pool manager's) hear of
+  it, and replace it.
 - **Streams**: one long-poll loop ("pump") per decode worker carries every request's new tokens
   at once into that request's queue, only while the request still runs on that worker.
 - **Membership**: `add_worker`, `drain_worker` and `remove_worker` change the pools at runtime
@@ -29,20 +31,33 @@ from dataclasses import dataclass, field
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
-from router.backend import BackendError, WorkerInfo
-from router.migration import Candidate, WorkerLost, pick_worker
-from router.prefix_index import PrefixIndex
-from workers.protocol import KVEndpoint
+from typing import Protocol
 
-__all__ = ["WorkerPools"]
+from common.protocol import KVEndpoint
+from common.roles import Role
+from router.backend import BackendError, WorkerInfo
+from router.migration import WorkerLost, pick_worker
+from router.prefix_index import PrefixIndex
+
+__all__ = ["PoolWorker", "Stream", "WorkerEntry", "WorkerPools"]
 
 log = logging.getLogger("baton.router")
 
 
+class WorkerEntry(Protocol):
+    """A started worker as the pools take it (cluster.placement.SpawnedWorker is one)."""
+
+    worker_id: str
+    role: Role
+    handle: object
+
+
 @dataclass
 class PoolWorker:
+    """The pools' live state of one worker (never leaves this module's users: they get WorkerInfo)."""
+
     worker_id: str
-    role: str
+    role: Role
     handle: object
     alive: bool = True
     draining: bool = False
@@ -51,7 +66,7 @@ class PoolWorker:
     endpoint: KVEndpoint | None = None  # a decode worker's, fetched once per incarnation
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: float | None = None  # wall clock of the last answer
-    down: asyncio.Event | None = None  # set when marked down: calls waiting on it stop waiting (see _unless_down)
+    down: asyncio.Event | None = None  # set when marked down: calls waiting on it stop waiting (see unless_down)
 
 
 @dataclass
@@ -62,7 +77,7 @@ class Stream:
 
 
 class WorkerPools:
-    def __init__(self, workers: list[tuple[str, str, object]], health_interval_s: float = 2.0,
+    def __init__(self, workers: list[WorkerEntry], health_interval_s: float = 2.0,
                  health_timeout_s: float = 10.0, poll_timeout_s: float = 0.05,
                  prefix_index: PrefixIndex | None = None) -> None:
         self._workers: dict[str, PoolWorker] = {}
@@ -76,13 +91,18 @@ class WorkerPools:
         self._pumps: dict[str, asyncio.Task] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         # Called from the health loop while some worker is gone for good (the pool manager's hook).
-        self.on_gone: Callable[[], None] | None = None
+        self._on_gone: list[Callable[[], None]] = []
         # Seconds from a worker queueing an output to the router receiving it (bounded sample).
         self.stream_delays: deque[float] = deque(maxlen=10000)
-        for wid, role, handle in workers:
-            self.add_worker(wid, role, handle)
+        for w in workers:
+            self.add_worker(w.worker_id, w.role, w.handle)
 
-    def _ensure_started(self) -> None:
+    def subscribe_gone(self, callback: Callable[[], None]) -> None:
+        """Call `callback` from the health loop while some worker is gone for good."""
+        self._on_gone.append(callback)
+
+    def ensure_started(self) -> None:
+        """Start the health loop and the output pumps on the running event loop (idempotent)."""
         loop = asyncio.get_running_loop()
         if self._tasks and self._loop is loop:
             return
@@ -96,7 +116,7 @@ class WorkerPools:
             self._start_pump(w)
 
     def _start_pump(self, w: PoolWorker) -> None:
-        if w.role == "decode" and self._loop is not None and w.worker_id not in self._pumps:
+        if w.role is Role.DECODE and self._loop is not None and w.worker_id not in self._pumps:
             self._pumps[w.worker_id] = self._loop.create_task(self._pump(w))
 
     async def close(self) -> None:
@@ -105,12 +125,14 @@ class WorkerPools:
         self._tasks, self._pumps = [], {}
 
     # ---- the pools -----------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, role: str, handle: object) -> None:
+    def add_worker(self, worker_id: str, role: Role | str, handle: object) -> None:
         """Serve with one more worker (already started and ready); new requests may go to it at once."""
         if worker_id in self._workers:
             raise ValueError(f"worker {worker_id!r} is already in the pools")
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        try:
+            role = Role(role)
+        except ValueError:
+            raise ValueError(f"role must be prefill or decode, got {role!r}") from None
         w = PoolWorker(worker_id, role, handle)
         self._workers[worker_id] = w
         self._queued_prefill[worker_id] = 0
@@ -130,7 +152,7 @@ class WorkerPools:
         while self.in_flight(worker_id) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         moved = 0
-        if w.role == "decode":
+        if w.role is Role.DECODE:
             for stream in self._streams.values():
                 if stream.decode_worker == worker_id:
                     stream.queue.put_nowait(WorkerLost(worker_id, f"decode worker {worker_id} is being removed", False))
@@ -151,7 +173,7 @@ class WorkerPools:
             pump.cancel()
         self.prefix_index.remove_worker(worker_id)
         self._queued_prefill.pop(worker_id, None)
-        if w.role == "decode":
+        if w.role is Role.DECODE:
             self._fail_streams(worker_id, f"decode worker {worker_id} was removed")
         return w.handle
 
@@ -161,9 +183,14 @@ class WorkerPools:
 
     def workers(self) -> list[WorkerInfo]:
         try:
-            self._ensure_started()
+            self.ensure_started()
         except RuntimeError:
             pass  # no running loop (called from sync code): report what we know
+        in_flight: dict[str, int] = {}
+        for stream in self._streams.values():
+            for wid in {stream.decode_worker, stream.prefill_worker}:
+                if wid is not None:
+                    in_flight[wid] = in_flight.get(wid, 0) + 1
         infos = []
         for w in list(self._workers.values()):
             s = w.stats
@@ -173,6 +200,7 @@ class WorkerPools:
                 kv_usage=s.kv_usage if s else 0.0, queued_prefill_tokens=self._queued_prefill.get(w.worker_id, 0),
                 prefix_cache_queries=s.prefix_cache_queries if s else 0, prefix_cache_hits=s.prefix_cache_hits if s else 0,
                 last_heartbeat=w.last_heartbeat, draining=w.draining, pid=s.pid if s else None,
+                in_flight=in_flight.get(w.worker_id, 0),
             ))
         return infos
 
@@ -183,7 +211,7 @@ class WorkerPools:
             try:
                 beat = await asyncio.wait_for(w.handle.heartbeat.remote(), self.health_timeout_s)
             except (RayError, asyncio.TimeoutError) as exc:
-                self._mark_down(w, exc)
+                self.mark_down(w, exc)
                 return
             if self._workers.get(w.worker_id) is not w:
                 return  # removed while we asked
@@ -206,7 +234,8 @@ class WorkerPools:
 
         await asyncio.gather(*(one(w) for w in list(self._workers.values())))
 
-    def _mark_down(self, w: PoolWorker, exc: object) -> None:
+    def mark_down(self, w: PoolWorker, exc: object) -> None:
+        """The worker failed a call or a heartbeat: route around it and tell its requests."""
         if w.alive:
             log.warning("worker %s (%s) is down: %s", w.worker_id, w.role, exc)
         w.alive = False
@@ -215,14 +244,15 @@ class WorkerPools:
         # ActorDiedError: no restart left (ActorUnavailableError, its sibling, means restarting).
         w.gone = w.gone or isinstance(exc, ActorDiedError)
         self.prefix_index.remove_worker(w.worker_id)
-        if w.role == "decode":
+        if w.role is Role.DECODE:
             self._fail_streams(w.worker_id, f"decode worker {w.worker_id} is down")
 
     async def _health_loop(self) -> None:
         while True:
             await self.refresh_stats()
-            if self.on_gone is not None and self.gone_workers():
-                self.on_gone()
+            if self._on_gone and self.gone_workers():
+                for callback in self._on_gone:
+                    callback()
             await asyncio.sleep(self.health_interval_s)
 
     async def _pump(self, w: PoolWorker) -> None:
@@ -233,7 +263,7 @@ class WorkerPools:
             try:
                 outputs = await w.handle.poll_outputs.remote(self.poll_timeout_s)
             except RayError as exc:
-                self._mark_down(w, exc)
+                self.mark_down(w, exc)
                 continue
             now = time.time()
             for out in outputs:
@@ -248,7 +278,7 @@ class WorkerPools:
             if stream.decode_worker == decode_worker:
                 stream.queue.put_nowait(WorkerLost(decode_worker, message))
 
-    async def _unless_down(self, w: PoolWorker, call):
+    async def unless_down(self, w: PoolWorker, call):
         """Await a call to the worker, but no longer than the worker is considered alive: a call to
         an actor Ray is restarting (or cannot place again) would wait until it is back, for ever if
         it never is. Raises ActorUnavailableError once the worker is marked down."""
@@ -270,24 +300,53 @@ class WorkerPools:
             return task.result()
         raise ActorUnavailableError(f"worker {w.worker_id} went down (no answer to its heartbeat)", None)
 
+    def get(self, worker_id: str | None) -> PoolWorker | None:
+        return self._workers.get(worker_id) if worker_id is not None else None
+
     def _get(self, worker_id: str) -> PoolWorker:
         w = self._workers.get(worker_id)
         if w is None:
             raise BackendError(f"unknown worker {worker_id!r}")
         return w
 
-    def _usable(self, worker_id: str | None) -> PoolWorker | None:
-        w = self._workers.get(worker_id) if worker_id is not None else None
-        return w if w is not None and w.alive and not w.draining else None
+    # ---- what a request asks of the pools (router.flow.WorkerPicker and the backend's calls) -----
+    def usable(self, worker_id: str | None) -> bool:
+        w = self.get(worker_id)
+        return w is not None and w.alive and not w.draining
 
-    def _pick(self, role: str, exclude: set[str] = frozenset()) -> PoolWorker | None:
-        candidates = [Candidate(w.worker_id, w.alive and not w.draining, self.in_flight(w.worker_id),
-                                w.stats.kv_usage if w.stats else 0.0)
-                      for w in self._workers.values() if w.role == role]
-        wid = pick_worker(candidates, exclude)
-        return None if wid is None else self._workers[wid]
+    def pick(self, role: Role, exclude: frozenset[str] = frozenset()) -> str | None:
+        return pick_worker((info for info in self.workers() if info.role is role), exclude)
 
-    async def _endpoint(self, w: PoolWorker) -> KVEndpoint:
+    async def endpoint(self, w: PoolWorker) -> KVEndpoint:
+        """A decode worker's KV endpoint, fetched once per incarnation."""
         if w.endpoint is None:
             w.endpoint = await w.handle.endpoint.remote()
         return w.endpoint
+
+    def open_stream(self, request_id: str, decode_worker: str) -> Stream:
+        stream = Stream(decode_worker, asyncio.Queue())
+        self._streams[request_id] = stream
+        return stream
+
+    def follow(self, stream: Stream, decode_worker: str) -> None:
+        """Take the stream's outputs from this decode worker from now on (a fresh queue: nothing said
+        before, by the worker it left or by this one before a restart, reaches it)."""
+        stream.decode_worker, stream.queue, stream.prefill_worker = decode_worker, asyncio.Queue(), None
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def has_streams(self) -> bool:
+        return bool(self._streams)
+
+    def decode_worker_of_streams(self) -> dict[str, str]:
+        """Request id -> the decode worker it streams from now."""
+        return {rid: s.decode_worker for rid, s in list(self._streams.items())}
+
+    def stream_of(self, request_id: str) -> Stream | None:
+        return self._streams.get(request_id)
+
+    def queue_tokens(self, worker_id: str, delta: int) -> None:
+        """Prompt tokens counted as queued prefill work on the worker (the routing policy's queue term)."""
+        if worker_id in self._queued_prefill:
+            self._queued_prefill[worker_id] = max(0, self._queued_prefill[worker_id] + delta)

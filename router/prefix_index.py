@@ -2,7 +2,7 @@
 
 Workers publish `KVEvent`s (blocks stored in / removed from their prefix cache, or the whole cache
 cleared) with the same chained block hashes the router computes from a prompt
-(`workers.block_hash.hash_prefix_blocks`). Because each hash covers every block before it, the
+(`common.block_hash.hash_prefix_blocks`). Because each hash covers every block before it, the
 number of leading prompt hashes a worker holds is exactly the length of its cached prefix.
 
 Memory is bounded: each worker keeps at most `max_blocks_per_worker` hashes; past that the oldest
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from workers.protocol import KVEvent, KVEventKind
+from common.protocol import KVEvent, KVEventKind
 
 __all__ = ["PrefixIndex"]
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
-from workers.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # --------------------------------------------------------------------------- errors
 
@@ -93,11 +93,6 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 class StreamOptions(_Request):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
-
-
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(_Request):

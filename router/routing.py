@@ -41,7 +41,8 @@ from typing import Protocol, Sequence
 
 from router.backend import RouteDecision, WorkerInfo
 from router.prefix_index import PrefixIndex
-from workers.block_hash import hash_prefix_blocks
+from common.block_hash import hash_prefix_blocks
+from common.roles import Role
 
 __all__ = [
     "POLICIES", "KvAwarePolicy", "LeastLoadedPolicy", "NoWorkerAvailable", "RandomPolicy", "RoundRobinPolicy",
@@ -81,7 +82,7 @@ class RoundRobinPolicy:
 
     def __init__(self, local_prefill_fallback: bool = False) -> None:
         self.local_prefill_fallback = local_prefill_fallback
-        self._last: dict[str, str | None] = {"prefill": None, "decode": None}
+        self._last: dict[str, str | None] = {Role.PREFILL: None, Role.DECODE: None}
 
     def _next(self, workers: Sequence[WorkerInfo], role: str) -> str | None:
         ids = sorted(w.worker_id for w in live_workers(workers, role))
@@ -95,13 +96,13 @@ class RoundRobinPolicy:
         return chosen
 
     def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
-        decode = self._next(workers, "decode")
+        decode = self._next(workers, Role.DECODE)
         if decode is None:
-            raise NoWorkerAvailable("decode")
-        prefill = self._next(workers, "prefill")
+            raise NoWorkerAvailable(Role.DECODE)
+        prefill = self._next(workers, Role.PREFILL)
         if prefill is None:
             if not self.local_prefill_fallback:
-                raise NoWorkerAvailable("prefill")
+                raise NoWorkerAvailable(Role.PREFILL)
             return RouteDecision(decode_worker=decode, prefill_worker=None, reason="local_prefill_no_prefill_worker")
         return RouteDecision(decode_worker=decode, prefill_worker=prefill, reason="round_robin")
 
@@ -152,14 +153,14 @@ class RandomPolicy:
         self.local_prefill_fallback = local_prefill_fallback
 
     def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
-        decode = live_workers(workers, "decode")
+        decode = live_workers(workers, Role.DECODE)
         if not decode:
-            raise NoWorkerAvailable("decode")
+            raise NoWorkerAvailable(Role.DECODE)
         d = self._rng.choice(decode).worker_id
-        prefill = live_workers(workers, "prefill")
+        prefill = live_workers(workers, Role.PREFILL)
         if not prefill:
             if not self.local_prefill_fallback:
-                raise NoWorkerAvailable("prefill")
+                raise NoWorkerAvailable(Role.PREFILL)
             return RouteDecision(d, None, "local_no_prefill_worker")
         return RouteDecision(d, self._rng.choice(prefill).worker_id, "random")
 
@@ -175,14 +176,14 @@ class LeastLoadedPolicy:
         self.local_prefill_fallback = local_prefill_fallback
 
     def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
-        decode = live_workers(workers, "decode")
+        decode = live_workers(workers, Role.DECODE)
         if not decode:
-            raise NoWorkerAvailable("decode")
+            raise NoWorkerAvailable(Role.DECODE)
         d = min(decode, key=_load_key).worker_id
-        prefill = live_workers(workers, "prefill")
+        prefill = live_workers(workers, Role.PREFILL)
         if not prefill:
             if not self.local_prefill_fallback:
-                raise NoWorkerAvailable("prefill")
+                raise NoWorkerAvailable(Role.PREFILL)
             return RouteDecision(d, None, "local_no_prefill_worker")
         return RouteDecision(d, min(prefill, key=_load_key).worker_id, "least_loaded")
 
@@ -228,9 +229,9 @@ class KvAwarePolicy:
         matched = self.index.match(hashes) if hashes else {}
         scale = float(max(n, bs))
 
-        decode = live_workers(workers, "decode")
+        decode = live_workers(workers, Role.DECODE)
         if not decode:
-            raise NoWorkerAvailable("decode")
+            raise NoWorkerAvailable(Role.DECODE)
         d_uncached = [n - matched.get(w.worker_id, 0) * bs for w in decode]
         i = self._draw(decode, [self._cost(w, u, True) for w, u in zip(decode, d_uncached)], scale)
         d, d_unc = decode[i], d_uncached[i]
@@ -238,7 +239,7 @@ class KvAwarePolicy:
 
         if d_unc <= c.local_prefill_threshold:
             return RouteDecision(d.worker_id, None, "local_short_uncached", d_blocks)
-        prefill = live_workers(workers, "prefill")
+        prefill = live_workers(workers, Role.PREFILL)
         if not prefill:
             return RouteDecision(d.worker_id, None, "local_no_prefill_worker", d_blocks)
         if min(w.queued_prefill_tokens for w in prefill) > c.prefill_queue_threshold:

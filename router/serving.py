@@ -47,8 +47,9 @@ from router.routing import RoutingPolicy, live_workers
 from router.streaming import ClientGone, DeadlineExceeded, await_unless_disconnected, ended, sse_response
 from router.tokenizer import ChatTemplateError, Tokenizer
 from router.trace import RequestTrace
-from workers.protocol import RequestOutput
-from workers.sampling_params import SamplingParams
+from common.protocol import RequestOutput
+from common.roles import ROLES
+from common.sampling_params import SamplingParams
 
 __all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Serving"]
 
@@ -399,7 +400,7 @@ class Serving:
     def health(self) -> tuple[int, dict]:
         """(status, body): 503 naming the pools without a live worker, else 200."""
         workers = self.backend.workers()
-        live = {role: len(live_workers(workers, role)) for role in ("prefill", "decode")}
+        live = {role: len(live_workers(workers, role)) for role in ROLES}
         missing = [role for role, n in live.items() if n == 0]
         if not missing:
             return 200, {"status": "ok", "live_workers": live}

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from router.admission import Deadline, deadline_error
 from router.errors import to_api_error
 from router.formatting import Choices, ResponseFormat, dumps
-from workers.protocol import RequestOutput
+from common.protocol import RequestOutput
 
 __all__ = ["DONE", "SSE_HEADERS", "ClientGone", "DeadlineExceeded", "await_unless_disconnected", "ended",
            "remaining", "sse_response"]

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import ray
 
+from common.roles import Role
 from workers.worker import EngineWorker, WorkerConfig
 
 
@@ -22,7 +23,7 @@ class PrefillWorker(EngineWorker):
     """Runs prompts to their first token and pushes their KV blocks to decode workers."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        if config.role != "prefill":
+        if config.role != Role.PREFILL:
             raise ValueError(f"PrefillWorker needs role 'prefill', got {config.role!r}")
         super().__init__(_placed(config))
 
@@ -31,7 +32,7 @@ class DecodeWorker(EngineWorker):
     """Receives KV blocks, decodes in a continuous batch, and can prefill locally."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        if config.role != "decode":
+        if config.role != Role.DECODE:
             raise ValueError(f"DecodeWorker needs role 'decode', got {config.role!r}")
         super().__init__(_placed(config))
 
@@ -42,5 +43,5 @@ ACTOR_MAX_CONCURRENCY = 64
 
 
 def actor_class(role: str):
-    cls = PrefillWorker if role == "prefill" else DecodeWorker
+    cls = PrefillWorker if role == Role.PREFILL else DecodeWorker
     return ray.remote(max_concurrency=ACTOR_MAX_CONCURRENCY)(cls)

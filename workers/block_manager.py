@@ -16,8 +16,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from workers.block_hash import ROOT_PARENT_HASH, hash_block
-from workers.protocol import KVEvent, KVEventKind
+from common.block_hash import ROOT_PARENT_HASH, hash_block
+from common.protocol import KVEvent, KVEventKind
 from workers.sequence import Sequence
 
 

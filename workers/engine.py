@@ -22,15 +22,18 @@ import torch
 
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
-from workers.detokenizer import Decode, IncrementalDetokenizer
+from common.detokenizer import Decode, IncrementalDetokenizer
 from workers.model_config import ModelConfig
 from workers.model_files import resolve_model_dir
 from workers.model_runner import ModelRunner, iter_safetensors
-from workers.protocol import KVReservation, RequestOutput, ResumeState, TokenLogprob
+from common.protocol import KVReservation, RequestOutput, ResumeState, TokenLogprob
 from workers.sampler import Sampler, SamplingRow, draw_keys
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import ScheduledChunk, Sequence
+
+# Called after every engine step: (its chunks as (computed before, this step, sampled), wall seconds).
+StepObserver = Callable[[list[tuple[int, int, bool]], float], None]
 
 
 @dataclass
@@ -111,9 +114,19 @@ class LLMEngine:
                                torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1))
         self._ids = itertools.count()
         self.num_computed_tokens = 0
-        # Called after every step with its chunks as (tokens computed before, tokens this step,
-        # sampled) and its wall seconds: the cost profile (bench/profile_costs.py) reads steps so.
-        self.step_observer: Callable[[list[tuple[int, int, bool]], float], None] | None = None
+        self._step_observers: list[StepObserver] = []
+
+    def observe_steps(self, observer: StepObserver) -> Callable[[], None]:
+        """Call `observer(chunks, seconds)` after every step, with the step's chunks as (tokens
+        computed before, tokens this step, sampled) and its wall seconds (the cost profile,
+        bench/profile_costs.py, and BATON_STEP_LOG_DIR read steps so). Returns the function that
+        stops it."""
+        self._step_observers.append(observer)
+
+        def stop() -> None:
+            if observer in self._step_observers:
+                self._step_observers.remove(observer)
+        return stop
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -295,11 +308,13 @@ class LLMEngine:
         self._set_threads(chunks)
         sample_mask = [c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens for c in chunks]
         shape = None
-        if self.step_observer is not None:
+        if self._step_observers:
             shape = [(c.seq.num_computed_tokens, c.num_tokens, s) for c, s in zip(chunks, sample_mask)]
         outputs = self._run(sched.num_tokens, chunks, sample_mask)
         if shape is not None:
-            self.step_observer(shape, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            for observer in list(self._step_observers):
+                observer(shape, seconds)
         return outputs
 
     def _run(self, num_tokens: int, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> list[RequestOutput]:

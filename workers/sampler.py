@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 
 from kernels.sampling import exponential_race_reference, retry_keys
-from workers.protocol import TokenLogprob
-from workers.sampling_params import SamplingParams
+from common.protocol import TokenLogprob
+from common.sampling_params import SamplingParams
 
 # Rejection rounds for top-p before the sorted fallback; a round is accepted with probability at
 # least max(top_p, largest probability), so with the usual top_p >= 0.5 eight rounds almost never run out.

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

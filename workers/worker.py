@@ -24,24 +24,25 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from common import envs
 from kvtransfer import KVTransferError, PairwiseTransport, PeerLink, Place, dtype_name
 from workers.config import EngineConfig
 from workers.engine import LLMEngine, load_tokenizer_decode
 from workers.model_config import ModelConfig
 from workers.model_files import ModelNotFoundError, resolve_model_dir
 from workers.model_runner import iter_safetensors, kv_cache_scales, kv_cache_torch_dtype, load_model, num_kv_blocks
-from workers.protocol import (
+from common.protocol import (
     KVEndpoint, KVEvent, KVEventBatch, KVLayout, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
     WorkerHeartbeat, WorkerReady, WorkerStats,
 )
-from workers.sampling_params import SamplingParams
+from common.roles import ROLES
+from common.sampling_params import SamplingParams
 
-ROLES = ("prefill", "decode")
 log = logging.getLogger(__name__)
 
 # A folder: every worker appends each engine step's shape and wall time to <worker id>.jsonl
 # there (bench/profile_costs.py --served fits the simulator's cost model to a real server's steps).
-STEP_LOG_ENV = "BATON_STEP_LOG_DIR"
+STEP_LOG_ENV = envs.BATON_STEP_LOG_DIR.name
 
 
 class RequestAborted(RuntimeError):
@@ -105,7 +106,7 @@ class WorkerConfig:
     role: str
     model: str | None = None  # None: the default model; resolved on the worker's own node
     engine: EngineConfig = field(default_factory=EngineConfig)
-    # KV transport choice (kvtransfer.pairwise.CHOICES): auto picks per pair of workers.
+    # KV transport choice (common.transports.CHOICES): auto picks per pair of workers.
     transport: str = "auto"
     transfer_timeout_s: float = 30.0
     # Where the worker runs, filled in by the Ray actor shell (workers.actors) from Ray's own
@@ -119,7 +120,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+            raise ValueError(f"role must be one of {tuple(r.value for r in ROLES)}, got {self.role!r}")
 
 
 def _run_at_idle_priority(worker_id: str) -> None:
@@ -140,9 +141,11 @@ class EngineWorker:
         self.engine = engine
         self.transport = transport
         self._step_log = None
-        if os.environ.get(STEP_LOG_ENV):
-            self._step_log = open(os.path.join(os.environ[STEP_LOG_ENV], f"{self.worker_id}.jsonl"), "a", buffering=1)
-            engine.step_observer = self._log_step
+        self._stop_step_log = None
+        step_log_dir = envs.step_log_dir()
+        if step_log_dir:
+            self._step_log = open(os.path.join(step_log_dir, f"{self.worker_id}.jsonl"), "a", buffering=1)
+            self._stop_step_log = engine.observe_steps(self._log_step)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: list[RequestOutput] = []
         self._outbox_ready = threading.Condition()
@@ -157,7 +160,7 @@ class EngineWorker:
         self._kv_events: list[KVEvent] = []
         self._kv_event_hashes = 0
         self._kv_events_lost = False
-        self._max_kv_event_hashes = max(1024, 4 * getattr(getattr(engine, "block_manager", None), "num_blocks", 256))
+        self._max_kv_event_hashes = max(1024, 4 * engine.block_manager.num_blocks)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.worker_id}", daemon=True)
         self._thread.start()
@@ -187,10 +190,7 @@ class EngineWorker:
             self._drain_kv_events()
 
     def _drain_kv_events(self) -> None:
-        bm = getattr(self.engine, "block_manager", None)
-        if bm is None:
-            return
-        events = bm.drain_events()
+        events = self.engine.block_manager.drain_events()
         if not events or self._kv_events_lost:
             return
         self._kv_events.extend(events)
@@ -345,14 +345,12 @@ class EngineWorker:
         before any request does: raises KVLayoutMismatch naming the field. Returns the backend
         that serves the pair (shm, gloo or nccl)."""
         self._connect(endpoint)
-        kind_for = getattr(self.transport, "kind_for", None)
-        return kind_for(endpoint) if kind_for is not None else endpoint.kind
+        return self.transport.kind_for(endpoint)
 
     def kv_links(self) -> list[PeerLink]:
         """The decode workers this worker has connected to: the backend of each pair and the
         blocks it carried."""
-        links = getattr(self.transport, "links", None)
-        return links() if links is not None else []
+        return self.transport.links()
 
     def _connect(self, endpoint: KVEndpoint) -> str:
         peer_id = self._peers.get(endpoint.peer_key)
@@ -438,6 +436,7 @@ class EngineWorker:
         if self.transport is not None:
             self.transport.close()
         if self._step_log is not None:
+            self._stop_step_log()
             self._step_log.close()
 
     def _log_step(self, chunks: list[tuple[int, int, bool]], seconds: float) -> None:

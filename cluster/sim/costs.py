@@ -21,9 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
+from common.stats import percentile
+
 __all__ = [
     "GPUS", "LINKS", "MODELS", "CostModel", "FittedCostModel", "GpuSpec", "LinkModel", "ModelShape",
-    "RooflineCostModel", "ServingOverheads", "StepShape", "load_cost_model",
+    "RooflineCostModel", "ServingOverheads", "StepShape", "fit_cost_model", "load_cost_model",
 ]
 
 
@@ -331,3 +335,31 @@ def load_cost_model(path: str | Path) -> tuple[CostModel, ServingOverheads, Link
     else:
         link = LinkModel(**link)
     return cost_model_from_dict(spec), overheads, link
+
+
+def fit_cost_model(samples: list[dict]) -> tuple[dict[str, float], float, dict]:
+    """Least squares on relative error (each step weighs the same whatever its length), coefficients >= 0."""
+    names = FittedCostModel.COEFFICIENTS
+    t = np.array([s["seconds"] for s in samples])
+    shapes = [StepShape(**{k: s[k] for k in StepShape.__dataclass_fields__}) for s in samples]
+    best = None
+    for knee in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        x = np.array([FittedCostModel.features(sh, knee) for sh in shapes]) / t[:, None]
+        active = list(range(len(names)))
+        while True:
+            coef, *_ = np.linalg.lstsq(x[:, active], np.ones(len(t)), rcond=None)
+            negative = [a for a, c in zip(active, coef) if c < 0]
+            if not negative:
+                break
+            active.remove(min(negative, key=lambda a: coef[active.index(a)]))
+        full = np.zeros(len(names))
+        full[active] = coef
+        pred = np.array([FittedCostModel.features(sh, knee) for sh in shapes]) @ full
+        err = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+        if best is None or err < best[2]:
+            best = (full, knee, err, pred)
+    full, knee, err, pred = best
+    rel = np.abs(pred - t) / t
+    quality = {"rms_relative_error": err, "median_relative_error": float(np.median(rel)),
+               "p90_relative_error": percentile(rel.tolist(), 90), "samples": len(samples)}
+    return dict(zip(names, map(float, full))), float(knee), quality

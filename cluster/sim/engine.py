@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from cluster.sim.costs import CostModel, StepShape
 from workers.block_manager import BlockManager
-from workers.protocol import KVEvent
-from workers.sampling_params import SamplingParams
+from common.protocol import KVEvent
+from common.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence
 

@@ -1,17 +1,17 @@
 """What a simulation reports: per-request records, their TTFT/TPOT/ITL distributions, goodput
-(CONVENTIONS.md's vocabulary, bench/serve.py's definitions and percentile method), per-pool
+(CONVENTIONS.md's vocabulary, bench/serve.py's definitions, common.stats' percentiles), per-pool
 utilisation and queueing, as JSON and PNG plots."""
 
 from __future__ import annotations
 
-import json
 import random
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.stats import summary as latency_summary
 
-__all__ = ["ItlSample", "RequestRecord", "SLO", "SimResult", "percentiles", "pyplot"]
+
+__all__ = ["ItlSample", "RequestRecord", "SLO", "SimResult", "pyplot"]
 
 
 @dataclass(frozen=True)
@@ -82,20 +82,6 @@ class ItlSample:
                 self.values[j] = gap
 
 
-def percentiles(values: list[float], scale: float = 1000.0) -> dict:
-    """p50/p90/p99/mean, linearly interpolated exactly as bench/serve.py does (ms by default)."""
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    ordered = sorted(values)
-
-    def pct(p: float) -> float:
-        k = (len(ordered) - 1) * p
-        lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-        return (ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)) * scale
-
-    return {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "mean": statistics.fmean(values) * scale}
-
-
 @dataclass
 class PoolStats:
     workers: int
@@ -110,7 +96,7 @@ class PoolStats:
         return {"workers_at_end": self.workers, "gpu_seconds": self.gpu_seconds,
                 "utilisation": self.busy_seconds / self.gpu_seconds if self.gpu_seconds else 0.0,
                 "steps": self.steps, "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
-                "queue_ms": percentiles(self.queue_s)}
+                "queue_ms": latency_summary(self.queue_s)}
 
 
 @dataclass
@@ -142,10 +128,10 @@ class SimResult:
             "goodput": len(good) / duration, "slo_attainment": len(good) / len(recs) if recs else 0.0,
             "slo": {"ttft_ms": None if slo.ttft_s is None else slo.ttft_s * 1e3,
                     "tpot_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3},
-            "ttft_ms": percentiles([r.ttft_s for r in done]),
-            "tpot_ms": percentiles([r.tpot_s for r in done if r.tpot_s is not None]),
-            "itl_ms": percentiles(itl),
-            "e2el_ms": percentiles([r.e2el_s for r in done]),
+            "ttft_ms": latency_summary([r.ttft_s for r in done]),
+            "tpot_ms": latency_summary([r.tpot_s for r in done if r.tpot_s is not None]),
+            "itl_ms": latency_summary(itl),
+            "e2el_ms": latency_summary([r.e2el_s for r in done]),
             "cached_token_fraction": (sum(r.cached_tokens for r in done) / max(1, sum(r.prompt_len for r in done))),
             "routes": _count(r.route for r in recs),
         }
@@ -156,15 +142,9 @@ class SimResult:
             "overall": self.summary(slo),
             "by_client": {c: self.summary(slo, c) for c in clients} if len(clients) > 1 else {},
             "pools": {name: p.summary(self.duration_s) for name, p in self.pools.items()},
-            "router_decision_ms": percentiles(self.decision_s),
+            "router_decision_ms": latency_summary(self.decision_s),
             "simulated_s": self.duration_s, "simulation_wall_s": self.sim_wall_s, "config": self.config,
         }
-
-    def write_json(self, path: str | Path, slo: SLO | None = None, extra: dict | None = None) -> dict:
-        data = {**self.report(slo), "timeline": self.timeline, **(extra or {})}
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")
-        return data
 
     def plot(self, path: str | Path, title: str = "") -> None:
         """TTFT and TPOT distributions, and pool sizes and queued prefill work over time."""

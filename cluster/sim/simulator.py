@@ -1,19 +1,16 @@
 """The cluster simulator: a Baton deployment as a discrete-event simulation.
 
-Each request goes through what `router.ray_backend.RayBackend.generate` does, with the router's
-real routing policy (`router.routing.make_policy`: `KvAwarePolicy` by default) and real
+Each request is driven by the router's own `router.flow.RequestFlow`, whose commands run here as
+events on simulated workers instead of Ray calls (`_execute`), with the router's real routing
+policy (`router.routing.make_policy`: `KvAwarePolicy` by default) and real
 `router.prefix_index.PrefixIndex`, fed by the simulated workers' KV events at every heartbeat as
-the router's health loop feeds it:
+the router's health loop feeds it. What is the simulator's own is how long each command takes:
+a call to a worker waits for the end of its current step; a prefill (`prefill_only`) starts its
+send as P's step ends, the KV moves over the `LinkModel`, and P's release of the blocks is queued
+between its steps; outputs reach the router `stream_s` after the worker's step.
 
-- remote prefill: reserve blocks on decode worker D (a call, between D's steps) -> prefill on P
-  (`prefill_only`) -> the send begins as P's step ends, the KV moves (`LinkModel`), P's release of
-  the blocks is queued (between its steps) -> first token to the client, and start decoding on D
-  (between D's steps) -> D streams the rest; no room on D: D prefills locally; a 1-token request:
-  P's token is the answer, and D's reservation is aborted beside it;
-- local prefill (the policy's choice, or no prefill worker): D runs the whole request.
-
-The router counts each request's prompt as queued prefill work on whoever prefills it until the
-first token (the policy's queue term), and sees worker stats (running, waiting, KV usage) as of
+The router's queued-prefill count (the policy's queue term) follows the flow's commands, and the
+router sees worker stats (running, waiting, KV usage) as of
 the last heartbeat. Pools can grow and shrink while it runs (`add_worker`, `drain_worker`): what
 the autoscaler drives.
 """
@@ -30,7 +27,14 @@ from cluster.sim.costs import CostModel, LinkModel, ServingOverheads
 from cluster.sim.engine import EngineSettings, EventLoop, SimWorker
 from cluster.sim.metrics import ItlSample, PoolStats, RequestRecord, SimResult
 from cluster.sim.workload import Client, SimRequest, Workload
+from common.protocol import KVReservation, PrefillResult, RequestOutput
+from common.roles import Role
 from router.backend import WorkerInfo
+from router.flow import (
+    COUNTERS, Abort, Command, Count, Emit, Fail, Follow, MigrationGap, Prefill, QueueTokens, RequestFlow, Reserve, StartDecode,
+    Submit, WaitForDecode,
+)
+from router.migration import pick_worker
 from router.prefix_index import PrefixIndex
 from router.routing import NoWorkerAvailable, RoutingConfig, make_policy
 
@@ -56,13 +60,12 @@ class ClusterSpec:
 
 @dataclass
 class _Flight:
-    """One request in the router: its record, what to call when it ends, and its queued-prefill entry."""
+    """One request in the router: its record, its flow, and what to call when it ends."""
 
     req: SimRequest
     rec: RequestRecord
     on_done: Callable[[], None]
-    queued_on: str | None = None
-    queued: int = 0
+    flow: RequestFlow | None = None
 
 
 class Simulator:
@@ -96,6 +99,7 @@ class Simulator:
         self._open_clients = 0
         self._flights: dict[str, _Flight] = {}
         self.unstarted: dict[str, float] = {}  # routed, not yet computing: request id -> routed at
+        self.counters = dict.fromkeys(COUNTERS, 0)  # what the flows counted, as RayBackend.counters
         self._last_arrival = 0.0
         for _ in range(spec.prefill_workers):
             self.add_worker("prefill")
@@ -148,6 +152,15 @@ class Simulator:
                 self._gone[wid] = self.loop.now
                 self.index.remove_worker(wid)
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens routed and not prefilled yet, over all workers (as the router counts them)."""
+        return sum(self._queued.values())
+
+    def decode_load(self) -> tuple[int, int]:
+        """(running, waiting) sequences over the decode pool, as of the last heartbeat."""
+        stats = [self._stats[wid] for wid, w in self.workers.items() if w.role == "decode" and not w.removed]
+        return sum(s[0] for s in stats), sum(s[1] for s in stats)
+
     def pool_size(self, role: str, include_starting: bool = True) -> int:
         states = ("up", "starting") if include_starting else ("up",)
         return sum(1 for wid, st in self._state.items() if st in states and self.workers[wid].role == role)
@@ -163,6 +176,13 @@ class Simulator:
                                         kv_usage=usage, queued_prefill_tokens=self._queued[wid]))
         self._infos = infos
         self._pos = {info.worker_id: i for i, info in enumerate(infos)}
+
+    # router.flow.WorkerPicker: where a request goes when the policy is not asked again.
+    def usable(self, worker_id: str) -> bool:
+        return self._state.get(worker_id) == "up"
+
+    def pick(self, role: Role, exclude: frozenset[str] = frozenset()) -> str | None:
+        return pick_worker((info for info in self._infos if info.role == role), exclude)
 
     def _set_queued(self, wid: str, delta: int) -> None:
         self._queued[wid] = max(0, self._queued.get(wid, 0) + delta)
@@ -214,14 +234,10 @@ class Simulator:
         finally:
             self.decision_s.append(time.perf_counter() - t0)
         f.rec.route, f.rec.decode_worker, f.rec.prefill_worker = d.reason, d.decode_worker, d.prefill_worker
-        f.queued_on, f.queued = d.prefill_worker or d.decode_worker, len(f.req.prompt)
         self._flights[f.req.request_id] = f
         self.unstarted[f.req.request_id] = self.loop.now
-        self._set_queued(f.queued_on, f.queued)
-        if d.prefill_worker is None:
-            self._local(f)
-        else:
-            self._remote(f)
+        f.flow = RequestFlow(f.req.request_id, len(f.req.prompt), d, self)
+        self._execute(f, f.flow.start(self.loop.now))
 
     def _started(self, request_id: str, queued_s: float) -> None:
         if self.unstarted.pop(request_id, None) is not None:
@@ -229,83 +245,95 @@ class Simulator:
             if f is not None:
                 f.rec.queue_s = self.loop.now - f.rec.sent_s - self.overheads.router_s
 
-    def _dequeue(self, f: _Flight) -> None:
-        if f.queued:
-            self._set_queued(f.queued_on, -f.queued)
-            f.queued = 0
+    # ---- the flow's commands, carried out as events ------------------------------------------
+    def _answer(self, f: _Flight, handler: Callable[[float], list[Command]]) -> None:
+        """An outcome reached the router: ask the flow what next, and do it."""
+        if f.flow.done:
+            return
+        self._execute(f, handler(self.loop.now))
 
-    def _local(self, f: _Flight) -> None:
-        d = self.workers[f.rec.decode_worker]
-        on_output = self._decode_output(f)
-        self.loop.after(self.overheads.rpc_s / 2, d.call,
-                        lambda: d.add(f.req.request_id, f.req.prompt, f.req.output_len, on_output))
+    def _execute(self, f: _Flight, commands: list[Command]) -> None:
+        rpc = self.overheads.rpc_s / 2
+        rid, flow = f.req.request_id, f.flow
+        for c in commands:
+            if isinstance(c, Emit):
+                self._client_token(f, c.output.finished)
+            elif isinstance(c, QueueTokens):
+                self._set_queued(c.worker_id, c.delta)
+            elif isinstance(c, Count):
+                self.counters[c.name] += c.n
+            elif isinstance(c, Follow):
+                f.rec.decode_worker = c.worker_id
+            elif isinstance(c, Reserve):
+                d = self.workers[c.worker_id]
+
+                def reserve(d: SimWorker = d) -> None:
+                    res = d.reserve(rid, f.req.prompt, f.req.output_len, self._decode_output(f))
+                    reservation = None if res is None else KVReservation(rid, list(range(res[0])), res[1])
+                    self.loop.after(rpc, self._answer, f, lambda now: flow.on_reserved(reservation, now))
+                self.loop.after(rpc, d.call, reserve)
+            elif isinstance(c, Prefill):
+                self._prefill(f, c)
+            elif isinstance(c, StartDecode):
+                d = self.workers[c.worker_id]
+                self.loop.after(rpc, d.call, lambda d=d: d.kv_arrived(rid))
+            elif isinstance(c, Submit):
+                assert c.resume is None, "the simulator loses no worker, so nothing migrates"
+                d = self.workers[c.worker_id]
+                self.loop.after(rpc, d.call, lambda d=d: d.add(rid, f.req.prompt, f.req.output_len,
+                                                               self._decode_output(f)))
+            elif isinstance(c, Abort):
+                w = self.workers[c.worker_id]
+                self.loop.after(rpc, w.call, lambda w=w: w.abort(rid))
+            elif isinstance(c, Fail):
+                f.rec.failed = c.message
+                self._end(f)
+            elif isinstance(c, WaitForDecode):
+                self.loop.after(0.1, self._answer, f, flow.on_wait)
+            elif isinstance(c, MigrationGap):
+                pass  # no worker is lost in the simulation
+            else:
+                raise AssertionError(f"no executor for {c!r}")
+
+    def _prefill(self, f: _Flight, c: Prefill) -> None:
+        """P computes the prompt (`prefill_only`); the send starts as its step ends (as on P's engine
+        thread), the KV moves over the link, P's release of the blocks is queued between its steps,
+        and the outcome reaches the router one RPC later."""
+        rpc = self.overheads.rpc_s / 2
+        rid, flow, p, bs = f.req.request_id, f.flow, self.workers[c.worker_id], self.spec.engine.block_size
+
+        def done(finished: bool, p_cached: int, blocks: int, nbytes: int, transfer_s: float) -> None:
+            result = PrefillResult(RequestOutput(rid, [0], finished=finished, num_cached_tokens=p_cached),
+                                   blocks, nbytes, transfer_s, 0.0)
+            self.loop.after(rpc, self._answer, f, lambda now: flow.on_prefill_done(result, now))
+
+        def on_first(_rid: str, _n: int, finished: bool, p_cached: int) -> None:
+            if finished:  # a one-token request: P's token is the answer, nothing moves
+                done(True, p_cached, 0, 0, 0.0)
+                return
+            blocks = p.begin_send(rid)
+            sent = len(blocks) - c.reservation.num_cached_tokens // bs
+            p.counters.kv_blocks_sent += sent
+            nbytes = sent * bs * self.prefill_cost.kv_bytes_per_token()
+            transfer_s = self.link.transfer_time(nbytes)
+
+            def sent_done() -> None:
+                p.call(lambda: p.release(rid))  # queued for P's engine thread, not waited for
+                done(False, p_cached, sent, nbytes, transfer_s)
+            self.loop.after(transfer_s, sent_done)
+
+        self.loop.after(rpc, p.call, lambda: p.add(rid, f.req.prompt, f.req.output_len, on_first, prefill_only=True))
 
     def _decode_output(self, f: _Flight):
         def on_output(rid: str, n: int, finished: bool, cached: int) -> None:
-            if n == 1:
-                f.rec.cached_tokens = cached
-            self.loop.after(self.overheads.stream_s, self._client_token, f, finished)
+            out = RequestOutput(rid, [0] * n, finished=finished, num_cached_tokens=cached)
+            self.loop.after(self.overheads.stream_s, self._answer, f, lambda now: f.flow.on_output(out, now))
         return on_output
-
-    def _remote(self, f: _Flight) -> None:
-        rpc = self.overheads.rpc_s / 2
-        d, p = self.workers[f.rec.decode_worker], self.workers[f.rec.prefill_worker]
-        rid, bs = f.req.request_id, self.spec.engine.block_size
-
-        def reserve() -> None:
-            res = d.reserve(rid, f.req.prompt, f.req.output_len, self._decode_output(f))
-            self.loop.after(rpc, reserved, res)
-
-        def reserved(res) -> None:
-            if res is None:  # D is full right now: it prefills the request itself, queued there
-                f.rec.route = "remote_prefill_fallback_local"
-                f.rec.prefill_worker = None
-                self._local(f)
-                return
-            _, cached = res
-            def on_first(_rid: str, _n: int, finished: bool, p_cached: int) -> None:
-                f.rec.cached_tokens = p_cached
-                first_token(cached, finished)
-
-            self.loop.after(rpc, p.call, lambda: p.add(rid, f.req.prompt, f.req.output_len, on_first, prefill_only=True))
-
-        def first_token(d_cached: int, finished: bool) -> None:
-            if finished:  # one-token request: the answer is P's token; D's reservation is freed beside it
-                self.loop.after(rpc, to_router_finished)
-                return
-            begin_send(d_cached)  # on P's engine thread as the step ends (workers.worker)
-
-        def begin_send(d_cached: int) -> None:
-            blocks = p.begin_send(rid)
-            skip = d_cached // bs
-            sent = len(blocks) - skip
-            p.counters.kv_blocks_sent += sent
-            nbytes = sent * bs * self.prefill_cost.kv_bytes_per_token()
-            self.loop.after(self.link.transfer_time(nbytes), sent_done)
-
-        def sent_done() -> None:
-            p.call(lambda: p.release(rid))  # queued for P's engine thread, not waited for
-            self.loop.after(rpc, to_router)
-
-        # The router passes the first token on at once; D's start_decode (or the abort of a
-        # one-token request's reservation) goes out with it and waits for D's engine thread.
-        def to_router() -> None:
-            self._dequeue(f)
-            self._client_token(f, False)
-            self.loop.after(rpc, d.call, lambda: d.kv_arrived(rid))
-
-        def to_router_finished() -> None:
-            self._dequeue(f)
-            self._client_token(f, True)
-            self.loop.after(rpc, d.call, lambda: d.abort(rid))
-
-        self.loop.after(rpc, d.call, reserve)
 
     def _client_token(self, f: _Flight, finished: bool) -> None:
         rec, now = f.rec, self.loop.now
         if rec.first_token_s is None:
             rec.first_token_s = now
-            self._dequeue(f)
         elif self.record_itl:
             self.itl.add(now - rec.last_token_s)
         rec.tokens += 1
@@ -315,7 +343,11 @@ class Simulator:
             self._end(f)
 
     def _end(self, f: _Flight) -> None:
-        self._dequeue(f)
+        if f.flow is not None:
+            trace = f.flow.trace
+            f.rec.cached_tokens, f.rec.prefill_worker = trace.cached_tokens, trace.prefill_worker
+            if trace.fell_back_to_local:
+                f.rec.route = "remote_prefill_fallback_local"
         self._flights.pop(f.req.request_id, None)
         self.unstarted.pop(f.req.request_id, None)
         if f.rec.completed:

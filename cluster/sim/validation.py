@@ -19,10 +19,17 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
+from cluster.sim.costs import load_cost_model
+from cluster.sim.engine import EngineSettings
+from cluster.sim.simulator import ClusterSpec, Simulator
 from cluster.sim.workload import Client, SimRequest, Workload
+from common.stats import summary as latency_summary
+from router.routing import RoutingConfig
 
-__all__ = ["ChatShape", "VALIDATION_WORKLOADS", "chat_conversations", "compare", "serve_requests", "validation_workload"]
+__all__ = ["ChatShape", "SPEC", "VALIDATION_WORKLOADS", "chat_conversations", "compare", "serve_requests", "simulate",
+           "summarize", "validation_workload"]
 
 VALIDATION_WORKLOADS = ("throughput", "mixed", "chat")
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"))
@@ -87,7 +94,7 @@ def validation_workload(name: str, chat: ChatShape = ChatShape()) -> Workload:
 
 def compare(real: dict, simulated: dict, tolerance: float = 0.2) -> list[dict]:
     """Rows of (metric, real, simulated, relative error, within tolerance) from two summaries
-    shaped as bench/serve.py's (ttft_ms / tpot_ms percentiles, in ms)."""
+    shaped as summarize()'s (ttft_ms / tpot_ms percentiles, in ms)."""
     rows = []
     for metric, q in METRICS:
         r, s = real[metric][q], simulated[metric][q]
@@ -95,3 +102,24 @@ def compare(real: dict, simulated: dict, tolerance: float = 0.2) -> list[dict]:
         rows.append({"metric": f"{metric.split('_')[0].upper()} {q}", "real_ms": r, "sim_ms": s,
                      "relative_error": err, "within": err is not None and abs(err) <= tolerance})
     return rows
+
+
+SPEC = ClusterSpec(1, 1, EngineSettings(block_size=16, max_num_seqs=64, max_num_batched_tokens=256),
+                   RoutingConfig(seed=0))  # `baton serve`'s defaults
+
+
+def summarize(rows: list[dict]) -> dict:
+    """rows: {ok, ttft_s, tpot_s}: counts, and TTFT / TPOT as common.stats.summary gives them (ms)."""
+    done = [r for r in rows if r["ok"]]
+    return {"requests": len(rows), "completed": len(done),
+            "ttft_ms": latency_summary([r["ttft_s"] for r in done]),
+            "tpot_ms": latency_summary([r["tpot_s"] for r in done if r["tpot_s"] is not None])}
+
+
+def simulate(name: str, profile: str | Path) -> dict:
+    """The validation workload `name` simulated on SPEC with the model profile at `profile`:
+    summarize()'s figures, the routes taken, and the simulation's wall time."""
+    cost, overheads, link = load_cost_model(profile)
+    result = Simulator(SPEC, cost, overheads, link).run(validation_workload(name))
+    rows = [{"ok": r.completed, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s} for r in result.records]
+    return {**summarize(rows), "routes": result.summary()["routes"], "simulation_wall_s": result.sim_wall_s}

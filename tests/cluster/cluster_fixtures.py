@@ -16,7 +16,7 @@ import ray
 
 from cluster.config import BatonConfig
 from cluster.testing import FakeCluster, NodeType, free_port
-from tests.e2e.conftest import serving
+from cluster.testing import serving
 
 POOL_NODES = [
     NodeType("prefill", 2, {"CPU": 1, "baton_prefill": 1}, {"baton-pool": "prefill"}),
@@ -39,7 +39,7 @@ def serving_on(config: BatonConfig, prefix: str = "baton"):
 def actor_nodes(deployment) -> dict[str, str]:
     """Worker id -> the node id Ray's actor table gives for its actor (independent of Baton)."""
     out = {}
-    for wid, _, handle in deployment.workers:
-        info = ray._private.state.actors(handle._actor_id.hex())
-        out[wid] = info["Address"]["NodeID"]
+    for w in deployment.workers:
+        info = ray._private.state.actors(w.handle._actor_id.hex())
+        out[w.worker_id] = info["Address"]["NodeID"]
     return out

@@ -65,7 +65,7 @@ def test_a_decode_node_dies_mid_stream_and_the_pool_heals(spare_cluster, referen
         node_pids = spare_cluster.node_pids(victim_node)
         assert len(node_pids) >= 2, node_pids
 
-        victim = next(h for w, _, h in deployment.workers if w == "decode-0")
+        victim = next(w.handle for w in deployment.workers if w.worker_id == "decode-0")
 
         async def kill_node_mid_stream(load):
             await kill_when_running(victim, node_pids)
@@ -83,8 +83,8 @@ def test_a_decode_node_dies_mid_stream_and_the_pool_heals(spare_cluster, referen
         stats = server.wait_idle(timeout_s=60)
         for wid, s in stats.items():
             assert s.num_running == 0 and s.num_free_blocks == s.num_blocks, (wid, s)
-        before = ray.get(next(h for w, _, h in deployment.workers if w == "decode-0").stats.remote(), timeout=60)
+        before = ray.get(next(w.handle for w in deployment.workers if w.worker_id == "decode-0").stats.remote(), timeout=60)
         again = asyncio.run(run_load(server.base_url, expected[:8], _nothing, DEADLINE_S))
         assert check_results(again.results, expected[:8], DEADLINE_S)["exact"] == 8
-        after = ray.get(next(h for w, _, h in deployment.workers if w == "decode-0").stats.remote(), timeout=60)
+        after = ray.get(next(w.handle for w in deployment.workers if w.worker_id == "decode-0").stats.remote(), timeout=60)
         assert after.generation_tokens > before.generation_tokens  # round-robin: half went to the new decode-0

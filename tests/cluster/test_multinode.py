@@ -22,7 +22,7 @@ import ray
 
 from cluster.placement import PlacementError
 from workers.model_files import resolve_model_dir
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 from cluster_fixtures import actor_nodes, cluster_config, serving_on
 
@@ -81,8 +81,8 @@ def test_pools_land_on_their_node_types_kv_crosses_nodes_over_gloo_and_answers_m
         for wid, s in after.items():
             assert s.num_free_blocks == s.num_blocks, f"{wid} leaked {s.num_blocks - s.num_free_blocks} blocks"
         received = {w: after[w].kv_blocks_received - before[w].kv_blocks_received for w in ("decode-0", "decode-1")}
-        links = {wid: ray.get(h.kv_links.remote(), timeout=30) for wid, role, h in deployment.workers
-                 if role == "prefill"}
+        links = {w.worker_id: ray.get(w.handle.kv_links.remote(), timeout=30) for w in deployment.workers
+                 if w.role == "prefill"}
         over = {}
         for wid, worker_links in links.items():
             for link in worker_links:

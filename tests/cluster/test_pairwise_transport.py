@@ -142,7 +142,7 @@ def test_endpoint_crosses_the_router_without_torch(pair, tmp_path):
     _, d, _ = pair(A, B)
     blob = tmp_path / "endpoint.pkl"
     blob.write_bytes(pickle.dumps(d.endpoint()))
-    script = ("import pickle, sys; from workers.protocol import KVEndpoint; "
+    script = ("import pickle, sys; from common.protocol import KVEndpoint; "
               "ep = pickle.loads(open(sys.argv[1], 'rb').read()); assert type(ep) is KVEndpoint; "
               "assert all(type(e) is KVEndpoint for e in ep.address['offers'].values()); "
               "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")

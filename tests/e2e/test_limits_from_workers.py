@@ -10,15 +10,11 @@ numbers from the router (not a failure inside a worker), the server must stay he
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import free_port, wait_until
+from cluster.harness import baton_serve
 
 pytestmark = pytest.mark.slow
 
@@ -40,39 +36,10 @@ def expected_max_model_len() -> int:
 
 @pytest.fixture(scope="module")
 def small_cache_server():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--kv-cache-memory", "32MiB", "--port", str(port),
-         "--log-level", "warning"],
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"),
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        if proc.poll() is not None:
-            raise AssertionError(f"baton serve exited with {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            return httpx.get(base + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(healthy, 180, "baton serve to become healthy")
-        yield base
-    finally:
-        # SIGTERM to the server is how an operator stops it: it takes down its workers and private
-        # Ray (2 s here). Not to the whole group: with Ray's own processes gone first, the
-        # shutdown waits on them. Then whatever of the group is left is killed.
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    # Stopped as an operator stops it (SIGTERM to the server: it takes down its workers and private
+    # Ray), then whatever is left of its process group is killed: cluster.harness.stop_process.
+    with baton_serve(["--kv-cache-memory", "32MiB", "--log-level", "warning"], ready_timeout_s=180) as server:
+        yield server.base_url
 
 
 def test_prompt_over_the_kv_capacity_gets_a_400_naming_the_limit(small_cache_server):

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

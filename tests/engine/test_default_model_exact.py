@@ -14,7 +14,7 @@ from tests.engine.conftest import NEW_TOKENS
 from tests.engine.helpers import compare_greedy, run_with_logits
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.engine.test_prefix_and_stress import tiny_engine
-from workers.protocol import PrefillRequest, WorkerReady
-from workers.sampling_params import SamplingParams
+from common.protocol import PrefillRequest, WorkerReady
+from common.sampling_params import SamplingParams
 from workers.sequence import SequenceStatus
 from workers.worker import STEP_LOG_ENV, AbortedIds, EngineWorker, RequestAborted, WorkerConfig
 
@@ -188,11 +188,11 @@ def test_a_worker_at_idle_priority_runs_its_engine_thread_at_sched_idle(engine):
 
 def test_the_step_observer_sees_each_steps_chunks_and_time(engine):
     seen = []
-    engine.step_observer = lambda chunks, seconds: seen.append((chunks, seconds))
+    stop = engine.observe_steps(lambda chunks, seconds: seen.append((chunks, seconds)))
     try:
         engine.generate([prompt(100), prompt(30, base=200)], GREEDY)  # 64-token budget
     finally:
-        engine.step_observer = None
+        stop()
     # (tokens computed before, tokens this step, sampled), as the scheduler's budget splits them:
     # the first prompt's chunks, then the second's beside the first's decodes.
     assert [c for c, _ in seen[:3]] == [[(0, 64, False)], [(64, 36, True), (0, 28, False)],
@@ -208,8 +208,7 @@ def test_a_worker_logs_its_steps_where_the_environment_says(engine, tmp_path, mo
         while not any(o.finished for o in worker.poll_outputs(5.0)):
             pass
     finally:
-        worker.shutdown()
-        engine.step_observer = None
+        worker.shutdown()  # stops logging this engine's steps
     steps = [json.loads(line) for line in (tmp_path / "prefill-0.jsonl").read_text().splitlines()]
     assert [s["chunks"] for s in steps] == [[[0, 40, True]], [[40, 1, True]], [[41, 1, True]], [[42, 1, True]]]
     assert {s["role"] for s in steps} == {"prefill"} and all(s["seconds"] > 0 for s in steps)

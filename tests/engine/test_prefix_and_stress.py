@@ -9,10 +9,10 @@ import pytest
 from tests.engine.helpers import save_tiny_model
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.protocol import KVEventKind
+from common.protocol import KVEventKind
 from workers.model_config import ModelConfig
 from workers.model_runner import iter_safetensors
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 def tiny_engine(**config) -> LLMEngine:
@@ -43,7 +43,7 @@ def test_shared_512_prefix_computes_only_the_tail():
 
 
 def test_kv_events_report_stored_and_removed_hashes():
-    from workers.block_hash import hash_prefix_blocks
+    from common.block_hash import hash_prefix_blocks
 
     engine = tiny_engine(num_kv_blocks=8, block_size=16, max_num_batched_tokens=64)
     prompt = list(range(10, 10 + 40))  # two full blocks and a partial one

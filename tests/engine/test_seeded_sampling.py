@@ -9,8 +9,8 @@ import pytest
 from tests.engine.helpers import save_tiny_model
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.protocol import PrefillRequest
-from workers.sampling_params import SamplingParams
+from common.protocol import PrefillRequest
+from common.sampling_params import SamplingParams
 from workers.worker import EngineWorker, WorkerConfig
 
 CONFIG = EngineConfig(kv_cache_memory=8 << 20)

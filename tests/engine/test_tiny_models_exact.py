@@ -16,7 +16,7 @@ from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_config import ModelConfig
 from workers.model_runner import iter_safetensors
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -37,7 +37,7 @@ from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_config import ModelConfig
 from workers.model_runner import iter_safetensors
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
 

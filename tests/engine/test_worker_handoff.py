@@ -11,8 +11,8 @@ import torch
 
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
-from workers.protocol import PrefillRequest
+from common.sampling_params import SamplingParams
+from common.protocol import PrefillRequest
 from workers.worker import EngineWorker, WorkerConfig
 
 pytestmark = pytest.mark.slow

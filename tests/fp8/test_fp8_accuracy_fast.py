@@ -11,25 +11,25 @@ import pytest
 
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
+from workers.evaluation import CHUNK, chat_prompts, eval_windows
+from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 
 def test_fp8_weights_and_kv_perplexity_within_5_percent_of_float32():
-    import bench.fp8_accuracy as bench
     from transformers import AutoTokenizer
 
     from workers.model_files import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(quiet=True))
-    [window] = bench.eval_windows(tokenizer, 1)
-    prompt = bench.chat_prompts(tokenizer)[0]
+    [window] = eval_windows(tokenizer, 1)
+    prompt = chat_prompts(tokenizer)[0]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     results = {}
     for name, overrides in (("float32", {}), ("fp8", dict(quantization="fp8", kv_cache_dtype="fp8"))):
         engine = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20, **overrides))
-        logprobs = engine.score(window, chunk_size=bench.CHUNK)
+        logprobs = engine.score(window, chunk_size=CHUNK)
         results[name] = (math.exp(-float(logprobs.double().mean())), engine.generate([prompt], params)[0].token_ids)
         del engine
     (ppl32, tokens32), (ppl8, tokens8) = results["float32"], results["fp8"]

@@ -16,8 +16,8 @@ from kvtransfer import KVLayoutMismatch
 from tests.engine.helpers import save_tiny_model
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
-from workers.protocol import PrefillRequest
+from common.sampling_params import SamplingParams
+from common.protocol import PrefillRequest
 from workers.worker import EngineWorker, WorkerConfig
 
 PROMPT = list(range(5, 69))  # 64 tokens: 4 whole blocks of 16, so bytes / token has no rounding

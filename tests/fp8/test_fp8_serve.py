@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import free_port, serving
+from cluster.harness import free_port
+from cluster.testing import serving
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

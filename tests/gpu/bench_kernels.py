@@ -17,7 +17,6 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton  # noqa: E402
 from kernels.fp8_gemm import fp8_gemm_reference, fp8_gemm_triton  # noqa: E402

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks  # noqa: E402
 

@@ -63,7 +63,7 @@ def run(folder, monkeypatch, device: str, batches):
     from workers.engine import LLMEngine
     from workers.model_config import ModelConfig
     from workers.model_runner import iter_safetensors
-    from workers.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     # auto: Triton on CUDA; the oracle runs the PyTorch references on the CPU.

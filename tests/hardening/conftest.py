@@ -10,26 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from cluster.harness import free_port
+from cluster.testing import serving
 from tests.hardening.corpus import API_KEY, MAX_REQUEST_BODY
 
 GOOD_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GOOD_MAX_TOKENS = 8
 GOOD_ANSWER = "The capital of France is Paris."  # 7 tokens, then EOS
 LOGGERS = ("", "baton", "uvicorn", "uvicorn.error", "uvicorn.access", "ray")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LogCapture(logging.Handler):
@@ -66,7 +60,7 @@ class Hardened:
     def stats(self) -> dict:
         import ray
 
-        return {wid: ray.get(h.stats.remote(), timeout=30) for wid, _, h in self.deployment.workers}
+        return {w.worker_id: ray.get(w.handle.stats.remote(), timeout=30) for w in self.deployment.workers}
 
     def wait_idle(self, timeout_s: float = 30.0) -> dict:
         """Worker stats once nothing runs and no block is referenced (or the last seen at timeout)."""
@@ -90,40 +84,28 @@ class Hardened:
 @contextlib.contextmanager
 def hardened_deployment():
     from cluster.config import BatonConfig
-    from cluster.launcher import build_app, deploy
-    from router.app import make_server
 
     port = free_port()
     config = BatonConfig.from_options(port=port, kv_cache_memory="192MiB", max_num_seqs=32, api_key=API_KEY,
                                       max_request_body=MAX_REQUEST_BODY)
-    deployment = deploy(config, actor_name_prefix="hardening")
     logs = LogCapture()
     baton_logger = logging.getLogger("baton")
     old_level = baton_logger.level
-    server = None
-    try:
-        server = make_server(build_app(deployment), port=port, log_level="info")
-        for name in LOGGERS:  # after uvicorn's Config set up its loggers
+
+    def capture_logs(server) -> None:  # after uvicorn's Config set up its loggers
+        for name in LOGGERS:
             logging.getLogger(name).addHandler(logs)
         baton_logger.setLevel(logging.DEBUG)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the router did not start"
-            time.sleep(0.05)
-        yield Hardened(deployment, server, port, logs)
-        server.should_exit = True
-        thread.join(timeout=15)
+
+    try:
+        with serving(config, actor_name_prefix="hardening", log_level="info", before_start=capture_logs) as running:
+            yield Hardened(running.deployment, running.server, port, logs)
         # Whatever the session's tests sent, the key reached no log record.
         assert API_KEY not in logs.text(), "the API key appeared in a log record"
     finally:
-        if server is not None:
-            server.should_exit = True
         for name in LOGGERS:
             logging.getLogger(name).removeHandler(logs)
         baton_logger.setLevel(old_level)
-        deployment.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from router.app import build_app
 from router.config import ServerConfig
 from router.tokenizer import Tokenizer
-from tests.fakes import FakeBackend
+from router.testing import FakeBackend
 from tests.hardening.conftest import ask_good
 from tests.hardening.corpus import API_KEY
 from tests.hardening.schemathesis_run import CHECKS, MODES, cap_generation

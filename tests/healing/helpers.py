@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 MARGIN = 0.01
 SUBJECTS = ["the moon", "a river", "coffee", "the ocean", "a library", "winter", "a violin", "the desert", "bread",

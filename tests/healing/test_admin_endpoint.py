@@ -13,12 +13,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from cluster.cli import main as cli_main
-from router.admin import ADMIN_TOKEN_HEADER, AdminConfig, PoolsView, ScaleResult, WorkerView, install_admin
-from router.app import build_app, make_server
+from router.admin import PoolsView, ScaleResult, install_admin
+from router.backend import WorkerInfo
+from router.config import ADMIN_TOKEN_HEADER, AdminConfig
+from router.app import build_app
 from router.config import ServerConfig
 from router.errors import install_error_handlers
-from tests.e2e.conftest import free_port, wait_until
-from tests.fakes import FakeBackend
+from cluster.harness import serve_app
+from router.testing import FakeBackend
 
 LOCAL = ("127.0.0.1", 40000)
 REMOTE = ("10.1.2.3", 40000)
@@ -34,7 +36,7 @@ class RecordingScaler:
 
     def pools(self) -> PoolsView:
         return PoolsView(self.sizes["prefill"], self.sizes["decode"],
-                         [WorkerView("prefill-0", "prefill", True, False, 0), WorkerView("decode-0", "decode", True, False, 2)])
+                         [WorkerInfo("prefill-0", "prefill", in_flight=0), WorkerInfo("decode-0", "decode", running=2, in_flight=2)])
 
     async def scale(self, prefill, decode) -> ScaleResult:
         self.calls.append((prefill, decode))
@@ -64,8 +66,9 @@ def test_off_by_default_and_loopback_only_without_a_token():
         r = client.post("/admin/scale", json={"decode": 2})
         assert r.status_code == 403 and "loopback" in r.json()["error"]["message"]
     with TestClient(app_with(AdminConfig(enabled=True), scaler), client=LOCAL) as client:
-        assert client.get("/admin/pools").json()["workers"][1] == {
-            "worker_id": "decode-0", "role": "decode", "alive": True, "draining": False, "in_flight": 2}
+        worker = client.get("/admin/pools").json()["workers"][1]
+        assert {k: worker[k] for k in ("worker_id", "role", "alive", "draining", "in_flight", "running")} == {
+            "worker_id": "decode-0", "role": "decode", "alive": True, "draining": False, "in_flight": 2, "running": 2}
         r = client.post("/admin/scale", json={"decode": 2})
         assert r.status_code == 200 and r.json()["after"] == {"prefill": 1, "decode": 2}
     assert scaler.calls == [(None, 2)]
@@ -115,15 +118,10 @@ def test_api_keys_still_apply_and_the_cli_speaks_to_a_real_server(tokenizer, cap
     scaler = RecordingScaler()
     app = build_app(FakeBackend(tokenizer), tokenizer, "m", 1024, server=ServerConfig(api_key="key-1"))
     install_admin(app, scaler, AdminConfig(enabled=True, token="tok"))
-    port = free_port()
-    server = make_server(app, port=port)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
     monkeypatch.delenv("BATON_ADMIN_TOKEN", raising=False)
     monkeypatch.delenv("BATON_API_KEY", raising=False)
-    try:
-        wait_until(lambda: server.started, 30, "the server to start")
+    with serve_app(app) as served:
+        url = served.base_url
         assert cli_main(["scale", "--url", url, "--decode", "3", "--admin-token", "tok"]) == 1
         assert "401" in capsys.readouterr().err  # no API key: refused before the admin check
         assert cli_main(["scale", "--url", url, "--decode", "3", "--api-key", "key-1"]) == 1
@@ -138,9 +136,6 @@ def test_api_keys_still_apply_and_the_cli_speaks_to_a_real_server(tokenizer, cap
         assert cli_main(["scale", "--url", url, "--decode", "0"]) == 1
         assert "at least 1" in capsys.readouterr().err
         assert scaler.calls == [(0, 3), (None, 0)]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
     assert cli_main(["scale", "--url", url, "--decode", "2"]) == 1
     assert "cannot reach" in capsys.readouterr().err
 

@@ -22,7 +22,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import BatonConfig
-from tests.e2e.conftest import free_port, serving, wait_until
+from cluster.harness import free_port, wait_until
+from cluster.testing import serving
 from tests.healing.helpers import Load, check_results, kill_when_running, run_load, wait_async
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def deployment():
 
 
 def handle(running, worker_id: str):
-    return next(h for wid, _, h in running.deployment.workers if wid == worker_id)
+    return next(w.handle for w in running.deployment.workers if w.worker_id == worker_id)
 
 
 def pid_of(running, worker_id: str) -> int:
@@ -113,7 +114,7 @@ def test_killing_a_prefill_worker_mid_prefill_loses_no_request(deployment, clear
     retries, fallbacks = backend.counters["prefill_retries"], backend.counters["local_prefill"]
 
     async def kill_while_prefilling(load):
-        await wait_async(lambda: backend.in_flight("prefill-0") >= 4, 120, "prefills on prefill-0", every_s=0.005)
+        await wait_async(lambda: backend.pools.in_flight("prefill-0") >= 4, 120, "prefills on prefill-0", every_s=0.005)
         os.kill(old_pid, signal.SIGKILL)
 
     load = asyncio.run(run_load(deployment.base_url, expected, kill_while_prefilling, DEADLINE_S + 30))
@@ -141,7 +142,7 @@ def test_a_worker_dead_for_good_is_replaced(deployment, clear_prompt_set):
     wait_until(lambda: pools_whole(deployment), 60, "the pool whole again")
     workers = {w.worker_id for w in deployment.deployment.backend.workers()}
     assert "decode-1" not in workers and new in workers
-    assert "decode-1" not in {wid for wid, _, _ in deployment.deployment.workers}
+    assert "decode-1" not in {w.worker_id for w in deployment.deployment.workers}
     serve_again(deployment, expected, new)
 
 
@@ -162,7 +163,7 @@ def test_scaling_up_and_down_under_load_loses_no_request(deployment, clear_promp
             await wait_async(lambda: len(load.results) >= 8 and max(load.chunks()) >= 1, 120, "the load to start")
             await scale(decode=3)  # a new decode worker, then
             # drain two decode workers and a prefill worker while they stream (drain timeout 2 s: they migrate)
-            await wait_async(lambda: backend.in_flight("decode-0") + backend.in_flight("decode-1") > 0, 60, "busy")
+            await wait_async(lambda: backend.pools.in_flight("decode-0") + backend.pools.in_flight("decode-1") > 0, 60, "busy")
             await scale(decode=1, prefill=1)
             load.stop.set()
 
@@ -179,7 +180,7 @@ def test_scaling_up_and_down_under_load_loses_no_request(deployment, clear_promp
     live = {w.worker_id for w in backend.workers()}
     for wid in shrink["removed"]:
         assert wid not in live and wid not in backend.prefix_index.workers()
-    assert {wid for wid, _, _ in deployment.deployment.workers} == live
+    assert {w.worker_id for w in deployment.deployment.workers} == live
     assert_idle_and_leak_free(deployment)
 
 

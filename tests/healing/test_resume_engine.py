@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.protocol import ResumeState
-from workers.sampling_params import SamplingParams
+from common.protocol import ResumeState
+from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvtransfer import (KVLayout, KVLayoutMismatch, KVTransferError, Role, TransferStatus,
-                        create_transport)
+                        create_transport, default_kind)
 from kvtransfer.shm import sweep_stale_segments
 from kvtransfer.testing import KVWorker, seeded_bytes
 
@@ -340,10 +340,11 @@ def test_inprocess_endpoint_cannot_leave_the_process():
     t.close()
 
 
-def test_unknown_kind_and_auto_default():
-    with pytest.raises(ValueError, match="unknown KV transport"):
-        create_transport("carrier-pigeon")
-    t = create_transport("auto")
+def test_unknown_kind_and_the_default_backend():
+    for kind in ("carrier-pigeon", "auto"):  # "auto" is a serving choice (per pair), not a backend
+        with pytest.raises(ValueError, match="unknown KV transport"):
+            create_transport(kind)
+    t = create_transport(default_kind())
     assert t.kind == ("nccl" if torch.cuda.is_available() else "shm")
     t.close()
 

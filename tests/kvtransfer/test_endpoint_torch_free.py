@@ -1,4 +1,4 @@
-"""KVLayout and KVEndpoint are torch-free (workers.protocol): a decode worker's real endpoint
+"""KVLayout and KVEndpoint are torch-free (common.protocol): a decode worker's real endpoint
 crosses the router, which must never import torch, as a typed object, not as pickled bytes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from kvtransfer import KVEndpoint, KVLayout, create_transport, torch_dtype
 from kvtransfer.base import TORCH_DTYPES
-from workers.protocol import KV_DTYPE_ITEMSIZE
+from common.protocol import KV_DTYPE_ITEMSIZE
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float8_e4m3fn",
@@ -22,9 +22,9 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=
 # caches one through RayBackend, wraps it in a PrefillRequest, and checks torch never loaded.
 SCRIPT = r"""
 import asyncio, pickle, sys
-from workers.protocol import KVEndpoint, KVLayout, PrefillRequest
-from workers.sampling_params import SamplingParams
-from router.ray_backend import RayBackend
+from common.protocol import KVEndpoint, KVLayout, PrefillRequest
+from common.sampling_params import SamplingParams
+from router.pools import WorkerPools
 
 endpoints = pickle.loads(open(sys.argv[1], "rb").read())
 for ep in endpoints:
@@ -44,10 +44,11 @@ class Method:
 class Handle:
     endpoint = Method()
 
-backend = RayBackend([("d0", "decode", Handle())])
-w = backend._workers["d0"]
-got = asyncio.run(backend._endpoint(w))
-again = asyncio.run(backend._endpoint(w))
+pools = WorkerPools([])
+pools.add_worker("d0", "decode", Handle())
+w = pools.get("d0")
+got = asyncio.run(pools.endpoint(w))
+again = asyncio.run(pools.endpoint(w))
 assert got is again is endpoints[0] and Handle.endpoint.calls == 1
 request = PrefillRequest("r", [1, 2, 3], SamplingParams(), got, [4], 0)
 assert pickle.loads(pickle.dumps(request)).peer_endpoint == got
@@ -63,7 +64,7 @@ def test_real_endpoints_cross_the_router_without_torch(tmp_path):
         for t in transports:
             t.allocate_cache(LAYOUT, 4)
             endpoints.append(t.endpoint())
-        assert all(type(ep) is KVEndpoint and ep.__module__ == "workers.protocol"
+        assert all(type(ep) is KVEndpoint and ep.__module__ == "common.protocol"
                    for ep in endpoints)
         blob = tmp_path / "endpoints.pkl"
         blob.write_bytes(pickle.dumps(endpoints))
@@ -79,7 +80,7 @@ def test_real_endpoints_cross_the_router_without_torch(tmp_path):
 
 def test_protocol_module_does_not_import_torch():
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys, workers.protocol; print('torch' in sys.modules)"],
+        [sys.executable, "-c", "import sys, common.protocol; print('torch' in sys.modules)"],
         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from router.app import build_app
-from tests.e2e.conftest import wait_until
-from tests.fakes import FakeBackend
+from cluster.harness import wait_until
+from router.testing import FakeBackend
 from tests.router.conftest import running_server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import free_port, serving, wait_until
+from cluster.harness import free_port, wait_until
+from cluster.testing import serving
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -74,7 +75,7 @@ def test_real_metrics_index_idle_and_killed_worker(deployment):
 
     # Kill the prefill worker: it shows as down within a health interval (plus the RPC failing fast)
     # and its index entries are gone; requests still succeed, prefilled on the decode worker.
-    prefill = next(h for wid, _, h in dep.workers if wid == "prefill-0")
+    prefill = next(w.handle for w in dep.workers if w.worker_id == "prefill-0")
     ray.kill(prefill)
     killed = time.monotonic()
     s = wait_until(lambda: (lambda x: x if per_worker(x, "baton:worker_up").get("prefill-0") == 0.0 else None)(scrape(url)),

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from contextlib import contextmanager
 from typing import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 
-from router.app import build_app, make_server
+from cluster.harness import serve_app
+from router.app import build_app
 from router.tokenizer import Tokenizer
-from tests.fakes import FakeBackend
+from router.testing import FakeBackend
 from workers.model_files import resolve_model_dir
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -55,29 +53,11 @@ def client(make_client, backend) -> TestClient:
     return make_client(backend)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def running_server(app) -> Iterator[str]:
-    """Serve `app` with uvicorn on 127.0.0.1:<free port> in a thread; yield the base URL."""
-    port = free_port()
-    server = make_server(app, host="127.0.0.1", port=port, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    """Serve `app` with uvicorn on 127.0.0.1:<free port> in a thread (cluster.harness.serve_app); yield the base URL."""
+    with serve_app(app) as served:
+        yield served.base_url
 
 
 @pytest.fixture

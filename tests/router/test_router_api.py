@@ -1,4 +1,4 @@
-"""The HTTP API with FastAPI's TestClient over the in-process FakeBackend (tests/fakes.py).
+"""The HTTP API with FastAPI's TestClient over the in-process FakeBackend (router/testing.py).
 
 The fake only plays a token script; the text comes from Baton's own detokenizer. So these tests
 check Baton's behaviour against references computed here: the full decode of the tokens the
@@ -12,8 +12,8 @@ import json
 import pytest
 
 from router.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ModelList
-from tests.fakes import FakeBackend
-from workers.detokenizer import IncrementalDetokenizer
+from router.testing import FakeBackend
+from common.detokenizer import IncrementalDetokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 USER = [{"role": "user", "content": "What is the capital of France?"}]

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fakes import FakeBackend
+from router.testing import FakeBackend
 
 MODEL = "SmolLM2-135M-Instruct"
 USER = [{"role": "user", "content": "What is the capital of France?"}]

@@ -19,7 +19,7 @@ for name in names:
     importlib.import_module(name)
 # build an app and a tokenizer too: lazy imports on these paths count as well
 from router.app import build_app
-from tests.fakes import FakeBackend
+from router.testing import FakeBackend
 from router.tokenizer import Tokenizer
 from workers.model_files import resolve_model_dir
 tok = Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))

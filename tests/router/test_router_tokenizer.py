@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.tokenizer import ChatTemplateError, Tokenizer
-from workers.detokenizer import IncrementalDetokenizer
+from common.detokenizer import IncrementalDetokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

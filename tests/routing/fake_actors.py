@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from workers.block_hash import hash_prefix_blocks
-from workers.protocol import (
+from common.block_hash import hash_prefix_blocks
+from common.protocol import (
     KVEvent, KVEventBatch, KVEventKind, KVReservation, PrefillResult, RequestOutput, ResumeState, WorkerHeartbeat,
     WorkerReady, WorkerStats,
 )
@@ -79,6 +79,8 @@ class _Running:
 
 
 class FakeActor:
+    """A worker and its own handle (what router.pools.WorkerEntry asks for)."""
+
     def __init__(self, worker_id: str, role: str, prefill_delay_s: float = 0.0, step_s: float = 0.0) -> None:
         self.worker_id, self.role = worker_id, role
         self.dead = self.restarting = self.hung = False
@@ -91,6 +93,7 @@ class FakeActor:
         self.outbox: asyncio.Queue | None = None
         self.running: dict[str, _Running] = {}
         self.reserved: set[str] = set()
+        self.handle = self
         # reserve() remembers what start_decode() needs (the real worker keeps it in its engine).
         self._prompts: dict[str, list[int]] = {}
         self._max_tokens: dict[str, int] = {}

@@ -12,7 +12,7 @@ from router.prefix_index import PrefixIndex
 from router.routing import (
     KvAwarePolicy, LeastLoadedPolicy, NoWorkerAvailable, RandomPolicy, RoundRobinPolicy, RoutingConfig, make_policy,
 )
-from workers.block_hash import hash_prefix_blocks
+from common.block_hash import hash_prefix_blocks
 
 BS = 16
 SYSTEM = list(range(1000, 1512))  # a 512-token shared system prompt (32 blocks)

@@ -17,9 +17,11 @@ import time
 import pytest
 
 from router.backend import BackendError, GenerateRequest, RouteDecision
+from router.flow import FlowLimits
+from router.pools import WorkerPools
 from router.ray_backend import RayBackend
 from router.routing import live_workers
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 from .fake_actors import FakeActor, script, script_text
 
@@ -29,8 +31,9 @@ STEP_S = 0.01
 def make(num_prefill=1, num_decode=2, **kwargs):
     actors = {f"prefill-{i}": FakeActor(f"prefill-{i}", "prefill", prefill_delay_s=0.01) for i in range(num_prefill)}
     actors.update({f"decode-{i}": FakeActor(f"decode-{i}", "decode", step_s=STEP_S) for i in range(num_decode)})
+    limits = FlowLimits(**{k: kwargs.pop(k) for k in ("max_migrations", "migration_wait_s") if k in kwargs})
     kwargs = {"health_interval_s": 0.05, "health_timeout_s": 0.5, "poll_timeout_s": 0.02, **kwargs}
-    backend = RayBackend([(wid, a.role, a) for wid, a in actors.items()], **kwargs)
+    backend = RayBackend(WorkerPools(list(actors.values()), **kwargs), limits)
     return backend, actors
 
 
@@ -91,8 +94,8 @@ def test_streams_on_a_killed_decode_worker_continue_exactly_on_the_other():
             assert all(0 < len(r.output_token_ids) < max_tokens for r in resumes.values())
             assert len(backend.migration_gaps) == len(moved)
             assert [w.alive for w in backend.workers() if w.worker_id == "decode-0"] == [False]
-            assert backend.gone_workers() == ["decode-0"]  # ActorDiedError: no restart left
-            assert not backend._streams and all(not a.running for a in actors.values())
+            assert backend.pools.gone_workers() == ["decode-0"]  # ActorDiedError: no restart left
+            assert not backend.pools.has_streams() and all(not a.running for a in actors.values())
         finally:
             await backend.close()
 
@@ -141,7 +144,7 @@ def test_a_lone_decode_worker_that_restarts_takes_its_streams_back():
             for i, result in enumerate(results):
                 assert_exact(result, prompt_of(i), 30)
             assert d.pid != old_pid and backend.workers()[1].alive  # re-admitted
-            assert backend.gone_workers() == [] and backend.counters["migrations"] == 4
+            assert backend.pools.gone_workers() == [] and backend.counters["migrations"] == 4
         finally:
             await backend.close()
 
@@ -177,7 +180,7 @@ def test_a_hung_decode_worker_is_given_up_and_its_streams_move():
             results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
             for i, result in enumerate(results):
                 assert_exact(result, prompt_of(i), 60)
-            assert backend.gone_workers() == []  # not known dead: Ray may still bring it back
+            assert backend.pools.gone_workers() == []  # not known dead: Ray may still bring it back
         finally:
             await backend.close()
 
@@ -236,9 +239,9 @@ def test_workers_join_and_drain_at_runtime_without_losing_a_request():
         try:
             backend.workers()
             late = FakeActor("decode-1", "decode", step_s=STEP_S)
-            backend.add_worker("decode-1", "decode", late)
+            backend.pools.add_worker("decode-1", "decode", late)
             with pytest.raises(ValueError, match="already"):
-                backend.add_worker("decode-1", "decode", late)
+                backend.pools.add_worker("decode-1", "decode", late)
             short = asyncio.create_task(stream(backend, "short", prompt_of(1), 5, "decode-1"))
             assert_exact(await asyncio.wait_for(short, 5), prompt_of(1), 5)  # its pump runs
 
@@ -249,12 +252,12 @@ def test_workers_join_and_drain_at_runtime_without_losing_a_request():
             await wait_for(lambda: backend.prefix_index.num_blocks("decode-0") > 0)
             tasks = [asyncio.create_task(stream(backend, f"r{i}", prompt_of(i), 80, "decode-0")) for i in range(4)]
             await wait_for(lambda: len(d0.running) == 4)
-            drain = asyncio.create_task(backend.drain_worker("decode-0", timeout_s=0.1))
+            drain = asyncio.create_task(backend.pools.drain_worker("decode-0", timeout_s=0.1))
             await asyncio.sleep(0)
             assert [w.worker_id for w in live_workers(backend.workers(), "decode")] == ["decode-1"]
             assert await asyncio.wait_for(drain, 5) == 4
-            assert backend.in_flight("decode-0") == 0
-            assert backend.remove_worker("decode-0") is d0
+            assert backend.pools.in_flight("decode-0") == 0
+            assert backend.pools.remove_worker("decode-0") is d0
             assert backend.prefix_index.num_blocks("decode-0") == 0
             assert "decode-0" not in {w.worker_id for w in backend.workers()}
             for i, result in enumerate(await asyncio.wait_for(asyncio.gather(*tasks), 10)):

@@ -17,6 +17,8 @@ import cluster.pool_manager as pm
 from cluster.config import BatonConfig
 from cluster.launcher import Deployment
 from cluster.placement import SpawnedWorker
+from common.roles import Role
+from router.pools import WorkerPools
 from router.ray_backend import RayBackend
 
 from .fake_actors import FakeActor
@@ -34,7 +36,7 @@ def fake_ray(monkeypatch):
             raise RuntimeError("no node can start it")
         wid = f"{role}-{index}"
         state["spawned"].append((wid, options))
-        return SpawnedWorker(wid, role, FakeActor(wid, role, step_s=STEP_S), None, f"{prefix}-{wid}")
+        return SpawnedWorker(wid, Role(role), index, FakeActor(wid, role, step_s=STEP_S), None, f"{prefix}-{wid}")
 
     monkeypatch.setattr(pm, "spawn_worker", spawn_worker)
     monkeypatch.setattr(pm, "wait_placed", lambda workers, timeout_s: {w.worker_id: "node" for w in workers})
@@ -49,8 +51,8 @@ def fake_ray(monkeypatch):
 def make_deployment(**options):
     config = BatonConfig.from_options(prefill_workers=1, decode_workers=1, drain_timeout=0.1, max_restarts=2, **options)
     actors = [FakeActor("prefill-0", "prefill"), FakeActor("decode-0", "decode", step_s=STEP_S)]
-    workers = [(a.worker_id, a.role, a) for a in actors]
-    backend = RayBackend(workers, health_interval_s=0.05, health_timeout_s=0.5, poll_timeout_s=0.02)
+    workers = [SpawnedWorker(a.worker_id, Role(a.role), 0, a, None, a.worker_id) for a in actors]
+    backend = RayBackend(WorkerPools(workers, health_interval_s=0.05, health_timeout_s=0.5, poll_timeout_s=0.02))
     deployment = Deployment(config, Path("."), "m", 4096, 16, workers, backend, False)
     deployment.pools = pm.PoolManager(deployment, "test")
     return deployment, {a.worker_id: a for a in actors}
@@ -61,14 +63,14 @@ def test_scale_up_then_down_moves_running_streams_and_stops_the_removed_worker(f
         deployment, actors = make_deployment()
         backend, pools = deployment.backend, deployment.pools
         resized = []
-        pools.on_resize = resized.append
+        pools.subscribe_resize(resized.append)
         try:
             backend.workers()
             up = await pools.scale(decode=2)
             assert up.added == ["decode-1"] and up.after == {"prefill": 1, "decode": 2}
             assert fake_ray["spawned"] == [("decode-1", {"max_restarts": 2})]
-            new = next(h for w, _, h in deployment.workers if w == "decode-1")
-            assert [w[0] for w in deployment.workers] == ["prefill-0", "decode-0", "decode-1"]
+            new = next(w.handle for w in deployment.workers if w.worker_id == "decode-1")
+            assert [w.worker_id for w in deployment.workers] == ["prefill-0", "decode-0", "decode-1"]
             # Long streams on decode-0, then scale down: decode-0 is the busiest, decode-1 goes.
             tasks = [asyncio.create_task(stream(backend, f"r{i}", prompt_of(i), 60, "decode-1")) for i in range(2)]
             tasks += [asyncio.create_task(stream(backend, f"s{i}", prompt_of(i + 5), 60, "decode-0")) for i in range(3)]
@@ -76,7 +78,7 @@ def test_scale_up_then_down_moves_running_streams_and_stops_the_removed_worker(f
             down = await pools.scale(decode=1)
             assert down.removed == ["decode-1"] and down.moved_requests == 2 and down.after["decode"] == 1
             assert new.stopped and fake_ray["killed"] == ["decode-1"]
-            assert "decode-1" not in {w[0] for w in deployment.workers}
+            assert "decode-1" not in {w.worker_id for w in deployment.workers}
             results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
             for i, result in enumerate(results):
                 assert_exact(result, prompt_of(i if i < 2 else i + 3), 60)
@@ -99,12 +101,12 @@ def test_a_worker_dead_for_good_is_replaced_and_a_failed_replacement_retried(fak
             backend.workers()
             fake_ray["fail"] = 1
             actors["decode-0"].kill()  # ActorDiedError: no restart left
-            await wait_for(lambda: backend.gone_workers() == ["decode-0"])
+            await wait_for(lambda: backend.pools.gone_workers() == ["decode-0"])
             await wait_for(lambda: pools.replaced, timeout_s=5)
             # After one failed try (which used the id decode-1), HEAL_RETRY_S later.
             assert pools.replaced == [("decode-0", "decode-2")]
             assert [w.worker_id for w in backend.workers()] == ["prefill-0", "decode-2"]
-            assert [w[0] for w in deployment.workers] == ["prefill-0", "decode-2"]
+            assert [w.worker_id for w in deployment.workers] == ["prefill-0", "decode-2"]
             assert fake_ray["killed"] == ["decode-0"] and actors["decode-0"].calls[-1] == "shutdown"
             assert_exact(await stream(backend, "after", prompt_of(3), 5, "decode-2"), prompt_of(3), 5)
         finally:

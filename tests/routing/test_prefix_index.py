@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router.prefix_index import PrefixIndex
-from workers.block_hash import hash_prefix_blocks
-from workers.protocol import KVEvent, KVEventKind
+from common.block_hash import hash_prefix_blocks
+from common.protocol import KVEvent, KVEventKind
 
 BS = 4
 

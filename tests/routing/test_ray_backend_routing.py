@@ -7,11 +7,12 @@ import asyncio
 import time
 
 from router.backend import GenerateRequest
+from router.pools import WorkerPools
 from router.ray_backend import RayBackend
 from router.routing import KvAwarePolicy, RoutingConfig
 from router.trace import RequestTrace
-from workers.block_hash import hash_prefix_blocks
-from workers.sampling_params import SamplingParams
+from common.block_hash import hash_prefix_blocks
+from common.sampling_params import SamplingParams
 
 from .fake_actors import BS, FakeActor, _Method
 
@@ -21,8 +22,8 @@ HEALTH_S = 0.1
 def make_backend(num_prefill=2, num_decode=1):
     actors = {f"prefill-{i}": FakeActor(f"prefill-{i}", "prefill") for i in range(num_prefill)}
     actors.update({f"decode-{i}": FakeActor(f"decode-{i}", "decode") for i in range(num_decode)})
-    backend = RayBackend([(wid, a.role, a) for wid, a in actors.items()], health_interval_s=HEALTH_S,
-                         health_timeout_s=1.0, poll_timeout_s=0.02)
+    backend = RayBackend(WorkerPools(list(actors.values()), health_interval_s=HEALTH_S, health_timeout_s=1.0,
+                                     poll_timeout_s=0.02))
     return backend, actors
 
 
@@ -79,10 +80,10 @@ def test_restarted_worker_loses_its_index_entries():
         try:
             a = actors["prefill-0"]
             a._compute(list(range(200)))  # the worker cached a prompt and queued the STORED event
-            await backend.refresh_stats()
+            await backend.pools.refresh_stats()
             assert backend.prefix_index.num_blocks("prefill-0") == 12
             a.pid += 1  # restarted: an empty cache, and no event says so
-            await backend.refresh_stats()
+            await backend.pools.refresh_stats()
             assert backend.prefix_index.num_blocks("prefill-0") == 0
         finally:
             await backend.close()

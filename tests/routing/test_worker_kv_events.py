@@ -6,8 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from workers.block_manager import BlockManager
-from workers.protocol import KVEvent, KVEventKind
-from workers.sampling_params import SamplingParams
+from common.protocol import KVEvent, KVEventKind
+from common.sampling_params import SamplingParams
 from workers.sequence import Sequence
 from workers.worker import EngineWorker, WorkerConfig
 

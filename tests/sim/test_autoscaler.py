@@ -12,8 +12,9 @@ import pytest
 from fastapi import FastAPI
 
 from cluster.autoscaler import (
-    Autoscaler, AutoscalerConfig, AutoscalerLoop, RouterSignals, Signals, attach_to_simulator, install_autoscaler,
+    Autoscaler, AutoscalerLoop, RouterSignals, Signals, attach_to_simulator, install_autoscaler,
 )
+from cluster.autoscaler_config import AutoscalerConfig
 from cluster.config import BatonConfig
 from cluster.sim import SLO, ClusterSpec, FittedCostModel, LengthDist, ServingOverheads, Simulator, WorkloadSpec
 from router.backend import WorkerInfo
@@ -95,7 +96,7 @@ def test_a_load_step_grows_then_shrinks_the_pools_without_oscillating():
     scaler = attach_to_simulator(sim, config, startup_s=8)
     auto = sim.run(wl).summary(SLO(3.0, 0.25))
     static = Simulator(ClusterSpec(1, 1), cost, ServingOverheads(), record_itl=False).run(wl).summary(SLO(3.0, 0.25))
-    actions = sim.autoscaler_actions
+    actions = scaler.actions
     grew = [a for a in actions if a["to"] > a["from"]]
     shrank = [a for a in actions if a["to"] < a["from"]]
     assert grew and all(120 <= a["t"] <= 280 for a in grew), actions  # only while the load is high

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
 from cluster.sim import GPUS, MODELS, FittedCostModel, RooflineCostModel, StepShape
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import profile_costs  # noqa: E402  (bench/profile_costs.py: the fit under test)
+from cluster.sim.costs import fit_cost_model
 
 
 def test_model_shapes_have_the_published_parameter_counts():
@@ -66,7 +62,7 @@ def test_the_profile_fit_recovers_known_coefficients():
             rows = [(rng.randrange(0, 1500), n, True)]
         shape = StepShape.of(rows)
         samples.append({"seconds": model.step_time(shape) * rng.uniform(0.98, 1.02), **shape.__dict__})
-    coefficients, knee, quality = profile_costs.fit(samples)
+    coefficients, knee, quality = fit_cost_model(samples)
     assert quality["median_relative_error"] < 0.03
     fitted = FittedCostModel(coefficients, knee, 1, 1)
     for probe in ([(500, 1, True)] * 8, [(0, 256, True)], [(1024, 128, True)] + [(300, 1, True)] * 4):

@@ -4,9 +4,7 @@ requests bench/serve.py really sends."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +12,7 @@ from cluster.sim import LengthDist, WorkloadSpec, read_trace
 from cluster.sim.validation import serve_requests, validation_workload
 from cluster.sim.workload import write_trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import serve as load  # noqa: E402  (bench/serve.py)
+from cluster import loadgen as load
 
 
 def test_poisson_count_and_a_rate_step():

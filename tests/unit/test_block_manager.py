@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from workers.block_manager import BlockManager
-from workers.protocol import KVEventKind
-from workers.sampling_params import SamplingParams
+from common.protocol import KVEventKind
+from common.sampling_params import SamplingParams
 from workers.sequence import Sequence
 
 

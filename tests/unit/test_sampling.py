@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from workers.block_hash import hash_prefix_blocks
-from workers.detokenizer import IncrementalDetokenizer
+from common.block_hash import hash_prefix_blocks
+from common.detokenizer import IncrementalDetokenizer
 from workers.sampler import SamplingRow, sample
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 def row(params: SamplingParams, seed: int | None = None, outputs=None) -> SamplingRow:
@@ -102,7 +102,7 @@ def test_block_hashes_are_chained_and_stable_across_processes():
     assert hash_prefix_blocks(tokens[:48], 16) == here[:3]
     changed = hash_prefix_blocks([999] + tokens[1:], 16)
     assert all(a != b for a, b in zip(here, changed))  # a change in block 0 changes every later hash
-    code = "from workers.block_hash import hash_prefix_blocks; print(hash_prefix_blocks(list(range(100)), 16))"
+    code = "from common.block_hash import hash_prefix_blocks; print(hash_prefix_blocks(list(range(100)), 16))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "123"}).stdout
     assert other.strip() == str(here)

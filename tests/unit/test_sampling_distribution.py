@@ -19,7 +19,7 @@ import torch
 
 from kernels import sampling
 from workers.sampler import RACE_ATTEMPTS, SamplingRow, sample
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 N = 40_000
 ALPHA = 1e-6

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from workers.block_manager import BlockManager
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence, SequenceStatus
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from workers.block_manager import BlockManager
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import TRANSITIONS, Sequence, SequenceStatus
 

@@ -1,9 +1,10 @@
-"""A deterministic in-process stand-in for the worker pools, for router and observability tests.
+"""A deterministic in-process stand-in for the worker pools, for router and observability tests
+and benchmarks (bench/status_cost.py, bench/sim_scale.py); not used in serving.
 
 `FakeBackend` implements `router.backend.ServingBackend` without Ray or a model. It plays a fixed
 token script (`reply_ids`: `reply` tokenized, then EOS, over and over), and everything else is
 Baton's own code: text and stop strings come from the engine's detokenizer
-(`workers.detokenizer.IncrementalDetokenizer`, driven with the tokenizer's decode exactly as
+(`common.detokenizer.IncrementalDetokenizer`, driven with the tokenizer's decode exactly as
 `LLMEngine` drives it), finish reasons follow `LLMEngine._advance`, and cached prompt tokens come
 from the router's `PrefixIndex` fed with the chained block hashes every worker publishes.
 """
@@ -18,10 +19,10 @@ from typing import AsyncIterator
 from router.backend import BackendError, GenerateRequest, RouteDecision, WorkerInfo
 from router.prefix_index import PrefixIndex
 from router.tokenizer import Tokenizer
-from workers.block_hash import hash_prefix_blocks
-from workers.detokenizer import IncrementalDetokenizer
-from workers.protocol import RequestOutput, TokenLogprob
-from workers.sampling_params import SamplingParams
+from common.block_hash import hash_prefix_blocks
+from common.detokenizer import IncrementalDetokenizer
+from common.protocol import RequestOutput, TokenLogprob
+from common.sampling_params import SamplingParams
 
 __all__ = ["DEFAULT_REPLY", "FakeBackend"]
 

@@ -11,7 +11,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from workers.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 @dataclass

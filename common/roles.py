@@ -1,0 +1,25 @@
+"""The two worker roles of disaggregated serving, defined once.
+
+`Role` is a str enum: a member equals (and hashes like) its value, so YAML, JSON, Ray and
+msgpack keep seeing "prefill" and "decode", and `str(role)` / f-strings print the value.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ROLES", "Role"]
+
+
+class Role(str, enum.Enum):
+    """A worker's role: PREFILL runs prompts and hands the KV over; DECODE generates the tokens."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+# Every role, in the order pools are listed (prefill first).
+ROLES: tuple[Role, ...] = tuple(Role)

@@ -1,0 +1,566 @@
+"""MkDocs hook: measured tables and the configuration reference, generated at build time.
+
+A page asks for generated content with an HTML comment on a line of its own::
+
+    <!-- table: compare -->        a table built from bench/results/*.json (TABLES below)
+    <!-- config: reference -->     the configuration reference, from `baton config schema`
+
+and the hook replaces the comment with Markdown before the page is rendered. A name that no
+builder knows, or a JSON file that is missing, fails the build (``mkdocs build --strict``), so a
+page cannot show a number that no result file backs.
+
+The README is not built by MkDocs. Its headline numbers sit between markers::
+
+    <!-- num: NAME -->1.58x<!-- /num -->
+
+``python -m docs.hooks.readme --check`` compares each with ``NUMBERS[NAME]()`` below and
+``--write`` rewrites them; ``tests/unit/test_docs_numbers.py`` runs the check.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+PLACEHOLDER = re.compile(r"^<!--[ \t]*(table|config):[ \t]*([\w.-]+)[ \t]*-->[ \t]*$", re.MULTILINE)
+
+
+@lru_cache(maxsize=None)
+def load(name: str) -> Any:
+    """One result file of bench/results/, by name without `.json`."""
+    if "_attempt_" in name:
+        raise ValueError(f"{name}: *_attempt_* files are experiments, not results")
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+def f(x: float, nd: int = 1) -> str:
+    """A number with thousands separators and `nd` decimals."""
+    return f"{x:,.{nd}f}"
+
+
+def ms(x: float) -> str:
+    """Milliseconds: no decimals from 100 on, one below."""
+    return f(x, 0) if abs(x) >= 100 else f(x, 1)
+
+
+def pct(x: float, nd: int = 1, sign: bool = False) -> str:
+    return (f"{x * 100:+.{nd}f}%" if sign else f"{x * 100:.{nd}f}%")
+
+
+def ratio(x: float, nd: int = 2) -> str:
+    return f"{x:.{nd}f}x"
+
+
+def gb(bytes_per_s: float, nd: int = 2) -> str:
+    return f"{bytes_per_s / 1e9:.{nd}f}"
+
+
+def size(nbytes: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div:
+            return f"{nbytes // div} {unit}"
+    return f"{nbytes} B"
+
+
+def table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    """A Markdown table; `align` is one letter per column, l or r (default: l, then r)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    sep = ["---" if a == "l" else "---:" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(sep) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# -- the vLLM comparison (bench/run_comparison.sh) -----------------------------------------------
+
+SERVERS = (("vllm-cpu", "vLLM-CPU float32"), ("baton-fp32", "Baton float32"),
+           ("baton-bf16", "Baton bfloat16"))
+MODES = (("default", "client defaults: sampling at temperature 1"),
+         ("temperature 0", "`--temperature 0`: greedy"))
+
+
+def compare_run(label: str, mode: str) -> dict[str, Any]:
+    run = load(f"compare_{label}")["runs"][mode]
+    return {"w1": run["throughput"]["throughput"], "streams": run["mixed"]["streams"],
+            "long": run["mixed"]["long prompts"]}
+
+
+def compare_ratio(label: str, mode: str, workload: str, metric: str, stat: str | None) -> float:
+    """Baton's number over vLLM's, for one mode, workload and metric."""
+    def get(lbl: str) -> float:
+        v = compare_run(lbl, mode)[workload][metric]
+        return v[stat] if stat else v
+    return get(label) / get("vllm-cpu")
+
+
+def t_compare() -> str:
+    rows = []
+    for mode, title in MODES:
+        rows.append([f"**{title}**", "", "", ""])
+        runs = {lbl: compare_run(lbl, mode) for lbl, _ in SERVERS}
+
+        def cell(lbl: str, text: str, workload: str, metric: str, stat: str | None) -> str:
+            if lbl == "vllm-cpu":
+                return text
+            return f"{text} ({ratio(compare_ratio(lbl, mode, workload, metric, stat))})"
+
+        def row(name: str, fn: Callable[[str, dict], str]) -> list[str]:
+            return [name] + [fn(lbl, runs[lbl]) for lbl, _ in SERVERS]
+
+        rows.append(row("1. throughput: output tok/s", lambda l, r: cell(
+            l, f(r["w1"]["output_throughput"]), "w1", "output_throughput", None)))
+        rows.append(row("1. TTFT p50 / TPOT p50 (ms)", lambda l, r:
+                        f"{ms(r['w1']['ttft_ms']['p50'])} / {ms(r['w1']['tpot_ms']['p50'])}"))
+        rows.append(row("2. streams' output tok/s", lambda l, r: f(r["streams"]["output_throughput"])))
+        rows.append(row("2. streams' ITL p50 / p99 (ms)", lambda l, r: cell(
+            l, f"{ms(r['streams']['itl_ms']['p50'])} / {ms(r['streams']['itl_ms']['p99'])}",
+            "streams", "itl_ms", "p99")))
+        rows.append(row("2. long prompts' TTFT p50 (ms)", lambda l, r: cell(
+            l, ms(r["long"]["ttft_ms"]["p50"]), "long", "ttft_ms", "p50")))
+    return table([""] + [name for _, name in SERVERS], rows)
+
+
+# -- engine, kernels, sampler ------------------------------------------------------------------
+
+def t_engine_throughput() -> str:
+    rows = []
+    for name, label in (("engine_throughput", "float32"), ("engine_throughput_bf16", "bfloat16")):
+        r = load(name)["results"]
+        rows.append([label, f(r["baton_c1"]["tok_s"]), f(r["baton_c8"]["tok_s"]),
+                     f(r["baton_c32"]["tok_s"]), f(r["hf_sequential"]["tok_s"]),
+                     f(r["hf_batch8"]["tok_s"]), f(r["hf_batch32"]["tok_s"]),
+                     f"**{ratio(r['baton_c32']['ratio_vs_hf_sequential'], 1)}**",
+                     pct(r["baton_c32"]["greedy_agreement_vs_hf_sequential"], 0)])
+    return table(["dtype", "Baton, 1 seq", "Baton, 8", "Baton, 32", "transformers, one at a time",
+                  "transformers, batches of 8", "batches of 32", "Baton 32 / transformers 1",
+                  "requests with identical greedy tokens"], rows)
+
+
+def t_decode_profile() -> str:
+    steps = ("PyTorch references, `F.linear`", "+ native kernels", "+ prepacked linear layers")
+    rows = []
+    for r in load("decode_profile")["runs"]:
+        stage = steps[int(r["native_kernels"]) + int(r["packed_linear"])]
+        s = r["split_ms"]
+        rows.append([f"{r['dtype']}, {stage}", f(r["step_ms"]), f(r["step_ms_scattered_pages"]),
+                     f(s["linear layers"]), f(s["attention"]), f(s["norm, rotary, KV store, SiLU"]),
+                     f(s["sampling"]), f(s["python and scheduling"]),
+                     f(r["prefill"]["prefill_1x2000_s"], 2), f(r["prefill"]["prefill_16x256_s"], 2)])
+    return table(["one thread", "decode step (ms)", "step, pages scattered (ms)", "linear layers",
+                  "attention", "norm, rotary, KV store, SiLU", "sampling", "python and scheduling",
+                  "prefill 1 x 2,000 tokens (s)", "prefill 16 x 256 tokens (s)"], rows)
+
+
+def t_prefill_profile() -> str:
+    rows = []
+    for run in load("prefill_profile_quiet")["runs"]:
+        for b in run["budgets"]:
+            s = b["split_s"]
+            rows.append([b["dtype"], f(b["budget"], 0), f(b["cpu_s"], 2), f(s["linear layers"], 2),
+                         f(s["attention"], 2), f(s["everything else"], 2)])
+    return table(["dtype", "chunk (tokens)", "CPU-seconds", "linear layers", "attention",
+                  "everything else"], rows)
+
+
+def t_sampling_cost() -> str:
+    runs = {r["dtype"]: r for r in load("sampling_cost")["runs"]}
+    shapes = list(runs["float32"]["steps"]["after"])
+    rows = []
+    for shape in shapes:
+        cells = [shape]
+        for dtype in ("float32", "bfloat16"):
+            for when in ("before", "after"):
+                c = runs[dtype]["steps"][when][shape]["cost_vs_greedy"]
+                cells.append("–" if shape == "greedy" else pct(c, 0, sign=True))
+        alone = runs["float32"]["sampler_alone_ms"]
+        cells.append(f"{f(alone['before'][shape], 2)} / {f(alone['after'][shape], 2)}"
+                     if shape in alone["after"] else "–")
+        rows.append(cells)
+    return table(["request shape (all 16 sequences alike)", "float32, per-row sampler",
+                  "float32, batched sampler", "bfloat16, per-row sampler",
+                  "bfloat16, batched sampler", "sampler alone, 16 rows: per-row / batched (ms)"],
+                 rows)
+
+
+def t_fp8_accuracy() -> str:
+    names = {"float32": "float32", "fp8 weights": "FP8 weights", "fp8 KV": "FP8 KV cache",
+             "fp8 weights + KV": "FP8 weights + KV",
+             "bfloat16": "`--dtype bfloat16` (not FP8; for comparison)"}
+    rows = []
+    for key, r in load("fp8_accuracy")["rows"].items():
+        g = r["greedy"]
+        rows.append([names.get(key, key), f(r["perplexity"], 2),
+                     "" if key == "float32" else pct(r["ppl_change"], 2, sign=True),
+                     f"{g['identical_prompts']} of {g['num_prompts']}",
+                     f(g["mean_identical_prefix"], 1)])
+    return table(["config", "perplexity", "vs float32", "identical greedy answers",
+                  "mean identical prefix (of 32 tokens)"], rows)
+
+
+def t_fp8_memory() -> str:
+    d = load("fp8_accuracy")
+    w, kv, tr = d["memory"]["weights"], d["memory"]["kv_capacity_at_64MiB"], d["transfer"]
+    rows = [[dt, f(w[dt]["linear"] / 1e6, 1), f(kv[dt]["capacity_tokens"], 0),
+             f(tr[dt]["bytes_per_prompt_token"], 0)] for dt in ("float32", "bfloat16", "fp8")]
+    return table(["dtype", "linear-layer weights (MB)", "KV tokens in 64 MiB",
+                  "KV bytes sent per prompt token"], rows)
+
+
+# -- KV transfer ---------------------------------------------------------------------------------
+
+def _kv_rows(results: list[dict], key: str) -> list[list[str]]:
+    rows = []
+    for r in results:
+        if r["bytes"] < 1 << 20:
+            continue
+        rows.append([r[key], r["block_ids"], size(r["bytes"]), gb(r["isolated_bytes_per_s"]),
+                     gb(r["back_to_back_bytes_per_s"]), f(r["isolated_ratio_to_memcpy"], 2),
+                     f(r["back_to_back_ratio_to_memcpy"], 2)])
+    return rows
+
+
+KV_HEADER = ["blocks", "transfer", "isolated (GB/s)", "back-to-back (GB/s)",
+             "isolated / memcpy", "back-to-back / memcpy"]
+
+
+def t_kv_transfer() -> str:
+    return table(["backend"] + KV_HEADER, _kv_rows(load("kv_transfer")["results"], "backend"),
+                 "lllrrrr")
+
+
+def t_kv_transfer_cross_node() -> str:
+    rows = _kv_rows(load("kv_transfer_cross_node")["pairwise"]["results"], "placement")
+    for r in rows:
+        r[0] = {"same_node": "same node (shm)", "cross_node": "other node (gloo)"}[r[0]]
+    return table(["decode actor"] + KV_HEADER, rows, "lllrrrr")
+
+
+# -- serving paths -------------------------------------------------------------------------------
+
+def t_serving() -> str:
+    st, so = load("startup"), load("stream_overhead")
+    rd, sc = load("routing_decision"), load("status_cost")
+    rows = [
+        ["start-up of `baton serve` to a healthy `/health` (model already converted)",
+         f"{f(st['healthy_after_s_median'], 1)} s median of {len(st['runs'])}",
+         "`python -m bench.startup`"],
+        [f"token delivery, decode worker -> router ({so['concurrency']} streams)",
+         f"p50 {ms(so['delivery_delay_ms']['p50'])} ms, p99 {ms(so['delivery_delay_ms']['p99'])} ms"
+         f"; client ITL p50 {ms(so['client_itl_ms']['p50'])} ms vs the engine alone's step "
+         f"{ms(so['engine_alone_step_ms_p50'])} ms", "`python -m bench.stream_overhead`"],
+        [f"routing decision, {rd['workers']} workers, {f(rd['indexed_blocks'], 0)} indexed blocks",
+         f"p50 {rd['p50_ms']:.3f} ms, p99 {rd['p99_ms']:.3f} ms", "`python -m bench.routing_decision`"],
+        [f"`/v1/status` and `/metrics`, {sc['workers']} workers",
+         f"p50 {ms(sc['/v1/status']['http_p50_ms'])} and {ms(sc['/metrics']['http_p50_ms'])} ms, "
+         f"p99 {ms(sc['/v1/status']['http_p99_ms'])} and {ms(sc['/metrics']['http_p99_ms'])} ms",
+         "`python -m bench.status_cost`"],
+    ]
+    return table(["what", "result", "command"], rows, "lll")
+
+
+def t_routing() -> str:
+    rp, lp = load("routing_prefix"), load("routing_local_prefill")
+    rows = []
+    for d, key, name in ((rp, "kv_aware", "kv-aware"), (rp, "round_robin", "round-robin")):
+        r = d[key]
+        rows.append([f"multi-turn chat, {name}", pct(r["hit_rate"]), pct(r["fraction_of_ideal"], 0),
+                     ms(r["ttft_p50_s"] * 1000), ms(r["ttft_p90_s"] * 1000)])
+    for key, name in (("conditional", "conditional disaggregation"), ("always_remote", "always remote")):
+        r = lp[key]
+        rows.append([f"short uncached prompts, {name}", pct(r["hit_rate"]),
+                     pct(min(r["fraction_of_ideal"], 1.0), 0), ms(r["ttft_p50_s"] * 1000),
+                     ms(r["ttft_p90_s"] * 1000)])
+    return table(["workload, policy", "prefix-cache hit rate", "of the ideal", "TTFT p50 (ms)",
+                  "TTFT p90 (ms)"], rows)
+
+
+def t_migration_cost() -> str:
+    rows = []
+    for r in load("migration_cost")["results"]:
+        kind = {"drain": "drain (`baton scale`, drain timeout 0)", "crash": "crash (`SIGKILL`)"}
+        rows.append([kind.get(r["kind"], r["kind"]), f(r["prompt_tokens"], 0),
+                     f"{f(r['moved']['extra_time_to_next_token_ms_p50'], 0)} ms",
+                     f"{f(r['router_loss_to_next_token_ms_p50'], 0)} ms",
+                     f"+{f(r['not_moved']['extra_time_to_next_token_ms_p50'], 0)} ms"])
+    return table(["move", "prompt tokens", "extra time to the next token (moved streams, p50)",
+                  "router: loss noticed -> next token", "streams not moved"], rows)
+
+
+def t_soak() -> str:
+    d = load("soak")
+    req, g = d["requests"], d["rss"]["growth"]
+    rows = [["requests", f(sum(req.values()), 0)],
+            ["completed", f(req["complete"], 0)],
+            ["disconnected mid-stream / gave up before the first token / oversized (refused with 400)",
+             f"{req['disconnect']} / {req['early_abort']} / {req['oversized']}"],
+            ["offered rate (Poisson) / calibrated closed-loop throughput",
+             f"{d['rate_rps']:.2f} / {d['calibration']['throughput_rps']:.2f} req/s"],
+            ["TTFT p50 / p99", f"{ms(d['ttft_ms']['p50'])} / {ms(d['ttft_ms']['p99'])} ms"],
+            ["unintended errors", f"**{d['unintended_errors']}**"],
+            ["resident memory, end of warm-up to end of load: router / prefill / decode",
+             " / ".join(pct(g[k], 1, sign=True) for k in ("router", "prefill-0", "decode-0"))
+             + f" (limit {pct(d['rss']['max_growth_allowed'], 0)})"]]
+    return table(["soak, " + f(d["load_seconds"] / 60, 0) + " minutes", ""], rows, "lr")
+
+
+def t_overload() -> str:
+    d = load("overload")
+    lc, l4 = d["light_client_429_ms"], d["latency_429_ms"]
+    rows = [["clients / sustainable concurrency", f"{d['clients']} / {d['sustainable_concurrency']}"],
+            ["refused with 429", f(d["refused_429"], 0)],
+            ["429 latency, light client: p50 / p99 / max",
+             f"**{ms(lc['p50'])} / {ms(lc['p99'])} / {ms(lc['max'])} ms**"],
+            ["429 latency, the 128-client generator: p50 / p99",
+             f"{ms(l4['p50'])} / {ms(l4['p99'])} ms"],
+            ["the generator's own event-loop lag p99", f"{ms(d['client_event_loop_lag_ms']['p99'])} ms"],
+            ["router event-loop lag p99", f"<= {ms(d['router_event_loop_lag_p99_ms_at_most'])} ms"],
+            ["admitted / their TTFT p50 / p99",
+             f"{d['admitted']} / {f(d['admitted_ttft_ms']['p50'] / 1000, 1)} s / "
+             f"{f(d['admitted_ttft_ms']['p99'] / 1000, 1)} s"],
+            ["other errors", f(d["other_errors"], 0)],
+            ["back to idle latency after the load stopped", f"{d['recovery']['recovered_after_s']:.1f} s"]]
+    return table([f"overload, {f(d['duration_s'], 0)} s", ""], rows, "lr")
+
+
+def t_autoscale_cpu() -> str:
+    d = load("autoscale_cpu")
+    t0 = d["actions"][0]["t"] if d["actions"] else 0
+    rows = [[f"{a['t'] - t0:+.0f} s", f"{a['from'][0]}P:{a['from'][1]}D -> {a['to'][0]}P:{a['to'][1]}D",
+             a["reason"]] for a in d["actions"]]
+    return table(["time from the first action", "pools", "reason"], rows, "rll") + (
+        f"\n\n{d['requests']} requests, {d['failed']} failed.")
+
+
+# -- simulator -----------------------------------------------------------------------------------
+
+def t_sim_validate() -> str:
+    d = load("sim_validate")
+    names = {"throughput": "1. throughput (256 in / 128 out, 64 prompts, 16 at a time)",
+             "mixed": "2. mixed (24 streams 32/256, 8 at a time, + 10 prompts of 2,000 tokens at 0.25/s)",
+             "chat": "3. multi-turn chat (6 conversations x 4 turns, 3 at a time)"}
+    metrics = ("TTFT p50", "TTFT p99", "TPOT p50")
+    rows = []
+    for key, r in d["results"].items():
+        by = {c["metric"]: c for c in r["comparison"]}
+        rows.append([names.get(key, key)] + [
+            f"{ms(by[m]['real_ms'])} / {ms(by[m]['sim_ms'])} ms ({pct(by[m]['relative_error'], 0, sign=True)})"
+            for m in metrics])
+    return table(["workload"] + [f"{m} real / sim" for m in metrics], rows)
+
+
+def t_sim_planner() -> str:
+    rows = []
+    for r in load("sim_planner")["rows"]:
+        p, e = r["planner"], r["exhaustive"]
+        rows.append([f"{r['workload']} ({f(r['slo']['ttft_s'], 0)} s / {ms(r['slo']['tpot_s'] * 1000)} ms)",
+                     p["best"]["split"], f(p["best"]["goodput"], 2), str(p["simulations"]),
+                     e["best"]["split"], f(e["best"]["goodput"], 2), str(e["simulations"]),
+                     pct(r["planner_fraction_of_best"], 0)])
+    return table(["held-out workload (SLO TTFT / TPOT)", "planner's split", "goodput (req/s)",
+                  "simulations", "exhaustive best", "goodput", "simulations", "planner / best"],
+                 rows, "llrrlrrr")
+
+
+def t_sim_autoscale() -> str:
+    d = load("sim_autoscale")
+    rows = []
+    for name, sc in d["scenarios"].items():
+        for i, r in enumerate(sc["runs"]):
+            auto = r["split"].startswith("autoscaled")
+            rows.append([name if i == 0 else "", r["split"], pct(r["slo_attainment"]),
+                         f(r["worker_seconds"], 0), str(r["scaling_actions"]) if auto else "",
+                         str(r["oscillations"]) if auto else ""])
+    slo = d["slo"]
+    return table(["scenario", "deployment",
+                  f"SLO attainment (TTFT {f(slo['ttft_s'], 0)} s, TPOT {ms(slo['tpot_s'] * 1000)} ms)",
+                  "worker-seconds", "scaling actions", "reversals"], rows, "llrrrr")
+
+
+def _scale_models() -> dict[str, dict]:
+    return load("sim_scale")["models"]
+
+
+def t_scale_sizing() -> str:
+    m = _scale_models()
+    s = {k: v["sizing"] for k, v in m.items()}
+    keys = list(s)
+    rows = [
+        ["KV tokens per worker"] + [f"{v['kv_tokens_per_worker'] / 1e6:.2f} M" for v in s.values()],
+        ["prefill: requests/s per worker"] + [f(v["prefill_requests_per_s_per_worker"]) for v in s.values()],
+        ["decode: requests/s per worker"] + [f(v["decode_requests_per_s_per_worker"]) for v in s.values()],
+        ["decode batch that meets the TPOT SLO"] + [str(v["decode_batch_within_tpot"]) for v in s.values()],
+        ["workers for 10,000 req/s (prefill + decode)"] + [
+            f"{v['workers_for_10k']['prefill']} + {v['workers_for_10k']['decode']}" for v in s.values()],
+        ["**GPUs for 10,000 req/s**"] + [f"**{f(v['gpus_for_10k'], 0)}**" for v in s.values()],
+        ["balanced split of 1,000 GPUs (workers)"] + [
+            f"{v['split_on_1000_gpus']['prefill']} P + {v['split_on_1000_gpus']['decode']} D" for v in s.values()],
+        ["estimated capacity of 1,000 GPUs"] + [f"{f(v['max_rate_on_1000_gpus'], 0)} req/s" for v in s.values()],
+    ]
+    return table([""] + keys, rows)
+
+
+def _slice_row(model: str, r: dict) -> list[str]:
+    u = r["pool_utilisation"]
+    return [f"{model}, {r['prefill_workers']} P + {r['decode_workers']} D",
+            f"{f(r['rate'], 0)}/s", f"**{pct(r['slo_attainment'], 0)}**",
+            f"{ms(r['ttft_ms']['p50'])} / {ms(r['ttft_ms']['p99'])} ms",
+            f"{ms(r['tpot_ms']['p50'])} / {ms(r['tpot_ms']['p99'])} ms",
+            f"{u['prefill']:.2f} / {u['decode']:.2f}", pct(r["cached_token_fraction"], 0)]
+
+
+def t_scale_slices() -> str:
+    m = _scale_models()
+    rows = []
+    for name, v in m.items():
+        short = name.split(",")[0]
+        slices = [v["slice_at_10k"]]
+        if "slice_at_estimated_max" in v:
+            slices.append(v["slice_at_estimated_max"])
+        slices += list(v.get("slice_at_fraction_of_estimated_max", {}).values())
+        slices += list(v.get("slice_other_splits_at_6000", {}).values())
+        rows += [_slice_row(short, s) for s in slices]
+    return table(["slice", "rate", "SLO attainment", "TTFT p50 / p99", "TPOT p50 / p99",
+                  "utilisation P / D", "prompt tokens from cache"], rows)
+
+
+def t_scale_queue_threshold() -> str:
+    rows = []
+    for name, v in _scale_models().items():
+        for key, label in (("slice_at_10k_default_queue_threshold", "default"),
+                           ("slice_at_10k", "scaled to the GPU")):
+            r = v[key]
+            routes = r["routes"]
+            rows.append([name.split(",")[0], f"{label}: {f(r['prefill_queue_threshold'], 0)}",
+                         f(routes.get("local_prefill_busy", 0), 0),
+                         f(routes.get("remote_prefill_fallback_local", 0), 0),
+                         f(r["requests"], 0), pct(r["slo_attainment"], 0)])
+    return table(["model (slice at 10,000 req/s)", "prefill_queue_threshold",
+                  "prefilled on D: prefill pool busy", "prefilled on D: reservation refused",
+                  "requests", "SLO attainment"], rows, "llrrrr")
+
+
+def t_scale_router() -> str:
+    d = load("sim_scale")
+    ds, loop, cpu, sat = (d["decision_standalone"], d["full_scale_in_loop"], d["router_cpu"],
+                          d["router_saturation"])
+    rd = load("routing_decision")
+    rows = [["one routing decision, 1,000 workers (hashing the prompt included)",
+             f"**{ds['decision_ms']['p50']:.2f} ms**", f"{ds['decision_ms']['p99']:.2f} ms"],
+            ["of which hashing the prompt's blocks", f"{ds['of_which_hashing_ms']['p50']:.3f} ms", ""],
+            [f"in the simulator's loop, {loop['workers']} workers ({f(loop['requests_routed'], 0)} decisions)",
+             f"{loop['router_decision_ms']['p50']:.2f} ms", f"{loop['router_decision_ms']['p99']:.2f} ms"],
+            [f"the same policy with {rd['workers']} workers", f"{rd['p50_ms']:.3f} ms", f"{rd['p99_ms']:.3f} ms"],
+            ["router CPU per request besides the decision (HTTP, tokenising, SSE), "
+             f"{cpu['output_tokens']}-token answer", f"{cpu['cpu_ms_per_request']:.1f} ms", ""],
+            ["decisions/s of one process", f(sat["decision_only_requests_per_s"], 0), ""],
+            ["requests/s of one router process", f(sat["requests_per_s_one_process"], 0), ""],
+            ["router processes for 10,000 req/s at 70% CPU", str(sat["processes_for_10k_at_70pct"]), ""],
+            ["bytes per indexed block", f(ds["index_bytes_per_cached_block"], 0), ""],
+            ["index size if every cached block of 1,000 8B workers is indexed",
+             f"{f(sat['index_gb_if_every_cached_block_indexed'], 0)} GB", ""]]
+    return table(["", "median", "p99"], rows)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    name[2:]: fn for name, fn in globals().items() if name.startswith("t_") and callable(fn)}
+
+
+# -- configuration reference -----------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def config_schema() -> dict[str, Any]:
+    """`baton config schema`, run in a child process so the build imports nothing of Baton."""
+    code = "import json; from cluster.config import json_schema; print(json.dumps(json_schema()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
+                         text=True, timeout=300)
+    return json.loads(out.stdout)
+
+
+def _type(p: dict[str, Any]) -> str:
+    if "enum" in p:
+        return " \\| ".join(f"`{v}`" for v in p["enum"])
+    t = p.get("type", "object" if "properties" in p else "")
+    t = " \\| ".join(t) if isinstance(t, list) else t
+    if t == "array" and isinstance(p.get("items"), dict):
+        t = f"array of {_type(p['items'])}"
+    return t
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _default(p: dict[str, Any]) -> str:
+    if "default" not in p:
+        return ""
+    return "`" + json.dumps(p["default"]).replace("|", "\\|") + "`"
+
+
+def config_reference(schema: dict[str, Any] | None = None) -> str:
+    schema = schema or config_schema()
+    top, sections = [], []
+    for key, p in schema["properties"].items():
+        if p.get("type") == "object" and "properties" in p:
+            sections.append((key, p))
+        else:
+            top.append([f"`{key}`", _type(p), _default(p), _cell(p.get("description", ""))])
+    out = ["## Top level", "", table(["key", "type", "default", "meaning"], top, "llll")]
+    for key, p in sections:
+        rows = [[f"`{k}`", _type(v), _default(v), _cell(v.get("description", ""))]
+                for k, v in p["properties"].items()]
+        out += ["", f"## `{key}`", "", _cell(p.get("description", "")), "",
+                table(["key", "type", "default", "meaning"], rows, "llll")]
+    return "\n".join(out)
+
+
+# -- the hook --------------------------------------------------------------------------------------
+
+def render(markdown: str, where: str = "") -> str:
+    """Replace every placeholder in `markdown`; an unknown name raises."""
+    def sub(m: re.Match[str]) -> str:
+        kind, name = m.group(1), m.group(2)
+        if kind == "config":
+            if name != "reference":
+                raise KeyError(f"{where}: no configuration section named {name!r} (known: reference)")
+            return "\n" + config_reference() + "\n"
+        if name not in TABLES:
+            raise KeyError(f"{where}: no table named {name!r} (known: {', '.join(sorted(TABLES))})")
+        return "\n" + TABLES[name]() + "\n"
+    return PLACEHOLDER.sub(sub, markdown)
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    return render(markdown, page.file.src_path)
+
+
+# -- README headline numbers -----------------------------------------------------------------------
+
+NUMBERS: dict[str, Callable[[], str]] = {
+    # workload 1, client defaults, Baton float32 over vLLM-CPU float32 (output tok/s)
+    "compare_w1_fp32": lambda: ratio(compare_ratio("baton-fp32", "default", "w1",
+                                                   "output_throughput", None)),
+    # Baton engine at 32 sequences over transformers generate one at a time (float32)
+    "engine_c32_ratio": lambda: ratio(
+        load("engine_throughput")["results"]["baton_c32"]["ratio_vs_hf_sequential"], 1),
+    # kv-aware routing's prefix-cache hit rate on the multi-turn chat
+    "routing_hit_rate": lambda: pct(load("routing_prefix")["kv_aware"]["hit_rate"]),
+}
+NUM = re.compile(r"<!-- num: ([\w.-]+) -->(.*?)<!-- /num -->")
+
+
+def readme_numbers(text: str) -> list[tuple[str, str, str]]:
+    """(name, value in the text, value computed from the JSON) for every marker in `text`."""
+    return [(m.group(1), m.group(2), NUMBERS[m.group(1)]()) for m in NUM.finditer(text)]
+
+
+def write_readme_numbers(text: str) -> str:
+    return NUM.sub(lambda m: f"<!-- num: {m.group(1)} -->{NUMBERS[m.group(1)]()}<!-- /num -->", text)
