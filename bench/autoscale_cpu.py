@@ -21,7 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from common.envs import ensure_loopback_ray  # noqa: E402
+ensure_loopback_ray()
 ROOT = Path(__file__).resolve().parents[1]
 
 import httpx  # noqa: E402

@@ -37,7 +37,8 @@ import statistics
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+from common.envs import ensure_loopback_ray  # noqa: E402
+ensure_loopback_ray()
 
 import ray  # noqa: E402
 import torch  # noqa: E402

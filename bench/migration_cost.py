@@ -38,7 +38,8 @@ from cluster.config import BatonConfig
 from cluster.harness import free_port, wait_until
 from cluster.testing import serving
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from common.envs import ensure_loopback_ray  # noqa: E402
+ensure_loopback_ray()
 
 
 def ms(seconds: float) -> float:

@@ -39,6 +39,7 @@ from cluster.sim.costs import StepShape, fit_cost_model  # noqa: E402
 from cluster.sim.workload import Client, SimRequest, Workload  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
+from common.envs import ensure_loopback_ray  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from workers.worker import STEP_LOG_ENV  # noqa: E402
 
@@ -179,7 +180,7 @@ def served_samples(args) -> list[dict]:
 
 def measure_overheads() -> dict:
     """Ray actor call round trip on 127.0.0.1 (p50 of 200), as the router's calls to workers pay it."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ensure_loopback_ray()
     import ray  # only this measurement needs Ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)

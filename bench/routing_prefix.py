@@ -28,7 +28,8 @@ import platform
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from common.envs import ensure_loopback_ray  # noqa: E402
+ensure_loopback_ray()
 
 import httpx  # noqa: E402
 

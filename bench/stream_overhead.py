@@ -27,7 +27,8 @@ from cluster.harness import free_port
 from cluster.testing import serving
 from common.stats import percentile
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from common.envs import ensure_loopback_ray  # noqa: E402
+ensure_loopback_ray()
 
 
 def pct(values, p):

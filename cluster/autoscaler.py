@@ -34,10 +34,11 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from cluster.autoscaler_config import AutoscalerConfig
+from common.roles import Role
 from common.stats import percentile
 from router.app import run_during_lifespan
 
@@ -122,7 +123,7 @@ class Autoscaler:
                     step = max(1, round(n * (pressure - 1))) if n else 1
                     target = min(hi, n + min(step, max(1, n)))
                     reasons.append(f"{role} pressure {pressure:.2f} > {c.scale_up_at}")
-                if role == "prefill":
+                if role == Role.PREFILL:
                     low = (self.queue_pressure(s) < c.scale_down_at and pressure <= c.scale_up_at
                            and s.prefill_busy_fraction * n / max(1, n - 1) < 0.5)
                 else:  # the TPOT one worker fewer would give (batches grow by n / (n - 1)), and no queue
@@ -265,8 +266,8 @@ class RouterSignals:
                 if tr.e2e_s is not None and tr.ttft_s is not None and tr.output_tokens > 1]
         queue = [tr.queue_s for tr in traces]
         workers = [w for w in self.backend.workers() if w.alive]
-        prefill = [w for w in workers if w.role == "prefill"]
-        decode = [w for w in workers if w.role == "decode"]
+        prefill = [w for w in workers if w.role == Role.PREFILL]
+        decode = [w for w in workers if w.role == Role.DECODE]
         self._busy.append((now, sum(1 for w in prefill if w.running or w.waiting), len(prefill)))
         while self._busy and self._busy[0][0] < since:
             self._busy.popleft()

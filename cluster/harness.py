@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,18 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from common.net import free_port
 from router.app import make_server
 
 __all__ = ["BatonProcess", "ServedApp", "baton_serve", "free_port", "healthy", "serve_app", "wait_until"]
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, every_s: float = 0.1) -> T:

@@ -37,6 +37,7 @@ from router.routing import make_policy
 from router.tokenizer import Tokenizer
 from workers.model_files import DEFAULT_MODEL_NAME, ModelNotFoundError, is_repo_id, resolve_model_dir
 from common.protocol import WorkerReady
+from common.envs import ensure_loopback_ray
 from common.roles import Role
 
 log = logging.getLogger("baton")
@@ -99,7 +100,7 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     # Read when Ray starts its processes: a private Ray then binds to loopback only.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ensure_loopback_ray()
     if address and address != "local":
         # Joining: the cluster's nodes declare their resources; a driver passing any is refused.
         ray.init(address=address, namespace="baton", log_to_driver=True)

@@ -112,7 +112,7 @@ class PoolPlacement:
 def resolve_pool(config: BatonConfig, role: str, nodes: list[NodeOffer]) -> PoolPlacement:
     """The placement of pool `role` on a cluster made of `nodes`."""
     if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        raise ValueError(f"role must be one of {[r.value for r in ROLES]}, got {role!r}")
     p = config.placement
     gpus = p.gpus_per_worker
     if gpus is None:  # on a GPU cluster the workers run on GPUs, whatever the transport says

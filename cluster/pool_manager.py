@@ -22,7 +22,8 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import ray
 
@@ -31,8 +32,8 @@ from router.admin import PoolsView, ScaleResult
 from common.protocol import WorkerReady
 from common.roles import ROLES, Role
 
-if TYPE_CHECKING:  # for annotations only: cluster.launcher imports this module to wire it in
-    from cluster.launcher import Deployment
+from cluster.config import BatonConfig
+from router.ray_backend import RayBackend
 
 log = logging.getLogger("baton.pools")
 # After a replacement failed, wait this long before trying again (the health loop asks every interval).
@@ -55,10 +56,24 @@ class PoolTargets:
         return self.prefill if role == Role.PREFILL else self.decode
 
 
+class DeploymentState(Protocol):
+    """What the pool manager reads and keeps up to date of a running deployment
+    (cluster.launcher.Deployment is one)."""
+
+    config: BatonConfig
+    model_dir: Path
+    max_model_len: int
+    block_size: int
+    workers: list[SpawnedWorker]
+    backend: RayBackend | None
+    nodes: dict[str, str]  # worker id -> Ray node id
+    kv_links: dict[tuple[str, str], str]  # (prefill, decode) -> transport kind
+
+
 class PoolManager:
     """Scales and heals the pools of one running deployment (its backend must be built)."""
 
-    def __init__(self, deployment: Deployment, actor_name_prefix: str = "baton", ready_timeout_s: float = 300.0) -> None:
+    def __init__(self, deployment: DeploymentState, actor_name_prefix: str = "baton", ready_timeout_s: float = 300.0) -> None:
         if deployment.backend is None:
             raise ValueError("the deployment has no backend yet")
         self.deployment = deployment

@@ -45,6 +45,29 @@ REPO = Path(__file__).resolve().parents[1]
 OBJECT_STORE_BYTES = 128 << 20
 
 
+def leave_ray() -> bool:
+    """End this process's Ray driver connection if an earlier user left one (True then): a private
+    Ray this process started (`ray.init(address="local")`) ends with it, a cluster it had joined
+    keeps running. Test suites call it before they start the Ray they need, so none depends on
+    what a suite before it left running; nothing else on the machine is touched."""
+    if not ray.is_initialized():
+        return False
+    ray.shutdown()
+    return True
+
+
+@contextlib.contextmanager
+def private_ray(**init_kwargs) -> Iterator[None]:
+    """A private Ray on 127.0.0.1 (`ray.init(address="local", ...)`, no dashboard) with this
+    process as its driver for the block, after `leave_ray()`; shut down after the block."""
+    leave_ray()
+    ray.init(address="local", **{"include_dashboard": False, **init_kwargs})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 class RunningServer:
     """A deployment with its router served in a thread of this process (`serving`)."""
 

@@ -1,16 +1,18 @@
 """The boundary between the HTTP layer and the worker pools.
 
 The router talks to workers only through `ServingBackend`: `router.ray_backend.RayBackend` implements
-it over Ray actor pools, and the tests' `tests/fakes.py` in process, so the HTTP layer is testable
+it over Ray actor pools, and `router.testing.FakeBackend` in process, so the HTTP layer is testable
 without Ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import AsyncIterator, Protocol, runtime_checkable
 
 from common.roles import Role
+from router.prefix_index import PrefixIndex
 from router.trace import RequestTrace
 from common.protocol import RequestOutput
 from common.sampling_params import SamplingParams
@@ -77,6 +79,11 @@ class BackendError(RuntimeError):
 
 @runtime_checkable
 class ServingBackend(Protocol):
+    # What the router knows of each worker's prefix cache (None: the backend keeps no index).
+    prefix_index: PrefixIndex | None
+    # Healing and routing events so far (router.flow.COUNTERS), exported as metrics.
+    counters: Mapping[str, int]
+
     def workers(self) -> list[WorkerInfo]:
         """A snapshot of every worker of both pools (cheap: called per request by the routing policy)."""
         ...

@@ -4,7 +4,7 @@
 it is (`FlowState`), which moves are legal (`TRANSITIONS`, checked on every move as
 `workers.sequence` checks a sequence's), and what to do next. Each handler (`start`, `on_reserved`,
 `on_prefill_done`, `on_prefill_failed`, `on_output`, `on_worker_lost`, `on_drain`, `on_wait`,
-`on_submit_refused`, `on_deadline`, `on_client_gone`) takes what happened and the time, updates the
+`on_submit_refused`, `on_client_gone`) takes what happened and the time, updates the
 flow's data and returns the commands to carry out, in order. Two executors carry them out:
 `router.ray_backend.RayBackend` as Ray calls to real workers, `cluster.sim.simulator.Simulator` as
 events on simulated ones. Neither keeps a lifecycle of its own, so a new piece of per-request state
@@ -17,7 +17,10 @@ Healing: D lost while the request is on it -> MIGRATING (wait for a live decode 
 `migration_wait_s`) -> DECODING on the new worker from prompt + the tokens already streamed, at
 most `max_migrations` times (a drain moves without counting); P lost -> RESERVING again with
 another prefill worker, or D prefills itself. A client that goes away -> ABORTED; anything that
-cannot go on -> FAILED. Every end frees the request's blocks in both pools.
+cannot go on -> FAILED. Every end frees the request's blocks in both pools. A request's deadline
+is the HTTP layer's (router.admission): past it the stream is closed, which reaches the flow as
+`on_client_gone`; the deadlines of KV transfers are the workers' (a late transfer fails the
+prefill call: `on_prefill_failed`).
 
 Times are whatever clock the executor runs on (the router's monotonic clock, or simulated time):
 the flow only subtracts them.
@@ -376,12 +379,6 @@ class RequestFlow:
         commands: list[Command] = [Count("migrations_failed")] if self.moves else []
         return commands + self._fail(f"request {self.request_id} could not run on {worker_id}: {message}",
                                      retryable=False)
-
-    def on_deadline(self, now: float) -> list[Command]:
-        """The request's deadline passed before it finished."""
-        if self.done:
-            return []
-        return self._fail(f"request {self.request_id} did not finish within its deadline", retryable=False)
 
     def on_client_gone(self, now: float) -> list[Command]:
         """The consumer went away (a client disconnect, or the stream closed on an error)."""

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.roles import Role
 from common.stats import percentiles
+from router.backend import ServingBackend
 from router.trace import RequestTrace
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
@@ -72,7 +73,7 @@ class _WorkerCollector:
         indexed = GaugeMetricFamily("baton:prefix_index_blocks", "KV blocks the router's prefix index holds for the worker.",
                                     labels=labels)
         live = {Role.PREFILL: 0, Role.DECODE: 0}
-        index = getattr(self.owner.backend, "prefix_index", None)
+        index = self.owner.backend.prefix_index
         for w in self.owner.backend.workers():
             lv = [m, w.worker_id, w.role]
             running.add_metric(lv, w.running)
@@ -93,9 +94,7 @@ class _WorkerCollector:
         admission = self.owner.admission
         if admission is not None:
             yield from _admission_metrics(m, admission)
-        counters = getattr(self.owner.backend, "counters", None)
-        if counters is not None:
-            yield _healing_metrics(m, counters)
+        yield _healing_metrics(m, self.owner.backend.counters)
 
 
 HEALING_EVENTS = ("migrations", "migrations_failed", "prefill_retries", "prefill_fallbacks")
@@ -136,7 +135,7 @@ def _resident_bytes() -> int | None:
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str, backend: Any, admission: Any = None, recent: int = 256) -> None:
+    def __init__(self, model_name: str, backend: ServingBackend, admission: Any = None, recent: int = 256) -> None:
         self.model_name = model_name
         self.backend = backend
         self.admission = admission  # router.admission.AdmissionControl, or None
@@ -239,7 +238,7 @@ class RouterMetrics:
         now = time.time()
         window = min(STATUS_WINDOW_S, max(1.0, now - self.started))
         since = now - window
-        index = getattr(self.backend, "prefix_index", None)
+        index = self.backend.prefix_index
         pools: dict[str, list[dict]] = {Role.PREFILL: [], Role.DECODE: []}
         for w in self.backend.workers():
             q, h = w.prefix_cache_queries, w.prefix_cache_hits

@@ -54,6 +54,7 @@ class FakeBackend:
     finished: list[str] = field(default_factory=list)
     active: dict[str, RouteDecision] = field(default_factory=dict)
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
+    counters: dict[str, int] = field(default_factory=dict)
     _abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ from cluster.sim.engine import EngineSettings, EventLoop, SimWorker
 from cluster.sim.metrics import ItlSample, PoolStats, RequestRecord, SimResult
 from cluster.sim.workload import Client, SimRequest, Workload
 from common.protocol import KVReservation, PrefillResult, RequestOutput
-from common.roles import Role
+from common.roles import ROLES, Role
 from router.backend import WorkerInfo
 from router.flow import (
     COUNTERS, Abort, Command, Count, Emit, Fail, Follow, MigrationGap, Prefill, QueueTokens, RequestFlow, Reserve, StartDecode,
@@ -111,7 +111,7 @@ class Simulator:
         """A new worker, routable once ready_in_s has passed (its start-up); it costs GPUs from now."""
         wid = f"{role}-{self._next_id[role]}"
         self._next_id[role] += 1
-        cost = self.prefill_cost if role == "prefill" else self.cost
+        cost = self.prefill_cost if role == Role.PREFILL else self.cost
         w = SimWorker(self.loop, wid, role, cost, self.spec.engine)
         w.on_started = self._started
         w.alive = False
@@ -134,7 +134,7 @@ class Simulator:
         """Stop routing to the newest worker of `role` (a starting one first); it leaves once idle.
         Never drains the last decode worker. Returns its id, or None."""
         candidates = [wid for wid, st in self._state.items() if st in ("starting", "up") and self.workers[wid].role == role]
-        if len(candidates) <= (1 if role == "decode" else 0):
+        if len(candidates) <= (1 if role == Role.DECODE else 0):
             return None
         wid = max(candidates, key=lambda x: (self._state[x] == "starting", self._born[x], x))
         self._state[wid] = "draining"
@@ -158,7 +158,7 @@ class Simulator:
 
     def decode_load(self) -> tuple[int, int]:
         """(running, waiting) sequences over the decode pool, as of the last heartbeat."""
-        stats = [self._stats[wid] for wid, w in self.workers.items() if w.role == "decode" and not w.removed]
+        stats = [self._stats[wid] for wid, w in self.workers.items() if w.role == Role.DECODE and not w.removed]
         return sum(s[0] for s in stats), sum(s[1] for s in stats)
 
     def pool_size(self, role: str, include_starting: bool = True) -> int:
@@ -206,11 +206,11 @@ class Simulator:
             "t": self.loop.now, "prefill_workers": self.pool_size("prefill", False),
             "decode_workers": self.pool_size("decode", False),
             "queued_prefill_tokens": sum(self._queued.values()),
-            "prefill_busy": sum(1 for wid, w in self.workers.items() if w.role == "prefill" and not w.removed
+            "prefill_busy": sum(1 for wid, w in self.workers.items() if w.role == Role.PREFILL and not w.removed
                                 and (self._stats[wid][0] or self._stats[wid][1])),
-            "decode_waiting": sum(self._stats[wid][1] for wid, w in self.workers.items() if w.role == "decode"
+            "decode_waiting": sum(self._stats[wid][1] for wid, w in self.workers.items() if w.role == Role.DECODE
                                   and not w.removed),
-            "decode_running": sum(self._stats[wid][0] for wid, w in self.workers.items() if w.role == "decode"
+            "decode_running": sum(self._stats[wid][0] for wid, w in self.workers.items() if w.role == Role.DECODE
                                   and not w.removed),
         })
         if not self._finished():
@@ -423,7 +423,7 @@ class Simulator:
                 rec.failed = "not finished when the simulation stopped"
         end = self.loop.now
         pools = {}
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             ws = [w for w in self.workers.values() if w.role == role]
             pools[role] = PoolStats(
                 workers=self.pool_size(role, False),

@@ -5,8 +5,9 @@
   types of a `ray up` cluster, all on 127.0.0.1:
       prefill: 2 nodes, each {CPU: 1, baton_prefill: 1}, labels {baton-pool: prefill}
       decode:  2 nodes, each {CPU: 1, baton_decode: 1},  labels {baton-pool: decode}
-  This test process is the Ray driver on it while the module runs (Ray must not be initialised
-  in this process yet). `fake_cluster.node_ids("decode")` gives the Ray node ids of a node type;
+  This test process is the Ray driver on it while the module runs: a driver connection an
+  earlier suite left in this process is ended first (`cluster.testing.leave_ray`), and the
+  cluster's processes are stopped by process group after the module. `fake_cluster.node_ids("decode")` gives the Ray node ids of a node type;
   `fake_cluster.kill_node(node_id)` SIGKILLs one simulated node's processes (raylet and
   workers), as when a machine dies. The simulated nodes run with `HF_HUB_CACHE` set to an empty
   folder (`fake_cluster.node_hf_cache`), which the "model files on every node" test relies on.
@@ -18,17 +19,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import ray
 
-from cluster.testing import FakeCluster
+from cluster.testing import FakeCluster, leave_ray
 from cluster_fixtures import POOL_NODES
 
 
 @pytest.fixture(scope="module")
 def fake_cluster(tmp_path_factory):
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialised in this process (another suite's private Ray); "
-                    "run tests/cluster on its own or first")
+    leave_ray()  # whatever Ray an earlier suite left connected: this module needs its own cluster
     empty_hf_cache = tmp_path_factory.mktemp("node-hf-cache")
     cluster = FakeCluster(POOL_NODES, head_cpus=1, env={"HF_HUB_CACHE": str(empty_hf_cache), "HF_HUB_OFFLINE": "1"})
     cluster.node_hf_cache = Path(empty_hf_cache)

@@ -22,7 +22,7 @@ import asyncio
 import pytest
 import ray
 
-from cluster.testing import FakeCluster, NodeType
+from cluster.testing import FakeCluster, NodeType, leave_ray
 from tests.healing.helpers import check_results, clear_prompts, kill_when_running, run_load, wait_async
 
 from cluster_fixtures import POOL_NODES, actor_nodes, cluster_config, serving_on
@@ -33,8 +33,7 @@ DEADLINE_S = 240.0
 
 @pytest.fixture(scope="module")
 def spare_cluster():
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialised in this process; run tests/cluster on its own or first")
+    leave_ray()  # whatever Ray an earlier suite left connected: this module needs its own cluster
     prefill, decode = POOL_NODES
     with FakeCluster([prefill, NodeType(decode.name, decode.count + 1, decode.resources, decode.labels)]) as cluster:
         yield cluster

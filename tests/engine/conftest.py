@@ -6,30 +6,12 @@ import pytest
 import torch
 
 from tests.engine.helpers import hf_greedy
+from workers.evaluation import PROMPTS
 
 NEW_TOKENS = 64
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain recursion in one sentence.",
-    "List three primary colors.",
-    "What is 17 times 23?",
-    "Translate 'good morning' into Spanish.",
-    "Give me a short tip for learning to code.",
-    "Why is the sky blue?",
-    "Write a Python function that reverses a string.",
-    "Who wrote Romeo and Juliet?",
-    "Describe a cat in two sentences.",
-    "What is the boiling point of water in Fahrenheit?",
-    "Suggest a name for a friendly robot.",
-    "Summarize the plot of Cinderella briefly.",
-    "How many legs does a spider have?",
-    "What does CPU stand for?",
-    "Tell me a fun fact about octopuses.",
-    "Write one sentence encouraging someone before an exam.",
-    "What is photosynthesis?",
-]
+# The first 19 evaluation prompts and, in chat_prompts, a long document: 20 prompts, one over 1,000 tokens.
+QUESTIONS = PROMPTS[:19]
 
 
 def long_document(tokenizer, min_tokens: int = 1100) -> str:

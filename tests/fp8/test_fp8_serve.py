@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.harness import free_port
-from cluster.testing import serving
+from cluster.testing import leave_ray, serving
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from common.sampling_params import SamplingParams
@@ -49,6 +49,7 @@ def test_serve_fp8_answers_like_the_fp8_engine_and_reports_float32_agreement():
 
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="32MiB", max_num_seqs=8, quantization="fp8",
                          kv_cache_dtype="fp8", local_prefill_threshold=0)
+    leave_ray()  # a private Ray of this test's own, which the deployment shuts down after it
     with serving(config, actor_name_prefix="baton-fp8") as running:
         client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused")
         reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, temperature=0,

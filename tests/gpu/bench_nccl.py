@@ -12,7 +12,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -22,16 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+from common.net import free_port  # noqa: E402
 from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks  # noqa: E402
 
 # A transfer's payload: 64 blocks of a Llama-3-8B-like cache (32 layers, 8 kv heads, head_dim 128, block 16, bf16).
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 32, 64, 16, 8, 128
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nccl_worker(rank: int, port: int, ngpu: int, iters: int, result_q) -> None:

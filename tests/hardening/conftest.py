@@ -1,9 +1,11 @@
 """One real deployment for the hardening tests: Ray on 127.0.0.1, a prefill and a decode worker, the
 router on a free port with an API key and small body limit, and every log record captured.
 
-The router's log records (baton.*, uvicorn's error and access logs, the root logger) are kept in
-`LogCapture` for the whole session, at debug level for Baton's loggers, so tests can check that a
-key or a prompt never reaches them; Ray's log files are searched too.
+The deployment lives while tests/hardening runs (package scope; `__init__.py` makes the folder a
+package, so it is stopped before another folder's tests start their own Ray). The router's log
+records (baton.*, uvicorn's error and access logs, the root logger) are kept in `LogCapture` for
+as long, at debug level for Baton's loggers, so tests can check that a key or a prompt never
+reaches them; Ray's log files are searched too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import httpx
 import pytest
 
 from cluster.harness import free_port
-from cluster.testing import serving
+from cluster.testing import leave_ray, serving
 from tests.hardening.corpus import API_KEY, MAX_REQUEST_BODY
 
 GOOD_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -98,6 +100,7 @@ def hardened_deployment():
         baton_logger.setLevel(logging.DEBUG)
 
     try:
+        leave_ray()  # a private Ray of this deployment's own, which it shuts down after it
         with serving(config, actor_name_prefix="hardening", log_level="info", before_start=capture_logs) as running:
             yield Hardened(running.deployment, running.server, port, logs)
         # Whatever the session's tests sent, the key reached no log record.
@@ -108,7 +111,7 @@ def hardened_deployment():
         baton_logger.setLevel(old_level)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # tests/hardening is a package: stopped when its last test ends
 def hardened():
     with hardened_deployment() as running:
         yield running

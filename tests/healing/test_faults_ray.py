@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import BatonConfig
 from cluster.harness import free_port, wait_until
-from cluster.testing import serving
+from cluster.testing import leave_ray, serving
 from tests.healing.helpers import Load, check_results, kill_when_running, run_load, wait_async
 
 pytestmark = pytest.mark.slow
@@ -40,6 +40,7 @@ def deployment():
         port=free_port(), prefill_workers=2, decode_workers=2, kv_cache_memory="64MiB", max_num_seqs=32,
         local_prefill_threshold=0, routing_policy="round-robin", request_timeout=DEADLINE_S,
         admin_endpoint=True, drain_timeout=2.0, max_restarts=2)
+    leave_ray()  # a private Ray of this module's own, which the deployment shuts down after it
     with serving(config, actor_name_prefix="heal") as running:
         yield running
 

@@ -30,28 +30,26 @@ class RaySide:
         return lambda *args: ray.get(method.remote(*args), timeout=60)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_sides():
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    """Two KVWorker actors on a private Ray of this module's own (cluster.testing.private_ray:
+    whatever Ray an earlier suite left connected in this process is ended first, and this one is
+    shut down after the module)."""
     import ray
 
-    # Another suite in this session may have started Ray already: share it, leave it running.
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
-                                           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
-    worker = ray.remote(num_cpus=0)(KVWorker)
-    p, d = worker.remote(), worker.remote()
-    sides = RaySide(p), RaySide(d)
-    assert sides[0].pid() != sides[1].pid() != os.getpid()
-    yield sides
-    for side in sides:
-        side.close()
-    for actor in (p, d):
-        ray.kill(actor)
-    if owns_ray:
-        ray.shutdown()
+    from cluster.testing import private_ray
+
+    with private_ray(num_cpus=2, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}):
+        worker = ray.remote(num_cpus=0)(KVWorker)
+        p, d = worker.remote(), worker.remote()
+        sides = RaySide(p), RaySide(d)
+        assert sides[0].pid() != sides[1].pid() != os.getpid()
+        yield sides
+        for side in sides:
+            side.close()
+        for actor in (p, d):
+            ray.kill(actor)
 
 
 @pytest.fixture(params=BACKENDS)

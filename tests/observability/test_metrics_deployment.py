@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.harness import free_port, wait_until
-from cluster.testing import serving
+from cluster.testing import leave_ray, serving
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -36,6 +36,7 @@ def deployment():
 
     config = BatonConfig.from_options(port=free_port(), prefill_workers=1, decode_workers=1, kv_cache_memory="24MiB", max_num_seqs=8,
                          local_prefill_threshold=32)
+    leave_ray()  # a private Ray of this module's own, which the deployment shuts down after it
     with serving(config, actor_name_prefix="obs-test") as running:
         yield running.deployment, running.base_url
 

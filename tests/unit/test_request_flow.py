@@ -212,14 +212,6 @@ def test_a_refused_resubmit_fails_for_good():
         "request r could not run on decode-1: context too long", retryable=False)
 
 
-def test_the_deadline_ends_it_with_a_clean_error():
-    f = decoding()
-    commands = f.on_deadline(9.0)
-    assert Abort("decode-1", final=True) not in commands and Abort("decode-0", final=True) in commands
-    assert commands[-1].retryable is False and f.state is S.FAILED
-    assert f.on_deadline(10.0) == []
-
-
 def test_a_client_that_goes_away_frees_both_pools():
     f = flow_for(REMOTE, "decode-0", "prefill-0")
     f.start(0.0)

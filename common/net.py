@@ -1,0 +1,15 @@
+"""Local networking helpers every process that binds on this machine shares (stdlib only, so the
+GPU machine's scripts use it too)."""
+
+from __future__ import annotations
+
+import socket
+
+__all__ = ["free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
