@@ -43,7 +43,7 @@ test: $(STAMP) $(BROWSER_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
 
 # The edit-test loop: no default-model load, no Ray (tests marked slow or gpu are left out), about
-# about 100 s here (2 cores). `make test` runs everything.
+# 100 s here (2 cores). `make test` runs everything.
 FAST_TESTS := tests/unit tests/sim tests/routing tests/router tests/hardening/test_schemathesis_asgi.py \
   tests/observability/test_metrics.py tests/observability/test_grafana_dashboard.py \
   tests/kvtransfer/test_layout.py tests/kvtransfer/test_endpoint_torch_free.py

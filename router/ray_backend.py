@@ -31,8 +31,8 @@ from common.protocol import PrefillRequest, RequestOutput
 from common.roles import Role
 from router.backend import BackendError, GenerateRequest, WorkerInfo
 from router.flow import (
-    COUNTERS, Abort, Command, Count, Emit, Fail, FlowLimits, Follow, MigrationGap, Prefill, QueueTokens, RequestFlow,
-    Reserve, StartDecode, Submit, WaitForDecode,
+    COUNTERS, Abort, Command, Count, Emit, Fail, FlowLimits, FlowState, Follow, MigrationGap, Prefill, QueueTokens,
+    RequestFlow, Reserve, StartDecode, Submit, WaitForDecode,
 )
 from router.migration import WorkerLost
 from router.pools import PoolWorker, Stream, WorkerPools
@@ -76,7 +76,7 @@ class RayBackend:
             while not flow.done or pending:
                 if not pending:
                     # Only a decoding request waits for its stream; every other state has a command out.
-                    assert flow.state.name == "DECODING", flow.state
+                    assert flow.state is FlowState.DECODING, flow.state
                     item = await self._next_output(flow, stream)
                     if isinstance(item, WorkerLost):
                         pending.extend(flow.on_worker_lost(item.worker_id, item.failure, time.monotonic()))
@@ -169,7 +169,9 @@ class RayBackend:
     async def _prefill(self, flow: RequestFlow, request: GenerateRequest, stream: Stream,
                        command: Prefill) -> list[Command]:
         rid = flow.request_id
-        decode, prefill = self._worker(command.decode_worker), self._worker(command.worker_id)
+        decode, prefill = self._worker(command.decode_worker), self.pools.get(command.worker_id)
+        if prefill is None:  # removed from its pool since the route was chosen
+            return flow.on_prefill_failed(command.worker_id, died=True, now=time.monotonic())
         endpoint = await self._call(decode, self.pools.endpoint(decode))
         stream.prefill_worker = prefill.worker_id
         try:

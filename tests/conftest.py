@@ -9,10 +9,32 @@ import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The private Rays of the tests run without token auth, as cluster.testing.FakeCluster's cluster
+# does: a private `ray.init()` otherwise turns token mode on for the rest of this process, and a
+# FakeCluster started after it (tests/e2e, then tests/cluster) sees every actor die at start.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Triton fixes interpreter mode when it is first imported, and the engine imports it early: set it
 # for the whole session so the kernel tests can run their kernels on CPU tensors. The GPU script
 # sets TRITON_INTERPRET=0 to compile them instead.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Fixtures that start Ray or load the default model: a test that uses one is marked `slow` here, so
+# `make test-fast` (-m "not slow and not gpu") never starts Ray or loads the model. Tests that do
+# either in their own body carry the mark themselves (pytestmark or @pytest.mark.slow); those of
+# tests/kvtransfer that need Ray through a parameter are marked in its conftest.
+SLOW_FIXTURES = frozenset({
+    "fake_cluster", "spare_cluster",  # tests/cluster: a FakeCluster (`ray start` and its nodes)
+    "ray_sides",  # tests/kvtransfer: a private Ray with two actors
+    "hardened",  # tests/hardening: a deployment on a private Ray
+    "reference_engine", "hf_model", "hf_references",  # the default model in this process
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import BatonConfig
+from common.roles import Role
 from cluster.placement import (NodeOffer, PoolPlacement, SpawnedWorker, labels_match, lacking, private_ray_cpus,
                                resolve_pool, unplaced_message, worker_config)
 from workers.model_files import ModelNotFoundError, is_repo_id, resolve_model_dir
@@ -113,7 +114,7 @@ def test_what_is_lacking_is_named_with_what_the_nodes_offer():
     assert lacking(gpu, [HEAD, busy]) == "Lacking: GPU, baton_decode is all in use on the nodes that have it"
     labelled = PoolPlacement("decode", 0.0, 0.0, {}, {"pool": "decode"})
     assert lacking(labelled, [HEAD, PREFILL]) == "Lacking: no node carries the labels pool=decode"
-    waiting = [SpawnedWorker("decode-1", "decode", None, gpu, "baton-decode-1")]
+    waiting = [SpawnedWorker("decode-1", Role.DECODE, 1, None, gpu, "baton-decode-1")]
     message = unplaced_message(waiting, 30.0, [HEAD, busy])
     assert message.startswith("the decode pool cannot be placed: decode-1 still not placed by Ray after 30 s; "
                               "each needs CPU 1, GPU 1, baton_decode 1. Lacking: GPU, baton_decode is all in use")

@@ -30,6 +30,19 @@ class RaySide:
         return lambda *args: ray.get(method.remote(*args), timeout=60)
 
 
+HERE = pathlib.Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test of a cross-process backend (its `kind` or `kind_` parameter) runs on `ray_sides`,
+    which starts Ray: it is `slow` (tests/conftest.py marks those that ask for `ray_sides` itself)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if HERE in pathlib.Path(item.path).parents and CROSS_PROCESS.intersection(
+                str(params.get(name)) for name in ("kind", "kind_")):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
 def ray_sides():
     """Two KVWorker actors on a private Ray of this module's own (cluster.testing.private_ray:

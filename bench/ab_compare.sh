@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Before/after check of a change, back to back on this machine: workload 1 of bench/compare_vllm.py
+# (Baton float32, `vllm bench serve` with its defaults) and bench/engine_throughput.py (Baton at
+# concurrency 32), each run ROUNDS times for the checkout at REV and for the working tree,
+# alternating (A B A B ...), so both meet the same load from other processes.
+#   bash bench/ab_compare.sh REV [OUT_DIR]     (needs .venv-vllm: bash bench/setup_vllm_peer.sh)
+# REV is checked out in a temporary git worktree and run with this checkout's .venv (PYTHONPATH
+# first). JSON: OUT_DIR/{before,after}_{N}_{compare,engine}.json and OUT_DIR/summary.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REV=${1:?usage: bench/ab_compare.sh REV [OUT_DIR]}
+OUT=${2:-bench/results/ab_compare}
+ROUNDS=${ROUNDS:-2}
+PORT=${PORT:-18440}
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 RAY_memory_monitor_refresh_ms=0
+HERE=$(pwd)
+BEFORE=$(mktemp -d /tmp/baton_ab.XXXXXX)
+git worktree add -f -q "$BEFORE" "$REV"
+SERVER=
+cleanup() {
+  [ -n "$SERVER" ] && kill -INT -- "-$SERVER" 2>/dev/null && sleep 5 && kill -KILL -- "-$SERVER" 2>/dev/null
+  git worktree remove --force "$BEFORE" || true
+}
+trap cleanup EXIT
+mkdir -p "$OUT"
+rm -f "$OUT"/before_* "$OUT"/after_*
+
+run_side() {  # label, tree, round
+  local label=$1 tree=$2 round=$3
+  # the engine alone (no Ray, no HTTP): that tree's own benchmark script and code
+  (cd "$tree" && PYTHONPATH="$tree" "$HERE/.venv/bin/python" bench/engine_throughput.py --num-requests 32 \
+      --concurrency 32 --sequential-requests 2 --skip-hf-batched --out "$HERE/$OUT/${label}_${round}_engine.json") \
+      > "/tmp/baton_ab_${label}_engine.log" 2>&1
+  # the server, measured by vLLM's client
+  (cd "$tree" && PYTHONPATH="$tree" setsid "$HERE/.venv/bin/python" -c 'import sys; from cluster.cli import main; sys.exit(main())' \
+      serve --port "$PORT" --dtype float32 --kv-cache-memory 512MiB > "/tmp/baton_ab_${label}_server.log" 2>&1) &
+  SERVER=$!
+  for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break; sleep 1; done
+  "$HERE/.venv/bin/python" -m bench.compare_vllm --base-url "http://127.0.0.1:$PORT" --label "${label}_${round}" \
+      --workload throughput --modes default --out-dir "$OUT" >> "/tmp/baton_ab_${label}_client.log" 2>&1
+  mv "$OUT/compare_${label}_${round}.json" "$OUT/${label}_${round}_compare.json"
+  kill -INT -- "-$SERVER" 2>/dev/null || true
+  for _ in $(seq 1 30); do kill -0 -- "-$SERVER" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SERVER" 2>/dev/null || true
+  SERVER=
+}
+
+for round in $(seq 1 "$ROUNDS"); do
+  run_side before "$BEFORE" "$round"
+  run_side after "$HERE" "$round"
+done
+"$HERE/.venv/bin/python" - "$OUT" "$REV" "$(git rev-parse HEAD)" <<'EOF'
+import json, sys, pathlib
+out, rev, head = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+rows = {}
+for side in ("before", "after"):
+    compare = [json.loads(p.read_text())["runs"]["default"]["throughput"]["throughput"]["output_throughput"]
+               for p in sorted(out.glob(f"{side}_*_compare.json"))]
+    engine = []
+    for p in sorted(out.glob(f"{side}_*_engine.json")):
+        runs = json.loads(p.read_text())["results"].values()
+        engine += [r["tok_s"] for r in runs if r.get("system") == "baton" and r.get("concurrency") == 32]
+    rows[side] = {"workload1_output_tok_s": compare, "engine_c32_output_tok_s": engine}
+mean = lambda xs: sum(xs) / len(xs)
+summary = {"benchmark": "ab_compare", "before": rev, "after": f"{head} + working tree", **rows,
+           "ratio_after_over_before": {k: mean(rows["after"][k]) / mean(rows["before"][k]) for k in rows["after"]}}
+(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(json.dumps(summary, indent=2))
+EOF
