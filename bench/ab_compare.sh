@@ -32,16 +32,25 @@ run_side() {  # label, tree, round
       --concurrency 32 --sequential-requests 2 --skip-hf-batched --out "$HERE/$OUT/${label}_${round}_engine.json") \
       > "/tmp/baton_ab_${label}_engine.log" 2>&1
   # the server, measured by vLLM's client
-  (cd "$tree" && PYTHONPATH="$tree" setsid "$HERE/.venv/bin/python" -c 'import sys; from cluster.cli import main; sys.exit(main())' \
+  # exec: the background job is the server itself, leader of its own process group (setsid), so
+  # the kills below reach it and its Ray.
+  (cd "$tree" && exec env PYTHONPATH="$tree" setsid "$HERE/.venv/bin/python" \
+      -c 'import sys; from cluster.cli import main; sys.exit(main())' \
       serve --port "$PORT" --dtype float32 --kv-cache-memory 512MiB > "/tmp/baton_ab_${label}_server.log" 2>&1) &
   SERVER=$!
-  for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break; sleep 1; done
+  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && { echo "port $PORT is taken" >&2; exit 1; }
+  for _ in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+    kill -0 "$SERVER" 2>/dev/null || { echo "the $label server exited: /tmp/baton_ab_${label}_server.log" >&2; exit 1; }
+    sleep 1
+  done
   "$HERE/.venv/bin/python" -m bench.compare_vllm --base-url "http://127.0.0.1:$PORT" --label "${label}_${round}" \
       --workload throughput --modes default --out-dir "$OUT" >> "/tmp/baton_ab_${label}_client.log" 2>&1
   mv "$OUT/compare_${label}_${round}.json" "$OUT/${label}_${round}_compare.json"
   kill -INT -- "-$SERVER" 2>/dev/null || true
   for _ in $(seq 1 30); do kill -0 -- "-$SERVER" 2>/dev/null || break; sleep 1; done
   kill -KILL -- "-$SERVER" 2>/dev/null || true
+  while curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; do sleep 1; done
   SERVER=
 }
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from common.envs import ensure_loopback_ray
 from common.net import free_port
 from router.app import make_server
 
@@ -101,7 +102,8 @@ def baton_serve(flags: Sequence[str] = (), *, port: int | None = None, ready_tim
         log_path = tempfile.mkstemp(prefix="baton-serve-", suffix=".log")[1]
     log_path = Path(log_path)
     command = [str(Path(sys.executable).with_name("baton")), "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
-    full_env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **(env or {}))
+    full_env = dict(os.environ, **(env or {}))
+    ensure_loopback_ray(full_env)
     with log_path.open("w") as log:
         started = time.monotonic()
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from pathlib import Path
 
 import httpx
@@ -47,32 +46,20 @@ class LogCapture(logging.Handler):
 
 
 class Hardened:
-    """The running deployment: base URL, auth headers, worker stats, captured logs."""
+    """The running deployment (a cluster.testing.RunningServer: worker stats, waiting for idle), auth
+    headers and captured logs."""
 
-    def __init__(self, deployment, server, port: int, logs: LogCapture) -> None:
-        self.deployment = deployment
-        self.server = server
-        self.base_url = f"http://127.0.0.1:{port}"
+    def __init__(self, running, logs: LogCapture) -> None:
+        self.running = running
+        self.deployment = running.deployment
+        self.server = running.server
+        self.base_url = running.base_url
+        self.stats, self.wait_idle = running.stats, running.wait_idle
         self.logs = logs
         self.auth = {"Authorization": f"Bearer {API_KEY}"}
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, headers=self.auth, timeout=120, **kwargs)
-
-    def stats(self) -> dict:
-        import ray
-
-        return {w.worker_id: ray.get(w.handle.stats.remote(), timeout=30) for w in self.deployment.workers}
-
-    def wait_idle(self, timeout_s: float = 30.0) -> dict:
-        """Worker stats once nothing runs and no block is referenced (or the last seen at timeout)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = self.stats()
-            if all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
-                   for s in stats.values()) or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.2)
 
     def ray_log_files(self) -> list[Path]:
         import ray._private.worker as ray_worker
@@ -102,7 +89,7 @@ def hardened_deployment():
     try:
         leave_ray()  # a private Ray of this deployment's own, which it shuts down after it
         with serving(config, actor_name_prefix="hardening", log_level="info", before_start=capture_logs) as running:
-            yield Hardened(running.deployment, running.server, port, logs)
+            yield Hardened(running, logs)
         # Whatever the session's tests sent, the key reached no log record.
         assert API_KEY not in logs.text(), "the API key appeared in a log record"
     finally:

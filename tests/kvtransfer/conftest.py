@@ -9,11 +9,13 @@ import pathlib
 import pytest
 import torch
 
+from common import transports
 from kvtransfer.testing import KVWorker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-BACKENDS = ("inprocess", "shm", "gloo", "nccl")
-CROSS_PROCESS = {"shm", "gloo", "nccl"}
+# Every single backend (the pairwise transport is tested over them in test_pairwise*).
+BACKENDS = tuple(b for b in transports.BACKENDS if b != "pairwise")
+CROSS_PROCESS = set(transports.FIXED_CHOICES)
 
 
 class RaySide:
