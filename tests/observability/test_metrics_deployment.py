@@ -46,7 +46,7 @@ def test_real_metrics_index_idle_and_killed_worker(deployment):
     import ray
 
     dep, url = deployment
-    interval = dep.backend.health_interval_s
+    interval = dep.backend.pools.health_interval_s
     before = scrape(url)
     short = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": "Hi", "max_tokens": 4, "temperature": 0})
     long_prompt = "The history of the city goes back many centuries, and " * 6
