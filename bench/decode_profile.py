@@ -245,7 +245,7 @@ def baseline_kernel(source: str):
         shutil.copy(header, folder)
     shutil.copy(source, folder / "baseline.cpp")
     target = folder / "baseline.so"
-    cpu_native._compile(cpu_native._compiler(), folder / "baseline.cpp", target)
+    cpu_native._compile(cpu_native.compiler(), folder / "baseline.cpp", target)
     fn = getattr(ctypes.CDLL(str(target)), "baton_paged_prefill_attention")
     fn.argtypes = list(prefill_attention._NATIVE_ARGS)
     fn.restype = ctypes.c_int

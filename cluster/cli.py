@@ -1,4 +1,4 @@
-"""The `baton` command line: `serve`, `scale`, `plan`, `config schema` and `config show`.
+"""The `baton` command line: `serve`, `scale`, `plan`, `env`, `config schema` and `config show`.
 
 The flags of `serve` and `config show` come from the configuration tree (cluster.config).
 `scale` talks to a running server's admin endpoint (router.admin; `baton serve --admin-endpoint`).
@@ -18,9 +18,11 @@ import yaml
 
 from common import envs
 from cluster.config import BatonConfig, add_flags, json_schema
+from cluster.env_report import collect, format_text
 from cluster.launcher import serve
 from cluster.plan_cli import add_plan_parser, run_plan
 from router.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER, API_KEY_ENV
+from workers.config import KERNEL_BACKENDS
 
 CONFIG_HELP = "YAML file nested as `baton config show` prints it (flags win over it)"
 
@@ -52,7 +54,23 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--timeout", type=float, default=900.0,
                        help="seconds to wait for the pools to reach their size (default: 900)")
     add_plan_parser(sub)
+    env = sub.add_parser("env", help="print this machine's environment for bug reports (as `vllm collect-env`)",
+                         description="Versions (Python, torch, triton, CUDA, driver), GPUs with their compute "
+                                     "capability and memory, NCCL, which implementation each kernel op runs here "
+                                     "and why, FP8 support, and with --address the Ray cluster's nodes and custom "
+                                     "resources. Loads no model and never starts Ray.")
+    env.add_argument("--json", action="store_true", help="machine-readable JSON instead of text")
+    env.add_argument("--address", default=None,
+                     help="a running Ray cluster to describe (auto or HOST:PORT; default: none is queried)")
+    env.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
+                     help="the kernel_backend whose op resolution to show (default: auto)")
     return parser
+
+
+def _env(args: argparse.Namespace) -> int:
+    report = collect(address=args.address, kernel_backend=args.kernel_backend)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_text(report), end="\n" if args.json else "")
+    return 0
 
 
 def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
@@ -121,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return _scale(args)
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "env":
+        return _env(args)
     name = "baton " + args.command + (f" {args.config_command}" if args.command == "config" else "")
     if args.command == "config" and args.config_command == "schema":
         print(json.dumps(json_schema(), indent=2))

@@ -12,6 +12,7 @@ import torch
 from kernels import cpu_native
 from kernels._checks import KV_DTYPES, check_same_device, check_tensor, require
 from kernels._triton_compat import HAS_TRITON, cdiv, lazy_jit, tl
+from kernels.plan import DeviceSpec, block_copy_plan
 
 
 def _check(kv_cache, block_ids) -> None:
@@ -91,11 +92,10 @@ def _launch(cache, packed, block_ids, scatter: bool) -> None:
     if cache_w.dtype != packed_w.dtype:
         cache_w, packed_w = _bytes(cache), _bytes(packed)
     block_elems = bs * hk * cache_w.shape[-1]
-    block = 1024
+    plan = block_copy_plan(DeviceSpec.of(cache.device), scatter=scatter)
     src, dst = (packed_w, cache_w) if scatter else (cache_w, packed_w)
-    _block_copy_kernel[(L * two * n, cdiv(block_elems, block))](
-        src, dst, block_ids.contiguous(), n, n_blocks, block_elems,
-        SCATTER=scatter, BLOCK=block, num_warps=4,
+    _block_copy_kernel[(L * two * n, cdiv(block_elems, plan.meta["BLOCK"]))](
+        src, dst, block_ids.contiguous(), n, n_blocks, block_elems, **plan.launch_kwargs(),
     )
 
 
@@ -166,6 +166,11 @@ _COPY_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.PTR, cp
 
 def _copy_fn():
     return cpu_native.function("kv_block_copy", "baton_copy_kv_blocks", _COPY_ARGS)
+
+
+def native_built() -> bool:
+    """Whether the native cache-to-cache copy (kernels/csrc/kv_block_copy.cpp) is built and loads."""
+    return _copy_fn() is not None
 
 
 def copy_native_available(dst, src) -> bool:

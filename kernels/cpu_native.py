@@ -59,7 +59,7 @@ def _compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     return shutil.which(envs.cxx()) or shutil.which("g++") or shutil.which("clang++")
 
 
@@ -67,17 +67,17 @@ def build(name: str, directory: Path | None = None) -> ctypes.CDLL | None:
     """Compile kernels/csrc/{name}.cpp into `directory` (default cache_dir()), or find it there
     already built, and load it; None, with a warning, when that fails. Not memoised: see load()."""
     source = SOURCE_DIR / f"{name}.cpp"
-    compiler = _compiler()
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         log.warning("no C++ compiler found: the %s CPU kernel falls back to PyTorch", name)
         return None
     try:
-        version = _compiler_version(compiler)
+        version = _compiler_version(compiler_path)
         headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
         parts = [source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity()]
         target = (directory or cache_dir()) / f"{name}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
         if not target.exists():
-            _compile(compiler, source, target)
+            _compile(compiler_path, source, target)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:  # unwritable cache, failed build, unloadable library
         log.warning("the %s CPU kernel is unavailable (%s); falling back to PyTorch", name, exc)

@@ -12,14 +12,13 @@ every sequence's K/V into a padded copy first, which costs more than the attenti
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kernels import cpu_native
 from kernels._attn_common import check_attention, gather_kv, native_cache_args, native_int32
 from kernels._checks import check_last_dim_contiguous, is_fp8, require
-from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
+from kernels._triton_compat import cdiv, lazy_jit, tl
+from kernels.plan import DeviceSpec, decode_attention_plan
 from kernels.decode_attention_reduce import merge_splits_triton
 
 
@@ -192,18 +191,6 @@ def _decode_split_kernel(
         tl.store(mid_lse_ptr + row, lse, mask=gmask)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def _num_splits(batch: int, kv_heads: int, max_ctx: int, block_n: int, device: torch.device) -> int:
-    sms = _sm_count(device)
-    # Enough programs to fill the GPU twice over, but no split shorter than 256 tokens.
-    want = cdiv(2 * sms, max(batch * kv_heads, 1))
-    return max(1, min(want, cdiv(max_ctx, 256), 64))
-
-
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                                   k_scale: float = 1.0, v_scale: float = 1.0, *, num_splits: int | None = None):
     """Triton paged decode attention. `num_splits` overrides the split-K heuristic (tests use it)."""
@@ -216,35 +203,26 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     if B == 0:
         return out
     _, bs, hk, _ = k_cache.shape
-    group = hq // hk
-    block_n = 64
     if not is_fp8(k_cache.dtype):
         k_scale = v_scale = 1.0  # scales only describe FP8 storage, as in the reference
     # Bound the context by the block table width, so choosing the grid needs no device sync.
     max_ctx = block_tables.shape[1] * bs
-    if num_splits is None:
-        num_splits = _num_splits(B, hk, max_ctx, block_n, q.device)
-    if not (isinstance(num_splits, int) and num_splits >= 1):
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    split_len = cdiv(cdiv(max_ctx, num_splits), block_n) * block_n
-    num_splits = cdiv(max_ctx, split_len)
+    # Tiles, split-K and dot precision: kernels/plan.py (the compile check compiles the same choices).
+    plan = decode_attention_plan(DeviceSpec.of(q.device), batch=B, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
+                                 block_size=bs, max_ctx=max_ctx, dtype=q.dtype, kv_dtype=k_cache.dtype,
+                                 num_splits=num_splits)
+    num_splits, split_len = plan.num_splits, plan.split_len
     if num_splits > 1:
         mid_o = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out
-    # float32 dots run in IEEE precision, not TF32. The interpreter multiplies bfloat16 dot operands
-    # as raw bits, so under it bfloat16 is widened to float32 too.
-    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
     _decode_split_kernel[(B, hk, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse,
         scale * k_scale * _LOG2E, v_scale, split_len, max_ctx,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        G=group, HK=hk, D=d, BS=bs, NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)), DOT_F32=dot_f32,
-        PRECISION="ieee" if dot_f32 else "tf32",
-        num_warps=4, num_stages=2,
+        **plan.split.launch_kwargs(),
     )
     if num_splits > 1:
-        merge_splits_triton(mid_o, mid_lse, out)
+        merge_splits_triton(mid_o, mid_lse, out, plan=plan.merge)
     return out

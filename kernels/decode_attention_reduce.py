@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kernels._checks import check_tensor, require
-from kernels._triton_compat import lazy_jit, next_pow2, tl
+from kernels._triton_compat import lazy_jit, tl
+from kernels.plan import DeviceSpec, merge_splits_plan
 
 
 def _check(mid_o, mid_lse):
@@ -38,13 +39,13 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, H,
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def merge_splits_triton(mid_o, mid_lse, out):
+def merge_splits_triton(mid_o, mid_lse, out, *, plan=None):
     _check(mid_o, mid_lse)
     require(mid_o.is_contiguous() and mid_lse.is_contiguous(), "mid_o and mid_lse must be contiguous")
     B, H, S, D = mid_o.shape
     require(tuple(out.shape) == (B, H, D) and out.stride(2) == 1, f"out must be [{B}, {H}, {D}] with unit last stride")
     if B == 0 or H == 0:
         return out
-    _merge_kernel[(B, H)](mid_o, mid_lse, out, out.stride(0), out.stride(1), H,
-                          S=S, D=D, BLOCK_S=max(2, next_pow2(S)), BLOCK_D=next_pow2(D), num_warps=4)
+    plan = plan or merge_splits_plan(DeviceSpec.of(out.device), num_splits=S, head_dim=D)
+    _merge_kernel[(B, H)](mid_o, mid_lse, out, out.stride(0), out.stride(1), H, **plan.launch_kwargs())
     return out

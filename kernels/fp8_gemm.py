@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_same_device, check_tensor, require
-from kernels._triton_compat import cdiv, lazy_jit, next_pow2, tl
+from kernels._triton_compat import cdiv, lazy_jit, tl
+from kernels.plan import DeviceSpec, fp8_gemm_plan
 
 
 def _check(a, b, scale_a, scale_b, out_dtype, bias):
@@ -86,17 +87,6 @@ def _fp8_gemm_kernel(
              mask=mmask[:, None] & nmask[None, :])
 
 
-def _config(M: int, N: int, K: int, device: torch.device) -> dict:
-    if device.type != "cuda":
-        # Interpreter: small tiles keep numpy fast; 16 is tl.dot's minimum.
-        return dict(BLOCK_M=max(16, min(next_pow2(M), 32)), BLOCK_N=max(16, min(next_pow2(N), 32)),
-                    BLOCK_K=max(16, min(next_pow2(K), 64)), GROUP_M=4, num_warps=4, num_stages=1)
-    # BLOCK_M stays >= 64 so Hopper's warp-group MMA applies even to decode-sized M.
-    if M <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
-
-
 def fp8_gemm_triton(a, b, scale_a, scale_b, out_dtype, bias=None, *, config: dict | None = None):
     """Triton W8A8 GEMM. `config` overrides the tile heuristic (benchmarks use it)."""
     M, N, K = _check(a, b, scale_a, scale_b, out_dtype, bias)
@@ -106,15 +96,13 @@ def fp8_gemm_triton(a, b, scale_a, scale_b, out_dtype, bias=None, *, config: dic
         return out
     if K == 0:
         return out.zero_() if bias is None else out.copy_(bias.to(out_dtype).expand(M, N))
-    cfg = dict(config or _config(M, N, K, a.device))
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     sa = scale_a.contiguous()
     sb = scale_b.contiguous()
     bias_arg = bias.contiguous() if bias is not None else sa
-    _fp8_gemm_kernel[grid](
-        a, b, sa, sb, bias_arg, out, M, N, K, a.stride(0), b.stride(0), out.stride(0),
-        SA_PER_ROW=sa.numel() > 1,
-        SB_PER_COL=sb.numel() > 1,
-        HAS_BIAS=bias is not None, **cfg,
-    )
+    # Tiles, warps and stages: kernels/plan.py (the compile check compiles the same choices).
+    cfg = fp8_gemm_plan(DeviceSpec.of(a.device), M=M, N=N, K=K, has_bias=bias is not None,
+                        sa_per_row=sa.numel() > 1, sb_per_col=sb.numel() > 1).launch_kwargs()
+    cfg.update(config or {})
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](a, b, sa, sb, bias_arg, out, M, N, K, a.stride(0), b.stride(0), out.stride(0), **cfg)
     return out

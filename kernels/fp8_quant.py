@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, FP8_MAX, check_last_dim_contiguous, check_tensor, require
-from kernels._triton_compat import lazy_jit, next_pow2, tl
+from kernels._triton_compat import lazy_jit, tl
+from kernels.plan import DeviceSpec, fp8_quant_plan
 
 # An all-zero row would otherwise get scale 0 and divide by it.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
@@ -90,8 +91,8 @@ def scaled_fp8_quant_triton(x, scale=None, per_token: bool = False):
     if T > 0 and N > 0:
         _fp8_quant_kernel[(T,)](
             x, out, scale, N, x.stride(0), out.stride(0),
-            DYNAMIC_ROW=dynamic_row, SCALE_PER_ROW=scale.dim() == 2,
-            MIN_S=MIN_SCALE, BLOCK=min(next_pow2(N), 1024), num_warps=4,
+            **fp8_quant_plan(DeviceSpec.of(x.device), N=N, dynamic_row=dynamic_row, scale_per_row=scale.dim() == 2,
+                             min_scale=MIN_SCALE).launch_kwargs(),
         )
     elif dynamic_row:
         scale.fill_(MIN_SCALE)

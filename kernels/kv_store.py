@@ -7,7 +7,8 @@ import torch
 from kernels import cpu_native
 from kernels._checks import (FLOAT_DTYPES, FP8_MAX, check_kv_cache, check_last_dim_contiguous, check_same_device,
                              check_scale, check_tensor, is_fp8, require)
-from kernels._triton_compat import lazy_jit, next_pow2, tl
+from kernels._triton_compat import lazy_jit, tl
+from kernels.plan import DeviceSpec, store_kv_plan
 
 
 def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
@@ -134,9 +135,10 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale: float =
     T, H, D = key.shape
     if T == 0:
         return
-    block_h = min(next_pow2(H), 8)
+    plan = store_kv_plan(DeviceSpec.of(key.device), num_heads=H, head_dim=D, kv_dtype=k_cache.dtype)
+    block_h = plan.meta["BLOCK_H"]
     _store_kv_kernel[(T, (H + block_h - 1) // block_h)](
         key, value, k_cache, v_cache, slot_mapping, H, D,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_scale, v_scale,
-        QUANT=is_fp8(k_cache.dtype), BLOCK_H=block_h, BLOCK_D=next_pow2(D), num_warps=4,
+        **plan.launch_kwargs(),
     )

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from kernels import cpu_native
 from kernels._attn_common import check_attention, gather_kv, native_cache_args, native_int32
 from kernels._checks import check_last_dim_contiguous, check_tensor, is_fp8, require
-from kernels._triton_compat import cdiv, interpreting, lazy_jit, next_pow2, tl
+from kernels._triton_compat import cdiv, lazy_jit, tl
+from kernels.plan import DeviceSpec, prefill_attention_plan
 
 
 def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale):
@@ -206,17 +207,13 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
         k_scale = v_scale = 1.0  # scales only describe FP8 storage, as in the reference
     # One host sync to size the grid; prefill is compute-bound, so it is cheap here.
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    block_m = 16 if max_q <= 16 else 32 if max_q <= 64 else 64
-    num_warps = 4
-    if q.is_cuda and max_q >= 128:
-        block_m, num_warps = 128, 8  # long prompts: bigger tiles amortise each K/V tile over more queries
-    block_n = 64
-    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
-    _prefill_kernel[(cdiv(max_q, block_m), hq, B)](
+    # Tiles and dot precision: kernels/plan.py (the compile check compiles the same choices).
+    plan = prefill_attention_plan(DeviceSpec.of(q.device), max_q=max_q, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
+                                  block_size=bs, dtype=q.dtype, kv_dtype=k_cache.dtype)
+    _prefill_kernel[(cdiv(max_q, plan.meta["BLOCK_M"]), hq, B)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         scale * k_scale * _LOG2E, v_scale, block_tables.shape[1] * bs,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        G=hq // hk, HK=hk, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", num_warps=num_warps, num_stages=2,
+        **plan.launch_kwargs(),
     )
     return out

@@ -6,7 +6,8 @@ import torch
 
 from kernels import cpu_native
 from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor, require
-from kernels._triton_compat import lazy_jit, next_pow2, tl
+from kernels._triton_compat import lazy_jit, tl
+from kernels.plan import DeviceSpec, rms_norm_plan
 
 
 def _check(x, weight, eps, residual) -> None:
@@ -118,9 +119,9 @@ def rms_norm_triton(x, weight, eps: float, residual=None):
     if T > 0:
         r = residual if residual is not None else x
         ss = s if s is not None else out
-        block = next_pow2(H)
+        plan = rms_norm_plan(DeviceSpec.of(x.device), hidden=H, has_residual=residual is not None)
         _rms_norm_kernel[(T,)](
             x, r, weight, out, ss, H, x.stride(0), r.stride(0), out.stride(0), ss.stride(0), float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+            **plan.launch_kwargs(),
         )
     return out if residual is None else (out, s)

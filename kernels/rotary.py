@@ -8,7 +8,8 @@ import torch
 
 from kernels import cpu_native
 from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor, require
-from kernels._triton_compat import cdiv, lazy_jit, next_pow2, tl
+from kernels._triton_compat import cdiv, lazy_jit, tl
+from kernels.plan import DeviceSpec, rotary_plan
 
 
 def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -153,13 +154,12 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache) -> None:
     T, _, D = q.shape
     if T == 0:
         return
-    half = D // 2
     for x in (q, k):
         H = x.shape[1]
         if H == 0:
             continue
-        block_h = min(next_pow2(H), 16)
-        _rotary_kernel[(T, cdiv(H, block_h))](
+        plan = rotary_plan(DeviceSpec.of(x.device), num_heads=H, head_dim=D)
+        _rotary_kernel[(T, cdiv(H, plan.meta["BLOCK_H"]))](
             positions, x, cos_sin_cache, H, x.stride(0), x.stride(1), cos_sin_cache.stride(0),
-            HALF=half, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half), num_warps=4,
+            **plan.launch_kwargs(),
         )

@@ -7,6 +7,7 @@ import torch
 from kernels import cpu_native
 from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
 from kernels._triton_compat import cdiv, lazy_jit, tl
+from kernels.plan import DeviceSpec, silu_mul_plan
 
 
 def _check(x) -> int:
@@ -73,7 +74,8 @@ def silu_and_mul_triton(x):
     T = x.shape[0]
     out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
     if T > 0 and inter > 0:
-        block = 1024
-        _silu_mul_kernel[(T, cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        plan = silu_mul_plan(DeviceSpec.of(x.device))
+        _silu_mul_kernel[(T, cdiv(inter, plan.meta["BLOCK"]))](x, out, inter, x.stride(0), out.stride(0),
+                                                               **plan.launch_kwargs())
     return out
 

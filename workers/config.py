@@ -13,6 +13,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 QUANTIZATIONS = (None, "fp8")
 KERNEL_BACKENDS = ("auto", "triton", "native", "reference")
+CPU_KV_CACHE_MEMORY = 1 << 30  # kv_cache_memory's default on the CPU
 
 
 @dataclass
@@ -20,8 +21,12 @@ class EngineConfig:
     """Knobs named as in vLLM where the same knob exists."""
 
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
-    kv_cache_memory: int = field(default=1 << 30, metadata={
-        "help": "KV cache per worker, in bytes or with a unit such as 512MiB or 2GB", "size": True})
+    kv_cache_memory: int | None = field(default=None, metadata={
+        "help": "KV cache per worker, in bytes or with a unit such as 512MiB or 2GB (default: 1GiB on the CPU; "
+                "on a GPU, what --gpu-memory-utilization leaves)", "size": True, "example": "16GiB"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "on a GPU without --kv-cache-memory: the fraction of the device's memory the worker uses; the KV "
+                "cache gets it less the weights and the profiled activation peak (vLLM's flag)", "example": 0.8})
     num_kv_blocks: int | None = field(default=None, metadata={"internal": True})  # wins over kv_cache_memory
     max_num_seqs: int = field(default=64, metadata={"help": "sequences in one worker's batch at most"})
     # Serving wants prompts to finish one at a time so decoding starts sooner; offline benchmarks
@@ -42,6 +47,9 @@ class EngineConfig:
         "help": "auto: Triton on CUDA, native C++ kernels on the CPU (PyTorch reference where an op has none or no "
                 "compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1", "choices": KERNEL_BACKENDS})
     packed_linear: bool = field(default=True, metadata={"help": "CPU linear layers on oneDNN-prepacked weights"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "run every step eagerly: no CUDA graphs for decode steps on a GPU (vLLM's flag; "
+                "the CPU always runs eagerly)"})
     device: str = field(default="cpu", metadata={"internal": True})
     num_threads: int | None = field(default=None, metadata={"internal": True})
     # A step that prefills a prompt of at least long_prompt_tokens runs on long_prompt_threads
@@ -58,12 +66,15 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive(name)
         positive("long_prompt_tokens")
-        for name in ("num_kv_blocks", "max_model_len", "num_threads", "long_prompt_threads"):
+        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads", "long_prompt_threads"):
             if getattr(self, name) is not None:
                 positive(name)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name, allowed in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES), ("quantization", QUANTIZATIONS),
@@ -72,6 +83,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.packed_linear, bool):
             raise ValueError("enable_prefix_caching and packed_linear must be true or false")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.kv_scales is not None:
             scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
             if not all(k > 0 and v > 0 and k < float("inf") and v < float("inf") for k, v in scales):

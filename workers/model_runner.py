@@ -10,6 +10,8 @@ transfer move a sequence's blocks in one gather.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -19,13 +21,18 @@ from kernels.ops import kernel_ops
 from kernels.rotary import build_rope_cache
 from workers import packed_linear
 from workers import quantization as q8
-from workers.config import EngineConfig
+from workers.config import CPU_KV_CACHE_MEMORY, EngineConfig
+from kernels.plan import DeviceSpec
+from workers.device import GIB, check_fp8_config, gpu_kv_cache_blocks, gpu_total_memory
+from workers.cuda_graphs import DecodeGraphs, GraphBuckets, cuda_graph_factory, decode_graphs_wanted, graph_batch_sizes
 from workers.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from workers.model_config import ModelConfig
 from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
 from workers.sequence import ScheduledChunk
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+log = logging.getLogger(__name__)
 
 
 class SafetensorsCheckpoint:
@@ -62,8 +69,11 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
     """
     device = torch.device(engine_config.device)
     dtype = TORCH_DTYPES[engine_config.dtype]
-    ops = kernel_ops(engine_config.kernel_backend, device)
     checkpoint_quant = q8.parse_quantization_config(getattr(weights, "quantization_config", None))
+    # Before any kernel runs: FP8 on a GPU without native FP8 fails to compile at its first launch.
+    check_fp8_config(DeviceSpec.of(device), engine_config.quantization, engine_config.kv_cache_dtype,
+                     fp8_checkpoint=checkpoint_quant is not None)
+    ops = kernel_ops(engine_config.kernel_backend, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(model_config, ops)
     if checkpoint_quant is not None:
@@ -106,13 +116,91 @@ def kv_cache_torch_dtype(engine_config: EngineConfig) -> torch.dtype:
 
 
 def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int:
-    """Blocks the KV cache gets: num_kv_blocks if set, else as many as kv_cache_memory holds."""
-    num_blocks = engine_config.num_kv_blocks or engine_config.kv_cache_memory // kv_block_bytes(
+    """Blocks the KV cache gets without profiling: num_kv_blocks if set, else as many as
+    kv_cache_memory holds (unset: CPU_KV_CACHE_MEMORY, the CPU's default). A GPU worker without
+    either sizes its cache with kv_cache_num_blocks instead."""
+    memory = engine_config.kv_cache_memory or CPU_KV_CACHE_MEMORY
+    num_blocks = engine_config.num_kv_blocks or memory // kv_block_bytes(
         model_config, engine_config.block_size, kv_cache_torch_dtype(engine_config)
     )
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {engine_config.kv_cache_memory} bytes holds no KV block")
+        raise ValueError(f"kv_cache_memory {memory} bytes holds no KV block")
     return num_blocks
+
+
+def sizes_kv_cache_from_gpu_memory(engine_config: EngineConfig) -> bool:
+    """Whether the KV cache takes what --gpu-memory-utilization leaves (a CUDA device, and
+    neither num_kv_blocks nor kv_cache_memory given)."""
+    return (torch.device(engine_config.device).type == "cuda" and engine_config.num_kv_blocks is None
+            and engine_config.kv_cache_memory is None)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (weights, scales, the rope table)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    extra = [t for t in vars(model).values() if isinstance(t, torch.Tensor)]  # e.g. cos_sin_cache
+    tensors.update({id(t): t for t in extra})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@torch.inference_mode()
+def profile_activation_peak(model: LlamaForCausalLM, engine_config: EngineConfig, max_model_len: int) -> int:
+    """Peak CUDA memory, in bytes, of the largest step the engine runs: a prefill chunk of
+    max_num_batched_tokens tokens, then logits for max_num_seqs rows (vLLM's profile run)."""
+    cfg, device, bs = model.config, model.embed_tokens.weight.device, engine_config.block_size
+    n = max(1, min(engine_config.max_num_batched_tokens, max_model_len))
+    num_blocks = -(-n // bs)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    cache = torch.zeros((cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim),
+                        dtype=kv_cache_torch_dtype(engine_config), device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64, device=device), num_decode_tokens=0,
+        decode_block_tables=torch.zeros((0, 0), **i32), decode_context_lens=torch.zeros((0,), **i32),
+        prefill_block_tables=torch.arange(num_blocks, **i32).reshape(1, num_blocks),
+        prefill_query_start_loc=torch.tensor([0, n], **i32), prefill_context_lens=torch.tensor([n], **i32),
+    )
+    views = [KVCacheView(cache[l, 0], cache[l, 1]) for l in range(cfg.num_layers)]
+    hidden = model(torch.zeros(n, dtype=torch.int64, device=device), torch.arange(n, device=device), meta, views)
+    rows = min(n, engine_config.max_num_seqs)
+    logits = model.compute_logits(hidden[-rows:])
+    torch.log_softmax(logits, dim=-1)  # the sampler's and logprobs' working copy
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del hidden, logits, cache, views
+    torch.cuda.empty_cache()
+    return max(0, peak)
+
+
+def kv_cache_num_blocks(model: LlamaForCausalLM, model_config: ModelConfig, engine_config: EngineConfig,
+                        max_model_len: int | None = None) -> int:
+    """Blocks the KV cache gets, once the model is loaded: on a GPU without --kv-cache-memory,
+    --gpu-memory-utilization of the device less the weights and the profiled activation peak
+    (workers.device.gpu_kv_cache_blocks); else num_kv_blocks(). Logs the result."""
+    block_bytes = kv_block_bytes(model_config, engine_config.block_size, kv_cache_torch_dtype(engine_config))
+    if not sizes_kv_cache_from_gpu_memory(engine_config):
+        blocks = num_kv_blocks(model_config, engine_config)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)", blocks, engine_config.block_size,
+                 blocks * engine_config.block_size, blocks * block_bytes / GIB)
+        return blocks
+    name = DeviceSpec.of(engine_config.device).name
+    total = gpu_total_memory(engine_config.device)
+    weights = model_bytes(model)
+    activations = profile_activation_peak(model, engine_config, max_model_len or model_config.max_position_embeddings)
+    blocks = gpu_kv_cache_blocks(total, engine_config.gpu_memory_utilization, weights, activations, block_bytes)
+    free, _ = torch.cuda.mem_get_info(torch.device(engine_config.device))
+    if blocks * block_bytes > free:
+        log.warning("the KV cache wants %.2f GiB but %s has %.2f GiB free (another process holds memory?): "
+                    "lower --gpu-memory-utilization or give --kv-cache-memory", blocks * block_bytes / GIB,
+                    name, free / GIB)
+    log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB): --gpu-memory-utilization %s of %s's "
+             "%.2f GiB, less %.2f GiB of weights and a %.2f GiB activation peak", blocks, engine_config.block_size,
+             blocks * engine_config.block_size, blocks * block_bytes / GIB, engine_config.gpu_memory_utilization,
+             name, total / GIB, weights / GIB, activations / GIB)
+    return blocks
 
 
 class ModelRunner:
@@ -141,7 +229,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_torch_dtype(engine_config)
         if kv_cache is None:
             kv_cache = torch.zeros(
-                (model_config.num_layers, 2, num_kv_blocks(model_config, engine_config), self.block_size,
+                (model_config.num_layers, 2, kv_cache_num_blocks(self.model, model_config, engine_config,
+                                                                 self.max_model_len), self.block_size,
                  model_config.num_kv_heads, model_config.head_dim),
                 dtype=self.kv_dtype, device=self.device,
             )
@@ -150,6 +239,45 @@ class ModelRunner:
         self.kv_scales = kv_cache_scales(self.model, engine_config, weights)
         self.k_scales = [k for k, _ in self.kv_scales]
         self.v_scales = [v for _, v in self.kv_scales]
+        # Decode steps replay CUDA graphs (workers/cuda_graphs.py), captured now that the KV cache
+        # and its scales exist; None (the CPU, --enforce-eager) runs every step eagerly. The graphs
+        # hold the cache's address: it is written in place (KV handoff included), never replaced.
+        self.decode_graphs: DecodeGraphs | None = None
+        if decode_graphs_wanted(engine_config.enforce_eager, self.device, self.ops.backend):
+            self.capture_decode_graphs(cuda_graph_factory())
+
+    def capture_decode_graphs(self, new_graph, batch_sizes=None) -> DecodeGraphs:
+        """Capture the decode forward once per batch-size bucket (default: graph_batch_sizes of
+        max_num_seqs) with graphs from new_graph(); later decode-only steps that fit replay them.
+        The CPU tests call it with a stand-in graph."""
+        started = time.perf_counter()
+        buckets = GraphBuckets(batch_sizes or graph_batch_sizes(self.config.max_num_seqs))
+        # No row is wider than the longest sequence the cache can hold.
+        max_len = min(self.max_model_len, self.num_blocks * self.block_size)
+        graphs = DecodeGraphs(buckets, self._decode_forward, max_blocks_per_seq=-(-max_len // self.block_size),
+                              hidden_size=self.model_config.hidden_size, dtype=self.dtype, device=self.device,
+                              new_graph=new_graph)
+        memory = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        with torch.inference_mode():
+            graphs.capture()
+        memory = (torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0) - memory
+        log.info("decode graphs captured for batch sizes %s in %.1f s (%.0f MiB)", ",".join(map(str, buckets)),
+                 time.perf_counter() - started, memory / (1 << 20))
+        self.decode_graphs = graphs
+        return graphs
+
+    def _decode_forward(self, input_ids, positions, slot_mapping, block_tables, context_lens) -> torch.Tensor:
+        """The forward pass of a decode-only batch (one token per sequence) on the given tensors:
+        the function DecodeGraphs captures."""
+        device = input_ids.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, num_decode_tokens=input_ids.shape[0],
+            decode_block_tables=block_tables, decode_context_lens=context_lens,
+            prefill_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=device),
+            prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+            prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
+        )
+        return self.model(input_ids, positions, meta, self.kv_views())
 
     def kv_views(self) -> list[KVCacheView]:
         return [
@@ -214,6 +342,11 @@ class ModelRunner:
                 query_start.append(query_start[-1] + n)
             if sample:
                 logits_index.append(len(input_ids) - 1)
+
+        graphs = self.decode_graphs
+        if graphs is not None and num_decode == len(input_ids) and graphs.fits(decode_rows):
+            # Decode only: replay the bucket's graph; the rows past num_decode are padding, not returned.
+            return graphs.run(input_ids, positions, slots, decode_rows, decode_lens), logits_index
 
         device = self.device
         meta = AttentionMetadata(

@@ -30,7 +30,8 @@ from workers.config import EngineConfig
 from workers.engine import LLMEngine, load_tokenizer_decode
 from workers.model_config import ModelConfig
 from workers.model_files import ModelNotFoundError, resolve_model_dir
-from workers.model_runner import iter_safetensors, kv_cache_scales, kv_cache_torch_dtype, load_model, num_kv_blocks
+from workers.model_runner import (iter_safetensors, kv_cache_num_blocks, kv_cache_scales, kv_cache_torch_dtype,
+                                  load_model)
 from common.protocol import (
     KVEndpoint, KVEvent, KVEventBatch, KVLayout, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
     WorkerHeartbeat, WorkerReady, WorkerStats,
@@ -453,11 +454,13 @@ def _build_engine_and_transport(config: WorkerConfig, transport=None):
         raise ModelNotFoundError(f"worker {config.worker_id} on node {config.node_id} ({config.host}): {exc}") from None
     model_config = ModelConfig.from_model_dir(model_dir)
     kv_dtype = kv_cache_torch_dtype(ec)
-    num_blocks = num_kv_blocks(model_config, ec)
     # The model comes first: FP8 KV scales are calibrated on it, and they belong to the layout
     # the transport checks when a prefill worker connects (deterministic, so equal configs pair).
+    # load_model refuses FP8 on a GPU without native FP8 before any kernel runs.
     weights = iter_safetensors(model_dir)
     model = load_model(model_config, ec, weights, ec.max_model_len)
+    # On a GPU without --kv-cache-memory: --gpu-memory-utilization less the weights and the profiled activation peak.
+    num_blocks = kv_cache_num_blocks(model, model_config, ec, ec.max_model_len)
     kv_scales = kv_cache_scales(model, ec, weights)
     ec = replace(ec, kv_scales=kv_scales) if ec.kv_cache_dtype == "fp8" else ec
     layout = KVLayout(

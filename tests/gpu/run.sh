@@ -3,9 +3,10 @@
 #   1. the kernel tests compiled on CUDA (their kernel_ops("triton", "cuda"), no interpreter),
 #   2. a kernel benchmark (decode bandwidth, prefill TFLOP/s, FP8 GEMM vs torch._scaled_mm and bf16),
 #   3. an NCCL send/recv of a packed KV buffer between two processes,
-#   4. tests/gpu/test_*.py: GPU tests, and the hook where the end-to-end model check goes.
+#   4. tests/gpu/test_*.py: GPU tests, and the hook where the end-to-end model check goes; among
+#      them test_cuda_graph_decode.py, a CUDA-graph-replayed decode step against the eager one.
 # Results go to $OUT when it is set (the device machine), else bench/results/. Budget: the step
-# timeouts add up to under 8 minutes (200 + 120 + 75 + 90 s); a normal run takes far less.
+# timeouts add up to under 9 minutes (200 + 120 + 75 + 120 s); a normal run takes far less.
 # Exit status: 0 when every step passed, else 1 (every step still runs).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,7 +41,7 @@ timeout 75 "$PY" tests/gpu/bench_nccl.py --out "$RESULTS/gpu_nccl.json" || statu
 
 step "4. GPU tests: tests/gpu/test_*.py (add the end-to-end model check as tests/gpu/test_e2e_*.py)"
 # Every tests/gpu/test_*.py runs here; each must skip cleanly without CUDA and fit the remaining budget.
-timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$RESULTS/gpu_tests.log" || status=1
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$RESULTS/gpu_tests.log" || status=1
 
 step "done: status $status, results in $RESULTS"
 ls -l "$RESULTS"

@@ -1,0 +1,330 @@
+"""Launch plans: every choice a Triton host wrapper makes (tiles, warps, stages, splits, dot
+precision, which specialisation) as a pure function of a described device and the problem shape.
+
+The wrappers call `*_plan(DeviceSpec.of(tensor.device), ...)`; tests/kernels/test_compile_targets.py
+calls the same functions with the described targets in TARGETS and compiles what they choose ahead
+of time for sm_80/sm_89/sm_90/sm_100, so the check sees exactly what a GPU would launch. Nothing
+here touches a GPU: `DeviceSpec.of` queries CUDA only for a CUDA device.
+
+The CPU rows (kind "cpu") are the Triton interpreter's plans (the tests' path); they keep the tiles
+the kernels were first written with, so the interpreter's results do not change.
+
+Accuracy contract (what the CUDA choices keep):
+- bfloat16 / float16 models: dots on 16-bit operands with float32 accumulation.
+- float32 models on CUDA: attention dots run in TF32 (`input_precision="tf32"`, 10-bit mantissa
+  operands, float32 accumulation), never IEEE fp32 on the FMA units: that spilled and needed more
+  shared memory than sm_86/sm_89 have. Attention output stays within 1e-3 relative (Frobenius norm)
+  of the float64 reference (tests/kernels/test_kernel_plan.py emulates the TF32 rounding on the CPU).
+- The CPU (native, reference and interpreter) keeps float32 dots in IEEE precision: there greedy
+  decoding matches the float32 reference token for token.
+- FP8 (KV cache, quantization, GEMM) needs native FP8 conversions, compute capability >= 8.9:
+  `check_fp8_supported` raises a ValueError naming the GPU and the alternative below that.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from kernels._triton_compat import cdiv, interpreting, next_pow2
+
+__all__ = ["DeviceSpec", "LaunchPlan", "DecodePlan", "TARGETS", "check_fp8_supported", "fp8_supported",
+           "decode_attention_plan", "merge_splits_plan", "prefill_attention_plan", "fp8_gemm_plan", "fp8_quant_plan",
+           "store_kv_plan", "rms_norm_plan", "rotary_plan", "silu_mul_plan", "block_copy_plan", "plan_table"]
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What the launch choices depend on. `interpreted`: the Triton interpreter runs the kernels
+    (TRITON_INTERPRET=1), which changes how bfloat16 dots are fed (see decode_attention_plan)."""
+
+    kind: str = "cpu"  # "cuda" or "cpu"
+    capability: tuple[int, int] = (0, 0)  # CUDA compute capability (major, minor); (0, 0) on the CPU
+    sm_count: int = 4  # streaming multiprocessors (the CPU's 4 sizes the interpreter's split-K)
+    smem_per_block: int = 0  # bytes of shared memory one block may opt into (0 on the CPU)
+    max_threads: int = 1024  # threads per block
+    name: str = ""  # the device's marketing name, for messages
+    interpreted: bool = False
+
+    @classmethod
+    def of(cls, device: torch.device | str) -> "DeviceSpec":
+        """The spec of a real device; queries CUDA only for a CUDA device."""
+        return _spec_of(torch.device(device), interpreting())
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def arch(self) -> str:
+        """"sm_90", "sm_100", ... or "cpu"."""
+        return f"sm_{self.capability[0]}{self.capability[1]}" if self.is_cuda else "cpu"
+
+    def describe(self) -> str:
+        if not self.is_cuda:
+            return "the CPU"
+        cc = f"compute capability {self.capability[0]}.{self.capability[1]} ({self.arch})"
+        return f"{self.name} with {cc}" if self.name else f"a GPU with {cc}"
+
+
+@functools.lru_cache(maxsize=64)
+def _spec_of(device: torch.device, interp: bool) -> DeviceSpec:
+    if device.type != "cuda":
+        return DeviceSpec("cpu", interpreted=interp)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    p = torch.cuda.get_device_properties(index)
+    smem = int(getattr(p, "shared_memory_per_block_optin", 0) or getattr(p, "shared_memory_per_block", 0) or 0)
+    return DeviceSpec("cuda", (int(p.major), int(p.minor)), int(p.multi_processor_count), smem,
+                      int(getattr(p, "max_threads_per_block", 1024) or 1024), str(p.name), interp)
+
+
+KIB = 1024
+# The described targets the compile check and the docs table use (SM counts of a typical part).
+TARGETS: dict[str, DeviceSpec] = {
+    "sm_80": DeviceSpec("cuda", (8, 0), 108, 163 * KIB, 1024, "NVIDIA A100"),
+    "sm_89": DeviceSpec("cuda", (8, 9), 58, 99 * KIB, 1024, "NVIDIA L4"),
+    "sm_90": DeviceSpec("cuda", (9, 0), 132, 227 * KIB, 1024, "NVIDIA H100"),
+    "sm_100": DeviceSpec("cuda", (10, 0), 148, 227 * KIB, 1024, "NVIDIA B200"),
+    "cpu": DeviceSpec("cpu", interpreted=True),
+}
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One kernel launch's compile-time choices: its constexprs and launch options."""
+
+    kernel: str  # "module:function" of the kernel, e.g. "kernels.decode_attention:_decode_split_kernel"
+    meta: Mapping[str, Any] = field(hash=False)  # constexpr arguments
+    num_warps: int = 4
+    num_stages: int | None = None  # None: Triton's default
+
+    def launch_kwargs(self) -> dict[str, Any]:
+        kw = dict(self.meta, num_warps=self.num_warps)
+        if self.num_stages is not None:
+            kw["num_stages"] = self.num_stages
+        return kw
+
+    def __hash__(self) -> int:
+        return hash((self.kernel, tuple(sorted(self.meta.items())), self.num_warps, self.num_stages))
+
+
+# -- FP8 -------------------------------------------------------------------------------------------
+
+def fp8_supported(device: DeviceSpec) -> bool:
+    """Native FP8 (e4m3) conversions and MMA: compute capability >= 8.9, or the CPU."""
+    return not device.is_cuda or tuple(device.capability) >= (8, 9)
+
+
+def check_fp8_supported(device: DeviceSpec, what: str = "FP8") -> None:
+    """ValueError unless `device` runs the FP8 kernels (KV cache, quantization, GEMM). Configuration
+    calls this at start-up, so an A100 is refused with the alternative instead of failing to compile
+    at the first launch."""
+    if not fp8_supported(device):
+        raise ValueError(
+            f"{what} needs native FP8, compute capability >= 8.9 (Ada, Hopper, Blackwell); "
+            f"{device.describe()} has none: use kv_cache_dtype 'auto' (the model's bfloat16/float16 KV "
+            f"cache) and no quantization (quantization=None) on this GPU")
+
+
+def _dtype(d) -> torch.dtype:
+    return d if isinstance(d, torch.dtype) else getattr(torch, str(d))
+
+
+# -- attention ---------------------------------------------------------------------------------------
+
+def _dot_precision(device: DeviceSpec, dtype: torch.dtype) -> tuple[bool, str]:
+    """(DOT_F32, PRECISION) for attention dots on `dtype` activations.
+
+    float32 on CUDA: TF32 tensor cores (the accuracy contract above). float32 on the CPU: IEEE.
+    The interpreter multiplies bfloat16 dot operands as raw bits, so under it bfloat16 is widened to
+    float32 too."""
+    if dtype == torch.float32:
+        return True, "tf32" if device.is_cuda else "ieee"
+    if dtype == torch.bfloat16 and (device.interpreted or not device.is_cuda):
+        return True, "ieee"
+    return False, "tf32"  # ignored for 16-bit operands
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    split: LaunchPlan  # the split-K kernel
+    merge: LaunchPlan | None  # the merge kernel, None with a single split
+    num_splits: int
+    split_len: int  # context tokens per split, a multiple of BLOCK_N
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_attention_plan(device: DeviceSpec, *, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          block_size: int, max_ctx: int, dtype, kv_dtype, num_splits: int | None = None) -> DecodePlan:
+    """Split-K decode attention. `max_ctx` bounds the context (block table width * block size)."""
+    dtype, kv_dtype = _dtype(dtype), _dtype(kv_dtype)
+    if kv_dtype == FP8:
+        check_fp8_supported(device, "an FP8 KV cache")
+    group = num_q_heads // num_kv_heads
+    block_n = 64
+    num_warps, num_stages = 4, 2
+    dot_f32, precision = _dot_precision(device, dtype)
+    if num_splits is None:
+        # Enough programs to fill the GPU twice over, but no split shorter than 256 tokens.
+        want = cdiv(2 * device.sm_count, max(batch * num_kv_heads, 1))
+        num_splits = max(1, min(want, cdiv(max_ctx, 256), 64))
+    if not (isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits >= 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    split_len = cdiv(cdiv(max_ctx, num_splits), block_n) * block_n
+    num_splits = cdiv(max_ctx, split_len)
+    split = LaunchPlan("kernels.decode_attention:_decode_split_kernel", dict(
+        G=group, HK=num_kv_heads, D=head_dim, BS=block_size, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(head_dim)),
+        DOT_F32=dot_f32, PRECISION=precision), num_warps, num_stages)
+    merge = merge_splits_plan(device, num_splits=num_splits, head_dim=head_dim) if num_splits > 1 else None
+    return DecodePlan(split, merge, num_splits, split_len)
+
+
+@functools.lru_cache(maxsize=256)
+def merge_splits_plan(device: DeviceSpec, *, num_splits: int, head_dim: int) -> LaunchPlan:
+    return LaunchPlan("kernels.decode_attention_reduce:_merge_kernel", dict(
+        S=num_splits, D=head_dim, BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=next_pow2(head_dim)), 4)
+
+
+@functools.lru_cache(maxsize=1024)
+def prefill_attention_plan(device: DeviceSpec, *, max_q: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                           block_size: int, dtype, kv_dtype) -> LaunchPlan:
+    """Paged prefill attention; `max_q` is the longest sequence's count of new tokens."""
+    dtype, kv_dtype = _dtype(dtype), _dtype(kv_dtype)
+    if kv_dtype == FP8:
+        check_fp8_supported(device, "an FP8 KV cache")
+    block_m = 16 if max_q <= 16 else 32 if max_q <= 64 else 64
+    num_warps, block_n = 4, 64
+    dot_f32, precision = _dot_precision(device, dtype)
+    if device.is_cuda:
+        if dtype == torch.float32:
+            # float32 (TF32) tiles are twice the bytes: 128 x 64 tiles needed 164 KB of shared memory
+            # (sm_86/sm_89 have 99 KiB) and 64 x 64 ones 160 KB; 64 x 32 need at most 96 KiB.
+            block_n = 32
+        elif max_q >= 128:
+            # Long prompts: bigger tiles amortise each K/V tile over more queries.
+            block_m, num_warps = 128, 8
+        if block_m == 16:
+            block_n = 32  # 16 x 64 spilled 8 B on sm_90 / sm_100 at 4 warps; 16 x 32 does not
+        if block_m == 128 and kv_dtype == FP8 and device.capability < (9, 0):
+            block_n = 32  # sm_89 converts FP8 K/V tiles in registers: 128 x 64 spilled 56 B there
+    return LaunchPlan("kernels.prefill_attention:_prefill_kernel", dict(
+        G=num_q_heads // num_kv_heads, HK=num_kv_heads, D=head_dim, BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(head_dim)), DOT_F32=dot_f32, PRECISION=precision), num_warps, 2)
+
+
+# -- FP8 GEMM and quantization -----------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1024)
+def fp8_gemm_plan(device: DeviceSpec, *, M: int, N: int, K: int, has_bias: bool = False,
+                  sa_per_row: bool = False, sb_per_col: bool = False) -> LaunchPlan:
+    check_fp8_supported(device, "the FP8 GEMM")
+    flags = dict(SA_PER_ROW=sa_per_row, SB_PER_COL=sb_per_col, HAS_BIAS=has_bias)
+    name = "kernels.fp8_gemm:_fp8_gemm_kernel"
+    if not device.is_cuda:
+        # Interpreter: small tiles keep numpy fast; 16 is tl.dot's minimum.
+        return LaunchPlan(name, dict(flags, BLOCK_M=max(16, min(next_pow2(M), 32)), BLOCK_N=max(16, min(next_pow2(N), 32)),
+                                     BLOCK_K=max(16, min(next_pow2(K), 64)), GROUP_M=4), 4, 1)
+    # BLOCK_M stays >= 64 so Hopper's warp-group MMA applies even to decode-sized M.
+    if M <= 64:
+        return LaunchPlan(name, dict(flags, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 4, 4)
+    if device.capability < (9, 0):
+        # No warp-group MMA before Hopper: the 128 x 256 tile on mma.sync spilled 112 B on sm_89.
+        return LaunchPlan(name, dict(flags, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 8, 3)
+    if device.capability[0] >= 10 and has_bias:
+        # sm_100: with a bias (and per-row / per-column scales) the 128 x 256 tile's epilogue spilled
+        # 112 B at 255 registers, at any stage count; 128 x 128 at 4 stages does not.
+        return LaunchPlan(name, dict(flags, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 8, 4)
+    return LaunchPlan(name, dict(flags, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8), 8, 3)
+
+
+@functools.lru_cache(maxsize=256)
+def fp8_quant_plan(device: DeviceSpec, *, N: int, dynamic_row: bool, scale_per_row: bool, min_scale: float) -> LaunchPlan:
+    check_fp8_supported(device, "FP8 quantization")
+    return LaunchPlan("kernels.fp8_quant:_fp8_quant_kernel", dict(
+        DYNAMIC_ROW=dynamic_row, SCALE_PER_ROW=scale_per_row, MIN_S=min_scale, BLOCK=min(next_pow2(N), 1024)), 4)
+
+
+# -- the elementwise kernels -------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=256)
+def store_kv_plan(device: DeviceSpec, *, num_heads: int, head_dim: int, kv_dtype) -> LaunchPlan:
+    quant = _dtype(kv_dtype) == FP8
+    if quant:
+        check_fp8_supported(device, "an FP8 KV cache")
+    return LaunchPlan("kernels.kv_store:_store_kv_kernel", dict(
+        QUANT=quant, BLOCK_H=min(next_pow2(num_heads), 8), BLOCK_D=next_pow2(head_dim)), 4)
+
+
+@functools.lru_cache(maxsize=256)
+def rms_norm_plan(device: DeviceSpec, *, hidden: int, has_residual: bool) -> LaunchPlan:
+    block = next_pow2(hidden)
+    return LaunchPlan("kernels.rms_norm:_rms_norm_kernel", dict(HAS_RESIDUAL=has_residual, BLOCK=block),
+                      min(max(block // 256, 1), 16))
+
+
+@functools.lru_cache(maxsize=256)
+def rotary_plan(device: DeviceSpec, *, num_heads: int, head_dim: int) -> LaunchPlan:
+    half = head_dim // 2
+    return LaunchPlan("kernels.rotary:_rotary_kernel", dict(
+        HALF=half, BLOCK_H=min(next_pow2(num_heads), 16), BLOCK_HALF=next_pow2(half)), 4)
+
+
+@functools.lru_cache(maxsize=16)
+def silu_mul_plan(device: DeviceSpec) -> LaunchPlan:
+    return LaunchPlan("kernels.silu_mul:_silu_mul_kernel", dict(BLOCK=1024), 4)
+
+
+@functools.lru_cache(maxsize=16)
+def block_copy_plan(device: DeviceSpec, *, scatter: bool) -> LaunchPlan:
+    return LaunchPlan("kernels.block_copy:_block_copy_kernel", dict(SCATTER=scatter, BLOCK=1024), 4)
+
+
+# -- the documented table ----------------------------------------------------------------------------
+
+def _cell(fn, *args, **kwargs) -> str:
+    try:
+        p = fn(*args, **kwargs)
+    except ValueError:
+        return "refused"
+    if isinstance(p, DecodePlan):
+        m = p.split.meta
+        return (f"N{m['BLOCK_N']} w{p.split.num_warps} s{p.split.num_stages} splits {p.num_splits}"
+                + (f" {m['PRECISION']}" if m["DOT_F32"] else ""))
+    m = p.meta
+    if "BLOCK_K" in m:
+        return f"{m['BLOCK_M']}x{m['BLOCK_N']}x{m['BLOCK_K']} w{p.num_warps} s{p.num_stages}"
+    return (f"M{m['BLOCK_M']} N{m['BLOCK_N']} w{p.num_warps} s{p.num_stages}"
+            + (f" {m['PRECISION']}" if m["DOT_F32"] else ""))
+
+
+def plan_table() -> str:
+    """The Markdown table docs/development.md shows under "Kernel plans" (Llama-3-8B's shapes:
+    32 q / 8 kv heads, head_dim 128, block size 16). Cells: tiles (M/N/K), w warps, s stages,
+    splits for decode, the dot precision when dots run on float32 operands; "refused": the plan
+    raises (FP8 below sm_89)."""
+    attn = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+    rows = [
+        ("decode bf16, batch 8, 4k context",
+         lambda d: _cell(decode_attention_plan, d, batch=8, max_ctx=4096, dtype="bfloat16", kv_dtype="bfloat16", **attn)),
+        ("decode fp32, batch 8, 4k context",
+         lambda d: _cell(decode_attention_plan, d, batch=8, max_ctx=4096, dtype="float32", kv_dtype="float32", **attn)),
+        ("decode bf16, FP8 KV, batch 8, 4k context",
+         lambda d: _cell(decode_attention_plan, d, batch=8, max_ctx=4096, dtype="bfloat16", kv_dtype=FP8, **attn)),
+        ("prefill bf16, 2k-token prompt",
+         lambda d: _cell(prefill_attention_plan, d, max_q=2048, dtype="bfloat16", kv_dtype="bfloat16", **attn)),
+        ("prefill fp32, 2k-token prompt",
+         lambda d: _cell(prefill_attention_plan, d, max_q=2048, dtype="float32", kv_dtype="float32", **attn)),
+        ("FP8 GEMM, M=8 (decode)", lambda d: _cell(fp8_gemm_plan, d, M=8, N=4096, K=4096)),
+        ("FP8 GEMM, M=2048, bias", lambda d: _cell(fp8_gemm_plan, d, M=2048, N=4096, K=4096, has_bias=True)),
+    ]
+    names = list(TARGETS)
+    lines = ["| launch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for label, cell in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(TARGETS[n]) for n in names) + " |")
+    return "\n".join(lines)

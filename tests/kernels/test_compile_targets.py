@@ -1,0 +1,274 @@
+"""Every Triton kernel, as the launch plans (kernels/plan.py) choose it for real model shapes,
+compiled ahead of time for sm_90 and sm_100 (and sm_89 / sm_80 where it is meant to run) with the
+ptxas inside the triton wheel: no GPU, no driver.
+
+Asserted per specialisation: it compiles; ptxas spills at most SPILL_TOLERANCE bytes (stores +
+loads); shared memory fits the target (SMEM_LIMIT); threads fit (1024); the FP8 GEMM's PTX uses
+the target's tensor-core instructions (wgmma on sm_90, tcgen05 on sm_100).
+
+The compiles run in 2 subprocesses with TRITON_INTERPRET=0 (this session sets it to 1, which
+breaks real compiles of kernels with reductions), each with a fresh TRITON_CACHE_DIR and
+`always_compile`, so nothing cached by an earlier run can hide a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import plan as P  # noqa: E402
+from kernels.fp8_quant import MIN_SCALE  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# ptxas spill bytes (stores + loads) one specialisation may have: none. A spill means local-memory
+# traffic in the hot loop; a plan that spills must change its tiles or warps instead.
+SPILL_TOLERANCE = 0
+KIB = 1024
+SMEM_LIMIT = {80: 163 * KIB, 86: 99 * KIB, 89: 99 * KIB, 90: 227 * KIB, 100: 227 * KIB}
+MAX_THREADS = 1024
+TC_MARKER = {90: "wgmma", 100: "tcgen05"}
+
+# (q heads, kv heads, head_dim, hidden, intermediate)
+MODELS = {
+    "llama3-8b": (32, 8, 128, 4096, 14336),
+    "qwen2.5-7b": (28, 4, 128, 3584, 18944),
+    "smollm2-135m": (9, 3, 64, 576, 1536),
+}
+BLOCK_SIZE = 16
+MAX_CTX = 4096  # the block table width times the block size a decode batch is planned for
+TT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
+ACT = (torch.bfloat16, torch.float16, torch.float32)
+FP8 = torch.float8_e4m3fn
+
+
+def _arches(fp8: bool) -> tuple[int, ...]:
+    # FP8 is refused below sm_89 (kernels.plan.check_fp8_supported); everything else runs on sm_80 too.
+    return (90, 100, 89) if fp8 else (90, 100, 89, 80)
+
+
+def _spec(arch: int) -> P.DeviceSpec:
+    return P.TARGETS[f"sm_{arch}"]
+
+
+def _job(tag: str, arch: int, plan: P.LaunchPlan, args: dict[str, str], divisible=()) -> dict:
+    return {"id": f"{tag} @sm_{arch}", "kernel": plan.kernel, "args": args, "constexprs": dict(plan.meta),
+            "divisible": list(divisible), "num_warps": plan.num_warps, "num_stages": plan.num_stages, "arch": arch}
+
+
+def _ptrs(**names) -> dict[str, str]:
+    return {n: "*" + t for n, t in names.items()}
+
+
+def _i32(*names) -> dict[str, str]:
+    return dict.fromkeys(names, "i32")
+
+
+def _attention_cases():
+    """(model, activation dtype, KV dtype, arch, decode batches, prefill max_q): a representative
+    subset, all of it on sm_90 / sm_100 for Llama-3-8B, the largest tiles elsewhere."""
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    for model in MODELS:
+        full = model == "llama3-8b"
+        combos = [(bf16, bf16), (f16, f16), (f32, f32), (bf16, FP8), (f16, FP8), (f32, FP8)] if full else \
+            [(bf16, bf16), (f32, f32), (bf16, FP8), (f32, FP8)]
+        for act, kv in combos:
+            for arch in _arches(kv == FP8):
+                if arch in (90, 100):
+                    yield model, act, kv, arch, (1, 8, 256) if full else (1, 256), (16, 64, 512) if full else (16, 512)
+                elif full and act != torch.float16:
+                    yield model, act, kv, arch, (1, 256), (16, 512)
+
+
+def attention_jobs() -> list[dict]:
+    jobs = []
+    for model, act, kv, arch, batches, prefills in _attention_cases():
+        hq, hk, d, _, _ = MODELS[model]
+        a, c = TT[act], TT[kv]
+        shape = dict(num_q_heads=hq, num_kv_heads=hk, head_dim=d, block_size=BLOCK_SIZE, dtype=act,
+                     kv_dtype=kv)
+        dev = _spec(arch)
+        for batch in batches:
+            dp = P.decode_attention_plan(dev, batch=batch, max_ctx=MAX_CTX, **shape)
+            mid = "fp32" if dp.merge else a
+            args = {**_ptrs(q_ptr=a, k_ptr=c, v_ptr=c, bt_ptr="i32", lens_ptr="i32", out_ptr=a,
+                            mid_o_ptr=mid, mid_lse_ptr=mid),
+                    "qk_scale": "fp32", "v_scale": "fp32",
+                    **_i32("split_len", "max_ctx", "stride_qb", "stride_qh", "stride_bt", "stride_ob",
+                           "stride_oh")}
+            div = [n for n in args if n.endswith("_ptr")] + ["split_len", "max_ctx", "stride_qb",
+                                                             "stride_qh", "stride_ob", "stride_oh"]
+            tag = f"decode {model} {a}/{c} b{batch}"
+            jobs.append(_job(tag, arch, dp.split, args, div))
+            if dp.merge:
+                margs = {**_ptrs(mid_o_ptr="fp32", mid_lse_ptr="fp32", out_ptr=a),
+                         **_i32("stride_ob", "stride_oh", "H")}
+                jobs.append(_job(f"merge {model} {a} b{batch}", arch, dp.merge, margs,
+                                 ["mid_o_ptr", "mid_lse_ptr", "out_ptr", "stride_ob", "stride_oh"]))
+        for max_q in prefills:  # the prefill tiles: short, medium, long prompts
+            pp = P.prefill_attention_plan(dev, max_q=max_q, **shape)
+            args = {**_ptrs(q_ptr=a, k_ptr=c, v_ptr=c, bt_ptr="i32", qsl_ptr="i32", lens_ptr="i32",
+                            out_ptr=a),
+                    "qk_scale": "fp32", "v_scale": "fp32",
+                    **_i32("max_ctx", "stride_qt", "stride_qh", "stride_bt", "stride_ot", "stride_oh")}
+            div = [n for n in args if n.endswith("_ptr")] + ["max_ctx", "stride_qt", "stride_qh",
+                                                             "stride_ot", "stride_oh"]
+            jobs.append(_job(f"prefill {model} {a}/{c} q{max_q}", arch, pp, args, div))
+    return jobs
+
+
+def fp8_jobs() -> list[dict]:
+    jobs = []
+    for model, (hq, hk, d, hidden, inter) in MODELS.items():
+        for arch in _arches(True):
+            dev = _spec(arch)
+            # qkv, o, gate_up and down projections: (N, K)
+            for n, k in (((hq + 2 * hk) * d, hidden), (hidden, hq * d), (2 * inter, hidden), (hidden, inter)):
+                for m in (8, 256):
+                    for bias in (False, True):
+                        gp = P.fp8_gemm_plan(dev, M=m, N=n, K=k, has_bias=bias, sa_per_row=True, sb_per_col=True)
+                        args = {**_ptrs(a_ptr="fp8e4nv", b_ptr="fp8e4nv", sa_ptr="fp32", sb_ptr="fp32",
+                                        bias_ptr="bf16" if bias else "fp32", c_ptr="bf16"),
+                                **_i32("M", "N", "K", "stride_am", "stride_bn", "stride_cm")}
+                        div = [x for x in args if x.endswith("_ptr")] + ["N", "K", "stride_am", "stride_bn",
+                                                                         "stride_cm"]
+                        job = _job(f"fp8_gemm {model} {n}x{k} M{m}{' bias' if bias else ''}", arch, gp, args, div)
+                        job["want_ptx"] = TC_MARKER.get(arch)
+                        jobs.append(job)
+            for act in ACT:
+                for dynamic_row, per_row in ((True, True), (False, False)):
+                    qp = P.fp8_quant_plan(dev, N=hidden, dynamic_row=dynamic_row, scale_per_row=per_row,
+                                          min_scale=MIN_SCALE)
+                    args = {**_ptrs(x_ptr=TT[act], out_ptr="fp8e4nv", scale_ptr="fp32"),
+                            **_i32("N", "stride_x", "stride_out")}
+                    jobs.append(_job(f"fp8_quant {model} {TT[act]} row={per_row}", arch, qp, args,
+                                     ["x_ptr", "out_ptr", "scale_ptr", "N", "stride_x", "stride_out"]))
+    return jobs
+
+
+def elementwise_jobs() -> list[dict]:
+    jobs = []
+    for model, (hq, hk, d, hidden, inter) in MODELS.items():
+        for act in ACT:
+            a = TT[act]
+            for arch in _arches(False) if model == "llama3-8b" else (90, 100):
+                dev = _spec(arch)
+                for kv in (act, FP8):
+                    if kv == FP8 and not P.fp8_supported(dev):
+                        continue
+                    sp = P.store_kv_plan(dev, num_heads=hk, head_dim=d, kv_dtype=kv)
+                    args = {**_ptrs(key_ptr=a, value_ptr=a, k_cache_ptr=TT[kv], v_cache_ptr=TT[kv], slot_ptr="i64"),
+                            **_i32("H", "D", "stride_kt", "stride_kh", "stride_vt", "stride_vh"),
+                            "k_scale": "fp32", "v_scale": "fp32"}
+                    jobs.append(_job(f"store_kv {model} {a}/{TT[kv]}", arch, sp, args,
+                                     [x for x in args if x.endswith("_ptr")]))
+                for res in (False, True):
+                    rp = P.rms_norm_plan(dev, hidden=hidden, has_residual=res)
+                    args = {**_ptrs(x_ptr=a, r_ptr=a, w_ptr=a, out_ptr=a, sum_ptr=a),
+                            **_i32("H", "stride_x", "stride_r", "stride_out", "stride_sum"), "eps": "fp32"}
+                    jobs.append(_job(f"rms_norm {model} {a} res={res}", arch, rp, args,
+                                     [x for x in args if x.endswith("_ptr")] + ["H", "stride_x", "stride_out"]))
+                for heads in (hq, hk):
+                    op = P.rotary_plan(dev, num_heads=heads, head_dim=d)
+                    args = {**_ptrs(pos_ptr="i64", x_ptr=a, cache_ptr="fp32"),
+                            **_i32("H", "stride_xt", "stride_xh", "stride_cache")}
+                    jobs.append(_job(f"rotary {model} {a} h{heads}", arch, op, args,
+                                     ["pos_ptr", "x_ptr", "cache_ptr", "stride_xt", "stride_xh", "stride_cache"]))
+                mp = P.silu_mul_plan(dev)
+                args = {**_ptrs(x_ptr=a, out_ptr=a), **_i32("I", "stride_x", "stride_out")}
+                jobs.append(_job(f"silu_mul {model} {a}", arch, mp, args,
+                                 ["x_ptr", "out_ptr", "I", "stride_x", "stride_out"]))
+    for arch in _arches(False):
+        for scatter in (False, True):
+            bp = P.block_copy_plan(_spec(arch), scatter=scatter)
+            args = {**_ptrs(src_ptr="i64", dst_ptr="i64", ids_ptr="i64"), **_i32("n_ids", "n_blocks", "block_elems")}
+            jobs.append(_job(f"block_copy scatter={scatter}", arch, bp, args, ["src_ptr", "dst_ptr", "ids_ptr"]))
+    return jobs
+
+
+def all_jobs() -> list[dict]:
+    """Every distinct specialisation (same kernel, constexprs, options, argument types and target: once)."""
+    seen, out = set(), []
+    for job in attention_jobs() + fp8_jobs() + elementwise_jobs():
+        key = json.dumps({k: v for k, v in job.items() if k != "id"}, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            out.append(job)
+    return out
+
+
+def run_compiles(jobs: list[dict], procs: int = 2, timeout: float = 900) -> list[dict]:
+    """Compile `jobs` in `procs` fresh subprocesses (TRITON_INTERPRET=0, an empty cache dir each)."""
+    chunks = [jobs[i::procs] for i in range(procs)]
+    running = []
+    with tempfile.TemporaryDirectory(prefix="baton-aot-") as tmp:
+        for i, chunk in enumerate(chunks):
+            if not chunk:
+                continue
+            env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, f"cache{i}"),
+                       TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            proc = subprocess.Popen([sys.executable, "-m", "tests.kernels.aot_compile"], cwd=ROOT, env=env,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            running.append((proc, json.dumps(chunk)))
+        results = []
+        for proc, payload in running:
+            out, err = proc.communicate(payload, timeout=timeout)
+            assert proc.returncode == 0, f"compile worker failed ({proc.returncode}):\n{err[-4000:]}"
+            results += json.loads(out.strip().splitlines()[-1])
+    return results
+
+
+def problems(jobs: list[dict], results: list[dict]) -> list[str]:
+    by_id = {j["id"]: j for j in jobs}
+    bad = []
+    for r in results:
+        job = by_id[r["id"]]
+        arch = job["arch"]
+        if not r["ok"]:
+            bad.append(f"{r['id']}: does not compile: {r['error']}")
+            continue
+        if r["spill_bytes"] > SPILL_TOLERANCE:
+            bad.append(f"{r['id']}: spills {r['spill_bytes']} B (tolerance {SPILL_TOLERANCE} B), "
+                       f"{r['registers']} registers")
+        if r["shared"] > SMEM_LIMIT[arch]:
+            bad.append(f"{r['id']}: needs {r['shared']} B of shared memory, sm_{arch} has {SMEM_LIMIT[arch]}")
+        if r["threads"] > MAX_THREADS:
+            bad.append(f"{r['id']}: {r['threads']} threads per block")
+        want = job.get("want_ptx")
+        if want and not r["ptx_has"].get(want):
+            bad.append(f"{r['id']}: PTX has no {want} (found {r['ptx_has']})")
+    return bad
+
+
+def test_every_kernel_has_jobs():
+    """Each @triton.jit kernel in kernels/ is compiled by the check for sm_90 and sm_100."""
+    import importlib
+    import pkgutil
+
+    import kernels
+    from kernels._triton_compat import LazyJIT
+
+    found = set()
+    for mod in pkgutil.iter_modules(kernels.__path__):
+        m = importlib.import_module(f"kernels.{mod.name}")
+        found |= {f"kernels.{mod.name}:{n}" for n, v in vars(m).items() if isinstance(v, LazyJIT)}
+    covered = {(j["kernel"], j["arch"]) for j in all_jobs()}
+    missing = [(k, a) for k in sorted(found) for a in (90, 100) if (k, a) not in covered]
+    assert found and not missing, f"kernels the compile check does not cover: {missing}"
+
+
+def test_kernels_compile_for_targets():
+    jobs = all_jobs()
+    results = run_compiles(jobs)
+    assert len(results) == len(jobs)
+    bad = problems(jobs, results)
+    assert not bad, f"{len(bad)} of {len(jobs)} specialisations fail:\n" + "\n".join(bad)
