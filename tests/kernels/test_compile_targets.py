@@ -266,6 +266,7 @@ def test_every_kernel_has_jobs():
     assert found and not missing, f"kernels the compile check does not cover: {missing}"
 
 
+@pytest.mark.slow  # about 2 minutes here (353 specialisations, 2 processes)
 def test_kernels_compile_for_targets():
     jobs = all_jobs()
     results = run_compiles(jobs)
