@@ -110,7 +110,10 @@ class RayBackend:
         starting = self._creating.get(flow.request_id)
         decode = self.pools.get(flow.decode_worker)
         if starting is not None and decode is not None:
-            await self._create_on(decode, flow.request_id, starting)
+            try:
+                await self._create_on(decode, flow.request_id, starting)
+            except WorkerLost as lost:  # D died before it could start: the flow moves the request
+                return lost
         item = await stream.queue.get()
         if isinstance(item, Exception) and not isinstance(item, WorkerLost):
             raise item

@@ -295,3 +295,26 @@ def test_over_http_a_stream_out_of_attempts_ends_with_an_error_event_and_done(to
         error = json.loads(events[-2][6:])["error"]
         assert "giving up after 0 migrations" in error["message"] and "Traceback" not in error["message"]
         client.portal.call(backend.close)
+
+
+def test_a_decode_worker_that_dies_before_starting_the_decode_moves_the_request():
+    """D dies between P's first token and its start_decode: the stream moves to the other decode
+    worker with the first token already sent, and ends exactly."""
+    async def main():
+        backend, actors = make(num_prefill=1, num_decode=2)
+        d0 = actors["decode-0"]
+
+        async def die_instead(rid, first_token):
+            d0.kill()  # the call's answer never comes: ActorUnavailableError
+
+        d0.start_decode.fn = die_instead  # the fake's method table (fake_actors._Method)
+        try:
+            prompt = prompt_of(1)
+            result = await stream(backend, "r-start", prompt, 12, "decode-0", "prefill-0")
+            assert_exact(result, prompt, 12)
+            assert backend.counters["migrations"] == 1 and backend.counters["remote_prefill"] == 1
+            assert actors["decode-1"].submitted[-1][1].output_token_ids == tuple(script(prompt, 1))
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
