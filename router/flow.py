@@ -163,7 +163,8 @@ class MigrationGap:
     seconds: float
 
 
-Command = Follow | Reserve | Prefill | StartDecode | Submit | Abort | Emit | Fail | WaitForDecode | QueueTokens | Count | MigrationGap
+Command = (Follow | Reserve | Prefill | StartDecode | Submit | Abort | Emit | Fail | WaitForDecode | QueueTokens
+           | Count | MigrationGap)
 
 COUNTERS = ("remote_prefill", "local_prefill", "prefill_fallbacks", "prefill_retries", "kv_blocks_transferred",
             "kv_bytes_transferred", "migrations", "migrations_failed")

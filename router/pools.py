@@ -28,10 +28,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
-
-from typing import Protocol
 
 from common.protocol import KVEndpoint
 from common.roles import Role
@@ -140,7 +139,14 @@ class WorkerPools:
 
     def in_flight(self, worker_id: str) -> int:
         """Requests the router has on this worker now (decoding there, or prefilling there)."""
-        return sum(1 for s in self._streams.values() if worker_id in (s.decode_worker, s.prefill_worker))
+        return self._in_flight_counts().get(worker_id, 0)
+
+    def _in_flight_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for stream in self._streams.values():
+            for wid in {stream.decode_worker, stream.prefill_worker} - {None}:
+                counts[wid] = counts.get(wid, 0) + 1
+        return counts
 
     async def drain_worker(self, worker_id: str, timeout_s: float) -> int:
         """Stop routing to the worker and wait, up to timeout_s, for its requests to finish; then
@@ -186,11 +192,7 @@ class WorkerPools:
             self.ensure_started()
         except RuntimeError:
             pass  # no running loop (called from sync code): report what we know
-        in_flight: dict[str, int] = {}
-        for stream in self._streams.values():
-            for wid in {stream.decode_worker, stream.prefill_worker}:
-                if wid is not None:
-                    in_flight[wid] = in_flight.get(wid, 0) + 1
+        in_flight = self._in_flight_counts()
         infos = []
         for w in list(self._workers.values()):
             s = w.stats
