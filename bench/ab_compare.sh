@@ -6,19 +6,25 @@
 #   bash bench/ab_compare.sh REV [OUT_DIR]     (needs .venv-vllm: bash bench/setup_vllm_peer.sh)
 # REV is checked out in a temporary git worktree and run with this checkout's .venv (PYTHONPATH
 # first). JSON: OUT_DIR/{before,after}_{N}_{compare,engine}.json and OUT_DIR/summary.json.
+# WORKLOAD=mixed runs workload 2 instead (streams beside long prompts: ITL and TTFT percentiles)
+# and no engine benchmark; BUSY=1 runs every round beside bench/cpu_hog.py (one core 50% busy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=${1:?usage: bench/ab_compare.sh REV [OUT_DIR]}
 OUT=${2:-bench/results/ab_compare}
 ROUNDS=${ROUNDS:-2}
+WORKLOAD=${WORKLOAD:-throughput}
+case $WORKLOAD in throughput|mixed) ;; *) echo "WORKLOAD must be throughput or mixed, got $WORKLOAD" >&2; exit 2 ;; esac
 PORT=${PORT:-18440}
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 RAY_memory_monitor_refresh_ms=0
 HERE=$(pwd)
 BEFORE=$(mktemp -d /tmp/baton_ab.XXXXXX)
 git worktree add -f -q "$BEFORE" "$REV"
 SERVER=
+HOG=
 cleanup() {
   [ -n "$SERVER" ] && kill -INT -- "-$SERVER" 2>/dev/null && sleep 5 && kill -KILL -- "-$SERVER" 2>/dev/null
+  [ -n "$HOG" ] && kill -TERM "$HOG" 2>/dev/null
   git worktree remove --force "$BEFORE" || true
 }
 trap cleanup EXIT
@@ -28,9 +34,9 @@ rm -f "$OUT"/before_* "$OUT"/after_*
 run_side() {  # label, tree, round
   local label=$1 tree=$2 round=$3
   # the engine alone (no Ray, no HTTP): that tree's own benchmark script and code
-  (cd "$tree" && PYTHONPATH="$tree" "$HERE/.venv/bin/python" bench/engine_throughput.py --num-requests 32 \
-      --concurrency 32 --sequential-requests 2 --skip-hf-batched --out "$HERE/$OUT/${label}_${round}_engine.json") \
-      > "/tmp/baton_ab_${label}_engine.log" 2>&1
+  [ "$WORKLOAD" = throughput ] && (cd "$tree" && PYTHONPATH="$tree" "$HERE/.venv/bin/python" bench/engine_throughput.py \
+      --num-requests 32 --concurrency 32 --sequential-requests 2 --skip-hf-batched \
+      --out "$HERE/$OUT/${label}_${round}_engine.json") > "/tmp/baton_ab_${label}_engine.log" 2>&1
   # the server, measured by vLLM's client
   # exec: the background job is the server itself, leader of its own process group (setsid), so
   # the kills below reach it and its Ray.
@@ -45,7 +51,8 @@ run_side() {  # label, tree, round
     sleep 1
   done
   "$HERE/.venv/bin/python" -m bench.compare_vllm --base-url "http://127.0.0.1:$PORT" --label "${label}_${round}" \
-      --workload throughput --modes default --out-dir "$OUT" >> "/tmp/baton_ab_${label}_client.log" 2>&1
+      --workload "$WORKLOAD" --modes default --condition "$CONDITION" --out-dir "$OUT" \
+      >> "/tmp/baton_ab_${label}_client.log" 2>&1
   mv "$OUT/compare_${label}_${round}.json" "$OUT/${label}_${round}_compare.json"
   kill -INT -- "-$SERVER" 2>/dev/null || true
   for _ in $(seq 1 30); do kill -0 -- "-$SERVER" 2>/dev/null || break; sleep 1; done
@@ -54,25 +61,42 @@ run_side() {  # label, tree, round
   SERVER=
 }
 
+CONDITION=quiet
+if [ "${BUSY:-0}" = 1 ]; then
+  CONDITION=busy
+  setsid "$HERE/.venv/bin/python" -m bench.cpu_hog --duty 0.5 --period-ms 20 --seconds 7200 > /tmp/baton_ab_hog.log &
+  HOG=$!
+fi
 for round in $(seq 1 "$ROUNDS"); do
   run_side before "$BEFORE" "$round"
   run_side after "$HERE" "$round"
 done
-"$HERE/.venv/bin/python" - "$OUT" "$REV" "$(git rev-parse HEAD)" <<'EOF'
+"$HERE/.venv/bin/python" - "$OUT" "$REV" "$(git rev-parse HEAD)" "$WORKLOAD" "$CONDITION" <<'EOF'
 import json, sys, pathlib
-out, rev, head = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+out, rev, head, workload, condition = pathlib.Path(sys.argv[1]), *sys.argv[2:]
+key = "default" if condition == "quiet" else f"{condition}: default"
 rows = {}
 for side in ("before", "after"):
-    compare = [json.loads(p.read_text())["runs"]["default"]["throughput"]["throughput"]["output_throughput"]
-               for p in sorted(out.glob(f"{side}_*_compare.json"))]
-    engine = []
-    for p in sorted(out.glob(f"{side}_*_engine.json")):
-        runs = json.loads(p.read_text())["results"].values()
-        engine += [r["tok_s"] for r in runs if r.get("system") == "baton" and r.get("concurrency") == 32]
-    rows[side] = {"workload1_output_tok_s": compare, "engine_c32_output_tok_s": engine}
+    runs = [json.loads(p.read_text())["runs"][key] for p in sorted(out.glob(f"{side}_*_compare.json"))]
+    if workload == "throughput":
+        engine = []
+        for p in sorted(out.glob(f"{side}_*_engine.json")):
+            results = json.loads(p.read_text())["results"].values()
+            engine += [r["tok_s"] for r in results if r.get("system") == "baton" and r.get("concurrency") == 32]
+        rows[side] = {"workload1_output_tok_s": [r["throughput"]["throughput"]["output_throughput"] for r in runs],
+                      "engine_c32_output_tok_s": engine}
+    else:
+        rows[side] = {"streams_output_tok_s": [r["mixed"]["streams"]["output_throughput"] for r in runs],
+                      "streams_itl_p50_ms": [r["mixed"]["streams"]["itl_ms"]["p50"] for r in runs],
+                      "streams_itl_p99_ms": [r["mixed"]["streams"]["itl_ms"]["p99"] for r in runs],
+                      "long_prompts_ttft_p50_ms": [r["mixed"]["long prompts"]["ttft_ms"]["p50"] for r in runs],
+                      "cpu_steal": [r["mixed"]["cpu_steal"] for r in runs],
+                      "loadavg_after": [r["mixed"]["loadavg_after"][0] for r in runs]}
 mean = lambda xs: sum(xs) / len(xs)
-summary = {"benchmark": "ab_compare", "before": rev, "after": f"{head} + working tree", **rows,
-           "ratio_after_over_before": {k: mean(rows["after"][k]) / mean(rows["before"][k]) for k in rows["after"]}}
+summary = {"benchmark": "ab_compare", "workload": workload, "condition": condition, "before": rev,
+           "after": f"{head} + working tree", **rows,
+           "ratio_after_over_before": {k: mean(rows["after"][k]) / mean(rows["before"][k]) for k in rows["after"]
+                                       if None not in rows["after"][k] + rows["before"][k]}}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary, indent=2))
 EOF

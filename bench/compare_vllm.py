@@ -22,9 +22,13 @@ random dataset's (random token ids, decoded, sent through the chat template), th
 servers (`--seed 0`). With --own-client, workload 1 also runs through bench/serve.py (greedy,
 exact-length token-id prompts), the client of earlier comparisons, as a second column.
 
-JSON: bench/results/compare_<label>.json: per run the command, the load average before and after
-(other processes share this machine's 2 cores), and vLLM's summary metrics (output tok/s, TTFT,
-TPOT, ITL and E2EL mean / p50 / p90 / p99).
+`--condition busy` marks runs made beside a background load (bench/run_comparison.sh starts
+bench/cpu_hog.py for them): they are stored under "busy: <mode>" beside the quiet runs.
+
+JSON: bench/results/compare_<label>.json: per run the command, the condition, the load average
+before and after and the CPU steal and busy fractions over the run (other processes share this
+machine's 2 cores), and vLLM's summary metrics (output tok/s, TTFT, TPOT, ITL and E2EL mean /
+p50 / p90 / p99).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 from cluster import loadgen as load  # noqa: E402  (the request code every benchmark here uses)
+from cluster.busy_host import cpu_fractions, cpu_times  # noqa: E402
 from workers.model_files import resolve_model_dir  # noqa: E402
 SAMPLING_MODES = {"default": [], "temperature 0": ["--temperature", "0"]}
 WORKLOAD_1 = ["--random-input-len", "256", "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "16"]
@@ -68,12 +73,21 @@ def summary(raw: dict) -> dict:
     return out
 
 
+CONDITIONS = ("quiet", "busy")
+
+
+def run_key(condition: str, mode: str) -> str:
+    """Where a run is stored in compare_<label>.json's "runs": quiet runs under their mode's name."""
+    return mode if condition == "quiet" else f"{condition}: {mode}"
+
+
 def run_benches(args, parts: dict[str, list[str]], mode: str, tmp: Path) -> dict:
     """Run one `vllm bench serve` per part, all at once; their summaries by part name."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     procs, commands, files = {}, {}, {}
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()
+    cpu_before = cpu_times()
     for name, workload in parts.items():
         files[name] = tmp / f"{name.replace(' ', '_')}.json"
         commands[name] = bench_command(args, workload, mode, files[name])
@@ -91,6 +105,8 @@ def run_benches(args, parts: dict[str, list[str]], mode: str, tmp: Path) -> dict
             raise RuntimeError(f"vllm bench serve ({name}) failed:\n{log.decode()[-3000:]}")
         out[name] = {"command": " ".join(commands[name]), **summary(json.loads(files[name].read_text()))}
     out["started"], out["loadavg_before"], out["loadavg_after"] = started, list(load_before), list(os.getloadavg())
+    out["condition"] = args.condition
+    out.update(cpu_fractions(cpu_before, cpu_times()))
     return out
 
 
@@ -110,6 +126,8 @@ def main() -> None:
     parser.add_argument("--vllm", default=str(REPO / ".venv-vllm" / "bin" / "vllm"), help="the vllm binary (its client)")
     parser.add_argument("--workload", choices=("throughput", "mixed", "all"), default="all")
     parser.add_argument("--modes", nargs="+", choices=tuple(SAMPLING_MODES), default=list(SAMPLING_MODES))
+    parser.add_argument("--condition", choices=CONDITIONS, default="quiet",
+                        help="busy: the runs are made beside a background load (bench/cpu_hog.py), stored apart")
     parser.add_argument("--own-client", action="store_true", help="also run workload 1 through bench/serve.py")
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     parser.add_argument("--merge", action="store_true",
@@ -131,15 +149,15 @@ def main() -> None:
         result.update({k: earlier[k] for k in ("throughput_own_client",) if k in earlier})
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
-            runs = result["runs"].setdefault(mode, {})
+            runs = result["runs"].setdefault(run_key(args.condition, mode), {})
             if args.workload in ("throughput", "all"):
                 runs["throughput"] = run_benches(args, {"throughput": WORKLOAD_1}, mode, Path(tmp))
-                print(f"{args.label} {mode} throughput: {runs['throughput']['throughput']['output_throughput']:.1f} tok/s",
+                print(f"{args.label} {run_key(args.condition, mode)} throughput: {runs['throughput']['throughput']['output_throughput']:.1f} tok/s",
                       flush=True)
             if args.workload in ("mixed", "all"):
                 runs["mixed"] = run_benches(args, {"streams": STREAMS, "long prompts": LONG_PROMPTS}, mode, Path(tmp))
                 mixed = runs["mixed"]
-                print(f"{args.label} {mode} mixed: streams p99 ITL {mixed['streams']['itl_ms']['p99']:.0f} ms, "
+                print(f"{args.label} {run_key(args.condition, mode)} mixed: streams p99 ITL {mixed['streams']['itl_ms']['p99']:.0f} ms, "
                       f"long prompts TTFT p50 {mixed['long prompts']['ttft_ms']['p50']:.0f} ms", flush=True)
     if args.own_client and args.workload in ("throughput", "all"):
         result["throughput_own_client"] = own_client(args)

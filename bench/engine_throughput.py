@@ -2,6 +2,12 @@
 
     .venv/bin/python -m bench.engine_throughput                      # default: 64 requests, concurrency 1 8 32
     .venv/bin/python -m bench.engine_throughput --num-requests 16 --concurrency 1 32 --skip-hf-batched
+    .venv/bin/python -m bench.engine_throughput --moe --num-requests 32 --concurrency 1 16 --sequential-requests 8 \
+        --max-output 64 --hf-batch-sizes 16     # the bench's own tiny Mixtral (MOE_SHAPE), random weights
+
+--moe builds a small Mixtral (MOE_SHAPE: 8 experts, top-2, hidden 512, 4 layers) from a seeded random
+init, saves it as safetensors under a temporary folder and runs both systems on it (output:
+bench/results/engine_throughput_moe.json unless --out is given).
 
 Requests: fixed RNG seed; prompts of 32-512 random token ids from the vocabulary (special ids
 excluded), outputs of 16-96 tokens, greedy, ignore_eos (so every request yields exactly its
@@ -43,6 +49,23 @@ from common.sampling_params import SamplingParams  # noqa: E402
 SEED = 20261130
 PROMPT_RANGE = (32, 512)
 OUTPUT_MIN = 16
+
+
+# The --moe model: a Mixtral small enough for this machine, with the routing of the real ones.
+MOE_SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                 max_position_embeddings=2048, sliding_window=None, tie_word_embeddings=False,
+                 initializer_range=0.1)  # wider than the default 0.02, so greedy choices are not near ties
+
+
+def build_moe_model(folder: Path) -> Path:
+    """MOE_SHAPE as a seeded random transformers Mixtral, saved (safetensors) into folder."""
+    import transformers
+
+    torch.manual_seed(SEED)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MOE_SHAPE)).eval()
+    model.save_pretrained(folder)
+    return folder
 
 
 def make_requests(n: int, vocab: int, max_output: int, seed: int = SEED) -> list[tuple[list[int], int]]:
@@ -179,13 +202,24 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights and activations, the same for Baton and transformers")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, nproc)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "engine_throughput.json"))
+    ap.add_argument("--moe", action="store_true", help="run on the bench's own small Mixtral (MOE_SHAPE, random init)")
+    ap.add_argument("--out", default=None, help="JSON output (default bench/results/engine_throughput.json, "
+                                                "engine_throughput_moe.json with --moe)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = str(REPO / "bench" / "results" / ("engine_throughput_moe.json" if args.moe else "engine_throughput.json"))
+    if args.moe and args.model:
+        ap.error("--moe builds its own model; drop --model")
 
     info = machine_info()
     threads = args.threads or info["nproc"] or os.cpu_count()
     torch.set_num_threads(threads)
-    model_dir = resolve_model_dir(args.model)
+    if args.moe:
+        import tempfile
+
+        model_dir = build_moe_model(Path(tempfile.mkdtemp(prefix="baton-bench-moe-")))
+    else:
+        model_dir = resolve_model_dir(args.model)
     from workers.model_config import ModelConfig
 
     vocab = ModelConfig.from_model_dir(model_dir).vocab_size
@@ -243,7 +277,8 @@ def main(argv=None) -> int:
             "machine": info,
             "torch_threads": threads,
             "model": str(model_dir),
-            "model_name": Path(model_dir).name,
+            "model_name": "bench-mixtral-8x-top2 (random init)" if args.moe else Path(model_dir).name,
+            "model_shape": MOE_SHAPE if args.moe else None,
             "dtype": args.dtype,
             "workload": {
                 "num_requests": len(reqs), "seed": SEED,

@@ -23,12 +23,25 @@ worker ships several requests in a row). Block ids move every repetition and the
 baseline rotates through 256 MiB, so neither finds its data in the CPU caches; a hot-cache
 memcpy is recorded alongside. Sizes go from one 64 KiB block to 1024 blocks (64 MiB), with
 block ids either one contiguous run or scattered (one run per block).
+
+`--checksum-cost` measures only what end-to-end integrity costs (kvtransfer.integrity) on a
+clean 16 MiB handoff over shared memory, checksums off and on side by side (two prefill actors,
+one of each, alternating, into one decode actor):
+
+    .venv/bin/python -m bench.kv_transfer --checksum-cost   # -> bench/results/kv_transfer_checksum.json
+
+per transfer: the sender's time (send() to terminal: the copy, and with checksums the sums
+taken inside it and the seals written) and the receiver's time to verify it (its wait() on a
+transfer the sender has finished: re-reading its blocks and comparing); the handoff is both.
+It also records, in one process on hot buffers, the native sum against zlib.crc32.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import zlib
+from array import array
 import os
 import pathlib
 import platform
@@ -45,6 +58,8 @@ import torch  # noqa: E402
 
 from cluster.testing import FakeCluster, NodeType  # noqa: E402
 from kvtransfer import KVLayout, Place, Role  # noqa: E402
+from kernels.block_checksum import BlockSummer, SummingCopier  # noqa: E402
+from kernels.block_copy import KVBlockCopier  # noqa: E402
 from kvtransfer.testing import KVWorker  # noqa: E402
 
 # 4 layers x K/V x 16 tokens x 2 KV heads x 64 dims x fp32 = 64 KiB per block.
@@ -75,6 +90,34 @@ class BenchWorker(KVWorker):
 
     def threads(self) -> int:
         return torch.get_num_threads()
+
+    def timed_wait(self, transfer_id: str) -> tuple[float, bool]:
+        """Seconds the receiver's wait() takes on a transfer the sender has already finished
+        (with checksums: the verification), and whether it is SUCCESS."""
+        t0 = time.perf_counter()
+        result = self.wait(transfer_id, Role.RECV, 10.0)
+        return time.perf_counter() - t0, result.ok
+
+    def sum_costs(self, nbytes: int, reps: int) -> dict:
+        """Hot-buffer bytes/s of the native block sums, zlib.crc32, the native copy and the
+        native copy that sums as it copies, on `nbytes` of this actor's cache."""
+        cache = self.cache.view(torch.uint8)
+        n = nbytes // LAYOUT.block_bytes
+        src, dst = array("q", range(n)), array("q", range(n, 2 * n))
+        packed = cache[:, :, :n].contiguous().numpy()
+        copier, summing, summer = KVBlockCopier(cache, cache), SummingCopier(cache, cache), BlockSummer(cache)
+        fns = {"block_sums": lambda: summer(src), "zlib_crc32": lambda: zlib.crc32(packed),
+               "copy": lambda: copier(dst, src), "copy_and_sums": lambda: summing(dst, src)}
+        out = {}
+        for name, fn in fns.items():
+            fn()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            out[f"{name}_bytes_per_s"] = nbytes / statistics.median(times)
+        return out
 
     def expect_batch(self, plans: list) -> None:
         for tid, _, dst in plans:
@@ -212,6 +255,71 @@ def measure_local(args) -> tuple[list[dict], int]:
     return rows, threads
 
 
+CHECKSUM_BLOCKS = 256  # 16 MiB of 64 KiB blocks
+
+
+def measure_checksum_cost(args) -> dict:
+    """A clean 16 MiB shm handoff with checksums off and on, alternating repetition by
+    repetition (one prefill actor each, one decode actor) so that load drift hits both."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    actor = ray.remote(num_cpus=0)(BenchWorker)
+    d, senders = actor.remote(), {False: actor.remote(), True: actor.remote()}
+    reps = max(args.reps, 15)
+    rows = []
+    try:
+        endpoint = ray.get(d.setup.remote("shm", LAYOUT, NUM_BLOCKS, 1))
+        peers = {}
+        for checksums, p in senders.items():
+            ray.get(p.setup.remote("shm", LAYOUT, NUM_BLOCKS, 2, {"checksums": checksums}))
+            peers[checksums] = ray.get(p.connect.remote(endpoint))
+        costs = ray.get(senders[True].sum_costs.remote(CHECKSUM_BLOCKS * LAYOUT.block_bytes, reps))
+        for pattern in args.patterns:
+            times = {c: {"send": [], "verify": []} for c in senders}
+            for rep in range(reps + 1):  # the first of each is a warm-up
+                for checksums, p in senders.items():
+                    tid = f"ck-{pattern}-{int(checksums)}-{rep}"
+                    plan = (tid, block_ids(CHECKSUM_BLOCKS, pattern, rep, 0),
+                            block_ids(CHECKSUM_BLOCKS, pattern, rep, NUM_BLOCKS // 2))
+                    ray.get(d.expect_batch.remote([plan]))
+                    [send_s] = ray.get(p.send_batch.remote(peers[checksums], [plan]))
+                    verify_s, ok = ray.get(d.timed_wait.remote(tid))
+                    assert ok, tid
+                    if rep:
+                        times[checksums]["send"].append(send_s)
+                        times[checksums]["verify"].append(verify_s)
+            for checksums, t in times.items():
+                handoff = [a + b for a, b in zip(t["send"], t["verify"])]
+                rows.append({"block_ids": pattern, "checksums": checksums,
+                             "bytes": CHECKSUM_BLOCKS * LAYOUT.block_bytes,
+                             "send_seconds_median": statistics.median(t["send"]),
+                             "verify_seconds_median": statistics.median(t["verify"]),
+                             "handoff_seconds_median": statistics.median(handoff)})
+    finally:
+        ray.shutdown()
+    overhead = {}
+    for pattern in args.patterns:
+        off, on = (next(r for r in rows if r["block_ids"] == pattern and r["checksums"] == c) for c in (False, True))
+        overhead[pattern] = {
+            "send": on["send_seconds_median"] / off["send_seconds_median"] - 1,
+            "handoff": on["handoff_seconds_median"] / off["handoff_seconds_median"] - 1,
+        }
+    return {
+        "benchmark": "kv_transfer_checksum",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "load_average_1_5_15": os.getloadavg(),
+                    "note": "2 cores shared with other developers' jobs: expect noise"},
+        "layout": {"num_layers": LAYOUT.num_layers, "num_kv_heads": LAYOUT.num_kv_heads, "head_dim": LAYOUT.head_dim,
+                   "block_size": LAYOUT.block_size, "dtype": LAYOUT.dtype, "block_bytes": LAYOUT.block_bytes},
+        "reps": reps,
+        "results": rows,
+        "overhead": overhead,
+        "hot_buffer_costs_16MiB": costs,
+        "target": "checksums add at most 10% to the transfer time",
+    }
+
+
 def size_label(nbytes: int) -> str:
     return f"{nbytes >> 10}K" if nbytes < 1 << 20 else f"{nbytes >> 20}M"
 
@@ -229,7 +337,24 @@ def main() -> None:
                         help="measure each backend between two actors of one private Ray")
     parser.add_argument("--cross-node", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the transport per pair on two simulated Ray nodes")
+    parser.add_argument("--checksum-cost", action="store_true",
+                        help="only measure what checksums cost on a clean 16 MiB shm handoff "
+                             "(default --out bench/results/kv_transfer_checksum.json)")
     args = parser.parse_args()
+    if args.checksum_cost:
+        out = REPO / "bench/results/kv_transfer_checksum.json" \
+            if args.out == parser.get_default("out") else args.out
+        report = measure_checksum_cost(args)
+        print(f"{'block ids':10} {'checksums':9} | {'send ms':>8} {'verify ms':>9} {'handoff ms':>10}")
+        for r in report["results"]:
+            print(f"{r['block_ids']:10} {'on' if r['checksums'] else 'off':9} | {r['send_seconds_median'] * 1e3:8.3f} "
+                  f"{r['verify_seconds_median'] * 1e3:9.3f} {r['handoff_seconds_median'] * 1e3:10.3f}")
+        print("overhead:", {k: {m: f"{v:+.1%}" for m, v in o.items()} for k, o in report["overhead"].items()})
+        print("hot 16 MiB, GB/s:", {k: round(v / 1e9, 2) for k, v in report["hot_buffer_costs_16MiB"].items()})
+        if out:
+            pathlib.Path(out).write_text(json.dumps(report, indent=2) + "\n")
+            print("wrote", out)
+        return
     for n in args.blocks:
         if not 1 <= n <= NUM_BLOCKS:
             parser.error(f"--blocks {n}: must be in 1..{NUM_BLOCKS}")

@@ -11,7 +11,8 @@
 # nothing: checked with ps before the runs, logged). SEQUENTIAL=1 runs one server at a time instead
 # (all its runs, then the next): a third of the memory, for a machine whose other jobs leave too
 # little for all at once. Set ONLY="baton-bf16 vllm-cpu" for a subset, OWN_CLIENT=1 to add
-# bench/serve.py's column. JSON: bench/results/compare_<label>.json.
+# bench/serve.py's column. Every workload runs quiet and then busy (beside bench/cpu_hog.py; see
+# run_condition below). JSON: bench/results/compare_<label>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${1:-.venv-vllm}
@@ -84,21 +85,46 @@ sleep 20
 echo "== CPU seconds the idle servers used in 20 s (should be ~0):"
 for label in "${LABELS[@]}"; do echo "   $label: $(( $(cpu_seconds "${PIDS[$label]}") - BEFORE[$label] ))"; done
 
-round=0
-for mode in default "temperature 0"; do
-  for workload in throughput mixed; do
-    order=("${LABELS[@]}")
-    if (( round % 2 == 1 )); then
-      order=(); for (( i=${#LABELS[@]}-1; i>=0; i-- )); do order+=("${LABELS[$i]}"); done
-    fi
-    for label in "${order[@]}"; do
-      .venv/bin/python -m bench.compare_vllm --base-url "http://127.0.0.1:${PORTS[$label]}" --label "$label" \
-        --vllm "$VLLM_VENV/bin/vllm" --tokenizer "$MODEL_DIR" --workload "$workload" --modes "$mode" --merge \
-        "${EXTRA[@]}" &
-      CURRENT=$!
-      wait "$CURRENT" || echo "   $label $mode $workload: the benchmark failed" >&2
-      CURRENT=
+# Each condition's runs: quiet (nothing of ours beside the servers), then busy: bench/cpu_hog.py
+# keeps one core 50% busy in 10 ms slices at normal priority, in its own session as a neighbour's
+# job would be, beside every server alike, and is stopped before the script ends. The busy
+# condition runs with the client's defaults only (what users measure). CONDITIONS="quiet" or
+# CONDITIONS="busy" runs one of them.
+HOG=
+run_condition() {  # condition, sampling modes...
+  local condition=$1 round=0
+  shift
+  for mode in "$@"; do
+    for workload in throughput mixed; do
+      order=("${LABELS[@]}")
+      if (( round % 2 == 1 )); then
+        order=(); for (( i=${#LABELS[@]}-1; i>=0; i-- )); do order+=("${LABELS[$i]}"); done
+      fi
+      for label in "${order[@]}"; do
+        .venv/bin/python -m bench.compare_vllm --base-url "http://127.0.0.1:${PORTS[$label]}" --label "$label" \
+          --vllm "$VLLM_VENV/bin/vllm" --tokenizer "$MODEL_DIR" --workload "$workload" --modes "$mode" --merge \
+          --condition "$condition" "${EXTRA[@]}" &
+        CURRENT=$!
+        wait "$CURRENT" || echo "   $label $condition $mode $workload: the benchmark failed" >&2
+        CURRENT=
+      done
+      round=$((round + 1))
     done
-    round=$((round + 1))
   done
+}
+stop_hog() { [ -n "$HOG" ] && kill -TERM "$HOG" 2>/dev/null && wait "$HOG" 2>/dev/null || true; HOG=; }
+trap 'stop_hog; stop_all' EXIT
+for condition in ${CONDITIONS:-quiet busy}; do
+  case $condition in
+    quiet) run_condition quiet default "temperature 0" ;;
+    busy)
+      setsid .venv/bin/python -m bench.cpu_hog --duty 0.5 --period-ms 20 --seconds 7200 > /tmp/baton_compare_hog.log &
+      HOG=$!
+      sleep 2
+      run_condition busy default
+      stop_hog
+      echo "== the background load: $(cat /tmp/baton_compare_hog.log)"
+      ;;
+    *) echo "unknown condition $condition (quiet, busy)" >&2; exit 2 ;;
+  esac
 done

@@ -1,7 +1,9 @@
-"""The `baton` command line: `serve`, `scale`, `plan`, `env`, `config schema` and `config show`.
+"""The `baton` command line: `serve`, `router`, `scale`, `plan`, `env`, `config schema` and `config show`.
 
 The flags of `serve` and `config show` come from the configuration tree (cluster.config).
 `scale` talks to a running server's admin endpoint (router.admin; `baton serve --admin-endpoint`).
+`router` joins a running `baton serve` from another machine or pod as one more router process
+(cluster.router_procs; the Helm chart's separate router Deployment runs it).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -21,6 +25,7 @@ from cluster.config import BatonConfig, add_flags, json_schema
 from cluster.env_report import collect, format_text
 from cluster.launcher import serve
 from cluster.plan_cli import add_plan_parser, run_plan
+from cluster.router_main import join_spec, run_router
 from router.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER, API_KEY_ENV
 from workers.config import KERNEL_BACKENDS
 
@@ -53,6 +58,18 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--api-key", default=None, help=f"an API key of the server (default: {API_KEY_ENV})")
     scale.add_argument("--timeout", type=float, default=900.0,
                        help="seconds to wait for the pools to reach their size (default: 900)")
+    router = sub.add_parser("router", help="serve as one more router of a running `baton serve` (another pod)",
+                            description="Join the Ray cluster of a running `baton serve`, find its workers by name "
+                                        "and serve the same API with a router process of its own: its own prefix "
+                                        "index, long-polls and lease on every worker (see --router-lease), and its "
+                                        "share of the admission limits.")
+    router.add_argument("--config", required=True, help="the YAML configuration of the running `baton serve`")
+    router.add_argument("--address", default="auto", help="the Ray cluster (auto or HOST:PORT; default: auto)")
+    router.add_argument("--routers", type=int, default=1,
+                        help="router processes in all, this one included: each admits its share of the limits")
+    router.add_argument("--router-id", default=None,
+                        help="this router's name on the workers (default: router-<host>-<pid>); a restarted router "
+                             "must take a new one")
     add_plan_parser(sub)
     env = sub.add_parser("env", help="print this machine's environment for bug reports (as `vllm collect-env`)",
                          description="Versions (Python, torch, triton, CUDA, driver), GPUs with their compute "
@@ -123,6 +140,18 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _router(args: argparse.Namespace) -> int:
+    if args.routers < 1:
+        print(f"baton router: --routers must be >= 1, got {args.routers}", file=sys.stderr)
+        return 2
+    try:
+        spec = join_spec(args.config, args.address, args.routers)
+    except ValueError as exc:
+        print(f"baton router: {exc}", file=sys.stderr)
+        return 2
+    return run_router(spec, 0, args.router_id or f"router-{socket.gethostname()}-{os.getpid()}")
+
+
 def _load(args: argparse.Namespace) -> BatonConfig:
     options: dict[str, Any] = {k: v for k, v in vars(args).items()
                                if k not in ("command", "config_command", "config", "model_arg")}
@@ -141,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_plan(args)
     if args.command == "env":
         return _env(args)
+    if args.command == "router":
+        return _router(args)
     name = "baton " + args.command + (f" {args.config_command}" if args.command == "config" else "")
     if args.command == "config" and args.config_command == "schema":
         print(json.dumps(json_schema(), indent=2))

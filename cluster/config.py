@@ -66,6 +66,11 @@ class TransportConfig:
                 "that one for every pair"})
     transfer_timeout_s: float = field(default=30.0, metadata={
         "flag": "kv_transfer_timeout", "help": "seconds a KV transfer may take before it fails"})
+    kv_load_failure_policy: str = field(default="recompute", metadata={
+        "choices": transports.KV_LOAD_FAILURE_POLICIES,
+        "help": "when the KV a decode worker received failed its checksum, came short or late: recompute "
+                "(the decode worker prefills the prompt itself; counted in baton:kv_transfer_failures_total) "
+                "or fail (the request ends with a retryable 503)"})
 
     def __post_init__(self) -> None:
         if not self.transfer_timeout_s > 0:
@@ -118,6 +123,17 @@ class PlacementConfig:
         "flag": "drain_timeout",
         "help": "seconds a worker being removed (baton scale) lets its requests finish before they move to "
                 "other workers"})
+    # -- router processes (cluster.router_procs, workers.router_leases)
+    api_server_count: int = field(default=1, metadata={
+        "example": 2,
+        "help": "router processes sharing the HTTP port (SO_REUSEPORT, as vLLM's flag); each has its own prefix "
+                "index fed by every worker's KV events and its share of the admission limits, and a dead one is "
+                "restarted while the others serve on"})
+    router_lease_s: float = field(default=5.0, metadata={
+        "flag": "router_lease",
+        "help": "seconds a worker keeps a router's requests after its last call (its long-polls renew the lease "
+                "all the time); past it the router is taken for dead and its requests end, freeing their KV "
+                "blocks in both pools"})
 
     def __post_init__(self) -> None:
         if self.max_restarts < -1:
@@ -127,6 +143,10 @@ class PlacementConfig:
         for name, flag in (("migration_wait_s", "migration_wait"), ("drain_timeout_s", "drain_timeout")):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{flag} must be >= 0 seconds, got {getattr(self, name)}")
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
+        if not 0 < self.router_lease_s < float("inf"):
+            raise ValueError(f"router_lease must be > 0 seconds, got {self.router_lease_s}")
         if self.prefill_workers < 0:
             raise ValueError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
         if self.decode_workers < 1:

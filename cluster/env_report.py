@@ -162,11 +162,12 @@ _OP_MODULES = {
     "scaled_fp8_quant": ("fp8_quant", None), "fp8_gemm": ("fp8_gemm", None),
     "pack_kv_blocks": ("block_copy", None), "unpack_kv_blocks": ("block_copy", None),
     "exponential_race": ("sampling", "exponential_race"),
+    "gelu_tanh_and_mul": ("gelu_tanh_and_mul", "gelu_mul"), "fused_moe": ("fused_moe", None),
 }
 
 
 def _implementation(fn) -> str:
-    name = getattr(fn, "__name__", "")
+    name = getattr(getattr(fn, "func", fn), "__name__", "")  # a functools.partial: the function it wraps
     if name.endswith("_triton"):
         return "triton"
     if name.endswith("_reference"):

@@ -1,5 +1,8 @@
 """Start-up and shut-down: Ray on loopback (or an existing cluster), the two pools, the router.
 
+With `api_server_count` N > 1 the launcher serves as router 0 and runs routers 1..N-1 as child
+processes on the same port (cluster.router_procs); every router holds a lease on every worker.
+
 Without an address Baton always starts a private Ray on 127.0.0.1 (`address="local"`: a stale
 `/tmp/ray/ray_current_cluster` or another user's Ray is never joined by accident); with
 `--address auto|HOST:PORT` it joins that cluster as a driver and asks it for nothing but the
@@ -14,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +31,10 @@ from cluster.placement import (
 )
 from cluster.autoscaler import install_autoscaler
 from cluster.pool_manager import PoolManager, PoolTargets
+from cluster.router_procs import RouterProcesses, RouterSpec
 from router.admin import install_admin
+from router.admission import share_of
+from router.app import bind_socket, install_router_metrics
 from router.app import build_app as build_router_app
 from router.app import serve as serve_http
 from router.flow import FlowLimits
@@ -36,7 +43,7 @@ from router.ray_backend import RayBackend
 from router.routing import make_policy
 from router.tokenizer import Tokenizer
 from workers.model_files import DEFAULT_MODEL_NAME, ModelNotFoundError, is_repo_id, resolve_model_dir
-from common.protocol import WorkerReady
+from common.protocol import DEFAULT_ROUTER_ID, RouterClaim, WorkerReady
 from common.envs import ensure_loopback_ray
 from common.roles import Role
 
@@ -146,8 +153,9 @@ def deploy(config: BatonConfig, ready_timeout_s: float = 300.0, actor_name_prefi
     except BaseException:
         deployment.shutdown()  # no actor, shared memory segment or private Ray outlives a failed start
         raise
-    deployment.backend = RayBackend(WorkerPools(deployment.workers),
-                                    FlowLimits(placement.max_migrations, placement.migration_wait_s))
+    deployment.backend = RayBackend(
+        WorkerPools(deployment.workers, router=RouterClaim(DEFAULT_ROUTER_ID, placement.router_lease_s)),
+        FlowLimits(placement.max_migrations, placement.migration_wait_s))
     deployment.pools = PoolManager(deployment, actor_name_prefix)
     return deployment
 
@@ -195,36 +203,72 @@ def _learn_limits(deployment: Deployment, reports: list[WorkerReady]) -> None:
              limiting.worker_id, limiting.num_blocks, limiting.block_size, limiting.dtype, limiting.kv_cache_dtype)
 
 
-def build_app(deployment: Deployment):
+def build_app(deployment: Deployment, router_index: int = 0, router_id: str = DEFAULT_ROUTER_ID,
+              metrics_dir: str | None = None, routers: int | None = None):
     """The router app over the deployment's pools. Admission gates left automatic get each pool's
     batch capacity (workers x max_num_seqs; decode workers prefill when there is no prefill pool),
-    and API keys come from BATON_API_KEY when none were configured."""
+    and API keys come from BATON_API_KEY when none were configured. With several router processes
+    (`routers`, default api_server_count), this one, `router_index`, gets its share of every
+    admission limit, so the deployment admits what one router would. The admin endpoint and the autoscaler belong to the
+    process that owns the pools (deployment.pools: the launcher's)."""
     config = deployment.config
     tokenizer = Tokenizer.from_model_dir(deployment.model_dir)
     policy = make_policy(config.routing, deployment.backend.prefix_index, deployment.block_size)
     seqs, placement = config.engine.max_num_seqs, config.placement
+    routers = routers or placement.api_server_count
+
+    def share(total: int | None) -> int | None:
+        return share_of(total, routers, router_index)
+
     server = dataclasses.replace(
         config.server.with_api_key_from_env(),
-        max_running_requests=config.server.max_running_requests or placement.decode_workers * seqs,
-        max_running_prefills=config.server.max_running_prefills
-        or (placement.prefill_workers or placement.decode_workers) * seqs,
+        max_running_requests=share(config.server.max_running_requests or placement.decode_workers * seqs),
+        max_running_prefills=share(config.server.max_running_prefills
+                                   or (placement.prefill_workers or placement.decode_workers) * seqs),
+        max_waiting_requests=share(config.server.max_waiting_requests),
+        max_waiting_prefills=share(config.server.max_waiting_prefills),
     )
     app = build_router_app(deployment.backend, tokenizer, deployment.model_name, deployment.max_model_len, policy,
-                           server)
+                           server, router_id=router_id)
+    install_router_metrics(app, router_id, metrics_dir)
+    if deployment.pools is None:
+        return app
     install_admin(app, deployment.pools, config.admin.with_token_from_env())
 
     def resize_gates(targets: PoolTargets) -> None:
         # Automatic gate capacities follow the pools (a request waiting already gets the next free slot).
         admission = app.state.baton.admission
         if config.server.max_running_requests is None:
-            admission.decode.capacity = targets.decode * seqs
+            admission.decode.capacity = share(targets.decode * seqs)
         if config.server.max_running_prefills is None:
-            admission.prefill.capacity = (targets.prefill or targets.decode) * seqs
+            admission.prefill.capacity = share((targets.prefill or targets.decode) * seqs)
 
     deployment.pools.subscribe_resize(resize_gates)
     if config.autoscaler.enabled:
         install_autoscaler(app, deployment.pools, deployment.backend, config.autoscaler)
     return app
+
+
+def _start_router_processes(deployment: Deployment, folder: Path) -> RouterProcesses:
+    """Routers 1..api_server_count-1 as child processes joining this deployment's Ray."""
+    import yaml
+
+    config = deployment.config
+    config_file = folder / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    spec = RouterSpec(
+        config_file=str(config_file), ray_address=ray.get_runtime_context().gcs_address,
+        namespace=ray.get_runtime_context().namespace,
+        workers=[(w.worker_id, Role(w.role).value, w.actor_name) for w in deployment.workers],
+        model_dir=str(deployment.model_dir), model_name=deployment.model_name,
+        max_model_len=deployment.max_model_len, block_size=deployment.block_size,
+        count=config.placement.api_server_count, metrics_dir=str(folder / "metrics"),
+    )
+    (folder / "metrics").mkdir(exist_ok=True)
+    spec.write(folder / "routers.json")
+    routers = RouterProcesses(folder / "routers.json", spec.count)
+    routers.start()
+    return routers
 
 
 def serve(config: BatonConfig) -> None:
@@ -236,8 +280,16 @@ def serve(config: BatonConfig) -> None:
     # Installed after Ray starts, which sets a SIGTERM handler of its own that exits with 15.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     server = config.server
+    routers: RouterProcesses | None = None
+    folder = tempfile.TemporaryDirectory(prefix="baton-routers-")
     try:
-        app = build_app(deployment)
+        count = config.placement.api_server_count
+        # Several routers: each binds its own socket on the port with SO_REUSEPORT (this one first,
+        # so a port another program holds fails here, before any child starts).
+        sock = bind_socket(server.host, server.port, reuse_port=True) if count > 1 else None
+        app = build_app(deployment, metrics_dir=str(Path(folder.name) / "metrics") if count > 1 else None)
+        if count > 1:
+            routers = _start_router_processes(deployment, Path(folder.name))
         # Everything built so far (tokenizer, Ray's state, the app) lives as long as the router:
         # keep it out of the collector's full passes, which otherwise pause the event loop for tens
         # of milliseconds now and then (a 429's or a token's p99).
@@ -245,12 +297,16 @@ def serve(config: BatonConfig) -> None:
         gc.freeze()
         log.info("serving %s on http://%s:%d (start-up %.1f s)", deployment.model_name, server.host, server.port,
                  time.monotonic() - started)
-        serve_http(app, host=server.host, port=server.port, log_level=server.log_level)
+        serve_http(app, host=server.host, port=server.port, log_level=server.log_level, sock=sock)
     except KeyboardInterrupt:
         pass
     finally:
+        if routers is not None:
+            log.info("stopping %d router processes", len(routers.pids()))
+            routers.stop()
         log.info("shutting down workers")
         deployment.shutdown()
+        folder.cleanup()
 
 
 def _raise_keyboard_interrupt(signum, frame):

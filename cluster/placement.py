@@ -7,9 +7,13 @@ Per pool (`resolve_pool`), from the configuration and the cluster's nodes as Ray
   a worker given GPUs runs its engine and KV cache on CUDA.
 - CPUs: `threads_per_worker` when given (the engine runs that many threads), else none.
   Without it on the CPU, one prefill worker and the decode workers share the machine's cores
-  (`shared_cpu_host`): a prefill worker runs a long prompt's steps on every core, and decode
-  workers run at idle priority, so they yield to it. A long prompt's first token waits on that
-  compute; the streams lose the steps the prefill takes (bench/run_comparison.sh measures both).
+  (`shared_cpu_host`): the prefill worker runs a long prompt's steps on every core, at a lower
+  priority (niceness `SHARED_HOST_PREFILL_NICE`) than the decode workers, the router and
+  whatever else runs on the host. A decode step that wants a core takes it from the prefill
+  within a scheduler slice, whatever else is busy, so streams slow down beside a long prompt but
+  never stop; the prefill gets every core the streams leave, all of them when no stream runs.
+  The other way round (decode at idle priority) let any busy process stall the streams
+  (docs/deployment.md has the measurements: bench/run_comparison.sh, quiet and busy host).
   The rule reads the configured pool sizes: workers the pool manager adds later get the same.
 - the pool's custom resource (`baton_prefill` / `baton_decode`), 1 per worker, when a node
   offers it: that is what pins each pool to its node type on a `ray up` or KubeRay cluster.
@@ -149,6 +153,11 @@ class SpawnedWorker:
     actor_name: str
 
 
+# Niceness 10 weighs a thread at about a tenth of a normal one (Linux CFS): a busy decode step
+# keeps ~90% of the core it shares with the prefill, and the prefill still moves.
+SHARED_HOST_PREFILL_NICE = 10
+
+
 def worker_config(config: BatonConfig, role: str, worker_id: str, placement: PoolPlacement) -> WorkerConfig:
     """The WorkerConfig of one worker. The model is passed as the user gave it, so each worker
     resolves it on its own node; the engine runs where the placement gives it GPUs."""
@@ -159,7 +168,8 @@ def worker_config(config: BatonConfig, role: str, worker_id: str, placement: Poo
         engine = replace(engine, long_prompt_threads=cores)
     return WorkerConfig(worker_id, role, config.model, engine, transport=config.transport.kind,
                         transfer_timeout_s=config.transport.transfer_timeout_s,
-                        idle_priority=shared and role == Role.DECODE)
+                        kv_load_failure_policy=config.transport.kv_load_failure_policy,
+                        nice=SHARED_HOST_PREFILL_NICE if shared and role == Role.PREFILL else 0)
 
 
 def shared_cpu_host(config: BatonConfig, placement: PoolPlacement) -> bool:

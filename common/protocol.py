@@ -103,7 +103,9 @@ class KVLayout:
     The cache is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` of `dtype`
     (a name from KV_DTYPE_ITEMSIZE). `kv_scales` holds one (k_scale, v_scale) pair per layer
     for FP8 caches; it is empty for other dtypes (scales of 1.0 are normalised to empty, so
-    "no scales" and "all ones" agree).
+    "no scales" and "all ones" agree). `layer_windows` holds each layer's sliding window (None:
+    global) when the model has windows, else it is empty (all-None is normalised to empty): a
+    sender that released out-of-window blocks and a receiver that expects them must not pair.
     """
 
     num_layers: int
@@ -112,6 +114,7 @@ class KVLayout:
     block_size: int
     dtype: str
     kv_scales: tuple[tuple[float, float], ...] = ()
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -134,6 +137,13 @@ class KVLayout:
         if all(k == 1.0 and v == 1.0 for k, v in scales):
             scales = ()
         object.__setattr__(self, "kv_scales", scales)
+        windows = tuple(None if w is None else int(w) for w in self.layer_windows)
+        if windows and len(windows) != self.num_layers:
+            raise ValueError(f"KVLayout.layer_windows has {len(windows)} entries, expected one per layer "
+                             f"({self.num_layers})")
+        if any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"KVLayout.layer_windows {windows} must hold None or windows >= 1")
+        object.__setattr__(self, "layer_windows", windows if any(w is not None for w in windows) else ())
 
     @property
     def element_size(self) -> int:
@@ -160,6 +170,7 @@ class KVLayout:
             ("num_layers", self.num_layers, peer.num_layers),
             ("num_kv_heads", self.num_kv_heads, peer.num_kv_heads),
             ("head_dim", self.head_dim, peer.head_dim),
+            ("layer_windows", self.layer_windows, getattr(peer, "layer_windows", ())),
         )
         for name, ours, theirs in checks:
             if ours != theirs:
@@ -197,6 +208,37 @@ class KVEndpoint:
         return (self.kind, self.worker_id)
 
 
+# ---- several routers: who owns a request on a worker, and the lease that keeps it ------------
+
+DEFAULT_ROUTER_ID = "router-0"  # the single router's, and that of calls made without a claim
+
+
+@dataclass(frozen=True)
+class RouterClaim:
+    """A router's identity on a worker, sent with its calls: the requests it creates are its own
+    (their outputs go to its outbox), and each call renews its lease for `lease_s` seconds; when
+    the lease runs out the worker ends the router's requests and frees their blocks."""
+
+    router_id: str
+    lease_s: float
+
+    def __post_init__(self) -> None:
+        if not self.router_id:
+            raise ValueError("RouterClaim.router_id must not be empty")
+        if not self.lease_s > 0:
+            raise ValueError(f"RouterClaim.lease_s must be > 0 seconds, got {self.lease_s}")
+
+
+@dataclass(frozen=True)
+class RouterLeaseInfo:
+    """A router holding a lease on a worker, as the worker's heartbeat reports it."""
+
+    router_id: str
+    requests: int  # the requests of that router on the worker now
+    idle_s: float  # since its last renewal
+    lease_s: float  # its term (inf: the default router of calls without a claim)
+
+
 @dataclass(frozen=True)
 class PrefillRequest:
     request_id: str
@@ -205,6 +247,7 @@ class PrefillRequest:
     peer_endpoint: KVEndpoint | None  # the decode worker's; None: nothing to send
     dst_block_ids: list[int] = field(default_factory=list)
     dst_num_cached_tokens: int = 0  # leading tokens (whole blocks) the decode worker had cached
+    router: RouterClaim | None = None  # the router the request belongs to (None: the default one)
 
 
 @dataclass(frozen=True)
@@ -234,6 +277,8 @@ class WorkerStats:
     prompt_tokens: int
     generation_tokens: int
     pid: int
+    # Received KV transfers that failed, by reason (kvtransfer.integrity.FailureReason values).
+    kv_transfer_failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -252,6 +297,7 @@ class WorkerHeartbeat:
 
     stats: WorkerStats
     kv_events: KVEventBatch
+    routers: tuple[RouterLeaseInfo, ...] = ()  # the routers holding a lease on the worker
 
 
 @dataclass(frozen=True)

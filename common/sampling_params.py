@@ -7,6 +7,25 @@ from dataclasses import dataclass, field
 # vLLM and OpenAI accept up to 20 top logprobs; more only costs time.
 MAX_LOGPROBS = 20
 
+# What a structured output constrains the reply to (router.structured builds them from the
+# request's fields, workers.grammar compiles them): a JSON schema (as JSON text), any JSON object,
+# a regular expression, one of a list of strings (as a JSON array), or an EBNF grammar.
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the reply, torch-free and hashable: equal specs share one compiled grammar."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str) or (not self.spec and self.kind != "json_object"):
+            raise ValueError(f"structured_output {self.kind} needs a non-empty spec, got {self.spec!r}")
+
 
 @dataclass
 class SamplingParams:
@@ -31,6 +50,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -12,9 +12,25 @@ Two lists, and "auto" is only in one of them:
 
 from __future__ import annotations
 
-__all__ = ["BACKENDS", "CHOICES", "FIXED_CHOICES"]
+__all__ = ["BACKENDS", "CHOICES", "FIXED_CHOICES", "KV_LOAD_FAILURE_POLICIES", "KVLoadFailed"]
 
 CHOICES = ("auto", "cpu", "shm", "gloo", "nccl")
 # The choices that name one backend for every pair (the others choose per pair).
 FIXED_CHOICES = ("shm", "gloo", "nccl")
 BACKENDS = ("inprocess", "shm", "gloo", "nccl", "pairwise")
+# What a decode worker does when the KV pushed to it failed or is invalid (vLLM's
+# --kv-load-failure-policy): recompute prefills the prompt itself (counted and logged); fail
+# ends the request with a retryable error.
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+class KVLoadFailed(RuntimeError):
+    """A decode worker under the `fail` policy could not use the KV pushed to it (`reason`: a
+    kvtransfer.integrity.FailureReason value). Retryable: the router answers 503."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):  # keeps `reason` across Ray's pickling
+        return type(self), (str(self), self.reason)

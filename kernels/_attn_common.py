@@ -32,6 +32,23 @@ def check_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_sc
     return float(scale), check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
 
 
+def check_window_softcap(window, softcap) -> tuple[int | None, float | None]:
+    """Validate the optional sliding window (tokens a query sees, itself included: transformers'
+    convention, keys at positions > q - window) and attention logit soft-cap (cap * tanh(s / cap))."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be None or a float > 0, got {softcap!r}")
+    return window, None if softcap is None else float(softcap)
+
+
+def softcap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) in place (Gemma 2's attention logit soft-capping); None: unchanged."""
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
 @functools.lru_cache(maxsize=16)
 def _fp8_table(device: torch.device) -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()

@@ -15,14 +15,16 @@ that cannot be built (no compiler, unwritable cache) leaves its op on the refere
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from kernels import (block_copy, decode_attention, fp8_gemm as _fp8_gemm, fp8_quant, kv_store, prefill_attention,
-                     rms_norm as _rms_norm, rotary, sampling, silu_mul)
+from kernels import (block_copy, decode_attention, fp8_gemm as _fp8_gemm, fp8_quant, fused_moe as _fused_moe,
+                     gelu_tanh_and_mul as gelu_mul, kv_store, prefill_attention, rms_norm as _rms_norm, rotary, sampling,
+                     silu_mul)
 from kernels._triton_compat import HAS_TRITON, interpreting
 # Module-level pack/unpack for callers without a KernelOps (the KV transports): Triton on CUDA tensors.
 from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks
@@ -46,13 +48,17 @@ class KernelOps:
     rotary_embedding: Op  # (positions, q, k, cos_sin_cache) -> None, in place
     silu_and_mul: Op  # (x) -> silu(x[:, :I]) * x[:, I:]
     store_kv: Op  # (key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None
-    paged_decode_attention: Op  # (q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
-    paged_prefill_attention: Op  # (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, ...)
+    # (q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, *, window=None, softcap=None)
+    paged_decode_attention: Op
+    # (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, ..., *, window=None, softcap=None)
+    paged_prefill_attention: Op
     scaled_fp8_quant: Op  # (x, scale=None, per_token=False) -> (fp8, scale)
     fp8_gemm: Op  # (a, b, scale_a, scale_b, out_dtype, bias=None)
     pack_kv_blocks: Op  # (kv_cache, block_ids) -> packed
     unpack_kv_blocks: Op  # (kv_cache, block_ids, packed) -> None
     exponential_race: Op  # (logits, inv_temperature, keys) -> token ids: the sampler's draw
+    fused_moe: Op  # (x, w13, w2, topk_weights, topk_ids) -> the weighted sum of each token's experts' MLPs
+    gelu_tanh_and_mul: Op = gelu_mul.gelu_tanh_and_mul_reference  # (x) -> gelu_tanh(x[:, :I]) * x[:, I:] (Gemma)
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -102,7 +108,7 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
             prefill_attention.paged_prefill_attention_triton, fp8_quant.scaled_fp8_quant_triton,
             _fp8_gemm.fp8_gemm_triton, block_copy.pack_kv_blocks_triton, block_copy.unpack_kv_blocks_triton,
             # One pass of elementwise ops and an argmax: the PyTorch reference is already fused enough on CUDA.
-            sampling.exponential_race_reference,
+            sampling.exponential_race_reference, _fused_moe.fused_moe_triton, gelu_mul.gelu_tanh_and_mul_triton,
         )
     references = dict(
         rms_norm=_rms_norm.rms_norm_reference, rotary_embedding=rotary.rotary_embedding_reference,
@@ -111,7 +117,8 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
         paged_prefill_attention=prefill_attention.paged_prefill_attention_reference,
         scaled_fp8_quant=fp8_quant.scaled_fp8_quant_reference, fp8_gemm=_fp8_gemm.fp8_gemm_reference,
         pack_kv_blocks=block_copy.pack_kv_blocks_reference, unpack_kv_blocks=block_copy.unpack_kv_blocks_reference,
-        exponential_race=sampling.exponential_race_reference,
+        exponential_race=sampling.exponential_race_reference, fused_moe=_fused_moe.fused_moe_reference,
+        gelu_tanh_and_mul=gelu_mul.gelu_tanh_and_mul_reference,
     )
     if resolved == "reference":
         return KernelOps("reference", **references)
@@ -139,5 +146,11 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
         exponential_race=_native_or_reference(
             sampling.native_built(), sampling.exponential_race_cpu, references["exponential_race"],
             sampling.native_available),
+        gelu_tanh_and_mul=_native_or_reference(
+            gelu_mul.native_built(), gelu_mul.gelu_tanh_and_mul_cpu, references["gelu_tanh_and_mul"],
+            gelu_mul.native_available),
+        # The reference's per-expert matmuls with the native SiLU-and-mul between them.
+        fused_moe=functools.partial(_fused_moe.fused_moe_reference, silu_and_mul=_native_or_reference(
+            silu_mul.native_built(), silu_mul.silu_and_mul_cpu, references["silu_and_mul"], silu_mul.native_available)),
     )
     return KernelOps("native", **{**references, **native})

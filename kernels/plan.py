@@ -33,7 +33,8 @@ from kernels._triton_compat import cdiv, interpreting, next_pow2
 
 __all__ = ["DeviceSpec", "LaunchPlan", "DecodePlan", "TARGETS", "check_fp8_supported", "fp8_supported",
            "decode_attention_plan", "merge_splits_plan", "prefill_attention_plan", "fp8_gemm_plan", "fp8_quant_plan",
-           "store_kv_plan", "rms_norm_plan", "rotary_plan", "silu_mul_plan", "block_copy_plan", "plan_table"]
+           "store_kv_plan", "rms_norm_plan", "rotary_plan", "silu_mul_plan", "block_copy_plan", "block_sums_plan", "MoePlan",
+           "fused_moe_plan", "plan_table"]
 
 FP8 = torch.float8_e4m3fn
 
@@ -250,6 +251,45 @@ def fp8_quant_plan(device: DeviceSpec, *, N: int, dynamic_row: bool, scale_per_r
         DYNAMIC_ROW=dynamic_row, SCALE_PER_ROW=scale_per_row, MIN_S=min_scale, BLOCK=min(next_pow2(N), 1024)), 4)
 
 
+# -- fused mixture of experts ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoePlan:
+    """The two grouped-GEMM launches of kernels.fused_moe; both tile the same expert-sorted rows."""
+
+    block_m: int  # rows per tile, and the padding of each expert's run of (token, slot) pairs
+    gate_up: LaunchPlan
+    down: LaunchPlan
+
+
+@functools.lru_cache(maxsize=1024)
+def fused_moe_plan(device: DeviceSpec, *, num_pairs: int, num_experts: int, hidden: int, inter: int, dtype,
+                   top_k: int) -> MoePlan:
+    """`num_pairs` = tokens * top_k; `inter` is one expert's intermediate size. float32 dots follow
+    the attention contract above (TF32 on CUDA, IEEE on the CPU)."""
+    dtype = _dtype(dtype)
+    dot_f32, precision = _dot_precision(device, dtype)
+    name = "kernels.fused_moe:_moe_gemm_kernel"
+    common = dict(TOP_K=top_k, DOT_F32=dot_f32, PRECISION=precision)
+    gated = dict(common, GATED=True, A_PER_TOKEN=True, MUL_WEIGHT=False)
+    weighted = dict(common, GATED=False, A_PER_TOKEN=False, MUL_WEIGHT=True)
+    if not device.is_cuda:
+        # Interpreter: small tiles keep numpy fast; 16 is tl.dot's minimum.
+        bm = 16
+        return MoePlan(bm, LaunchPlan(name, dict(gated, BLOCK_M=bm, BLOCK_N=max(16, min(next_pow2(inter), 32)),
+                                                 BLOCK_K=max(16, min(next_pow2(hidden), 64))), 4, 1),
+                       LaunchPlan(name, dict(weighted, BLOCK_M=bm, BLOCK_N=max(16, min(next_pow2(hidden), 32)),
+                                             BLOCK_K=max(16, min(next_pow2(inter), 64))), 4, 1))
+    # Rows per expert decide the tile height: decode batches give each expert a handful of rows,
+    # and padding each run to a tall tile would waste the tensor cores on zeros.
+    per_expert = cdiv(num_pairs, num_experts)
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    # float32 (TF32) tiles are twice the bytes: half the K depth keeps the stages in shared memory.
+    bk = 32 if dtype == torch.float32 else 64
+    return MoePlan(bm, LaunchPlan(name, dict(gated, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk), 4, 3),
+                   LaunchPlan(name, dict(weighted, BLOCK_M=bm, BLOCK_N=64 if bm <= 32 else 128, BLOCK_K=bk), 4, 3))
+
+
 # -- the elementwise kernels -------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=256)
@@ -285,6 +325,12 @@ def block_copy_plan(device: DeviceSpec, *, scatter: bool) -> LaunchPlan:
     return LaunchPlan("kernels.block_copy:_block_copy_kernel", dict(SCATTER=scatter, BLOCK=1024), 4)
 
 
+@functools.lru_cache(maxsize=16)
+def block_sums_plan(device: DeviceSpec) -> LaunchPlan:
+    # 256 int64 words (2 KiB) per load: a block's pieces are at least that on the shapes served.
+    return LaunchPlan("kernels.block_checksum:_block_sums_kernel", dict(BLOCK=256), 4)
+
+
 # -- the documented table ----------------------------------------------------------------------------
 
 def _cell(fn, *args, **kwargs) -> str:
@@ -305,10 +351,12 @@ def _cell(fn, *args, **kwargs) -> str:
 
 def plan_table() -> str:
     """The Markdown table docs/development.md shows under "Kernel plans" (Llama-3-8B's shapes:
-    32 q / 8 kv heads, head_dim 128, block size 16). Cells: tiles (M/N/K), w warps, s stages,
+    32 q / 8 kv heads, head_dim 128, block size 16; Mixtral 8x7B's for the fused MoE). Cells: tiles (M/N/K), w warps, s stages,
     splits for decode, the dot precision when dots run on float32 operands; "refused": the plan
     raises (FP8 below sm_89)."""
     attn = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+    mixtral = dict(num_experts=8, hidden=4096, inter=14336, dtype="bfloat16", top_k=2)
+    moe_decode, moe_prefill = dict(mixtral, num_pairs=16), dict(mixtral, num_pairs=4096)
     rows = [
         ("decode bf16, batch 8, 4k context",
          lambda d: _cell(decode_attention_plan, d, batch=8, max_ctx=4096, dtype="bfloat16", kv_dtype="bfloat16", **attn)),
@@ -322,6 +370,12 @@ def plan_table() -> str:
          lambda d: _cell(prefill_attention_plan, d, max_q=2048, dtype="float32", kv_dtype="float32", **attn)),
         ("FP8 GEMM, M=8 (decode)", lambda d: _cell(fp8_gemm_plan, d, M=8, N=4096, K=4096)),
         ("FP8 GEMM, M=2048, bias", lambda d: _cell(fp8_gemm_plan, d, M=2048, N=4096, K=4096, has_bias=True)),
+        ("fused MoE bf16 gate_up / down, Mixtral 8x7B, 8 decode tokens",
+         lambda d: " / ".join(_cell(lambda *a, **k: getattr(fused_moe_plan(*a, **k), step), d, **moe_decode)
+                              for step in ("gate_up", "down"))),
+        ("fused MoE bf16 gate_up / down, Mixtral 8x7B, 2k-token prefill",
+         lambda d: " / ".join(_cell(lambda *a, **k: getattr(fused_moe_plan(*a, **k), step), d, **moe_prefill)
+                              for step in ("gate_up", "down"))),
     ]
     names = list(TARGETS)
     lines = ["| launch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]

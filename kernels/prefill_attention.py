@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
-from kernels._attn_common import check_attention, gather_kv, native_cache_args, native_int32
+from kernels._attn_common import (check_attention, check_window_softcap, gather_kv, native_cache_args, native_int32,
+                                  softcap_scores)
 from kernels._checks import check_last_dim_contiguous, check_tensor, is_fp8, require
 from kernels._triton_compat import cdiv, lazy_jit, tl
 from kernels.plan import DeviceSpec, prefill_attention_plan
@@ -30,9 +31,13 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sca
 
 
 def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                                      k_scale: float = 1.0, v_scale: float = 1.0):
+                                      k_scale: float = 1.0, v_scale: float = 1.0, *, window: int | None = None,
+                                      softcap: float | None = None):
+    """`window`: a query at position p sees keys at positions > p - window (transformers' sliding
+    window); blocks wholly before the first query's window are never read. `softcap`: Gemma 2's cap."""
     scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                      scale, k_scale, v_scale)
+    window, softcap = check_window_softcap(window, softcap)
     T, hq, d = q.shape
     out = q.new_empty((T, hq, d))
     B = context_lens.shape[0]
@@ -52,18 +57,30 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_s
         nb = cdiv(ctx, bs)
         require(nb <= block_tables.shape[1],
                 f"sequence {i} needs {nb} blocks, block_tables has {block_tables.shape[1]}")
-        ids = block_tables[i, :nb].long()
+        # The first block any query of the chunk may see: with a window, earlier ones are skipped.
+        first = 0 if window is None else max(0, ctx - ql - window + 1) // bs
+        ids = block_tables[i, first:nb].long()
+        lo = first * bs
         # 4-D [1, H, len, D] inputs: torch's CPU flash kernel takes them (GQA included); 3-D ones
         # fall back to the unfused math path, several times slower on long prompts.
-        k = gather_kv(k_cache, ids, k_scale)[:ctx].transpose(0, 1)[None]  # [1, Hk, ctx, D]
-        v = gather_kv(v_cache, ids, v_scale)[:ctx].transpose(0, 1)[None]
+        k = gather_kv(k_cache, ids, k_scale)[: ctx - lo].transpose(0, 1)[None]  # [1, Hk, ctx - lo, D]
+        v = gather_kv(v_cache, ids, v_scale)[: ctx - lo].transpose(0, 1)[None]
         qi = q[s:e].float().transpose(0, 1)[None]  # [1, Hq, ql, D]
-        if ql == ctx:
+        if ql == ctx and window is None and softcap is None:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             qpos = torch.arange(ctx - ql, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            kpos = torch.arange(lo, ctx, device=q.device)
+            mask = kpos[None, :] <= qpos[:, None]
+            if window is not None:
+                mask &= kpos[None, :] > qpos[:, None] - window
+            if softcap is None:
+                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            else:  # the cap sits between the product and the softmax, where SDPA has no hook
+                group = qi.shape[1] // k.shape[1]
+                kg, vg = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                scores = softcap_scores(qi @ kg.transpose(-1, -2) * scale, softcap).masked_fill_(~mask, float("-inf"))
+                o = torch.softmax(scores, dim=-1) @ vg
         out[s:e] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
@@ -73,7 +90,7 @@ _NATIVE_ERRORS = {1: "bad head geometry or dtype",
                   3: "no specialisation for this block size / head dim"}
 _I64, _I32, _PTR = cpu_native.I64, cpu_native.I32, cpu_native.PTR
 _NATIVE_ARGS = (_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64,
-                _I64, _I32, _I32, _I32, _I32, cpu_native.F32, _I32)
+                _I64, _I32, _I32, _I32, _I32, cpu_native.F32, _I64, cpu_native.F32, _I32)
 # (block_size, head_dim) pairs the kernel is compiled for; others use the reference.
 _NATIVE_SHAPES = {(16, 64), (16, 128)}
 
@@ -97,10 +114,12 @@ def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_prefill_attention_cpu(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                                k_scale: float = 1.0, v_scale: float = 1.0):
+                                k_scale: float = 1.0, v_scale: float = 1.0, *, window: int | None = None,
+                                softcap: float | None = None):
     """The native CPU kernel; same contract as the reference. Needs native_available(q, k_cache)."""
     scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                      scale, k_scale, v_scale)
+    window, softcap = check_window_softcap(window, softcap)
     require(native_available(q, k_cache), f"no native CPU prefill attention for q {q.dtype}, cache {k_cache.dtype} "
                                           f"{tuple(k_cache.shape)} (or the library could not be built)")
     check_last_dim_contiguous(q, "q")
@@ -120,7 +139,8 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, block_tables, query_start_l
         *native_cache_args(k_cache, v_cache, k_scale, v_scale),
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         query_start_loc.data_ptr(), context_lens.data_ptr(),
-        out.data_ptr(), out.stride(0), out.stride(1), B, hq, hk, d, bs, scale, torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), out.stride(1), B, hq, hk, d, bs, scale, window or 0, softcap or 0.0,
+        torch.get_num_threads(),
     )
     require(err == 0, f"native prefill attention: {_NATIVE_ERRORS.get(err, f'error {err}')}")
     return out
@@ -132,11 +152,11 @@ _LOG2E = 1.4426950408889634
 @lazy_jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr,
-    qk_scale, v_scale, max_ctx,
+    qk_scale, v_scale, max_ctx, window, softcap_log2e,
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     # One program per (tile of BLOCK_M new tokens, query head, sequence); the grid is sized for the
     # longest sequence, so tiles past a shorter sequence's end do nothing.
@@ -167,7 +187,11 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         # Causality: nothing past this tile's last position is ever visible.
         end = tl.minimum(ctx, prefix + m0 + BLOCK_M)
-        for n0 in range(0, end, BLOCK_N):
+        if HAS_WINDOW:  # nothing before the tile's first query's window is visible, nor read
+            lo = tl.maximum(prefix + m0 - window + 1, 0)
+        else:
+            lo = 0
+        for n0 in range(lo, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < end
             page = tl.load(bt_ptr + b * stride_bt + n // BS, mask=nmask, other=0).to(tl.int64)
@@ -175,8 +199,14 @@ def _prefill_kernel(
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            # Key 0 is visible to every row, so no row is ever fully masked (no NaN).
-            s = tl.where(nmask[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+            if SOFTCAP:  # qk_scale holds 1 / cap: s = cap * tanh(raw / cap), in base 2
+                s = (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * softcap_log2e
+            # Each row sees its own key (its first tile's first key without a window), so no row
+            # ends fully masked (no NaN); a fully masked tile leaves m_i = -inf with p = 0.
+            visible = nmask[None, :] & (n[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (n[None, :] > qpos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -190,9 +220,11 @@ def _prefill_kernel(
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                                   k_scale: float = 1.0, v_scale: float = 1.0):
+                                   k_scale: float = 1.0, v_scale: float = 1.0, *, window: int | None = None,
+                                   softcap: float | None = None):
     scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                      scale, k_scale, v_scale)
+    window, softcap = check_window_softcap(window, softcap)
     check_last_dim_contiguous(q, "q")
     require(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim")
     require(context_lens.is_contiguous() and query_start_loc.is_contiguous(),
@@ -210,10 +242,14 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
     # Tiles and dot precision: kernels/plan.py (the compile check compiles the same choices).
     plan = prefill_attention_plan(DeviceSpec.of(q.device), max_q=max_q, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
                                   block_size=bs, dtype=q.dtype, kv_dtype=k_cache.dtype)
+    # With a window, each row's first visible key must fall in its tile's first key block (no NaN row).
+    assert window is None or plan.meta["BLOCK_M"] <= plan.meta["BLOCK_N"], plan.meta
     _prefill_kernel[(cdiv(max_q, plan.meta["BLOCK_M"]), hq, B)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        scale * k_scale * _LOG2E, v_scale, block_tables.shape[1] * bs,
+        scale * k_scale * (_LOG2E if softcap is None else 1.0 / softcap), v_scale, block_tables.shape[1] * bs,
+        window or 0, (softcap or 0.0) * _LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        **plan.launch_kwargs(),
+        **plan.launch_kwargs(), **({"HAS_WINDOW": True} if window is not None else {}),
+        **({"SOFTCAP": True} if softcap is not None else {}),
     )
     return out

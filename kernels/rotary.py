@@ -36,7 +36,33 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3")
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3, longrope")
+
+
+def _longrope_inv_freq(head_dim: int, base: float, factors: list[float]) -> torch.Tensor:
+    # transformers' _compute_longrope_parameters, float32 throughout.
+    ext = torch.tensor(factors, dtype=torch.float32)
+    if ext.shape != (head_dim // 2,):
+        raise ValueError(f"longrope factors need head_dim / 2 = {head_dim // 2} values, got {ext.shape[0]}")
+    return 1.0 / (ext * base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _longrope_cache(head_dim: int, max_position: int, base: float, scaling: dict) -> torch.Tensor:
+    """Phi-3's LongRoPE: positions inside the pretrained context rotate by the short factors,
+    positions past it by the long ones (per position, so a cached key never changes), and cos/sin
+    are scaled by the attention factor. transformers instead switches every position of a
+    sequence to the long factors once the sequence passes the pretrained context; the two agree
+    on every sequence that stays inside it."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    t = torch.arange(max_position, dtype=torch.int64).float()
+    short = torch.outer(t, _longrope_inv_freq(head_dim, base, scaling["short_factor"]))
+    long = torch.outer(t, _longrope_inv_freq(head_dim, base, scaling["long_factor"]))
+    freqs = torch.where((t < original)[:, None], short, long)
+    return torch.cat([freqs.cos() * attention, freqs.sin() * attention], dim=-1).contiguous()
 
 
 def build_rope_cache(head_dim: int, max_position: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -45,6 +71,8 @@ def build_rope_cache(head_dim: int, max_position: int, base: float, rope_scaling
         raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
     if not (isinstance(max_position, int) and max_position > 0):
         raise ValueError(f"max_position must be a positive int, got {max_position!r}")
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "longrope":
+        return _longrope_cache(head_dim, max_position, float(base), rope_scaling)
     inv_freq = _inv_freq(head_dim, float(base), rope_scaling)
     t = torch.arange(max_position, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)

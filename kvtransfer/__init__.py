@@ -22,6 +22,8 @@ Serving workers hold a `PairwiseTransport` (`kvtransfer.pairwise`): it picks the
 pair of workers from both workers' `Place` (Ray node id, node IP, device): shm inside a node
 and gloo across nodes on the CPU, nccl on GPUs; `pair_kind()` is that rule.
 
+Every transfer is checksummed end to end and verified by the receiver before it is SUCCESS
+(`kvtransfer.integrity`: failure reasons, and the `FaultPlan` tests inject faults with).
 See `kvtransfer.base` for the interface, `common.protocol` for the torch-free layout and
 endpoint, and `bench/kv_transfer.py` for the numbers behind the CPU default.
 """
@@ -48,6 +50,7 @@ from .base import (
     torch_dtype,
 )
 from .gloo import GlooTransport
+from .integrity import FailureReason, Fault, FaultKind, FaultPlan
 from .inprocess import InProcessTransport
 from .nccl import NcclTransport
 from .pairwise import PairwiseTransport, PeerLink, Place, offered_kinds, pair_kind
@@ -75,7 +78,8 @@ def create_transport(kind: str, **options: Any) -> KVTransport:
     """Build the backend `kind` (one of `common.transports.BACKENDS`). `options` go to its
     constructor, e.g. `host=` for gloo/nccl (address to bind and advertise), `fault=` for
     inprocess, `num_slots=` for shm, `choice=`, `place=` and `name=` for pairwise (the one
-    serving workers use)."""
+    serving workers use); every backend takes `checksums=` (seal what it sends,
+    default on) and `fault_plan=` (a FaultPlan of faults to inject, tests: kvtransfer.integrity)."""
     if kind not in BACKENDS:
         raise ValueError(f"unknown KV transport {kind!r}; expected one of {BACKENDS}")
     return _BACKENDS[kind](**options)
@@ -83,6 +87,10 @@ def create_transport(kind: str, **options: Any) -> KVTransport:
 
 __all__ = [
     "CPU_DEFAULT",
+    "FailureReason",
+    "Fault",
+    "FaultKind",
+    "FaultPlan",
     "KVEndpoint",
     "KVLayout",
     "KVLayoutMismatch",

@@ -14,10 +14,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from kernels.block_checksum import BlockSummer, block_sums
+from kernels.block_checksum import native_available as native_sums_available
 from kernels.block_copy import copy_kv_blocks_cpu, copy_native_available
 
 from common.protocol import KVLayout
 
+from .integrity import FailureReason, Fault, FaultPlan, Manifest, Verdict, layout_tag, verify
 from .base import (
     KVTransport,
     Role,
@@ -168,6 +171,7 @@ class Record:
     block_ids: list[int] = field(default_factory=list)
     status: TransferStatus = TransferStatus.PENDING
     error: Optional[str] = None
+    reason: Optional[str] = None  # a FailureReason value once FAILED or ABORTED
     t_end: Optional[float] = None
     # Held while this transfer reads or writes cache memory, so that expiry and abort wait
     # for an in-progress copy instead of racing it.
@@ -186,13 +190,15 @@ class Record:
     def result(self) -> TransferResult:
         end = self.t_end if self.t_end is not None else time.monotonic()
         return TransferResult(self.transfer_id, self.role, self.status, self.nbytes,
-                              end - self.t_start, self.error)
+                              end - self.t_start, self.error, self.reason)
 
 
 class TransportCore(KVTransport):
     """Record management, deadlines, poll/wait/abort; backends add the data path."""
 
-    def __init__(self) -> None:
+    def __init__(self, checksums: bool = True, fault_plan: Optional[FaultPlan] = None) -> None:
+        """`checksums`: seal what this side sends (kvtransfer.integrity); a receiver verifies
+        whatever arrives sealed. `fault_plan`: faults to inject into this side's sends (tests)."""
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._records: "OrderedDict[tuple[Role, str], Record]" = OrderedDict()
@@ -201,6 +207,41 @@ class TransportCore(KVTransport):
         self._layout: Optional[KVLayout] = None
         self._num_blocks = 0
         self._closed = False
+        self.checksums = bool(checksums)
+        self._faults = FaultPlan()
+        self._tag = 0
+        self._summer: Optional[BlockSummer] = None
+        self.set_fault_plan(fault_plan)
+
+    # -- integrity -----------------------------------------------------------------------
+    def set_fault_plan(self, plan: Optional[FaultPlan]) -> None:
+        """Faults to inject into this side's sends from now on (None: none)."""
+        if plan is not None and not isinstance(plan, FaultPlan):
+            raise ValueError(f"fault_plan must be a kvtransfer.integrity.FaultPlan, got {type(plan).__name__}")
+        self._faults = plan or FaultPlan()
+
+    def _planned_fault(self, transfer_id: str) -> Optional[Fault]:
+        return self._faults.fault_for(transfer_id)
+
+    def _block_sums(self, ids: Sequence[int]) -> np.ndarray:
+        """(s1, s2) sums `[n, 2]` of blocks `ids` of this side's cache (kernels.block_checksum)."""
+        if self._summer is not None:
+            return self._summer(array("q", ids))
+        assert self._bytes is not None
+        return block_sums(self._bytes, torch.tensor(list(ids), dtype=torch.int64, device=self._bytes.device))
+
+    def _verify(self, rec: Record, manifest: Optional[Manifest]) -> Optional[Verdict]:
+        """Receiver: check the blocks of `rec`, landed in this cache, against `manifest`
+        (None: the sender did not seal them; nothing to check)."""
+        if manifest is None:
+            return None
+        return verify(manifest, transfer_key(rec.transfer_id), self._tag, rec.num_blocks,
+                      self._block_sums(rec.block_ids))
+
+    def pending_transfers(self) -> list[str]:
+        """Ids of this side's transfers that are not terminal yet (tests check none leak)."""
+        with self._lock:
+            return [r.transfer_id for r in self._records.values() if not r.status.is_terminal]
 
     # -- cache -------------------------------------------------------------------------
     def register_cache(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
@@ -208,6 +249,8 @@ class TransportCore(KVTransport):
             raise ValueError(f"{self.kind} transport already has a registered cache")
         self._num_blocks = check_cache(layout, kv_cache)
         self._cache, self._bytes, self._layout = kv_cache, byte_view(kv_cache), layout
+        self._tag = layout_tag(layout)
+        self._summer = BlockSummer(self._bytes) if native_sums_available(self._bytes) else None
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
         self._check_num_blocks(num_blocks)
@@ -270,13 +313,20 @@ class TransportCore(KVTransport):
             raise ValueError(f"unknown transfer {transfer_id!r} ({role.value})")
         return rec.handle()
 
-    def _finish(self, rec: Record, status: TransferStatus, error: Optional[str] = None) -> bool:
-        """Move `rec` to a terminal status once; later attempts are ignored."""
+    def _finish(self, rec: Record, status: TransferStatus, error: Optional[str] = None,
+                reason: Optional[FailureReason] = None) -> bool:
+        """Move `rec` to a terminal status once; later attempts are ignored. A failure without
+        a `reason` counts as the sender's (or the link's) failure, an abort as ABORTED."""
         assert status.is_terminal
+        if status == TransferStatus.ABORTED:
+            reason = reason or FailureReason.ABORTED
+        elif status == TransferStatus.FAILED:
+            reason = reason or FailureReason.SENDER_FAILED
         with self._cond:
             if rec.status.is_terminal:
                 return False
             rec.status, rec.error, rec.t_end = status, error, time.monotonic()
+            rec.reason = None if reason is None else FailureReason(reason).value
             if rec.done is not None:
                 rec.done.set()
             self._cond.notify_all()
@@ -287,11 +337,12 @@ class TransportCore(KVTransport):
             if rec.status == TransferStatus.PENDING:
                 rec.status = TransferStatus.TRANSFERRING
 
-    def _terminate(self, rec: Record, status: TransferStatus, error: str) -> None:
+    def _terminate(self, rec: Record, status: TransferStatus, error: str,
+                   reason: Optional[FailureReason] = None) -> None:
         """Fail/abort from outside the data path; waits for an in-progress memory copy."""
         self._cancel(rec)
         with rec.mem_lock:
-            self._finish(rec, status, error)
+            self._finish(rec, status, error, reason)
 
     def _cancel(self, rec: Record) -> None:
         with self._cond:
@@ -305,7 +356,7 @@ class TransportCore(KVTransport):
         if not rec.status.is_terminal and time.monotonic() > rec.deadline:
             self._terminate(rec, TransferStatus.FAILED,
                             f"transfer {rec.transfer_id!r} ({rec.role.value}) exceeded its "
-                            f"deadline of {rec.deadline - rec.t_start:.3f}s")
+                            f"deadline of {rec.deadline - rec.t_start:.3f}s", FailureReason.DEADLINE)
 
     # -- KVTransport -------------------------------------------------------------------
     def poll(self, handle: TransferHandle) -> TransferStatus:

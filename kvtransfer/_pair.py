@@ -39,6 +39,7 @@ class XferMsg:
     dst_hash: int = 0
     remaining_s: float = 0.0
     chunk_blocks: int = 1
+    sealed: bool = False  # a kvtransfer.integrity.Manifest follows the last chunk in the store
 
 
 # Payloads are cut into chunks of about this size so that packing, the wire and unpacking
@@ -84,6 +85,7 @@ class Parked:
     seq: int
     buf: torch.Tensor
     timer: threading.Timer
+    manifest: object = None  # the sender's kvtransfer.integrity.Manifest (None: not sealed)
 
 
 @dataclass

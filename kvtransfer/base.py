@@ -56,6 +56,7 @@ def layout_from_cache(
     kv_cache: torch.Tensor,
     block_size: Optional[int] = None,
     scales: Optional[Sequence[tuple[float, float]]] = None,
+    layer_windows: Sequence[Optional[int]] = (),
 ) -> KVLayout:
     """Layout of an engine cache tensor `[L, 2, num_blocks, block_size, Hk, D]`."""
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
@@ -74,6 +75,7 @@ def layout_from_cache(
         block_size=int(kv_cache.shape[3]),
         dtype=dtype_name(kv_cache.dtype),
         kv_scales=tuple(scales or ()),
+        layer_windows=tuple(layer_windows),
     )
 
 
@@ -81,7 +83,7 @@ def check_cache(layout: KVLayout, kv_cache: torch.Tensor) -> int:
     """Validate a cache tensor against `layout`; returns its number of blocks."""
     if not isinstance(kv_cache, torch.Tensor):
         raise ValueError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
-    layout.check_compatible(layout_from_cache(kv_cache, scales=layout.kv_scales))
+    layout.check_compatible(layout_from_cache(kv_cache, scales=layout.kv_scales, layer_windows=layout.layer_windows))
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
     return int(kv_cache.shape[2])
@@ -134,6 +136,9 @@ class TransferResult:
     nbytes: int
     seconds: float
     error: Optional[str] = None
+    # Why it failed, as a kvtransfer.integrity.FailureReason value (None on success or when the
+    # backend could not tell): the label of baton:kv_transfer_failures_total.
+    reason: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -201,6 +206,15 @@ class KVTransport(ABC):
     def abort(self, transfer_id: str) -> None:
         """Abort on this side. On the receiver, once abort() returns no more bytes of this
         transfer are written into the destination blocks, so they may be freed."""
+
+    def set_fault_plan(self, plan) -> None:
+        """Inject the faults of a kvtransfer.integrity.FaultPlan into this side's sends (tests);
+        None: none. Backends without fault injection refuse."""
+        raise NotImplementedError(f"the {self.kind} transport has no fault injection")
+
+    def pending_transfers(self) -> list[str]:
+        """Ids of this side's transfers that are not terminal yet."""
+        raise NotImplementedError
 
     def recv_status(self, transfer_id: str) -> TransferStatus:
         """Receiver-side status by id (for callers that did not keep the handle)."""

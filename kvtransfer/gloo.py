@@ -15,6 +15,8 @@ Per transfer, over the pair (payloads in send order):
             `expect()` arrives or the deadline passes, so one late request never blocks the
             pair. Each outcome is appended to the pair's verdict stream, which a watcher
             thread on the sender turns into the sender's result.
+Integrity (kvtransfer.integrity, `_staged.py`): each chunk is summed as packed and as landed;
+the manifest follows the last chunk in the store; the receiver verifies before SUCCESS.
 Control messages ride on the store because a timed-out receive breaks a gloo pair: the data
 path only waits for bytes already announced, bounded by the deadline plus a grace. The same
 store is the rendezvous of each pair's process group. Messages, chunking and per-pair
@@ -33,7 +35,9 @@ import torch.distributed as dist
 
 from common.protocol import KVEndpoint, KVLayoutMismatch
 
-from ._common import GRACE_S, Record, TransportCore, ids_hash, pack_blocks, unpack_blocks
+import numpy as np
+
+from ._common import GRACE_S, Record, TransportCore, ids_hash, pack_blocks, transfer_key, unpack_blocks
 from ._control import ControlClient, ControlServer, StoreAdapter
 from ._pair import (
     CHUNK_BYTES,
@@ -47,17 +51,20 @@ from ._pair import (
     chunk_spans,
 )
 from .base import KVTransferError, Role, TransferHandle, TransferStatus
+from ._staged import spoil_staged, staged_sums, take_manifest
+from .integrity import FailureReason, FaultKind, FaultPlan, Manifest, faulty_manifest, verify
 
 
 class GlooTransport(TransportCore):
     kind = "gloo"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 connect_timeout_s: float = 30.0, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 connect_timeout_s: float = 30.0, chunk_bytes: int = CHUNK_BYTES, checksums: bool = True,
+                 fault_plan: Optional[FaultPlan] = None) -> None:
         """`host`: the address this worker's control server and pair sockets bind to and
         advertise; loopback by default, a node IP for multi-node deployments. `chunk_bytes`:
         payload chunk size for pipelining (rounded to whole blocks)."""
-        super().__init__()
+        super().__init__(checksums, fault_plan)
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self._chunk_bytes = chunk_bytes
@@ -160,7 +167,7 @@ class GlooTransport(TransportCore):
                     break
                 seq = inp.next_seq
                 inp.next_seq += 1
-                if not self._receive(inp, group, staging, msg, seq):
+                if not self._receive(inp, group, staging, msg, seq, store):
                     break
         except Exception:
             pass  # server closed: transport closing
@@ -174,7 +181,7 @@ class GlooTransport(TransportCore):
             p.timer.cancel()
 
     def _receive(self, inp: InPair, group, staging: Staging, msg: XferMsg,
-                 seq: int) -> bool:
+                 seq: int, store: ControlClient) -> bool:
         """Receive one announced payload, unpacking each chunk as it lands (or park the
         whole payload if expect() has not come yet). False if the pair broke."""
         deadline = time.monotonic() + msg.remaining_s
@@ -188,6 +195,7 @@ class GlooTransport(TransportCore):
         works = [group.recv([buf[a * block_bytes:(a + c) * block_bytes]], 0, i)
                  for i, (a, c) in enumerate(chunks)]
         failure: Optional[tuple[TransferStatus, Optional[str]]] = None
+        sums: list[np.ndarray] = []
         if live:
             self._set_transferring(rec)
             failure = self._check_ids(rec, msg)
@@ -196,18 +204,23 @@ class GlooTransport(TransportCore):
                 work.wait(as_timedelta(deadline - time.monotonic() + GRACE_S))
                 if live and failure is None:
                     self._sync()
+                    if msg.sealed:
+                        sums.append(staged_sums(self._bytes, buf, a, c, block_bytes))
                     failure = self._unpack(rec, buf, a, c)
         except Exception as exc:
             err = f"payload of {msg.transfer_id!r} not received, pair broken: {exc}"
             if rec is not None:
-                self._finish(rec, TransferStatus.FAILED, err)
-            self._verdict(inp, seq, TransferStatus.FAILED, err)
+                self._finish(rec, TransferStatus.FAILED, err, FailureReason.SENDER_FAILED)
+            self._verdict(inp, seq, TransferStatus.FAILED, err, FailureReason.SENDER_FAILED)
             return False
+        manifest = take_manifest(store, f"{inp.pair}/manifest/{seq}", deadline + GRACE_S) if msg.sealed else None
         if live:
+            if failure is None and msg.sealed:
+                failure = self._check_manifest(rec, msg, manifest, np.concatenate(sums))
             if failure is None:
                 self._finish(rec, TransferStatus.SUCCESS)
             status, error = failure or (TransferStatus.SUCCESS, None)
-            self._verdict(inp, seq, status, error)
+            self._verdict(inp, seq, status, error, rec.reason)
             return True
         with self._cond:
             rec = self._get(msg.transfer_id, Role.RECV)
@@ -215,18 +228,36 @@ class GlooTransport(TransportCore):
                 timer = threading.Timer(max(0.0, deadline - time.monotonic()),
                                         self._expire_parked, (inp, msg.transfer_id))
                 timer.daemon = True
-                inp.parked[msg.transfer_id] = Parked(msg, seq, buf, timer)
+                inp.parked[msg.transfer_id] = Parked(msg, seq, buf, timer, manifest)
                 timer.start()
                 return True
-        self._settle(inp, rec, msg, seq, buf)
+        self._settle(inp, rec, msg, seq, buf, manifest)
         return True
 
+    def _check_manifest(self, rec: Record, msg: XferMsg, manifest: Optional[Manifest],
+                        sums: np.ndarray) -> Optional[tuple[TransferStatus, str]]:
+        if manifest is None:
+            verdict_reason, message = FailureReason.INCOMPLETE, "the sender's manifest never arrived"
+        else:
+            verdict = verify(manifest, transfer_key(rec.transfer_id), self._tag, rec.num_blocks, sums)
+            if verdict is None:
+                return None
+            verdict_reason, message = verdict.reason, verdict.message
+        message = f"transfer {msg.transfer_id!r}: {message}"
+        self._finish(rec, TransferStatus.FAILED, message, verdict_reason)
+        return rec.status, rec.error
+
     def _check_ids(self, rec: Record, msg: XferMsg) -> Optional[tuple[TransferStatus, str]]:
+        if msg.nbytes != rec.nbytes:
+            error = (f"transfer {msg.transfer_id!r}: {msg.nbytes} bytes announced for {msg.nblocks} blocks, "
+                     f"this layout needs {rec.nbytes}")
+            self._finish(rec, TransferStatus.FAILED, error, FailureReason.FOREIGN_LAYOUT)
+            return TransferStatus.FAILED, error
         if ids_hash(rec.block_ids) == msg.dst_hash and len(rec.block_ids) == msg.nblocks:
             return None
         error = (f"transfer {msg.transfer_id!r}: sender's dst_block_ids differ from the "
                  f"receiver's {rec.block_ids}")
-        self._finish(rec, TransferStatus.FAILED, error)
+        self._finish(rec, TransferStatus.FAILED, error, FailureReason.IDS_MISMATCH)
         return TransferStatus.FAILED, error
 
     def _unpack(self, rec: Record, buf: torch.Tensor, start: int,
@@ -246,32 +277,38 @@ class GlooTransport(TransportCore):
         return None
 
     def _settle(self, inp: InPair, rec: Record, msg: XferMsg, seq: int,
-                buf: torch.Tensor) -> None:
-        """Unpack a fully received (parked) payload."""
+                buf: torch.Tensor, manifest: Optional[Manifest]) -> None:
+        """Verify and unpack a fully received (parked) payload."""
         failure = None if rec.status.is_terminal else self._check_ids(rec, msg)
         if rec.status.is_terminal:
             failure = rec.status, rec.error
-        for a, c in chunk_spans(msg.nblocks, msg.chunk_blocks):
+        spans = chunk_spans(msg.nblocks, msg.chunk_blocks)
+        if failure is None and msg.sealed:
+            block_bytes = msg.nbytes // msg.nblocks
+            sums = np.concatenate([staged_sums(self._bytes, buf, a, c, block_bytes) for a, c in spans])
+            failure = self._check_manifest(rec, msg, manifest, sums)
+        for a, c in spans:
             if failure is not None:
                 break
             failure = self._unpack(rec, buf, a, c)
         if failure is None:
             self._finish(rec, TransferStatus.SUCCESS)
         status, error = failure or (TransferStatus.SUCCESS, None)
-        self._verdict(inp, seq, status, error)
+        self._verdict(inp, seq, status, error, rec.reason)
 
     def _expire_parked(self, inp: InPair, transfer_id: str) -> None:
         with self._cond:
             parked = inp.parked.pop(transfer_id, None)
         if parked is not None:
             self._verdict(inp, parked.seq, TransferStatus.FAILED,
-                          f"receiver never expected transfer {transfer_id!r}")
+                          f"receiver never expected transfer {transfer_id!r}", FailureReason.DEADLINE)
 
     def _verdict(self, inp: InPair, seq: int, status: TransferStatus,
-                 error: Optional[str]) -> None:
+                 error: Optional[str], reason: Optional[str] = None) -> None:
+        reason = None if reason is None else FailureReason(reason).value
         try:
             with inp.reply_lock:
-                inp.reply_store.append(f"{inp.pair}/verdict", (seq, int(status), error))
+                inp.reply_store.append(f"{inp.pair}/verdict", (seq, int(status), error, reason))
         except Exception:
             pass  # sender gone: its records run into their deadlines
 
@@ -288,7 +325,7 @@ class GlooTransport(TransportCore):
         if parked is not None:
             parked.timer.cancel()
             self._set_transferring(rec)
-            self._settle(inp, rec, parked.msg, parked.seq, parked.buf)
+            self._settle(inp, rec, parked.msg, parked.seq, parked.buf, parked.manifest)
         return rec.handle()
 
     # -- sender ----------------------------------------------------------------------------
@@ -301,6 +338,10 @@ class GlooTransport(TransportCore):
             out = self._out.get(peer.worker_id)
             if out is not None and out.broken is None:
                 return peer.worker_id
+        if out is not None:  # a broken pair: stop its threads before a new pair replaces it
+            out.jobs.put(None)
+            for t in out.threads:
+                t.join(timeout=2.0)
         try:
             store = self._client(peer.address)
         except Exception as exc:
@@ -365,6 +406,8 @@ class GlooTransport(TransportCore):
                 continue
             dst = rec.extra["dst"]
             chunk_blocks = max(1, self._chunk_bytes // (rec.nbytes // rec.num_blocks))
+            fault = self._planned_fault(rec.transfer_id)
+            sealed = self.checksums
             try:
                 # Packing reads the source blocks: under mem_lock, so an abort on this side
                 # waits until they have been copied out (the sends then proceed from staging).
@@ -376,15 +419,35 @@ class GlooTransport(TransportCore):
                         out.in_flight[seq] = rec
                     out.store.set(f"{out.pair}/msg/{seq}", XferMsg(
                         "xfer", rec.transfer_id, len(dst), rec.nbytes, ids_hash(dst),
-                        rec.deadline - time.monotonic(), chunk_blocks))
+                        rec.deadline - time.monotonic(), chunk_blocks, sealed))
                     buf = staging.get(rec.nbytes)
                     block_bytes = rec.nbytes // rec.num_blocks
-                    works = []
-                    for i, (a, c) in enumerate(chunk_spans(len(dst), chunk_blocks)):
+                    spans = chunk_spans(len(dst), chunk_blocks)
+                    works, sums = [], []
+                    for i, (a, c) in enumerate(spans):
                         region = buf[a * block_bytes:(a + c) * block_bytes]
                         self._pack_chunk(rec.block_ids[a:a + c], region)
                         self._sync()
-                        works.append(out.group.send([region], 1, i))
+                        if sealed:
+                            sums.append(staged_sums(self._bytes, buf, a, c, block_bytes))
+                        if fault is None:
+                            works.append(out.group.send([region], 1, i))
+                    manifest = Manifest.of(np.concatenate(sums), transfer_key(rec.transfer_id), self._tag) \
+                        if sealed else None
+                if fault is not None and fault.kind == FaultKind.KILL:  # dies after the announcement: as a
+                    out.broken, out.group = "injected fault: sender killed mid-transfer", None  # dead process's,
+                    with self._lock:  # its sockets close and the receiver sees the pair break
+                        out.in_flight.pop(seq, None)
+                    self._finish(rec, TransferStatus.FAILED, out.broken, FailureReason.SENDER_FAILED)
+                    continue
+                if fault is not None:
+                    manifest = faulty_manifest(fault, manifest) if manifest is not None else None
+                    spoil_staged(self._bytes, fault, buf, spans, block_bytes, rec.deadline)
+                if manifest is not None:
+                    out.store.set(f"{out.pair}/manifest/{seq}", manifest)
+                if fault is not None:
+                    works = [out.group.send([buf[a * block_bytes:(a + c) * block_bytes]], 1, i)
+                             for i, (a, c) in enumerate(spans)]
                 for work in works:
                     work.wait(as_timedelta(rec.deadline - time.monotonic() + GRACE_S))
             except Exception as exc:
@@ -403,13 +466,13 @@ class GlooTransport(TransportCore):
             if verdict == "close":
                 store.close()
                 return
-            seq, status, error = verdict
+            seq, status, error, reason = verdict
             with self._lock:
                 rec = out.in_flight.pop(seq, None)
             if rec is not None:
                 status = TransferStatus(status)
                 self._finish(rec, status, None if status == TransferStatus.SUCCESS
-                             else f"receiver side: {error}")
+                             else f"receiver side: {error}", reason)
 
     # -- teardown ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -2,7 +2,9 @@
 
 It is also the fake backend for the serving layer's failure tests: `fault="drop"` never
 delivers (the transfer runs into its deadline), `fault="delay"` delivers after `fault_delay_s`,
-`fault="fail"` fails at once; `fault="delay:SECONDS"` sets the delay too.
+`fault="fail"` fails at once; `fault="delay:SECONDS"` sets the delay too. Per-transfer faults
+of the data itself (bit flips, lost or reordered blocks, a sender dying mid-copy...) come as a
+`kvtransfer.integrity.FaultPlan`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Optional, Sequence
 
 from common.protocol import KVEndpoint
 
-from ._common import Record, TransportCore, copy_blocks, ids_hash
+from ._common import Record, TransportCore, block_rows, copy_blocks, ids_hash, transfer_key
 from .base import Role, TransferHandle, TransferStatus
+from .integrity import (FailureReason, FaultKind, FaultPlan, Manifest, clamp_block, faulty_manifest, faulty_pairs,
+                        flip_bit)
 
 FAULTS = ("drop", "delay", "fail")
 
@@ -37,8 +41,9 @@ def parse_fault(spec: Optional[str], delay_s: float) -> tuple[Optional[str], flo
 class InProcessTransport(TransportCore):
     kind = "inprocess"
 
-    def __init__(self, fault: Optional[str] = None, fault_delay_s: float = 0.5) -> None:
-        super().__init__()
+    def __init__(self, fault: Optional[str] = None, fault_delay_s: float = 0.5, checksums: bool = True,
+                 fault_plan: Optional[FaultPlan] = None) -> None:
+        super().__init__(checksums, fault_plan)
         self._worker_id = f"inproc-{uuid.uuid4().hex[:12]}"
         self._fault, self._fault_delay_s = parse_fault(fault, fault_delay_s)
         self._peers: dict[str, "InProcessTransport"] = {}
@@ -90,6 +95,12 @@ class InProcessTransport(TransportCore):
             with self._cond:
                 if self._cond.wait_for(lambda: rec.cancelled, timeout=self._fault_delay_s):
                     return
+        fault = self._planned_fault(rec.transfer_id)
+        if fault is not None and fault.kind == FaultKind.STALL:
+            with self._cond:  # the data leaves only after the deadline
+                if self._cond.wait_for(lambda: rec.cancelled,
+                                       timeout=max(0.0, rec.deadline - time.monotonic()) + fault.stall_s):
+                    return
         dst = rec.extra["dst"]
         with peer._cond:
             peer._cond.wait_for(
@@ -102,25 +113,42 @@ class InProcessTransport(TransportCore):
             return
         if target is None:
             self._finish(rec, TransferStatus.FAILED,
-                         f"receiver never expected transfer {rec.transfer_id!r}")
+                         f"receiver never expected transfer {rec.transfer_id!r}", FailureReason.DEADLINE)
             return
         if ids_hash(target.block_ids) != ids_hash(dst):
             msg = (f"transfer {rec.transfer_id!r}: sender's dst_block_ids {dst} differ from the "
                    f"receiver's {target.block_ids}")
-            peer._finish(target, TransferStatus.FAILED, msg)
-            self._finish(rec, TransferStatus.FAILED, msg)
+            peer._finish(target, TransferStatus.FAILED, msg, FailureReason.IDS_MISMATCH)
+            self._finish(rec, TransferStatus.FAILED, msg, FailureReason.IDS_MISMATCH)
             return
         peer._expire_if_due(target)
         # Lock order sender -> receiver; abort/expiry take only one of the two.
         with rec.mem_lock, target.mem_lock:
             if target.status.is_terminal:
-                self._finish(rec, target.status, f"receiver side: {target.error}")
+                self._finish(rec, target.status, f"receiver side: {target.error}", target.reason)
                 return
             if rec.status.is_terminal:
                 return
             self._set_transferring(rec)
             peer._set_transferring(target)
-            copy_blocks(peer._bytes, dst, self._bytes, rec.block_ids)
+            src = rec.block_ids
+            sums = self._block_sums(src) if self.checksums else None
+            wrote_src, wrote_dst = faulty_pairs(fault, src, dst)
+            copy_blocks(peer._bytes, wrote_dst, self._bytes, wrote_src)
+            if fault is not None and fault.kind == FaultKind.FLIP:
+                flip_bit(block_rows(peer._bytes), dst[clamp_block(fault, len(dst))], fault.bit)
+            if fault is not None and fault.kind == FaultKind.KILL:
+                # Dead mid-copy: the receiver never hears of it again and runs into its deadline.
+                self._finish(rec, TransferStatus.FAILED, "injected fault: sender killed mid-transfer",
+                             FailureReason.SENDER_FAILED)
+                return
+            manifest = None if sums is None else \
+                faulty_manifest(fault, Manifest.of(sums, transfer_key(rec.transfer_id), self._tag))
+            verdict = peer._verify(target, manifest)
+            if verdict is not None:
+                peer._finish(target, TransferStatus.FAILED, verdict.message, verdict.reason)
+                self._finish(rec, TransferStatus.FAILED, f"receiver side: {verdict.message}", verdict.reason)
+                return
             peer._finish(target, TransferStatus.SUCCESS)
             self._finish(rec, TransferStatus.SUCCESS)
 

@@ -14,6 +14,7 @@ from common.protocol import KVLayout
 from ._pair import CHUNK_BYTES, as_timedelta
 from .base import KVTransferError, torch_dtype
 from .gloo import GlooTransport
+from .integrity import FaultPlan
 
 
 class NcclTransport(GlooTransport):
@@ -23,10 +24,13 @@ class NcclTransport(GlooTransport):
     kind = "nccl"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout_s: float = 30.0,
-                 chunk_bytes: int = CHUNK_BYTES, device: Optional[torch.device] = None) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, device: Optional[torch.device] = None, checksums: bool = True,
+                 fault_plan: Optional[FaultPlan] = None) -> None:
+        """Checksums are taken by the Triton block-sums kernel on the GPU staging buffers
+        (kernels.block_checksum), as gloo takes them on the CPU."""
         if not torch.cuda.is_available() or not dist.is_nccl_available():
             raise KVTransferError("the nccl KV transport needs CUDA and an NCCL build of torch")
-        super().__init__(host, port, connect_timeout_s, chunk_bytes)
+        super().__init__(host, port, connect_timeout_s, chunk_bytes, checksums, fault_plan)
         self._dev = torch.device(device) if device is not None else \
             torch.device("cuda", torch.cuda.current_device())
 

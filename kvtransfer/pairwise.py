@@ -37,6 +37,7 @@ from common.transports import CHOICES, FIXED_CHOICES
 
 from ._common import MAX_FINISHED_RECORDS, check_transfer_id
 from .base import KVTransferError, KVTransport, Role, TransferHandle, TransferResult, TransferStatus
+from .integrity import FaultPlan
 from .gloo import GlooTransport
 from .nccl import NcclTransport
 from .shm import ShmTransport
@@ -103,12 +104,12 @@ def pair_kind(choice: str, sender: Place, receiver: Place) -> str:
     return offered_kinds(choice, sender)[0] if same_node else offered_kinds(choice, sender)[-1]
 
 
-def _backend(kind: str, place: Place) -> KVTransport:
+def _backend(kind: str, place: Place, checksums: bool) -> KVTransport:
     if kind == "shm":
-        return ShmTransport()
+        return ShmTransport(checksums=checksums)
     if kind == "gloo":
-        return GlooTransport(host=place.host)
-    return NcclTransport(host=place.host)
+        return GlooTransport(host=place.host, checksums=checksums)
+    return NcclTransport(host=place.host, checksums=checksums)
 
 
 @dataclass
@@ -134,13 +135,16 @@ class PairwiseTransport(KVTransport):
 
     kind = KIND
 
-    def __init__(self, choice: str = "auto", place: Place = Place(), name: str = "") -> None:
-        """`name` is how peers' `links()` call this worker (its worker id in serving)."""
+    def __init__(self, choice: str = "auto", place: Place = Place(), name: str = "", checksums: bool = True,
+                 fault_plan: Optional[FaultPlan] = None) -> None:
+        """`name` is how peers' `links()` call this worker (its worker id in serving).
+        `checksums` and `fault_plan` go to every backend (kvtransfer.integrity)."""
         self.place = place
         self.choice = choice
         self.name = name or f"kv-{uuid.uuid4().hex[:8]}"
         self._id = f"{KIND}-{uuid.uuid4().hex[:12]}"
-        self._subs: dict[str, KVTransport] = {k: _backend(k, place) for k in offered_kinds(choice, place)}
+        self._subs: dict[str, KVTransport] = {k: _backend(k, place, checksums) for k in offered_kinds(choice, place)}
+        self.set_fault_plan(fault_plan)
         self._lock = threading.Lock()
         self._layout: Optional[KVLayout] = None
         self._num_blocks = 0
@@ -151,6 +155,15 @@ class PairwiseTransport(KVTransport):
     @property
     def kinds(self) -> tuple[str, ...]:
         return tuple(self._subs)
+
+    def set_fault_plan(self, plan: Optional[FaultPlan]) -> None:
+        """Faults to inject into this worker's sends, on every backend (tests)."""
+        for sub in self._subs.values():
+            sub.set_fault_plan(plan)
+
+    def pending_transfers(self) -> list[str]:
+        """Ids of transfers not terminal on any backend (tests check none leak)."""
+        return sorted({tid for sub in self._subs.values() for tid in sub.pending_transfers()})
 
     # -- cache ---------------------------------------------------------------------------
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
@@ -283,7 +296,7 @@ class PairwiseTransport(KVTransport):
             if other != kind:
                 self._subs[other].abort(recv.handle.transfer_id)  # nothing late lands in the blocks
         recv.final = TransferResult(result.transfer_id, Role.RECV, result.status, result.nbytes, result.seconds,
-                                    result.error if result.ok else f"{kind}: {result.error}")
+                                    result.error if result.ok else f"{kind}: {result.error}", result.reason)
         return result.status
 
     # -- both sides --------------------------------------------------------------------------

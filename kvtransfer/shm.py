@@ -12,6 +12,13 @@ moves it PENDING -> TRANSFERRING -> SUCCESS around its copy. Every state change,
 copy, happens under an flock on the segment file plus a thread lock, so a receiver's abort
 either happens before the copy (the sender then writes nothing) or waits for it.
 
+Integrity (kvtransfer.integrity): the native copy sums each source block as it copies it; the
+sender writes one seal per block into a table beside the slots (indexed by destination block)
+and its manifest (key, layout tag, blocks vouched for) into the slot, before SUCCESS. The
+receiver, seeing SUCCESS, sums the blocks in its own cache and compares before it reports
+SUCCESS itself; a mismatch is FAILED with its reason. The sender's own SUCCESS means "copied";
+only the receiver can say "verified".
+
 When the receiver has already called `expect()` (the normal order), `send()` does the copy in
 the caller's thread and returns a terminal handle; only a send that arrives first is handed
 to a background thread, which retries until the slot appears or the deadline passes.
@@ -25,23 +32,20 @@ start time, recorded in the header) no longer exists.
 
 from __future__ import annotations
 
-import fcntl
-import mmap
 import os
 import queue
-import struct
-import tempfile
 import threading
 import time
 import uuid
 from array import array
-from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from kernels.block_checksum import SummingCopier
+from kernels.block_checksum import native_available as native_sums_available
 from kernels.block_copy import KVBlockCopier, copy_native_available
 from common.protocol import KVEndpoint, KVLayout
 
@@ -49,21 +53,25 @@ from ._common import (
     Record,
     TransportCore,
     block_rows,
-    byte_view,
     coalesce,
     copy_blocks,
     copy_runs,
     ids_hash,
     transfer_key,
 )
+from ._segment import HEADER_INTS as _HEADER_INTS, KEY_COL, MAGIC as _MAGIC, SLOT_COLS as _SLOT_COLS
+from ._segment import Segment as _Segment, layout_bytes as _layout_bytes, map_segment as _map
+from ._segment import process_start as _process_start, shm_dir as _shm_dir, sweep_stale_segments
 from .base import KVTransferError, Role, TransferHandle, TransferStatus, torch_dtype
+from .integrity import (FailureReason, Fault, FaultKind, FaultPlan, Manifest, clamp_block, faulty_manifest,
+                        faulty_pairs, flip_bit)
 
-_MAGIC = 0x4B56_4241_544F_4E31  # "KVBATON1"
-_HEADER_INTS = 8
 # key, state, dst-id fingerprint, num_blocks, reason, receiver deadline (CLOCK_MONOTONIC ns,
-# which is system-wide, so both processes on the node can compare it)
-_SLOT_COLS = 6
-_KEY, _STATE, _HASH, _NBLOCKS, _REASON, _DEADLINE = range(_SLOT_COLS)
+# which is system-wide, so both processes on the node can compare it), and the sender's manifest:
+# the key and layout tag it sealed with and how many blocks it vouches for (-1: not sealed)
+_KEY, _STATE, _HASH, _NBLOCKS, _REASON, _DEADLINE, _SENT_KEY, _SENT_TAG, _SENT_BLOCKS = range(_SLOT_COLS)
+assert _KEY == KEY_COL
+_UNSEALED = -1
 _REASONS = {
     0: "",
     1: "sender's dst_block_ids differ from the receiver's",
@@ -71,7 +79,9 @@ _REASONS = {
     3: "aborted by the receiver",
     4: "receiver deadline passed",
 }
-_PAGE = 4096
+# The FailureReason behind each slot reason code.
+_REASON_KINDS = {1: FailureReason.IDS_MISMATCH, 2: FailureReason.ABORTED, 3: FailureReason.ABORTED,
+                 4: FailureReason.DEADLINE}
 # Plain ints for the states the send path compares against (an IntEnum round trip per field
 # read is measurable at this scale).
 _PENDING = int(TransferStatus.PENDING)
@@ -81,126 +91,12 @@ _FAILED = int(TransferStatus.FAILED)
 _ABORTED = int(TransferStatus.ABORTED)
 
 
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _process_start(pid: int) -> Optional[int]:
-    """Start time (clock ticks since boot) of a live process, None if it does not exist;
-    with the pid it identifies a process even after pid reuse."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def sweep_stale_segments(directory: Optional[str] = None) -> list[str]:
-    """Unlink this user's Baton KV segments whose owning process is gone; returns them."""
-    directory = directory or _shm_dir()
-    removed: list[str] = []
-    if not os.path.isdir("/proc"):
-        return removed  # liveness cannot be told here
-    for name in os.listdir(directory):
-        if not name.startswith("baton_kv_"):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            with open(path, "rb") as f:
-                head = f.read(7 * 8)
-        except OSError:
-            continue
-        if len(head) < 7 * 8:
-            continue
-        magic, _, _, _, _, pid, start = struct.unpack("<7q", head)
-        if magic != _MAGIC or pid <= 0:
-            continue  # header not written yet: being created
-        if _process_start(pid) == start:
-            continue
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-@dataclass
-class _Segment:
-    """A mapped segment: slot table + cache bytes."""
-
-    path: str
-    fd: int
-    mm: mmap.mmap
-    slots: np.ndarray
-    cache_bytes: torch.Tensor  # uint8 [L, 2, N, bs, Hk, D * itemsize]
-    rows: np.ndarray  # block_rows(cache_bytes), made once: the send path copies through it
-    owner: bool
-    thread_lock: threading.Lock
-
-    def locked(self) -> "_Segment":
-        """`with seg.locked():` holds the segment lock (a plain context manager, not a
-        generator one: this is on every transfer's path)."""
-        return self
-
-    def __enter__(self) -> "_Segment":
-        # flock excludes other processes (and other open()s); the thread lock excludes
-        # threads sharing this fd, which flock does not.
-        self.thread_lock.acquire()
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            self.thread_lock.release()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-        finally:
-            self.thread_lock.release()
-
-    def find(self, key: int) -> int:
-        """Slot holding `key`, or -1. Looks at the key's home slot first (where expect()
-        puts it unless taken): a scan of the whole table is slow in a process that was
-        just woken up."""
-        home = key % len(self.slots)
-        if self.slots[home, _KEY] == key:
-            return home
-        found = np.flatnonzero(self.slots[:, _KEY] == key)
-        return int(found[0]) if len(found) else -1
-
-
-def _layout_bytes(layout: KVLayout, num_blocks: int, num_slots: int) -> tuple[int, int]:
-    table = _HEADER_INTS * 8 + num_slots * _SLOT_COLS * 8
-    offset = (table + _PAGE - 1) // _PAGE * _PAGE
-    return offset, num_blocks * layout.block_bytes
-
-
-def _map(path: str, fd: int, size: int, layout: KVLayout, num_blocks: int, num_slots: int,
-         owner: bool) -> _Segment:
-    # MAP_POPULATE: build the page tables now. Otherwise the first copy into each page of a
-    # peer's cache pays a page fault.
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    mm = mmap.mmap(fd, size, flags=flags)
-    offset, nbytes = _layout_bytes(layout, num_blocks, num_slots)
-    raw = torch.frombuffer(mm, dtype=torch.uint8)
-    shape = layout.cache_shape(num_blocks)
-    cache = raw[offset:offset + nbytes].view(torch_dtype(layout)).view(shape)
-    slots = np.ndarray((num_slots, _SLOT_COLS), dtype=np.int64, buffer=mm, offset=_HEADER_INTS * 8)
-    cache_bytes = byte_view(cache)
-    return _Segment(path, fd, mm, slots, cache_bytes, block_rows(cache_bytes), owner,
-                    threading.Lock())
-
-
 class ShmTransport(TransportCore):
     kind = "shm"
 
-    def __init__(self, num_slots: int = 1024) -> None:
-        super().__init__()
+    def __init__(self, num_slots: int = 1024, checksums: bool = True,
+                 fault_plan: Optional[FaultPlan] = None) -> None:
+        super().__init__(checksums, fault_plan)
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
         self._num_slots = num_slots
@@ -213,6 +109,7 @@ class ShmTransport(TransportCore):
         self._rows: Optional[np.ndarray] = None  # block_rows() of our cache, when on the CPU
         # Per peer: the native copy from our cache into its segment, when our cache is on the CPU.
         self._copiers: dict[str, Optional[KVBlockCopier]] = {}
+        self._summing: dict[str, Optional[SummingCopier]] = {}  # the same, summing as it copies
 
     # -- cache ---------------------------------------------------------------------------
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
@@ -285,6 +182,8 @@ class ShmTransport(TransportCore):
         self._peer_blocks[peer.worker_id] = peer.num_blocks
         self._copiers[peer.worker_id] = KVBlockCopier(seg.cache_bytes, self._bytes) \
             if copy_native_available(seg.cache_bytes, self._bytes) else None
+        self._summing[peer.worker_id] = SummingCopier(seg.cache_bytes, self._bytes) \
+            if native_sums_available(seg.cache_bytes, self._bytes) else None
         return peer.worker_id
 
     # -- receiver --------------------------------------------------------------------------
@@ -305,6 +204,7 @@ class ShmTransport(TransportCore):
             seg.slots[slot, _NBLOCKS] = len(dst)
             seg.slots[slot, _REASON] = 0
             seg.slots[slot, _DEADLINE] = int(rec.deadline * 1e9)
+            seg.slots[slot, _SENT_BLOCKS] = _UNSEALED
             seg.slots[slot, _STATE] = int(TransferStatus.PENDING)
             seg.slots[slot, _KEY] = key  # last: senders look slots up by key
         rec.extra["slot"] = slot
@@ -340,17 +240,20 @@ class ShmTransport(TransportCore):
         if state == TransferStatus.TRANSFERRING:
             self._set_transferring(rec)
         elif state.is_terminal:
-            reason = _REASONS.get(int(seg.slots[slot, _REASON]), "")
-            error = None if state == TransferStatus.SUCCESS else (reason or state.name.lower())
-            self._finish(rec, state, error)
+            if state == TransferStatus.SUCCESS:
+                self._land(rec, seg, slot)
+            else:
+                code = int(seg.slots[slot, _REASON])
+                self._finish(rec, state, _REASONS.get(code, "") or state.name.lower(), _REASON_KINDS.get(code))
             with seg.locked():
                 if seg.slots[slot, _KEY] == transfer_key(rec.transfer_id) and state == \
                         TransferStatus.SUCCESS:
                     seg.slots[slot, _KEY] = 0
 
-    def _terminate(self, rec: Record, status: TransferStatus, error: str) -> None:
+    def _terminate(self, rec: Record, status: TransferStatus, error: str,
+                   reason: Optional[FailureReason] = None) -> None:
         if rec.role != Role.RECV or "slot" not in rec.extra or self._own is None:
-            super()._terminate(rec, status, error)
+            super()._terminate(rec, status, error, reason)
             return
         self._cancel(rec)
         seg, slot = self._own, rec.extra["slot"]
@@ -359,12 +262,26 @@ class ShmTransport(TransportCore):
             if seg.slots[slot, _KEY] == transfer_key(rec.transfer_id):
                 state = TransferStatus(int(seg.slots[slot, _STATE]))
                 if state == TransferStatus.SUCCESS:
-                    self._finish(rec, TransferStatus.SUCCESS)  # fully landed before the abort
+                    self._land(rec, seg, slot)  # fully landed before the abort
                     return
                 if not state.is_terminal:
                     seg.slots[slot, _STATE] = int(status)
                     seg.slots[slot, _REASON] = 3 if status == TransferStatus.ABORTED else 4
-            self._finish(rec, status, error)
+            self._finish(rec, status, error, reason)
+
+    def _land(self, rec: Record, seg: _Segment, slot: int) -> None:
+        """The sender reported SUCCESS: verify its manifest against the blocks in our cache."""
+        sent_key, sent_tag, sent_blocks = (int(v) for v in seg.slots[slot, _SENT_KEY:_SENT_BLOCKS + 1])
+        manifest = None
+        if sent_blocks != _UNSEALED:
+            n = max(0, min(sent_blocks, rec.num_blocks))
+            seals = seg.seals[np.asarray(rec.block_ids[:n], dtype=np.int64)].astype("<u8").tobytes()
+            manifest = Manifest(sent_key, sent_tag, sent_blocks, seals)
+        verdict = self._verify(rec, manifest)
+        if verdict is None:
+            self._finish(rec, TransferStatus.SUCCESS)
+        else:
+            self._finish(rec, TransferStatus.FAILED, verdict.message, verdict.reason)
 
     # -- sender ----------------------------------------------------------------------------
     def send(self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -382,11 +299,15 @@ class ShmTransport(TransportCore):
         if rec.status.is_terminal:
             return rec.handle()
         # Everything the copy needs is worked out before the segment lock is taken.
+        fault = self._planned_fault(transfer_id)
         rec.extra.update(seg=seg, copier=self._copiers[peer_id], key=transfer_key(transfer_id),
-                         nblocks=len(dst), dst_hash=ids_hash(dst), dst=dst)
+                         nblocks=len(dst), dst_hash=ids_hash(dst), dst=dst, fault=fault,
+                         summing=self._summing[peer_id] if self.checksums else None,
+                         not_before=rec.deadline + fault.stall_s
+                         if fault is not None and fault.kind == FaultKind.STALL else 0.0)
         # Common case: the receiver reserved and expect()ed first. Copy right here: one
         # memcpy, no thread hand-off.
-        if not self._try_send(rec):
+        if rec.extra["not_before"] or not self._try_send(rec):
             with self._lock:
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._send_worker, daemon=True,
@@ -421,6 +342,8 @@ class ShmTransport(TransportCore):
         if rec.status.is_terminal:
             return True
         extra = rec.extra
+        if extra["not_before"] and time.monotonic() < extra["not_before"]:
+            return False  # injected stall: the data leaves after the deadline
         seg: _Segment = extra["seg"]
         key = extra["key"]
         slot = seg.find(key)
@@ -428,28 +351,28 @@ class ShmTransport(TransportCore):
             # The receiver's expect() normally precedes send(); until it comes, wait.
             if time.monotonic() > rec.deadline:
                 self._finish(rec, TransferStatus.FAILED,
-                             f"receiver never expected transfer {rec.transfer_id!r}")
+                             f"receiver never expected transfer {rec.transfer_id!r}", FailureReason.DEADLINE)
                 return True
             return False
         with seg.locked(), rec.mem_lock:
             row = seg.slots[slot]
-            slot_key, state, dst_hash, nblocks, reason, deadline = row.tolist()
+            slot_key, state, dst_hash, nblocks, reason, deadline = row[:_SENT_KEY].tolist()
             if slot_key != key:
                 return False  # reclaimed meanwhile; look again
             if state != _PENDING:
                 why = _REASONS.get(reason, "") or TransferStatus(state).name.lower()
                 status = TransferStatus(state) if state in (_ABORTED, _FAILED) \
                     else TransferStatus.FAILED
-                self._finish(rec, status, f"receiver side: {why}")
+                self._finish(rec, status, f"receiver side: {why}", _REASON_KINDS.get(reason))
                 return True
             if time.monotonic_ns() > deadline:
                 row[_STATE], row[_REASON] = _FAILED, 4
-                self._finish(rec, TransferStatus.FAILED, f"receiver side: {_REASONS[4]}")
+                self._finish(rec, TransferStatus.FAILED, f"receiver side: {_REASONS[4]}", FailureReason.DEADLINE)
                 return True
             if dst_hash != extra["dst_hash"] or nblocks != extra["nblocks"]:
                 row[_STATE], row[_REASON] = _FAILED, 1
                 self._finish(rec, TransferStatus.FAILED,
-                             f"transfer {rec.transfer_id!r}: {_REASONS[1]}")
+                             f"transfer {rec.transfer_id!r}: {_REASONS[1]}", FailureReason.IDS_MISMATCH)
                 return True
             if rec.status.is_terminal:  # aborted/expired on this side before the copy
                 row[_STATE], row[_REASON] = _ABORTED, 2
@@ -458,15 +381,52 @@ class ShmTransport(TransportCore):
             # Only a holder of rec.mem_lock moves a send record on (abort and expiry take it
             # too), so no need for the transport lock here.
             rec.status = TransferStatus.TRANSFERRING
-            copier = extra["copier"]
-            if copier is not None:
-                copier(array("q", extra["dst"]), array("q", rec.block_ids))
-            elif self._rows is not None:  # native kernels off or unbuildable
-                copy_runs(seg.rows, self._rows, coalesce(rec.block_ids, extra["dst"]))
-            else:  # a registered cache on another device
-                copy_blocks(seg.cache_bytes, extra["dst"], self._bytes, rec.block_ids)
+            fault: Optional[Fault] = extra["fault"]
+            dst, src = extra["dst"], rec.block_ids
+            summing = extra["summing"]
+            sums = None
+            if fault is not None:
+                sums = self._block_sums(src) if self.checksums else None
+                if not self._faulty_copy(rec, seg, row, fault, src, dst):
+                    return True  # the sender "died"
+            elif summing is not None:  # the common case: one native call copies and sums
+                sums = summing(array("q", dst), array("q", src))
+            else:
+                sums = self._block_sums(src) if self.checksums else None
+                self._copy(extra, seg, src, dst)
+            if sums is None:
+                row[_SENT_BLOCKS] = _UNSEALED
+            else:
+                manifest = faulty_manifest(fault, Manifest.of(sums, key, self._tag))
+                seg.seals[np.asarray(dst[:manifest.nblocks], dtype=np.int64)] = manifest.seal_array()
+                row[_SENT_KEY], row[_SENT_TAG], row[_SENT_BLOCKS] = manifest.key, manifest.tag, manifest.nblocks
             row[_STATE] = _SUCCESS
             self._finish(rec, TransferStatus.SUCCESS)
+        return True
+
+    def _copy(self, extra: dict, seg: _Segment, src: list[int], dst: list[int]) -> None:
+        copier = extra["copier"]
+        if copier is not None:
+            copier(array("q", dst), array("q", src))
+        elif self._rows is not None:  # native kernels off or unbuildable
+            copy_runs(seg.rows, self._rows, coalesce(src, dst))
+        else:  # a registered cache on another device
+            copy_blocks(seg.cache_bytes, dst, self._bytes, src)
+
+    def _faulty_copy(self, rec: Record, seg: _Segment, row: np.ndarray, fault: Fault, src: list[int],
+                     dst: list[int]) -> bool:
+        """The copy as `fault` spoils it (tests only); False when the sender "died" mid-copy."""
+        wrote_src, wrote_dst = faulty_pairs(fault, src, dst)
+        if wrote_src:
+            copy_blocks(seg.cache_bytes, wrote_dst, self._bytes, wrote_src)
+        if fault.kind == FaultKind.FLIP:
+            flip_bit(seg.rows, dst[clamp_block(fault, len(dst))], fault.bit)
+        if fault.kind == FaultKind.KILL:
+            # The slot stays TRANSFERRING, as a dead process leaves it (its flock goes with it):
+            # the receiver runs into its deadline.
+            self._finish(rec, TransferStatus.FAILED, "injected fault: sender killed mid-transfer",
+                         FailureReason.SENDER_FAILED)
+            return False
         return True
 
     # -- teardown --------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from router.config import ServerConfig
 from router.errors import RETRY_AFTER_S
 from router.protocol import APIError
 
-__all__ = ["AdmissionControl", "Deadline", "Gate", "LoadShedding", "Ticket", "deadline_error", "request_deadline"]
+__all__ = ["AdmissionControl", "Deadline", "Gate", "LoadShedding", "Ticket", "deadline_error", "request_deadline",
+           "share_of"]
 
 CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"  # sent by the OpenAI Python and Node SDKs
 
@@ -41,6 +42,17 @@ class Deadline:
 
     def remaining(self) -> float:
         return max(0.0, self.at - time.monotonic())
+
+
+def share_of(total: int | None, routers: int, index: int) -> int | None:
+    """Router `index`'s share of a deployment-wide limit split among `routers` router processes:
+    the shares add up to `total` (the first `total % routers` get one more), and each is at least
+    1 so that every router can serve (None: no limit)."""
+    if routers < 1 or not 0 <= index < routers:
+        raise ValueError(f"router index {index} out of range for {routers} routers")
+    if total is None:
+        return None
+    return max(1, total // routers + (1 if index < total % routers else 0))
 
 
 def request_deadline(config: ServerConfig, headers, arrival: float) -> Deadline | None:

@@ -24,12 +24,18 @@
 Observability: every request carries a `RequestTrace` (router.trace) that ends up in the app's
 `RouterMetrics` (router.metrics): `GET /metrics` (Prometheus text), `GET /v1/status` (JSON) and
 `GET /dashboard` (the operator page, router/static/dashboard.html, polling /v1/status).
+
+Several router processes (`baton serve --api-server-count N`, cluster.router_procs) share one
+port: `bind_socket(..., reuse_port=True)` binds each process's own listening socket with
+SO_REUSEPORT, so the kernel spreads connections over them; every response names the process that
+served it in the `x-baton-router` header (`router_id`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from typing import Any, Callable, TypeVar
 
 import uvicorn
@@ -41,13 +47,18 @@ from router.auth import APIKeyMiddleware
 from router.backend import ServingBackend
 from router.config import ServerConfig
 from router.errors import RETRY_AFTER_S, install_error_handlers
+from router.metrics_merge import RouterExposition
 from router.openapi import install_openapi
 from router.routes import make_routes
 from router.routing import RoundRobinPolicy, RoutingPolicy
 from router.serving import COMPLETIONS_DEFAULT_MAX_TOKENS, Serving
 from router.tokenizer import Tokenizer
 
-__all__ = ["build_app", "make_server", "run_during_lifespan", "serve", "COMPLETIONS_DEFAULT_MAX_TOKENS", "RETRY_AFTER_S"]
+__all__ = ["ROUTER_HEADER", "bind_socket", "build_app", "install_router_metrics", "make_server", "run_during_lifespan",
+           "serve",
+           "COMPLETIONS_DEFAULT_MAX_TOKENS", "RETRY_AFTER_S"]
+
+ROUTER_HEADER = "x-baton-router"  # on every response: the router process that served it
 
 T = TypeVar("T")
 
@@ -59,9 +70,11 @@ def build_app(
     max_model_len: int,
     policy: RoutingPolicy | None = None,
     server: ServerConfig | None = None,
+    router_id: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `model_name` through `backend`, with `server`'s limits and
-    keys. A gate capacity left None here means no limit (`baton serve` fills it in from the pools)."""
+    keys. A gate capacity left None here means no limit (`baton serve` fills it in from the pools).
+    `router_id` names this router process in each response's x-baton-router header."""
     server = server or ServerConfig()
     serving = Serving(backend, tokenizer, model_name, max_model_len, policy or RoundRobinPolicy(), server)
     app = FastAPI(title="Baton router", version=__version__)
@@ -74,9 +87,23 @@ def build_app(
                        paths=frozenset({"/v1/chat/completions", "/v1/completions"}))
     if server.api_keys():
         app.add_middleware(APIKeyMiddleware, keys=server.api_keys())
+    if router_id is not None:
+        app.add_middleware(RouterIdentity, router_id=router_id)  # outermost: refusals carry it too
     run_during_lifespan(app, lambda: asyncio.get_running_loop().create_task(serving.metrics.watch_event_loop()),
                         asyncio.Task.cancel)
     return app
+
+
+def install_router_metrics(app: FastAPI, router_id: str, folder: str | None) -> None:
+    """With several router processes (`folder` shared by them): /metrics labels this router's
+    series `router=<id>` and includes the other live routers' (router.metrics_merge). Without a
+    folder (one router) nothing changes."""
+    if folder is None:
+        return
+    metrics = app.state.baton.metrics
+    metrics.exposition = RouterExposition(router_id, folder)
+    run_during_lifespan(app, lambda: asyncio.get_running_loop().create_task(
+        metrics.exposition.publish_every(metrics.registry)), asyncio.Task.cancel)
 
 
 def run_during_lifespan(app: FastAPI, start: Callable[[], T], stop: Callable[[T], Any]) -> None:
@@ -96,6 +123,45 @@ def run_during_lifespan(app: FastAPI, start: Callable[[], T], stop: Callable[[T]
     app.router.lifespan_context = lifespan
 
 
+class RouterIdentity:
+    """ASGI middleware: every HTTP response says which router process served it."""
+
+    def __init__(self, app, router_id: str) -> None:
+        self.app = app
+        self.header = (ROUTER_HEADER.encode(), router_id.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket on host:port. `reuse_port`: SO_REUSEPORT, so that several router
+    processes, each binding its own, share the port (the kernel spreads connections over them)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        if not hasattr(socket, "SO_REUSEPORT"):
+            raise ValueError("several router processes need SO_REUSEPORT, which this platform lacks")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning", **kwargs: Any):
     """A uvicorn.Server for `app` (call .run(), or .serve() inside a loop; set .should_exit to stop)."""
     kwargs.setdefault("timeout_graceful_shutdown", 5)
@@ -103,6 +169,9 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_lev
     return uvicorn.Server(config)
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **kwargs: Any) -> None:
-    """Run `app` with uvicorn until interrupted (binds 127.0.0.1 unless told otherwise)."""
-    make_server(app, host=host, port=port, log_level=log_level, **kwargs).run()
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          sock: socket.socket | None = None, **kwargs: Any) -> None:
+    """Run `app` with uvicorn until interrupted (binds 127.0.0.1 unless told otherwise; on `sock`,
+    a socket bound already, e.g. by `bind_socket(..., reuse_port=True)`, when given)."""
+    server = make_server(app, host=host, port=port, log_level=log_level, **kwargs)
+    server.run(sockets=[sock] if sock is not None else None)

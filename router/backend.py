@@ -7,7 +7,7 @@ without Ray.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import AsyncIterator, Protocol, runtime_checkable
 
@@ -46,6 +46,7 @@ class WorkerInfo:
     draining: bool = False
     pid: int | None = None  # the worker's process (for memory checks on one machine); None: unknown
     in_flight: int = 0  # requests the router has on it now (decoding there, or prefilling there)
+    kv_transfer_failures: Mapping[str, int] = field(default_factory=dict)  # received KV that failed, by reason
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 
 from common import envs
 from common.sampling_params import MAX_LOGPROBS
+from router.reasoning import REASONING_PARSERS
+from router.tool_parsers import TOOL_CALL_PARSERS
 
 __all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_HEADER", "API_KEY_ENV", "AdminConfig", "LOG_LEVELS", "ServerConfig"]
 
@@ -55,6 +57,17 @@ class ServerConfig:
         "help": "most choices one request may ask for: n, times the prompts of a batched /v1/completions request"})
     max_logprobs: int = field(default=MAX_LOGPROBS, metadata={
         "help": f"most top logprobs per token a request may ask for (at most {MAX_LOGPROBS})", "example": 5})
+
+    # -- tool calls and reasoning (vLLM's flags; docs/structured-outputs.md)
+    tool_call_parser: str | None = field(default=None, metadata={
+        "choices": (None, *TOOL_CALL_PARSERS), "example": "hermes",
+        "help": "how the model writes tool calls, for tool_choice auto (default: guessed from the chat template)"})
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": "parse tool calls out of replies when a request offers tools with tool_choice auto (the default "
+                "choice then); required and named choices work without it"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "choices": (None, *REASONING_PARSERS), "example": "deepseek_r1",
+        "help": "split a thinking model's <think>...</think> into message.reasoning_content"})
 
     # -- admission control: FIFO gates per pool, bounded waiting queues, 429 beyond them
     max_running_requests: int | None = field(default=None, metadata={

@@ -4,7 +4,9 @@
 model), usage, finish reasons, which outputs are worth a chunk, and the SSE framing with its
 prebuilt prefix (the per-token fast path: only the choice is serialized per chunk). `ChatFormat`
 and `CompletionFormat` supply only what differs: object names, where the text goes (`delta` /
-`message` or `text`), the first chunk, and the shape of logprobs.
+`message` or `text`), the first chunk, and the shape of logprobs. A chat reply with a `ReplyShape`
+(reasoning parser, tool calls) goes through a per-choice `ShapedReply`: reasoning into
+`reasoning_content`, calls into `tool_calls` (finish_reason "tool_calls"), the rest into `content`.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.reasoning import ReasoningSplitter, split_reasoning
 from router.tokenizer import Tokenizer
+from router.tool_parsers import ToolCall, ToolCallParser, forced_calls, parse_calls
 from common.protocol import RequestOutput, TokenLogprob
 
-__all__ = ["Accumulator", "ChatFormat", "Choices", "CompletionFormat", "ResponseFormat", "dumps"]
+__all__ = ["Accumulator", "ChatFormat", "Choices", "CompletionFormat", "ReplyShape", "ResponseFormat", "ShapedReply",
+           "dumps"]
 
 
 def dumps(obj: Any) -> str:
@@ -48,6 +53,95 @@ class Accumulator:
                 self.logprobs.extend(out.logprobs)
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
+
+
+@dataclass(frozen=True)
+class ReplyShape:
+    """How a chat reply's text is read: reasoning first (a parser name or None), then tool calls:
+    parsed out of text (`tool_parser`, tool_choice auto), or the whole reply forced by a grammar
+    (`forced`: tool_choice required, or a named function with `named`)."""
+
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    forced: bool = False
+    named: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.reasoning_parser is None and self.tool_parser is None and not self.forced
+
+
+class ShapedReply:
+    """One choice's reply as it streams: deltas with reasoning_content, content and tool_calls."""
+
+    def __init__(self, shape: ReplyShape) -> None:
+        self.shape = shape
+        self.reasoning = ReasoningSplitter(shape.reasoning_parser) if shape.reasoning_parser else None
+        self.tools = ToolCallParser(shape.tool_parser) if shape.tool_parser else None
+        self.forced_text = ""
+        self.num_calls = 0
+        self.named_started = False
+
+    def _content(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        calls: list[ToolCall] = []
+        deltas: list[dict] = []
+        if self.shape.forced and self.shape.named is not None:
+            # A named call's arguments stream as they come (the grammar makes them its parameters).
+            if not self.named_started:
+                self.named_started = True
+                head = ToolCall(self.shape.named, "")
+                deltas.append(head.deltas(0)[0])
+                self.num_calls = 1
+            if text:
+                deltas.append({"index": 0, "function": {"arguments": text}})
+            return "", deltas
+        if self.shape.forced:
+            self.forced_text += text
+            if final:
+                calls = forced_calls(self.forced_text, None)
+            content = ""
+        elif self.tools is not None:
+            content = self.tools.feed(text)
+            if final:
+                held, calls = self.tools.finish()
+                content += held
+        else:
+            content = text
+        for call in calls:
+            deltas.extend(call.deltas(self.num_calls))
+            self.num_calls += 1
+        return content, deltas
+
+    def delta(self, text: str, final: bool) -> dict:
+        """The chunk delta for new `text` (empty dict: nothing to send)."""
+        reasoning, rest = self.reasoning.feed(text, final) if self.reasoning else ("", text)
+        if self.reasoning is not None and self.reasoning.in_reasoning and not final:
+            rest = ""
+        content, calls = self._content(rest, final) if rest or final else ("", [])
+        delta: dict = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    @staticmethod
+    def message(shape: ReplyShape, text: str) -> dict:
+        """The full answer's message for the whole reply `text`."""
+        reasoning, content = split_reasoning(shape.reasoning_parser, text) if shape.reasoning_parser else (None, text)
+        calls: list[ToolCall] = []
+        if shape.forced:
+            calls, content = forced_calls(content, shape.named), ""
+        elif shape.tool_parser is not None:
+            content, calls = parse_calls(shape.tool_parser, content)
+        message: dict = {"role": "assistant", "content": content or (None if calls else "")}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [c.message() for c in calls]
+        return message
 
 
 @dataclass
@@ -151,6 +245,37 @@ class ResponseFormat:
 class ChatFormat(ResponseFormat):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+    shape: ReplyShape = ReplyShape()
+
+    def shaped(self, shape: ReplyShape) -> "ChatFormat":
+        """This format reading replies with `shape` (reasoning, tool calls)."""
+        self.shape = shape
+        self._replies: dict[int, ShapedReply] = {}
+        return self
+
+    def chunk(self, out: RequestOutput, index: int, choices: Choices) -> str | None:
+        if self.shape.plain:
+            return super().chunk(out, index, choices)
+        reply = self._replies.setdefault(index, ShapedReply(self.shape))
+        delta = reply.delta(out.text, out.finished)
+        if not delta and not out.finished and not (self.want_logprobs and out.logprobs):
+            return None
+        reason = None
+        if out.finished:
+            reason = out.finish_reason or "stop"
+            reason = "tool_calls" if reply.num_calls and reason == "stop" else reason
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(out.logprobs, index) if out.logprobs else None,
+                  "finish_reason": reason}
+        return self._frame(choice, choices)
+
+    def full(self, choices: Choices) -> dict:
+        answer = super().full(choices)
+        if not self.shape.plain:
+            for choice, acc in zip(answer["choices"], choices.accs):
+                choice["message"] = ShapedReply.message(self.shape, "".join(acc.text_parts))
+                if choice["message"].get("tool_calls") and choice["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
+        return answer
 
     def _delta(self, text: str, finished: bool) -> tuple[str, Any]:
         return "delta", ({"content": text} if text or not finished else {})

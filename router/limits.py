@@ -142,21 +142,14 @@ def _absent(*defaults: Any) -> Callable[[Any], bool]:
 
 # field -> (the values Baton honours, why anything else is refused). Unknown fields are still
 # ignored (as vLLM does), so clients sending newer fields work; these are known and not served.
-_NOT_STRUCTURED = "structured output (JSON mode, schemas, grammars) is not supported"
-_TOOLS = "tool calls are not parsed: tools are rendered into the prompt and the reply is text"
+# Structured output, tools and tool_choice are served (router.structured checks them).
+_TOOLS = "use tools and tool_choice instead"
 _COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (_absent({}), "logit_bias is not supported by Baton's sampler yet"),
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), _NOT_STRUCTURED),
-    "guided_json": (_absent(), _NOT_STRUCTURED),
-    "guided_regex": (_absent(), _NOT_STRUCTURED),
-    "guided_choice": (_absent(), _NOT_STRUCTURED),
-    "guided_grammar": (_absent(), _NOT_STRUCTURED),
-    "structured_outputs": (_absent(), _NOT_STRUCTURED),
 }
 UNSUPPORTED: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {
     ChatCompletionRequest: {
         **_COMMON,
-        "tool_choice": (lambda v: v is None or v in ("none", "auto"), _TOOLS),
         "functions": (_absent(), "functions (deprecated) are not supported; " + _TOOLS),
         "function_call": (_absent("none", "auto"), "function_call (deprecated) is not supported; " + _TOOLS),
         "audio": (_absent(), "audio output is not supported: this is a text model"),

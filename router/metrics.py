@@ -70,6 +70,10 @@ class _WorkerCollector:
         pool = GaugeMetricFamily("baton:workers_up", "Live workers per pool.", labels=["model_name", "role"])
         queries = CounterMetricFamily("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=labels)
         hits = CounterMetricFamily("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=labels)
+        kv_failures = CounterMetricFamily(
+            "baton:kv_transfer_failures", "Received KV transfers that failed (checksum, incomplete, deadline, ...), "
+            "by reason; the decode worker recomputed or failed the request (--kv-load-failure-policy).",
+            labels=labels + ["reason"])
         indexed = GaugeMetricFamily("baton:prefix_index_blocks", "KV blocks the router's prefix index holds for the worker.",
                                     labels=labels)
         live = {Role.PREFILL: 0, Role.DECODE: 0}
@@ -83,12 +87,14 @@ class _WorkerCollector:
             up.add_metric(lv, 1.0 if w.alive else 0.0)
             queries.add_metric(lv, w.prefix_cache_queries)
             hits.add_metric(lv, w.prefix_cache_hits)
+            for reason, n in sorted(w.kv_transfer_failures.items()):
+                kv_failures.add_metric(lv + [reason], n)
             if index is not None:
                 indexed.add_metric(lv, index.num_blocks(w.worker_id))
             live[w.role] = live.get(w.role, 0) + (1 if w.alive else 0)
         for role, n in live.items():
             pool.add_metric([m, role], n)
-        yield from (running, waiting, kv, queued, up, pool, queries, hits)
+        yield from (running, waiting, kv, queued, up, pool, queries, hits, kv_failures)
         if index is not None:
             yield indexed
         admission = self.owner.admission
@@ -141,6 +147,7 @@ class RouterMetrics:
         self.admission = admission  # router.admission.AdmissionControl, or None
         self.started = time.time()
         self.registry = CollectorRegistry(auto_describe=False)
+        self.exposition = None  # a router.metrics_merge.RouterExposition with several router processes
         r, ml = self.registry, ["model_name"]
         self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens of finished requests.", ml, registry=r)
         self.generation_tokens = Counter("baton:generation_tokens", "Generated tokens of finished requests.", ml, registry=r)
@@ -151,6 +158,9 @@ class RouterMetrics:
                                ml + ["decision", "reason"], registry=r)
         self.kv_bytes_total = Counter("baton:kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers.",
                                       ml, registry=r)
+        self.structured = Counter("baton:structured_output_requests",
+                                  "Generation requests by structured-output kind (none, json_schema, json_object, "
+                                  "regex, choice, grammar, tool_required, tool_named).", ml + ["kind"], registry=r)
 
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, ml, buckets=buckets, registry=r)
@@ -182,6 +192,9 @@ class RouterMetrics:
                        "cached_tokens": 0}
 
     # ---- recording -----------------------------------------------------------------------
+    def count_structured(self, kind: str) -> None:
+        self.structured.labels(self.model_name, kind).inc()
+
     async def watch_event_loop(self, every_s: float = 0.05) -> None:
         """Sample the event loop's lag until cancelled (runs in the app's lifespan)."""
         lag = self.loop_lag.labels(self.model_name)
@@ -231,6 +244,8 @@ class RouterMetrics:
             log.debug("trace %s", trace.summary())
 
     def render(self) -> bytes:
+        if self.exposition is not None:  # one of several router processes (router.metrics_merge)
+            return self.exposition.render(self.registry)
         return generate_latest(self.registry)
 
     # ---- /v1/status ----------------------------------------------------------------------
@@ -269,6 +284,8 @@ class RouterMetrics:
             "model": self.model_name, "time": now, "uptime_s": now - self.started,
             "router": {"pid": os.getpid(), "rss_bytes": _resident_bytes()},
             "admission": self.admission.state() if self.admission is not None else None,
+            # The router processes holding leases on the workers (RayBackend; None for other backends).
+            "routers": self.backend.routers() if hasattr(self.backend, "routers") else None,
             "pools": pools,
             "totals": dict(self.totals),
             "routing": routing,

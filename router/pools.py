@@ -13,6 +13,10 @@ and reaches it only through its public methods):
   it, and replace it.
 - **Streams**: one long-poll loop ("pump") per decode worker carries every request's new tokens
   at once into that request's queue, only while the request still runs on that worker.
+- **Leases**: every call names this router (`router`, a `RouterClaim`): with several router
+  processes over the same workers (`baton serve --api-server-count N`) each worker keeps one
+  outbox and one KV-event queue per router, and ends the requests of a router whose lease (renewed
+  by its long-polls, heartbeats and a renewal every quarter of the term) runs out.
 - **Membership**: `add_worker`, `drain_worker` and `remove_worker` change the pools at runtime
   (cluster.pool_manager creates and stops the actors). A draining worker gets no new request;
   what it runs finishes or, after the drain timeout, moves to other workers.
@@ -32,15 +36,17 @@ from typing import Protocol
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
-from common.protocol import KVEndpoint
+from common.protocol import DEFAULT_ROUTER_ID, KVEndpoint, RouterClaim, RouterLeaseInfo
 from common.roles import Role
 from router.backend import BackendError, WorkerInfo
 from router.migration import WorkerLost, pick_worker
 from router.prefix_index import PrefixIndex
 
-__all__ = ["PoolWorker", "Stream", "WorkerEntry", "WorkerPools"]
+__all__ = ["DEFAULT_LEASE_S", "PoolWorker", "Stream", "WorkerEntry", "WorkerPools"]
 
 log = logging.getLogger("baton.router")
+
+DEFAULT_LEASE_S = 5.0  # a router silent this long is gone for the workers (cluster.config: router_lease)
 
 
 class WorkerEntry(Protocol):
@@ -66,6 +72,7 @@ class PoolWorker:
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: float | None = None  # wall clock of the last answer
     down: asyncio.Event | None = None  # set when marked down: calls waiting on it stop waiting (see unless_down)
+    routers: tuple[RouterLeaseInfo, ...] = ()  # the routers holding a lease on it, as of its last heartbeat
 
 
 @dataclass
@@ -78,8 +85,9 @@ class Stream:
 class WorkerPools:
     def __init__(self, workers: list[WorkerEntry], health_interval_s: float = 2.0,
                  health_timeout_s: float = 10.0, poll_timeout_s: float = 0.05,
-                 prefix_index: PrefixIndex | None = None) -> None:
+                 prefix_index: PrefixIndex | None = None, router: RouterClaim | None = None) -> None:
         self._workers: dict[str, PoolWorker] = {}
+        self.router = router or RouterClaim(DEFAULT_ROUTER_ID, DEFAULT_LEASE_S)
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.poll_timeout_s = poll_timeout_s
@@ -108,7 +116,7 @@ class WorkerPools:
         # First use, or a new event loop (a second router app over the same workers, after the
         # first one's server stopped): the old loop's tasks are gone with it; start them here.
         self._loop = loop
-        self._tasks = [loop.create_task(self._health_loop())]
+        self._tasks = [loop.create_task(self._health_loop()), loop.create_task(self._lease_loop())]
         self._pumps = {}
         for w in self._workers.values():
             w.down = None  # an Event belongs to the loop it was used in
@@ -183,6 +191,20 @@ class WorkerPools:
             self._fail_streams(worker_id, f"decode worker {worker_id} was removed")
         return w.handle
 
+    def router_leases(self) -> list[dict]:
+        """The routers holding leases on the workers, as their last heartbeats said: per router,
+        the workers it holds a lease on, its requests there and its longest silence."""
+        seen: dict[str, dict] = {}
+        for w in list(self._workers.values()):
+            for lease in w.routers:
+                entry = seen.setdefault(lease.router_id, {"router_id": lease.router_id, "workers": [], "requests": 0,
+                                                          "idle_s": 0.0,
+                                                          "lease_s": lease.lease_s if lease.lease_s < float("inf") else None})
+                entry["workers"].append(w.worker_id)
+                entry["requests"] += lease.requests
+                entry["idle_s"] = max(entry["idle_s"], lease.idle_s)
+        return sorted(seen.values(), key=lambda e: e["router_id"])
+
     def gone_workers(self) -> list[str]:
         """Workers dead for good (restarts used up): the pool manager replaces them."""
         return [w.worker_id for w in self._workers.values() if w.gone]
@@ -203,6 +225,7 @@ class WorkerPools:
                 prefix_cache_queries=s.prefix_cache_queries if s else 0, prefix_cache_hits=s.prefix_cache_hits if s else 0,
                 last_heartbeat=w.last_heartbeat, draining=w.draining, pid=s.pid if s else None,
                 in_flight=in_flight.get(w.worker_id, 0),
+                kv_transfer_failures=dict(s.kv_transfer_failures) if s else {},
             ))
         return infos
 
@@ -211,7 +234,7 @@ class WorkerPools:
         """Ask every worker for its stats and KV events now; a worker that does not answer is marked dead."""
         async def one(w: PoolWorker) -> None:
             try:
-                beat = await asyncio.wait_for(w.handle.heartbeat.remote(), self.health_timeout_s)
+                beat = await asyncio.wait_for(w.handle.heartbeat.remote(self.router), self.health_timeout_s)
             except (RayError, asyncio.TimeoutError) as exc:
                 self.mark_down(w, exc)
                 return
@@ -226,7 +249,7 @@ class WorkerPools:
                 self.prefix_index.remove_worker(w.worker_id)
                 w.endpoint = None
                 log.warning("worker %s (%s) is back (pid %s)", w.worker_id, w.role, beat.stats.pid)
-            w.stats = beat.stats
+            w.stats, w.routers = beat.stats, beat.routers
             w.alive, w.gone, w.last_seen, w.last_heartbeat = True, False, time.monotonic(), time.time()
             batch = beat.kv_events
             if batch.snapshot is not None:
@@ -257,13 +280,25 @@ class WorkerPools:
                     callback()
             await asyncio.sleep(self.health_interval_s)
 
+    async def _lease_loop(self) -> None:
+        """Renew this router's lease on every live worker four times per term: a worker's lease
+        must outlast a heartbeat delayed by a slow worker, and prefill workers have no long-poll."""
+        async def renew(w: PoolWorker) -> None:
+            try:
+                await asyncio.wait_for(w.handle.renew_lease.remote(self.router), self.router.lease_s)
+            except (RayError, asyncio.TimeoutError):
+                pass  # the health loop decides about the worker
+        while True:
+            await asyncio.gather(*(renew(w) for w in list(self._workers.values()) if w.alive))
+            await asyncio.sleep(self.router.lease_s / 4)
+
     async def _pump(self, w: PoolWorker) -> None:
         while True:
             if not w.alive:
                 await asyncio.sleep(self.health_interval_s)
                 continue
             try:
-                outputs = await w.handle.poll_outputs.remote(self.poll_timeout_s)
+                outputs = await w.handle.poll_outputs.remote(self.poll_timeout_s, self.router)
             except RayError as exc:
                 self.mark_down(w, exc)
                 continue

@@ -128,6 +128,15 @@ class _SamplingFields(_Request):
     ignore_eos: StrictBool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[TokenId] | None = None
+    # Structured output (router.structured reads and checks these; Any, so its messages name the field).
+    response_format: Any = Field(None, description="OpenAI: {type: text | json_object | json_schema, json_schema: "
+                                                    "{name, schema, strict}}")
+    structured_outputs: Any = Field(None, description="vLLM: exactly one of json, regex, choice, grammar (EBNF), "
+                                                      "json_object")
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -136,6 +145,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = Field(None, description="none, auto, required or {type: function, function: {name}}")
+    parallel_tool_calls: Any = None
     add_generation_prompt: StrictBool = True
 
     def wants_logprobs(self) -> bool:
@@ -170,6 +181,8 @@ class ChatCompletionRequest(_SamplingFields):
                 d["content"] = "\n".join(texts)
             elif m.content is None and m.role != "assistant":
                 raise APIError(f"messages[{i}].content is required for role {m.role!r}", 400, f"messages[{i}].content")
+            elif m.content is None:
+                d["content"] = ""  # an assistant turn of tool calls only: templates read content as text
             out.append(d)
         return out
 
@@ -240,6 +253,8 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -261,6 +276,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionChunkChoice(BaseModel):

@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError, RayError
 
 from common.protocol import PrefillRequest, RequestOutput
 from common.roles import Role
+from common.transports import KVLoadFailed
 from router.backend import BackendError, GenerateRequest, WorkerInfo
 from router.flow import (
     COUNTERS, Abort, Command, Count, Emit, Fail, FlowLimits, FlowState, Follow, MigrationGap, Prefill, QueueTokens,
@@ -61,6 +62,10 @@ class RayBackend:
 
     def workers(self) -> list[WorkerInfo]:
         return self.pools.workers()
+
+    def routers(self) -> dict:
+        """This router's id and every router holding a lease on some worker (for /v1/status)."""
+        return {"this": self.pools.router.router_id, "leases": self.pools.router_leases()}
 
     async def close(self) -> None:
         await self.pools.close()
@@ -114,6 +119,12 @@ class RayBackend:
                 await self._create_on(decode, flow.request_id, starting)
             except WorkerLost as lost:  # D died before it could start: the flow moves the request
                 return lost
+            except RayError as exc:
+                failed = getattr(exc, "cause", None)
+                if isinstance(failed, KVLoadFailed):  # --kv-load-failure-policy fail: D freed it; retryable
+                    raise BackendError(f"the KV transfer of this request failed ({failed.reason}); retry it",
+                                       retryable=True) from exc
+                raise
         item = await stream.queue.get()
         if isinstance(item, Exception) and not isinstance(item, WorkerLost):
             raise item
@@ -136,7 +147,7 @@ class RayBackend:
         elif isinstance(command, Reserve):
             decode = self._worker(command.worker_id)
             reservation = await self._create_on(decode, rid, decode.handle.reserve.remote(
-                rid, request.prompt_token_ids, request.sampling_params))
+                rid, request.prompt_token_ids, request.sampling_params, self.pools.router))
             return flow.on_reserved(reservation, time.monotonic())
         elif isinstance(command, Prefill):
             return await self._prefill(flow, request, stream, command)
@@ -147,7 +158,7 @@ class RayBackend:
             decode = self._worker(command.worker_id)
             try:
                 await self._create_on(decode, rid, decode.handle.submit.remote(
-                    rid, request.prompt_token_ids, request.sampling_params, command.resume))
+                    rid, request.prompt_token_ids, request.sampling_params, command.resume, self.pools.router))
             except RayError as exc:  # refused (a bug, or a worker that cannot hold the context)
                 return flow.on_submit_refused(command.worker_id, str(exc), time.monotonic())
         elif isinstance(command, Abort):
@@ -180,7 +191,7 @@ class RayBackend:
         try:
             result = await self.pools.unless_down(prefill, prefill.handle.prefill.remote(PrefillRequest(
                 rid, request.prompt_token_ids, request.sampling_params, endpoint,
-                command.reservation.block_ids, command.reservation.num_cached_tokens,
+                command.reservation.block_ids, command.reservation.num_cached_tokens, self.pools.router,
             )))
         except RayActorError as exc:
             self.pools.mark_down(prefill, exc)

@@ -44,6 +44,7 @@ from router.protocol import (
     validation_error_to_api,
 )
 from router.routing import RoutingPolicy, live_workers
+from router.structured import Constraints, request_constraints
 from router.streaming import ClientGone, DeadlineExceeded, await_unless_disconnected, ended, sse_response
 from router.tokenizer import ChatTemplateError, Tokenizer
 from router.trace import RequestTrace
@@ -165,13 +166,14 @@ class Serving:
         deadline), then tokenize, route and run."""
         deadline = request_deadline(self.config, request.headers, time.monotonic())
         self.admission.check()
-        req = await self._request(request, endpoint.schema)
+        req, constraints = await self._request(request, endpoint.schema)
         endpoint.check(req)
         ticket = await self._admit(request, deadline)
         if ticket is None:
             return Response(status_code=499)
         try:
-            return await self._complete(request, started, req, endpoint.prompts(req), endpoint, ticket, deadline)
+            return await self._complete(request, started, req, endpoint.prompts(req), endpoint, ticket, deadline,
+                                        constraints)
         except BaseException:
             ticket.release()
             raise
@@ -183,7 +185,8 @@ class Serving:
         except ClientGone:
             return None
 
-    async def _request(self, request: Request, schema: type[ChatCompletionRequest | CompletionRequest]) -> Any:
+    async def _request(self, request: Request,
+                       schema: type[ChatCompletionRequest | CompletionRequest]) -> tuple[Any, Constraints]:
         body = await read_json(request, self.config)
         if not isinstance(body, dict):
             raise APIError("request body must be a JSON object", 400, None)
@@ -192,10 +195,14 @@ class Serving:
         self.check_model(req.model)
         check_common(req)
         check_limits(req, self.config, self.tokenizer.vocab_size)
-        return req
+        # Structured output, tools and reasoning: checked here, before any slot is taken.
+        constraints = request_constraints(body, schema is ChatCompletionRequest, self.config,
+                                          self.tokenizer.chat_template)
+        return req, constraints
 
     async def _complete(self, request: Request, started: float, req: ChatCompletionRequest | CompletionRequest,
-                        prompts: list[list[int]], endpoint: Endpoint, ticket: Ticket, deadline: Deadline | None) -> Response:
+                        prompts: list[list[int]], endpoint: Endpoint, ticket: Ticket, deadline: Deadline | None,
+                        constraints: Constraints) -> Response:
         requested, field_name = req.requested_max_tokens()
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         choices: list[Choice] = []
@@ -203,6 +210,8 @@ class Serving:
             max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, field_name, endpoint.prompt_param,
                                                  endpoint.default_max_tokens)
             params = to_sampling_params(req, max_tokens, max_tokens_field=field_name)
+            if constraints.structured is not None:
+                params = replace(params, structured_output=constraints.structured)
             for sample in range(req.n):
                 # A seeded request stays reproducible, and its n samples differ from each other.
                 seeded = params if sample == 0 or params.seed is None else replace(params, seed=params.seed + sample)
@@ -211,6 +220,9 @@ class Serving:
         fmt = endpoint.format(self.tokenizer, request_id, req.model or self.model_name, int(time.time()),
                               include_usage=bool(req.stream and opts and opts.include_usage),
                               continuous_usage=bool(opts and opts.continuous_usage_stats), logprobs=req.wants_logprobs())
+        if isinstance(fmt, ChatFormat):
+            fmt.shaped(constraints.shape)
+        self.metrics.count_structured(constraints.kind)
         return await self.generate(request, request_id, choices, req.stream, fmt, started, ticket, deadline)
 
     # -- checks and prompts

@@ -8,6 +8,15 @@ Every block is in exactly one of two states:
 
 Prefix caching covers full blocks only. A cached block is looked up by its chained hash and then
 its token ids are compared, so a hash collision can never serve the wrong KV.
+
+Sliding windows (`window`: set when every layer of the model is windowed, the largest window):
+once a sequence's next query can no longer see a block, release_out_of_window drops the
+sequence's reference to it and leaves FREED_BLOCK in its place in block_ids (the attention
+kernels never read blocks before a window), so a long request holds only the blocks its window
+needs. A model with any global layer keeps every block. Prefix caching stays exact: a block's KV
+depends only on the tokens up to it, and a hit is a run of cached blocks from the first one that
+are all still intact (a released block keeps its hash until it is reused, which drops the hash),
+so a hit holds every block the window of its first new token needs.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from common.block_hash import ROOT_PARENT_HASH, hash_block
 from common.protocol import KVEvent, KVEventKind
 from workers.sequence import Sequence
 
+FREED_BLOCK = -1  # block_ids entry of a block released because it fell out of the sliding window
+
 
 @dataclass
 class Block:
@@ -30,7 +41,8 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -38,6 +50,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        if window is not None and window < 1:
+            raise ValueError(f"window must be None or >= 1, got {window}")
+        self.window = window  # tokens every layer's queries see; None: some layer attends to everything
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
@@ -174,19 +189,38 @@ class BlockManager:
         """Drop seq's references. Its cached blocks stay reusable until evicted."""
         # Tail first, so under LRU a prefix outlives the blocks that extend it.
         for block_id in reversed(seq.block_ids):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:
-                    # Uncached blocks go first in line for reuse: they hold nothing worth keeping.
-                    self._free[block_id] = None
-                    self._free.move_to_end(block_id, last=False)
-                else:
-                    self._free[block_id] = None
+            if block_id != FREED_BLOCK:
+                self._unref(block_id)
         seq.block_ids = []
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                # Uncached blocks go first in line for reuse: they hold nothing worth keeping.
+                self._free.move_to_end(block_id, last=False)
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Release seq's blocks that no query from its next token on can see (FREED_BLOCK takes
+        their place in seq.block_ids); returns how many. Nothing without a window. Call after the
+        step's cache_computed_blocks, so a released full block stays in the prefix cache."""
+        if self.window is None:
+            return 0
+        # The next query, at position num_computed_tokens, sees keys from num_computed_tokens - window + 1 on.
+        first_needed = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size
+        released = 0
+        i = min(first_needed, len(seq.block_ids)) - 1
+        while i >= 0 and seq.block_ids[i] != FREED_BLOCK:  # released blocks are always a leading run
+            self._unref(seq.block_ids[i])
+            seq.block_ids[i] = FREED_BLOCK
+            released += 1
+            i -= 1
+        return released
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-but-free block (used on restart and in tests)."""

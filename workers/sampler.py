@@ -2,8 +2,10 @@
 
 Every row of a step goes through one tensor pass; each cut runs once, on the rows that use it:
 
-1. penalties (repetition, then presence and frequency) and banned tokens (EOS and stop tokens
-   before min_tokens) change the logits of the rows that have them;
+1. penalties (repetition, then presence and frequency), banned tokens (EOS and stop tokens
+   before min_tokens) and structured output (a grammar's allowed tokens: one bitmask for the
+   batch, one row per grammar row, applied in one vectorised pass) change the logits of the rows
+   that have them;
 2. greedy rows (temperature 0) take the argmax, so greedy decoding matches a plain argmax oracle;
 3. the other rows draw in one call of the exponential race kernel (kernels/sampling.py:
    argmax p_i / E_i with E_i ~ Exp(1)), which needs no normalised distribution and no sort, and
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from xgrammar import allocate_token_bitmask, apply_token_bitmask_inplace
 
 from kernels.sampling import exponential_race_reference, retry_keys
 from common.protocol import TokenLogprob
@@ -54,6 +57,8 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()  # EOS/stop tokens while min_tokens is not reached
     # The prompt as a tensor, kept by the caller across steps so penalties do not rebuild it.
     prompt_tensor: torch.Tensor | None = None
+    # The request's grammar (workers.grammar.GrammarState) when it has a structured output.
+    grammar: object | None = None
 
 
 def draw_keys(generator: torch.Generator | None, n: int) -> torch.Tensor:
@@ -166,6 +171,15 @@ def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> 
     return out
 
 
+def _apply_grammars(work: torch.Tensor, rows: list[SamplingRow], constrained: list[int]) -> None:
+    """Tokens the grammar of each constrained row does not allow -> -inf, in place. Each matcher
+    writes its own row of one bitmask; one masked pass then covers every constrained row."""
+    bitmask = allocate_token_bitmask(len(rows), work.shape[1])
+    for i in constrained:
+        rows[i].grammar.fill_bitmask(bitmask, i)
+    apply_token_bitmask_inplace(work, bitmask.to(work.device), indices=constrained)
+
+
 def sample(
     logits: torch.Tensor,
     rows: list[SamplingRow],
@@ -182,7 +196,10 @@ def sample(
     raw = logits
     penalised = [r.params.needs_penalties for r in rows]
     banned = [i for i, r in enumerate(rows) if r.banned_token_ids]
-    work = logits.clone() if any(penalised) or banned else logits
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    work = logits.clone() if any(penalised) or banned or constrained else logits
+    if constrained:
+        _apply_grammars(work, rows, constrained)
     if any(penalised):
         _apply_penalties(work, rows)
     if banned:

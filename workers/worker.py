@@ -26,16 +26,19 @@ from dataclasses import dataclass, field, replace
 
 from common import envs
 from kvtransfer import KVTransferError, PairwiseTransport, PeerLink, Place, dtype_name
+from workers.kv_load import KVLoadFailures, PendingLoad, recompute
 from workers.config import EngineConfig
 from workers.engine import LLMEngine, load_tokenizer_decode
+from workers.grammar import GrammarCache
 from workers.model_config import ModelConfig
 from workers.model_files import ModelNotFoundError, resolve_model_dir
 from workers.model_runner import (iter_safetensors, kv_cache_num_blocks, kv_cache_scales, kv_cache_torch_dtype,
                                   load_model)
 from common.protocol import (
-    KVEndpoint, KVEvent, KVEventBatch, KVLayout, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
-    WorkerHeartbeat, WorkerReady, WorkerStats,
+    KVEndpoint, KVEventBatch, KVLayout, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
+    RouterClaim, WorkerHeartbeat, WorkerReady, WorkerStats,
 )
+from workers.router_leases import RouterLeases
 from common.roles import ROLES
 from common.sampling_params import SamplingParams
 
@@ -110,26 +113,32 @@ class WorkerConfig:
     # KV transport choice (common.transports.CHOICES): auto picks per pair of workers.
     transport: str = "auto"
     transfer_timeout_s: float = 30.0
+    kv_load_failure_policy: str = "recompute"  # when pushed KV is unusable: recompute or fail (workers.kv_load)
     # Where the worker runs, filled in by the Ray actor shell (workers.actors) from Ray's own
     # view: the transport per pair compares node ids, and gloo/nccl rendezvous on `host`.
     node_id: str = "local"
     host: str = "127.0.0.1"
-    # The engine thread runs at idle priority (Linux SCHED_IDLE): a decode worker sharing a CPU host
-    # with a prefill worker yields to it, and to the router, whenever they want a core
-    # (cluster.placement decides).
-    idle_priority: bool = False
+    # The engine thread's niceness (0: as the OS gives; up to 19). A prefill worker sharing a CPU
+    # host with a decode worker runs at a higher niceness, so a decode step that wants a core gets
+    # it at once while the prefill keeps whatever the streams leave (cluster.placement decides).
+    nice: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {tuple(r.value for r in ROLES)}, got {self.role!r}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice must be between 0 and 19, got {self.nice}")
 
 
-def _run_at_idle_priority(worker_id: str) -> None:
-    """The calling thread (and the threads it starts) runs only when no other thread wants the CPU."""
+def _lower_thread_priority(worker_id: str, nice: int) -> None:
+    """Run the calling thread, and the threads it starts from now on (torch's intra-op pool among
+    them), at niceness `nice`: under contention the scheduler gives it a smaller share of a core,
+    and none of it when a normal thread wants the core, yet it is never starved."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, max(nice, os.getpriority(os.PRIO_PROCESS, me)))  # never raise it
     except (AttributeError, OSError) as exc:  # not Linux, or not allowed: run as before
-        log.warning("worker %s: cannot run at idle priority (%s)", worker_id, exc)
+        log.warning("worker %s: cannot lower the engine thread's priority (%s)", worker_id, exc)
 
 
 class EngineWorker:
@@ -148,28 +157,24 @@ class EngineWorker:
             self._step_log = open(os.path.join(step_log_dir, f"{self.worker_id}.jsonl"), "a", buffering=1)
             self._stop_step_log = engine.observe_steps(self._log_step)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: list[RequestOutput] = []
-        self._outbox_ready = threading.Condition()
         self._prefills: dict[str, PendingPrefill] = {}
         self._aborted = AbortedIds()
         self._recv_handles: dict[str, object] = {}
         self._peers: dict[tuple[str, str], str] = {}  # KVEndpoint.peer_key -> transport peer id
         self.counters = Counters("kv_blocks_sent", "kv_bytes_sent", "kv_blocks_received", "prompt_tokens",
                                  "generation_tokens")
-        # KV events drained from the engine after every step (engine thread only); bounded so a
-        # router that stops collecting cannot grow it: past the bound we send a snapshot instead.
-        self._kv_events: list[KVEvent] = []
-        self._kv_event_hashes = 0
-        self._kv_events_lost = False
-        self._max_kv_event_hashes = max(1024, 4 * engine.block_manager.num_blocks)
+        self.kv_failures = KVLoadFailures(self.worker_id, config.kv_load_failure_policy)  # workers.kv_load
+        # Per router (workers.router_leases): its requests, outbox, lease and KV events drained from
+        # the engine after every step (bounded: past the bound that router gets a snapshot instead).
+        self.leases = RouterLeases(max(1024, 4 * engine.block_manager.num_blocks))
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.worker_id}", daemon=True)
         self._thread.start()
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.config.idle_priority:
-            _run_at_idle_priority(self.worker_id)
+        if self.config.nice:
+            _lower_thread_priority(self.worker_id, self.config.nice)
         engine = self.engine
         while not self._stopped.is_set():
             block = not engine.has_schedulable_work()
@@ -189,26 +194,26 @@ class EngineWorker:
                 except Exception as exc:  # a failed step must fail its requests, not hang them
                     self._fail_all(exc)
             self._drain_kv_events()
+            self._end_expired_leases()
 
     def _drain_kv_events(self) -> None:
-        events = self.engine.block_manager.drain_events()
-        if not events or self._kv_events_lost:
-            return
-        self._kv_events.extend(events)
-        self._kv_event_hashes += sum(len(e.block_hashes) or 1 for e in events)
-        if self._kv_event_hashes > self._max_kv_event_hashes:
-            self._kv_events, self._kv_event_hashes, self._kv_events_lost = [], 0, True
+        self.leases.publish_kv_events(self.engine.block_manager.drain_events())
 
-    def _take_kv_events(self) -> KVEventBatch:
-        """Engine thread: hand over the buffered events (or a snapshot after an overflow)."""
+    def _take_kv_events(self, router: RouterClaim | None = None) -> KVEventBatch:
+        """Engine thread: hand the router its buffered events (or a snapshot: new router, overflow)."""
         self._drain_kv_events()
         bm = self.engine.block_manager
-        if self._kv_events_lost:
-            batch = KVEventBatch([], bm.cached_hashes(), bm.block_size)
-        else:
-            batch = KVEventBatch(self._kv_events, None, bm.block_size)
-        self._kv_events, self._kv_event_hashes, self._kv_events_lost = [], 0, False
-        return batch
+        return self.leases.take_kv_events(router, bm.cached_hashes, bm.block_size)
+
+    def _end_expired_leases(self) -> None:
+        """Engine thread: a router whose lease ran out is gone; end its requests and free their blocks."""
+        for lease in self.leases.take_expired():
+            log.warning("worker %s: router %s renewed no lease for %.1f s; aborting its %d requests",
+                        self.worker_id, lease.router_id, lease.term_s, len(lease.request_ids))
+            for request_id in lease.request_ids:
+                if self._recv_handles.pop(request_id, None) is not None:
+                    self.transport.abort(request_id)
+                self._abort_here(request_id, True, "was ended: its router is gone")  # a send releases after
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         ready = []
@@ -222,9 +227,7 @@ class EngineWorker:
             else:
                 ready.append(out)
         if ready:
-            with self._outbox_ready:
-                self._outbox.extend(ready)
-                self._outbox_ready.notify_all()
+            self.leases.deliver(ready)
 
     def _prefilled(self, pending: PendingPrefill, out: RequestOutput) -> None:
         # begin_send here, not from the waiting call's thread: by the time that thread could queue
@@ -245,9 +248,7 @@ class EngineWorker:
                 pending.done.set_exception(exc)
             else:
                 failed.append(RequestOutput(request_id, [], finished=True, finish_reason="abort"))
-        with self._outbox_ready:
-            self._outbox.extend(failed)
-            self._outbox_ready.notify_all()
+        self.leases.deliver(failed)
 
     def _call(self, fn, timeout_s: float | None = 60.0):
         fut: Future = Future()
@@ -282,27 +283,37 @@ class EngineWorker:
         return self.transport.endpoint()
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               resume: ResumeState | None = None) -> None:
-        """Run a whole request here (local prefill, then decode); outputs go to poll_outputs.
+               resume: ResumeState | None = None, router: RouterClaim | None = None) -> None:
+        """Run a whole request here (local prefill, then decode); outputs go to `router`'s poll_outputs.
         With `resume`, continue a request whose first decode worker died (engine.resume_request)."""
         def add():
             self._aborted.refuse(request_id)
+            self.leases.own(request_id, router)
             if resume is None:
                 self.engine.add_request(prompt_token_ids, params, request_id)
             else:
                 self.engine.resume_request(prompt_token_ids, params, request_id, resume)
 
+        self.compile_grammar(params)
         self._call(add)
         self.counters.add(prompt_tokens=len(prompt_token_ids) + (len(resume.output_token_ids) if resume else 0))
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a structured output's grammar in the calling thread (cached), off the engine
+        thread's steps; a spec that does not compile fails here, before the engine sees it."""
+        if params.structured_output is not None and self.engine.grammars is not None:
+            self.engine.grammars.compiled(params.structured_output)
 
     def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Compute the prompt's KV and first token, push the blocks to the peer, return the token."""
         rid = request.request_id
+        self.compile_grammar(request.sampling_params)
         started = time.perf_counter()
         pending = PendingPrefill(Future(), send=request.peer_endpoint is not None)
 
         def add():
             self._aborted.refuse(rid)
+            self.leases.own(rid, request.router)
             self._prefills[rid] = pending
             try:
                 self.engine.add_request(request.prompt_token_ids, request.sampling_params, rid, prefill_only=True)
@@ -318,7 +329,7 @@ class EngineWorker:
             raise
         except BaseException:
             # Stopped waiting: whatever state the request reached here (queued, held, sending) ends.
-            self._call(lambda: (self.engine.abort(rid), self.engine.release(rid)))
+            self._call(lambda: (self.engine.abort(rid), self.engine.release(rid), self.leases.forget(rid)))
             raise
         prefill_seconds = time.perf_counter() - started
         sent = nbytes = 0
@@ -339,6 +350,7 @@ class EngineWorker:
             # Not waited for: the engine thread may be inside a long step, and the blocks only
             # return to the pool (the router needs the first token now).
             self._post(lambda: self.engine.release(rid))
+            self.leases.forget(rid)
         return PrefillResult(output, sent, nbytes, transfer_seconds, prefill_seconds)
 
     def connect_peer(self, endpoint: KVEndpoint) -> str:
@@ -360,29 +372,36 @@ class EngineWorker:
             self._peers[endpoint.peer_key] = peer_id
         return peer_id
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                router: RouterClaim | None = None):
         """Set aside blocks for a prompt a prefill worker will push; None when full right now."""
+        self.compile_grammar(params)
+
         def reserve_here():
             self._aborted.refuse(request_id)
+            self.leases.own(request_id, router)
             return self.engine.reserve_for_kv(prompt_token_ids, params, request_id)
 
         reservation = self._call(reserve_here)
         if reservation is not None and self.transport is not None:
             skip = reservation.num_cached_tokens // self.engine.block_manager.block_size
-            self._recv_handles[request_id] = self.transport.expect(
+            self._recv_handles[request_id] = PendingLoad(self.transport.expect(
                 request_id, reservation.block_ids[skip:], self.config.transfer_timeout_s
-            )
+            ), prompt_token_ids, params)
         return reservation
 
     def start_decode(self, request_id: str, first_token: int) -> None:
-        """The prefill worker has pushed the KV: check it landed and decode on."""
-        handle = self._recv_handles.pop(request_id, None)
-        if handle is not None:
-            result = self.transport.wait(handle)
+        """The prefill worker has pushed the KV: check it landed intact (else see workers.kv_load) and decode on."""
+        load = self._recv_handles.pop(request_id, None)
+        if load is not None:
+            result = self.transport.wait(load.handle)
             if not result.ok:
+                reason = self.kv_failures.record(request_id, result)
+                if self.kv_failures.policy == "recompute":
+                    return self._call(lambda: recompute(self.engine, request_id, load, first_token))
                 self._call(lambda: self.engine.abort(request_id))
-                raise KVTransferError(f"KV for {request_id} did not arrive: {result.status.name} {result.error or ''}")
-            self.counters.add(kv_blocks_received=handle.num_blocks)
+                raise self.kv_failures.error(request_id, reason, result)
+            self.counters.add(kv_blocks_received=load.handle.num_blocks)
         self._call(lambda: self.engine.start_decoding(request_id, first_token))
 
     def abort(self, request_id: str, final: bool = True) -> bool:
@@ -390,32 +409,34 @@ class EngineWorker:
         so a creation call for it that arrives later is refused (RequestAborted); the router
         passes final=False when it frees a request here to start it again (a prefill fallback, a
         migration back to a restarted worker)."""
-        handle = self._recv_handles.pop(request_id, None)
-        if handle is not None:
+        if self._recv_handles.pop(request_id, None) is not None:
             self.transport.abort(request_id)  # no bytes land in the blocks once this returns
+        return self._call(lambda: self._abort_here(request_id, final, "was aborted"))
 
-        def abort_here() -> bool:
-            if final:
-                self._aborted.add(request_id)
-            pending = self._prefills.pop(request_id, None)
-            if pending is not None:  # a prefill in flight: release the call waiting for its token
-                pending.done.set_exception(RequestAborted(f"request {request_id} was aborted"))
-            return self.engine.abort(request_id)
+    def _abort_here(self, request_id: str, final: bool, why: str) -> bool:
+        """Engine thread: free the engine's state of the request (and end a prefill call waiting on it)."""
+        if final:
+            self._aborted.add(request_id)
+        self.leases.forget(request_id)
+        pending = self._prefills.pop(request_id, None)
+        if pending is not None:  # a prefill in flight: release the call waiting for its token
+            pending.done.set_exception(RequestAborted(f"request {request_id} {why}"))
+        return self.engine.abort(request_id)
 
-        return self._call(abort_here)
+    def poll_outputs(self, timeout_s: float = 0.05, router: RouterClaim | None = None) -> list[RequestOutput]:
+        """Every output queued for `router`, waiting up to timeout_s for the first one (renews its lease)."""
+        return self.leases.take_outputs(router, timeout_s)
 
-    def poll_outputs(self, timeout_s: float = 0.05) -> list[RequestOutput]:
-        """Every queued output, waiting up to timeout_s for the first one."""
-        with self._outbox_ready:
-            if not self._outbox:
-                self._outbox_ready.wait(timeout_s)
-            outputs, self._outbox = self._outbox, []
-        return outputs
+    def renew_lease(self, router: RouterClaim) -> None:
+        """Keep the router's requests alive here for another `router.lease_s` seconds."""
+        self.leases.renew(router)
 
-    def heartbeat(self) -> WorkerHeartbeat:
-        """Stats and the KV events since the last heartbeat, taken together on the engine thread."""
-        s, events = self._call(lambda: (self.engine.stats(), self._take_kv_events()), timeout_s=10.0)
-        return WorkerHeartbeat(self._make_stats(s), events)
+    def heartbeat(self, router: RouterClaim | None = None) -> WorkerHeartbeat:
+        """Stats and the router's KV events since its last heartbeat (taken together on the engine
+        thread), and the routers holding a lease here."""
+        self.leases.renew(router)
+        s, events = self._call(lambda: (self.engine.stats(), self._take_kv_events(router)), timeout_s=10.0)
+        return WorkerHeartbeat(self._make_stats(s), events, self.leases.holders())
 
     def stats(self) -> WorkerStats:
         return self._make_stats(self._call(self.engine.stats, timeout_s=10.0))
@@ -429,6 +450,7 @@ class EngineWorker:
             num_preemptions=s.num_preemptions, kv_blocks_sent=c["kv_blocks_sent"], kv_bytes_sent=c["kv_bytes_sent"],
             kv_blocks_received=c["kv_blocks_received"], prompt_tokens=c["prompt_tokens"],
             generation_tokens=c["generation_tokens"], pid=os.getpid(),
+            kv_transfer_failures=self.kv_failures.snapshot(),
         )
 
     def shutdown(self) -> None:
@@ -442,7 +464,10 @@ class EngineWorker:
 
     def _log_step(self, chunks: list[tuple[int, int, bool]], seconds: float) -> None:
         if not self._step_log.closed:  # an engine thread that outlived shutdown's join logs nothing more
-            self._step_log.write(json.dumps({"role": self.role, "seconds": seconds, "chunks": chunks}) + "\n")
+            # `end` on the monotonic clock, which every process of the host shares: steps of two
+            # workers can be laid side by side (tests/e2e/test_streams_beside_a_long_prompt.py).
+            self._step_log.write(json.dumps({"role": self.role, "seconds": seconds, "end": time.monotonic(),
+                                             "chunks": chunks}) + "\n")
 
 
 def _build_engine_and_transport(config: WorkerConfig, transport=None):
@@ -466,9 +491,10 @@ def _build_engine_and_transport(config: WorkerConfig, transport=None):
     layout = KVLayout(
         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
         block_size=ec.block_size, dtype=dtype_name(kv_dtype), kv_scales=kv_scales,
-    )
+        layer_windows=model_config.layer_windows)
     place = Place(config.node_id, config.host, "cuda" if ec.device.startswith("cuda") else "cpu")
     transport = transport or PairwiseTransport(config.transport, place, config.worker_id)
     kv_cache = transport.allocate_cache(layout, num_blocks)
-    engine = LLMEngine(model_config, ec, model, load_tokenizer_decode(model_dir), kv_cache=kv_cache)
+    grammars = GrammarCache(model_dir, model_config.vocab_size, model_config.eos_token_ids)
+    engine = LLMEngine(model_config, ec, model, load_tokenizer_decode(model_dir), kv_cache=kv_cache, grammars=grammars)
     return engine, transport

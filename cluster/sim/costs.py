@@ -203,7 +203,9 @@ GPUS: dict[str, GpuSpec] = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Llama-family decoder: what its FLOPs and bytes depend on."""
+    """A Llama-family decoder: what its FLOPs and bytes depend on. With `experts` > 0 a mixture of
+    experts (Mixtral, Qwen3-MoE): every layer's MLP is `experts` gated MLPs of `expert_intermediate`,
+    of which each token runs `experts_per_tok`, chosen by a router (hidden x experts)."""
 
     name: str
     layers: int
@@ -211,14 +213,44 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int
+    intermediate: int  # the dense MLP's (0 for an MoE)
     vocab: int
+    experts: int = 0
+    experts_per_tok: int = 0
+    expert_intermediate: int = 0
+
+    @property
+    def _attention_params(self) -> int:
+        return self.hidden * self.head_dim * (self.heads + 2 * self.kv_heads) + self.heads * self.head_dim * self.hidden
+
+    @property
+    def _expert_params(self) -> int:
+        return 3 * self.hidden * self.expert_intermediate
 
     @property
     def layer_params(self) -> int:
-        """Weights in the transformer blocks (attention projections + gated MLP)."""
-        attn = self.hidden * self.head_dim * (self.heads + 2 * self.kv_heads) + self.heads * self.head_dim * self.hidden
-        return self.layers * (attn + 3 * self.hidden * self.intermediate)
+        """Weights in the transformer blocks (attention projections + gated MLP, or router + all experts):
+        what the weights take in memory."""
+        if not self.experts:
+            return self.layers * (self._attention_params + 3 * self.hidden * self.intermediate)
+        return self.layers * (self._attention_params + self.hidden * self.experts + self.experts * self._expert_params)
+
+    @property
+    def active_layer_params(self) -> int:
+        """Weights one token multiplies (FLOPs per token = 2 x this): for an MoE its k experts only."""
+        if not self.experts:
+            return self.layer_params
+        return self.layers * (self._attention_params + self.hidden * self.experts
+                              + self.experts_per_tok * self._expert_params)
+
+    def layer_params_read(self, tokens: int) -> float:
+        """Weights a step of `tokens` tokens streams from memory: all of a dense model; for an MoE the
+        attention and routers plus each expert some token was routed to, E * (1 - (1 - k/E)^tokens)
+        of them per layer in expectation under uniform routing."""
+        if not self.experts:
+            return float(self.layer_params)
+        touched = self.experts * (1.0 - (1.0 - self.experts_per_tok / self.experts) ** max(tokens, 0))
+        return self.layers * (self._attention_params + self.hidden * self.experts + touched * self._expert_params)
 
     @property
     def lm_head_params(self) -> int:
@@ -229,6 +261,10 @@ MODELS: dict[str, ModelShape] = {
     "llama-8b": ModelShape("llama-8b", 32, 4096, 32, 8, 128, 14336, 128256),  # Llama 3.1 8B
     "llama-70b": ModelShape("llama-70b", 80, 8192, 64, 8, 128, 28672, 128256),  # Llama 3.1 70B
     "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152),
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active per token (8 experts, top-2).
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 128, 0, 32000, 8, 2, 14336),
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (128 experts, top-8).
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 0, 151936, 128, 8, 768),
 }
 
 
@@ -283,10 +319,12 @@ class RooflineCostModel:
     def step_time(self, shape: StepShape) -> float:
         m = self.model
         attn_pairs = shape.prefill_pairs + shape.decode_context
-        flops = (2 * m.layer_params * shape.tokens + 2 * m.lm_head_params * shape.sampled
+        flops = (2 * m.active_layer_params * shape.tokens + 2 * m.lm_head_params * shape.sampled
                  + 4 * m.layers * m.heads * m.head_dim * attn_pairs)
         kv = self.kv_bytes_per_token()
-        nbytes = self.weight_bytes + kv * (shape.decode_context + shape.prefill_context + shape.tokens)
+        per = 1 if self.weight_dtype == "fp8" else 2
+        weights_read = (m.layer_params_read(shape.tokens) + m.lm_head_params) * per  # = weight_bytes when dense
+        nbytes = weights_read + kv * (shape.decode_context + shape.prefill_context + shape.tokens)
         t = max(flops / (self.peak_flops * self.compute_eff), nbytes / (self.gpu.hbm_bytes_s * self.bandwidth_eff))
         t /= self.tp
         if self.tp > 1:  # ring all-reduce of the bf16 activations, twice per layer

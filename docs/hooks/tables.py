@@ -84,14 +84,23 @@ def table(header: list[str], rows: list[list[str]], align: str | None = None) ->
 
 SERVERS = (("vllm-cpu", "vLLM-CPU float32"), ("baton-fp32", "Baton float32"),
            ("baton-bf16", "Baton bfloat16"))
-MODES = (("default", "client defaults: sampling at temperature 1"),
-         ("temperature 0", "`--temperature 0`: greedy"))
+MODES = (("default", "quiet host, client defaults: sampling at temperature 1"),
+         ("temperature 0", "quiet host, `--temperature 0`: greedy"),
+         ("busy: default", "busy host (bench/cpu_hog.py: one core 50% busy), client defaults"))
 
 
 def compare_run(label: str, mode: str) -> dict[str, Any]:
     run = load(f"compare_{label}")["runs"][mode]
     return {"w1": run["throughput"]["throughput"], "streams": run["mixed"]["streams"],
-            "long": run["mixed"]["long prompts"]}
+            "long": run["mixed"]["long prompts"], "host": [run["throughput"], run["mixed"]]}
+
+
+def host_load(runs: list[dict]) -> str:
+    """The 1-minute load average at the end of each workload, and the CPU steal over it."""
+    def one(run: dict) -> str:
+        steal = run.get("cpu_steal")
+        return f"{run['loadavg_after'][0]:.1f}" + ("" if steal is None else f" / {pct(steal, 1)}")
+    return ", ".join(one(r) for r in runs)
 
 
 def compare_ratio(label: str, mode: str, workload: str, metric: str, stat: str | None) -> float:
@@ -105,6 +114,8 @@ def compare_ratio(label: str, mode: str, workload: str, metric: str, stat: str |
 def t_compare() -> str:
     rows = []
     for mode, title in MODES:
+        if any(mode not in load(f"compare_{lbl}")["runs"] for lbl, _ in SERVERS):
+            continue  # a run of one condition only (CONDITIONS=quiet)
         rows.append([f"**{title}**", "", "", ""])
         runs = {lbl: compare_run(lbl, mode) for lbl, _ in SERVERS}
 
@@ -126,6 +137,7 @@ def t_compare() -> str:
             "streams", "itl_ms", "p99")))
         rows.append(row("2. long prompts' TTFT p50 (ms)", lambda l, r: cell(
             l, ms(r["long"]["ttft_ms"]["p50"]), "long", "ttft_ms", "p50")))
+        rows.append(row("host: load average / CPU steal (workload 1, 2)", lambda l, r: host_load(r["host"])))
     return table([""] + [name for _, name in SERVERS], rows)
 
 
@@ -143,6 +155,18 @@ def t_engine_throughput() -> str:
     return table(["dtype", "Baton, 1 seq", "Baton, 8", "Baton, 32", "transformers, one at a time",
                   "transformers, batches of 8", "batches of 32", "Baton 32 / transformers 1",
                   "requests with identical greedy tokens"], rows)
+
+
+def t_engine_throughput_moe() -> str:
+    d = load("engine_throughput_moe")
+    r = d["results"]
+    rows = [[label, str(r[k]["requests"]), f(r[k]["tok_s"]), ratio(r[k]["ratio_vs_hf_sequential"]),
+             pct(r[k]["greedy_agreement_vs_hf_sequential"], 0)]
+            for k, label in (("baton_c1", "Baton, 1 sequence"), ("baton_c16", "Baton, 16 sequences"),
+                             ("hf_sequential", "transformers, one at a time"),
+                             ("hf_batch16", "transformers, padded batches of 16")) if k in r]
+    return table(["float32, 1 thread", "requests", "output tok/s", "vs transformers one at a time",
+                  "identical greedy tokens"], rows)
 
 
 def t_decode_profile() -> str:
@@ -468,6 +492,20 @@ def t_scale_router() -> str:
             ["index size if every cached block of 1,000 8B workers is indexed",
              f"{f(sat['index_gb_if_every_cached_block_indexed'], 0)} GB", ""]]
     return table(["", "median", "p99"], rows)
+
+
+def t_multi_router() -> str:
+    d = load("multi_router")
+    rows = [[str(r["routers"]), f(r["requests_per_s"], 0), ratio(r["speedup_vs_first"]),
+             ", ".join(f"{k} {f(v, 0)}" for k, v in r["per_router_requests_per_s"].items()), str(r["errors"])]
+            for r in d["throughput"]]
+    out = table(["router processes", "requests/s", "vs 1", "per router", "errors"], rows)
+    hit = d.get("prefix_hit_rate")
+    if hit:
+        out += "\n\n" + table(["multi-turn chat", "requests", "prompt tokens", "cached tokens", "hit rate"], [
+            [f"{h['routers']} router{'s' if h['routers'] > 1 else ''}", str(h["requests"]), f(h["prompt_tokens"], 0),
+             f(h["cached_tokens"], 0), pct(h["hit_rate"])] for h in (hit["one_router"], hit["two_routers"])])
+    return out
 
 
 TABLES: dict[str, Callable[[], str]] = {

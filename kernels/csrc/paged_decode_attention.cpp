@@ -24,7 +24,9 @@ struct Args {
     const float* k_fp8_table; const float* v_fp8_table;
     const int32_t* block_tables; int64_t bt_stride, max_blocks_per_seq; const int32_t* context_lens;
     void* out; int64_t out_stride_b, out_stride_h;
-    int64_t B; int Hq, Hk, D, block_size; float scale; int num_threads;
+    int64_t B; int Hq, Hk, D, block_size; float scale;
+    int64_t window; float softcap;  // window 0: the whole context; softcap 0: no logit soft-capping
+    int num_threads;
 };
 
 // Once a server has recycled its blocks a sequence's pages lie scattered in memory, and each page
@@ -61,17 +63,19 @@ void attend(const Args& a) {
         for (int64_t b = 0; b < a.B; ++b) {
             int64_t ctx = a.context_lens[b];
             if (ctx > max_ctx) ctx = max_ctx;  // a bad length must not read past the block table
+            // A sliding window sees the last `window` tokens only; earlier pages are never read.
+            const int64_t lo = a.window > 0 && ctx > a.window ? ctx - a.window : 0, n_vis = ctx - lo;
             const int32_t* table = a.block_tables + b * a.bt_stride;
             for (int h = 0; h < Hq; ++h)
                 load_scaled_query(a.q, a.q_dtype, b * a.q_stride_b + int64_t(h) * a.q_stride_h, a.scale,
                                   &qf[size_t(h) * D], D);
-            scores.resize(size_t(Hq) * ctx);
+            scores.resize(size_t(Hq) * n_vis);
 
             // Offset of token t's row in `cache`, for t = 0, 1, ... in order (row0 follows the pages);
             // prefetches the same row of the next page. Tokens are walked with shifts and masks: a
             // division per token costs as much as its dot products.
             const int64_t num_pages = (ctx + in_block) >> shift;
-            int64_t row0 = 0;
+            int64_t row0 = first_row(table[lo >> shift]);  // lo may sit inside a page
             auto token_offset = [&](const T* cache, int64_t t) -> int64_t {
                 if ((t & in_block) == 0) row0 = first_row(table[t >> shift]);
                 if ((t >> shift) + 1 < num_pages)
@@ -79,7 +83,7 @@ void attend(const Args& a) {
                 return (row0 + (t & in_block)) * row_len;
             };
             // Pass 1: scores[h][t] = q_h . k_t (query head h reads kv head h / G).
-            for (int64_t t = 0; t < ctx; ++t) {
+            for (int64_t t = lo; t < ctx; ++t) {
                 const int64_t k_off = token_offset(k_cache, t);
                 for (int h = 0; h < Hq; ++h) {
                     const float* qh = &qf[size_t(h) * D];
@@ -87,10 +91,16 @@ void attend(const Args& a) {
                     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
                     for (int d = 0; d < D; ++d) s += qh[d] * CacheElem<KV>::get(kh, d, a.k_fp8_table);
-                    scores[size_t(h) * ctx + t] = s;
+                    scores[size_t(h) * n_vis + (t - lo)] = s;
                 }
             }
+            if (a.softcap > 0.0f) {  // Gemma 2: cap * tanh(s / cap), on the scaled scores
+                const float inv_cap = 1.0f / a.softcap;
+                for (size_t i = 0; i < size_t(Hq) * n_vis; ++i) scores[i] = a.softcap * std::tanh(scores[i] * inv_cap);
+            }
+            row0 = first_row(table[lo >> shift]);
             for (int h = 0; h < Hq; ++h) {
+                const int64_t ctx = n_vis;  // the softmax runs over the visible tokens only
                 float* sh = &scores[size_t(h) * ctx];
                 float m = -INFINITY;
 #pragma omp simd reduction(max : m)
@@ -112,10 +122,10 @@ void attend(const Args& a) {
             }
             // Pass 2: out_h = sum_t p[h][t] v_t / sum
             std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int64_t t = 0; t < ctx; ++t) {
+            for (int64_t t = lo; t < ctx; ++t) {
                 const int64_t v_off = token_offset(v_cache, t);
                 for (int h = 0; h < Hq; ++h) {
-                    const float p = scores[size_t(h) * ctx + t];
+                    const float p = scores[size_t(h) * n_vis + (t - lo)];
                     const T* vh = v_cache + v_off + int64_t(h / G) * D;
                     float* ah = &acc[size_t(h) * D];
 #pragma omp simd
@@ -154,14 +164,14 @@ extern "C" int baton_paged_decode_attention(
     const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks_per_seq, const int32_t* context_lens,
     void* out, int64_t out_stride_b, int64_t out_stride_h,
     int64_t B, int Hq, int Hk, int D, int block_size,
-    float scale, int num_threads) {
+    float scale, int64_t window, float softcap, int num_threads) {
     if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || block_size <= 0 || (block_size & (block_size - 1)) != 0) return 1;
     if (q_dtype != kFloat32 && q_dtype != kBFloat16) return 1;
     for (int64_t b = 0; b < B; ++b)
         if (context_lens[b] < 1) return 2;
     const Args a{q, q_stride_b, q_stride_h, q_dtype, k_cache, v_cache, num_blocks, k_fp8_table, v_fp8_table,
                  block_tables, bt_stride, max_blocks_per_seq, context_lens, out, out_stride_b, out_stride_h,
-                 B, Hq, Hk, D, block_size, scale, num_threads};
+                 B, Hq, Hk, D, block_size, scale, window, softcap, num_threads};
     switch (kv_dtype) {
         case kFloat32: dispatch_dim<kFloat32>(a); return 0;
         case kBFloat16: dispatch_dim<kBFloat16>(a); return 0;

@@ -30,7 +30,9 @@ struct Args {
     const int32_t* block_tables; int64_t bt_stride, max_blocks_per_seq;
     const int32_t* query_start_loc; const int32_t* context_lens;
     void* out; int64_t out_stride_t, out_stride_h;
-    int64_t B; int Hq, Hk, D; float scale; int num_threads;
+    int64_t B; int Hq, Hk, D; float scale;
+    int64_t window; float softcap;  // window 0: causal over the whole context; softcap 0: none
+    int num_threads;
 };
 
 // Horizontal max and sum of 16 lanes: four shuffle-and-combine steps instead of a 16-long chain.
@@ -106,7 +108,11 @@ void attend(const Args& a, const std::vector<int64_t>& items) {
             }
             const int64_t last = prefix + q0 + nq - 1;  // the block's last query position
             const int32_t* table = a.block_tables + b * a.bt_stride;
-            for (int64_t t0 = 0; t0 <= last; t0 += TILE) {
+            // With a sliding window the walk starts at the page of the block's first visible key:
+            // earlier pages (possibly freed and reused) are never read.
+            int64_t first_key = 0;
+            if (a.window > 0 && prefix + q0 - a.window + 1 > 0) first_key = (prefix + q0 - a.window + 1) / BS * BS;
+            for (int64_t t0 = first_key; t0 <= last; t0 += TILE) {
                 const int n = int(last + 1 - t0 < TILE ? last + 1 - t0 : TILE);
                 for (int c = 0; c < TILE; ++c) {
                     if (c < n) {
@@ -141,20 +147,30 @@ void attend(const Args& a, const std::vector<int64_t>& items) {
                     // reductions and a libm exp per row cost as much as a third of the FMAs).
                     float tile_max[kRowGroup];
                     bool live[kRowGroup];
+                    if (a.softcap > 0.0f) {  // Gemma 2: cap * tanh(s / cap) on the scaled scores
+                        const float inv_cap = 1.0f / a.softcap;
+                        for (int rr = 0; rr < kRowGroup; ++rr)
+                            for (int i = 0; i < TV; ++i)
+                                for (int c = 0; c < 16; ++c) s[rr][i][c] = a.softcap * std::tanh(s[rr][i][c] * inv_cap);
+                    }
                     for (int rr = 0; rr < kRowGroup; ++rr) {
                         const int r = r0 + rr;
                         const int64_t visible = qpos[r] - t0 + 1;  // tokens of this tile the row may see
                         const int vis = visible <= 0 ? 0 : int(visible < n ? visible : n);
-                        live[rr] = vis > 0;
+                        // The first lane inside the row's window (0 without a window).
+                        const int64_t from = a.window > 0 ? qpos[r] - a.window + 1 - t0 : 0;
+                        const int lo = from <= 0 ? 0 : int(from < TILE ? from : TILE);
+                        live[rr] = vis > lo;
                         if (!live[rr]) {  // fully masked (or padding): nothing changes for this row
                             tile_max[rr] = -INFINITY;
                             continue;
                         }
-                        if (vis < TILE) {
-                            // Mask the scores past the row's position (the diagonal tile) lane-wise.
+                        if (vis < TILE || lo > 0) {
+                            // Mask the scores past the row's position (the diagonal tile), and before
+                            // its window, lane-wise.
                             for (int i = 0; i < TV; ++i) {
                                 const v16i lane = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + 16 * i;
-                                s[rr][i] = lane < vis ? s[rr][i] : v16{} - INFINITY;
+                                s[rr][i] = (lane < vis) & (lane >= lo) ? s[rr][i] : v16{} - INFINITY;
                             }
                         }
                         v16 vmax = s[rr][0];
@@ -242,7 +258,7 @@ extern "C" int baton_paged_prefill_attention(
     const int32_t* block_tables, int64_t bt_stride, int64_t max_blocks_per_seq,
     const int32_t* query_start_loc, const int32_t* context_lens,
     void* out, int64_t out_stride_t, int64_t out_stride_h,
-    int64_t B, int Hq, int Hk, int D, int block_size, float scale, int num_threads) {
+    int64_t B, int Hq, int Hk, int D, int block_size, float scale, int64_t window, float softcap, int num_threads) {
     if (Hk <= 0 || Hq % Hk != 0 || Hk > 0xffff || D <= 0) return 1;
     if (q_dtype != kFloat32 && q_dtype != kBFloat16) return 1;
     std::vector<int64_t> items;
@@ -254,7 +270,7 @@ extern "C" int baton_paged_prefill_attention(
     }
     const Args a{q, q_stride_t, q_stride_h, q_dtype, k_cache, v_cache, num_blocks, k_fp8_table, v_fp8_table,
                  block_tables, bt_stride, max_blocks_per_seq, query_start_loc, context_lens, out, out_stride_t,
-                 out_stride_h, B, Hq, Hk, D, scale, num_threads};
+                 out_stride_h, B, Hq, Hk, D, scale, window, softcap, num_threads};
     switch (kv_dtype) {
         case kFloat32: return dispatch<kFloat32>(a, block_size, items);
         case kBFloat16: return dispatch<kBFloat16>(a, block_size, items);

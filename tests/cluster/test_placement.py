@@ -59,23 +59,26 @@ def test_cpu_machine_asks_for_nothing_it_does_not_have():
     assert pool.ray_options() == {"num_cpus": 0.0, "num_gpus": 0.0}
     wc = worker_config(config, "decode", "decode-0", pool)
     assert wc.engine.device == "cpu" and wc.transport == "auto" and wc.model is None  # resolved on its node
+    assert wc.kv_load_failure_policy == "recompute"
+    failing = BatonConfig.from_options(kv_load_failure_policy="fail")
+    assert worker_config(failing, "decode", "decode-0", pool).kv_load_failure_policy == "fail"
 
 
-def test_a_shared_cpu_host_gives_long_prompts_every_core_and_the_decode_worker_idle_priority(monkeypatch):
+def test_a_shared_cpu_host_gives_long_prompts_every_core_at_a_lower_priority_than_decode(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     config = BatonConfig()  # 1 prefill + 1 decode worker, no threads_per_worker: they share the cores
     pool = resolve_pool(config, "prefill", [HEAD])
     prefill = worker_config(config, "prefill", "prefill-0", pool)
     decode = worker_config(config, "decode", "decode-0", resolve_pool(config, "decode", [HEAD]))
-    assert prefill.engine.num_threads == 2 and prefill.engine.long_prompt_threads == 4 and not prefill.idle_priority
-    assert decode.engine.long_prompt_threads is None and decode.idle_priority
+    assert prefill.engine.num_threads == 2 and prefill.engine.long_prompt_threads == 4 and prefill.nice == 10
+    assert decode.engine.long_prompt_threads is None and decode.nice == 0
     # Cores given per worker, GPUs, two prefill workers, pools pinned to node types: nothing shared.
     for options, nodes in (({"threads_per_worker": 2}, [HEAD]), ({}, [HEAD, PREFILL, DECODE]),
                            ({"prefill_workers": 2}, [HEAD])):
         config = BatonConfig.from_options(**options)
         for role in ("prefill", "decode"):
             wc = worker_config(config, role, f"{role}-0", resolve_pool(config, role, nodes))
-            assert wc.engine.long_prompt_threads is None and not wc.idle_priority, (options, role)
+            assert wc.engine.long_prompt_threads is None and wc.nice == 0, (options, role)
     pinned = BatonConfig.from_options(prefill_node_labels="pool=prefill")
     wc = worker_config(pinned, "prefill", "prefill-0", resolve_pool(pinned, "prefill", [HEAD]))
     assert wc.engine.long_prompt_threads is None

@@ -76,11 +76,31 @@ def save_tiny_model(kind: str, **overrides) -> tuple[str, torch.nn.Module]:
         config = transformers.LlamaConfig(**common)
         cls = transformers.LlamaForCausalLM
     elif kind == "mistral":
-        config = transformers.MistralConfig(sliding_window=None, **common)
+        config = transformers.MistralConfig(**{"sliding_window": None, **common})
         cls = transformers.MistralForCausalLM
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif kind == "phi3":
+        config = transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+        cls = transformers.Phi3ForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**common)
+        cls = transformers.Qwen3ForCausalLM
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None,
+                                               **common})
+        cls = transformers.MixtralForCausalLM
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                                **common})
+        cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "gemma2":  # needs eager attention for its soft-capping, as transformers says
+        config = transformers.Gemma2Config(**{"attn_implementation": "eager", **common})
+        cls = transformers.Gemma2ForCausalLM
+    elif kind == "gemma3":
+        config = transformers.Gemma3TextConfig(**{"attn_implementation": "eager", **common})
+        cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(1234)
@@ -90,6 +110,14 @@ def save_tiny_model(kind: str, **overrides) -> tuple[str, torch.nn.Module]:
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would hide a norm left out
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".gate.weight"):  # an MoE router: decisive, so top-k is not a coin flip
+                p.normal_(0, 0.5)
+            elif kind.startswith("gemma") and name.endswith("norm.weight"):  # Gemma's (1 + w): zeros would hide it
+                p.normal_(0, 0.3)
+            elif kind.startswith("gemma") and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.normal_(0, 0.25)  # attention logits of a few units, where soft-capping bites
     folder = tempfile.mkdtemp(prefix=f"baton-tiny-{kind}-")
     model.save_pretrained(folder)
     return folder, model

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 
 import pytest
 import torch
@@ -175,15 +177,28 @@ def test_a_long_prompts_prefill_steps_run_on_long_prompt_threads(monkeypatch):
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-def test_a_worker_at_idle_priority_runs_its_engine_thread_at_sched_idle(engine):
-    for idle, policy in ((True, os.SCHED_IDLE), (False, os.SCHED_OTHER)):
-        worker = EngineWorker(WorkerConfig("decode-0", "decode", idle_priority=idle), engine=engine, transport=None)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_a_worker_runs_its_engine_thread_and_the_threads_it_starts_at_its_niceness(engine):
+    for nice in (10, 0):
+        worker = EngineWorker(WorkerConfig("prefill-0", "prefill", nice=nice), engine=engine, transport=None)
         try:
             worker.stats()  # a call the engine thread answers: its loop has started
-            assert os.sched_getscheduler(worker._thread.native_id) == policy
+            base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            expected = max(base, nice) if nice else base
+            assert os.getpriority(os.PRIO_PROCESS, worker._thread.native_id) == expected
+            assert worker._call(_niceness_of_a_new_thread) == expected
         finally:
             worker.shutdown()
+    with pytest.raises(ValueError, match="nice"):
+        WorkerConfig("prefill-0", "prefill", nice=20)
+
+
+def _niceness_of_a_new_thread() -> int:
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    t.start()
+    t.join()
+    return seen[0]
 
 
 def test_the_step_observer_sees_each_steps_chunks_and_time(engine):

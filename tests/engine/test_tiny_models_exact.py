@@ -1,6 +1,6 @@
-"""Tiny random Llama, Mistral and Qwen2 models: greedy tokens and logits match transformers.
+"""Tiny random Llama, Mistral, Qwen2 and Qwen3 models: greedy tokens and logits match transformers.
 
-Covers GQA ratios, tied and untied embeddings, Qwen2's q/k/v biases, an explicit head_dim,
+Covers GQA ratios, tied and untied embeddings, Qwen2's q/k/v biases, Qwen3's per-head q/k norms, an explicit head_dim,
 and Llama 3 rope scaling with positions past the original context (where scaling matters).
 """
 
@@ -28,7 +28,14 @@ CASES = {
     "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral-gqa4-untied": ("mistral", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
     "qwen2-bias-tied-gqa2": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3-qknorm-untied-headdim": ("qwen3", dict(tie_word_embeddings=False, head_dim=32)),
+    "phi3-fused-untied": ("phi3", dict(tie_word_embeddings=False)),
 }
+# Phi-3's LongRoPE on a pretrained context of 64: transformers switches a sequence's every
+# position to the long factors once it passes 64 tokens (Baton switches per position), so these
+# prompts and their tokens stay inside it, where both use the short factors and the attention factor.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -51,6 +58,29 @@ def test_tiny_model_matches_transformers(case):
     assert len(diverged) <= 1, diverged
 
 
+def test_phi3_longrope_inside_its_pretrained_context_matches_transformers():
+    folder, hf = save_tiny_model("phi3", tie_word_embeddings=False, rope_parameters=LONGROPE,
+                                 original_max_position_embeddings=64)
+    config = ModelConfig.from_model_dir(folder)
+    assert config.rope_scaling["rope_type"] == "longrope" and config.rope_scaling["original_max_position_embeddings"] == 64
+    engine = LLMEngine(config, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32), iter_safetensors(folder))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 16, 17, 40)]
+    new_tokens = 20
+    completions, logits = run_with_logits(engine, prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                                          ignore_eos=True))
+    with torch.inference_mode():
+        refs = [_hf_no_eos(hf, p, new_tokens) for p in prompts]
+    for c, r, lg in zip(completions, refs, logits):
+        assert compare_greedy(c.token_ids, r, lg).diverged_at is None
+
+
+def test_a_phi3_sliding_window_windows_every_layer_and_keeps_the_context():
+    folder, _ = save_tiny_model("phi3", tie_word_embeddings=False, sliding_window=256)
+    config = ModelConfig.from_model_dir(folder)
+    assert config.max_position_embeddings == 1024 and config.layer_windows == (256, 256)
+
+
 def _hf_no_eos(model, prompt, n):
     model.generation_config.eos_token_id = None
     return hf_greedy(model, prompt, n, eos_token_id=None)
@@ -62,7 +92,7 @@ def test_missing_and_unsupported_models_name_the_problem(tmp_path):
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         resolve_model_dir(tmp_path / "nope")
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
-    with pytest.raises(ModelNotFoundError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ModelNotFoundError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         resolve_model_dir(tmp_path)
 
 

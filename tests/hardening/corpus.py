@@ -147,10 +147,6 @@ def corpus(max_model_len: int) -> list[BadRequest]:
         BadRequest("logit_bias well formed", "POST", chat, body={"messages": USER, "logit_bias": {"42": 5}},
                    param="logit_bias", contains=("not supported",)),
         # -- fields Baton cannot honour, named
-        BadRequest("json mode", "POST", chat, body={"messages": USER, "response_format": {"type": "json_object"}},
-                   param="response_format", contains=("not supported",)),
-        BadRequest("tool_choice required", "POST", chat, body={"messages": USER, "tool_choice": "required", "tools": [
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, param="tool_choice"),
         BadRequest("functions", "POST", chat, body={"messages": USER, "functions": [{"name": "f"}]}, param="functions"),
         BadRequest("audio output", "POST", chat, body={"messages": USER, "audio": {"voice": "alloy", "format": "wav"}},
                    param="audio"),
@@ -158,8 +154,70 @@ def corpus(max_model_len: int) -> list[BadRequest]:
                    contains=("not supported",)),
         BadRequest("echo", "POST", comp, body={"prompt": "hi", "echo": True}, param="echo"),
         BadRequest("best_of 3", "POST", comp, body={"prompt": "hi", "best_of": 3}, param="best_of"),
-        BadRequest("guided_json", "POST", comp, body={"prompt": "hi", "guided_json": {"type": "object"}},
-                   param="guided_json"),
+        # -- structured output and tools (router.structured): refused before any worker holds anything
+        BadRequest("json schema of an unknown type", "POST", chat, body={"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+                   param="response_format.json_schema.schema", contains=("not a valid JSON schema",)),
+        BadRequest("json schema with a bad minimum", "POST", chat, body={"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": "0"}}}},
+                   param="response_format.json_schema.schema", contains=("minimum",)),
+        BadRequest("json_schema without a schema", "POST", chat, body={"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x"}}}, param="response_format.json_schema"),
+        BadRequest("json_schema name with spaces", "POST", chat, body={"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "my schema", "schema": {}}}},
+                   param="response_format.json_schema.name"),
+        BadRequest("response_format of an unknown type", "POST", chat, body={"messages": USER, "response_format": {
+            "type": "xml"}}, param="response_format.type"),
+        BadRequest("response_format a string", "POST", comp, body={"prompt": "hi", "response_format": "json"},
+                   param="response_format"),
+        BadRequest("guided_json not JSON", "POST", comp, body={"prompt": "hi", "guided_json": "{oops"},
+                   param="guided_json", contains=("not valid JSON",)),
+        BadRequest("guided_regex unclosed", "POST", comp, body={"prompt": "hi", "guided_regex": "a(b"},
+                   param="guided_regex", contains=("regular expression",)),
+        BadRequest("regex with lookahead", "POST", comp, body={"prompt": "hi", "structured_outputs": {
+            "regex": "(?=x)x"}}, param="structured_outputs.regex", contains=("lookaround",)),
+        BadRequest("empty guided_choice", "POST", comp, body={"prompt": "hi", "guided_choice": []},
+                   param="guided_choice"),
+        BadRequest("grammar without root", "POST", comp, body={"prompt": "hi", "guided_grammar": 'start ::= "a"'},
+                   param="guided_grammar", contains=("root",)),
+        BadRequest("grammar with an undefined rule", "POST", chat, body={"messages": USER, "structured_outputs": {
+            "grammar": "root ::= item+"}}, param="structured_outputs.grammar", contains=("item",)),
+        BadRequest("two structured outputs at once", "POST", chat, body={
+            "messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+                   param="guided_regex", contains=("only one",)),
+        BadRequest("structured_outputs with two kinds", "POST", comp, body={"prompt": "hi", "structured_outputs": {
+            "regex": "a", "choice": ["b"]}}, param="structured_outputs", contains=("exactly one",)),
+        BadRequest("guided_json a number", "POST", chat, body={"messages": USER, "guided_json": 5},
+                   param="guided_json", contains=("JSON schema object",)),
+        BadRequest("tool without a name", "POST", chat, body={"messages": USER, "tools": [
+            {"type": "function", "function": {"parameters": {"type": "object"}}}]}, param="tools[0].function.name"),
+        BadRequest("tool with bad parameters", "POST", chat, body={"messages": USER, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "x"}}}]},
+                   param="tools[0].function.parameters"),
+        BadRequest("tool parameters not an object", "POST", chat, body={"messages": USER, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+                   param="tools[0].function.parameters", contains=("object",)),
+        BadRequest("tool of another type", "POST", chat, body={"messages": USER, "tools": [
+            {"type": "retrieval"}]}, param="tools[0]"),
+        BadRequest("two tools of one name", "POST", chat, body={"messages": USER, "tools": [
+            {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]},
+                   param="tools[1].function.name", contains=("twice",)),
+        BadRequest("tool_choice names an unknown function", "POST", chat, body={"messages": USER, "tools": [
+            {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+                "name": "g"}}}, param="tool_choice", contains=("'g'",)),
+        BadRequest("tool_choice required without tools", "POST", chat, body={"messages": USER,
+                   "tool_choice": "required"}, param="tool_choice", contains=("needs tools",)),
+        BadRequest("tool_choice of an unknown word", "POST", chat, body={"messages": USER, "tools": [
+            {"type": "function", "function": {"name": "f"}}], "tool_choice": "always"}, param="tool_choice"),
+        BadRequest("tool_choice auto without the server flag", "POST", chat, body={"messages": USER, "tools": [
+            {"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, param="tool_choice",
+                   contains=("--enable-auto-tool-choice",)),
+        BadRequest("forced tool with a response_format", "POST", chat, body={
+            "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+            "response_format": {"type": "json_object"}}, param="tool_choice"),
+        BadRequest("parallel_tool_calls a string", "POST", chat, body={"messages": USER, "tools": [
+            {"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": "yes"},
+                   param="parallel_tool_calls"),
         # -- completion prompts
         BadRequest("no prompt", "POST", comp, body={}, param="prompt"),
         BadRequest("prompt an object", "POST", comp, body={"prompt": {"a": 1}}, param="prompt"),

@@ -102,13 +102,13 @@ def attention_jobs() -> list[dict]:
             mid = "fp32" if dp.merge else a
             args = {**_ptrs(q_ptr=a, k_ptr=c, v_ptr=c, bt_ptr="i32", lens_ptr="i32", out_ptr=a,
                             mid_o_ptr=mid, mid_lse_ptr=mid),
-                    "qk_scale": "fp32", "v_scale": "fp32",
+                    "qk_scale": "fp32", "v_scale": "fp32", "window": "i32", "softcap_log2e": "fp32",
                     **_i32("split_len", "max_ctx", "stride_qb", "stride_qh", "stride_bt", "stride_ob",
                            "stride_oh")}
             div = [n for n in args if n.endswith("_ptr")] + ["split_len", "max_ctx", "stride_qb",
                                                              "stride_qh", "stride_ob", "stride_oh"]
             tag = f"decode {model} {a}/{c} b{batch}"
-            jobs.append(_job(tag, arch, dp.split, args, div))
+            jobs.extend(_window_variants(_job(tag, arch, dp.split, args, div), arch, batch == batches[0]))
             if dp.merge:
                 margs = {**_ptrs(mid_o_ptr="fp32", mid_lse_ptr="fp32", out_ptr=a),
                          **_i32("stride_ob", "stride_oh", "H")}
@@ -118,12 +118,23 @@ def attention_jobs() -> list[dict]:
             pp = P.prefill_attention_plan(dev, max_q=max_q, **shape)
             args = {**_ptrs(q_ptr=a, k_ptr=c, v_ptr=c, bt_ptr="i32", qsl_ptr="i32", lens_ptr="i32",
                             out_ptr=a),
-                    "qk_scale": "fp32", "v_scale": "fp32",
+                    "qk_scale": "fp32", "v_scale": "fp32", "window": "i32", "softcap_log2e": "fp32",
                     **_i32("max_ctx", "stride_qt", "stride_qh", "stride_bt", "stride_ot", "stride_oh")}
             div = [n for n in args if n.endswith("_ptr")] + ["max_ctx", "stride_qt", "stride_qh",
                                                              "stride_ot", "stride_oh"]
-            jobs.append(_job(f"prefill {model} {a}/{c} q{max_q}", arch, pp, args, div))
+            jobs.extend(_window_variants(_job(f"prefill {model} {a}/{c} q{max_q}", arch, pp, args, div), arch,
+                                         max_q == prefills[0]))
     return jobs
+
+
+def _window_variants(job: dict, arch: int, first: bool) -> list[dict]:
+    """The plain attention job (no sliding window, no soft-cap: every non-Gemma model), and on
+    sm_90 for the first shape of each case also the Gemma 2 one (window and soft-cap on)."""
+    plain = {**job, "constexprs": {**job["constexprs"], "HAS_WINDOW": False, "SOFTCAP": False}}
+    if arch != 90 or not first:
+        return [plain]
+    return [plain, {**job, "id": job["id"].replace(" @", " window+softcap @"),
+                    "constexprs": {**job["constexprs"], "HAS_WINDOW": True, "SOFTCAP": True}}]
 
 
 def fp8_jobs() -> list[dict]:
@@ -187,18 +198,50 @@ def elementwise_jobs() -> list[dict]:
                 args = {**_ptrs(x_ptr=a, out_ptr=a), **_i32("I", "stride_x", "stride_out")}
                 jobs.append(_job(f"silu_mul {model} {a}", arch, mp, args,
                                  ["x_ptr", "out_ptr", "I", "stride_x", "stride_out"]))
+                # GeGLU (Gemma) launches with silu_mul's plan (kernels/gelu_tanh_and_mul.py).
+                jobs.append({**_job(f"gelu_mul {model} {a}", arch, mp, args,
+                                    ["x_ptr", "out_ptr", "I", "stride_x", "stride_out"]),
+                             "kernel": "kernels.gelu_tanh_and_mul:_gelu_tanh_mul_kernel"})
     for arch in _arches(False):
         for scatter in (False, True):
             bp = P.block_copy_plan(_spec(arch), scatter=scatter)
             args = {**_ptrs(src_ptr="i64", dst_ptr="i64", ids_ptr="i64"), **_i32("n_ids", "n_blocks", "block_elems")}
             jobs.append(_job(f"block_copy scatter={scatter}", arch, bp, args, ["src_ptr", "dst_ptr", "ids_ptr"]))
+        sp = P.block_sums_plan(_spec(arch))
+        args = {**_ptrs(words_ptr="i64", ids_ptr="i64", out_ptr="i64"), **_i32("n_blocks", "rows", "piece_words")}
+        jobs.append(_job("block_sums", arch, sp, args, ["words_ptr", "ids_ptr", "out_ptr"]))
+    return jobs
+
+
+# (experts, top_k, hidden, one expert's intermediate size)
+MOE_MODELS = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
+
+
+def moe_jobs() -> list[dict]:
+    """The fused MoE's two launches (gate_up, down) for decode (8 tokens) and prefill (1024) batches."""
+    jobs = []
+    for model, (experts, top_k, hidden, inter) in MOE_MODELS.items():
+        for act in (torch.bfloat16, torch.float32):
+            a = TT[act]
+            for arch in _arches(False):
+                for tokens in (8, 1024):
+                    mp = P.fused_moe_plan(_spec(arch), num_pairs=tokens * top_k, num_experts=experts, hidden=hidden,
+                                          inter=inter, dtype=act, top_k=top_k)
+                    for step, plan, out in (("gate_up", mp.gate_up, a), ("down", mp.down, "fp32")):
+                        args = {**_ptrs(a_ptr=a, b_ptr=a, c_ptr=out, weights_ptr="fp32", pairs_ptr="i32",
+                                        block_expert_ptr="i32"),
+                                **_i32("num_pairs", "N", "K", "num_experts", "stride_am", "stride_be", "stride_bn",
+                                       "stride_cm")}
+                        div = [x for x in args if x.endswith("_ptr")] + ["N", "K", "stride_am", "stride_be",
+                                                                         "stride_bn", "stride_cm"]
+                        jobs.append(_job(f"fused_moe {step} {model} {a} t{tokens}", arch, plan, args, div))
     return jobs
 
 
 def all_jobs() -> list[dict]:
     """Every distinct specialisation (same kernel, constexprs, options, argument types and target: once)."""
     seen, out = set(), []
-    for job in attention_jobs() + fp8_jobs() + elementwise_jobs():
+    for job in attention_jobs() + fp8_jobs() + elementwise_jobs() + moe_jobs():
         key = json.dumps({k: v for k, v in job.items() if k != "id"}, sort_keys=True, default=str)
         if key not in seen:
             seen.add(key)

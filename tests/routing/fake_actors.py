@@ -55,7 +55,8 @@ class _Method:
     def remote(self, *args):
         async def call():
             actor = self.actor
-            actor.calls.append(self.fn.__name__.lstrip("_"))  # attempts, even on a dead actor
+            if self.fn.__name__ != "_renew_lease":  # the lease loop's renewals are counted apart
+                actor.calls.append(self.fn.__name__.lstrip("_"))  # attempts, even on a dead actor
             if actor.hung:
                 await asyncio.Event().wait()
             if actor.dead:
@@ -100,8 +101,9 @@ class FakeActor:
         self._stepper: asyncio.Task | None = None
         self.pid = os.getpid()  # change it to simulate a restarted worker
         self.stopped = False
+        self.renewed = 0  # lease renewals (the router's lease loop)
         for name in ("heartbeat", "reserve", "prefill", "start_decode", "submit", "poll_outputs", "abort", "endpoint",
-                     "ready", "shutdown"):
+                     "ready", "shutdown", "renew_lease"):
             setattr(self, name, _Method(self, getattr(self, "_" + name)))
 
     # ---- faults ----------------------------------------------------------------------------
@@ -163,7 +165,7 @@ class FakeActor:
                     num_prompt_tokens=len(r.prompt), num_output_tokens=r.produced))
 
     # ---- the calls -----------------------------------------------------------------------------
-    async def _heartbeat(self):
+    async def _heartbeat(self, router=None):
         events, self.events = self.events, []
         stats = WorkerStats(self.worker_id, self.role, len(self.running), 0, 0.0, 100, 100, 0, 0, 0, 0, 0, 0, 0, 0,
                             self.pid)
@@ -172,7 +174,7 @@ class FakeActor:
     async def _endpoint(self):
         return f"endpoint-{self.worker_id}-{self.pid}"
 
-    async def _reserve(self, rid, prompt, params):
+    async def _reserve(self, rid, prompt, params, router=None):
         cached = self._compute(prompt)
         self.reserved.add(rid)
         self._prompts[rid], self._max_tokens[rid] = list(prompt), params.max_tokens
@@ -194,7 +196,7 @@ class FakeActor:
         self.reserved.discard(rid)
         self._run(rid, self._prompts.pop(rid), self._max_tokens.pop(rid), 1)
 
-    async def _submit(self, rid, prompt, params, resume: ResumeState | None = None):
+    async def _submit(self, rid, prompt, params, resume: ResumeState | None = None, router=None):
         if rid in self.running:
             raise ValueError(f"request_id {rid!r} is already in use")
         self.submitted.append((rid, resume))
@@ -207,7 +209,7 @@ class FakeActor:
         self._compute(prompt)
         self._run(rid, prompt, params.max_tokens, produced)
 
-    async def _poll_outputs(self, timeout_s):
+    async def _poll_outputs(self, timeout_s, router=None):
         q = self._queue()
         try:
             first = await asyncio.wait_for(q.get(), timeout_s)
@@ -221,6 +223,9 @@ class FakeActor:
     async def _ready(self):
         return WorkerReady(self.worker_id, self.role, max_model_len=4096, block_size=BS, num_blocks=100,
                            dtype="float32", kv_cache_dtype="float32")
+
+    async def _renew_lease(self, router):
+        self.renewed += 1
 
     async def _shutdown(self):
         self.stopped = True

@@ -59,12 +59,12 @@ def test_overflow_sends_a_snapshot_of_the_cache_instead():
     try:
         def flood():
             cache_blocks(bm, list(range(8)))  # what the cache holds now: two full blocks
-            for i in range(worker._max_kv_event_hashes + 10):
+            for i in range(worker.leases.max_kv_event_hashes + 10):
                 bm._events.append(KVEvent(KVEventKind.STORED, (10_000 + i,)))
 
         worker._call(flood)
         worker._call(lambda: None)  # one more loop turn: the drain after the command ran
-        assert len(worker._kv_events) == 0  # the buffer did not grow past its bound
+        assert worker.leases.pending_kv_hashes() == 0  # the buffer did not grow past its bound
         batch = worker.heartbeat().kv_events
         assert batch.events == [] and len(batch.snapshot) == 2
         assert sorted(batch.snapshot) == sorted(worker._call(bm.cached_hashes))

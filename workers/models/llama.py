@@ -1,8 +1,10 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) on the paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) on the paged KV cache.
 
-One implementation serves all of them: they differ only in q/k/v biases (Qwen2), rope scaling
-(Llama 3) and tied embeddings, which ModelConfig records. q/k/v and gate/up projections are
-fused into one matrix each at load time, so a layer runs four matrix products instead of seven.
+One implementation serves all of them: they differ only in q/k/v biases (Qwen2), per-head q/k
+RMSNorm (Qwen3), rope scaling (Llama 3, Phi-3's LongRoPE) and tied embeddings, which
+ModelConfig records, plus sliding-window layers (Mistral, Phi-3, Qwen2's use_sliding_window: the
+window goes to the attention kernels, ModelConfig.layer_windows). q/k/v and gate/up projections are fused into one matrix each at load time
+(Phi-3's checkpoints come fused), so a layer runs four matrix products instead of seven.
 Every hot op is a function of the model's KernelOps (kernels.ops.kernel_ops), chosen once when
 the model is built: Triton on CUDA, native C++ or PyTorch on the CPU.
 
@@ -54,15 +56,22 @@ class KVCacheView:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, window: int | None = None) -> None:
         super().__init__()
         self.ops = ops
+        # Sliding window (tokens a query sees, itself included) and Gemma 2's logit soft-cap, both
+        # applied inside the attention kernels; None: full causal attention, uncapped.
+        self.window = window
+        self.softcap = config.attn_logit_softcap
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.eps = config.rms_norm_eps
+        self.q_norm = nn.Parameter(torch.ones(config.head_dim)) if config.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(config.head_dim)) if config.qk_norm else None
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
 
@@ -80,24 +89,27 @@ class Attention(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         ops = self.ops
+        if self.q_norm is not None:
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view(num_tokens, self.num_heads, self.head_dim)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view(num_tokens, self.num_kv_heads, self.head_dim)
         ops.rotary_embedding(positions, q, k, cos_sin_cache)
         ops.store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
         nd = meta.num_decode_tokens
         if nd == num_tokens:
             out = ops.paged_decode_attention(
                 q, kv.k_cache, kv.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, kv.k_scale, kv.v_scale,
+                self.scale, kv.k_scale, kv.v_scale, window=self.window, softcap=self.softcap,
             )
         else:
             out = torch.empty_like(q)
             if nd:
                 out[:nd] = ops.paged_decode_attention(
                     q[:nd], kv.k_cache, kv.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                    self.scale, kv.k_scale, kv.v_scale,
+                    self.scale, kv.k_scale, kv.v_scale, window=self.window, softcap=self.softcap,
                 )
             out[nd:] = ops.paged_prefill_attention(
                 q[nd:], kv.k_cache, kv.v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                meta.prefill_context_lens, self.scale, kv.k_scale, kv.v_scale,
+                meta.prefill_context_lens, self.scale, kv.k_scale, kv.v_scale, window=self.window, softcap=self.softcap,
             )
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -114,11 +126,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, layer: int = 0) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.ops = ops
-        self.self_attn = Attention(config, ops)
+        self.self_attn = Attention(config, ops, config.layer_window(layer))
         self.mlp = MLP(config, ops)
         self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
@@ -140,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.ops = ops  # the kernels every layer calls (kernels.ops.kernel_ops)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         # float32 [max_positions, head_dim]; the model runner fills it for its context length.
@@ -188,6 +200,14 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 
+        def fused_pieces(pname: str) -> set[str]:
+            """The row ranges of a fused parameter, as `put` records them; empty if not fused."""
+            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias", "qkv_proj.weight_scale")):
+                return {f"{pname}[0]", f"{pname}[{q}]", f"{pname}[{q + kv}]"}
+            if pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias", "gate_up_proj.weight_scale")):
+                return {f"{pname}[0]", f"{pname}[{inter}]"}
+            return set()
+
         def put(name: str, tensor: torch.Tensor, start: int | None = None, size: int | None = None) -> None:
             if name not in params:
                 raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
@@ -206,7 +226,10 @@ class LlamaForCausalLM(nn.Module):
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
             target.copy_(tensor)
-            loaded.add(name if start is None else f"{name}[{start}]")
+            if start is None and name.rsplit(".", 1)[0].endswith(("qkv_proj", "gate_up_proj")):
+                loaded.update(fused_pieces(name))  # a checkpoint with fused projections (Phi-3)
+            else:
+                loaded.add(name if start is None else f"{name}[{start}]")
 
         for hf_name, tensor in weights:
             if "rotary_emb" in hf_name:
@@ -227,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "norm.weight":
                 put("norm", tensor)
                 continue
-            if name.endswith("layernorm.weight"):
+            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")):
                 put(name.removesuffix(".weight"), tensor)
                 continue
             parts = name.split(".")  # layers.{i}.{self_attn|mlp}.{proj}.{weight|bias|weight_scale}
@@ -239,12 +262,7 @@ class LlamaForCausalLM(nn.Module):
 
         expected = set()
         for pname in params:
-            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias", "qkv_proj.weight_scale")):
-                expected |= {f"{pname}[0]", f"{pname}[{q}]", f"{pname}[{q + kv}]"}
-            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias", "gate_up_proj.weight_scale")):
-                expected |= {f"{pname}[0]", f"{pname}[{inter}]"}
-            else:
-                expected.add(pname)
+            expected |= fused_pieces(pname) or {pname}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

@@ -76,6 +76,7 @@ Argument: (list $section "key" value "explanation"). Returns nothing; mutates $s
 {{- include "baton.derive" (list $placement "prefill_workers" (int .Values.prefill.replicas) "from prefill.replicas" "baton.placement.prefill_workers") }}
 {{- include "baton.derive" (list $placement "decode_workers" (int .Values.decode.replicas) "from decode.replicas" "baton.placement.decode_workers") }}
 {{- include "baton.derive" (list $placement "gpus_per_worker" (include "baton.gpusPerWorker" . | int) "from prefill.gpus and decode.gpus" "baton.placement.gpus_per_worker") }}
+{{- include "baton.derive" (list $placement "api_server_count" (int .Values.router.apiServerCount) "from router.apiServerCount" "baton.placement.api_server_count") }}
 {{- range $key := list "prefill_resource" "decode_resource" }}
 {{- if not (hasKey $placement $key) }}
 {{- /* Set to null in the values (Helm drops null keys): say so, or Baton would use its default. */}}
@@ -206,4 +207,9 @@ app.kubernetes.io/component: {{ index . 2 }}
 {{- with (merge (deepCopy ($group.podLabels | default dict)) ($root.Values.podLabels | default dict)) }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/* The pods the Service sends traffic to: the router Deployment's, or the head's. */}}
+{{- define "baton.routerComponent" -}}
+{{- if .Values.router.separate }}router{{ else }}head{{ end }}
 {{- end }}

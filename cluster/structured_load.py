@@ -1,0 +1,124 @@
+"""The structured-output workload that bench/structured.py measures and the tests replay: five
+JSON schemas (nested objects, arrays, enums, required fields, string patterns, number bounds)
+with prompts for them, the reply check (jsonschema), and the `vllm bench serve` command and
+result aggregation the benchmark uses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jsonschema
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+SCHEMAS: dict[str, dict] = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"], "additionalProperties": False,
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+            "status": {"type": "string", "enum": ["pending", "shipped", "delivered"]},
+            "total": {"type": "number", "minimum": 0, "maximum": 1000},
+        },
+        "required": ["id", "status", "total"], "additionalProperties": False,
+    },
+    "tags": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                                "minItems": 1, "maxItems": 3}},
+        "required": ["tags"], "additionalProperties": False,
+    },
+    "address": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "location": {"type": "object", "properties": {
+                "lat": {"type": "number", "minimum": -90, "maximum": 90},
+                "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+                "required": ["lat", "lon"], "additionalProperties": False},
+        },
+        "required": ["city", "location"], "additionalProperties": False,
+    },
+    "flag": {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "code": {"type": "integer", "enum": [200, 404, 500]}},
+        "required": ["ok", "code"], "additionalProperties": False,
+    },
+}
+PROMPTS: dict[str, str] = {
+    "person": "Describe a person as JSON with a name and an age.",
+    "order": "Give an order as JSON: an id like ABC-1234, a status and a total price.",
+    "tags": "List one to three colour tags as JSON.",
+    "address": "Give a city and its latitude and longitude as JSON.",
+    "flag": "Report a status as JSON: ok and an HTTP code.",
+}
+VARIANTS = ("", " Be brief.", " Use realistic values.", " Answer now.", " Think of an example.")
+
+
+@dataclass(frozen=True)
+class SchemaRequest:
+    schema_name: str
+    prompt: str
+
+    @property
+    def schema(self) -> dict:
+        return SCHEMAS[self.schema_name]
+
+
+def schema_requests(n: int) -> list[SchemaRequest]:
+    """n prompts, round-robin over the schemas, with varied wording (distinct prompts)."""
+    names = list(SCHEMAS)
+    return [SchemaRequest(names[i % len(names)], PROMPTS[names[i % len(names)]] + VARIANTS[(i // len(names)) % len(VARIANTS)]
+                          + (f" (case {i})" if i >= len(names) * len(VARIANTS) else "")) for i in range(n)]
+
+
+def check_reply(text: str, schema: dict, allow_trailing: bool = False) -> str | None:
+    """None when `text` is JSON valid against `schema` (with allow_trailing: when it starts with
+    such a value, whatever follows it), else why not."""
+    try:
+        value, end = json.JSONDecoder().raw_decode(text.lstrip())
+    except json.JSONDecodeError as e:
+        return f"not JSON: {e}"
+    if not allow_trailing and text.lstrip()[end:].strip():
+        return f"text after the JSON value: {text.lstrip()[end:][:40]!r}"
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as e:
+        return f"invalid: {e.message}"
+    return None
+
+
+def response_format(schema_name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": schema_name, "schema": SCHEMAS[schema_name], "strict": True}}
+
+
+def bench_command(vllm: str, base_url: str, tokenizer: str, seed: int, num_prompts: int, concurrency: int,
+                  max_tokens: int, out: Path, schema: dict | None) -> list[str]:
+    """One `vllm bench serve` over vLLM's random prompts (`seed`); constrained by `schema` when given."""
+    command = [vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+               "--base-url", base_url, "--model", MODEL_NAME, "--tokenizer", tokenizer,
+               "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", str(max_tokens),
+               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--temperature", "0",
+               "--seed", str(seed), "--disable-tqdm", "--save-result", "--save-detailed",
+               "--result-dir", str(out.parent), "--result-filename", out.name]
+    if schema is None:
+        return command + ["--ignore-eos"]
+    return command + ["--extra-body", json.dumps({"structured_outputs": {"json": schema}})]
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Output tokens over summed durations of several `vllm bench serve` results."""
+    tokens = sum(r.get("total_output_tokens", 0) for r in runs)
+    seconds = sum(r.get("duration", 0.0) for r in runs)
+    return {"completed": sum(r.get("completed", 0) for r in runs), "failed": sum(r.get("failed", 0) for r in runs),
+            "output_tokens": tokens, "seconds": round(seconds, 3),
+            "output_tokens_per_s": round(tokens / seconds, 2) if seconds else None}

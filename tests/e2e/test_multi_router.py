@@ -1,0 +1,175 @@
+"""`baton serve --api-server-count 2`: two router processes on one port, and one of them dying.
+
+A real deployment on a private Ray with the default model. The oracle for every answer is
+transformers' greedy generation of the same chat prompt. SO_REUSEPORT lets the kernel choose the
+router of each connection, so the test sends requests on fresh connections until both routers
+(named by the x-baton-router response header) have answered. Then router 1 is SIGKILLed while 32
+streams run: the streams on router 0 must complete exactly, those on router 1 end for their
+clients, the workers end router 1's requests once its lease runs out (5 s) and free their blocks,
+and `baton serve` restarts router 1, which serves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from cluster.harness import baton_serve, wait_until
+
+pytestmark = pytest.mark.slow
+HEADER = "x-baton-router"
+MAX_TOKENS = 32
+QUESTIONS = ["Write a short poem about autumn leaves falling in a quiet park at dusk.",
+             "Explain what a compiler does, in two sentences, for a beginner who has never programmed.",
+             "Describe the moon in one sentence.", "Why do birds migrate? Answer briefly."]
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, str]:
+    """transformers' greedy answer to each question, as the chat API returns its text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.model_files import resolve_model_dir
+
+    model_dir = resolve_model_dir(quiet=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    answers = {}
+    with torch.inference_mode():
+        for q in QUESTIONS:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=model.generation_config.eos_token_id,
+                                 pad_token_id=model.generation_config.eos_token_id)
+            answers[q] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return answers
+
+
+def body(q: str, stream: bool = False) -> dict:
+    return {"messages": [{"role": "user", "content": q}], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": stream}
+
+
+def chat(url: str, q: str) -> tuple[str, str]:
+    """(the answer, the router that gave it), on a connection of its own."""
+    r = httpx.post(url + "/v1/chat/completions", json=body(q), headers={"connection": "close"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"], r.headers[HEADER]
+
+
+def status(url: str) -> dict:
+    r = httpx.get(url + "/v1/status", headers={"connection": "close"}, timeout=30)
+    assert r.status_code == 200
+    return dict(r.json(), answered_by=r.headers[HEADER])
+
+
+def routers_seen(url: str, want: int, timeout_s: float) -> set[str]:
+    seen: set[str] = set()
+
+    def enough():
+        seen.add(httpx.get(url + "/health", headers={"connection": "close"}, timeout=10).headers[HEADER])
+        return len(seen) >= want
+
+    wait_until(enough, timeout_s, f"{want} routers to answer", every_s=0.05)
+    return seen
+
+
+async def streams(url: str, n: int, on_started) -> list[dict]:
+    """n chat streams at once, each on its own connection: per stream its router, text and end."""
+    results = [{"q": QUESTIONS[i % len(QUESTIONS)], "router": None, "text": "", "done": False, "error": None}
+               for i in range(n)]
+
+    async def one(result: dict) -> None:
+        try:
+            async with httpx.AsyncClient(timeout=120) as client:
+                async with client.stream("POST", url + "/v1/chat/completions", json=body(result["q"], True)) as r:
+                    result["router"] = r.headers[HEADER]
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            result["done"] = True
+                        elif line.startswith("data: "):
+                            chunk = json.loads(line[6:])
+                            if "error" in chunk:
+                                result["error"] = chunk["error"]
+                            for choice in chunk.get("choices", []):
+                                result["text"] += choice["delta"].get("content") or ""
+                            on_started(results)
+        except httpx.HTTPError as exc:  # the router died under it
+            result["error"] = repr(exc)
+
+    await asyncio.gather(*(one(r) for r in results))
+    return results
+
+
+def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expected):
+    with baton_serve(["--api-server-count", "2", "--kv-cache-memory", "96MiB", "--log-level", "warning"],
+                     ready_timeout_s=240) as server:
+        url = server.base_url
+        routers_seen(url, 2, 90)  # the child router is up too
+        # Both routers answer, exactly as transformers.
+        served: set[str] = set()
+        for i in range(40):
+            q = QUESTIONS[i % len(QUESTIONS)]
+            text, router = chat(url, q)
+            assert text == expected[q], (router, q)
+            served.add(router)
+            if len(served) == 2 and i >= 7:
+                break
+        assert served == {"router-0", "router-1.0"}, served
+        # Router 1's process: from /v1/status answered by it.
+        victim = wait_until(lambda: (s := status(url))["answered_by"] == "router-1.0" and s, 30, "router 1's status")
+        victim_pid = victim["router"]["pid"]
+        assert victim_pid != server.process.pid
+
+        killed_at: list[float] = []
+
+        def kill_when_running(results: list[dict]) -> None:
+            on_victim = [r for r in results if r["router"] == "router-1.0" and r["text"]]
+            if not killed_at and len(on_victim) >= 3:
+                os.kill(victim_pid, signal.SIGKILL)
+                killed_at.append(time.monotonic())
+
+        results = asyncio.run(streams(url, 32, kill_when_running))
+        assert killed_at, "router 1 never had 3 streams running"
+        on_survivor = [r for r in results if r["router"] == "router-0"]
+        on_victim = [r for r in results if r["router"] == "router-1.0"]
+        # Connections the kernel had queued for router 1 when it died break before any header.
+        unanswered = [r for r in results if r["router"] is None]
+        assert on_survivor and on_victim and len(on_survivor) + len(on_victim) + len(unanswered) == 32
+        wrong = [r for r in on_survivor if not r["done"] or r["error"] or r["text"] != expected[r["q"]]]
+        assert not wrong, wrong[:2]
+        cut = [r for r in on_victim + unanswered if not r["done"]]
+        assert cut, "no stream of the killed router was cut"
+        assert all(r["error"] for r in cut)  # each ended for its client (the connection broke)
+        assert all(r["text"] == expected[r["q"]] for r in on_victim if r["done"])  # finished before the kill
+
+        # Every worker ends the dead router's requests once its lease runs out, freeing their blocks.
+        def dead_router_gone():
+            s = status(url)
+            leases = {lease["router_id"] for lease in s["routers"]["leases"]}
+            workers = [w for pool in s["pools"].values() for w in pool]
+            return "router-1.0" not in leases and all(
+                w["running"] == 0 and w["waiting"] == 0 and w["kv_usage"] == 0 for w in workers) and s
+
+        s = wait_until(dead_router_gone, max(1.0, 10 - (time.monotonic() - killed_at[0])),
+                       "the dead router's requests to be ended and their blocks freed")
+        assert len(s["pools"]["prefill"]) == 1 and len(s["pools"]["decode"]) == 1
+        # baton serve restarted router 1 (a new router with a new lease), and it serves exactly.
+        routers_seen(url, 2, 60)
+        served = set()
+        for i in range(40):
+            q = QUESTIONS[i % len(QUESTIONS)]
+            text, router = chat(url, q)
+            assert text == expected[q], (router, q)
+            served.add(router)
+            if "router-1.1" in served:
+                break
+        assert served >= {"router-1.1"}, served

@@ -1,0 +1,155 @@
+"""Structured output in the engine: the grammar's bitmask in the batched sampler, the first token
+handed from a prefill worker to a decode worker, a migrated request's tokens replayed into a fresh
+matcher, and compile errors. The oracle is jsonschema (and re.fullmatch) on the decoded text."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from common.protocol import PrefillRequest, ResumeState
+from common.sampling_params import SamplingParams, StructuredOutput
+from router.tokenizer import Tokenizer
+from cluster.structured_load import PROMPTS, SCHEMAS
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.sampler import SamplingRow, sample
+from workers.worker import EngineWorker, WorkerConfig
+
+pytestmark = pytest.mark.slow
+CONFIG = EngineConfig(kv_cache_memory=48 << 20)
+
+
+def schema_spec(name: str) -> StructuredOutput:
+    return StructuredOutput("json_schema", json.dumps(SCHEMAS[name]))
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir) -> Tokenizer:
+    return Tokenizer.from_model_dir(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir) -> LLMEngine:
+    return LLMEngine.from_model_dir(default_model_dir, CONFIG)
+
+
+def chat(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(tok.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def test_batched_schemas_greedy_and_sampled_all_validate(engine, tok):
+    names = list(SCHEMAS) * 2
+    params = [SamplingParams(max_tokens=96, temperature=0.0 if i < 5 else 0.9, seed=i, structured_output=schema_spec(n))
+              for i, n in enumerate(names)]
+    # A free-running row in the same batch is left as it would be alone.
+    free = SamplingParams(max_tokens=12, temperature=0.0)
+    done = engine.generate([chat(tok, PROMPTS[n]) for n in names] + [chat(tok, "Say hi")], params + [free])
+    for name, completion in zip(names, done):
+        assert completion.finish_reason == "stop", completion
+        jsonschema.validate(json.loads(completion.text), SCHEMAS[name])
+    [alone] = engine.generate([chat(tok, "Say hi")], free)
+    assert done[-1].token_ids == alone.token_ids
+
+
+def test_regex_choice_grammar_and_json_mode(engine, tok):
+    specs = [StructuredOutput("regex", r"[A-Z][a-z]{2,6} [0-9]{1,3}"), StructuredOutput("choice", '["yes","no","maybe"]'),
+             StructuredOutput("grammar", 'root ::= "(" num ("," num)* ")"\nnum ::= [0-9]+'),
+             StructuredOutput("json_object")]
+    prompt = chat(tok, "Answer briefly: is the sky blue?")
+    for seed in range(3):
+        params = [SamplingParams(max_tokens=48, temperature=1.0, seed=seed, structured_output=s) for s in specs]
+        regex, choice, grammar, json_mode = engine.generate([prompt] * 4, params)
+        assert re.fullmatch(r"[A-Z][a-z]{2,6} [0-9]{1,3}", regex.text), regex.text
+        assert choice.text in ("yes", "no", "maybe")
+        assert re.fullmatch(r"\(\d+(,\d+)*\)", grammar.text), grammar.text
+        if json_mode.finish_reason == "stop":
+            assert isinstance(json.loads(json_mode.text), (dict, list))
+
+
+def test_the_bitmask_leaves_unconstrained_rows_untouched_and_masks_the_others(engine):
+    vocab = engine.model_config.vocab_size
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    grammar = engine.grammars.state(StructuredOutput("choice", '["yes","no"]'))
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [], [1], None),
+            SamplingRow(SamplingParams(temperature=0.0), [], [1], None, grammar=grammar),
+            SamplingRow(SamplingParams(temperature=0.0), [], [1], None)]
+    tokens, _ = sample(logits.clone(), rows)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+    bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    grammar.fill_bitmask(bitmask, 0)
+    allowed = [t for t in range(vocab) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+    assert tokens[1] == max(allowed, key=lambda t: float(logits[1, t]))
+
+
+def test_a_resumed_request_replays_its_tokens_into_the_grammar(engine, tok):
+    prompt, spec = chat(tok, PROMPTS["order"]), schema_spec("order")
+    [whole] = engine.generate([prompt], SamplingParams(max_tokens=96, temperature=0.0, structured_output=spec))
+    cut = len(whole.token_ids) // 2
+    head = whole.token_ids[:cut]
+    text = tok.decode(head)
+    engine.resume_request(prompt, SamplingParams(max_tokens=96, temperature=0.0, structured_output=spec), "resumed",
+                          ResumeState(tuple(head), len(text)))
+    rest = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            rest += out.token_ids
+    assert head + rest == whole.token_ids
+    jsonschema.validate(json.loads(tok.decode(head + rest)), SCHEMAS["order"])
+    bad = tok.encode("hello", add_special_tokens=False)  # not how any JSON object starts
+    with pytest.raises(ValueError, match="not allowed by its structured output"):
+        engine.resume_request(prompt, SamplingParams(max_tokens=96, structured_output=spec), "bad",
+                              ResumeState(tuple(bad), len("hello")))
+    assert "bad" not in engine.request_ids()
+
+
+def test_bad_specs_are_refused_and_compiles_are_cached(engine, tok):
+    for spec in (StructuredOutput("regex", "a(b"), StructuredOutput("grammar", "root ::= missing"),
+                 StructuredOutput("json_schema", '{"type": "frob"}')):
+        with pytest.raises(ValueError, match="does not compile"):
+            engine.add_request([1, 2, 3], SamplingParams(structured_output=spec))
+    assert not engine.has_unfinished_requests()
+    stats = engine.grammars.stats
+    before = stats.cache_hits
+    engine.grammars.state(schema_spec("flag"))
+    engine.grammars.state(schema_spec("flag"))
+    assert stats.cache_hits >= before + 1 and stats.compile_seconds
+
+
+def test_prefill_workers_first_token_continues_under_the_grammar_on_the_decode_worker(default_model_dir, tok):
+    prefill = EngineWorker(WorkerConfig("p0", "prefill", str(default_model_dir), CONFIG, transport="shm"))
+    decode = EngineWorker(WorkerConfig("d0", "decode", str(default_model_dir), CONFIG, transport="shm"))
+    alone = LLMEngine.from_model_dir(default_model_dir, CONFIG)
+    try:
+        for i, name in enumerate(SCHEMAS):
+            params = SamplingParams(max_tokens=96, temperature=0.0, structured_output=schema_spec(name))
+            prompt = chat(tok, PROMPTS[name])
+            [want] = alone.generate([prompt], params)
+            reservation = decode.reserve(f"r{i}", prompt, params)
+            result = prefill.prefill(PrefillRequest(f"r{i}", prompt, params, decode.endpoint(), reservation.block_ids,
+                                                    reservation.num_cached_tokens))
+            tokens = list(result.output.token_ids)
+            decode.start_decode(f"r{i}", tokens[0])
+            finished = False
+            while not finished:
+                outputs = decode.poll_outputs(5.0)
+                assert outputs, "decode worker produced nothing for 5 s"
+                for out in outputs:
+                    tokens += out.token_ids
+                    finished = finished or (out.finished and out.finish_reason == "stop")
+            assert tokens == want.token_ids
+            jsonschema.validate(json.loads(tok.decode(tokens)), SCHEMAS[name])
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_min_tokens_does_not_hold_a_complete_grammar_open(engine, tok):
+    spec = StructuredOutput("choice", '["yes","no"]')
+    [done] = engine.generate([chat(tok, "Yes or no?")], SamplingParams(max_tokens=40, min_tokens=30, temperature=0.0,
+                                                                        structured_output=spec))
+    assert done.text in ("yes", "no") and done.finish_reason == "stop"

@@ -1,0 +1,57 @@
+"""bench/structured.py's pure parts: its requests, its reply check, its `vllm bench serve` command
+and how runs add up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+
+from cluster.structured_load import SCHEMAS, aggregate, bench_command, check_reply, response_format, schema_requests
+from router.structured import check_json_schema
+
+
+def test_requests_cycle_over_the_schemas_with_distinct_prompts():
+    requests = schema_requests(200)
+    assert [r.schema_name for r in requests[:5]] == list(SCHEMAS)
+    assert {r.schema_name for r in requests} == set(SCHEMAS)
+    assert len({r.prompt for r in requests}) == 200
+    for name, schema in SCHEMAS.items():
+        jsonschema.Draft202012Validator.check_schema(schema)
+        assert json.loads(check_json_schema(schema, "s")) == schema
+        assert response_format(name)["json_schema"]["schema"] is schema
+
+
+def test_check_reply_names_what_is_wrong():
+    schema = SCHEMAS["order"]
+    assert check_reply('{"id": "ABC-1234", "status": "shipped", "total": 12.5}', schema) is None
+    assert check_reply('{"id": "abc", "status": "shipped", "total": 1}', schema).startswith("invalid")
+    assert check_reply('{"id": "ABC-1234", "status": "lost", "total": 1}', schema).startswith("invalid")
+    assert check_reply('{"id": "ABC-1234", "status": "shipped", "total": 1001}', schema).startswith("invalid")
+    assert check_reply('{"id": "ABC-1234"', schema).startswith("not JSON")
+
+
+def test_the_command_constrains_only_the_schema_runs():
+    free = bench_command("vllm", "http://h", "tok", 3, 40, 16, 128, Path("/tmp/x.json"), None)
+    bound = bench_command("vllm", "http://h", "tok", 3, 40, 16, 128, Path("/tmp/x.json"), SCHEMAS["flag"])
+    assert "--ignore-eos" in free and "--extra-body" not in free
+    body = json.loads(bound[bound.index("--extra-body") + 1])
+    assert body == {"structured_outputs": {"json": SCHEMAS["flag"]}} and "--ignore-eos" not in bound
+    for command in (free, bound):
+        assert command[command.index("--max-concurrency") + 1] == "16"
+        assert command[command.index("--num-prompts") + 1] == "40"
+
+
+def test_aggregate_is_tokens_over_summed_durations():
+    runs = [{"completed": 4, "failed": 0, "total_output_tokens": 100, "duration": 2.0},
+            {"completed": 3, "failed": 1, "total_output_tokens": 50, "duration": 3.0}]
+    assert aggregate(runs) == {"completed": 7, "failed": 1, "output_tokens": 150, "seconds": 5.0,
+                               "output_tokens_per_s": 30.0}
+    assert aggregate([])["output_tokens_per_s"] is None
+
+
+def test_trailing_text_is_named_unless_allowed():
+    text = '{"ok": true, "code": 200}\nmore words'
+    assert check_reply(text, SCHEMAS["flag"]).startswith("text after")
+    assert check_reply(text, SCHEMAS["flag"], allow_trailing=True) is None

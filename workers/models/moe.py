@@ -1,0 +1,152 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE) on llama.py's layers.
+
+Attention, norms, embeddings and the lm_head are llama.py's (Qwen3-MoE's per-head q/k RMSNorm is
+ModelConfig.qk_norm, as for Qwen3 dense). Each MoE layer's MLP is a SparseMoeBlock: a router
+(hidden -> experts logits; softmax in float32 over all experts, top k, renormalised when
+ModelConfig.norm_topk_prob: always for Mixtral, which is the same as a softmax over the top-k
+logits) and the experts' weights stacked as w13 [E, 2I, H] (gate rows then up rows, fused at load)
+and w2 [E, H, I], applied by KernelOps.fused_moe (kernels/fused_moe.py: Triton on CUDA, per-expert
+batched matmuls on the CPU). Qwen3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) keep
+llama.py's MLP. Shared experts: neither family has any (Qwen2-MoE's shared expert is not supported).
+
+Checkpoint layouts read: per expert (Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2`, Qwen3-MoE
+`mlp.experts.{e}.gate_proj/up_proj/down_proj`: published checkpoints, and what transformers 5's
+save_pretrained writes) and fused 3-D (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I], transformers 5's in-memory layout).
+
+Not supported, refused with a message: FP8 weights (pre-quantized checkpoints and quantization
+"fp8"; load_model reads `supports_fp8`), expert parallelism (needs tensor-parallel worker groups).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.ops import KernelOps
+from workers.model_config import ModelConfig
+from workers.models.llama import LlamaForCausalLM
+
+MOE_PREFIXES = ("mlp", "block_sparse_moe")  # Qwen3-MoE, Mixtral
+GATE_ROWS = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}  # which half of w13 a projection fills
+DOWN = ("w2", "down_proj")
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]): softmax over all experts, then the top k."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class MoeExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.top_k = config.num_experts_per_tok
+        self.renormalise = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = MoeExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalise)
+        return self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM with a SparseMoeBlock as the MLP of every MoE layer."""
+
+    supports_fp8 = False
+
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+        if config.num_experts < 1:
+            raise ValueError(f"{config.architecture}: MoeForCausalLM needs num_experts >= 1")
+        super().__init__(config, ops)
+        dense = set(config.dense_mlp_layers)
+        for i, layer in enumerate(self.layers):
+            if i not in dense:
+                layer.mlp = SparseMoeBlock(config, ops)
+
+    def load_hf_weights(self, weights, quant=None) -> None:
+        """The MoE blocks' tensors load here; everything else through LlamaForCausalLM's loader."""
+        if quant is not None:
+            raise ValueError(f"{self.config.architecture}: FP8 checkpoints of mixture-of-experts models are not "
+                             "supported yet; use a bfloat16/float32 checkpoint")
+        blocks = {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoeBlock)}
+        loader = _ExpertLoader(blocks)
+        # The dense loader checks that every parameter it sees was loaded: it must not see the MoE blocks.
+        for i in blocks:
+            delattr(self.layers[i], "mlp")  # unregisters the submodule
+        try:
+            super().load_hf_weights(((n, t) for n, t in weights if not loader.take(n, t)), quant)
+        finally:
+            for i, block in blocks.items():
+                self.layers[i].mlp = block
+        loader.check_complete()
+
+
+class _ExpertLoader:
+    """Copies router and expert tensors into the SparseMoeBlocks and records which pieces arrived."""
+
+    def __init__(self, blocks: dict[int, SparseMoeBlock]) -> None:
+        self.blocks = blocks
+        self.loaded: set[tuple] = set()
+
+    def take(self, hf_name: str, tensor: torch.Tensor) -> bool:
+        """True when hf_name is a tensor of an MoE block (and is loaded now)."""
+        parts = hf_name.removeprefix("model.").split(".")
+        if len(parts) < 4 or parts[0] != "layers" or parts[2] not in MOE_PREFIXES or int(parts[1]) not in self.blocks:
+            return False
+        layer = int(parts[1])
+        block = self.blocks[layer]
+        rest = parts[3:]
+        if rest[-1] in ("weight_scale", "weight_scale_inv", "input_scale") or tensor.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"{hf_name}: FP8 expert weights are not supported yet")
+        w13, w2 = block.experts.w13.data, block.experts.w2.data
+        inter = w2.shape[2]
+        if rest == ["gate", "weight"]:
+            self._put(hf_name, block.gate.weight.data, tensor, (layer, "gate"))
+        elif rest in (["experts", "gate_up_proj"], ["experts", "gate_up_proj", "weight"]):
+            self._put(hf_name, w13, tensor, *((layer, "w13", e, h) for e in range(w13.shape[0]) for h in (0, 1)))
+        elif rest in (["experts", "down_proj"], ["experts", "down_proj", "weight"]):
+            self._put(hf_name, w2, tensor, *((layer, "w2", e) for e in range(w2.shape[0])))
+        elif len(rest) == 4 and rest[0] == "experts" and rest[3] == "weight" and rest[1].isdigit():
+            e, proj = int(rest[1]), rest[2]
+            if e >= w13.shape[0]:
+                raise ValueError(f"{hf_name}: expert {e} but the model has {w13.shape[0]} experts")
+            if proj in GATE_ROWS:
+                half = GATE_ROWS[proj]
+                self._put(hf_name, w13[e, half * inter : (half + 1) * inter], tensor, (layer, "w13", e, half))
+            elif proj in DOWN:
+                self._put(hf_name, w2[e], tensor, (layer, "w2", e))
+            else:
+                raise ValueError(f"{hf_name}: unknown expert projection {proj!r}")
+        else:
+            raise ValueError(f"checkpoint tensor {hf_name} is not a router or expert weight this loader knows")
+        return True
+
+    def _put(self, name: str, target: torch.Tensor, tensor: torch.Tensor, *pieces: tuple) -> None:
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
+        target.copy_(tensor)
+        self.loaded.update(pieces)
+
+    def check_complete(self) -> None:
+        expected = set()
+        for layer, block in self.blocks.items():
+            experts = block.experts.w13.shape[0]
+            expected |= {(layer, "gate")} | {(layer, "w2", e) for e in range(experts)}
+            expected |= {(layer, "w13", e, h) for e in range(experts) for h in (0, 1)}
+        missing = sorted(expected - self.loaded, key=str)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} router/expert tensors, e.g. {missing[:4]} "
+                             "(layer, weight, expert, half)")
