@@ -89,7 +89,7 @@ for label in "${LABELS[@]}"; do echo "   $label: $(( $(cpu_seconds "${PIDS[$labe
 # keeps one core 50% busy in 10 ms slices at normal priority, in its own session as a neighbour's
 # job would be, beside every server alike, and is stopped before the script ends. The busy
 # condition runs with the client's defaults only (what users measure). CONDITIONS="quiet" or
-# CONDITIONS="busy" runs one of them.
+# CONDITIONS="busy" runs one of them; QUIET_MODES="default" leaves out the quiet greedy runs.
 HOG=
 run_condition() {  # condition, sampling modes...
   local condition=$1 round=0
@@ -116,7 +116,7 @@ stop_hog() { [ -n "$HOG" ] && kill -TERM "$HOG" 2>/dev/null && wait "$HOG" 2>/de
 trap 'stop_hog; stop_all' EXIT
 for condition in ${CONDITIONS:-quiet busy}; do
   case $condition in
-    quiet) run_condition quiet default "temperature 0" ;;
+    quiet) eval "run_condition quiet ${QUIET_MODES:-default \"temperature 0\"}" ;;
     busy)
       setsid .venv/bin/python -m bench.cpu_hog --duty 0.5 --period-ms 20 --seconds 7200 > /tmp/baton_compare_hog.log &
       HOG=$!

@@ -69,9 +69,8 @@ async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
     return rows
 
 
-# One core per worker, as the profile times them: without it the two workers share the machine's
-# cores (cluster.placement.shared_cpu_host: a long prompt's prefill takes both, the decode worker
-# runs at idle priority), a CPU-only arrangement the simulator, built for a worker per GPU, leaves out.
+# One core per worker, as the profile times them (on this 2-core machine also what the default
+# split of the cores between the workers gives, cluster.config.BatonConfig.worker_threads).
 SERVER_FLAGS = ("--threads-per-worker", "1")
 
 

@@ -6,15 +6,13 @@ Per pool (`resolve_pool`), from the configuration and the cluster's nodes as Ray
 - GPUs: `gpus_per_worker`, or 1 when any node has GPUs (whatever the transport flag says);
   a worker given GPUs runs its engine and KV cache on CUDA.
 - CPUs: `threads_per_worker` when given (the engine runs that many threads), else none.
-  Without it on the CPU, one prefill worker and the decode workers share the machine's cores
-  (`shared_cpu_host`): the prefill worker runs a long prompt's steps on every core, at a lower
-  priority (niceness `SHARED_HOST_PREFILL_NICE`) than the decode workers, the router and
-  whatever else runs on the host. A decode step that wants a core takes it from the prefill
-  within a scheduler slice, whatever else is busy, so streams slow down beside a long prompt but
-  never stop; the prefill gets every core the streams leave, all of them when no stream runs.
-  The other way round (decode at idle priority) let any busy process stall the streams
-  (docs/deployment.md has the measurements: bench/run_comparison.sh, quiet and busy host).
-  The rule reads the configured pool sizes: workers the pool manager adds later get the same.
+  Without it on the CPU the workers split the machine's cores between them
+  (`BatonConfig.worker_threads`: cores // workers threads each, all at normal priority), so a
+  decode worker always has its own share and a long prompt's prefill cannot take it: streams
+  keep their pace beside a long prompt, whatever else runs on the host. Giving a long prefill
+  every core (with the decode worker at idle priority, or at a lower priority than the
+  prefill's threads) was measured and dropped: a busy host stalled the streams, or starved the
+  prefill (docs/performance.md, "Sharing a CPU host").
 - the pool's custom resource (`baton_prefill` / `baton_decode`), 1 per worker, when a node
   offers it: that is what pins each pool to its node type on a `ray up` or KubeRay cluster.
 - a Ray label selector (`prefill_node_labels` / `decode_node_labels`), when given.
@@ -30,7 +28,6 @@ reports the KV backend each pair uses.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -153,30 +150,13 @@ class SpawnedWorker:
     actor_name: str
 
 
-# Niceness 10 weighs a thread at about a tenth of a normal one (Linux CFS): a busy decode step
-# keeps ~90% of the core it shares with the prefill, and the prefill still moves.
-SHARED_HOST_PREFILL_NICE = 10
-
-
 def worker_config(config: BatonConfig, role: str, worker_id: str, placement: PoolPlacement) -> WorkerConfig:
     """The WorkerConfig of one worker. The model is passed as the user gave it, so each worker
     resolves it on its own node; the engine runs where the placement gives it GPUs."""
     engine = replace(config.worker_engine_config(), device=placement.device)
-    shared = shared_cpu_host(config, placement)
-    cores = os.cpu_count() or 1
-    if shared and role == Role.PREFILL and cores > (engine.num_threads or 1):
-        engine = replace(engine, long_prompt_threads=cores)
     return WorkerConfig(worker_id, role, config.model, engine, transport=config.transport.kind,
                         transfer_timeout_s=config.transport.transfer_timeout_s,
-                        kv_load_failure_policy=config.transport.kv_load_failure_policy,
-                        nice=SHARED_HOST_PREFILL_NICE if shared and role == Role.PREFILL else 0)
-
-
-def shared_cpu_host(config: BatonConfig, placement: PoolPlacement) -> bool:
-    """Whether the pools share one machine's cores: the CPU default (no threads_per_worker, so no
-    CPUs asked from Ray, and no pool pinned to a node type) with a single prefill worker."""
-    return (placement.device == "cpu" and placement.num_cpus == 0 and not placement.resources
-            and not placement.label_selector and config.placement.prefill_workers == 1)
+                        kv_load_failure_policy=config.transport.kv_load_failure_policy)
 
 
 def spawn_worker(config: BatonConfig, role: str, index: int, name_prefix: str = "baton",

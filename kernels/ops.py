@@ -149,8 +149,10 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
         gelu_tanh_and_mul=_native_or_reference(
             gelu_mul.native_built(), gelu_mul.gelu_tanh_and_mul_cpu, references["gelu_tanh_and_mul"],
             gelu_mul.native_available),
-        # The reference's per-expert matmuls with the native SiLU-and-mul between them.
+        # The reference's per-expert matmuls with the native SiLU-and-mul between them (the plain
+        # reference when the native library is not built).
         fused_moe=functools.partial(_fused_moe.fused_moe_reference, silu_and_mul=_native_or_reference(
-            silu_mul.native_built(), silu_mul.silu_and_mul_cpu, references["silu_and_mul"], silu_mul.native_available)),
+            True, silu_mul.silu_and_mul_cpu, references["silu_and_mul"], silu_mul.native_available))
+        if silu_mul.native_built() else references["fused_moe"],
     )
     return KernelOps("native", **{**references, **native})

@@ -101,9 +101,12 @@ class RayBackend:
                         pending.extend(flow.on_worker_lost(lost.worker_id, lost.failure, time.monotonic()))
         finally:
             self.pools.close_stream(rid)
+            # A consumer that closes the stream at its finished output leaves the commands after
+            # that Emit unrun: a finished first token's Abort of D's reservation is one of them.
+            leftover = [c for c in pending if isinstance(c, (Abort, QueueTokens))]
             # The consumer went away (client disconnect) or something failed: free the request's
             # blocks in both pools. Tasks, because this may run while the generator closes.
-            for command in flow.on_client_gone(time.monotonic()):
+            for command in leftover + flow.on_client_gone(time.monotonic()):
                 if isinstance(command, Abort):
                     self._abort_in_background(rid, command)
                 elif isinstance(command, QueueTokens):

@@ -52,11 +52,6 @@ class EngineConfig:
                 "the CPU always runs eagerly)"})
     device: str = field(default="cpu", metadata={"internal": True})
     num_threads: int | None = field(default=None, metadata={"internal": True})
-    # A step that prefills a prompt of at least long_prompt_tokens runs on long_prompt_threads
-    # (None: num_threads): on a CPU host shared with a decode worker, the prefill worker takes every
-    # core for a long prompt, whose first token waits on that compute (cluster.placement).
-    long_prompt_threads: int | None = field(default=None, metadata={"internal": True})
-    long_prompt_tokens: int = field(default=1024, metadata={"internal": True})
     # One (k_scale, v_scale) per layer for an FP8 KV cache; calibrated at load time when None.
     kv_scales: tuple[tuple[float, float], ...] | None = field(default=None, metadata={"internal": True})
 
@@ -68,8 +63,7 @@ class EngineConfig:
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive(name)
-        positive("long_prompt_tokens")
-        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads", "long_prompt_threads"):
+        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 positive(name)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \

@@ -325,7 +325,6 @@ class LLMEngine:
         if not sched.chunks:
             return []
         chunks = sched.chunks
-        self._set_threads(chunks)
         sample_mask = [c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens for c in chunks]
         shape = None
         if self._step_observers:
@@ -355,16 +354,6 @@ class LLMEngine:
         rows = [self._sampling_row(seq) for seq in sampled]
         tokens, logprobs = self.sampler(logits, rows)
         return [self._advance(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, logprobs)]
-
-    def _set_threads(self, chunks) -> None:
-        """long_prompt_threads for a step holding a long prompt's prefill chunk, else num_threads."""
-        c = self.config
-        if c.long_prompt_threads is None:
-            return
-        long = any(ch.seq.num_computed_tokens < ch.seq.num_prompt_tokens >= c.long_prompt_tokens for ch in chunks)
-        want = c.long_prompt_threads if long else (c.num_threads or 1)
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.sampling_params

@@ -118,27 +118,10 @@ class WorkerConfig:
     # view: the transport per pair compares node ids, and gloo/nccl rendezvous on `host`.
     node_id: str = "local"
     host: str = "127.0.0.1"
-    # The engine thread's niceness (0: as the OS gives; up to 19). A prefill worker sharing a CPU
-    # host with a decode worker runs at a higher niceness, so a decode step that wants a core gets
-    # it at once while the prefill keeps whatever the streams leave (cluster.placement decides).
-    nice: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {tuple(r.value for r in ROLES)}, got {self.role!r}")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"nice must be between 0 and 19, got {self.nice}")
-
-
-def _lower_thread_priority(worker_id: str, nice: int) -> None:
-    """Run the calling thread, and the threads it starts from now on (torch's intra-op pool among
-    them), at niceness `nice`: under contention the scheduler gives it a smaller share of a core,
-    and none of it when a normal thread wants the core, yet it is never starved."""
-    try:
-        me = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, me, max(nice, os.getpriority(os.PRIO_PROCESS, me)))  # never raise it
-    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: run as before
-        log.warning("worker %s: cannot lower the engine thread's priority (%s)", worker_id, exc)
 
 
 class EngineWorker:
@@ -173,8 +156,6 @@ class EngineWorker:
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.config.nice:
-            _lower_thread_priority(self.worker_id, self.config.nice)
         engine = self.engine
         while not self._stopped.is_set():
             block = not engine.has_schedulable_work()

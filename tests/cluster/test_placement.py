@@ -64,24 +64,16 @@ def test_cpu_machine_asks_for_nothing_it_does_not_have():
     assert worker_config(failing, "decode", "decode-0", pool).kv_load_failure_policy == "fail"
 
 
-def test_a_shared_cpu_host_gives_long_prompts_every_core_at_a_lower_priority_than_decode(monkeypatch):
+def test_cpu_workers_split_the_cores_between_them(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    config = BatonConfig()  # 1 prefill + 1 decode worker, no threads_per_worker: they share the cores
-    pool = resolve_pool(config, "prefill", [HEAD])
-    prefill = worker_config(config, "prefill", "prefill-0", pool)
-    decode = worker_config(config, "decode", "decode-0", resolve_pool(config, "decode", [HEAD]))
-    assert prefill.engine.num_threads == 2 and prefill.engine.long_prompt_threads == 4 and prefill.nice == 10
-    assert decode.engine.long_prompt_threads is None and decode.nice == 0
-    # Cores given per worker, GPUs, two prefill workers, pools pinned to node types: nothing shared.
-    for options, nodes in (({"threads_per_worker": 2}, [HEAD]), ({}, [HEAD, PREFILL, DECODE]),
-                           ({"prefill_workers": 2}, [HEAD])):
-        config = BatonConfig.from_options(**options)
-        for role in ("prefill", "decode"):
-            wc = worker_config(config, role, f"{role}-0", resolve_pool(config, role, nodes))
-            assert wc.engine.long_prompt_threads is None and wc.nice == 0, (options, role)
-    pinned = BatonConfig.from_options(prefill_node_labels="pool=prefill")
-    wc = worker_config(pinned, "prefill", "prefill-0", resolve_pool(pinned, "prefill", [HEAD]))
-    assert wc.engine.long_prompt_threads is None
+    config = BatonConfig()  # 1 prefill + 1 decode worker, no threads_per_worker: 2 threads each
+    for role in ("prefill", "decode"):
+        wc = worker_config(config, role, f"{role}-0", resolve_pool(config, role, [HEAD]))
+        assert wc.engine.num_threads == 2, role
+    config = BatonConfig.from_options(decode_workers=3)  # 4 workers: a thread each
+    assert worker_config(config, "prefill", "prefill-0", resolve_pool(config, "prefill", [HEAD])).engine.num_threads == 1
+    config = BatonConfig.from_options(threads_per_worker=3)
+    assert worker_config(config, "decode", "decode-0", resolve_pool(config, "decode", [HEAD])).engine.num_threads == 3
 
 
 def test_explicit_gpus_labels_and_resource_names():

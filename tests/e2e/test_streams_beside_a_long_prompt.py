@@ -5,9 +5,9 @@ cores), alone and beside a CPU hog at normal priority (bench/cpu_hog.py: one cor
 four streams decoding, then one 2,000-token prompt. Judged by the workers' own step logs
 (BATON_STEP_LOG_DIR), not by wall-clock thresholds: while the prefill worker runs the long
 prompt's chunks, the decode worker must complete at least one step per chunk, with no interval
-between two of its steps longer than two chunks. Under the earlier arrangement (decode at idle
-priority) the prefill's threads took both cores and the decode worker completed 7 steps during
-the 8 chunks of the quiet case (measured; about 110 now).
+between two of its steps longer than two chunks. With the decode worker at idle priority and the
+prefill on both cores (an arrangement since dropped) it completed 7 steps during the 8 chunks of
+the quiet case.
 """
 
 from __future__ import annotations

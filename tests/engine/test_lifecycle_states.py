@@ -4,12 +4,8 @@ reserve / abort and prefill / hold / send / release cycles leave every block acc
 from __future__ import annotations
 
 import json
-import os
-import sys
-import threading
 
 import pytest
-import torch
 
 from tests.engine.test_prefix_and_stress import tiny_engine
 from common.protocol import PrefillRequest, WorkerReady
@@ -157,48 +153,6 @@ def test_the_aborted_ids_are_bounded():
     for rid in "bcd":
         with pytest.raises(RequestAborted):
             ids.refuse(rid)
-
-
-def test_a_long_prompts_prefill_steps_run_on_long_prompt_threads(monkeypatch):
-    before = torch.get_num_threads()
-    engine = tiny_engine(num_kv_blocks=32, block_size=16, max_num_batched_tokens=64, num_threads=1,
-                         long_prompt_threads=2, long_prompt_tokens=100)
-    seen = []
-    execute = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute", lambda chunks, mask: (
-        seen.append((sum(c.num_tokens for c in chunks), torch.get_num_threads())), execute(chunks, mask))[1])
-    try:
-        engine.generate([prompt(150)], GREEDY)  # three prefill chunks (64, 64, 22), then decodes
-        assert seen == [(64, 2), (64, 2), (22, 2), (1, 1), (1, 1), (1, 1)]
-        seen.clear()
-        engine.generate([prompt(99)], GREEDY)  # under long_prompt_tokens: one thread throughout
-        assert {threads for _, threads in seen} == {1}
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
-def test_a_worker_runs_its_engine_thread_and_the_threads_it_starts_at_its_niceness(engine):
-    for nice in (10, 0):
-        worker = EngineWorker(WorkerConfig("prefill-0", "prefill", nice=nice), engine=engine, transport=None)
-        try:
-            worker.stats()  # a call the engine thread answers: its loop has started
-            base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-            expected = max(base, nice) if nice else base
-            assert os.getpriority(os.PRIO_PROCESS, worker._thread.native_id) == expected
-            assert worker._call(_niceness_of_a_new_thread) == expected
-        finally:
-            worker.shutdown()
-    with pytest.raises(ValueError, match="nice"):
-        WorkerConfig("prefill-0", "prefill", nice=20)
-
-
-def _niceness_of_a_new_thread() -> int:
-    seen = []
-    t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-    t.start()
-    t.join()
-    return seen[0]
 
 
 def test_the_step_observer_sees_each_steps_chunks_and_time(engine):

@@ -137,6 +137,32 @@ def test_counters_through_the_http_app(tokenizer):
     assert backend.counters["local_prefill"] == 1 and backend.counters["remote_prefill"] == 1
 
 
+def test_a_finished_first_token_frees_the_reservation_when_the_consumer_stops_at_it():
+    # The non-streaming path (Serving._collect) closes the stream as soon as every choice has
+    # finished: the Abort of D's reservation that follows the finished first token must still run.
+    async def main():
+        backend, actors = make_backend(num_prefill=1)
+        d = actors["decode-0"]
+        policy = KvAwarePolicy(backend.prefix_index, BS, RoutingConfig(seed=0, local_prefill_threshold=0))
+        try:
+            backend.workers()
+            prompt = [9000 + k for k in range(40)]
+            route = policy.choose(prompt, backend.workers())
+            assert route.prefill_worker == "prefill-0"
+            outputs = backend.generate(GenerateRequest("one", prompt, SamplingParams(max_tokens=1), route))
+            first = await outputs.__anext__()
+            assert first.finished
+            await outputs.aclose()
+            deadline = time.monotonic() + 2.0
+            while d.reserved or d.calls.count("abort") != 1:
+                assert time.monotonic() < deadline, (d.reserved, d.calls)
+                await asyncio.sleep(0.02)
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
 def test_a_remote_prefills_first_token_does_not_wait_for_the_decode_worker():
     # D answers start_decode and abort 0.5 s late (inside a long engine step): the first token
     # reaches the client as soon as P returns it; the rest follows once D has started.
