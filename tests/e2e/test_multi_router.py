@@ -1,7 +1,7 @@
 """`baton serve --api-server-count 2`: two router processes on one port, and one of them dying.
 
-A real deployment on a private Ray with the default model. The oracle for every answer is
-transformers' greedy generation of the same chat prompt. SO_REUSEPORT lets the kernel choose the
+A real deployment on a private Ray with the default model. The oracle for every answer is the
+engine's greedy generation of the same chat prompt, alone in this process. SO_REUSEPORT lets the kernel choose the
 router of each connection, so the test sends requests on fresh connections until both routers
 (named by the x-baton-router response header) have answered. Then router 1 is SIGKILLed while 32
 streams run: the streams on router 0 must complete exactly, those on router 1 end for their
@@ -31,26 +31,15 @@ QUESTIONS = ["Write a short poem about autumn leaves falling in a quiet park at 
 
 
 @pytest.fixture(scope="module")
-def expected() -> dict[str, str]:
-    """transformers' greedy answer to each question, as the chat API returns its text."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def expected(reference_engine, tokenizer) -> dict[str, str]:
+    """The engine's greedy answer to each question, alone in this process (tests/engine checks it
+    against transformers): what every router must return."""
+    from common.sampling_params import SamplingParams
 
-    from workers.model_files import resolve_model_dir
-
-    model_dir = resolve_model_dir(quiet=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    answers = {}
-    with torch.inference_mode():
-        for q in QUESTIONS:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=model.generation_config.eos_token_id,
-                                 pad_token_id=model.generation_config.eos_token_id)
-            answers[q] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    return answers
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in QUESTIONS]
+    done = reference_engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return {q: d.text for q, d in zip(QUESTIONS, done)}
 
 
 def body(q: str, stream: bool = False) -> dict:
