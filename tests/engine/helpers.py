@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from dataclasses import dataclass
 
@@ -139,3 +140,40 @@ def run_with_logits(engine, prompts: list[list[int]], params) -> tuple[list, lis
     finally:
         engine.sampler = real_sampler
     return completions, [recorded[tuple(p)] for p in prompts]
+
+
+@contextlib.contextmanager
+def worker_pair(model_dir, config):
+    """A prefill and a decode EngineWorker in this process (no Ray), KV over shared memory; shut down after."""
+    from workers.worker import EngineWorker, WorkerConfig
+
+    prefill = EngineWorker(WorkerConfig("p0", "prefill", str(model_dir), config, transport="shm"))
+    decode = EngineWorker(WorkerConfig("d0", "decode", str(model_dir), config, transport="shm"))
+    try:
+        yield prefill, decode
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def handoff(prefill, decode, request_id, prompt, params):
+    """One request through the pair: D reserves, P prefills into the blocks, D decodes to the end.
+    Returns (every token, P's PrefillResult, D's reservation, the finish reason)."""
+    from common.protocol import PrefillRequest
+
+    reservation = decode.reserve(request_id, prompt, params)
+    assert reservation is not None
+    result = prefill.prefill(PrefillRequest(request_id, prompt, params, decode.endpoint(),
+                                            reservation.block_ids, reservation.num_cached_tokens))
+    tokens = list(result.output.token_ids)
+    if result.output.finished:
+        decode.abort(request_id)
+        return tokens, result, reservation, result.output.finish_reason
+    decode.start_decode(request_id, tokens[0])
+    while True:
+        outputs = decode.poll_outputs(5.0)
+        assert outputs, "decode worker produced nothing for 5 s"
+        for out in outputs:
+            tokens += out.token_ids
+            if out.finished:
+                return tokens, result, reservation, out.finish_reason

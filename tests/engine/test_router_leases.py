@@ -18,7 +18,8 @@ from common.protocol import KVEventKind, PrefillRequest, RouterClaim
 from common.sampling_params import SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.worker import EngineWorker, WorkerConfig
+from tests.engine.helpers import worker_pair
+from workers.worker import EngineWorker
 
 pytestmark = pytest.mark.slow
 # Small prefill chunks: a long prompt takes many engine steps, so a lease runs out in the middle.
@@ -29,11 +30,8 @@ LIVE = RouterClaim("router-live", lease_s=60.0)
 
 @pytest.fixture(scope="module")
 def pair(default_model_dir):
-    prefill = EngineWorker(WorkerConfig("p0", "prefill", str(default_model_dir), CONFIG, transport="shm"))
-    decode = EngineWorker(WorkerConfig("d0", "decode", str(default_model_dir), CONFIG, transport="shm"))
-    yield prefill, decode
-    prefill.shutdown()
-    decode.shutdown()
+    with worker_pair(default_model_dir, CONFIG) as workers:
+        yield workers
 
 
 def collect(worker: EngineWorker, router: RouterClaim, request_id: str, timeout_s: float = 120.0) -> list[int]:

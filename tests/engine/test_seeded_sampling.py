@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.helpers import save_tiny_model
+from tests.engine.helpers import handoff, save_tiny_model, worker_pair
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from common.protocol import PrefillRequest
 from common.sampling_params import SamplingParams
-from workers.worker import EngineWorker, WorkerConfig
 
 CONFIG = EngineConfig(kv_cache_memory=8 << 20)
 PROMPTS = [[5, 17, 99, 23, 4, 250], [300, 2, 2, 2, 71], [11] * 40, [400, 401, 402]]
@@ -43,24 +41,9 @@ def test_seeded_requests_get_the_same_tokens_alone_and_batched(model_dir):
 
 def test_a_seeded_request_continues_its_draws_across_the_prefill_decode_handoff(model_dir):
     engine = LLMEngine.from_model_dir(model_dir, CONFIG)
-    prefill = EngineWorker(WorkerConfig("p0", "prefill", model_dir, CONFIG, transport="shm"))
-    decode = EngineWorker(WorkerConfig("d0", "decode", model_dir, CONFIG, transport="shm"))
-    try:
+    with worker_pair(model_dir, CONFIG) as (prefill, decode):
         for i, prompt in enumerate(PROMPTS[:2]):
             params = seeded(7 + i)
             [want] = engine.generate([prompt], params)
-            reservation = decode.reserve(f"r{i}", prompt, params)
-            result = prefill.prefill(PrefillRequest(f"r{i}", prompt, params, decode.endpoint(),
-                                                    reservation.block_ids, reservation.num_cached_tokens))
-            tokens = list(result.output.token_ids)
-            decode.start_decode(f"r{i}", tokens[0])
-            finished = False
-            while not finished:
-                outputs = decode.poll_outputs(5.0)
-                assert outputs, "decode worker produced nothing for 5 s"
-                tokens += [t for o in outputs for t in o.token_ids]
-                finished = any(o.finished for o in outputs)
+            tokens, _, _, _ = handoff(prefill, decode, f"r{i}", prompt, params)
             assert tokens == want.token_ids
-    finally:
-        prefill.shutdown()
-        decode.shutdown()

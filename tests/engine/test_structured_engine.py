@@ -11,14 +11,14 @@ import jsonschema
 import pytest
 import torch
 
-from common.protocol import PrefillRequest, ResumeState
+from common.protocol import ResumeState
 from common.sampling_params import SamplingParams, StructuredOutput
 from router.tokenizer import Tokenizer
 from cluster.structured_load import PROMPTS, SCHEMAS
+from tests.engine.helpers import handoff, worker_pair
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.sampler import SamplingRow, sample
-from workers.worker import EngineWorker, WorkerConfig
 
 pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(kv_cache_memory=48 << 20)
@@ -121,31 +121,16 @@ def test_bad_specs_are_refused_and_compiles_are_cached(engine, tok):
 
 
 def test_prefill_workers_first_token_continues_under_the_grammar_on_the_decode_worker(default_model_dir, tok):
-    prefill = EngineWorker(WorkerConfig("p0", "prefill", str(default_model_dir), CONFIG, transport="shm"))
-    decode = EngineWorker(WorkerConfig("d0", "decode", str(default_model_dir), CONFIG, transport="shm"))
     alone = LLMEngine.from_model_dir(default_model_dir, CONFIG)
-    try:
+    with worker_pair(default_model_dir, CONFIG) as (prefill, decode):
         for i, name in enumerate(SCHEMAS):
             params = SamplingParams(max_tokens=96, temperature=0.0, structured_output=schema_spec(name))
             prompt = chat(tok, PROMPTS[name])
             [want] = alone.generate([prompt], params)
-            reservation = decode.reserve(f"r{i}", prompt, params)
-            result = prefill.prefill(PrefillRequest(f"r{i}", prompt, params, decode.endpoint(), reservation.block_ids,
-                                                    reservation.num_cached_tokens))
-            tokens = list(result.output.token_ids)
-            decode.start_decode(f"r{i}", tokens[0])
-            finished = False
-            while not finished:
-                outputs = decode.poll_outputs(5.0)
-                assert outputs, "decode worker produced nothing for 5 s"
-                for out in outputs:
-                    tokens += out.token_ids
-                    finished = finished or (out.finished and out.finish_reason == "stop")
+            tokens, _, _, finish_reason = handoff(prefill, decode, f"r{i}", prompt, params)
+            assert finish_reason == "stop"  # the grammar completed
             assert tokens == want.token_ids
             jsonschema.validate(json.loads(tok.decode(tokens)), SCHEMAS[name])
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_min_tokens_does_not_hold_a_complete_grammar_open(engine, tok):

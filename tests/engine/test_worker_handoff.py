@@ -12,8 +12,8 @@ import torch
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from common.sampling_params import SamplingParams
+from tests.engine.helpers import handoff, worker_pair
 from common.protocol import PrefillRequest
-from workers.worker import EngineWorker, WorkerConfig
 
 pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(kv_cache_memory=48 << 20)
@@ -21,30 +21,8 @@ CONFIG = EngineConfig(kv_cache_memory=48 << 20)
 
 @pytest.fixture(scope="module")
 def pair(default_model_dir):
-    prefill = EngineWorker(WorkerConfig("p0", "prefill", str(default_model_dir), CONFIG, transport="shm"))
-    decode = EngineWorker(WorkerConfig("d0", "decode", str(default_model_dir), CONFIG, transport="shm"))
-    yield prefill, decode
-    prefill.shutdown()
-    decode.shutdown()
-
-
-def handoff(prefill, decode, request_id, prompt, params):
-    reservation = decode.reserve(request_id, prompt, params)
-    assert reservation is not None
-    result = prefill.prefill(PrefillRequest(request_id, prompt, params, decode.endpoint(),
-                                            reservation.block_ids, reservation.num_cached_tokens))
-    tokens = list(result.output.token_ids)
-    if result.output.finished:
-        decode.abort(request_id)
-        return tokens, result, reservation
-    decode.start_decode(request_id, tokens[0])
-    while True:
-        outputs = decode.poll_outputs(5.0)
-        assert outputs, "decode worker produced nothing for 5 s"
-        for out in outputs:
-            tokens += out.token_ids
-        if any(o.finished for o in outputs):
-            return tokens, result, reservation
+    with worker_pair(default_model_dir, CONFIG) as workers:
+        yield workers
 
 
 def test_handoff_matches_single_engine_and_moves_the_right_blocks(pair, default_model_dir, chat_prompts):
@@ -53,7 +31,7 @@ def test_handoff_matches_single_engine_and_moves_the_right_blocks(pair, default_
     params = SamplingParams(max_tokens=24, temperature=0.0)
     for i, prompt in enumerate(chat_prompts[:3]):
         [want] = alone.generate([prompt], params)
-        got, result, reservation = handoff(prefill, decode, f"r{i}", prompt, params)
+        got, result, reservation, _ = handoff(prefill, decode, f"r{i}", prompt, params)
         assert got == want.token_ids
         assert result.num_blocks_sent == len(reservation.block_ids) - reservation.num_cached_tokens // 16
         assert result.bytes_sent == result.num_blocks_sent * decode.engine.runner.kv_cache[:, :, 0].numel() * 4
