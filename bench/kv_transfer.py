@@ -26,14 +26,20 @@ block ids either one contiguous run or scattered (one run per block).
 
 `--checksum-cost` measures only what end-to-end integrity costs (kvtransfer.integrity) on a
 clean 16 MiB handoff over shared memory, checksums off and on side by side (two prefill actors,
-one of each, alternating, into one decode actor):
+one of each, alternating repetition by repetition, so that the load of a shared machine hits
+both alike, into one decode actor):
 
     .venv/bin/python -m bench.kv_transfer --checksum-cost   # -> bench/results/kv_transfer_checksum.json
 
 per transfer: the sender's time (send() to terminal: the copy, and with checksums the sums
-taken inside it and the seals written) and the receiver's time to verify it (its wait() on a
-transfer the sender has finished: re-reading its blocks and comparing); the handoff is both.
-It also records, in one process on hot buffers, the native sum against zlib.crc32.
+taken inside it and the seals written) and the handoff: from send() until the receiver holds
+verified blocks. Without checksums that is the sender's time (the blocks are there when the copy
+ends; the receiver's own look is not counted); with them it ends when the receiver's record turned
+SUCCESS (CLOCK_MONOTONIC, which both processes share), its verifier thread having summed the
+chunks while they were copied (kvtransfer/shm.py). `receiver_after_copy` is how long that was
+after the copy ended. It also records, in one process, the native sum against zlib.crc32 on hot
+buffers, and the plain copy, the summing copy and the sums alone with block ids moving as in the
+handoffs.
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ PATTERNS = ("contiguous", "scattered")
 
 
 class BenchWorker(KVWorker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected_at: dict[str, float] = {}
+
     def memcpy_bytes_per_s(self, nbytes: int, reps: int, cold: bool) -> float:
         """Median bytes/s of `dst.copy_(src)`. Cold: src/dst rotate through 256 MiB pools so
         no copy finds its data in the CPU caches (the DRAM limit); hot: the same buffers."""
@@ -91,12 +101,20 @@ class BenchWorker(KVWorker):
     def threads(self) -> int:
         return torch.get_num_threads()
 
-    def timed_wait(self, transfer_id: str) -> tuple[float, bool]:
-        """Seconds the receiver's wait() takes on a transfer the sender has already finished
-        (with checksums: the verification), and whether it is SUCCESS."""
-        t0 = time.perf_counter()
+    def verified_at(self, transfer_id: str) -> tuple[float, bool]:
+        """When (time.monotonic(), system-wide) the receiver's record of `transfer_id` turned
+        terminal, and whether it is SUCCESS."""
         result = self.wait(transfer_id, Role.RECV, 10.0)
-        return time.perf_counter() - t0, result.ok
+        # result.seconds runs from the record's start, a few microseconds after expected_at.
+        return self.expected_at.pop(transfer_id) + result.seconds, result.ok
+
+    def timed_send(self, peer: str, plan: tuple) -> tuple[float, float]:
+        """One transfer: (time.monotonic() at send(), seconds from send() to terminal here)."""
+        tid, src, dst = plan
+        start = time.monotonic()
+        result, seconds = self.send_and_wait(peer, src, dst, tid, 60.0)
+        assert result.ok, result
+        return start, seconds
 
     def sum_costs(self, nbytes: int, reps: int) -> dict:
         """Hot-buffer bytes/s of the native block sums, zlib.crc32, the native copy and the
@@ -119,8 +137,30 @@ class BenchWorker(KVWorker):
             out[f"{name}_bytes_per_s"] = nbytes / statistics.median(times)
         return out
 
+    def cold_costs(self, n: int, reps: int) -> dict:
+        """Per block-id pattern, median seconds of the native copy, the summing copy and the
+        native sums alone over n blocks of this actor's cache, ids moving every repetition as in
+        the handoffs (so mostly from memory), the three alternating."""
+        cache = self.cache.view(torch.uint8)
+        copier, summing, summer = KVBlockCopier(cache, cache), SummingCopier(cache, cache), BlockSummer(cache)
+        out = {}
+        for pattern in PATTERNS:
+            times: dict = {"copy": [], "copy_and_sums": [], "block_sums": []}
+            for rep in range(reps + 1):
+                src = array("q", block_ids(n, pattern, rep, 0))
+                dst = array("q", block_ids(n, pattern, rep, NUM_BLOCKS // 2))
+                for name, fn in (("copy", lambda: copier(dst, src)), ("copy_and_sums", lambda: summing(dst, src)),
+                                 ("block_sums", lambda: summer(dst))):
+                    t0 = time.perf_counter()
+                    fn()
+                    if rep:
+                        times[name].append(time.perf_counter() - t0)
+            out[pattern] = {f"{name}_seconds_median": statistics.median(t) for name, t in times.items()}
+        return out
+
     def expect_batch(self, plans: list) -> None:
         for tid, _, dst in plans:
+            self.expected_at[tid] = time.monotonic()
             self.expect(tid, dst, 60.0)
 
     def send_batch(self, peer: str, plans: list) -> list[float]:
@@ -267,6 +307,7 @@ def measure_checksum_cost(args) -> dict:
     d, senders = actor.remote(), {False: actor.remote(), True: actor.remote()}
     reps = max(args.reps, 15)
     rows = []
+    load_before = os.getloadavg()
     try:
         endpoint = ray.get(d.setup.remote("shm", LAYOUT, NUM_BLOCKS, 1))
         peers = {}
@@ -274,27 +315,33 @@ def measure_checksum_cost(args) -> dict:
             ray.get(p.setup.remote("shm", LAYOUT, NUM_BLOCKS, 2, {"checksums": checksums}))
             peers[checksums] = ray.get(p.connect.remote(endpoint))
         costs = ray.get(senders[True].sum_costs.remote(CHECKSUM_BLOCKS * LAYOUT.block_bytes, reps))
+        cold = ray.get(senders[True].cold_costs.remote(CHECKSUM_BLOCKS, reps))
         for pattern in args.patterns:
-            times = {c: {"send": [], "verify": []} for c in senders}
+            times = {c: {"send": [], "handoff": [], "after": []} for c in senders}
             for rep in range(reps + 1):  # the first of each is a warm-up
                 for checksums, p in senders.items():
                     tid = f"ck-{pattern}-{int(checksums)}-{rep}"
                     plan = (tid, block_ids(CHECKSUM_BLOCKS, pattern, rep, 0),
                             block_ids(CHECKSUM_BLOCKS, pattern, rep, NUM_BLOCKS // 2))
                     ray.get(d.expect_batch.remote([plan]))
-                    [send_s] = ray.get(p.send_batch.remote(peers[checksums], [plan]))
-                    verify_s, ok = ray.get(d.timed_wait.remote(tid))
+                    time.sleep(0.005)  # the receiver's verifier thread back asleep, as between requests
+                    start, send_s = ray.get(p.timed_send.remote(peers[checksums], plan))
+                    verified, ok = ray.get(d.verified_at.remote(tid))
                     assert ok, tid
+                    handoff = max(verified - start, send_s) if checksums else send_s
                     if rep:
                         times[checksums]["send"].append(send_s)
-                        times[checksums]["verify"].append(verify_s)
+                        times[checksums]["handoff"].append(handoff)
+                        times[checksums]["after"].append(handoff - send_s)
             for checksums, t in times.items():
-                handoff = [a + b for a, b in zip(t["send"], t["verify"])]
                 rows.append({"block_ids": pattern, "checksums": checksums,
                              "bytes": CHECKSUM_BLOCKS * LAYOUT.block_bytes,
                              "send_seconds_median": statistics.median(t["send"]),
-                             "verify_seconds_median": statistics.median(t["verify"]),
-                             "handoff_seconds_median": statistics.median(handoff)})
+                             "receiver_after_copy_seconds_median": statistics.median(t["after"]),
+                             "handoff_seconds_median": statistics.median(t["handoff"]),
+                             # quartiles: on a shared machine the receiver's verifier thread gets a
+                             # core of its own (and overlaps the copy) in some repetitions only
+                             "handoff_seconds_quartiles": statistics.quantiles(t["handoff"], n=4)})
     finally:
         ray.shutdown()
     overhead = {}
@@ -303,19 +350,23 @@ def measure_checksum_cost(args) -> dict:
         overhead[pattern] = {
             "send": on["send_seconds_median"] / off["send_seconds_median"] - 1,
             "handoff": on["handoff_seconds_median"] / off["handoff_seconds_median"] - 1,
+            "handoff_best_quarter": on["handoff_seconds_quartiles"][0] / off["handoff_seconds_quartiles"][0] - 1,
         }
     return {
         "benchmark": "kv_transfer_checksum",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_average_1_5_15": os.getloadavg(),
+                    "load_average_1_5_15": os.getloadavg(), "load_average_1_5_15_before": load_before,
                     "note": "2 cores shared with other developers' jobs: expect noise"},
+        "command": ".venv/bin/python -m bench.kv_transfer --checksum-cost",
+        "verify_chunk_bytes": 256 << 10,
         "layout": {"num_layers": LAYOUT.num_layers, "num_kv_heads": LAYOUT.num_kv_heads, "head_dim": LAYOUT.head_dim,
                    "block_size": LAYOUT.block_size, "dtype": LAYOUT.dtype, "block_bytes": LAYOUT.block_bytes},
         "reps": reps,
         "results": rows,
         "overhead": overhead,
         "hot_buffer_costs_16MiB": costs,
+        "one_process_16MiB": cold,
         "target": "checksums add at most 10% to the transfer time",
     }
 
@@ -345,12 +396,14 @@ def main() -> None:
         out = REPO / "bench/results/kv_transfer_checksum.json" \
             if args.out == parser.get_default("out") else args.out
         report = measure_checksum_cost(args)
-        print(f"{'block ids':10} {'checksums':9} | {'send ms':>8} {'verify ms':>9} {'handoff ms':>10}")
+        print(f"{'block ids':10} {'checksums':9} | {'send ms':>8} {'after copy ms':>13} {'handoff ms':>10}")
         for r in report["results"]:
             print(f"{r['block_ids']:10} {'on' if r['checksums'] else 'off':9} | {r['send_seconds_median'] * 1e3:8.3f} "
-                  f"{r['verify_seconds_median'] * 1e3:9.3f} {r['handoff_seconds_median'] * 1e3:10.3f}")
+                  f"{r['receiver_after_copy_seconds_median'] * 1e3:13.3f} {r['handoff_seconds_median'] * 1e3:10.3f}")
         print("overhead:", {k: {m: f"{v:+.1%}" for m, v in o.items()} for k, o in report["overhead"].items()})
         print("hot 16 MiB, GB/s:", {k: round(v / 1e9, 2) for k, v in report["hot_buffer_costs_16MiB"].items()})
+        print("one process, ids moving, ms:", {p: {k.replace("_seconds_median", ""): round(v * 1e3, 3) for k, v in c.items()}
+                                               for p, c in report["one_process_16MiB"].items()})
         if out:
             pathlib.Path(out).write_text(json.dumps(report, indent=2) + "\n")
             print("wrote", out)

@@ -8,13 +8,18 @@ grammar compile time per schema.
 Each server is started here, one after the other on the same machine (`vllm serve` from
 .venv-vllm, then `baton serve`), and gets the same requests: `--num-prompts` chat requests spread
 over the five schemas below (nested objects, arrays, enums, required fields, string patterns,
-number bounds), greedy, at `--max-concurrency`: for each schema one `vllm bench serve
---dataset-name random --extra-body '{"structured_outputs": {"json": SCHEMA}}' --save-detailed` run
+number bounds), sampled as `vllm bench serve` samples by default, at `--max-concurrency`: for
+each schema one `vllm bench serve
+--dataset-name random --extra-body '{"structured_outputs": {"json": SCHEMA}, "ignore_eos": false}'
+--save-detailed` run (the client sets ignore_eos on its random dataset's requests; a structured
+reply ends with its value)
 (vLLM started with `--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace":
 true}'`: compact JSON, as Baton's grammars are) (vLLM's random prompts, `--seed` fixed, the
 same for both servers: the grammar, not the prompt, shapes the reply; the custom dataset would
-need pandas in vLLM's venv), and the same prompts once more without a constraint (`--ignore-eos`,
-up to `--max-tokens`). Output tokens/s is the tokens of all runs over their summed durations.
+need pandas in vLLM's venv), and then the same prompts without a constraint, each reply as long
+as that schema's constrained replies were on average (`--ignore-eos`): the ratio compares the
+same work with and without the grammar. Output tokens/s is the tokens of all runs over their
+summed durations.
 Validity: every constrained reply (vLLM's saved generated_texts) is parsed and checked with
 jsonschema (valid: it opens with a valid value; text_after_value: of those, the replies that went
 on after it instead of stopping). Compile time: each schema compiled `--compile-repeats` times by
@@ -92,15 +97,20 @@ def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dic
                 raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
             time.sleep(1.0)
         result: dict = {"base_url": base_url, "commands": [], "modes": {}}
-        for mode in ("unconstrained", "json_schema"):
+        reply_tokens: dict[str, int] = {}  # per schema: the constrained replies' mean length
+        for mode in ("json_schema", "unconstrained"):
             runs, valid, invalid, trailing, reasons = [], 0, 0, 0, []
             for seed, schema_name in enumerate(SCHEMAS):
                 mine = [r for r in requests if r.schema_name == schema_name]
                 if not mine:
                     continue
                 out = tmp / f"{name}_{mode}_{schema_name}.json"
+                # Unconstrained replies as long as the constrained ones were (ignore_eos): the
+                # ratio compares the same work with and without the grammar, not short JSON
+                # replies (more prefill per output token) against long free ones.
+                max_tokens = args.max_tokens if mode == "json_schema" else reply_tokens[schema_name]
                 command = bench_command(args.vllm, base_url, args.tokenizer, seed, len(mine), args.max_concurrency,
-                                        args.max_tokens, out, SCHEMAS[schema_name] if mode == "json_schema" else None)
+                                        max_tokens, out, SCHEMAS[schema_name] if mode == "json_schema" else None)
                 done = subprocess.run(command, capture_output=True, text=True,
                                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
                 if done.returncode != 0:
@@ -109,6 +119,7 @@ def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dic
                 raw = json.loads(out.read_text())
                 runs.append(raw)
                 if mode == "json_schema":
+                    reply_tokens[schema_name] = max(1, round(raw.get("total_output_tokens", 0) / max(1, raw.get("completed", 0))))
                     for text in raw.get("generated_texts", []):
                         why = check_reply(text, SCHEMAS[schema_name], allow_trailing=True)
                         valid, invalid = valid + (why is None), invalid + (why is not None)
@@ -135,7 +146,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--max-concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128, help="unconstrained replies run this long (ignore_eos)")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="constrained replies' limit; unconstrained ones run as long as those were (ignore_eos)")
     parser.add_argument("--servers", nargs="+", choices=("baton", "vllm"), default=["vllm", "baton"])
     parser.add_argument("--compile-repeats", type=int, default=50)
     parser.add_argument("--vllm", default=str(REPO / ".venv-vllm" / "bin" / "vllm"))

@@ -2,6 +2,8 @@
 
 With `api_server_count` N > 1 the launcher serves as router 0 and runs routers 1..N-1 as child
 processes on the same port (cluster.router_procs); every router holds a lease on every worker.
+The pools belong to router 0: their changes go out through a worker directory the other routers
+follow (cluster.membership), and admin requests reach router 0 through a private loopback port.
 
 Without an address Baton always starts a private Ray on 127.0.0.1 (`address="local"`: a stale
 `/tmp/ray/ray_current_cluster` or another user's Ray is never joined by accident); with
@@ -30,6 +32,7 @@ from cluster.placement import (
     SpawnedWorker, actor_state, cluster_nodes, connect_pairs, private_ray_cpus, resolve_pool, spawn_worker, wait_placed,
 )
 from cluster.autoscaler import install_autoscaler
+from cluster.membership import MembershipPublisher
 from cluster.pool_manager import PoolManager, PoolTargets
 from cluster.router_procs import RouterProcesses, RouterSpec
 from router.admin import install_admin
@@ -69,6 +72,7 @@ class Deployment:
     nodes: dict[str, str] = field(default_factory=dict)  # worker id -> Ray node id
     kv_links: dict[tuple[str, str], str] = field(default_factory=dict)  # (prefill, decode) -> shm|gloo|nccl
     pools: PoolManager | None = None  # scales and heals the pools at runtime
+    membership: MembershipPublisher | None = None  # publishes the pools' changes to the other routers
 
     def shutdown(self, timeout_s: float = 12.0) -> None:
         """Stop the workers (bounded: when Ray's own processes were signalled too, as systemd or
@@ -99,6 +103,8 @@ class Deployment:
                 ray.kill(w.handle)
             except Exception:
                 pass
+        if self.membership is not None:
+            self.membership.close()
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
@@ -157,6 +163,9 @@ def deploy(config: BatonConfig, ready_timeout_s: float = 300.0, actor_name_prefi
         WorkerPools(deployment.workers, router=RouterClaim(DEFAULT_ROUTER_ID, placement.router_lease_s)),
         FlowLimits(placement.max_migrations, placement.migration_wait_s))
     deployment.pools = PoolManager(deployment, actor_name_prefix)
+    # Routers other than this one follow the pools' changes through it (cluster.membership).
+    deployment.membership = MembershipPublisher(actor_name_prefix, ray.get_runtime_context().namespace)
+    deployment.pools.subscribe_membership(deployment.membership.publish)
     return deployment
 
 
@@ -234,22 +243,24 @@ def build_app(deployment: Deployment, router_index: int = 0, router_id: str = DE
     if deployment.pools is None:
         return app
     install_admin(app, deployment.pools, config.admin.with_token_from_env())
-
-    def resize_gates(targets: PoolTargets) -> None:
-        # Automatic gate capacities follow the pools (a request waiting already gets the next free slot).
-        admission = app.state.baton.admission
-        if config.server.max_running_requests is None:
-            admission.decode.capacity = share(targets.decode * seqs)
-        if config.server.max_running_prefills is None:
-            admission.prefill.capacity = share((targets.prefill or targets.decode) * seqs)
-
-    deployment.pools.subscribe_resize(resize_gates)
+    deployment.pools.subscribe_resize(lambda targets: resize_gates(app, config, targets, routers, router_index))
     if config.autoscaler.enabled:
         install_autoscaler(app, deployment.pools, deployment.backend, config.autoscaler)
     return app
 
 
-def _start_router_processes(deployment: Deployment, folder: Path) -> RouterProcesses:
+def resize_gates(app, config: BatonConfig, targets: PoolTargets, routers: int, router_index: int) -> None:
+    """Automatic gate capacities follow the pools' target sizes, this router's share of them (a
+    request waiting already gets the next free slot). Router 0 calls it after every scaling, the
+    others when the worker directory says the targets changed (cluster.membership)."""
+    admission, seqs = app.state.baton.admission, config.engine.max_num_seqs
+    if config.server.max_running_requests is None:
+        admission.decode.capacity = share_of(targets.decode * seqs, routers, router_index)
+    if config.server.max_running_prefills is None:
+        admission.prefill.capacity = share_of((targets.prefill or targets.decode) * seqs, routers, router_index)
+
+
+def _start_router_processes(deployment: Deployment, folder: Path, admin_port: int | None = None) -> RouterProcesses:
     """Routers 1..api_server_count-1 as child processes joining this deployment's Ray."""
     import yaml
 
@@ -263,6 +274,7 @@ def _start_router_processes(deployment: Deployment, folder: Path) -> RouterProce
         model_dir=str(deployment.model_dir), model_name=deployment.model_name,
         max_model_len=deployment.max_model_len, block_size=deployment.block_size,
         count=config.placement.api_server_count, metrics_dir=str(folder / "metrics"),
+        actor_name_prefix=deployment.pools.actor_name_prefix, admin_port=admin_port,
     )
     (folder / "metrics").mkdir(exist_ok=True)
     spec.write(folder / "routers.json")
@@ -287,9 +299,13 @@ def serve(config: BatonConfig) -> None:
         # Several routers: each binds its own socket on the port with SO_REUSEPORT (this one first,
         # so a port another program holds fails here, before any child starts).
         sock = bind_socket(server.host, server.port, reuse_port=True) if count > 1 else None
+        # The admin endpoint runs here only; the other routers forward admin requests to this
+        # private loopback port (router.admin.install_admin_forwarding).
+        admin_sock = bind_socket("127.0.0.1", 0) if count > 1 and config.admin.enabled else None
         app = build_app(deployment, metrics_dir=str(Path(folder.name) / "metrics") if count > 1 else None)
         if count > 1:
-            routers = _start_router_processes(deployment, Path(folder.name))
+            routers = _start_router_processes(deployment, Path(folder.name),
+                                              admin_sock.getsockname()[1] if admin_sock is not None else None)
         # Everything built so far (tokenizer, Ray's state, the app) lives as long as the router:
         # keep it out of the collector's full passes, which otherwise pause the event loop for tens
         # of milliseconds now and then (a 429's or a token's p99).
@@ -297,7 +313,8 @@ def serve(config: BatonConfig) -> None:
         gc.freeze()
         log.info("serving %s on http://%s:%d (start-up %.1f s)", deployment.model_name, server.host, server.port,
                  time.monotonic() - started)
-        serve_http(app, host=server.host, port=server.port, log_level=server.log_level, sock=sock)
+        serve_http(app, host=server.host, port=server.port, log_level=server.log_level, sock=sock,
+                   also=[admin_sock] if admin_sock is not None else ())
     except KeyboardInterrupt:
         pass
     finally:

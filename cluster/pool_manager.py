@@ -10,6 +10,8 @@
 - **Healing**: workers are restartable actors (`max_restarts`): Ray restarts a dead worker's
   process and the router re-admits it once it answers. A worker dead for good (no restart left,
   `WorkerPools.gone_workers`) is replaced by a new one, so the pool returns to its size.
+- **Membership**: after every change the worker set (`cluster.membership.Membership`) goes to the
+  `subscribe_membership` callbacks: the launcher publishes it for the other router processes.
 
 Everything here runs on the router's event loop; Ray's blocking calls go to a thread.
 """
@@ -27,6 +29,7 @@ from typing import Protocol
 
 import ray
 
+from cluster.membership import Member, Membership
 from cluster.placement import SpawnedWorker, connect_pairs, spawn_worker, wait_placed
 from router.admin import PoolsView, ScaleResult
 from common.protocol import WorkerReady
@@ -92,11 +95,30 @@ class PoolManager:
         self.replaced: list[tuple[str, str]] = []  # (gone worker, its replacement)
         # Told the new targets after every scaling (the router app sizes its admission gates with it).
         self._on_resize: list[Callable[[PoolTargets], None]] = []
+        # Told the worker set after every change (cluster.membership: the other routers follow it).
+        self._on_membership: list[Callable[[Membership], None]] = []
+        self._membership_version = 0
         self.workers.subscribe_gone(self._on_gone)
 
     def subscribe_resize(self, callback: Callable[[PoolTargets], None]) -> None:
         """Call `callback` with the new targets after every scaling."""
         self._on_resize.append(callback)
+
+    def subscribe_membership(self, callback: Callable[[Membership], None]) -> None:
+        """Call `callback` with the worker set (a new version) after every change to the pools."""
+        self._on_membership.append(callback)
+
+    def _publish(self, draining: frozenset[str] = frozenset()) -> None:
+        """Tell the subscribers the workers the router serves with (`draining`: about to be drained)."""
+        if not self._on_membership:
+            return
+        names = {w.worker_id: w.actor_name for w in self.deployment.workers}
+        members = tuple(Member(w.worker_id, Role(w.role).value, names[w.worker_id], w.draining or w.worker_id in draining)
+                        for w in self.workers.workers() if w.worker_id in names)
+        self._membership_version += 1
+        membership = Membership(self._membership_version, self.targets.prefill, self.targets.decode, members)
+        for callback in self._on_membership:
+            callback(membership)
 
     # ---- views -------------------------------------------------------------------------------
     def pools(self) -> PoolsView:
@@ -129,6 +151,7 @@ class PoolManager:
                     removed.append(wid)
             for callback in self._on_resize:
                 callback(targets)
+            self._publish()  # the new targets, also when no worker changed
             after = {role: len(self._serving(role)) for role in ROLES}
             log.info("pools scaled from %s to %s (added %s, removed %s, %d requests moved) in %.1f s", before, after,
                      added, removed, moved, time.monotonic() - started)
@@ -173,6 +196,7 @@ class PoolManager:
             self.deployment.nodes[w.worker_id] = nodes.get(w.worker_id, "")
             self.workers.add_worker(w.worker_id, w.role, w.handle)
             log.info("worker %s joined the %s pool", w.worker_id, w.role)
+        self._publish()
         return [w.worker_id for w in spawned]
 
     def _check_limits(self, report: WorkerReady) -> None:
@@ -199,8 +223,10 @@ class PoolManager:
                 self.deployment.kv_links.update(connect_pairs(senders, [(wid, handle)]))
 
     async def _remove(self, worker_id: str) -> int:
+        self._publish(draining=frozenset({worker_id}))  # the other routers drain it too
         moved = await self.workers.drain_worker(worker_id, self.drain_timeout_s)
         handle = self.workers.remove_worker(worker_id)
+        self._publish()
         self.deployment.workers[:] = [w for w in self.deployment.workers if w.worker_id != worker_id]
         self.deployment.nodes.pop(worker_id, None)
         self.deployment.kv_links = {k: v for k, v in self.deployment.kv_links.items() if worker_id not in k}

@@ -15,9 +15,13 @@ header: `router-<index>.<incarnation>` for the children (a restarted one is a ne
 lease; the requests of the one that died end when its lease runs out on every worker), the fixed
 `router-0` for the launcher's.
 
-What the children do not have: the admin endpoint and the autoscaler (router 0's, which a request
-reaches only when the kernel hands its connection to router 0), and workers added at runtime
-(`baton scale`), which only router 0 learns about.
+Router 0 alone owns the pools: the admin endpoint, the autoscaler and healing run there. The
+children follow its changes (workers added by `baton scale`, the admin endpoint or the autoscaler,
+drained, removed or replaced) through the worker directory it publishes (cluster.membership), and
+forward every `/admin/...` request they receive to router 0 over a private loopback port that
+router 0 listens on too (`RouterSpec.admin_port`; router.admin.install_admin_forwarding), after the
+same admin checks router 0 applies. The autoscaler stays single: router 0's, which sees only its own
+share of the traffic (the routers split it evenly) and scales the pools all routers use.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class RouterSpec:
     block_size: int
     count: int  # router processes in all (api_server_count)
     metrics_dir: str | None = None  # where each router leaves its metrics for the others' /metrics
+    actor_name_prefix: str = "baton"  # the workers' and the worker directory's names (cluster.membership)
+    admin_port: int | None = None  # router 0's private loopback port for forwarded admin requests
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self)))

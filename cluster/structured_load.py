@@ -1,15 +1,20 @@
 """The structured-output workload that bench/structured.py measures and the tests replay: five
 JSON schemas (nested objects, arrays, enums, required fields, string patterns, number bounds)
-with prompts for them, the reply check (jsonschema), and the `vllm bench serve` command and
+with prompts for them, the reply check (jsonschema), an HTTP load of schema requests (half
+streamed; odd ones behind a long system message, so a kv-aware router prefills them remotely) that
+bench/structured_validity.py and tests/structured replay, and the `vllm bench serve` command and
 result aggregation the benchmark uses.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import jsonschema
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -101,18 +106,87 @@ def response_format(schema_name: str) -> dict:
     return {"type": "json_schema", "json_schema": {"name": schema_name, "schema": SCHEMAS[schema_name], "strict": True}}
 
 
+LONG_SYSTEM = "You answer in JSON. " + "Keep every value short and realistic. " * 12
+
+
+def schema_messages(i: int, prompt: str) -> list[dict]:
+    """Request i's chat: odd ones open with a long system message of their own (a long uncached
+    prefix: the kv-aware router prefills it on the prefill pool), even ones are the prompt alone."""
+    user = [{"role": "user", "content": prompt}]
+    return ([{"role": "system", "content": f"Request {i}. {LONG_SYSTEM}"}] + user) if i % 2 else user
+
+
+@dataclass(frozen=True)
+class SchemaReply:
+    request: SchemaRequest
+    text: str
+    finish_reason: str | None
+
+    @property
+    def problem(self) -> str | None:
+        """None for a reply that is valid JSON of its schema and ended with `stop`, else why not."""
+        why = check_reply(self.text, self.request.schema)
+        if why is None and self.finish_reason != "stop":
+            why = f"finish_reason {self.finish_reason}"
+        return why
+
+
+async def _schema_request(client: httpx.AsyncClient, i: int, request: SchemaRequest, max_tokens: int,
+                          timeout_s: float) -> SchemaReply:
+    """Request i: streamed when i is even, greedy except every third (sampled at 0.7, seeded)."""
+    stream = i % 2 == 0
+    body = {"messages": schema_messages(i, request.prompt), "max_tokens": max_tokens,
+            "temperature": 0.0 if i % 3 else 0.7, "seed": i, "response_format": response_format(request.schema_name),
+            "stream": stream}
+    if not stream:
+        r = await client.post("/v1/chat/completions", json=body, timeout=timeout_s)
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        return SchemaReply(request, choice["message"]["content"], choice["finish_reason"])
+    text, reason = "", None
+    async with client.stream("POST", "/v1/chat/completions", json=body, timeout=timeout_s) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return SchemaReply(request, text, f"error: {chunk['error']}")
+                text += chunk["choices"][0]["delta"].get("content") or ""
+                reason = chunk["choices"][0]["finish_reason"] or reason
+    return SchemaReply(request, text, reason)
+
+
+async def schema_load(base_url: str, n: int, concurrency: int = 16, max_tokens: int = 120, timeout_s: float = 300.0,
+                      during: Callable[[], Awaitable[None]] | None = None) -> list[SchemaReply]:
+    """`schema_requests(n)` over HTTP at `concurrency`; `during()` runs once the requests are sent
+    (e.g. a worker killed mid-reply)."""
+    requests = schema_requests(n)
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as client:
+        async def gated(i: int) -> SchemaReply:
+            async with gate:
+                return await _schema_request(client, i, requests[i], max_tokens, timeout_s)
+        tasks = [asyncio.create_task(gated(i)) for i in range(n)]
+        if during is not None:
+            await during()
+        return list(await asyncio.gather(*tasks))
+
+
 def bench_command(vllm: str, base_url: str, tokenizer: str, seed: int, num_prompts: int, concurrency: int,
                   max_tokens: int, out: Path, schema: dict | None) -> list[str]:
-    """One `vllm bench serve` over vLLM's random prompts (`seed`); constrained by `schema` when given."""
+    """One `vllm bench serve` over vLLM's random prompts (`seed`), sampling as its defaults do;
+    constrained by `schema` when given."""
     command = [vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
                "--base-url", base_url, "--model", MODEL_NAME, "--tokenizer", tokenizer,
                "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", str(max_tokens),
-               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--temperature", "0",
+               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
                "--seed", str(seed), "--disable-tqdm", "--save-result", "--save-detailed",
                "--result-dir", str(out.parent), "--result-filename", out.name]
     if schema is None:
         return command + ["--ignore-eos"]
-    return command + ["--extra-body", json.dumps({"structured_outputs": {"json": schema}})]
+    # `vllm bench serve` sets ignore_eos on every request of its random dataset; a structured reply
+    # ends with its value (the grammar's stop token), so the constrained runs turn it off again.
+    return command + ["--extra-body", json.dumps({"structured_outputs": {"json": schema}, "ignore_eos": False})]
 
 
 def aggregate(runs: list[dict]) -> dict:

@@ -16,6 +16,7 @@ touched, and `stop()` ends exactly the processes it started, by process group.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -91,6 +92,19 @@ class RunningServer:
                    for s in stats.values()) or time.monotonic() > deadline:
                 return stats
             time.sleep(0.2)
+
+    def killer_mid_reply(self, worker_id: str, running: int = 3):
+        """An async function that SIGKILLs `worker_id`'s process once it runs `running` requests
+        (a worker dying mid-reply; Ray restarts it)."""
+        handle = next(w.handle for w in self.deployment.workers if w.worker_id == worker_id)
+        pid = ray.get(handle.stats.remote(), timeout=60).pid
+
+        async def kill() -> None:
+            while (await handle.stats.remote()).num_running < running:
+                await asyncio.sleep(0.005)
+            os.kill(pid, signal.SIGKILL)
+
+        return kill
 
 
 @contextlib.contextmanager

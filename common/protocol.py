@@ -259,6 +259,29 @@ class PrefillResult:
     prefill_seconds: float
 
 
+class GrammarCompileError(ValueError):
+    """A request's structured output does not compile on the worker (a feature the grammar backend
+    does not support, or a compile over its time limit): bad input, not a worker failure. The
+    worker raises it before it holds anything of the request; the router answers 400."""
+
+
+# Upper bounds (seconds) of the grammar compile-time histogram the workers keep (baton:structured_output_compile_seconds).
+COMPILE_SECONDS_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class GrammarCounts:
+    """A worker's grammar cache since start: lookups found compiled (hits) or not (misses), and the
+    compile times as a histogram: `compile_buckets[i]` compiles took at most COMPILE_SECONDS_BUCKETS[i]
+    seconds (cumulative, as Prometheus counts them), `compiles` in all (the +Inf bucket)."""
+
+    cache_hits: int = 0
+    cache_misses: int = 0
+    compiles: int = 0
+    compile_seconds_sum: float = 0.0
+    compile_buckets: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     worker_id: str
@@ -279,6 +302,7 @@ class WorkerStats:
     pid: int
     # Received KV transfers that failed, by reason (kvtransfer.integrity.FailureReason values).
     kv_transfer_failures: dict[str, int] = field(default_factory=dict)
+    grammar: GrammarCounts = field(default_factory=GrammarCounts)  # structured output's compile cache
 
 
 @dataclass(frozen=True)

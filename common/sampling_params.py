@@ -51,8 +51,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_output: StructuredOutput | None = None
+    # With a structured output: the grammar applies only once the output holds this token sequence
+    # (a reasoning model's `</think>`); the tokens before it are free. Empty: from the first token.
+    reasoning_end_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self.reasoning_end_token_ids = tuple(self.reasoning_end_token_ids or ())
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -95,6 +99,10 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise bad("repetition_penalty", "must be in (0, 10]")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.reasoning_end_token_ids):
+            raise bad("reasoning_end_token_ids", "must be non-negative integers")
+        if self.reasoning_end_token_ids and self.structured_output is None:
+            raise bad("reasoning_end_token_ids", "only apply to a structured output (structured_output is None)")
 
     @property
     def greedy(self) -> bool:

@@ -28,7 +28,7 @@ as it goes), and a Triton kernel for GPU caches (`block_sums_triton`, one progra
 from __future__ import annotations
 
 from array import array
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ def block_sums_reference(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> np.
 
 _P, _I = cpu_native.PTR, cpu_native.I64
 _SUMS_ARGS = (_P, _I, _I, _I, _I, _P, _I, _P)
-_COPY_SUMS_ARGS = (_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I)
+_COPY_SUMS_ARGS = (_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I)
 
 
 def _sums_fn():
@@ -140,13 +140,28 @@ class SummingCopier:
         self._prefix = (dst.data_ptr(), d_stride, self._dst_blocks, src.data_ptr(), s_stride, self._src_blocks,
                         rows, piece)
 
-    def __call__(self, dst_ids: array, src_ids: array) -> np.ndarray:
+    def __call__(self, dst_ids: array, src_ids: array, landed: Optional[np.ndarray] = None,
+                 chunk_blocks: int = 0) -> np.ndarray:
+        """Copy pairs (dst_ids[i], src_ids[i]); uint64 `[n, 2]` sums of the bytes copied per pair.
+
+        `landed`: a one-element int64 array (e.g. a view into shared memory). The copy then goes
+        `chunk_blocks` pairs at a time and after each chunk stores into it how many pairs have
+        fully landed, after making the chunk's bytes visible: another process that reads the count
+        may read those blocks while the rest is still being copied."""
         require(dst_ids.typecode == "q" and src_ids.typecode == "q", "block ids must be array('q')")
         if len(dst_ids) != len(src_ids):
             raise ValueError(f"dst_ids has {len(dst_ids)} ids but src_ids has {len(src_ids)}")
+        counter = 0
+        if landed is not None:
+            require(isinstance(landed, np.ndarray) and landed.dtype == np.int64 and landed.shape == (1,)
+                    and landed.flags.writeable and landed.ctypes.data % 8 == 0,
+                    "landed must be a writeable, 8-byte aligned int64 array of one element")
+            require(isinstance(chunk_blocks, int) and chunk_blocks > 0,
+                    f"chunk_blocks must be a positive int with a landed counter, got {chunk_blocks!r}")
+            counter = landed.ctypes.data
         out = np.empty((len(dst_ids), 2), dtype=np.uint64)
         if self._fn(*self._prefix, dst_ids.buffer_info()[0], src_ids.buffer_info()[0], len(dst_ids),
-                    out.ctypes.data, self._streaming) != 0:
+                    out.ctypes.data, self._streaming, counter or None, chunk_blocks if counter else 0) != 0:
             raise ValueError(f"block ids out of range: dst_ids must lie in [0, {self._dst_blocks}), "
                              f"src_ids in [0, {self._src_blocks})")
         return out

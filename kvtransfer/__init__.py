@@ -77,9 +77,10 @@ def default_kind() -> str:
 def create_transport(kind: str, **options: Any) -> KVTransport:
     """Build the backend `kind` (one of `common.transports.BACKENDS`). `options` go to its
     constructor, e.g. `host=` for gloo/nccl (address to bind and advertise), `fault=` for
-    inprocess, `num_slots=` for shm, `choice=`, `place=` and `name=` for pairwise (the one
-    serving workers use); every backend takes `checksums=` (seal what it sends,
-    default on) and `fault_plan=` (a FaultPlan of faults to inject, tests: kvtransfer.integrity)."""
+    inprocess, `num_slots=` and `verify_chunk_bytes=` for shm, `choice=`, `place=` and `name=`
+    for pairwise (the one serving workers use); every backend takes `checksums=` (seal what it
+    sends, default on) and `fault_plan=` (a FaultPlan of faults to inject, tests:
+    kvtransfer.integrity)."""
     if kind not in BACKENDS:
         raise ValueError(f"unknown KV transport {kind!r}; expected one of {BACKENDS}")
     return _BACKENDS[kind](**options)

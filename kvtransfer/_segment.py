@@ -1,5 +1,6 @@
 """The shared-memory segment behind the shm transport: its layout (header, slot table, seal
-table, then the cache), mapping it, and sweeping segments whose owner died (see kvtransfer.shm)."""
+table, then the cache), mapping it, its wake-up FIFO, and sweeping segments whose owner died (see
+kvtransfer.shm)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,62 @@ import torch
 from common.protocol import KVLayout
 
 from ._common import block_rows, byte_view
-from .base import torch_dtype
+from .base import KVTransferError, TransferStatus, torch_dtype
+from .integrity import FailureReason
 
 MAGIC = 0x4B56_4241_544F_4E31  # "KVBATON1"
 HEADER_INTS = 8
-SLOT_COLS = 9  # kvtransfer.shm names the columns; the first holds the transfer key
-KEY_COL = 0
+# The slot table's columns: key, state, dst-id fingerprint, num_blocks, reason, receiver deadline
+# (CLOCK_MONOTONIC ns, which is system-wide, so both processes on the node can compare it), and the
+# sender's manifest: the key and layout tag it sealed with and how many blocks it vouches for
+# (UNSEALED: not sealed), and how many blocks (in transfer order) a sealing sender's copy has landed.
+SLOT_COLS = 10
+KEY, STATE, HASH, NBLOCKS, REASON, DEADLINE, SENT_KEY, SENT_TAG, SENT_BLOCKS, LANDED = range(SLOT_COLS)
+UNSEALED = -1
+REASONS = {  # the slot's reason codes
+    0: "",
+    1: "sender's dst_block_ids differ from the receiver's",
+    2: "aborted by the sender",
+    3: "aborted by the receiver",
+    4: "receiver deadline passed",
+}
+# The FailureReason behind each reason code.
+REASON_KINDS = {1: FailureReason.IDS_MISMATCH, 2: FailureReason.ABORTED, 3: FailureReason.ABORTED,
+                4: FailureReason.DEADLINE}
 PAGE = 4096
 
 
 def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+WAKE_SUFFIX = ".wake"
+
+
+def wake_path(segment_path: str) -> str:
+    """The FIFO beside a segment: a sender writes a byte into it when it starts a sealed copy, which
+    wakes the owner's verifier thread at once (kvtransfer.shm) instead of it polling the slots."""
+    return segment_path + WAKE_SUFFIX
+
+
+def make_wake_fifo(segment_path: str) -> Optional[int]:
+    """Create the owner's FIFO and open it for reading without blocking (O_RDWR: opening does not
+    wait for a writer, and writers never get EPIPE while the owner lives); None where FIFOs are
+    not available (the verifier thread then polls)."""
+    path = wake_path(segment_path)
+    try:
+        os.mkfifo(path, 0o600)
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    except (AttributeError, OSError):
+        return None
+
+
+def open_waker(segment_path: str) -> Optional[int]:
+    """A sender's write end of a peer's FIFO, or None (no FIFO, or nobody reading it)."""
+    try:
+        return os.open(wake_path(segment_path), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
 
 
 def process_start(pid: int) -> Optional[int]:
@@ -48,10 +94,19 @@ def sweep_stale_segments(directory: Optional[str] = None) -> list[str]:
     removed: list[str] = []
     if not os.path.isdir("/proc"):
         return removed  # liveness cannot be told here
-    for name in os.listdir(directory):
+    names = os.listdir(directory)
+    for name in names:
         if not name.startswith("baton_kv_"):
             continue
         path = os.path.join(directory, name)
+        if name.endswith(WAKE_SUFFIX):
+            # Never open a FIFO here (reading one without a writer blocks): it goes with its segment.
+            if name[:-len(WAKE_SUFFIX)] not in names:
+                try:
+                    os.unlink(path)
+                except OSError:  # gone already, or another user's
+                    pass
+            continue
         try:
             if os.stat(path).st_uid != os.getuid():
                 continue
@@ -69,6 +124,10 @@ def sweep_stale_segments(directory: Optional[str] = None) -> list[str]:
         try:
             os.unlink(path)
             removed.append(path)
+        except FileNotFoundError:
+            pass
+        try:
+            os.unlink(wake_path(path))
         except FileNotFoundError:
             pass
     return removed
@@ -115,10 +174,30 @@ class Segment:
         puts it unless taken): a scan of the whole table is slow in a process that was
         just woken up."""
         home = key % len(self.slots)
-        if self.slots[home, KEY_COL] == key:
+        if self.slots[home, KEY] == key:
             return home
-        found = np.flatnonzero(self.slots[:, KEY_COL] == key)
+        found = np.flatnonzero(self.slots[:, KEY] == key)
         return int(found[0]) if len(found) else -1
+
+    def free_slot(self, key: int, live: set) -> int:
+        """Where expect() puts `key`: a slot already holding it (an id reused after its earlier
+        transfer ended, so that a key is never in two slots), else its home slot, else any free
+        one, else one left terminal for late senders that is not in `live` (the owner's slots
+        of receives still in progress)."""
+        slot = self.find(key)
+        if slot >= 0:
+            return slot
+        keys = self.slots[:, KEY]
+        home = key % len(keys)
+        if keys[home] == 0:
+            return home
+        candidates = np.flatnonzero(keys == 0)
+        if len(candidates):
+            return int(candidates[0])
+        for i in range(len(keys)):
+            if i not in live and TransferStatus(int(self.slots[i, STATE])).is_terminal:
+                return i
+        raise KVTransferError(f"all {len(keys)} shm transfer slots are in use; raise num_slots")
 
 
 def layout_bytes(layout: KVLayout, num_blocks: int, num_slots: int) -> tuple[int, int]:

@@ -15,9 +15,19 @@ either happens before the copy (the sender then writes nothing) or waits for it.
 Integrity (kvtransfer.integrity): the native copy sums each source block as it copies it; the
 sender writes one seal per block into a table beside the slots (indexed by destination block)
 and its manifest (key, layout tag, blocks vouched for) into the slot, before SUCCESS. The
-receiver, seeing SUCCESS, sums the blocks in its own cache and compares before it reports
-SUCCESS itself; a mismatch is FAILED with its reason. The sender's own SUCCESS means "copied";
-only the receiver can say "verified".
+receiver sums the blocks in its own cache and compares before it reports SUCCESS itself; a
+mismatch is FAILED with its reason. The sender's own SUCCESS means "copied"; only the receiver
+can say "verified".
+
+Re-reading a 16 MiB handoff after it landed would cost the receiver about the copy's time again,
+so its reading overlaps the copy: the sender's native copy publishes in the slot, every
+`verify_chunk_bytes` of whole blocks, how many blocks have landed (LANDED), and the receiver's
+verifier thread (kvtransfer._follower) sums each landed chunk while the next is copied. The
+comparison still happens only at SUCCESS, over every block (those not summed yet are summed
+then), so nothing is SUCCESS on the receiver before all its blocks were read and matched. This
+relies on a sender writing each destination block once, before counting it as landed (the ids
+are unique; the copy is one pass). Injected faults spoil blocks before they count as landed (a
+fault in transit); the fallback copies (no native kernels) publish no count.
 
 When the receiver has already called `expect()` (the normal order), `send()` does the copy in
 the caller's thread and returns a terminal handle; only a send that arrives first is handed
@@ -59,29 +69,18 @@ from ._common import (
     ids_hash,
     transfer_key,
 )
-from ._segment import HEADER_INTS as _HEADER_INTS, KEY_COL, MAGIC as _MAGIC, SLOT_COLS as _SLOT_COLS
+from ._follower import Follower, Progress, wake
+from ._segment import HEADER_INTS as _HEADER_INTS, MAGIC as _MAGIC, REASON_KINDS as _REASON_KINDS, REASONS as _REASONS
 from ._segment import Segment as _Segment, layout_bytes as _layout_bytes, map_segment as _map
-from ._segment import process_start as _process_start, shm_dir as _shm_dir, sweep_stale_segments
+from ._segment import make_wake_fifo, open_waker, process_start as _process_start, shm_dir as _shm_dir
+from ._segment import sweep_stale_segments, wake_path
+from ._segment import (DEADLINE as _DEADLINE, HASH as _HASH, KEY as _KEY, LANDED as _LANDED, NBLOCKS as _NBLOCKS,
+                       REASON as _REASON, SENT_BLOCKS as _SENT_BLOCKS, SENT_KEY as _SENT_KEY, SENT_TAG as _SENT_TAG,
+                       STATE as _STATE, UNSEALED as _UNSEALED)
 from .base import KVTransferError, Role, TransferHandle, TransferStatus, torch_dtype
 from .integrity import (FailureReason, Fault, FaultKind, FaultPlan, Manifest, clamp_block, faulty_manifest,
-                        faulty_pairs, flip_bit)
+                        faulty_pairs, flip_bit, verify)
 
-# key, state, dst-id fingerprint, num_blocks, reason, receiver deadline (CLOCK_MONOTONIC ns,
-# which is system-wide, so both processes on the node can compare it), and the sender's manifest:
-# the key and layout tag it sealed with and how many blocks it vouches for (-1: not sealed)
-_KEY, _STATE, _HASH, _NBLOCKS, _REASON, _DEADLINE, _SENT_KEY, _SENT_TAG, _SENT_BLOCKS = range(_SLOT_COLS)
-assert _KEY == KEY_COL
-_UNSEALED = -1
-_REASONS = {
-    0: "",
-    1: "sender's dst_block_ids differ from the receiver's",
-    2: "aborted by the sender",
-    3: "aborted by the receiver",
-    4: "receiver deadline passed",
-}
-# The FailureReason behind each slot reason code.
-_REASON_KINDS = {1: FailureReason.IDS_MISMATCH, 2: FailureReason.ABORTED, 3: FailureReason.ABORTED,
-                 4: FailureReason.DEADLINE}
 # Plain ints for the states the send path compares against (an IntEnum round trip per field
 # read is measurable at this scale).
 _PENDING = int(TransferStatus.PENDING)
@@ -95,11 +94,16 @@ class ShmTransport(TransportCore):
     kind = "shm"
 
     def __init__(self, num_slots: int = 1024, checksums: bool = True,
-                 fault_plan: Optional[FaultPlan] = None) -> None:
+                 fault_plan: Optional[FaultPlan] = None, verify_chunk_bytes: int = 256 << 10) -> None:
+        """`verify_chunk_bytes`: how much a sealing send copies (whole blocks, at least one)
+        before it tells the receiver, who verifies that much while the next is copied."""
         super().__init__(checksums, fault_plan)
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
+        if not isinstance(verify_chunk_bytes, int) or verify_chunk_bytes <= 0:
+            raise ValueError(f"verify_chunk_bytes must be a positive int, got {verify_chunk_bytes!r}")
         self._num_slots = num_slots
+        self._verify_chunk_bytes, self._chunk_blocks = verify_chunk_bytes, 1  # blocks: set with the layout
         self._worker_id = f"shm-{uuid.uuid4().hex[:12]}"
         self._own: Optional[_Segment] = None
         self._peers: dict[str, _Segment] = {}
@@ -110,6 +114,10 @@ class ShmTransport(TransportCore):
         # Per peer: the native copy from our cache into its segment, when our cache is on the CPU.
         self._copiers: dict[str, Optional[KVBlockCopier]] = {}
         self._summing: dict[str, Optional[SummingCopier]] = {}  # the same, summing as it copies
+        self._wakers: dict[str, Optional[int]] = {}  # per peer: the write end of its FIFO
+        # Receiver: the read end of our FIFO, and the verifier thread (kvtransfer._follower).
+        self._wake_fd: Optional[int] = None
+        self._follower: Optional[Follower] = None
 
     # -- cache ---------------------------------------------------------------------------
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
@@ -135,6 +143,8 @@ class ShmTransport(TransportCore):
         header[:7] = (_MAGIC, self._num_slots, num_blocks, offset, nbytes, pid,
                       _process_start(pid) or -1)
         self._own = seg
+        self._wake_fd = make_wake_fifo(path)
+        self._follower = Follower(self._wake_fd, self._look, lambda: self._closed)
         cache = seg.cache_bytes.view(torch_dtype(layout))
         self.register_cache(cache, layout)
         return cache
@@ -143,6 +153,7 @@ class ShmTransport(TransportCore):
         super().register_cache(kv_cache, layout)
         if self._bytes is not None and self._bytes.device.type == "cpu":
             self._rows = block_rows(self._bytes)
+        self._chunk_blocks = max(1, self._verify_chunk_bytes // layout.block_bytes)
 
     def endpoint(self) -> KVEndpoint:
         _, layout = self._require_cache()
@@ -184,6 +195,7 @@ class ShmTransport(TransportCore):
             if copy_native_available(seg.cache_bytes, self._bytes) else None
         self._summing[peer.worker_id] = SummingCopier(seg.cache_bytes, self._bytes) \
             if native_sums_available(seg.cache_bytes, self._bytes) else None
+        self._wakers[peer.worker_id] = open_waker(path)
         return peer.worker_id
 
     # -- receiver --------------------------------------------------------------------------
@@ -205,32 +217,19 @@ class ShmTransport(TransportCore):
             seg.slots[slot, _REASON] = 0
             seg.slots[slot, _DEADLINE] = int(rec.deadline * 1e9)
             seg.slots[slot, _SENT_BLOCKS] = _UNSEALED
+            seg.slots[slot, _LANDED] = 0
             seg.slots[slot, _STATE] = int(TransferStatus.PENDING)
             seg.slots[slot, _KEY] = key  # last: senders look slots up by key
-        rec.extra["slot"] = slot
+        # The sums the verifier thread has taken so far, blocks [0, summed) in transfer order.
+        rec.extra.update(slot=slot, sums=np.empty((len(dst), 2), dtype=np.uint64), summed=0)
+        self._follower.follow(rec)
         return rec.handle()
 
     def _free_slot(self, seg: _Segment, key: int) -> int:
-        # A slot already holding this key (an id reused after its earlier transfer ended)
-        # is taken again, so that a key is never in two slots; otherwise the home slot.
-        slot = seg.find(key)
-        if slot >= 0:
-            return slot
-        keys = seg.slots[:, _KEY]
-        home = key % len(keys)
-        if keys[home] == 0:
-            return home
-        candidates = np.flatnonzero(keys == 0)
-        if len(candidates):
-            return int(candidates[0])
-        # Reclaim slots left terminal for late senders, if no live local record owns them.
-        with self._lock:
+        with self._lock:  # slots left terminal that no live local record owns may be reclaimed
             live = {r.extra.get("slot") for r in self._records.values()
                     if r.role == Role.RECV and not r.status.is_terminal}
-        for i in range(len(keys)):
-            if i not in live and TransferStatus(int(seg.slots[i, _STATE])).is_terminal:
-                return i
-        raise KVTransferError(f"all {len(keys)} shm transfer slots are in use; raise num_slots")
+        return seg.free_slot(key, live)
 
     def _refresh(self, rec: Record) -> None:
         if rec.role != Role.RECV or rec.status.is_terminal or "slot" not in rec.extra:
@@ -270,18 +269,44 @@ class ShmTransport(TransportCore):
             self._finish(rec, status, error, reason)
 
     def _land(self, rec: Record, seg: _Segment, slot: int) -> None:
-        """The sender reported SUCCESS: verify its manifest against the blocks in our cache."""
+        """The sender reported SUCCESS: verify its manifest against the blocks in our cache: the
+        sums the verifier thread took while the copy ran, and those of the rest, taken now. Any
+        thread may land (the first verdict wins; all are the same); none waits for the verifier
+        thread, which may not be getting a core right now."""
+        if rec.status.is_terminal:
+            return
         sent_key, sent_tag, sent_blocks = (int(v) for v in seg.slots[slot, _SENT_KEY:_SENT_BLOCKS + 1])
-        manifest = None
+        verdict = None
         if sent_blocks != _UNSEALED:
             n = max(0, min(sent_blocks, rec.num_blocks))
             seals = seg.seals[np.asarray(rec.block_ids[:n], dtype=np.int64)].astype("<u8").tobytes()
             manifest = Manifest(sent_key, sent_tag, sent_blocks, seals)
-        verdict = self._verify(rec, manifest)
+            done = rec.extra["summed"]
+            sums = rec.extra["sums"][:done]
+            if done < rec.num_blocks:
+                sums = np.concatenate([sums, self._block_sums(rec.block_ids[done:])])
+            verdict = verify(manifest, transfer_key(rec.transfer_id), self._tag, rec.num_blocks, sums)
         if verdict is None:
             self._finish(rec, TransferStatus.SUCCESS)
         else:
             self._finish(rec, TransferStatus.FAILED, verdict.message, verdict.reason)
+
+    def _look(self, rec: Record) -> Progress:
+        """The verifier thread's step for one receive (kvtransfer._follower): land it if its
+        sender is done, else sum the blocks the sender has counted as landed since the last look.
+        The sums go in before `summed` moves on: whoever reads `summed` finds all earlier ones."""
+        self._refresh(rec)
+        self._expire_if_due(rec)
+        if rec.status.is_terminal:
+            return Progress.ENDED
+        extra, copying = rec.extra, rec.status == TransferStatus.TRANSFERRING
+        done = extra["summed"]
+        upto = min(max(int(self._own.slots[extra["slot"], _LANDED]), 0), rec.num_blocks)  # the sender's word
+        if not copying or upto <= done:
+            return Progress.COPYING if copying else Progress.WAITING
+        extra["sums"][done:upto] = self._block_sums(rec.block_ids[done:upto])
+        extra["summed"] = upto
+        return Progress.SUMMED
 
     # -- sender ----------------------------------------------------------------------------
     def send(self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -293,6 +318,8 @@ class ShmTransport(TransportCore):
         seg = self._peers.get(peer_id)
         if seg is None:
             raise ValueError(f"unknown peer {peer_id!r}: call connect() with its endpoint first")
+        if self.checksums:  # the receiver's verifier thread gets ready while we prepare
+            wake(self._wakers.get(peer_id))
         src, dst, timeout_s = self._prepare_send(self._peer_blocks[peer_id], src_block_ids,
                                                  dst_block_ids, transfer_id, timeout_s)
         rec = self._new_record(transfer_id, Role.SEND, src, timeout_s)
@@ -301,6 +328,7 @@ class ShmTransport(TransportCore):
         # Everything the copy needs is worked out before the segment lock is taken.
         fault = self._planned_fault(transfer_id)
         rec.extra.update(seg=seg, copier=self._copiers[peer_id], key=transfer_key(transfer_id),
+                         waker=self._wakers.get(peer_id),
                          nblocks=len(dst), dst_hash=ids_hash(dst), dst=dst, fault=fault,
                          summing=self._summing[peer_id] if self.checksums else None,
                          not_before=rec.deadline + fault.stall_s
@@ -390,7 +418,8 @@ class ShmTransport(TransportCore):
                 if not self._faulty_copy(rec, seg, row, fault, src, dst):
                     return True  # the sender "died"
             elif summing is not None:  # the common case: one native call copies and sums
-                sums = summing(array("q", dst), array("q", src))
+                wake(extra["waker"])  # the receiver's verifier thread follows the chunks as they land
+                sums = summing(array("q", dst), array("q", src), row[_LANDED:_LANDED + 1], self._chunk_blocks)
             else:
                 sums = self._block_sums(src) if self.checksums else None
                 self._copy(extra, seg, src, dst)
@@ -415,12 +444,17 @@ class ShmTransport(TransportCore):
 
     def _faulty_copy(self, rec: Record, seg: _Segment, row: np.ndarray, fault: Fault, src: list[int],
                      dst: list[int]) -> bool:
-        """The copy as `fault` spoils it (tests only); False when the sender "died" mid-copy."""
+        """The copy as `fault` spoils it (tests only); False when the sender "died" mid-copy.
+        A sealing sender counts the spoiled blocks as landed, as a real fault in transit would
+        leave them, so the receiver's verifier thread reads them while the transfer is open."""
         wrote_src, wrote_dst = faulty_pairs(fault, src, dst)
         if wrote_src:
             copy_blocks(seg.cache_bytes, wrote_dst, self._bytes, wrote_src)
         if fault.kind == FaultKind.FLIP:
             flip_bit(seg.rows, dst[clamp_block(fault, len(dst))], fault.bit)
+        if self.checksums:
+            row[_LANDED] = len(dst) // 2 if fault.kind == FaultKind.KILL else len(dst)
+            wake(rec.extra["waker"])
         if fault.kind == FaultKind.KILL:
             # The slot stays TRANSFERRING, as a dead process leaves it (its flock goes with it):
             # the receiver runs into its deadline.
@@ -438,17 +472,27 @@ class ShmTransport(TransportCore):
         self._jobs.put(None)
         if self._worker is not None:
             self._worker.join(timeout=2.0)
+        if self._follower is not None:
+            self._follower.stop()
         for seg in self._peers.values():
             os.close(seg.fd)
+        for fd in self._wakers.values():
+            if fd is not None:
+                os.close(fd)
         self._peers.clear()
         self._copiers.clear()
+        self._wakers.clear()
         seg, self._own = self._own, None
         if seg is not None:
             os.close(seg.fd)
-            try:
-                os.unlink(seg.path)
-            except FileNotFoundError:
-                pass
+            for path in (seg.path, wake_path(seg.path)):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            if self._wake_fd is not None:
+                os.close(self._wake_fd)
+                self._wake_fd = None
             if seg.path.startswith("/dev/shm/"):
                 resource_tracker.unregister("/" + os.path.basename(seg.path), "shared_memory")
         # Mappings stay valid while tensors (e.g. the engine's cache) still reference them;

@@ -11,26 +11,40 @@ API keys, when configured, are still required on top (router.auth), which is why
 header of its own. One scaling at a time: a second one while the first runs gets 409.
 
 The router does not create actors: `PoolScaler` is whatever does (cluster.pool_manager).
+
+With several router processes (`baton serve --api-server-count N`) the pools and this endpoint
+belong to router 0; the others forward every `/admin/...` request to router 0's private loopback
+port (`install_admin_forwarding`) after the same checks: the loopback rule must see the client
+that sent the request, not the forwarding router (which is on loopback itself), and router 0
+checks the token and the API key again on what it receives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from router.backend import WorkerInfo
 from router.config import ADMIN_TOKEN_HEADER, AdminConfig
 from router.protocol import APIError
 
-__all__ = ["PoolScaler", "PoolsView", "ScaleResult",
-           "install_admin"]
+__all__ = ["FORWARD_TIMEOUT_S", "PoolScaler", "PoolsView", "ScaleResult",
+           "install_admin", "install_admin_forwarding"]
 
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+# A scaling waits for new workers to load (the pool manager's ready timeout, 300 s) and for drains.
+FORWARD_TIMEOUT_S = 900.0
+# What router 0 needs of a forwarded request: its body's type and the credentials it checks again.
+_FORWARDED_HEADERS = frozenset({"content-type", "accept", "authorization", ADMIN_TOKEN_HEADER.lower()})
+# No proxy from the environment (http_proxy) for a call to 127.0.0.1.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @dataclass(frozen=True)
@@ -120,3 +134,39 @@ def install_admin(app: FastAPI, scaler: PoolScaler, config: AdminConfig) -> None
     """Add the admin routes to `app` when the endpoint is enabled (else nothing: the routes 404)."""
     if config.enabled:
         app.include_router(make_admin_routes(scaler, config))
+
+
+def _forward(url: str, method: str, body: bytes | None, headers: dict[str, str],
+             timeout_s: float) -> tuple[int, str | None, bytes]:
+    """(status, content type, body) of router 0's answer (blocking: run in a thread)."""
+    request = urllib.request.Request(url, data=body, headers=headers, method=method)
+    try:
+        with _DIRECT.open(request, timeout=timeout_s) as response:
+            return response.status, response.headers.get("content-type"), response.read()
+    except urllib.error.HTTPError as exc:  # router 0's own refusal (401, 409, ...): passed on as it is
+        return exc.code, exc.headers.get("content-type"), exc.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise APIError(f"router 0, which runs the admin endpoint, did not answer: {getattr(exc, 'reason', exc)}",
+                       502, None, "BadGatewayError") from None
+
+
+def install_admin_forwarding(app: FastAPI, config: AdminConfig, router0_url: str,
+                             timeout_s: float = FORWARD_TIMEOUT_S) -> None:
+    """Answer `/admin/...` on a router that does not own the pools by forwarding it to router 0
+    at `router0_url` (its private loopback port), when the endpoint is enabled (else nothing: 404
+    as on router 0). The admin checks run here first, on the client that sent it."""
+    if not config.enabled:
+        return
+    routes = APIRouter(prefix="/admin")
+
+    @routes.api_route("/{path:path}", methods=["GET", "POST"], include_in_schema=False)
+    async def forward(path: str, request: Request) -> Response:
+        _authorize(request, config.token)
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        url = f"{router0_url.rstrip('/')}/admin/{path}" + (f"?{request.url.query}" if request.url.query else "")
+        status, content_type, content = await asyncio.to_thread(
+            _forward, url, request.method, body or None, headers, timeout_s)
+        return Response(content, status_code=status, media_type=content_type)
+
+    app.include_router(routes)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
 import uvicorn
@@ -170,8 +171,12 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_lev
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          sock: socket.socket | None = None, **kwargs: Any) -> None:
+          sock: socket.socket | None = None, also: Sequence[socket.socket] = (), **kwargs: Any) -> None:
     """Run `app` with uvicorn until interrupted (binds 127.0.0.1 unless told otherwise; on `sock`,
-    a socket bound already, e.g. by `bind_socket(..., reuse_port=True)`, when given)."""
+    a socket bound already, e.g. by `bind_socket(..., reuse_port=True)`, when given). `also`: more
+    bound sockets the same app answers on (router 0's private loopback port for the admin requests
+    the other routers forward)."""
+    if also and sock is None:
+        raise ValueError("serving on more sockets needs the main one bound too (sock)")
     server = make_server(app, host=host, port=port, log_level=log_level, **kwargs)
-    server.run(sockets=[sock] if sock is not None else None)
+    server.run(sockets=[sock, *also] if sock is not None else None)

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from common.protocol import GrammarCompileError
 from router.backend import BackendError
 from router.protocol import APIError
 from router.routing import NoWorkerAvailable
@@ -37,6 +38,8 @@ def to_api_error(e: BaseException, where: str, log_traceback: bool = True) -> AP
         return e
     if isinstance(e, ClientDisconnect):  # the client left while its body was being read: nothing to log
         return APIError("the client closed the request", 499, None, "ClientClosedRequest")
+    if isinstance(e, GrammarCompileError):  # bad input the workers found (router.serving names the field)
+        return APIError(str(e), 400, None)
     if isinstance(e, NoWorkerAvailable):
         return APIError(str(e), 503, None, headers=_retry_after())
     if isinstance(e, BackendError):

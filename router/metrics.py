@@ -8,7 +8,8 @@ Two sources:
 - request metrics, observed by the router when a request finishes (its `RequestTrace`):
   token counters, latency histograms, KV transfer bytes/seconds, routing decisions;
 - worker metrics, read from the backend's worker snapshot at scrape time (a custom collector):
-  running/waiting, KV usage, prefix cache queries/hits, worker up/down. Nothing polls workers
+  running/waiting, KV usage, prefix cache queries/hits, worker up/down, structured output's grammar
+  cache hits/misses and compile-time histogram (the worker's GrammarCounts). Nothing polls workers
   for a scrape: the backend's health loop already keeps that snapshot fresh;
 - admission, read from the router's gates at scrape time: requests running and waiting per pool,
   and requests refused (429 queue full, 503 deadline while waiting) by reason.
@@ -25,8 +26,9 @@ from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from common.protocol import COMPILE_SECONDS_BUCKETS
 from common.roles import Role
 from common.stats import percentiles
 from router.backend import ServingBackend
@@ -74,6 +76,15 @@ class _WorkerCollector:
             "baton:kv_transfer_failures", "Received KV transfers that failed (checksum, incomplete, deadline, ...), "
             "by reason; the decode worker recomputed or failed the request (--kv-load-failure-policy).",
             labels=labels + ["reason"])
+        grammar_hits = CounterMetricFamily("baton:structured_output_cache_hits",
+                                           "Structured-output grammar lookups found compiled in the worker's cache.",
+                                           labels=labels)
+        grammar_misses = CounterMetricFamily("baton:structured_output_cache_misses",
+                                             "Structured-output grammar lookups that had to compile (or failed to).",
+                                             labels=labels)
+        compile_seconds = HistogramMetricFamily("baton:structured_output_compile_seconds",
+                                                "Seconds the worker took to compile a structured output's grammar.",
+                                                labels=labels)
         indexed = GaugeMetricFamily("baton:prefix_index_blocks", "KV blocks the router's prefix index holds for the worker.",
                                     labels=labels)
         live = {Role.PREFILL: 0, Role.DECODE: 0}
@@ -89,12 +100,19 @@ class _WorkerCollector:
             hits.add_metric(lv, w.prefix_cache_hits)
             for reason, n in sorted(w.kv_transfer_failures.items()):
                 kv_failures.add_metric(lv + [reason], n)
+            g = w.grammar
+            grammar_hits.add_metric(lv, g.cache_hits)
+            grammar_misses.add_metric(lv, g.cache_misses)
+            if g.compile_buckets:  # a worker without a grammar cache (or an old one) reports none
+                compile_seconds.add_metric(lv, [(f"{b:g}", n) for b, n in zip(COMPILE_SECONDS_BUCKETS, g.compile_buckets)]
+                                           + [("+Inf", g.compiles)], g.compile_seconds_sum)
             if index is not None:
                 indexed.add_metric(lv, index.num_blocks(w.worker_id))
             live[w.role] = live.get(w.role, 0) + (1 if w.alive else 0)
         for role, n in live.items():
             pool.add_metric([m, role], n)
-        yield from (running, waiting, kv, queued, up, pool, queries, hits, kv_failures)
+        yield from (running, waiting, kv, queued, up, pool, queries, hits, kv_failures, grammar_hits, grammar_misses,
+                    compile_seconds)
         if index is not None:
             yield indexed
         admission = self.owner.admission

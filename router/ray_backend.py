@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 
 from ray.exceptions import RayActorError, RayError
 
-from common.protocol import PrefillRequest, RequestOutput
+from common.protocol import GrammarCompileError, PrefillRequest, RequestOutput
 from common.roles import Role
 from common.transports import KVLoadFailed
 from router.backend import BackendError, GenerateRequest, WorkerInfo
@@ -42,6 +42,15 @@ from router.prefix_index import PrefixIndex
 __all__ = ["RayBackend"]
 
 log = logging.getLogger("baton.router")
+
+
+def _bad_input(exc: RayError) -> GrammarCompileError | None:
+    """The worker's refusal of the request as bad input, when that is what `exc` carries: its
+    structured output does not compile there. The worker raised it before holding anything; the
+    generator's cleanup (the flow's on_client_gone) frees what the other pool holds, and the
+    router answers 400 naming the field."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, GrammarCompileError) else None
 
 
 class RayBackend:
@@ -149,8 +158,14 @@ class RayBackend:
             self.pools.follow(stream, command.worker_id)
         elif isinstance(command, Reserve):
             decode = self._worker(command.worker_id)
-            reservation = await self._create_on(decode, rid, decode.handle.reserve.remote(
-                rid, request.prompt_token_ids, request.sampling_params, self.pools.router))
+            try:
+                reservation = await self._create_on(decode, rid, decode.handle.reserve.remote(
+                    rid, request.prompt_token_ids, request.sampling_params, self.pools.router))
+            except RayError as exc:
+                bad = _bad_input(exc)
+                if bad is not None:
+                    raise bad from None
+                raise
             return flow.on_reserved(reservation, time.monotonic())
         elif isinstance(command, Prefill):
             return await self._prefill(flow, request, stream, command)
@@ -163,6 +178,9 @@ class RayBackend:
                 await self._create_on(decode, rid, decode.handle.submit.remote(
                     rid, request.prompt_token_ids, request.sampling_params, command.resume, self.pools.router))
             except RayError as exc:  # refused (a bug, or a worker that cannot hold the context)
+                bad = _bad_input(exc)
+                if bad is not None:
+                    raise bad from None
                 return flow.on_submit_refused(command.worker_id, str(exc), time.monotonic())
         elif isinstance(command, Abort):
             if command.wait:

@@ -6,13 +6,17 @@ before `</think>` is reasoning; `qwen3` reasons only when the output opens with 
 template may turn thinking off, and then the whole reply is the answer). `ReasoningSplitter` takes
 the text as it streams and returns (reasoning, content) increments; a tag split across two
 increments is held back until it is known, so no tag text ever leaks into either part.
+
+A structured output with a reasoning parser constrains the answer only: `grammar_start_token_ids`
+gives the workers the token sequence of `</think>` (SamplingParams.reasoning_end_token_ids), and
+their matcher stays inactive until the output holds it (workers.grammar.GrammarState).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["REASONING_PARSERS", "ReasoningSplitter", "split_reasoning"]
+__all__ = ["REASONING_PARSERS", "ReasoningSplitter", "grammar_start_token_ids", "split_reasoning"]
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"
@@ -75,3 +79,14 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     splitter = ReasoningSplitter(parser)
     reasoning, content = splitter.feed(text, final=True)
     return (reasoning if reasoning or splitter.in_reasoning or CLOSE in text else None), content
+
+
+def grammar_start_token_ids(tokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
+    """The tokens after which a reasoning reply's grammar applies: `</think>` as `tokenizer` (a
+    router.tokenizer.Tokenizer) writes it. Empty (the grammar applies from the first token) when
+    the prompt already closed the thinking, as a template with thinking turned off does
+    (`<think>\n\n</think>\n\n` at the generation prompt): then no `</think>` will come."""
+    tail = tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+    if tail.rstrip().endswith(CLOSE):
+        return ()
+    return tuple(tokenizer.encode(CLOSE, add_special_tokens=False))

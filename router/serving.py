@@ -44,11 +44,12 @@ from router.protocol import (
     validation_error_to_api,
 )
 from router.routing import RoutingPolicy, live_workers
+from router.reasoning import grammar_start_token_ids
 from router.structured import Constraints, request_constraints
 from router.streaming import ClientGone, DeadlineExceeded, await_unless_disconnected, ended, sse_response
 from router.tokenizer import ChatTemplateError, Tokenizer
 from router.trace import RequestTrace
-from common.protocol import RequestOutput
+from common.protocol import GrammarCompileError, RequestOutput
 from common.roles import ROLES
 from common.sampling_params import SamplingParams
 
@@ -211,7 +212,8 @@ class Serving:
                                                  endpoint.default_max_tokens)
             params = to_sampling_params(req, max_tokens, max_tokens_field=field_name)
             if constraints.structured is not None:
-                params = replace(params, structured_output=constraints.structured)
+                params = replace(params, structured_output=constraints.structured, reasoning_end_token_ids=(
+                    grammar_start_token_ids(self.tokenizer, prompt_ids) if constraints.after_reasoning else ()))
             for sample in range(req.n):
                 # A seeded request stays reproducible, and its n samples differ from each other.
                 seeded = params if sample == 0 or params.seed is None else replace(params, seed=params.seed + sample)
@@ -223,7 +225,10 @@ class Serving:
         if isinstance(fmt, ChatFormat):
             fmt.shaped(constraints.shape)
         self.metrics.count_structured(constraints.kind)
-        return await self.generate(request, request_id, choices, req.stream, fmt, started, ticket, deadline)
+        try:
+            return await self.generate(request, request_id, choices, req.stream, fmt, started, ticket, deadline)
+        except GrammarCompileError as e:  # the router's checks passed it, the workers' grammar backend did not
+            raise APIError(f"{constraints.param}: {e}", 400, constraints.param) from None
 
     # -- checks and prompts
     def check_model(self, name: str | None) -> None:
@@ -322,7 +327,8 @@ class Serving:
     def _start(self, backend_id: str, choice: Choice, started: float | None) -> AsyncIterator[RequestOutput]:
         """Route one choice and start it in the pools; its outputs, traced."""
         prompt_ids = choice.prompt_ids
-        trace = RequestTrace(backend_id, len(prompt_ids))
+        structured = choice.params.structured_output
+        trace = RequestTrace(backend_id, len(prompt_ids), structured.kind if structured is not None else None)
         if started is not None:
             trace.started = started  # arrival at the router, before parsing, admission and tokenizing
         if self.config.log_prompts:

@@ -7,7 +7,11 @@ named function) are read here, at most one constraint per request, and checked w
 (jsonschema), regular expressions by Python's parser less what xgrammar does not support
 (lookaround, backreferences), EBNF grammars by a lint of their rules (every rule referenced is
 defined, `root` exists, brackets and quotes close), each within a size limit. The worker compiles
-(workers.grammar) within a time limit. Every refusal is an `APIError` 400 naming the field.
+(workers.grammar) within a time limit. Every refusal is an `APIError` 400 naming the field; one
+by the workers (common.protocol.GrammarCompileError: a feature xgrammar lacks, a compile over its
+limit) is answered by router.serving as a 400 naming `Constraints.param`. With a reasoning parser
+the grammar constrains the answer only: the workers hold it back until `</think>`
+(`Constraints.after_reasoning`, router.reasoning.grammar_start_token_ids).
 """
 
 from __future__ import annotations
@@ -163,6 +167,12 @@ def _checked(kind: str, value: Any, param: str) -> StructuredOutput:
 
 def structured_output(body: dict) -> StructuredOutput | None:
     """The request's constraint from whichever one field sets it (a 400 when two do)."""
+    found = _structured_field(body)
+    return found[1] if found is not None else None
+
+
+def _structured_field(body: dict) -> tuple[str, StructuredOutput] | None:
+    """(the field that sets the request's constraint, the constraint), or None."""
     found: list[tuple[str, StructuredOutput | None]] = []
     if body.get("response_format") is not None:
         found.append(("response_format", _from_response_format(body["response_format"])))
@@ -181,7 +191,7 @@ def structured_output(body: dict) -> StructuredOutput | None:
     real = [(name, spec) for name, spec in found if spec is not None]
     if len(real) > 1:
         raise _bad(f"only one structured output may be given; got {', '.join(n for n, _ in real)}", real[1][0])
-    return real[0][1] if real else None
+    return real[0] if real else None
 
 
 # --------------------------------------------------------------------------- tools
@@ -272,10 +282,18 @@ class Constraints:
     structured: StructuredOutput | None
     shape: ReplyShape
     kind: str  # for metrics: none, a StructuredOutput kind, or tool_required / tool_named
+    # The field a refusal of `structured` by the workers is blamed on (response_format, guided_json, tools, ...).
+    param: str | None = None
+
+    @property
+    def after_reasoning(self) -> bool:
+        """The grammar applies to the answer only, after the reasoning's `</think>` (--reasoning-parser)."""
+        return self.structured is not None and self.shape.reasoning_parser is not None
 
 
 def request_constraints(body: dict, chat: bool, config: ServerConfig, chat_template: str | None) -> Constraints:
-    structured = structured_output(body)
+    found = _structured_field(body)
+    param, structured = found if found is not None else (None, None)
     tools = check_tools(body, config.enable_auto_tool_choice) if chat else None
     reasoning = config.reasoning_parser if chat else None
     kind = structured.kind if structured is not None else "none"
@@ -283,7 +301,7 @@ def request_constraints(body: dict, chat: bool, config: ServerConfig, chat_templ
     if tools is not None and tools.choice in ("required", "named"):
         if structured is not None:
             raise _bad(f"tool_choice {tools.choice} cannot be combined with a structured output", "tool_choice")
-        structured, kind = forced_tool_schema(tools), f"tool_{tools.choice}"
+        structured, kind, param = forced_tool_schema(tools), f"tool_{tools.choice}", "tools"
         shape = ReplyShape(reasoning_parser=reasoning, forced=True, named=tools.named)
     elif tools is not None and tools.choice == "auto":
         parser = config.tool_call_parser or default_parser(chat_template)
@@ -291,9 +309,5 @@ def request_constraints(body: dict, chat: bool, config: ServerConfig, chat_templ
             raise _bad("tool_choice auto: this model's chat template shows no tool-call syntax; start the server "
                        "with --tool-call-parser", "tool_choice")
         shape = ReplyShape(reasoning_parser=reasoning, tool_parser=parser)
-    if structured is not None and reasoning is not None:
-        # The grammar would have to start after </think>; refused rather than applied to the reasoning.
-        raise _bad("structured output (and forced tool calls) cannot be combined with a reasoning parser on this "
-                   "server (--reasoning-parser)", "tool_choice" if kind.startswith("tool_") else
-                   next(n for n in ("response_format", "structured_outputs", *_GUIDED) if body.get(n) is not None))
-    return Constraints(structured, shape, kind)
+    # With a reasoning parser the workers hold the grammar back until `</think>` (Constraints.after_reasoning).
+    return Constraints(structured, shape, kind, param)

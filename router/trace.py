@@ -27,6 +27,7 @@ __all__ = ["RequestTrace"]
 class RequestTrace:
     request_id: str
     prompt_tokens: int
+    structured_output: str | None = None  # the constraint's kind (json_schema, regex, ...), None for free text
     arrival: float = field(default_factory=time.time)  # wall clock, for display
     started: float = field(default_factory=time.perf_counter)  # monotonic, for durations
     # routing
@@ -93,9 +94,10 @@ class RequestTrace:
     def itl_mean_s(self) -> float | None:
         return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
 
-    _FIELDS: ClassVar[tuple[str, ...]] = ("request_id", "prompt_tokens", "arrival", "decode_worker", "prefill_worker", "policy_reason",
-               "cached_blocks_found", "fell_back_to_local", "cached_tokens", "queue_s", "prefill_s", "transfer_s",
-               "kv_bytes", "kv_blocks", "ttft_s", "decode_s", "e2e_s", "output_tokens", "finish_reason", "error")
+    _FIELDS: ClassVar[tuple[str, ...]] = (
+        "request_id", "prompt_tokens", "structured_output", "arrival", "decode_worker", "prefill_worker", "policy_reason",
+        "cached_blocks_found", "fell_back_to_local", "cached_tokens", "queue_s", "prefill_s", "transfer_s", "kv_bytes",
+        "kv_blocks", "ttft_s", "decode_s", "e2e_s", "output_tokens", "finish_reason", "error")
 
     def to_dict(self) -> dict:
         # By hand, not dataclasses.asdict: that deep-copies itl_s, and /v1/status calls this often.

@@ -234,7 +234,9 @@ class LLMEngine:
         if params.structured_output is not None:
             if self.grammars is None:
                 raise ValueError("structured output needs a tokenizer; this engine was built without one")
-            grammar = self.grammars.state(params.structured_output)  # ValueError when it does not compile
+            # GrammarCompileError (a ValueError) when it does not compile; with reasoning_end_token_ids
+            # the grammar waits for the end of the reasoning.
+            grammar = self.grammars.state(params.structured_output, params.reasoning_end_token_ids)
         seq = Sequence(request_id, prompt, params)
         self._requests[request_id] = _RequestState(seq, generator, detok, prefill_only=prefill_only, grammar=grammar)
         return seq

@@ -8,24 +8,39 @@ background and is kept, so a retry finds it). `GrammarState` is one request's ma
 advances it with every token the request emits, here or elsewhere (the prefill worker's first
 token, the tokens a migrated request already streamed), so the mask of the next step always
 follows exactly the output so far. `fill_bitmask` writes one row of the batch's bitmask.
+
+With a reasoning model the grammar applies to the answer only: a `GrammarState` given the
+think-end token sequence (`</think>`) starts in REASONING, where every token is free (no bitmask
+row), moves to CONSTRAINED when the output so far ends with that sequence, and to DONE when the
+grammar terminates. The phase follows from the tokens accepted, in order, and nothing else, so a
+decode worker given the prefill worker's first token, or a migrated request's replayed tokens,
+reaches exactly the phase the first worker was in.
+
+Refusals (a spec xgrammar cannot compile, a compile over its time limit) raise
+`common.protocol.GrammarCompileError`, a ValueError the router answers with 400. `stats` counts
+cache hits and misses and keeps a histogram of compile times (`GrammarStats.counts()`, reported in
+the worker's stats as `baton:structured_output_*`).
 """
 
 from __future__ import annotations
 
+import bisect
+import enum
 import json
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import xgrammar as xgr
 
+from common.protocol import COMPILE_SECONDS_BUCKETS, GrammarCompileError, GrammarCounts
 from common.sampling_params import StructuredOutput
 
-__all__ = ["GrammarCache", "GrammarState", "GrammarStats", "choice_grammar"]
+__all__ = ["GrammarCache", "GrammarPhase", "GrammarState", "GrammarStats", "choice_grammar"]
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
@@ -46,25 +61,70 @@ class GrammarStats:
 
     compiles: int = 0
     cache_hits: int = 0
+    cache_misses: int = 0  # lookups that found nothing compiled (each then compiles, or fails to)
     compile_seconds: tuple[float, ...] = ()  # the latest compile times, newest last (bounded)
+    compile_seconds_sum: float = 0.0
+    # Compiles per COMPILE_SECONDS_BUCKETS bound (not cumulative; counts() makes them so).
+    compile_bucket_counts: list[int] = field(default_factory=lambda: [0] * len(COMPILE_SECONDS_BUCKETS))
+
+    def record_compile(self, seconds: float) -> None:
+        self.compiles += 1
+        self.compile_seconds_sum += seconds
+        slot = bisect.bisect_left(COMPILE_SECONDS_BUCKETS, seconds)
+        if slot < len(COMPILE_SECONDS_BUCKETS):
+            self.compile_bucket_counts[slot] += 1
+
+    def counts(self) -> GrammarCounts:
+        cumulative, total = [], 0
+        for n in self.compile_bucket_counts:
+            total += n
+            cumulative.append(total)
+        return GrammarCounts(self.cache_hits, self.cache_misses, self.compiles, self.compile_seconds_sum,
+                             tuple(cumulative))
+
+
+class GrammarPhase(enum.Enum):
+    REASONING = "reasoning"  # before the think-end tokens: every token is free
+    CONSTRAINED = "constrained"  # the grammar decides the next token
+    DONE = "done"  # the grammar is complete and its stop token was emitted
 
 
 class GrammarState:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and its phase (REASONING -> CONSTRAINED -> DONE)."""
 
-    def __init__(self, compiled: "xgr.CompiledGrammar", stop_token_ids: list[int]) -> None:
+    def __init__(self, compiled: "xgr.CompiledGrammar", stop_token_ids: list[int],
+                 reasoning_end: tuple[int, ...] = ()) -> None:
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+        self.reasoning_end = tuple(reasoning_end)
+        self.phase = GrammarPhase.REASONING if self.reasoning_end else GrammarPhase.CONSTRAINED
+        self._tail: list[int] = []  # the last len(reasoning_end) tokens, while reasoning
+
+    @property
+    def constraining(self) -> bool:
+        """Whether the grammar decides the next token (the sampler masks this row only then)."""
+        return self.phase is GrammarPhase.CONSTRAINED
 
     def accept(self, token_id: int) -> bool:
         """Advance by a token the request emitted; False when the grammar does not allow it."""
-        return bool(self.matcher.accept_token(token_id))
+        if self.phase is GrammarPhase.REASONING:
+            self._tail = (self._tail + [token_id])[-len(self.reasoning_end):]
+            if tuple(self._tail) == self.reasoning_end:
+                self.phase, self._tail = GrammarPhase.CONSTRAINED, []
+            return True
+        if self.phase is GrammarPhase.DONE:
+            return False  # nothing may follow a complete grammar
+        accepted = bool(self.matcher.accept_token(token_id))
+        if accepted and self.matcher.is_terminated():
+            self.phase = GrammarPhase.DONE
+        return accepted
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token was emitted: the reply is over."""
-        return bool(self.matcher.is_terminated())
+        return self.phase is GrammarPhase.DONE
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        assert self.constraining, f"a bitmask asked of a grammar in phase {self.phase.name}"
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
@@ -110,10 +170,10 @@ class GrammarCache:
             else:
                 compiled = compiler.compile_grammar(spec.spec)
         except RuntimeError as exc:  # xgrammar reports every parse or conversion error so
-            raise ValueError(f"structured output ({spec.kind}) does not compile: {str(exc).strip()}") from None
+            raise GrammarCompileError(f"structured output ({spec.kind}) does not compile: {str(exc).strip()}") from None
         seconds = time.perf_counter() - started
         with self._lock:
-            self.stats.compiles += 1
+            self.stats.record_compile(seconds)
             self._times = (self._times + [seconds])[-1000:]
             self.stats.compile_seconds = tuple(self._times)
             self._compiled[spec] = compiled
@@ -122,21 +182,28 @@ class GrammarCache:
         return compiled
 
     def compiled(self, spec: StructuredOutput) -> object:
-        """The compiled grammar of `spec`; ValueError when it is invalid or takes too long."""
+        """The compiled grammar of `spec`; GrammarCompileError when it is invalid or takes too long."""
         with self._lock:
             found = self._compiled.get(spec)
             if found is not None:
                 self._compiled.move_to_end(spec)
                 self.stats.cache_hits += 1
                 return found
+            self.stats.cache_misses += 1
         if self._compiler is None:  # the first one reads the tokenizer (seconds): not counted in the limit
             self._pool.submit(self._get_compiler).result()
         future = self._pool.submit(self._compile, spec)
         try:
             return future.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
-            raise ValueError(f"structured output ({spec.kind}) did not compile within "
-                             f"{self.compile_timeout_s:g} s") from None
+            raise GrammarCompileError(f"structured output ({spec.kind}) did not compile within "
+                                      f"{self.compile_timeout_s:g} s") from None
 
-    def state(self, spec: StructuredOutput) -> GrammarState:
-        return GrammarState(self.compiled(spec), self.stop_token_ids)
+    def counts(self) -> GrammarCounts:
+        """The stats as the worker reports them (taken under the lock: compiles run on their own thread)."""
+        with self._lock:
+            return self.stats.counts()
+
+    def state(self, spec: StructuredOutput, reasoning_end: tuple[int, ...] = ()) -> GrammarState:
+        """A fresh matcher of `spec`; with `reasoning_end`, inactive until the output holds it."""
+        return GrammarState(self.compiled(spec), self.stop_token_ids, reasoning_end)

@@ -196,7 +196,8 @@ def sample(
     raw = logits
     penalised = [r.params.needs_penalties for r in rows]
     banned = [i for i, r in enumerate(rows) if r.banned_token_ids]
-    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    # A grammar waiting for the end of the reasoning (workers.grammar.GrammarPhase) leaves its row free.
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None and r.grammar.constraining]
     work = logits.clone() if any(penalised) or banned or constrained else logits
     if constrained:
         _apply_grammars(work, rows, constrained)

@@ -35,7 +35,7 @@ from workers.model_files import ModelNotFoundError, resolve_model_dir
 from workers.model_runner import (iter_safetensors, kv_cache_num_blocks, kv_cache_scales, kv_cache_torch_dtype,
                                   load_model)
 from common.protocol import (
-    KVEndpoint, KVEventBatch, KVLayout, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
+    GrammarCounts, KVEndpoint, KVEventBatch, KVLayout, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
     RouterClaim, WorkerHeartbeat, WorkerReady, WorkerStats,
 )
 from workers.router_leases import RouterLeases
@@ -281,7 +281,9 @@ class EngineWorker:
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile a structured output's grammar in the calling thread (cached), off the engine
-        thread's steps; a spec that does not compile fails here, before the engine sees it."""
+        thread's steps; a spec that does not compile (or not within the cache's time limit) raises
+        GrammarCompileError here, before the worker holds anything of the request (the router
+        answers 400)."""
         if params.structured_output is not None and self.engine.grammars is not None:
             self.engine.grammars.compiled(params.structured_output)
 
@@ -432,6 +434,7 @@ class EngineWorker:
             kv_blocks_received=c["kv_blocks_received"], prompt_tokens=c["prompt_tokens"],
             generation_tokens=c["generation_tokens"], pid=os.getpid(),
             kv_transfer_failures=self.kv_failures.snapshot(),
+            grammar=self.engine.grammars.counts() if self.engine.grammars is not None else GrammarCounts(),
         )
 
     def shutdown(self) -> None:

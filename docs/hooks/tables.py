@@ -508,6 +508,31 @@ def t_multi_router() -> str:
     return out
 
 
+def t_structured() -> str:
+    d = load("structured")
+    rows = []
+    for name, label in (("vllm", "vLLM-CPU"), ("baton", "Baton")):
+        server = d["servers"].get(name)
+        if server is None:
+            continue
+        free, schema = server["modes"]["unconstrained"], server["modes"]["json_schema"]
+        rows.append([label, f(free["output_tokens_per_s"]), f(schema["output_tokens_per_s"]),
+                     ratio(schema["output_tokens_per_s"] / free["output_tokens_per_s"]),
+                     f"{schema['valid']} / {schema['valid'] + schema['invalid']}", str(schema["text_after_value"])])
+    out = table(["server", "unconstrained tok/s", "JSON schema tok/s", "schema / unconstrained",
+                 "replies valid", "text after the value"], rows)
+    compiles = [[name, f(c["p50_ms"], 2), f(c["p99_ms"], 2), str(c["n"])] for name, c in d["compile_ms"].items()]
+    return out + "\n\n" + table(["schema", "compile p50 (ms)", "compile p99 (ms)", "compiles"], compiles)
+
+
+def t_structured_validity() -> str:
+    d = load("structured_validity")
+    rows = [[r["run"], str(r["requests"]), f"{r['valid']} / {r['requests']}", str(r["remote_prefill"]),
+             str(r["local_prefill"]), str(r["migrations"]), f(r["seconds"])] for r in d["runs"]]
+    return table(["run", "requests", "valid replies", "prefilled remotely", "prefilled locally", "migrations",
+                  "seconds"], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     name[2:]: fn for name, fn in globals().items() if name.startswith("t_") and callable(fn)}
 

@@ -7,6 +7,11 @@ router of each connection, so the test sends requests on fresh connections until
 streams run: the streams on router 0 must complete exactly, those on router 1 end for their
 clients, the workers end router 1's requests once its lease runs out (5 s) and free their blocks,
 and `baton serve` restarts router 1, which serves again.
+
+Then the pools change at runtime: admin requests that the kernel hands to router 1 work (it
+forwards them to router 0, which owns the pools), a decode worker added by the admin endpoint
+joins router 1's pools too (its lease on it, its gates' share of the new size, a request it routes
+there answered exactly), and router 1 drops it again when the pools shrink.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ MAX_TOKENS = 32
 QUESTIONS = ["Write a short poem about autumn leaves falling in a quiet park at dusk.",
              "Explain what a compiler does, in two sentences, for a beginner who has never programmed.",
              "Describe the moon in one sentence.", "Why do birds migrate? Answer briefly."]
+# Asked once each after the scaling: no worker has them cached, so the kv-aware policy draws either
+# decode worker (a cached question would go back to the worker that holds it).
+FRESH = [f"Name one fact about the number {n}, in one sentence." for n in range(11, 35)]
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +45,9 @@ def expected(reference_engine, tokenizer) -> dict[str, str]:
     from common.sampling_params import SamplingParams
 
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in QUESTIONS]
+               for q in QUESTIONS + FRESH]
     done = reference_engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    return {q: d.text for q, d in zip(QUESTIONS, done)}
+    return {q: d.text for q, d in zip(QUESTIONS + FRESH, done)}
 
 
 def body(q: str, stream: bool = False) -> dict:
@@ -47,11 +55,22 @@ def body(q: str, stream: bool = False) -> dict:
             "stream": stream}
 
 
-def chat(url: str, q: str) -> tuple[str, str]:
-    """(the answer, the router that gave it), on a connection of its own."""
+def chat(url: str, q: str, with_id: bool = False):
+    """(the answer, the router that gave it[, the request id]), on a connection of its own."""
     r = httpx.post(url + "/v1/chat/completions", json=body(q), headers={"connection": "close"}, timeout=120)
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]["content"], r.headers[HEADER]
+    answer = (r.json()["choices"][0]["message"]["content"], r.headers[HEADER])
+    return (*answer, r.json()["id"]) if with_id else answer
+
+
+def on_router(router: str, call, timeout_s: float = 30):
+    """`call()` (an httpx response) repeated on fresh connections until `router` answers it."""
+    return wait_until(lambda: (r := call()).headers[HEADER] == router and r, timeout_s, f"{router} to answer",
+                      every_s=0.05)
+
+
+def status_of(url: str, router: str) -> dict:
+    return on_router(router, lambda: httpx.get(url + "/v1/status", headers={"connection": "close"}, timeout=30)).json()
 
 
 def status(url: str) -> dict:
@@ -99,8 +118,8 @@ async def streams(url: str, n: int, on_started) -> list[dict]:
 
 
 def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expected):
-    with baton_serve(["--api-server-count", "2", "--kv-cache-memory", "96MiB", "--log-level", "warning"],
-                     ready_timeout_s=240) as server:
+    with baton_serve(["--api-server-count", "2", "--kv-cache-memory", "96MiB", "--log-level", "warning",
+                      "--admin-endpoint"], ready_timeout_s=240) as server:
         url = server.base_url
         routers_seen(url, 2, 90)  # the child router is up too
         # Both routers answer, exactly as transformers.
@@ -162,3 +181,45 @@ def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expecte
             if "router-1.1" in served:
                 break
         assert served >= {"router-1.1"}, served
+
+        # Admin requests the kernel hands to router 1 work: it forwards them to router 0.
+        pools = on_router("router-1.1", lambda: httpx.get(url + "/admin/pools", headers={"connection": "close"},
+                                                          timeout=30))
+        assert pools.status_code == 200 and pools.json()["decode"] == 1, pools.text
+        assert sorted(w["worker_id"] for w in pools.json()["workers"]) == ["decode-0", "prefill-0"]
+        same = on_router("router-1.1", lambda: httpx.post(url + "/admin/scale", json={"decode": 1}, timeout=60,
+                                                          headers={"connection": "close"}))
+        assert same.status_code == 200 and same.json()["after"] == {"prefill": 1, "decode": 1}, same.text
+        capacity = status_of(url, "router-1.1")["admission"]["decode"]["capacity"]
+        grown = httpx.post(url + "/admin/scale", json={"decode": 2}, timeout=400, headers={"connection": "close"})
+        assert grown.status_code == 200 and grown.json()["added"] == ["decode-1"], grown.text
+
+        # Router 1 follows: decode-1 in its pools, its lease on it, its gate's share of two workers.
+        def router1_has_decode1():
+            s = status_of(url, "router-1.1")
+            decode = {w["worker_id"]: w for w in s["pools"]["decode"]}
+            leased = {lease["router_id"]: lease["workers"] for lease in s["routers"]["leases"]}
+            return ("decode-1" in decode and decode["decode-1"]["alive"]
+                    and "decode-1" in leased.get("router-1.1", []) and s)
+
+        s = wait_until(router1_has_decode1, 15, "router 1 to serve with decode-1")
+        assert s["admission"]["decode"]["capacity"] == 2 * capacity
+        # A request router 1 routes to decode-1, answered exactly (fresh questions: either worker).
+        landed = False
+        for q in FRESH:
+            text, router, request_id = chat(url, q, with_id=True)
+            assert text == expected[q], (router, q)
+            if router == "router-1.1":
+                recent = {r["request_id"]: r for r in status_of(url, "router-1.1")["recent"]}
+                landed = recent[request_id]["decode_worker"] == "decode-1"
+                if landed:
+                    break
+        assert landed, "router 1 never routed a request to the decode worker added at runtime"
+
+        # The pools shrink again: router 1 drops decode-1 too.
+        shrunk = httpx.post(url + "/admin/scale", json={"decode": 1}, timeout=120, headers={"connection": "close"})
+        assert shrunk.status_code == 200 and shrunk.json()["removed"] == ["decode-1"], shrunk.text
+        wait_until(lambda: [w["worker_id"] for w in status_of(url, "router-1.1")["pools"]["decode"]] == ["decode-0"],
+                   15, "router 1 to drop decode-1")
+        text, _ = chat(url, QUESTIONS[0])
+        assert text == expected[QUESTIONS[0]]

@@ -1,8 +1,8 @@
 """Streams never stop behind a long prompt's prefill on a busy CPU host.
 
 `baton serve` with its CPU defaults (one prefill and one decode worker sharing this machine's
-cores), alone and beside a CPU hog at normal priority (bench/cpu_hog.py: one core half busy),
-four streams decoding, then one 2,000-token prompt. Judged by the workers' own step logs
+cores), four streams decoding, then a 2,000-token prompt on the quiet host and another beside a
+CPU hog at normal priority (bench/cpu_hog.py: one core half busy). Judged by the workers' own step logs
 (BATON_STEP_LOG_DIR), not by wall-clock thresholds: while the prefill worker runs the long
 prompt's chunks, the decode worker must complete at least one step per chunk, with no interval
 between two of its steps longer than two chunks. With the decode worker at idle priority and the
@@ -56,13 +56,34 @@ def _stream(base_url: str, index: int, stop: threading.Event, first_token: threa
                 return  # closing the connection aborts the request
 
 
-@pytest.mark.parametrize("hog_duty", [None, 0.5], ids=["quiet", "beside-a-cpu-hog"])
-def test_the_decode_worker_keeps_stepping_while_a_long_prompt_prefills(tmp_path, hog_duty):
+def _check_decode_kept_stepping(logs: Path, sent: float, answered: float, condition: str) -> None:
+    """The long prompt sent at `sent` and answered at `answered` (monotonic): while its chunks ran
+    on the prefill worker, the decode worker completed a step per chunk, never two chunks apart."""
+    prefill = [s for s in _steps(logs / "prefill-0.jsonl") if sent <= s["start"] and s["end"] <= answered]
+    decode = _steps(logs / "decode-0.jsonl")
+    long_chunks = [s for s in prefill if any(tokens >= CHUNK_TOKENS // 2 or done >= CHUNK_TOKENS for done, tokens, _ in s["chunks"])]
+    assert len(long_chunks) >= LONG_PROMPT_TOKENS // CHUNK_TOKENS, (condition, prefill)  # chunk by chunk
+    window = (long_chunks[0]["start"], long_chunks[-1]["end"])
+    chunk_s = statistics.median(s["seconds"] for s in long_chunks)
+    ends = [s["end"] for s in decode if window[0] <= s["end"] <= window[1]]
+    assert len(ends) >= len(long_chunks), (
+        f"{condition}: the decode worker completed {len(ends)} steps during the {len(long_chunks)} chunks of the "
+        "long prompt's prefill")
+    # Each interval between the ends of two decode steps overlapping the prefill (the first one
+    # counted from the prefill's start, the last to its end).
+    marks = [window[0], *ends, window[1]]
+    longest = max(b - a for a, b in zip(marks, marks[1:]))
+    assert longest <= 2 * chunk_s, (
+        f"{condition}: the decode worker went {longest:.3f} s without completing a step while a prefill chunk took "
+        f"{chunk_s:.3f} s")
+
+
+def test_the_decode_worker_keeps_stepping_while_a_long_prompt_prefills(tmp_path):
+    """One deployment, one long prompt on the quiet host, then another beside a CPU hog."""
     logs = tmp_path / "steps"
     logs.mkdir()
-    hog = None if hog_duty is None else subprocess.Popen(
-        [sys.executable, "-m", "bench.cpu_hog", "--duty", str(hog_duty), "--seconds", "600"],
-        stdout=subprocess.PIPE, start_new_session=True)
+    hog = None
+    windows = []
     try:
         with baton_serve(["--kv-cache-memory", "256MiB", "--max-model-len", "4096"],
                          env={STEP_LOG_ENV: str(logs)}) as server:
@@ -75,15 +96,22 @@ def test_the_decode_worker_keeps_stepping_while_a_long_prompt_prefills(tmp_path,
                 t.start()
             try:
                 assert all(e.wait(120.0) for e in started), "the streams did not start"
-                time.sleep(1.0)  # the streams are decoding together
-                long_prompt = list(range(1000, 1000 + LONG_PROMPT_TOKENS))
-                r = httpx.post(f"{server.base_url}/v1/completions", timeout=300.0, json={
-                    "model": "SmolLM2-135M-Instruct", "prompt": long_prompt, "max_tokens": 1, "temperature": 0})
-                assert r.status_code == 200, r.text
-                time.sleep(0.5)
-                streaming = list(counts)
-                time.sleep(1.0)
-                assert all(after > before for after, before in zip(counts, streaming)), "a stream stopped"
+                for condition, first_token in (("quiet", 1000), ("beside a cpu hog", 5000)):
+                    if condition != "quiet":
+                        hog = subprocess.Popen([sys.executable, "-m", "bench.cpu_hog", "--duty", "0.5", "--seconds", "600"],
+                                               stdout=subprocess.PIPE, start_new_session=True)
+                    time.sleep(1.0)  # the streams are decoding together (beside the hog)
+                    # Distinct tokens each time: no prefix of the first prompt is cached for the second.
+                    long_prompt = list(range(first_token, first_token + LONG_PROMPT_TOKENS))
+                    sent = time.monotonic()
+                    r = httpx.post(f"{server.base_url}/v1/completions", timeout=300.0, json={
+                        "model": "SmolLM2-135M-Instruct", "prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+                    assert r.status_code == 200, r.text
+                    windows.append((condition, sent, time.monotonic()))
+                    time.sleep(0.5)
+                    streaming = list(counts)
+                    time.sleep(1.0)
+                    assert all(after > before for after, before in zip(counts, streaming)), f"{condition}: a stream stopped"
             finally:
                 stop.set()
                 for t in streams:
@@ -91,19 +119,5 @@ def test_the_decode_worker_keeps_stepping_while_a_long_prompt_prefills(tmp_path,
     finally:
         if hog is not None:
             stop_process(hog, 10.0)
-
-    prefill = _steps(logs / "prefill-0.jsonl")
-    decode = _steps(logs / "decode-0.jsonl")
-    long_chunks = [s for s in prefill if any(tokens >= CHUNK_TOKENS // 2 or done >= CHUNK_TOKENS for done, tokens, _ in s["chunks"])]
-    assert len(long_chunks) >= LONG_PROMPT_TOKENS // CHUNK_TOKENS, prefill  # the long prompt, chunk by chunk
-    window = (long_chunks[0]["start"], long_chunks[-1]["end"])
-    chunk_s = statistics.median(s["seconds"] for s in long_chunks)
-    ends = [s["end"] for s in decode if window[0] <= s["end"] <= window[1]]
-    assert len(ends) >= len(long_chunks), (
-        f"the decode worker completed {len(ends)} steps during the {len(long_chunks)} chunks of the long prompt's prefill")
-    # Each interval between the ends of two decode steps overlapping the prefill (the first one
-    # counted from the prefill's start, the last to its end).
-    marks = [window[0], *ends, window[1]]
-    longest = max(b - a for a, b in zip(marks, marks[1:]))
-    assert longest <= 2 * chunk_s, (
-        f"the decode worker went {longest:.3f} s without completing a step while a prefill chunk took {chunk_s:.3f} s")
+    for condition, sent, answered in windows:
+        _check_decode_kept_stepping(logs, sent, answered, condition)

@@ -120,8 +120,8 @@ def test_bad_specs_are_refused_and_compiles_are_cached(engine, tok):
     assert stats.cache_hits >= before + 1 and stats.compile_seconds
 
 
-def test_prefill_workers_first_token_continues_under_the_grammar_on_the_decode_worker(default_model_dir, tok):
-    alone = LLMEngine.from_model_dir(default_model_dir, CONFIG)
+def test_prefill_workers_first_token_continues_under_the_grammar_on_the_decode_worker(default_model_dir, engine, tok):
+    alone = engine  # the oracle: the same engine configuration, one process, no handoff
     with worker_pair(default_model_dir, CONFIG) as (prefill, decode):
         for i, name in enumerate(SCHEMAS):
             params = SamplingParams(max_tokens=96, temperature=0.0, structured_output=schema_spec(name))

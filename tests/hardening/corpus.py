@@ -261,6 +261,45 @@ def corpus(max_model_len: int) -> list[BadRequest]:
     return cases
 
 
+def worker_refusals() -> list[BadRequest]:
+    """Structured outputs the router's own checks accept (a valid JSON schema, a regex Python
+    compiles, a grammar that lints) but the workers' grammar backend (xgrammar) cannot compile:
+    they reach a worker, which refuses them before holding anything, and the answer is still a
+    400 naming the field. Not for a FakeBackend (it compiles nothing): tests/hardening/test_corpus.py
+    and tests/structured/test_reasoning_tiny.py send them to real workers."""
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    missing_ref = {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}
+    compile_words = ("does not compile",)
+    cases = [
+        BadRequest("json schema with an unresolvable $ref", "POST", chat, body={"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/definitions/missing"}}}},
+                   param="response_format", contains=compile_words),
+        BadRequest("guided_json with minimum over maximum", "POST", comp, body={"prompt": "hi", "guided_json": {
+            "type": "integer", "minimum": 5, "maximum": 1}}, param="guided_json", contains=compile_words),
+        BadRequest("structured_outputs json with a missing $defs entry", "POST", chat, body={
+            "messages": USER, "structured_outputs": {"json": missing_ref}}, param="structured_outputs",
+                   contains=compile_words),
+        BadRequest("guided_regex with an inline flag", "POST", comp, body={"prompt": "hi", "guided_regex": "(?i)abc"},
+                   param="guided_regex", contains=compile_words),
+        BadRequest("regex with a word boundary", "POST", chat, body={"messages": USER, "structured_outputs": {
+            "regex": "\\bword\\b"}}, param="structured_outputs", contains=compile_words),
+        BadRequest("regex with an open lower repetition bound", "POST", comp, body={"prompt": "hi", "structured_outputs": {
+            "regex": "a{,3}"}}, param="structured_outputs", contains=compile_words),
+        BadRequest("grammar with an invalid escape", "POST", comp, body={"prompt": "hi", "guided_grammar": 'root ::= "\\q"'},
+                   param="guided_grammar", contains=compile_words),
+        BadRequest("required tool whose parameters hold a missing $ref", "POST", chat, body={
+            "messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": missing_ref}}],
+            "tool_choice": "required"}, param="tools", contains=compile_words),
+        BadRequest("streamed json schema with an unresolvable $ref", "POST", chat, body={
+            "messages": USER, "stream": True, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"$ref": "#/definitions/missing"}}}}, param="response_format",
+                   contains=compile_words),
+    ]
+    names = [c.name for c in cases]
+    assert len(names) == len(set(names)), "corpus case names must be unique"
+    return cases
+
+
 def send(client, case: BadRequest):
     """Send `case` with an httpx-like client (httpx.Client or Starlette's TestClient)."""
     headers = dict(case.headers)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.hardening.conftest import ask_good
-from tests.hardening.corpus import check_answer, corpus, send
+from tests.hardening.corpus import check_answer, corpus, send, worker_refusals
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,8 @@ def test_every_bad_request_is_refused_and_the_server_stays_correct(hardened, goo
     # `raw` sends only the headers each case gives (its key, or none); `client` always the key.
     with hardened.client() as client, httpx.Client(base_url=hardened.base_url, timeout=120) as raw:
         max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
-        cases = corpus(max_model_len)
-        assert len(cases) >= 50
+        assert len(corpus(max_model_len)) >= 50
+        cases = corpus(max_model_len) + worker_refusals()  # these reach a worker, which refuses them
         failures = []
         for case in cases:
             try:

@@ -1,7 +1,8 @@
 """kernels.block_checksum: every implementation equals the numpy reference bit for bit.
 
 The reference (`sums_of_rows`) is checked against a hand computation; the native sums, the
-native copy that sums as it copies, and the Triton kernel (run by the Triton interpreter on CPU
+native copy that sums as it copies (and its count of landed chunks, which a receiver reads while
+the copy runs), and the Triton kernel (run by the Triton interpreter on CPU
 tensors, in a child process, since TRITON_INTERPRET must be set before Triton is imported) are
 checked against the reference on layouts with whole and partial 8-byte words and 1-, 2- and
 4-byte dtypes.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from array import array
 from pathlib import Path
 
@@ -62,6 +64,45 @@ def test_native_sums_and_summing_copy_equal_the_reference(shape, dtype):
     assert torch.equal(dst.view(torch.uint8)[:, :, [0, 1, 2, 4]], cache.view(torch.uint8)[:, :, ids])
     with pytest.raises(ValueError):
         BlockSummer(cache)(array("q", [shape[2]]))
+
+
+@pytest.mark.skipif(not native_available(torch.zeros(1)), reason="native CPU kernels unavailable")
+def test_summing_copy_publishes_landed_chunks_in_order():
+    """With a counter, the copy goes chunk by chunk and counts the blocks landed after each chunk:
+    a reader polling the counter from another thread (the copy releases the GIL) only ever sees
+    whole chunks, in order, and every block it was told about holds its final bytes."""
+    shape, dtype = (4, 2, 600, 16, 2, 64), torch.float32  # 64 KiB blocks
+    src = random_cache(shape, dtype, seed=5)
+    dst = torch.zeros_like(src)
+    n, chunk = 256, 16
+    src_ids, dst_ids = list(range(300, 300 + n)), list(range(n))
+    landed = np.zeros(1, dtype=np.int64)
+    seen, wrong = [], []
+    done = threading.Event()
+    src_rows, dst_rows = src.view(torch.uint8).numpy().reshape(8, 600, -1), dst.view(torch.uint8).numpy().reshape(8, 600, -1)
+
+    def watch():
+        checked = 0
+        while not done.is_set() or checked < int(landed[0]):
+            count = int(landed[0])
+            if count > checked:
+                seen.append(count)
+                if not np.array_equal(dst_rows[:, checked:count], src_rows[:, 300 + checked:300 + count]):
+                    wrong.append(count)
+                checked = count
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    got = SummingCopier(dst, src)(array("q", dst_ids), array("q", src_ids), landed, chunk)
+    done.set()
+    watcher.join()
+    assert int(landed[0]) == n and seen[-1] == n and not wrong
+    assert seen == sorted(set(seen)) and all(c % chunk == 0 for c in seen)
+    assert np.array_equal(got, block_sums_reference(src, torch.tensor(src_ids)))
+    with pytest.raises(ValueError, match="landed"):
+        SummingCopier(dst, src)(array("q", [0]), array("q", [1]), np.zeros(1, dtype=np.int32), 1)
+    with pytest.raises(ValueError, match="chunk_blocks"):
+        SummingCopier(dst, src)(array("q", [0]), array("q", [1]), landed, 0)
 
 
 def test_host_wrapper_checks_its_input():

@@ -10,6 +10,7 @@ terminal; at the end both free lists are whole and neither transport has a live 
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -64,7 +65,10 @@ def plan_handoffs(seed: int) -> list[tuple[str, list[int], list[int], Fault | No
 def test_every_injected_fault_is_detected_and_nothing_leaks(backend):
     handoffs = plan_handoffs(seed=27)
     plan = FaultPlan({tid: fault for tid, _, _, fault in handoffs if fault is not None})
-    sender, receiver = create_transport(backend, fault_plan=plan), create_transport(backend)
+    # shm: one block per chunk, so that every handoff lands in several chunks that the receiver's
+    # verifier thread may sum while the copy runs (kvtransfer.shm), faulty ones included.
+    options = {"verify_chunk_bytes": LAYOUT.block_bytes} if backend == "shm" else {}
+    sender, receiver = create_transport(backend, fault_plan=plan, **options), create_transport(backend, **options)
     try:
         src_cache = sender.allocate_cache(LAYOUT, NUM_BLOCKS)
         dst_cache = receiver.allocate_cache(LAYOUT, NUM_BLOCKS)
@@ -120,6 +124,53 @@ def test_every_injected_fault_is_detected_and_nothing_leaks(backend):
     finally:
         sender.close()
         receiver.close()
+
+
+def test_shm_receiver_verifies_without_being_asked():
+    """The receiver's verifier thread sums the chunks as they land and lands the transfer itself:
+    nobody on the receiving side calls wait() or poll(), yet its record turns SUCCESS (and FAILED
+    for a flipped bit), and the FIFO that wakes the thread goes with the segment."""
+    from kvtransfer._segment import wake_path
+
+    plan = FaultPlan({"bad": Fault(FaultKind.FLIP, block=3, bit=5)})
+    sender = create_transport("shm", fault_plan=plan, verify_chunk_bytes=2 * LAYOUT.block_bytes)
+    receiver = create_transport("shm")
+    try:
+        src = sender.allocate_cache(LAYOUT, 16)
+        receiver.allocate_cache(LAYOUT, 16)
+        src.view(torch.uint8).view(-1).copy_(torch.randint(0, 256, (src.numel() * 4,), dtype=torch.uint8))
+        peer = sender.connect(receiver.endpoint())
+        path = receiver.endpoint().address["path"]
+        assert os.path.exists(wake_path(path))
+        handles = {tid: receiver.expect(tid, list(range(8)) if tid == "good" else list(range(8, 16)), 5.0)
+                   for tid in ("good", "bad")}
+        for tid, dst in (("good", range(8)), ("bad", range(8, 16))):
+            assert sender.wait(sender.send(peer, list(range(8)), list(dst), tid, 5.0)).ok
+        deadline = time.monotonic() + 5
+        while receiver.pending_transfers() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.pending_transfers() == []
+        assert receiver.wait(handles["good"]).ok
+        bad = receiver.wait(handles["bad"])
+        assert bad.status == TransferStatus.FAILED and bad.reason == FailureReason.CHECKSUM.value, bad
+    finally:
+        sender.close()
+        receiver.close()
+    assert not os.path.exists(path) and not os.path.exists(wake_path(path))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_sweep_removes_a_dead_segments_fifo_without_opening_it(tmp_path):
+    """A FIFO left by a killed owner goes with its segment; opening it to read a header would block."""
+    from kvtransfer._segment import sweep_stale_segments, wake_path
+
+    live, orphan = tmp_path / "baton_kv_live", tmp_path / "baton_kv_gone"
+    live.write_bytes(b"")  # no header yet: a segment being created, left alone
+    for segment in (live, orphan):
+        os.mkfifo(wake_path(str(segment)))
+    sweep_stale_segments(str(tmp_path))
+    assert os.path.exists(wake_path(str(live))) and live.exists()
+    assert not os.path.exists(wake_path(str(orphan)))
 
 
 def test_checksums_off_still_moves_bytes_and_skips_verification():

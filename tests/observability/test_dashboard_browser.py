@@ -65,6 +65,7 @@ def test_dashboard_shows_pools_then_traffic(browser, tmp_path, tokenizer):
         assert rows == {"prefill-0": "pool-prefill", "prefill-1": "pool-prefill", "decode-0": "pool-decode",
                         "decode-1": "pool-decode"}
         assert "no requests yet" in browser.find_element(By.ID, "recent").text
+        assert "one router" in browser.find_element(By.ID, "routers").text  # FakeBackend keeps no leases
         assert browser.find_elements(By.CSS_SELECTOR, "#ttft-chart circle.pt") == []
         assert severe_console_errors(browser) == []
 
@@ -88,3 +89,33 @@ def test_dashboard_shows_pools_then_traffic(browser, tmp_path, tokenizer):
         # The README's screenshot is refreshed on request only: a test run leaves the tree as it was.
         if os.environ.get("BATON_UPDATE_SCREENSHOT") == "1":
             shutil.copyfile(shot, ROOT / "bench" / "results" / "dashboard.png")
+
+
+class LeasedFakeBackend(FakeBackend):
+    """Reports two router processes' leases, in RayBackend.routers' shape (what /v1/status carries)."""
+
+    def routers(self) -> dict:
+        return {"this": "router-0", "leases": [
+            {"router_id": "router-0", "workers": ["prefill-0", "decode-0"], "requests": 3, "idle_s": 0.4, "lease_s": 5.0},
+            {"router_id": "router-1.0", "workers": ["decode-0"], "requests": 1, "idle_s": 4.2, "lease_s": 5.0},
+        ]}
+
+
+def test_dashboard_lists_every_router_with_its_lease(browser, tokenizer):
+    from selenium.webdriver.common.by import By
+
+    with running_server(build_app(LeasedFakeBackend(tokenizer), tokenizer, "SmolLM2-135M-Instruct", 8192)) as url:
+        assert httpx.get(url + "/v1/status", timeout=10).json()["routers"]["this"] == "router-0"
+        browser.get(url + "/dashboard")
+        wait_until(lambda: browser.execute_script("return document.body.dataset.polls"), 10, "the first status poll")
+        rows = {r.get_attribute("data-router"): [td.text for td in r.find_elements(By.TAG_NAME, "td")]
+                for r in browser.find_elements(By.CSS_SELECTOR, "#routers tr[data-router]")}
+        # id, workers leased, requests, lease age, expiry = lease_s - idle_s (5.0 - 0.4, 5.0 - 4.2)
+        assert rows == {"router-0": ["router-0 (this page)", "2", "3", "0.4 s", "4.6 s"],
+                        "router-1.0": ["router-1.0", "1", "1", "4.2 s", "0.8 s"]}
+        classes = {r.get_attribute("data-router"): r.get_attribute("class")
+                   for r in browser.find_elements(By.CSS_SELECTOR, "#routers tr[data-router]")}
+        assert classes == {"router-0": "this-router", "router-1.0": ""}
+        late = browser.find_element(By.CSS_SELECTOR, '#routers tr[data-router="router-1.0"] td:last-child')
+        assert late.get_attribute("class") == "down"  # under a quarter of its term left
+        assert severe_console_errors(browser) == []

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from common.sampling_params import StructuredOutput
 from router.app import build_app
 from router.config import ServerConfig
-from router.reasoning import ReasoningSplitter, split_reasoning
+from router.reasoning import ReasoningSplitter, grammar_start_token_ids, split_reasoning
 from router.testing import FakeBackend
 from router.tool_parsers import ToolCallParser, default_parser, parse_calls
 from tests.router.conftest import MAX_MODEL_LEN, MODEL_NAME
@@ -152,11 +152,28 @@ def test_reasoning_content_full_and_streamed(tokenizer):
     assert "".join(d.get("content") or "" for d in deltas) == "Four."
 
 
-def test_reasoning_with_structured_output_is_refused(tokenizer):
-    client, backend = client_for(tokenizer, reasoning_parser="deepseek_r1")
+def test_reasoning_with_structured_output_holds_the_grammar_back_until_think_end(tokenizer):
+    """The workers get the tokens of `</think>` (the grammar starts after them); the reply is split."""
+    client, backend = client_for(tokenizer, reply='plan it</think>{"a": 1}', reasoning_parser="deepseek_r1")
     r = client.post("/v1/chat/completions", json={"messages": USER, "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-    assert backend.requests == []
+    assert r.status_code == 200, r.text
+    params = backend.requests[-1].sampling_params
+    assert params.structured_output == StructuredOutput("json_object")
+    assert tokenizer.decode(list(params.reasoning_end_token_ids)) == "</think>"
+    message = r.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], json.loads(message["content"])) == ("plan it", {"a": 1})
+    # Without a reasoning parser the grammar applies from the first token.
+    client, backend = client_for(tokenizer)
+    client.post("/v1/chat/completions", json={"messages": USER, "response_format": {"type": "json_object"}})
+    assert backend.requests[-1].sampling_params.reasoning_end_token_ids == ()
+
+
+def test_a_prompt_that_closed_the_thinking_starts_the_grammar_at_once(tokenizer):
+    """A template with thinking off writes `<think>\n\n</think>\n\n` itself: no `</think>` will follow."""
+    closed = tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    opened = tokenizer.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    assert grammar_start_token_ids(tokenizer, closed) == ()
+    assert tokenizer.decode(list(grammar_start_token_ids(tokenizer, opened))) == "</think>"
 
 
 @pytest.mark.parametrize("parser,text,reasoning,content", [
@@ -202,3 +219,67 @@ def test_default_parser_from_the_chat_template():
     assert default_parser("[TOOL_CALLS]") == "mistral"
     assert default_parser("<|python_tag|>") == "llama3_json"
     assert default_parser("plain") is None
+
+
+def test_the_workers_grammar_counts_are_exposed_per_worker(tokenizer):
+    """A worker's GrammarCounts (as its heartbeat carries them) -> baton:structured_output_* series,
+    read back with prometheus' own parser."""
+    from dataclasses import replace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from common.protocol import COMPILE_SECONDS_BUCKETS, GrammarCounts
+
+    client, backend = client_for(tokenizer)
+    cumulative = tuple(0 if bound < 0.01 else 2 if bound < 1.0 else 3 for bound in COMPILE_SECONDS_BUCKETS)
+    counts = GrammarCounts(cache_hits=7, cache_misses=4, compiles=4, compile_seconds_sum=12.5,
+                           compile_buckets=cumulative)
+    real = backend.workers
+    backend.workers = lambda: [replace(w, grammar=counts) if w.worker_id == "decode-0" else w for w in real()]
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    series = {(s.name, s.labels["worker"], s.labels.get("le")): s.value
+              for name in ("baton:structured_output_cache_hits", "baton:structured_output_cache_misses",
+                           "baton:structured_output_compile_seconds") for s in families[name].samples}
+    assert series[("baton:structured_output_cache_hits_total", "decode-0", None)] == 7
+    assert series[("baton:structured_output_cache_misses_total", "decode-0", None)] == 4
+    assert series[("baton:structured_output_cache_hits_total", "prefill-0", None)] == 0
+    assert series[("baton:structured_output_compile_seconds_bucket", "decode-0", "0.005")] == 0
+    assert series[("baton:structured_output_compile_seconds_bucket", "decode-0", "0.01")] == 2
+    assert series[("baton:structured_output_compile_seconds_bucket", "decode-0", "+Inf")] == 4
+    assert series[("baton:structured_output_compile_seconds_count", "decode-0", None)] == 4
+    assert series[("baton:structured_output_compile_seconds_sum", "decode-0", None)] == 12.5
+
+
+@pytest.mark.parametrize("field,value", [
+    ("guided_json", {"type": "object"}),
+    ("structured_outputs", {"regex": "[a-z]+"}),
+    ("tools", None),  # forced by tool_choice "required": blamed on the tools
+])
+def test_a_grammar_the_workers_refuse_is_400_naming_the_field(tokenizer, field, value):
+    from common.protocol import GrammarCompileError
+
+    class Refusing(FakeBackend):
+        async def generate(self, request):
+            raise GrammarCompileError("structured output (json_schema) does not compile: unsupported")
+            yield  # an async generator, as the real backends are
+
+    backend = Refusing(tokenizer)
+    client = TestClient(build_app(backend, tokenizer, MODEL_NAME, MAX_MODEL_LEN, None, ServerConfig()),
+                        raise_server_exceptions=False)
+    body = {"messages": USER, field: value} if value is not None else {
+        "messages": USER, "tools": [WEATHER], "tool_choice": "required"}
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json={**body, "stream": stream})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and "does not compile" in r.json()["error"]["message"]
+
+
+def test_the_request_trace_names_the_constraint_kind(tokenizer):
+    client, _ = client_for(tokenizer)
+    free = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    bound = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                 "structured_outputs": {"regex": "[ab]+"}})
+    assert free.status_code == bound.status_code == 200
+    recent = {r["request_id"]: r for r in client.get("/v1/status").json()["recent"]}
+    kinds = [r["structured_output"] for r in recent.values()]
+    assert sorted(kinds, key=str) == [None, "regex"], kinds

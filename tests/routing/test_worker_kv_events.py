@@ -13,6 +13,8 @@ from workers.worker import EngineWorker, WorkerConfig
 
 
 class _Engine:
+    grammars = None  # no structured output here
+
     def __init__(self) -> None:
         self.block_manager = BlockManager(num_blocks=8, block_size=4)
 

@@ -69,7 +69,8 @@ def test_the_planner_sizes_an_moe_deployment():
 def test_baton_plan_takes_an_moe_roofline(tmp_path, capsys):
     workload = tmp_path / "w.yaml"
     workload.write_text("rate: 2\nduration_s: 20\nprompt_len: {dist: uniform, low: 256, high: 1024}\noutput_len: 64\n")
-    code = baton(["plan", "--gpus", "4", "--model-profile", "roofline:H200:mixtral-8x7b:fp8", "--slo-ttft", "1s",
+    # A tight TTFT keeps each rate probe short (the planner simulates at least 10 x the TTFT SLO).
+    code = baton(["plan", "--gpus", "4", "--model-profile", "roofline:H200:mixtral-8x7b:fp8", "--slo-ttft", "50ms",
                   "--slo-tpot", "50ms", "--workload", str(workload), "--requests-per-probe", "40",
                   "--json", str(tmp_path / "p.json")])
     out = capsys.readouterr().out

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 
 import httpx
 import jsonschema
 import openai
 import pydantic
 import pytest
-import ray
 
-from cluster.structured_load import SCHEMAS, check_reply, response_format, schema_requests
+from cluster.structured_load import schema_load
 from cluster.config import BatonConfig
 from cluster.harness import free_port, wait_until
 from cluster.testing import leave_ray, serving
@@ -28,9 +25,9 @@ pytestmark = pytest.mark.slow
 DEADLINE_S = 300.0
 MAX_TOKENS = 120  # room for the longest of the five schemas' objects
 # Prompts whose uncached part is longer than this are prefilled on the prefill worker, the others
-# on the decode worker: a long, distinct system message sends half of the requests the remote way.
+# on the decode worker: the long, distinct system message of every other request
+# (cluster.structured_load.schema_messages) sends half of them the remote way.
 LOCAL_THRESHOLD = 60
-LONG_SYSTEM = "You answer in JSON. " + "Keep every value short and realistic. " * 12
 
 
 @pytest.fixture(scope="module")
@@ -43,56 +40,20 @@ def deployment():
         yield running
 
 
-def messages(i: int, prompt: str) -> list[dict]:
-    user = [{"role": "user", "content": prompt}]
-    return ([{"role": "system", "content": f"Request {i}. {LONG_SYSTEM}"}] + user) if i % 2 else user
+def load(base_url: str, n: int, during=None):
+    return asyncio.run(schema_load(base_url, n, concurrency=16, max_tokens=MAX_TOKENS, timeout_s=DEADLINE_S,
+                                   during=during))
 
 
-async def one(client: httpx.AsyncClient, i: int, request, stream: bool) -> tuple[str, str | None]:
-    body = {"messages": messages(i, request.prompt), "max_tokens": MAX_TOKENS, "temperature": 0.0 if i % 3 else 0.7,
-            "seed": i, "response_format": response_format(request.schema_name), "stream": stream}
-    if not stream:
-        r = await client.post("/v1/chat/completions", json=body)
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        return choice["message"]["content"], choice["finish_reason"]
-    text, reason = "", None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["delta"].get("content") or ""
-                reason = chunk["choices"][0]["finish_reason"] or reason
-    return text, reason
-
-
-async def load(base_url: str, n: int, concurrency: int = 16, during=None) -> list[tuple[str, str | None]]:
-    requests = schema_requests(n)
-    gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=DEADLINE_S) as client:
-        async def gated(i):
-            async with gate:
-                return await one(client, i, requests[i], stream=i % 2 == 0)
-        tasks = [asyncio.create_task(gated(i)) for i in range(n)]
-        if during is not None:
-            await during()
-        return list(await asyncio.gather(*tasks))
-
-
-def assert_all_valid(results, n: int) -> None:
-    requests = schema_requests(n)
-    bad = [(r.schema_name, text, reason, why) for r, (text, reason) in zip(requests, results)
-           if (why := check_reply(text, r.schema)) is not None or reason != "stop"]
+def assert_all_valid(replies) -> None:
+    bad = [(r.request.schema_name, r.text, r.problem) for r in replies if r.problem is not None]
     assert not bad, bad[:5]
 
 
-def test_forty_schema_requests_at_concurrency_16_all_validate(deployment):
+def test_thirty_two_schema_requests_at_concurrency_16_all_validate(deployment):
     backend = deployment.deployment.backend
     remote, local = backend.counters["remote_prefill"], backend.counters["local_prefill"]
-    results = asyncio.run(load(deployment.base_url, 40))
-    assert_all_valid(results, 40)
+    assert_all_valid(load(deployment.base_url, 32))
     # Both ways across the pools were taken: the first token from the prefill worker, and not.
     assert backend.counters["remote_prefill"] > remote and backend.counters["local_prefill"] > local
     metrics = httpx.get(deployment.base_url + "/metrics").text
@@ -152,15 +113,6 @@ def test_the_openai_client_parses_models_and_gets_valid_tool_calls(deployment):
 def test_a_decode_worker_killed_mid_reply_leaves_every_reply_valid(deployment):
     backend = deployment.deployment.backend
     migrations = backend.counters["migrations"]
-    workers = {w.worker_id: w.handle for w in deployment.deployment.workers}
-    pid = ray.get(workers["decode-0"].stats.remote(), timeout=60).pid
-
-    async def kill_mid_reply():
-        while (await workers["decode-0"].stats.remote()).num_running < 3:
-            await asyncio.sleep(0.005)
-        os.kill(pid, signal.SIGKILL)
-
-    results = asyncio.run(load(deployment.base_url, 24, during=kill_mid_reply))
-    assert_all_valid(results, 24)
+    assert_all_valid(load(deployment.base_url, 20, during=deployment.killer_mid_reply("decode-0")))
     assert backend.counters["migrations"] > migrations
     wait_until(lambda: all(w.alive for w in backend.workers()), 180, "Ray to restart decode-0")

@@ -37,7 +37,7 @@ def test_the_command_constrains_only_the_schema_runs():
     bound = bench_command("vllm", "http://h", "tok", 3, 40, 16, 128, Path("/tmp/x.json"), SCHEMAS["flag"])
     assert "--ignore-eos" in free and "--extra-body" not in free
     body = json.loads(bound[bound.index("--extra-body") + 1])
-    assert body == {"structured_outputs": {"json": SCHEMAS["flag"]}} and "--ignore-eos" not in bound
+    assert body == {"structured_outputs": {"json": SCHEMAS["flag"]}, "ignore_eos": False} and "--ignore-eos" not in bound
     for command in (free, bound):
         assert command[command.index("--max-concurrency") + 1] == "16"
         assert command[command.index("--num-prompts") + 1] == "40"
