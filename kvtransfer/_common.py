@@ -230,13 +230,15 @@ class TransportCore(KVTransport):
         assert self._bytes is not None
         return block_sums(self._bytes, torch.tensor(list(ids), dtype=torch.int64, device=self._bytes.device))
 
-    def _verify(self, rec: Record, manifest: Optional[Manifest]) -> Optional[Verdict]:
+    def _verify(self, rec: Record, manifest: Optional[Manifest],
+                sums: Optional[np.ndarray] = None) -> Optional[Verdict]:
         """Receiver: check the blocks of `rec`, landed in this cache, against `manifest`
-        (None: the sender did not seal them; nothing to check)."""
+        (None: the sender did not seal them; nothing to check). `sums`: the blocks' sums when
+        taken already (kvtransfer.shm sums them while they land), else summed here."""
         if manifest is None:
             return None
         return verify(manifest, transfer_key(rec.transfer_id), self._tag, rec.num_blocks,
-                      self._block_sums(rec.block_ids))
+                      self._block_sums(rec.block_ids) if sums is None else sums)
 
     def pending_transfers(self) -> list[str]:
         """Ids of this side's transfers that are not terminal yet (tests check none leak)."""

@@ -79,7 +79,7 @@ from ._segment import (DEADLINE as _DEADLINE, HASH as _HASH, KEY as _KEY, LANDED
                        STATE as _STATE, UNSEALED as _UNSEALED)
 from .base import KVTransferError, Role, TransferHandle, TransferStatus, torch_dtype
 from .integrity import (FailureReason, Fault, FaultKind, FaultPlan, Manifest, clamp_block, faulty_manifest,
-                        faulty_pairs, flip_bit, verify)
+                        faulty_pairs, flip_bit)
 
 # Plain ints for the states the send path compares against (an IntEnum round trip per field
 # read is measurable at this scale).
@@ -276,7 +276,7 @@ class ShmTransport(TransportCore):
         if rec.status.is_terminal:
             return
         sent_key, sent_tag, sent_blocks = (int(v) for v in seg.slots[slot, _SENT_KEY:_SENT_BLOCKS + 1])
-        verdict = None
+        manifest = sums = None
         if sent_blocks != _UNSEALED:
             n = max(0, min(sent_blocks, rec.num_blocks))
             seals = seg.seals[np.asarray(rec.block_ids[:n], dtype=np.int64)].astype("<u8").tobytes()
@@ -285,7 +285,7 @@ class ShmTransport(TransportCore):
             sums = rec.extra["sums"][:done]
             if done < rec.num_blocks:
                 sums = np.concatenate([sums, self._block_sums(rec.block_ids[done:])])
-            verdict = verify(manifest, transfer_key(rec.transfer_id), self._tag, rec.num_blocks, sums)
+        verdict = self._verify(rec, manifest, sums)
         if verdict is None:
             self._finish(rec, TransferStatus.SUCCESS)
         else:
