@@ -31,15 +31,17 @@ both alike, into one decode actor):
 
     .venv/bin/python -m bench.kv_transfer --checksum-cost   # -> bench/results/kv_transfer_checksum.json
 
-per transfer: the sender's time (send() to terminal: the copy, and with checksums the sums
-taken inside it and the seals written) and the handoff: from send() until the receiver holds
-verified blocks. Without checksums that is the sender's time (the blocks are there when the copy
-ends; the receiver's own look is not counted); with them it ends when the receiver's record turned
-SUCCESS (CLOCK_MONOTONIC, which both processes share), its verifier thread having summed the
-chunks while they were copied (kvtransfer/shm.py). `receiver_after_copy` is how long that was
+per transfer (101 repetitions of each by default): the sender's time (send() to terminal: the
+copy, and with checksums the sums taken inside it and the seals written) and the handoff: from
+send() until the receiver holds verified blocks. Both senders run the same native copy, with and
+without its sums (kvtransfer/shm.py), so that the two differ by what checksums add. Without
+checksums the handoff is the sender's time (the blocks are there when the copy ends; the
+receiver's own look is not counted); with them it ends when the receiver's record turned SUCCESS
+(CLOCK_MONOTONIC, which both processes share), its verifier thread having summed the chunks while
+they were copied (kvtransfer/_follower.py). `receiver_after_copy` is how long that was
 after the copy ended. It also records, in one process, the native sum against zlib.crc32 on hot
-buffers, and the plain copy, the summing copy and the sums alone with block ids moving as in the
-handoffs.
+buffers, and kernels.block_copy's copy, the summing copy without and with its sums and the sums
+alone with block ids moving as in the handoffs.
 """
 
 from __future__ import annotations
@@ -138,19 +140,21 @@ class BenchWorker(KVWorker):
         return out
 
     def cold_costs(self, n: int, reps: int) -> dict:
-        """Per block-id pattern, median seconds of the native copy, the summing copy and the
-        native sums alone over n blocks of this actor's cache, ids moving every repetition as in
-        the handoffs (so mostly from memory), the three alternating."""
+        """Per block-id pattern, median seconds of kernels.block_copy's copy, the summing copy
+        without its sums (what a checksums-off shm sender runs), the summing copy, and the native
+        sums alone (what the receiver's check reads) over n blocks of this actor's cache, ids
+        moving every repetition as in the handoffs (so mostly from memory), the four alternating."""
         cache = self.cache.view(torch.uint8)
         copier, summing, summer = KVBlockCopier(cache, cache), SummingCopier(cache, cache), BlockSummer(cache)
         out = {}
         for pattern in PATTERNS:
-            times: dict = {"copy": [], "copy_and_sums": [], "block_sums": []}
+            times: dict = {"copy": [], "copy_without_sums": [], "copy_and_sums": [], "block_sums": []}
             for rep in range(reps + 1):
                 src = array("q", block_ids(n, pattern, rep, 0))
                 dst = array("q", block_ids(n, pattern, rep, NUM_BLOCKS // 2))
-                for name, fn in (("copy", lambda: copier(dst, src)), ("copy_and_sums", lambda: summing(dst, src)),
-                                 ("block_sums", lambda: summer(dst))):
+                for name, fn in (("copy", lambda: copier(dst, src)),
+                                 ("copy_without_sums", lambda: summing(dst, src, sums=False)),
+                                 ("copy_and_sums", lambda: summing(dst, src)), ("block_sums", lambda: summer(dst))):
                     t0 = time.perf_counter()
                     fn()
                     if rep:
@@ -296,6 +300,7 @@ def measure_local(args) -> tuple[list[dict], int]:
 
 
 CHECKSUM_BLOCKS = 256  # 16 MiB of 64 KiB blocks
+CHECKSUM_REPS = 101  # the machine is shared: medians of many interleaved repetitions
 
 
 def measure_checksum_cost(args) -> dict:
@@ -305,8 +310,9 @@ def measure_checksum_cost(args) -> dict:
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
     actor = ray.remote(num_cpus=0)(BenchWorker)
     d, senders = actor.remote(), {False: actor.remote(), True: actor.remote()}
-    reps = max(args.reps, 15)
+    reps = max(args.reps, CHECKSUM_REPS)
     rows = []
+    on_handoffs: dict = {}
     load_before = os.getloadavg()
     try:
         endpoint = ray.get(d.setup.remote("shm", LAYOUT, NUM_BLOCKS, 1))
@@ -333,6 +339,7 @@ def measure_checksum_cost(args) -> dict:
                         times[checksums]["send"].append(send_s)
                         times[checksums]["handoff"].append(handoff)
                         times[checksums]["after"].append(handoff - send_s)
+            on_handoffs[pattern] = times[True]["handoff"]
             for checksums, t in times.items():
                 rows.append({"block_ids": pattern, "checksums": checksums,
                              "bytes": CHECKSUM_BLOCKS * LAYOUT.block_bytes,
@@ -341,7 +348,8 @@ def measure_checksum_cost(args) -> dict:
                              "handoff_seconds_median": statistics.median(t["handoff"]),
                              # quartiles: on a shared machine the receiver's verifier thread gets a
                              # core of its own (and overlaps the copy) in some repetitions only
-                             "handoff_seconds_quartiles": statistics.quantiles(t["handoff"], n=4)})
+                             "handoff_seconds_quartiles": statistics.quantiles(t["handoff"], n=4),
+                             "receiver_after_copy_seconds_quartiles": statistics.quantiles(t["after"], n=4)})
     finally:
         ray.shutdown()
     overhead = {}
@@ -351,6 +359,10 @@ def measure_checksum_cost(args) -> dict:
             "send": on["send_seconds_median"] / off["send_seconds_median"] - 1,
             "handoff": on["handoff_seconds_median"] / off["handoff_seconds_median"] - 1,
             "handoff_best_quarter": on["handoff_seconds_quartiles"][0] / off["handoff_seconds_quartiles"][0] - 1,
+            # the share of repetitions in which checksums added at most 10% to the handoff, against
+            # the median handoff without them
+            "handoff_within_10pct_share": statistics.mean(
+                h <= 1.1 * off["handoff_seconds_median"] for h in on_handoffs[pattern]),
         }
     return {
         "benchmark": "kv_transfer_checksum",
@@ -360,6 +372,8 @@ def measure_checksum_cost(args) -> dict:
                     "note": "2 cores shared with other developers' jobs: expect noise"},
         "command": ".venv/bin/python -m bench.kv_transfer --checksum-cost",
         "verify_chunk_bytes": 256 << 10,
+        "checksums_off_copy": "the summing copy without its sums (SummingCopier(sums=False)): the same loads and "
+                              "stores, so the two sides differ by the sums and the receiver's check alone",
         "layout": {"num_layers": LAYOUT.num_layers, "num_kv_heads": LAYOUT.num_kv_heads, "head_dim": LAYOUT.head_dim,
                    "block_size": LAYOUT.block_size, "dtype": LAYOUT.dtype, "block_bytes": LAYOUT.block_bytes},
         "reps": reps,

@@ -16,10 +16,12 @@ reply ends with its value)
 (vLLM started with `--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace":
 true}'`: compact JSON, as Baton's grammars are) (vLLM's random prompts, `--seed` fixed, the
 same for both servers: the grammar, not the prompt, shapes the reply; the custom dataset would
-need pandas in vLLM's venv), and then the same prompts without a constraint, each reply as long
-as that schema's constrained replies were on average (`--ignore-eos`): the ratio compares the
-same work with and without the grammar. Output tokens/s is the tokens of all runs over their
-summed durations.
+need pandas in vLLM's venv), each followed at once by the same prompts without a constraint, the
+replies' lengths drawn to match that schema's constrained replies (their mean, and a uniform
+spread of the same standard deviation: `--random-range-ratio '{"input": 0, "output": r}'
+--ignore-eos`): the ratio compares the same work with and without the grammar, and the twin runs
+share the machine's background load. Output tokens/s is the tokens of all runs over their
+summed durations, after one unmeasured warm-up run per server.
 Validity: every constrained reply (vLLM's saved generated_texts) is parsed and checked with
 jsonschema (valid: it opens with a valid value; text_after_value: of those, the replies that went
 on after it instead of stopping). Compile time: each schema compiled `--compile-repeats` times by
@@ -43,7 +45,7 @@ from pathlib import Path
 
 from cluster.harness import free_port, healthy
 from cluster.structured_load import (MODEL_NAME, SCHEMAS, SchemaRequest, aggregate, bench_command, check_reply,
-                                     schema_requests)
+                                     matching_lengths, schema_requests)
 from common.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,36 +99,50 @@ def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dic
                 raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
             time.sleep(1.0)
         result: dict = {"base_url": base_url, "commands": [], "modes": {}}
-        reply_tokens: dict[str, int] = {}  # per schema: the constrained replies' mean length
-        for mode in ("json_schema", "unconstrained"):
-            runs, valid, invalid, trailing, reasons = [], 0, 0, 0, []
-            for seed, schema_name in enumerate(SCHEMAS):
-                mine = [r for r in requests if r.schema_name == schema_name]
-                if not mine:
-                    continue
+        # One unmeasured run first: a server's first requests pay one-time costs (kernel and
+        # allocator warm-up) that would otherwise fall on whichever mode runs first.
+        warmup = bench_command(args.vllm, base_url, args.tokenizer, 99, 2 * args.max_concurrency, args.max_concurrency,
+                               32, tmp / f"{name}_warmup.json", None)
+        subprocess.run(warmup, capture_output=True, check=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        result["warmup_command"] = " ".join(warmup)
+        runs: dict[str, list[dict]] = {"json_schema": [], "unconstrained": []}
+        valid, invalid, trailing, reasons = 0, 0, 0, []
+        # Each schema's constrained run is followed at once by its unconstrained twin, so that a
+        # change in the machine's background load falls on both modes alike.
+        for seed, schema_name in enumerate(SCHEMAS):
+            mine = [r for r in requests if r.schema_name == schema_name]
+            if not mine:
+                continue
+            reply_tokens, spread = args.max_tokens, 0.0
+            for mode in ("json_schema", "unconstrained"):
                 out = tmp / f"{name}_{mode}_{schema_name}.json"
-                # Unconstrained replies as long as the constrained ones were (ignore_eos): the
-                # ratio compares the same work with and without the grammar, not short JSON
-                # replies (more prefill per output token) against long free ones.
-                max_tokens = args.max_tokens if mode == "json_schema" else reply_tokens[schema_name]
+                # Unconstrained replies as long as the constrained ones were, with the same spread
+                # (ignore_eos): the ratio compares the same work with and without the grammar, not
+                # short JSON replies (more prefill per output token) against long free ones, nor
+                # replies of varied lengths (a batch that thins out as they end) against equal ones.
                 command = bench_command(args.vllm, base_url, args.tokenizer, seed, len(mine), args.max_concurrency,
-                                        max_tokens, out, SCHEMAS[schema_name] if mode == "json_schema" else None)
+                                        reply_tokens, out, SCHEMAS[schema_name] if mode == "json_schema" else None,
+                                        spread)
                 done = subprocess.run(command, capture_output=True, text=True,
                                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
                 if done.returncode != 0:
                     raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
                 result["commands"].append(" ".join(command))
                 raw = json.loads(out.read_text())
-                runs.append(raw)
+                runs[mode].append(raw)
                 if mode == "json_schema":
-                    reply_tokens[schema_name] = max(1, round(raw.get("total_output_tokens", 0) / max(1, raw.get("completed", 0))))
+                    reply_tokens, spread = matching_lengths(raw.get("output_lens", []))
+                    result.setdefault("unconstrained_lengths", {})[schema_name] = {"mean": reply_tokens,
+                                                                                   "range_ratio": spread}
                     for text in raw.get("generated_texts", []):
                         why = check_reply(text, SCHEMAS[schema_name], allow_trailing=True)
                         valid, invalid = valid + (why is None), invalid + (why is not None)
                         trailing += why is None and check_reply(text, SCHEMAS[schema_name]) is not None
                         if why is not None and len(reasons) < 5:
                             reasons.append(f"{schema_name}: {why}: {text[:120]!r}")
-            summary = aggregate(runs)
+        for mode, mode_runs in runs.items():
+            summary = aggregate(mode_runs)
             if mode == "json_schema":
                 # valid: starts with a valid value; text_after_value: of those, how many went on after it.
                 summary.update(valid=valid, invalid=invalid, text_after_value=trailing, invalid_examples=reasons)

@@ -49,7 +49,7 @@ class GPUInfo:
 @dataclass
 class OpImplementation:
     op: str  # a KernelOps field, e.g. "paged_decode_attention"
-    implementation: str  # "triton", "native" or "reference"
+    implementation: str  # "triton", "native", "reference" or "library" (a library's own GPU kernel)
     source: str  # where it lives: a kernels/ module or kernels/csrc/ file
     reason: str
 
@@ -163,6 +163,7 @@ _OP_MODULES = {
     "pack_kv_blocks": ("block_copy", None), "unpack_kv_blocks": ("block_copy", None),
     "exponential_race": ("sampling", "exponential_race"),
     "gelu_tanh_and_mul": ("gelu_tanh_and_mul", "gelu_mul"), "fused_moe": ("fused_moe", None),
+    "apply_token_bitmask": ("token_bitmask", "token_bitmask"),
 }
 
 
@@ -170,6 +171,8 @@ def _implementation(fn) -> str:
     name = getattr(getattr(fn, "func", fn), "__name__", "")  # a functools.partial: the function it wraps
     if name.endswith("_triton"):
         return "triton"
+    if name.endswith("_gpu"):  # a library's own GPU kernel (xgrammar's grammar mask)
+        return "library"
     if name.endswith("_reference"):
         return "reference"
     return "native"  # kernels.ops._native_or_reference's wrapper
@@ -202,6 +205,8 @@ def _ops(backend: str, device: str) -> tuple[str, list[OpImplementation]]:
         source = f"kernels/{module_name}.py"
         if impl == "triton":
             reason = "CUDA device with Triton: the Triton kernel"
+        elif impl == "library":
+            reason = "CUDA device: the library's own GPU kernel (xgrammar's for a grammar's token mask)"
         elif impl == "native":
             source = f"kernels/csrc/{csrc}.cpp"
             reason = (f"CPU, native library built: the C++ kernel for {_native_inputs(module)}; "

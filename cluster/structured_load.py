@@ -173,9 +173,10 @@ async def schema_load(base_url: str, n: int, concurrency: int = 16, max_tokens: 
 
 
 def bench_command(vllm: str, base_url: str, tokenizer: str, seed: int, num_prompts: int, concurrency: int,
-                  max_tokens: int, out: Path, schema: dict | None) -> list[str]:
+                  max_tokens: int, out: Path, schema: dict | None, output_range_ratio: float = 0.0) -> list[str]:
     """One `vllm bench serve` over vLLM's random prompts (`seed`), sampling as its defaults do;
-    constrained by `schema` when given."""
+    constrained by `schema` when given. Unconstrained, every reply runs to its drawn length:
+    `max_tokens`, or uniform within `output_range_ratio` of it."""
     command = [vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
                "--base-url", base_url, "--model", MODEL_NAME, "--tokenizer", tokenizer,
                "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", str(max_tokens),
@@ -183,16 +184,39 @@ def bench_command(vllm: str, base_url: str, tokenizer: str, seed: int, num_promp
                "--seed", str(seed), "--disable-tqdm", "--save-result", "--save-detailed",
                "--result-dir", str(out.parent), "--result-filename", out.name]
     if schema is None:
-        return command + ["--ignore-eos"]
+        spread = ["--random-range-ratio", json.dumps({"input": 0.0, "output": output_range_ratio})] if output_range_ratio else []
+        return command + spread + ["--ignore-eos"]
     # `vllm bench serve` sets ignore_eos on every request of its random dataset; a structured reply
     # ends with its value (the grammar's stop token), so the constrained runs turn it off again.
     return command + ["--extra-body", json.dumps({"structured_outputs": {"json": schema}, "ignore_eos": False})]
+
+
+def matching_lengths(output_lens: list[int]) -> tuple[int, float]:
+    """(mean, range ratio) of the uniform length draw of `vllm bench serve --random-range-ratio`
+    whose spread matches these lengths: a uniform draw on [m (1 - r), m (1 + r)] has the standard
+    deviation m r / sqrt(3), so r = sqrt(3) sd / m (at most 0.95; 0 for fewer than two lengths)."""
+    if not output_lens:
+        return 1, 0.0
+    mean = sum(output_lens) / len(output_lens)
+    if len(output_lens) < 2:
+        return max(1, round(mean)), 0.0
+    sd = (sum((n - mean) ** 2 for n in output_lens) / (len(output_lens) - 1)) ** 0.5
+    return max(1, round(mean)), round(min(0.95, 3 ** 0.5 * sd / mean), 3)
 
 
 def aggregate(runs: list[dict]) -> dict:
     """Output tokens over summed durations of several `vllm bench serve` results."""
     tokens = sum(r.get("total_output_tokens", 0) for r in runs)
     seconds = sum(r.get("duration", 0.0) for r in runs)
-    return {"completed": sum(r.get("completed", 0) for r in runs), "failed": sum(r.get("failed", 0) for r in runs),
+    completed = sum(r.get("completed", 0) for r in runs)
+
+    def mean_of(key: str) -> float | None:
+        # vLLM's per-run means, weighted by the requests each run completed.
+        weighted = [(r[key], r.get("completed", 0)) for r in runs if r.get(key) is not None]
+        total = sum(n for _, n in weighted)
+        return round(sum(v * n for v, n in weighted) / total, 2) if total else None
+
+    return {"completed": completed, "failed": sum(r.get("failed", 0) for r in runs),
             "output_tokens": tokens, "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(tokens / seconds, 2) if seconds else None}
+            "output_tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+            "mean_ttft_ms": mean_of("mean_ttft_ms"), "mean_tpot_ms": mean_of("mean_tpot_ms")}

@@ -283,6 +283,18 @@ class GrammarCounts:
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """A worker's speculative decoding since start (vLLM's spec_decode counters): verifications
+    (sequences with drafts in a step), draft tokens proposed, drafts accepted, and
+    `accepted_per_pos[j]` drafts accepted at draft position j."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     worker_id: str
     role: str
@@ -303,6 +315,7 @@ class WorkerStats:
     # Received KV transfers that failed, by reason (kvtransfer.integrity.FailureReason values).
     kv_transfer_failures: dict[str, int] = field(default_factory=dict)
     grammar: GrammarCounts = field(default_factory=GrammarCounts)  # structured output's compile cache
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # zeros without speculative decoding
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 
 from kernels import (block_copy, decode_attention, fp8_gemm as _fp8_gemm, fp8_quant, fused_moe as _fused_moe,
                      gelu_tanh_and_mul as gelu_mul, kv_store, prefill_attention, rms_norm as _rms_norm, rotary, sampling,
-                     silu_mul)
+                     silu_mul, token_bitmask)
 from kernels._triton_compat import HAS_TRITON, interpreting
 # Module-level pack/unpack for callers without a KernelOps (the KV transports): Triton on CUDA tensors.
 from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks
@@ -59,6 +59,8 @@ class KernelOps:
     exponential_race: Op  # (logits, inv_temperature, keys) -> token ids: the sampler's draw
     fused_moe: Op  # (x, w13, w2, topk_weights, topk_ids) -> the weighted sum of each token's experts' MLPs
     gelu_tanh_and_mul: Op = gelu_mul.gelu_tanh_and_mul_reference  # (x) -> gelu_tanh(x[:, :I]) * x[:, I:] (Gemma)
+    # (logits, bitmask, rows) -> None, in place: a grammar's disallowed tokens -> -inf (structured output)
+    apply_token_bitmask: Op = token_bitmask.apply_token_bitmask_reference
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -109,6 +111,7 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
             _fp8_gemm.fp8_gemm_triton, block_copy.pack_kv_blocks_triton, block_copy.unpack_kv_blocks_triton,
             # One pass of elementwise ops and an argmax: the PyTorch reference is already fused enough on CUDA.
             sampling.exponential_race_reference, _fused_moe.fused_moe_triton, gelu_mul.gelu_tanh_and_mul_triton,
+            token_bitmask.apply_token_bitmask_gpu,
         )
     references = dict(
         rms_norm=_rms_norm.rms_norm_reference, rotary_embedding=rotary.rotary_embedding_reference,
@@ -119,6 +122,7 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
         pack_kv_blocks=block_copy.pack_kv_blocks_reference, unpack_kv_blocks=block_copy.unpack_kv_blocks_reference,
         exponential_race=sampling.exponential_race_reference, fused_moe=_fused_moe.fused_moe_reference,
         gelu_tanh_and_mul=gelu_mul.gelu_tanh_and_mul_reference,
+        apply_token_bitmask=token_bitmask.apply_token_bitmask_reference,
     )
     if resolved == "reference":
         return KernelOps("reference", **references)
@@ -149,6 +153,9 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
         gelu_tanh_and_mul=_native_or_reference(
             gelu_mul.native_built(), gelu_mul.gelu_tanh_and_mul_cpu, references["gelu_tanh_and_mul"],
             gelu_mul.native_available),
+        apply_token_bitmask=_native_or_reference(
+            token_bitmask.native_built(), token_bitmask.apply_token_bitmask_cpu, references["apply_token_bitmask"],
+            token_bitmask.native_available),
         # The reference's per-expert matmuls with the native SiLU-and-mul between them (the plain
         # reference when the native library is not built).
         fused_moe=functools.partial(_fused_moe.fused_moe_reference, silu_and_mul=_native_or_reference(

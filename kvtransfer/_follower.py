@@ -1,10 +1,23 @@
 """The shm receiver's verifier thread: it follows the receives a sender is copying into our
-segment and, through a callback of the transport (kvtransfer.shm), sums each chunk of blocks as
-the sender counts it as landed, so that verifying a handoff overlaps its copy instead of
-re-reading it afterwards; it also lands the receives that end.
+segment and sums each chunk of blocks as the sender counts it as landed, so that verifying a
+handoff overlaps its copy instead of re-reading it afterwards (which would cost the receiver
+about the copy's time again); it also lands the receives that end.
 
-It sleeps on the segment's FIFO (kvtransfer._segment.wake_path) while nothing is being copied; a
-sender writes a byte into it when it calls send() and again when its copy starts.
+The sender's native copy publishes in the slot, every `verify_chunk_bytes` of whole blocks, how
+many blocks have landed (LANDED). Once a copy is under way, one look (the transport's step,
+kvtransfer.shm) follows it to its end in one native call (kernels.block_checksum.BlockSummer.follow)
+that waits between chunks on its core instead of sleeping: on a loaded machine each wake-up can
+take longer than the copy has left (with a Python look and a sleep per chunk, a 16 MiB handoff's
+check ended 0.3-1.4 ms after its copy on the busy development VM; in one call, 0.1 ms when the
+thread has a core: bench/results/kv_transfer_checksum*.json, docs/performance.md). The comparison still happens only at SUCCESS, over
+every block (those not summed yet are summed then), so nothing is SUCCESS on the receiver before
+all its blocks were read and matched. This relies on a sender writing each destination block
+once, before counting it as landed (the ids are unique; the copy is one pass). Injected faults
+spoil blocks before they count as landed (a fault in transit); the fallback copies (no native
+kernels) publish no count.
+
+The thread sleeps on the segment's FIFO (kvtransfer._segment.wake_path) while nothing is being
+copied; a sender writes a byte into it when it calls send() and again when its copy starts.
 """
 
 from __future__ import annotations
@@ -23,6 +36,10 @@ FOLLOW_POLL_S = 2e-5
 STALLED_S = 0.002
 MAX_STALLED_POLL_S = 0.005
 IDLE_POLL_S = 0.05
+# How long one native follow of a copy waits, on its core, for the next chunk before it hands back
+# to the loop (which then sleeps, backing off): several chunks' copy time, so that a sender that
+# lost its core for a moment costs no sleep and wake-up.
+FOLLOW_WAIT_S = 0.001
 
 
 class Progress(enum.Enum):

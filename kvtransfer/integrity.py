@@ -10,6 +10,20 @@ flipped bits, a missing, stale or truncated block, blocks swapped or duplicated,
 for another request or layout all fail with a `FailureReason`, as does a deadline that passed
 before the data was complete (late data is never written).
 
+Why this is end to end: the two sums are taken by different processes from different reads. The
+sender's are of its source bytes as its copy or pack reads them; the receiver's are of bytes it
+reads itself after they landed: on shared memory its own cache blocks (the segment *is* the
+decode worker's cache, the sender writes into it directly, so there is no receiver copy whose
+loads could be summed on the way, and the receiver reads the destination as it lies); on gloo and
+NCCL the staging buffer the payload arrived in, before the unpack copies it into the cache
+(kvtransfer._staged). A match therefore covers the sender's reads, the copy's addressing (which
+block went where), the bytes in transit and in the destination until the receiver read them, and
+the transfer's identity and layout through the seal; only the unpack's own stores (gloo, NCCL) and
+memory changed after the receiver's read are left to the hardware (ECC) and the block manager.
+The receiver's read costs one pass over the transfer's bytes at memory speed; the shm receiver
+overlaps it with the copy (kvtransfer.shm), so with a core of its own it adds little more than
+the last chunk to the handoff (bench/kv_transfer.py --checksum-cost).
+
 Fault injection is configuration of a transport (`FaultPlan`, passed to its constructor or
 `set_fault_plan`), never read from the environment: each backend applies the planned fault where
 its data path would suffer it (the bytes delivered, the manifest, the timing, the sender's life).

@@ -15,19 +15,11 @@ either happens before the copy (the sender then writes nothing) or waits for it.
 Integrity (kvtransfer.integrity): the native copy sums each source block as it copies it; the
 sender writes one seal per block into a table beside the slots (indexed by destination block)
 and its manifest (key, layout tag, blocks vouched for) into the slot, before SUCCESS. The
-receiver sums the blocks in its own cache and compares before it reports SUCCESS itself; a
-mismatch is FAILED with its reason. The sender's own SUCCESS means "copied"; only the receiver
-can say "verified".
-
-Re-reading a 16 MiB handoff after it landed would cost the receiver about the copy's time again,
-so its reading overlaps the copy: the sender's native copy publishes in the slot, every
-`verify_chunk_bytes` of whole blocks, how many blocks have landed (LANDED), and the receiver's
-verifier thread (kvtransfer._follower) sums each landed chunk while the next is copied. The
-comparison still happens only at SUCCESS, over every block (those not summed yet are summed
-then), so nothing is SUCCESS on the receiver before all its blocks were read and matched. This
-relies on a sender writing each destination block once, before counting it as landed (the ids
-are unique; the copy is one pass). Injected faults spoil blocks before they count as landed (a
-fault in transit); the fallback copies (no native kernels) publish no count.
+receiver sums the blocks in its own cache, overlapping the copy (kvtransfer._follower says how),
+and compares before it reports SUCCESS itself; a mismatch is FAILED with its reason. The
+sender's own SUCCESS means "copied"; only the receiver can say "verified". A sender with
+checksums off runs the same native copy without the sums, so that turning them on adds the sums
+and the receiver's check, nothing else.
 
 When the receiver has already called `expect()` (the normal order), `send()` does the copy in
 the caller's thread and returns a terminal handle; only a send that arrives first is handed
@@ -69,7 +61,7 @@ from ._common import (
     ids_hash,
     transfer_key,
 )
-from ._follower import Follower, Progress, wake
+from ._follower import FOLLOW_WAIT_S, STALLED_S, Follower, Progress, wake
 from ._segment import HEADER_INTS as _HEADER_INTS, MAGIC as _MAGIC, REASON_KINDS as _REASON_KINDS, REASONS as _REASONS
 from ._segment import Segment as _Segment, layout_bytes as _layout_bytes, map_segment as _map
 from ._segment import make_wake_fifo, open_waker, process_start as _process_start, shm_dir as _shm_dir
@@ -220,8 +212,9 @@ class ShmTransport(TransportCore):
             seg.slots[slot, _LANDED] = 0
             seg.slots[slot, _STATE] = int(TransferStatus.PENDING)
             seg.slots[slot, _KEY] = key  # last: senders look slots up by key
-        # The sums the verifier thread has taken so far, blocks [0, summed) in transfer order.
-        rec.extra.update(slot=slot, sums=np.empty((len(dst), 2), dtype=np.uint64), summed=0)
+        # Sums the verifier thread took: blocks [0, summed[0]), kept current (a lander sums the rest).
+        rec.extra.update(slot=slot, sums=np.empty((len(dst), 2), np.uint64), summed=np.zeros(1, np.int64),
+                         ids=array("q", dst))
         self._follower.follow(rec)
         return rec.handle()
 
@@ -281,7 +274,7 @@ class ShmTransport(TransportCore):
             n = max(0, min(sent_blocks, rec.num_blocks))
             seals = seg.seals[np.asarray(rec.block_ids[:n], dtype=np.int64)].astype("<u8").tobytes()
             manifest = Manifest(sent_key, sent_tag, sent_blocks, seals)
-            done = rec.extra["summed"]
+            done = int(rec.extra["summed"][0])
             sums = rec.extra["sums"][:done]
             if done < rec.num_blocks:
                 sums = np.concatenate([sums, self._block_sums(rec.block_ids[done:])])
@@ -292,20 +285,25 @@ class ShmTransport(TransportCore):
             self._finish(rec, TransferStatus.FAILED, verdict.message, verdict.reason)
 
     def _look(self, rec: Record) -> Progress:
-        """The verifier thread's step for one receive (kvtransfer._follower): land it if its
-        sender is done, else sum the blocks the sender has counted as landed since the last look.
-        The sums go in before `summed` moves on: whoever reads `summed` finds all earlier ones."""
+        """The verifier thread's step for one receive (kvtransfer._follower): land it if its sender
+        is done, else sum the blocks the sender counts as landed, natively following the copy to its
+        end (one that has not moved for STALLED_S gets a look only). `summed` moves on after the sums."""
         self._refresh(rec)
         self._expire_if_due(rec)
-        if rec.status.is_terminal:
-            return Progress.ENDED
-        extra, copying = rec.extra, rec.status == TransferStatus.TRANSFERRING
-        done = extra["summed"]
-        upto = min(max(int(self._own.slots[extra["slot"], _LANDED]), 0), rec.num_blocks)  # the sender's word
-        if not copying or upto <= done:
-            return Progress.COPYING if copying else Progress.WAITING
-        extra["sums"][done:upto] = self._block_sums(rec.block_ids[done:upto])
-        extra["summed"] = upto
+        if rec.status != TransferStatus.TRANSFERRING:
+            return Progress.ENDED if rec.status.is_terminal else Progress.WAITING
+        extra, row, now = rec.extra, self._own.slots[rec.extra["slot"]], time.monotonic()
+        done = upto = int(extra["summed"][0])
+        if self._summer is not None:
+            wait_s = FOLLOW_WAIT_S if now - extra.setdefault("moved_at", now) < STALLED_S else 0.0
+            upto = self._summer.follow(extra["ids"], extra["sums"], extra["summed"], row[_LANDED:_LANDED + 1],
+                                       row[_STATE:_STATE + 1], _TRANSFERRING, wait_s)
+        elif (landed := min(max(int(row[_LANDED]), 0), rec.num_blocks)) > done:  # the sender's word
+            extra["sums"][done:landed] = self._block_sums(rec.block_ids[done:landed])
+            extra["summed"][0] = upto = landed
+        if upto <= done:
+            return Progress.COPYING
+        extra["moved_at"] = time.monotonic()
         return Progress.SUMMED
 
     # -- sender ----------------------------------------------------------------------------
@@ -330,7 +328,7 @@ class ShmTransport(TransportCore):
         rec.extra.update(seg=seg, copier=self._copiers[peer_id], key=transfer_key(transfer_id),
                          waker=self._wakers.get(peer_id),
                          nblocks=len(dst), dst_hash=ids_hash(dst), dst=dst, fault=fault,
-                         summing=self._summing[peer_id] if self.checksums else None,
+                         summing=self._summing[peer_id],
                          not_before=rec.deadline + fault.stall_s
                          if fault is not None and fault.kind == FaultKind.STALL else 0.0)
         # Common case: the receiver reserved and expect()ed first. Copy right here: one
@@ -417,9 +415,11 @@ class ShmTransport(TransportCore):
                 sums = self._block_sums(src) if self.checksums else None
                 if not self._faulty_copy(rec, seg, row, fault, src, dst):
                     return True  # the sender "died"
-            elif summing is not None:  # the common case: one native call copies and sums
+            elif summing is not None and self.checksums:  # the common case: one native call copies and sums
                 wake(extra["waker"])  # the receiver's verifier thread follows the chunks as they land
                 sums = summing(array("q", dst), array("q", src), row[_LANDED:_LANDED + 1], self._chunk_blocks)
+            elif summing is not None:  # checksums off: the same copy without the sums
+                summing(array("q", dst), array("q", src), sums=False)
             else:
                 sums = self._block_sums(src) if self.checksums else None
                 self._copy(extra, seg, src, dst)

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Protocol, runtime_checkable
 from common.roles import Role
 from router.prefix_index import PrefixIndex
 from router.trace import RequestTrace
-from common.protocol import GrammarCounts, RequestOutput
+from common.protocol import GrammarCounts, RequestOutput, SpecDecodeStats
 from common.sampling_params import SamplingParams
 
 __all__ = [
@@ -48,6 +48,7 @@ class WorkerInfo:
     in_flight: int = 0  # requests the router has on it now (decoding there, or prefilling there)
     kv_transfer_failures: Mapping[str, int] = field(default_factory=dict)  # received KV that failed, by reason
     grammar: GrammarCounts = field(default_factory=GrammarCounts)  # structured output's compile cache on the worker
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding on the worker
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,15 @@ class _WorkerCollector:
         compile_seconds = HistogramMetricFamily("baton:structured_output_compile_seconds",
                                                 "Seconds the worker took to compile a structured output's grammar.",
                                                 labels=labels)
+        # Speculative decoding, with vLLM's names (zeros on a worker without it).
+        drafts = CounterMetricFamily("baton:spec_decode_num_drafts",
+                                     "Speculative verifications: sequences that had draft tokens in a step.", labels=labels)
+        draft_tokens = CounterMetricFamily("baton:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels=labels)
+        accepted_tokens = CounterMetricFamily("baton:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                              labels=labels)
+        accepted_per_pos = CounterMetricFamily("baton:spec_decode_num_accepted_tokens_per_pos",
+                                               "Draft tokens accepted, by draft position (0: the first draft).",
+                                               labels=labels + ["position"])
         indexed = GaugeMetricFamily("baton:prefix_index_blocks", "KV blocks the router's prefix index holds for the worker.",
                                     labels=labels)
         live = {Role.PREFILL: 0, Role.DECODE: 0}
@@ -106,13 +115,19 @@ class _WorkerCollector:
             if g.compile_buckets:  # a worker without a grammar cache (or an old one) reports none
                 compile_seconds.add_metric(lv, [(f"{b:g}", n) for b, n in zip(COMPILE_SECONDS_BUCKETS, g.compile_buckets)]
                                            + [("+Inf", g.compiles)], g.compile_seconds_sum)
+            spec = w.spec_decode
+            drafts.add_metric(lv, spec.num_drafts)
+            draft_tokens.add_metric(lv, spec.num_draft_tokens)
+            accepted_tokens.add_metric(lv, spec.num_accepted_tokens)
+            for position, n in enumerate(spec.accepted_per_pos):
+                accepted_per_pos.add_metric(lv + [str(position)], n)
             if index is not None:
                 indexed.add_metric(lv, index.num_blocks(w.worker_id))
             live[w.role] = live.get(w.role, 0) + (1 if w.alive else 0)
         for role, n in live.items():
             pool.add_metric([m, role], n)
         yield from (running, waiting, kv, queued, up, pool, queries, hits, kv_failures, grammar_hits, grammar_misses,
-                    compile_seconds)
+                    compile_seconds, drafts, draft_tokens, accepted_tokens, accepted_per_pos)
         if index is not None:
             yield indexed
         admission = self.owner.admission

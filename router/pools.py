@@ -36,7 +36,7 @@ from typing import Protocol
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
-from common.protocol import DEFAULT_ROUTER_ID, GrammarCounts, KVEndpoint, RouterClaim, RouterLeaseInfo
+from common.protocol import DEFAULT_ROUTER_ID, GrammarCounts, KVEndpoint, RouterClaim, RouterLeaseInfo, SpecDecodeStats
 from common.roles import Role
 from router.backend import BackendError, WorkerInfo
 from router.migration import WorkerLost, pick_worker
@@ -227,6 +227,7 @@ class WorkerPools:
                 in_flight=in_flight.get(w.worker_id, 0),
                 kv_transfer_failures=dict(s.kv_transfer_failures) if s else {},
                 grammar=s.grammar if s else GrammarCounts(),
+                spec_decode=s.spec_decode if s else SpecDecodeStats(),
             ))
         return infos
 

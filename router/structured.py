@@ -16,6 +16,7 @@ the grammar constrains the answer only: the workers hold it back until `</think>
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -57,14 +58,27 @@ def check_json_schema(schema: Any, param: str) -> str:
             raise _bad(f"{param} is not valid JSON: {e}", param) from None
     if not isinstance(schema, dict):
         raise _bad(f"{param} must be a JSON schema object, got {type(schema).__name__}", param)
+    canonical = _canonical(schema, param)
+    problem = _metaschema_problem(canonical)
+    if problem is not None:
+        raise _bad(f"{param} is not a valid JSON schema{problem}", param)
+    return canonical
+
+
+@functools.lru_cache(maxsize=256)
+def _metaschema_problem(canonical: str) -> str | None:
+    """None when the schema (canonical JSON text) passes its metaschema, else the message's tail.
+    Memoised on the text: applications send the same few schemas again and again, and the check
+    costs a millisecond or two of the router's event loop each time."""
+    schema = json.loads(canonical)
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.path)
-        raise _bad(f"{param} is not a valid JSON schema{' at ' + where if where else ''}: {e.message}", param) from None
+        return f"{' at ' + where if where else ''}: {e.message}"
     except Exception as e:  # a $schema or keyword the validator cannot even read (e.g. $schema: 5)
-        raise _bad(f"{param} is not a valid JSON schema: {type(e).__name__}: {e}", param) from None
-    return _canonical(schema, param)
+        return f": {type(e).__name__}: {e}"
+    return None
 
 
 _UNSUPPORTED_REGEX = [(re.compile(r"\(\?<?[=!]"), "lookaround"), (re.compile(r"\\[1-9]"), "backreferences"),

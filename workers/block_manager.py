@@ -205,6 +205,20 @@ class BlockManager:
                 # Uncached blocks go first in line for reuse: they hold nothing worth keeping.
                 self._free.move_to_end(block_id, last=False)
 
+    def release_tail(self, seq: Sequence) -> int:
+        """Release seq's trailing blocks that hold none of its computed tokens (the slots of drafts
+        speculative decoding rejected); returns how many. They were allocated this step, so they are
+        seq's alone and never cached: they go back first in line for reuse."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        released = 0
+        while len(seq.block_ids) > keep:
+            block_id = seq.block_ids.pop()
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.block_hash is None, block
+            self._unref(block_id)
+            released += 1
+        return released
+
     def release_out_of_window(self, seq: Sequence) -> int:
         """Release seq's blocks that no query from its next token on can see (FREED_BLOCK takes
         their place in seq.block_ids); returns how many. Nothing without a window. Call after the

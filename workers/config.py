@@ -7,6 +7,7 @@ Fields marked `internal` are set by code (the launcher, calibration), never by u
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -14,6 +15,64 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 QUANTIZATIONS = (None, "fp8")
 KERNEL_BACKENDS = ("auto", "triton", "native", "reference")
 CPU_KV_CACHE_MEMORY = 1 << 30  # kv_cache_memory's default on the CPU
+
+
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's methods that Baton will take later: refused with "not yet supported" rather than "unknown".
+SPECULATIVE_METHODS_LATER = ("draft_model", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, from `--speculative-config` JSON with vLLM's keys.
+
+    ngram (prompt lookup): the last n tokens of a sequence (n from prompt_lookup_max down to
+    prompt_lookup_min) are looked up earlier in its prompt and output; the tokens that followed the
+    latest match are the drafts (at most num_speculative_tokens). disable_by_batch_size: no drafts
+    in a step with more decoding sequences than this (the step's cost grows with its tokens; at
+    high load drafts stop paying)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    disable_by_batch_size: int | None = 8
+
+    def __post_init__(self) -> None:
+        if self.method in SPECULATIVE_METHODS_LATER:
+            raise ValueError(f"speculative_config.method {self.method!r} is not yet supported; "
+                             f"supported: {', '.join(SPECULATIVE_METHODS)}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be a positive integer or null, got {size!r}")
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpeculativeConfig":
+        """Parse `--speculative-config`; ValueError naming the key for bad JSON, keys or values."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON ({exc}): {text!r}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a JSON object of vLLM's keys, got {text!r}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in raw:
+                raise ValueError(f"speculative_config needs the key {key!r}")
+        return cls(**raw)
 
 
 @dataclass
@@ -47,6 +106,10 @@ class EngineConfig:
         "help": "auto: Triton on CUDA, native C++ kernels on the CPU (PyTorch reference where an op has none or no "
                 "compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1", "choices": KERNEL_BACKENDS})
     packed_linear: bool = field(default=True, metadata={"help": "CPU linear layers on oneDNN-prepacked weights"})
+    speculative_config: str | None = field(default=None, metadata={
+        "help": "speculative decoding on the decode pool, as JSON with vLLM's keys: method (ngram), "
+                "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size",
+        "example": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}'})
     enforce_eager: bool = field(default=False, metadata={
         "help": "run every step eagerly: no CUDA graphs for decode steps on a GPU (vLLM's flag; "
                 "the CPU always runs eagerly)"})
@@ -54,6 +117,9 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata={"internal": True})
     # One (k_scale, v_scale) per layer for an FP8 KV cache; calibrated at load time when None.
     kv_scales: tuple[tuple[float, float], ...] | None = field(default=None, metadata={"internal": True})
+    # speculative_config parsed (set from it on construction; None: no speculative decoding).
+    speculative: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False,
+                                                  metadata={"internal": True})
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -79,6 +145,10 @@ class EngineConfig:
             raise ValueError("enable_prefix_caching and packed_linear must be true or false")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, str):
+            raise ValueError(f"speculative_config must be a JSON string, got {self.speculative_config!r}")
+        self.speculative = (SpeculativeConfig.from_json(self.speculative_config)
+                            if self.speculative_config is not None else None)
         if self.kv_scales is not None:
             scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
             if not all(k > 0 and v > 0 and k < float("inf") and v < float("inf") for k, v in scales):

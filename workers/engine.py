@@ -7,6 +7,8 @@
 
 A step schedules (Scheduler), runs the model over the flat batch (ModelRunner), samples
 (sampler), then checks stop conditions and frees finished sequences' blocks into the prefix cache.
+With speculative decoding, the step also verifies decoding sequences' drafts (workers/speculative.py)
+and may emit several tokens of a request in one RequestOutput.
 """
 
 from __future__ import annotations
@@ -15,41 +17,28 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from workers.block_manager import BlockManager
-from workers.grammar import GrammarCache, GrammarState
+from workers.grammar import GrammarCache
 from workers.config import EngineConfig
 from common.detokenizer import Decode, IncrementalDetokenizer
 from workers.model_config import ModelConfig
 from workers.model_files import resolve_model_dir
 from workers.model_runner import ModelRunner, iter_safetensors
-from common.protocol import KVReservation, RequestOutput, ResumeState, TokenLogprob
-from workers.sampler import Sampler, SamplingRow, draw_keys
+from common.protocol import KVReservation, RequestOutput, ResumeState, SpecDecodeStats, TokenLogprob
+from workers.sampler import Sampler, draw_keys
 from common.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import ScheduledChunk, Sequence
+from workers.request_state import RequestState
+from workers.speculative import Speculator
 
 # Called after every engine step: (its chunks as (computed before, this step, sampled), wall seconds).
 StepObserver = Callable[[list[tuple[int, int, bool]], float], None]
-
-
-@dataclass
-class _RequestState:
-    seq: Sequence
-    generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer | None
-    num_sent_tokens: int = 0
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    # Prefill-only requests stop after their first token and keep their blocks until release().
-    prefill_only: bool = False
-    # The prompt as a tensor, made on the first step that needs it (repetition penalty) and kept.
-    prompt_tensor: torch.Tensor | None = None
-    # Structured output: where the request stands in its grammar (advanced by every output token).
-    grammar: GrammarState | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +51,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    num_computed_tokens: int  # tokens run through the model since start (prompt and output)
+    num_computed_tokens: int  # tokens run through the model since start (prompt, output and drafts)
+    spec_decode: SpecDecodeStats = SpecDecodeStats()  # zeros without speculative decoding
 
 
 @dataclass
@@ -109,17 +99,20 @@ class LLMEngine:
         # With every layer windowed, blocks that fall out of the window are released as sequences advance.
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           window=model_config.kv_window)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self._drafts if self.speculator is not None else None)
         self.decode = decode
         self.eos_token_ids = set(model_config.eos_token_ids)
         # Compiled grammars for structured output (None: an engine without a tokenizer refuses them).
         self.grammars = grammars
         # Requests waiting, running or waiting for KV; prefilled ones held for a peer live in
         # the scheduler (scheduler.held) until released.
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         # Unseeded requests draw their noise from this engine's own generator, seeded from the OS.
         self.sampler = Sampler(self.runner.ops.exponential_race,
-                               torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1))
+                               torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1),
+                               self.runner.ops.apply_token_bitmask)
         self._ids = itertools.count()
         self.num_computed_tokens = 0
         self._step_observers: list[StepObserver] = []
@@ -238,7 +231,7 @@ class LLMEngine:
             # the grammar waits for the end of the reasoning.
             grammar = self.grammars.state(params.structured_output, params.reasoning_end_token_ids)
         seq = Sequence(request_id, prompt, params)
-        self._requests[request_id] = _RequestState(seq, generator, detok, prefill_only=prefill_only, grammar=grammar)
+        self._requests[request_id] = RequestState(seq, generator, detok, prefill_only=prefill_only, grammar=grammar)
         return seq
 
     # ---- disaggregation: prefill side ------------------------------------------------------
@@ -327,7 +320,8 @@ class LLMEngine:
         if not sched.chunks:
             return []
         chunks = sched.chunks
-        sample_mask = [c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens for c in chunks]
+        sample_mask = [c.seq.num_computed_tokens + c.num_tokens - len(c.draft_token_ids) == c.seq.num_tokens
+                       for c in chunks]
         shape = None
         if self._step_observers:
             shape = [(c.seq.num_computed_tokens, c.num_tokens, s) for c, s in zip(chunks, sample_mask)]
@@ -341,63 +335,77 @@ class LLMEngine:
     def _run(self, num_tokens: int, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> list[RequestOutput]:
         logits = self.runner.execute(chunks, sample_mask)
         self.num_computed_tokens += num_tokens
-        sampled: list[Sequence] = []
+        sampled: list[ScheduledChunk] = []
         for chunk, sampling in zip(chunks, sample_mask):
+            if chunk.draft_token_ids:
+                sampled.append(chunk)  # its computed tokens are known once its drafts are verified
+                continue
             chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_computed_blocks(chunk.seq)
-            # A prefill for a peer keeps every block: the transfer sends them all.
-            state = self._requests.get(chunk.seq.request_id) if self.block_manager.window is not None else None
-            if state is not None and not state.prefill_only:
-                self.block_manager.release_out_of_window(chunk.seq)
+            self._settle_blocks(chunk.seq)
             if sampling:
-                sampled.append(chunk.seq)
+                sampled.append(chunk)
         if not sampled:
             return []
-        rows = [self._sampling_row(seq) for seq in sampled]
+        states = [self._requests[c.seq.request_id] for c in sampled]
+        rows = [row for c, s in zip(sampled, states) for row in s.sampling_rows(c.draft_token_ids, self.eos_token_ids)]
+        # A seeded row's generator gives one key per emitted token, as without drafts (Speculator.verdict).
+        before = [s.generator.get_state() if c.draft_token_ids and s.generator is not None else None
+                  for c, s in zip(sampled, states)]
         tokens, logprobs = self.sampler(logits, rows)
-        return [self._advance(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, logprobs)]
+        outputs = []
+        at = 0
+        for chunk, state, generator_state in zip(sampled, states, before):
+            seq, drafts = chunk.seq, chunk.draft_token_ids
+            span = slice(at, at + 1 + len(drafts))
+            at = span.stop
+            if not drafts:
+                outputs.append(self._advance(seq, tokens[span], logprobs[span]))
+                continue
+            accepted = self.speculator.verdict(chunk, tokens[span], state.drafting, state.generator, generator_state)
+            # The last token and the accepted drafts are computed; the rejected drafts' slots go back.
+            seq.num_computed_tokens += 1 + accepted
+            self.block_manager.release_tail(seq)
+            out = self._advance(seq, tokens[span][: accepted + 1], logprobs[span][: accepted + 1])
+            if not out.finished:
+                self._settle_blocks(seq)  # after _advance: the accepted drafts are in seq.token_ids now
+            outputs.append(out)
+        return outputs
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        p = seq.sampling_params
-        banned: tuple[int, ...] = ()
-        # A grammar decides where a structured reply ends: banning its stop token could leave it no token at all.
-        if seq.num_output_tokens < p.min_tokens and p.structured_output is None:
-            banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-        state = self._requests[seq.request_id]
-        if p.repetition_penalty != 1.0 and state.prompt_tensor is None:
-            state.prompt_tensor = torch.tensor(seq.prompt_token_ids, dtype=torch.long)
-        return SamplingRow(p, seq.output_token_ids, seq.prompt_token_ids, state.generator, banned, state.prompt_tensor,
-                           state.grammar)
+    def _settle_blocks(self, seq: Sequence) -> None:
+        """After seq's computed tokens advanced: cache its newly full blocks, release those out of the window."""
+        self.block_manager.cache_computed_blocks(seq)
+        # A prefill for a peer keeps every block: the transfer sends them all.
+        state = self._requests.get(seq.request_id) if self.block_manager.window is not None else None
+        if state is not None and not state.prefill_only:
+            self.block_manager.release_out_of_window(seq)
 
-    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _drafts(self, decoding: list[Sequence], budget: int) -> list[list[int]]:
+        return self.speculator.drafts(decoding, budget, self._may_draft)  # the scheduler's drafter
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        """No drafts for structured output (its grammar moves token by token), a peer's prefill, a paused seq."""
+        state = self._requests.get(seq.request_id)
+        return state is not None and state.grammar is None and not state.prefill_only and state.drafting.wants_drafts()
+
+    def _advance(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob | None]) -> RequestOutput:
+        """Append this step's tokens to seq one by one, as far as the first that ends it, and say so
+        in one output (no token past a stop)."""
         state = self._requests[seq.request_id]
-        p = seq.sampling_params
-        seq.append_token(token)
-        if logprob is not None:
-            state.pending_logprobs.append(logprob)
         reason = None
-        if not p.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        elif token in p.stop_token_ids:
-            reason = "stop"
-        if state.grammar is not None:
-            accepted = state.grammar.accept(token)
-            assert accepted, f"request {seq.request_id}: sampled token {token} outside its grammar"
-            if state.grammar.terminated and reason is None:
-                reason = "stop"  # the grammar is complete: nothing more may follow
-        if state.detokenizer is not None:
-            state.detokenizer.add(seq.output_token_ids)
-            if state.detokenizer.stopped and reason is None:
-                reason = "stop"
-        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+        for token, logprob in zip(tokens, logprobs):
+            seq.append_token(token)
+            if logprob is not None:
+                state.pending_logprobs.append(logprob)
+            reason = state.stop_reason(token, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                break
         finished = reason is not None
         text = state.detokenizer.take(final=finished) if state.detokenizer is not None else ""
         out = RequestOutput(
             request_id=seq.request_id,
             token_ids=seq.output_token_ids[state.num_sent_tokens :],
             text=text,
-            logprobs=state.pending_logprobs if logprob is not None else None,
+            logprobs=state.pending_logprobs if logprobs[0] is not None else None,
             finished=finished,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -428,6 +436,7 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_tokens=self.num_computed_tokens,
+            spec_decode=self.speculator.counters.snapshot() if self.speculator is not None else SpecDecodeStats(),
         )
 
     def generate(

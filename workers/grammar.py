@@ -145,6 +145,11 @@ class GrammarCache:
         self._times: list[float] = []
         self.stats = GrammarStats()
 
+    def warm(self) -> None:
+        """Read the tokenizer for the compiler now, on the compile thread, so that a serving
+        worker's first structured request does not wait for it (about a second here)."""
+        self._pool.submit(self._get_compiler)
+
     def _get_compiler(self) -> "xgr.GrammarCompiler":
         if self._compiler is None:
             from transformers import AutoTokenizer  # heavy, and only structured requests need it

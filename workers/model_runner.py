@@ -70,9 +70,11 @@ def iter_safetensors(model_dir: Path) -> SafetensorsCheckpoint:
     return SafetensorsCheckpoint(model_dir)
 
 
-def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, max_model_len: int | None = None) -> LlamaForCausalLM:
+def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, max_model_len: int | None = None,
+               tp_group=None) -> LlamaForCausalLM:
     """Build the model on the kernels engine_config.kernel_backend picks, and load `weights` into it,
-    quantizing to FP8 as the config or checkpoint says.
+    quantizing to FP8 as the config or checkpoint says. With tp_group (workers.tensor_parallel),
+    model_config and weights are this rank's shard.
 
     Pre-quantized checkpoints load their FP8 tensors as they are; a float checkpoint with
     engine_config.quantization == "fp8" is loaded in float, then each linear layer is quantized.
@@ -92,8 +94,10 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
         raise ValueError(f"{model_config.architecture}: FP8 weights (quantization 'fp8' or an FP8 checkpoint) are not "
                          "supported for this model family yet; serve it without --quantization, in bfloat16")
     ops = kernel_ops(engine_config.kernel_backend, device)
+    if tp_group is not None and model_class is not LlamaForCausalLM:
+        raise ValueError(f"{model_config.architecture}: tensor parallelism supports the Llama family only so far")
     with torch.device("meta"):
-        model = model_class(model_config, ops)
+        model = model_class(model_config, ops) if tp_group is None else model_class(model_config, ops, tp_group)
     if checkpoint_quant is not None:
         q8.prepare_for_checkpoint(model, checkpoint_quant, ops)
     model = q8.cast_model(model.to_empty(device=device), dtype)
@@ -316,8 +320,9 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> torch.Tensor:
         """Run one step. chunks must list single-token (decode) chunks first.
 
-        Returns float32 logits [number of True in sample_mask, vocab] for the last token of each
-        chunk whose sample_mask entry is True, in chunk order.
+        Returns float32 logits, in chunk order, for the last token of each chunk whose sample_mask
+        entry is True; a chunk with drafts (speculative decoding) gets a row for each of its last
+        1 + len(draft_token_ids) positions. [rows, vocab]
         """
         hidden, logits_index = self._forward(chunks, sample_mask)
         return self.model.compute_logits(hidden[logits_index])
@@ -350,7 +355,7 @@ class ModelRunner:
             seq, n = chunk.seq, chunk.num_tokens
             start = seq.num_computed_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(chunk.input_token_ids if chunk.draft_token_ids else seq.token_ids[start:end])
             positions.extend(range(start, end))
             block_ids = seq.block_ids
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
@@ -364,7 +369,8 @@ class ModelRunner:
                 prefill_lens.append(end)
                 query_start.append(query_start[-1] + n)
             if sample:
-                logits_index.append(len(input_ids) - 1)
+                # A draft chunk's rows verify its drafts: its last token's and each draft's.
+                logits_index.extend(range(len(input_ids) - 1 - len(chunk.draft_token_ids), len(input_ids)))
 
         graphs = self.decode_graphs
         if graphs is not None and num_decode == len(input_ids) and graphs.fits(decode_rows):

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from xgrammar import allocate_token_bitmask, apply_token_bitmask_inplace
+from xgrammar import allocate_token_bitmask
 
 from kernels.sampling import exponential_race_reference, retry_keys
+from kernels.token_bitmask import apply_token_bitmask_reference
 from common.protocol import TokenLogprob
 from common.sampling_params import SamplingParams
 
@@ -44,6 +45,7 @@ RACE_ATTEMPTS = 8
 # (logits, inv_temperature, keys, top_k_floor, min_p_offset, top_p, attempts) -> token ids, -1 where
 # top-p rejected every attempt: KernelOps.exponential_race (kernels/sampling.py).
 Race = Callable[..., torch.Tensor]
+ApplyBitmask = Callable[[torch.Tensor, torch.Tensor, list[int]], None]  # (logits, bitmask, rows), in place
 
 
 @dataclass
@@ -171,13 +173,13 @@ def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> 
     return out
 
 
-def _apply_grammars(work: torch.Tensor, rows: list[SamplingRow], constrained: list[int]) -> None:
+def _apply_grammars(work: torch.Tensor, rows: list[SamplingRow], constrained: list[int], apply_bitmask: ApplyBitmask) -> None:
     """Tokens the grammar of each constrained row does not allow -> -inf, in place. Each matcher
     writes its own row of one bitmask; one masked pass then covers every constrained row."""
     bitmask = allocate_token_bitmask(len(rows), work.shape[1])
     for i in constrained:
         rows[i].grammar.fill_bitmask(bitmask, i)
-    apply_token_bitmask_inplace(work, bitmask.to(work.device), indices=constrained)
+    apply_bitmask(work, bitmask.to(work.device), constrained)
 
 
 def sample(
@@ -185,11 +187,13 @@ def sample(
     rows: list[SamplingRow],
     generator: torch.Generator | None = None,
     race: Race = exponential_race_reference,
+    apply_bitmask: ApplyBitmask = apply_token_bitmask_reference,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits float32 [len(rows), vocab] -> chosen token ids and, where asked, logprobs.
 
     `generator` draws the keys of unseeded rows (torch's default generator when None); `race` is
-    the exponential race kernel (KernelOps.exponential_race; the PyTorch reference by default).
+    the exponential race kernel (KernelOps.exponential_race; the PyTorch reference by default);
+    `apply_bitmask` the grammar mask's kernel (KernelOps.apply_token_bitmask).
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
@@ -200,7 +204,7 @@ def sample(
     constrained = [i for i, r in enumerate(rows) if r.grammar is not None and r.grammar.constraining]
     work = logits.clone() if any(penalised) or banned or constrained else logits
     if constrained:
-        _apply_grammars(work, rows, constrained)
+        _apply_grammars(work, rows, constrained, apply_bitmask)
     if any(penalised):
         _apply_penalties(work, rows)
     if banned:
@@ -234,6 +238,7 @@ class Sampler:
 
     race: Race = exponential_race_reference
     generator: torch.Generator | None = None
+    apply_bitmask: ApplyBitmask = apply_token_bitmask_reference
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-        return sample(logits, rows, self.generator, self.race)
+        return sample(logits, rows, self.generator, self.race, self.apply_bitmask)

@@ -6,6 +6,8 @@ prompt, cut to what the budget has left: chunked prefill). Waiting sequences are
 budget, sequence slots and KV blocks last. When a running sequence cannot get a block, the most
 recently arrived running sequence is preempted: its blocks are freed (cached full blocks stay in
 the prefix cache) and it is recomputed later from its prompt and the tokens it already produced.
+With speculative decoding (a drafter), the decode chunks are then extended by their drafts, in the
+budget and free blocks the decodes left (drafts never preempt), before the prefill chunks are cut.
 
 The scheduler owns every sequence's status (workers.sequence.SequenceStatus) and changes it only
 through the methods below, each checked against TRANSITIONS:
@@ -22,10 +24,16 @@ through the methods below, each checked against TRANSITIONS:
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.block_manager import BlockManager
 from workers.sequence import TRANSITIONS, ScheduledChunk, Sequence, SequenceStatus
+
+
+# Speculative decoding: (this step's decoding sequences, tokens of budget left after their one token
+# each) -> draft tokens for each of them (empty: none), at most that many in all.
+Drafter = Callable[[list[Sequence], int], list[list[int]]]
 
 
 @dataclass
@@ -39,8 +47,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 drafter: Drafter | None = None) -> None:
         self.block_manager = block_manager
+        self.drafter = drafter
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -93,6 +103,8 @@ class Scheduler:
         # not take the budget from sequences that joined the batch after it and only need a token.
         computing: set[int] = set()
         for decode_pass in (True, False):
+            if not decode_pass and self.drafter is not None and scheduled:
+                budget -= self._add_drafts(scheduled, budget)
             i = 0
             while i < len(self.running) and budget > 0:
                 seq = self.running[i]
@@ -135,6 +147,27 @@ class Scheduler:
         # The model runner wants single-token chunks first.
         out.chunks = [c for c in scheduled if c.num_tokens == 1] + [c for c in scheduled if c.num_tokens != 1]
         return out
+
+    def _add_drafts(self, scheduled: list[ScheduledChunk], spare: int) -> int:
+        """Extend this step's decode chunks (all of `scheduled` so far) with the drafter's tokens, in the
+        budget the decodes left and the blocks free now: drafts never preempt anything and never take a
+        decode's place. Returns the budget they use."""
+        bm = self.block_manager
+        if spare <= 0:
+            return 0
+        # A block left free for each running sequence not in the step yet (its prefill chunk may need
+        # one): drafts must not make the prefill pass preempt.
+        others = sum(1 for s in self.running if s.status is SequenceStatus.RUNNING) - len(scheduled)
+        used = 0
+        for i, drafts in enumerate(self.drafter([c.seq for c in scheduled], spare)):
+            drafts = drafts[: spare - used]
+            seq = scheduled[i].seq
+            if not drafts or bm.blocks_needed(seq, 1 + len(drafts)) > bm.num_free_blocks - others:
+                continue
+            bm.allocate(seq, 1 + len(drafts))
+            scheduled[i] = ScheduledChunk(seq, 1 + len(drafts), tuple(drafts))
+            used += len(drafts)
+        return used
 
     def _pick_victim(self, current: Sequence, computing: set[int]) -> Sequence:
         """The latest-arrived running sequence not yet given work this step (current last of all)."""

@@ -79,7 +79,19 @@ class Sequence:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """num_tokens new tokens of seq to compute this step, starting at seq.num_computed_tokens."""
+    """num_tokens new tokens of seq to compute this step, starting at seq.num_computed_tokens.
+
+    With draft_token_ids (speculative decoding), the chunk is a decoding sequence's last token
+    followed by its drafts: num_tokens = 1 + len(draft_token_ids) query positions, verified in one
+    forward pass; the drafts are not in seq.token_ids until accepted."""
 
     seq: Sequence
     num_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The tokens this chunk runs through the model, in position order."""
+        start = self.seq.num_computed_tokens
+        end = start + self.num_tokens - len(self.draft_token_ids)
+        return self.seq.token_ids[start:end] + list(self.draft_token_ids)

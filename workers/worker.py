@@ -435,6 +435,7 @@ class EngineWorker:
             generation_tokens=c["generation_tokens"], pid=os.getpid(),
             kv_transfer_failures=self.kv_failures.snapshot(),
             grammar=self.engine.grammars.counts() if self.engine.grammars is not None else GrammarCounts(),
+            spec_decode=s.spec_decode,
         )
 
     def shutdown(self) -> None:
@@ -480,5 +481,6 @@ def _build_engine_and_transport(config: WorkerConfig, transport=None):
     transport = transport or PairwiseTransport(config.transport, place, config.worker_id)
     kv_cache = transport.allocate_cache(layout, num_blocks)
     grammars = GrammarCache(model_dir, model_config.vocab_size, model_config.eos_token_ids)
+    grammars.warm()
     engine = LLMEngine(model_config, ec, model, load_tokenizer_decode(model_dir), kv_cache=kv_cache, grammars=grammars)
     return engine, transport

@@ -268,6 +268,33 @@ def t_kv_transfer_cross_node() -> str:
     return table(["decode actor"] + KV_HEADER, rows, "lllrrrr")
 
 
+def t_kv_transfer_checksum() -> str:
+    """bench/kv_transfer.py --checksum-cost: medians of the interleaved repetitions."""
+    d = load("kv_transfer_checksum")
+    rows = []
+    for pattern, o in d["overhead"].items():
+        off, on = (next(r for r in d["results"] if r["block_ids"] == pattern and r["checksums"] == c)
+                   for c in (False, True))
+        rows.append([pattern, f(off["handoff_seconds_median"] * 1e3, 2), f(on["send_seconds_median"] * 1e3, 2),
+                     f(on["receiver_after_copy_seconds_median"] * 1e3, 2), f(on["handoff_seconds_median"] * 1e3, 2),
+                     pct(o["handoff"], 0, True), pct(o["handoff_best_quarter"], 0, True),
+                     pct(o["handoff_within_10pct_share"], 0)])
+    host = d["machine"]["load_average_1_5_15_before"][0]
+    return table(["block ids", "off: handoff (ms)", "on: sender (ms)", "on: check after the copy (ms)",
+                  "on: handoff (ms)", "overhead", "fastest quarter", "repetitions within +10%"], rows) + \
+        f"\n\n{d['reps']} repetitions of each, {d['when']}, 1-minute load average {host:.1f} on " \
+        f"{d['machine']['cpus']} cores."
+
+
+def t_kv_transfer_checksum_one_process() -> str:
+    """The copies and the sums alone, in one process (`one_process_16MiB`)."""
+    d = load("kv_transfer_checksum")["one_process_16MiB"]
+    names = (("copy", "kernels.block_copy"), ("copy_without_sums", "summing copy, sums off"),
+             ("copy_and_sums", "summing copy"), ("block_sums", "sums alone (the receiver's read)"))
+    return table(["block ids"] + [label + " (ms)" for _, label in names],
+                 [[p] + [f(c[f"{k}_seconds_median"] * 1e3, 2) for k, _ in names] for p, c in d.items()])
+
+
 # -- serving paths -------------------------------------------------------------------------------
 
 def t_serving() -> str:
@@ -516,10 +543,13 @@ def t_structured() -> str:
         if server is None:
             continue
         free, schema = server["modes"]["unconstrained"], server["modes"]["json_schema"]
+        means = [f"{f(m.get('mean_ttft_ms'), 0)} / {f(m.get('mean_tpot_ms'), 0)}" if m.get("mean_tpot_ms") else "n/a"
+                 for m in (free, schema)]
         rows.append([label, f(free["output_tokens_per_s"]), f(schema["output_tokens_per_s"]),
-                     ratio(schema["output_tokens_per_s"] / free["output_tokens_per_s"]),
+                     ratio(schema["output_tokens_per_s"] / free["output_tokens_per_s"]), *means,
                      f"{schema['valid']} / {schema['valid'] + schema['invalid']}", str(schema["text_after_value"])])
     out = table(["server", "unconstrained tok/s", "JSON schema tok/s", "schema / unconstrained",
+                 "unconstrained TTFT / TPOT mean (ms)", "JSON schema TTFT / TPOT mean (ms)",
                  "replies valid", "text after the value"], rows)
     compiles = [[name, f(c["p50_ms"], 2), f(c["p99_ms"], 2), str(c["n"])] for name, c in d["compile_ms"].items()]
     return out + "\n\n" + table(["schema", "compile p50 (ms)", "compile p99 (ms)", "compiles"], compiles)
@@ -531,6 +561,27 @@ def t_structured_validity() -> str:
              str(r["local_prefill"]), str(r["migrations"]), f(r["seconds"])] for r in d["runs"]]
     return table(["run", "requests", "valid replies", "prefilled remotely", "prefilled locally", "migrations",
                   "seconds"], rows)
+
+
+def t_speculative_engine() -> str:
+    """`python -m bench.speculative_engine`: one stream, engine alone, medians over prompts and rounds."""
+    d = load("speculative_engine_cpu")
+    wall, cpu, per_step = d["median_tokens_per_s"], d["median_tokens_per_cpu_s"], d["tokens_per_step"]
+    k = d["speculative_config"]["num_speculative_tokens"]
+    rows = [["without speculation", f(wall["plain"], 2), f(cpu["plain"], 2), f(per_step["plain"], 2), "", ""],
+            [f"ngram, k = {k}", f(wall["ngram"], 2), f(cpu["ngram"], 2), f(per_step["ngram"], 2),
+             pct(d["acceptance_rate"]), f(d["mean_accepted_per_verification"], 2)]]
+    same = "identical" if d["identical_tokens"] else "DIFFERENT"
+    return (table(["engine", "tokens/s", "tokens per CPU s", "tokens per step", "drafts accepted",
+                   "accepted per verification"], rows)
+            + f"\n\nSpeedup {ratio(d['speedup'])} in wall time, {ratio(d['speedup_cpu_time'])} in CPU time; "
+              f"{d['max_tokens']} tokens at most per reply, {d['rounds']} rounds over {len(d['runs']['plain'])} "
+              f"replies; load average at the end {f(d['loadavg_at_end'][0], 1)} on "
+              f"{d['machine']}; greedy tokens with and without speculation: {same}."
+            + "\n\n" + table(["step", "steps", "min (ms)", "median (ms)"], [
+                [("plain decode" if name == "plain" else f"{name}: {int(n) - 1} drafts" if n != "1" else
+                  f"{name}: no drafts"), str(c["steps"]), f(c["min"], 0), f(c["median"], 0)]
+                for name, by_tokens in d["step_ms"].items() for n, c in by_tokens.items()]))
 
 
 TABLES: dict[str, Callable[[], str]] = {

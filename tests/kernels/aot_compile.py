@@ -1,11 +1,14 @@
 """Compile Triton kernels ahead of time for described GPU targets, without a GPU (a subprocess of
 tests/kernels/test_compile_targets.py, run with TRITON_INTERPRET=0).
 
-Reads a JSON list of jobs on stdin; writes one JSON object per job on stdout's last line:
+Reads one JSON job a line on stdin and answers each, as soon as it is compiled, with a line
+RESULT_PREFIX + a JSON result on stdout (so the parent hands out the next job only then); ends
+when stdin does:
 
     job:    {"id", "kernel": "module:function", "args": {name: triton type}, "constexprs": {...},
              "divisible": [arg names specialised as multiples of 16], "num_warps", "num_stages", "arch"}
-    result: {"id", "ok", "error", "registers", "spill_bytes", "shared", "threads", "ptx_has": {...}}
+    result: {"id", "ok", "error", "registers", "spill_bytes", "shared", "threads", "ptx_has": {...},
+             "seconds"}
 
 Registers and spills come from the ptxas log (`knobs.nvidia.dump_ptxas_log`, printed to stdout by
 the compile, captured here); `always_compile` and a fresh TRITON_CACHE_DIR make every job compile.
@@ -20,9 +23,11 @@ import json
 import os
 import re
 import sys
+import time
 import warnings
 
 PTX_MARKERS = ("wgmma", "tcgen05", "mma.sync")
+RESULT_PREFIX = "AOT-RESULT "  # marks the answer lines among whatever else reaches stdout
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
@@ -51,8 +56,9 @@ def compile_job(job: dict) -> dict:
     if job.get("num_stages") is not None:
         options["num_stages"] = job["num_stages"]
     out = {"id": job["id"], "ok": False, "error": None, "registers": None, "spill_bytes": None, "shared": None,
-           "threads": job["num_warps"] * 32, "ptx_has": {}}
+           "threads": job["num_warps"] * 32, "ptx_has": {}, "seconds": None}
     buf = io.StringIO()
+    started = time.perf_counter()
     try:
         with contextlib.redirect_stdout(buf):
             kernel = triton.compile(ASTSource(fn, signature, consts, attrs),
@@ -60,6 +66,7 @@ def compile_job(job: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - reported per job
         out["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         return out
+    out["seconds"] = time.perf_counter() - started
     out["registers"], out["spill_bytes"] = parse_ptxas(buf.getvalue())
     out["shared"] = int(kernel.metadata.shared)
     out["threads"] = int(kernel.metadata.num_warps) * 32
@@ -79,9 +86,10 @@ def main() -> None:
 
     triton.knobs.nvidia.dump_ptxas_log = True
     triton.knobs.compilation.always_compile = True
-    jobs = json.load(sys.stdin)
-    results = [compile_job(j) for j in jobs]
-    sys.stdout.write("\n" + json.dumps(results) + "\n")
+    while line := sys.stdin.readline():
+        if line.strip():
+            sys.stdout.write("\n" + RESULT_PREFIX + json.dumps(compile_job(json.loads(line))) + "\n")
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":

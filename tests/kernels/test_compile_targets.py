@@ -8,7 +8,8 @@ the target's tensor-core instructions (wgmma on sm_90, tcgen05 on sm_100).
 
 The compiles run in 2 subprocesses with TRITON_INTERPRET=0 (this session sets it to 1, which
 breaks real compiles of kernels with reductions), each with a fresh TRITON_CACHE_DIR and
-`always_compile`, so nothing cached by an earlier run can hide a failure.
+`always_compile`, so nothing cached by an earlier run can hide a failure; each takes its next job
+when done with the last, the heaviest first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +30,7 @@ pytest.importorskip("triton")
 
 from kernels import plan as P  # noqa: E402
 from kernels.fp8_quant import MIN_SCALE  # noqa: E402
+from tests.kernels.aot_compile import RESULT_PREFIX  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -251,27 +254,66 @@ def all_jobs() -> list[dict]:
     return out
 
 
+# Rough seconds one compile of each kernel takes here: only the order jobs are handed out in
+# (the heaviest first), so that neither worker is left with a long one while the other has finished.
+COST_HINT = {"_prefill_kernel": 2.2, "_decode_split_kernel": 1.9, "_fp8_gemm_kernel": 2.0, "_moe_gemm_kernel": 0.8}
+
+
+def _cost_hint(job: dict) -> float:
+    return COST_HINT.get(job["kernel"].split(":")[1], 0.3)
+
+
 def run_compiles(jobs: list[dict], procs: int = 2, timeout: float = 900) -> list[dict]:
-    """Compile `jobs` in `procs` fresh subprocesses (TRITON_INTERPRET=0, an empty cache dir each)."""
-    chunks = [jobs[i::procs] for i in range(procs)]
-    running = []
+    """Compile `jobs` in `procs` fresh subprocesses (TRITON_INTERPRET=0, an empty cache dir each),
+    each given its next job when it has answered the last, the heaviest jobs first."""
+    queue = sorted(jobs, key=_cost_hint, reverse=True)
+    lock = threading.Lock()
     with tempfile.TemporaryDirectory(prefix="baton-aot-") as tmp:
-        for i, chunk in enumerate(chunks):
-            if not chunk:
-                continue
+        workers = []
+        for i in range(min(procs, len(jobs))):
             env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, f"cache{i}"),
                        TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            err = open(os.path.join(tmp, f"stderr{i}"), "w+")  # a file: a full stderr pipe would block the worker
             proc = subprocess.Popen([sys.executable, "-m", "tests.kernels.aot_compile"], cwd=ROOT, env=env,
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            running.append((proc, json.dumps(chunk)))
-        # Every worker talks at once: a worker gets its jobs on stdin and starts compiling only
-        # then, so feeding them one after the other would run the compiles one worker at a time.
-        with ThreadPoolExecutor(len(running)) as pool:
-            answers = list(pool.map(lambda r: r[0].communicate(r[1], timeout=timeout), running))
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+            workers.append((proc, err))
+
+        def feed(proc: subprocess.Popen) -> tuple[list[dict], str | None]:
+            answered = []
+            while True:
+                with lock:
+                    if not queue:
+                        break
+                    job = queue.pop(0)
+                try:
+                    proc.stdin.write(json.dumps(job) + "\n")
+                    proc.stdin.flush()
+                except OSError as e:  # the worker has died
+                    return answered, f"{e!r} sending {job['id']}"
+                while (line := proc.stdout.readline()) and not line.startswith(RESULT_PREFIX):
+                    pass
+                if not line:
+                    return answered, f"ended without answering {job['id']}"
+                answered.append(json.loads(line[len(RESULT_PREFIX):]))
+            proc.stdin.close()
+            return answered, None
+
+        # Past the deadline every worker is killed: its feeder then sees its stdout end.
+        deadline = threading.Timer(timeout, lambda: [proc.kill() for proc, _ in workers])
+        deadline.start()
+        try:
+            with ThreadPoolExecutor(len(workers)) as pool:
+                answers = list(pool.map(feed, [proc for proc, _ in workers]))
+        finally:
+            deadline.cancel()
         results = []
-        for (proc, _), (out, err) in zip(running, answers):
-            assert proc.returncode == 0, f"compile worker failed ({proc.returncode}):\n{err[-4000:]}"
-            results += json.loads(out.strip().splitlines()[-1])
+        for (proc, err), (answered, failure) in zip(workers, answers):
+            proc.wait()
+            err.seek(0)
+            assert failure is None and proc.returncode == 0, (
+                f"compile worker failed ({failure}, exit {proc.returncode}):\n{err.read()[-4000:]}")
+            err.close()
+            results += answered
     return results
 
 

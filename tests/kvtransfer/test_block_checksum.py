@@ -11,9 +11,11 @@ checked against the reference on layouts with whole and partial 8-byte words and
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import threading
+import time
 from array import array
 from pathlib import Path
 
@@ -62,6 +64,9 @@ def test_native_sums_and_summing_copy_equal_the_reference(shape, dtype):
     got = SummingCopier(dst, cache)(array("q", [0, 1, 2, 4]), array("q", ids))
     assert np.array_equal(got, want)
     assert torch.equal(dst.view(torch.uint8)[:, :, [0, 1, 2, 4]], cache.view(torch.uint8)[:, :, ids])
+    plain = torch.zeros_like(cache)  # the same copy without the sums (a sender with checksums off)
+    assert SummingCopier(plain, cache)(array("q", [0, 1, 2, 4]), array("q", ids), sums=False) is None
+    assert torch.equal(plain.view(torch.uint8), dst.view(torch.uint8))
     with pytest.raises(ValueError):
         BlockSummer(cache)(array("q", [shape[2]]))
 
@@ -103,6 +108,56 @@ def test_summing_copy_publishes_landed_chunks_in_order():
         SummingCopier(dst, src)(array("q", [0]), array("q", [1]), np.zeros(1, dtype=np.int32), 1)
     with pytest.raises(ValueError, match="chunk_blocks"):
         SummingCopier(dst, src)(array("q", [0]), array("q", [1]), landed, 0)
+
+
+@pytest.mark.skipif(not native_available(torch.zeros(1)), reason="native CPU kernels unavailable")
+def test_follow_sums_chunks_as_a_concurrent_copy_lands_them():
+    """The receiver's native follow (kvtransfer.shm's verifier thread): while a summing copy runs in
+    another thread with a counter, one call sums the destination's blocks as they land and returns
+    once the copy's state word stops being busy; its sums equal the reference over the source. It
+    returns early, with what had landed, when nothing moves (a dead sender) or the state is done."""
+    shape, dtype = (4, 2, 600, 16, 2, 64), torch.float32
+    src = random_cache(shape, dtype, seed=7)
+    dst = torch.zeros_like(src)
+    n, chunk, busy, ended = 256, 4, 2, 3
+    src_ids, dst_ids = array("q", range(300, 300 + n)), array("q", random.Random(1).sample(range(300), n))
+    landed, state = np.zeros(1, dtype=np.int64), np.array([busy], dtype=np.int64)
+    out, progress = np.zeros((n, 2), dtype=np.uint64), np.zeros(1, dtype=np.int64)
+    summer, result = BlockSummer(dst), {}
+    follower = threading.Thread(target=lambda: result.setdefault(
+        "done", summer.follow(dst_ids, out, progress, landed, state, busy, 5.0)))
+    want = block_sums_reference(src, torch.tensor(list(src_ids)))
+    torn = []  # a count read while the call runs must cover sums already written (another thread lands on it)
+
+    def watch():
+        while "done" not in result:
+            p = int(progress[0])
+            if not np.array_equal(out[:p], want[:p]):
+                torn.append(p)
+
+    follower.start()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    SummingCopier(dst, src)(dst_ids, src_ids, landed, chunk)
+    state[0] = ended
+    follower.join(timeout=10)
+    watcher.join(timeout=10)
+    assert result["done"] == n == int(progress[0]) and not torn
+    assert np.array_equal(out, want)
+    # A copy that stopped half way (its state still busy): the call gives up after max_wait_s.
+    landed[0], state[0], out[:], progress[0] = n // 2, busy, 0, 0
+    t0 = time.monotonic()
+    assert summer.follow(dst_ids, out, progress, landed, state, busy, 0.01) == n // 2 == int(progress[0])
+    assert time.monotonic() - t0 < 5.0
+    assert np.array_equal(out[:n // 2], block_sums_reference(dst, torch.tensor(list(dst_ids[:n // 2]))))
+    assert not out[n // 2:].any()
+    assert summer.follow(dst_ids, out, progress, landed, np.array([ended], dtype=np.int64), busy, 5.0) == n // 2
+    with pytest.raises(ValueError, match="done"):
+        summer.follow(dst_ids, out, np.array([n + 1], dtype=np.int64), landed, state, busy, 0.0)
+    with pytest.raises(ValueError, match="out"):
+        summer.follow(dst_ids, out[:1], progress, landed, state, busy, 0.0)
+    with pytest.raises(ValueError, match="block ids"):
+        summer.follow(array("q", [600] * n), out, np.zeros(1, dtype=np.int64), landed, state, busy, 0.0)
 
 
 def test_host_wrapper_checks_its_input():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from workers.block_manager import BlockManager
-from common.protocol import KVEvent, KVEventKind
+from common.protocol import KVEvent, KVEventKind, SpecDecodeStats
 from common.sampling_params import SamplingParams
 from workers.sequence import Sequence
 from workers.worker import EngineWorker, WorkerConfig
@@ -25,7 +25,7 @@ class _Engine:
         bm = self.block_manager
         return SimpleNamespace(num_running=0, num_waiting=0, kv_usage=bm.usage, num_blocks=bm.num_blocks,
                                num_free_blocks=bm.num_free_blocks, prefix_cache_queries=0, prefix_cache_hits=0,
-                               num_preemptions=0)
+                               num_preemptions=0, spec_decode=SpecDecodeStats())
 
 
 def cache_blocks(bm: BlockManager, tokens: list[int]) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import jsonschema
 
-from cluster.structured_load import SCHEMAS, aggregate, bench_command, check_reply, response_format, schema_requests
+from cluster.structured_load import (SCHEMAS, aggregate, bench_command, check_reply, matching_lengths, response_format,
+                                     schema_requests)
 from router.structured import check_json_schema
 
 
@@ -44,10 +45,13 @@ def test_the_command_constrains_only_the_schema_runs():
 
 
 def test_aggregate_is_tokens_over_summed_durations():
-    runs = [{"completed": 4, "failed": 0, "total_output_tokens": 100, "duration": 2.0},
-            {"completed": 3, "failed": 1, "total_output_tokens": 50, "duration": 3.0}]
+    runs = [{"completed": 4, "failed": 0, "total_output_tokens": 100, "duration": 2.0,
+             "mean_ttft_ms": 10.0, "mean_tpot_ms": 50.0},
+            {"completed": 3, "failed": 1, "total_output_tokens": 50, "duration": 3.0,
+             "mean_ttft_ms": 24.0, "mean_tpot_ms": 85.0}]
+    # The means are weighted by completed requests: (4 * 10 + 3 * 24) / 7 = 16, (4 * 50 + 3 * 85) / 7 = 65.
     assert aggregate(runs) == {"completed": 7, "failed": 1, "output_tokens": 150, "seconds": 5.0,
-                               "output_tokens_per_s": 30.0}
+                               "output_tokens_per_s": 30.0, "mean_ttft_ms": 16.0, "mean_tpot_ms": 65.0}
     assert aggregate([])["output_tokens_per_s"] is None
 
 
@@ -55,3 +59,14 @@ def test_trailing_text_is_named_unless_allowed():
     text = '{"ok": true, "code": 200}\nmore words'
     assert check_reply(text, SCHEMAS["flag"]).startswith("text after")
     assert check_reply(text, SCHEMAS["flag"], allow_trailing=True) is None
+
+
+def test_unconstrained_lengths_match_the_constrained_spread():
+    # lengths 10, 20, 30: mean 20, sample sd 10, so r = sqrt(3) * 10 / 20 = 0.866.
+    assert matching_lengths([10, 20, 30]) == (20, 0.866)
+    assert matching_lengths([25, 25, 25]) == (25, 0.0)
+    assert matching_lengths([1, 200]) == (100, 0.95)  # capped: vLLM wants a ratio below 1
+    assert matching_lengths([]) == (1, 0.0) and matching_lengths([7]) == (7, 0.0)
+    command = bench_command("vllm", "http://127.0.0.1:1", "tok", 0, 40, 16, 20, Path("/tmp/x.json"), None, 0.866)
+    assert json.loads(command[command.index("--random-range-ratio") + 1]) == {"input": 0.0, "output": 0.866}
+    assert "--random-range-ratio" not in bench_command("vllm", "u", "t", 0, 4, 2, 20, Path("/tmp/x.json"), None)

@@ -15,6 +15,7 @@ sequence), then the new tokens of each prefilling sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from torch.nn import functional as F
 from kernels.ops import KernelOps
 from workers import packed_linear
 from workers.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from workers.tensor_parallel import TPGroup
 
 
 @dataclass
@@ -56,9 +60,12 @@ class KVCacheView:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, window: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, window: int | None = None,
+                 tp_group: TPGroup | None = None) -> None:
         super().__init__()
         self.ops = ops
+        # With tensor parallelism config is the rank's shard (its heads) and o_proj's partial sums are all-reduced.
+        self.tp_group = tp_group
         # Sliding window (tokens a query sees, itself included) and Gemma 2's logit soft-cap, both
         # applied inside the attention kernels; None: full causal attention, uncapped.
         self.window = window
@@ -111,27 +118,30 @@ class Attention(nn.Module):
                 q[nd:], kv.k_cache, kv.v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
                 meta.prefill_context_lens, self.scale, kv.k_scale, kv.v_scale, window=self.window, softcap=self.softcap,
             )
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        out = self.o_proj(out.view(num_tokens, self.q_size))
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: TPGroup | None = None) -> None:
         super().__init__()
         self.ops = ops
+        self.tp_group = tp_group  # as in Attention: down_proj's partial sums are all-reduced
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, layer: int = 0, tp_group: TPGroup | None = None) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.ops = ops
-        self.self_attn = Attention(config, ops, config.layer_window(layer))
-        self.mlp = MLP(config, ops)
+        self.self_attn = Attention(config, ops, config.layer_window(layer), tp_group)
+        self.mlp = MLP(config, ops, tp_group)
         self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
 
@@ -147,12 +157,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: TPGroup | None = None) -> None:
+        """tp_group: this rank's tensor-parallel group, config then being its shard
+        (workers.tensor_parallel.ShardPlan.model_config); None: the whole model."""
         super().__init__()
         self.config = config
         self.ops = ops  # the kernels every layer calls (kernels.ops.kernel_ops)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, i, tp_group) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         # float32 [max_positions, head_dim]; the model runner fills it for its context length.

@@ -1,0 +1,105 @@
+"""Decode step time of the engine at tensor-parallel sizes 1, 2 and 3 on this machine (issue 23, phase 1).
+
+    .venv/bin/python -m bench.tp [--steps 64] [--prompt-tokens 64] [--rounds 2] [--out bench/results/tp_step_cpu.json]
+
+Setup: float32, the engine alone (no router, no Ray), one stream: a prompt of `--prompt-tokens`
+random tokens is prefilled, then `--steps` single-sequence decode steps are timed (wall clock of
+each engine step, LLMEngine.observe_steps). Each configuration runs in its own spawned processes
+(workers/tensor_parallel.lockstep_generate; TP N is N rank processes with a gloo all-reduce on
+127.0.0.1). Two models:
+  - "default": SmolLM2-135M-Instruct. Its 9 query heads allow TP 1, 3 and 9 but not 2, so it is
+    timed at TP 1 and TP 3 (three single-threaded ranks on two cores: oversubscribed);
+  - "smollm2_shape_12_heads": a random Llama with SmolLM2-135M's every weight shape (hidden 576,
+    30 layers, intermediate 1536, vocabulary 49152, q/k/v of 576/192/192 rows) cut into 12
+    query and 4 KV heads of 48, so that TP 2 divides it; timed at TP 1 and TP 2.
+Per model: TP 1 with one torch thread (one core), TP N with one thread per rank, and TP 1 with
+as many threads as TP N has ranks (the same cores, without collectives). The configurations run
+`--rounds` times, interleaved, and each reports the median over all its timed steps (rank 0's),
+since the machine's 2 cores are shared with other work (`load_average_1m` records how busy it
+was at the start). Also checked: every TP N's greedy tokens equal TP 1's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from workers.config import EngineConfig
+from workers.model_files import resolve_model_dir
+from workers.tensor_parallel import LockstepJob, lockstep_generate
+
+# (model, tp size, torch threads per rank)
+CONFIGS = [("default", 1, 1), ("default", 3, 1), ("default", 1, 2),
+           ("smollm2_shape_12_heads", 1, 1), ("smollm2_shape_12_heads", 2, 1), ("smollm2_shape_12_heads", 1, 2)]
+
+
+def smollm2_shaped_model(folder: str) -> str:
+    """Save a random Llama with SmolLM2-135M's weight shapes in 12 heads of 48 (see the docstring)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                      num_attention_heads=12, num_key_value_heads=4, head_dim=48,
+                                      max_position_embeddings=2048, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="bench/results/tp_step_cpu.json")
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    started = time.time()
+    prompt = [random.Random(0).randrange(100, 40000) for _ in range(args.prompt_tokens)]
+    steps: dict[tuple, list[float]] = {c: [] for c in CONFIGS}
+    tokens: dict[tuple, list[int]] = {}
+    with tempfile.TemporaryDirectory(prefix="baton-bench-tp-") as tmp:
+        models = {"default": str(resolve_model_dir(quiet=True)), "smollm2_shape_12_heads": smollm2_shaped_model(tmp)}
+        for _ in range(args.rounds):
+            for config in CONFIGS:
+                model, tp, threads = config
+                job = LockstepJob(models[model], [prompt], max_tokens=8, decode_steps_to_time=args.steps)
+                [ranks] = lockstep_generate([job], tp, EngineConfig(num_threads=threads, kv_cache_memory=64 << 20))
+                steps[config] += ranks[0].decode_step_seconds
+                tokens[config] = ranks[0].token_ids[0]
+                assert all(r.token_ids == ranks[0].token_ids for r in ranks), f"{config}: ranks disagree"
+    results = []
+    for config in CONFIGS:
+        model, tp, threads = config
+        timed = sorted(steps[config])
+        median = statistics.median(timed)
+        base = statistics.median(steps[(model, 1, 1)])
+        results.append({"model": model, "tensor_parallel_size": tp, "threads_per_rank": threads,
+                        "timed_steps": len(timed), "median_decode_step_ms": round(median * 1e3, 2),
+                        "p90_decode_step_ms": round(timed[int(0.9 * len(timed))] * 1e3, 2),
+                        "single_stream_tokens_per_s": round(1 / median, 1),
+                        "step_time_vs_tp1_1thread": round(median / base, 3),
+                        "greedy_tokens_equal_tp1": tokens[config] == tokens[(model, 1, 1)]})
+        print(f"{model:24s} TP {tp} x {threads} thread(s): median step {median * 1e3:7.2f} ms "
+              f"({1 / median:6.1f} tokens/s, {len(timed)} steps, x{median / base:.2f} of TP 1)")
+    out = {
+        "bench": "bench/tp.py", "command": f"python -m bench.tp --steps {args.steps} --prompt-tokens "
+                                           f"{args.prompt_tokens} --rounds {args.rounds}",
+        "dtype": "float32", "device": "cpu", "cpu_count": os.cpu_count(),
+        "load_average_1m_at_start": round(load, 2), "wall_s": round(time.time() - started, 1),
+        "note": "2-core machine shared with other engineers' work while measured: medians over interleaved rounds; "
+                "TP > 1 here is a correctness target, not a speed claim",
+        "results": results,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Tensor parallelism, phase 1 (workers/tensor_parallel.py): sharded engines in lockstep are exact.
+
+Oracles: hand-computed head and channel ranges for ShardPlan; for the sharded engines, float32
+greedy tokens of the same engine at TP 1 and of transformers. Every rank must produce the same
+tokens (they all sample from the same all-reduced hidden states). The rank processes are spawned
+with a gloo group on 127.0.0.1, one torch thread each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.engine.helpers import LOGIT_TOL, hf_greedy, run_with_logits, save_tiny_model
+from common.sampling_params import SamplingParams
+from workers.config import EngineConfig
+from workers.model_config import ModelConfig
+from workers.tensor_parallel import LockstepJob, ShardedCheckpoint, ShardPlan, TPGroup, build_engine, lockstep_generate
+
+NEW_TOKENS = 12
+CONFIG = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64)
+
+
+def model_config(heads: int, kv_heads: int, intermediate: int, head_dim: int = 8, **extra) -> ModelConfig:
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": heads * head_dim,
+        "intermediate_size": intermediate, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, **extra,
+    })
+
+
+# ---- ShardPlan and ShardedCheckpoint (fast) ---------------------------------------------------
+
+def test_plan_of_smollm_shape_at_tp3():
+    cfg = model_config(9, 3, 1536, head_dim=64)  # SmolLM2-135M's attention and MLP shape
+    plans = [ShardPlan.of(cfg, 3, r) for r in range(3)]
+    assert [p.q_heads for p in plans] == [(0, 3), (3, 6), (6, 9)]
+    assert [p.kv_heads for p in plans] == [(0, 1), (1, 2), (2, 3)]
+    assert [p.intermediate for p in plans] == [(0, 512), (512, 1024), (1024, 1536)]
+    assert plans[1].q_rows == slice(192, 384) and plans[1].kv_rows == slice(64, 128)
+    shard = plans[2].model_config
+    assert (shard.num_heads, shard.num_kv_heads, shard.intermediate_size, shard.head_dim) == (3, 1, 512, 64)
+    assert shard.hidden_size == cfg.hidden_size and not plans[0].kv_replicated
+
+
+def test_plan_replicates_kv_heads_when_tp_exceeds_them():
+    cfg = model_config(8, 2, 160)
+    plans = [ShardPlan.of(cfg, 4, r) for r in range(4)]
+    # Query heads 0-3 read KV head 0 and 4-7 read KV head 1 (groups of 4): each rank keeps its group's head.
+    assert [p.q_heads for p in plans] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [p.kv_heads for p in plans] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert all(p.kv_replicated and p.model_config.num_kv_heads == 1 for p in plans)
+    assert [ShardPlan.of(cfg, 2, r).kv_heads for r in range(2)] == [(0, 1), (1, 2)]
+    assert ShardPlan.of(model_config(8, 4, 160), 4, 3).kv_heads == (3, 4)
+    assert ShardPlan.of(cfg, 1, 0).model_config == cfg
+
+
+@pytest.mark.parametrize("heads, kv, inter, tp, message", [
+    (9, 3, 1536, 2, "tensor_parallel_size 2 does not divide the model's 9 query heads"),
+    (8, 4, 150, 4, "tensor_parallel_size 4 does not divide the model's intermediate_size 150"),
+    (12, 4, 120, 3, "tensor_parallel_size 3 does not divide the model's 4 KV heads"),
+    (6, 2, 120, 3, "tensor_parallel_size 3 exceeds the model's 2 KV heads and is not a multiple"),
+    (8, 4, 160, 0, "need tensor_parallel_size >= 1"),
+])
+def test_plan_refuses_uneven_splits(heads, kv, inter, tp, message):
+    with pytest.raises(ValueError, match=message):
+        ShardPlan.of(model_config(heads, kv, inter), tp, 0)
+
+
+def test_plan_refuses_mixture_of_experts():
+    moe = dataclasses.replace(model_config(8, 4, 160), architecture="MixtralForCausalLM", num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=160)
+    with pytest.raises(ValueError, match="MixtralForCausalLM: tensor parallelism of mixture-of-experts"):
+        ShardPlan.of(moe, 2, 0)
+
+
+def test_checkpoint_slices_columns_rows_and_biases():
+    cfg = model_config(4, 2, 6, head_dim=2)  # hidden 8; q rows 8, k/v rows 4
+    plan = ShardPlan.of(cfg, 2, 1)
+    full = torch.arange(64.0).reshape(8, 8)
+    shard = ShardedCheckpoint([], cfg, plan).shard
+    pre = "model.layers.0."
+    assert torch.equal(shard(pre + "self_attn.q_proj.weight", full), full[4:8])
+    assert torch.equal(shard(pre + "self_attn.k_proj.bias", torch.arange(4.0)), torch.tensor([2.0, 3.0]))
+    assert torch.equal(shard(pre + "self_attn.o_proj.weight", full), full[:, 4:8])
+    assert torch.equal(shard(pre + "mlp.down_proj.weight", full[:, :6]), full[:, 3:6])
+    assert torch.equal(shard(pre + "mlp.up_proj.weight", full[:6]), full[3:6])
+    # Row-parallel biases live on rank 0 only, so the all-reduce adds them once.
+    assert torch.equal(shard(pre + "mlp.down_proj.bias", torch.ones(8)), torch.zeros(8))
+    assert torch.equal(ShardedCheckpoint([], cfg, ShardPlan.of(cfg, 2, 0)).shard(pre + "mlp.down_proj.bias", torch.ones(8)),
+                       torch.ones(8))
+    # Phi-3's fused [q; k; v] (8 + 4 + 4 rows): the rank's q rows 4:8, k rows 10:12, v rows 14:16.
+    fused = torch.arange(16.0)[:, None].expand(16, 3)
+    assert shard(pre + "self_attn.qkv_proj.weight", fused)[:, 0].tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
+    assert shard(pre + "mlp.gate_up_proj.weight", torch.arange(12.0)[:, None])[:, 0].tolist() == [3, 4, 5, 9, 10, 11]
+    # Per-channel FP8 scales follow their rows; per-head-dim norms, embeddings and per-tensor scales stay whole.
+    assert shard(pre + "self_attn.v_proj.weight_scale", torch.arange(4.0)[:, None]).flatten().tolist() == [2, 3]
+    assert torch.equal(shard(pre + "self_attn.o_proj.weight_scale", torch.arange(8.0)), torch.arange(8.0))
+    for name, tensor in ((pre + "self_attn.q_norm.weight", torch.arange(2.0)), ("model.embed_tokens.weight", full),
+                         (pre + "self_attn.q_proj.weight_scale", torch.tensor(0.5))):
+        assert torch.equal(shard(name, tensor), tensor)
+
+
+def test_group_of_one_needs_no_collectives():
+    group = TPGroup.single()
+    x = torch.ones(3)
+    assert group.all_reduce(x) is x and (group.rank, group.size) == (0, 1)
+    with pytest.raises(ValueError, match="TP rank 2 is outside a group of size 2"):
+        TPGroup(2, 2)
+
+
+# ---- sharded engines in lockstep (slow) --------------------------------------------------------
+
+@dataclass
+class Oracle:
+    tp1: list[list[int]]  # the engine's greedy tokens at TP 1, per prompt
+    tp1_logits: list[torch.Tensor]  # [tokens, vocab] per prompt
+    hf: list[list[int]]  # transformers' greedy tokens
+
+
+def oracle(folder: str, hf, prompts: list[list[int]]) -> Oracle:
+    engine = build_engine(folder, CONFIG, TPGroup.single())
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    completions, logits = run_with_logits(engine, prompts, greedy)
+    hf.generation_config.eos_token_id = None  # ignore_eos, as the engine runs
+    with torch.inference_mode():
+        ref = [hf_greedy(hf, p, NEW_TOKENS).token_ids for p in prompts]
+    return Oracle([c.token_ids for c in completions], [torch.stack(rows) for rows in logits], ref)
+
+
+def assert_exact(results, expected: Oracle, what: str) -> None:
+    """Tokens identical to TP 1 and to transformers on every rank; logits within LOGIT_TOL of TP 1's
+    (a bias added on every rank, or a wrong KV head, moves them far more)."""
+    assert expected.tp1 == expected.hf, f"{what}: TP 1 differs from transformers"
+    for result in results:
+        assert result.token_ids == expected.tp1, f"{what}: rank {result.rank} of TP {len(results)} differs from TP 1"
+        for ours, tp1 in zip(result.logits, expected.tp1_logits):
+            error = float((ours - tp1).abs().max())
+            assert error < LOGIT_TOL, f"{what}: rank {result.rank} logits differ from TP 1 by {error:.2e}"
+
+
+@pytest.mark.slow
+def test_default_model_at_tp3_matches_tp1_and_transformers(default_model_dir, hf_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    questions = ["What is the capital of France?", "Write a haiku about the sea."]
+    prompts = [hf_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                return_dict=True)["input_ids"] for q in questions]
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    expected = oracle(str(default_model_dir), hf, prompts)
+    [results] = lockstep_generate([LockstepJob(str(default_model_dir), prompts, NEW_TOKENS, record_logits=True)], 3, CONFIG)
+    assert_exact(results, expected, "SmolLM2-135M")
+
+
+# 8 query heads, 4 KV heads (2 in "llama-2kv", replicated at TP 4); Llama with o_proj and MLP
+# biases (row-parallel biases added once), Qwen2's q/k/v biases, Qwen3's q/k norms, Phi-3's fused weights.
+TINY = {
+    "llama-bias": ("llama", dict(num_attention_heads=8, num_key_value_heads=4, attention_bias=True, mlp_bias=True,
+                                 tie_word_embeddings=False)),
+    "qwen2": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3": ("qwen3", dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, tie_word_embeddings=False)),
+    "phi3": ("phi3", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
+    "llama-2kv": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)),
+}
+AT_TP = {2: ["llama-bias", "qwen2", "qwen3", "phi3"], 4: ["llama-bias", "qwen2", "llama-2kv"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 21)]  # one prompt spans two blocks
+    models = {}
+    for name, (kind, overrides) in TINY.items():
+        folder, hf = save_tiny_model(kind, **overrides)
+        models[name] = (folder, oracle(folder, hf, prompts))
+    return prompts, models
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", sorted(AT_TP))
+def test_tiny_models_match_tp1_and_transformers(tiny_models, tp):
+    prompts, models = tiny_models
+    names = AT_TP[tp]
+    jobs = [LockstepJob(models[name][0], prompts, NEW_TOKENS, record_logits=True) for name in names]
+    for name, results in zip(names, lockstep_generate(jobs, tp, CONFIG)):
+        assert_exact(results, models[name][1], name)
