@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-from common.envs import ensure_loopback_ray  # noqa: E402
-ensure_loopback_ray()
+from common.envs import ensure_private_ray_env  # noqa: E402
+ensure_private_ray_env()
 ROOT = Path(__file__).resolve().parents[1]
 
 import httpx  # noqa: E402

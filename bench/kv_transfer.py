@@ -58,8 +58,8 @@ import statistics
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-from common.envs import ensure_loopback_ray  # noqa: E402
-ensure_loopback_ray()
+from common.envs import ensure_private_ray_env  # noqa: E402
+ensure_private_ray_env()
 
 import ray  # noqa: E402
 import torch  # noqa: E402

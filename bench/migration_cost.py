@@ -38,8 +38,8 @@ from cluster.config import BatonConfig
 from cluster.harness import free_port, wait_until
 from cluster.testing import serving
 
-from common.envs import ensure_loopback_ray  # noqa: E402
-ensure_loopback_ray()
+from common.envs import ensure_private_ray_env  # noqa: E402
+ensure_private_ray_env()
 
 
 def ms(seconds: float) -> float:

@@ -33,8 +33,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common.envs import ensure_loopback_ray
-ensure_loopback_ray()
+from common.envs import ensure_private_ray_env
+ensure_private_ray_env()
 
 import httpx  # noqa: E402
 

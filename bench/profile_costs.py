@@ -39,7 +39,7 @@ from cluster.sim.costs import StepShape, fit_cost_model  # noqa: E402
 from cluster.sim.workload import Client, SimRequest, Workload  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
-from common.envs import ensure_loopback_ray  # noqa: E402
+from common.envs import ensure_private_ray_env  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from workers.worker import STEP_LOG_ENV  # noqa: E402
 
@@ -180,7 +180,7 @@ def served_samples(args) -> list[dict]:
 
 def measure_overheads() -> dict:
     """Ray actor call round trip on 127.0.0.1 (p50 of 200), as the router's calls to workers pay it."""
-    ensure_loopback_ray()
+    ensure_private_ray_env()
     import ray  # only this measurement needs Ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)

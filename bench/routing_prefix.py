@@ -28,8 +28,8 @@ import platform
 import time
 from pathlib import Path
 
-from common.envs import ensure_loopback_ray  # noqa: E402
-ensure_loopback_ray()
+from common.envs import ensure_private_ray_env  # noqa: E402
+ensure_private_ray_env()
 
 import httpx  # noqa: E402
 

@@ -27,8 +27,8 @@ from cluster.harness import free_port
 from cluster.testing import serving
 from common.stats import percentile
 
-from common.envs import ensure_loopback_ray  # noqa: E402
-ensure_loopback_ray()
+from common.envs import ensure_private_ray_env  # noqa: E402
+ensure_private_ray_env()
 
 
 def pct(values, p):

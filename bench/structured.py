@@ -87,6 +87,14 @@ def start_server(name: str, port: int, vllm: str, model_dir: str, log: Path) -> 
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def run_vllm_bench(command: list[str]) -> None:
+    """Run one `vllm bench serve` offline; RuntimeError with its output's tail when it fails."""
+    done = subprocess.run(command, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
 def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dict:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
@@ -103,8 +111,7 @@ def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dic
         # allocator warm-up) that would otherwise fall on whichever mode runs first.
         warmup = bench_command(args.vllm, base_url, args.tokenizer, 99, 2 * args.max_concurrency, args.max_concurrency,
                                32, tmp / f"{name}_warmup.json", None)
-        subprocess.run(warmup, capture_output=True, check=True,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        run_vllm_bench(warmup)
         result["warmup_command"] = " ".join(warmup)
         runs: dict[str, list[dict]] = {"json_schema": [], "unconstrained": []}
         valid, invalid, trailing, reasons = 0, 0, 0, []
@@ -124,10 +131,7 @@ def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dic
                 command = bench_command(args.vllm, base_url, args.tokenizer, seed, len(mine), args.max_concurrency,
                                         reply_tokens, out, SCHEMAS[schema_name] if mode == "json_schema" else None,
                                         spread)
-                done = subprocess.run(command, capture_output=True, text=True,
-                                      env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-                if done.returncode != 0:
-                    raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+                run_vllm_bench(command)
                 result["commands"].append(" ".join(command))
                 raw = json.loads(out.read_text())
                 runs[mode].append(raw)

@@ -28,9 +28,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common.envs import ensure_loopback_ray
+from common.envs import ensure_private_ray_env
 
-ensure_loopback_ray()  # before Ray is imported (cluster.testing)
+ensure_private_ray_env()  # before Ray is imported (cluster.testing)
 
 from cluster.config import BatonConfig  # noqa: E402
 from cluster.harness import free_port, wait_until  # noqa: E402

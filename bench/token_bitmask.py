@@ -33,7 +33,7 @@ from workers.model_files import resolve_model_dir
 REPO = Path(__file__).resolve().parents[1]
 
 
-def grammar_masks(model_dir: Path, limit: int) -> tuple[torch.Tensor, int]:
+def grammar_masks(model_dir: Path) -> tuple[torch.Tensor, int]:
     """Bitmask rows [n, words] met along valid replies of every schema, and the vocab size."""
     config = ModelConfig.from_model_dir(model_dir)
     cache = GrammarCache(model_dir, config.vocab_size, config.eos_token_ids)
@@ -50,7 +50,7 @@ def grammar_masks(model_dir: Path, limit: int) -> tuple[torch.Tensor, int]:
             rows.append(mask[0])
             if not state.accept(token):
                 break
-    return torch.stack(rows[:limit]), config.vocab_size
+    return torch.stack(rows), config.vocab_size
 
 
 def cpu_ms(fn, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> float:
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "token_bitmask.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    masks, vocab = grammar_masks(resolve_model_dir(None, quiet=True), 10_000)
+    masks, vocab = grammar_masks(resolve_model_dir(None, quiet=True))
     pick = random.Random(0)
     bitmask = masks[[pick.randrange(len(masks)) for _ in range(args.rows)]].contiguous()
     logits = torch.randn(args.rows, vocab, generator=torch.Generator().manual_seed(0))

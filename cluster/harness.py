@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from common.envs import ensure_loopback_ray
+from common.envs import ensure_private_ray_env
 from common.net import free_port
 from router.app import make_server
 
@@ -103,7 +103,7 @@ def baton_serve(flags: Sequence[str] = (), *, port: int | None = None, ready_tim
     log_path = Path(log_path)
     command = [str(Path(sys.executable).with_name("baton")), "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
     full_env = dict(os.environ, **(env or {}))
-    ensure_loopback_ray(full_env)
+    ensure_private_ray_env(full_env)
     with log_path.open("w") as log:
         started = time.monotonic()
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)

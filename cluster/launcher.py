@@ -47,7 +47,7 @@ from router.routing import make_policy
 from router.tokenizer import Tokenizer
 from workers.model_files import DEFAULT_MODEL_NAME, ModelNotFoundError, is_repo_id, resolve_model_dir
 from common.protocol import DEFAULT_ROUTER_ID, RouterClaim, WorkerReady
-from common.envs import ensure_loopback_ray
+from common.envs import ensure_private_ray_env
 from common.roles import Role
 
 log = logging.getLogger("baton")
@@ -113,7 +113,7 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     # Read when Ray starts its processes: a private Ray then binds to loopback only.
-    ensure_loopback_ray()
+    ensure_private_ray_env()
     if address and address != "local":
         # Joining: the cluster's nodes declare their resources; a driver passing any is refused.
         ray.init(address=address, namespace="baton", log_to_driver=True)

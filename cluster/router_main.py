@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.envs import ensure_loopback_ray
+from common.envs import ensure_private_ray_env
 
-ensure_loopback_ray()  # before Ray is imported: a private Ray's driver talks to 127.0.0.1
+ensure_private_ray_env()  # before Ray is imported: a private Ray's driver talks to 127.0.0.1
 
 import ray  # noqa: E402
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,11 +198,10 @@ def matching_lengths(output_lens: list[int]) -> tuple[int, float]:
     deviation m r / sqrt(3), so r = sqrt(3) sd / m (at most 0.95; 0 for fewer than two lengths)."""
     if not output_lens:
         return 1, 0.0
-    mean = sum(output_lens) / len(output_lens)
+    mean = statistics.fmean(output_lens)
     if len(output_lens) < 2:
         return max(1, round(mean)), 0.0
-    sd = (sum((n - mean) ** 2 for n in output_lens) / (len(output_lens) - 1)) ** 0.5
-    return max(1, round(mean)), round(min(0.95, 3 ** 0.5 * sd / mean), 3)
+    return max(1, round(mean)), round(min(0.95, 3 ** 0.5 * statistics.stdev(output_lens) / mean), 3)
 
 
 def aggregate(runs: list[dict]) -> dict:

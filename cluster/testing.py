@@ -29,11 +29,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.envs import ensure_loopback_ray
+from common.envs import ensure_private_ray_env
 
 # Ray reads this when it is imported: its drivers then talk to 127.0.0.1, not the machine's
 # interface address (which no simulated node listens on).
-ensure_loopback_ray()
+ensure_private_ray_env()
 
 import ray  # noqa: E402
 import yaml  # noqa: E402
@@ -176,7 +176,7 @@ class FakeCluster:
         env = dict(os.environ, RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled",
                    RAY_TMPDIR=str(self.workdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                    RAY_SCHEDULER_EVENTS="0", **self.env)
-        ensure_loopback_ray(env)
+        ensure_private_ray_env(env)
         ray_bin = Path(sys.executable).with_name("ray")
         self._log = (self.workdir / "ray-start.log").open("w")
         self._proc = subprocess.Popen(

@@ -16,7 +16,7 @@ from pathlib import Path
 __all__ = [
     "BATON_ADMIN_TOKEN", "BATON_API_KEY", "BATON_CACHE_DIR", "BATON_STEP_LOG_DIR", "CXX", "ENV_VARS", "EnvVar",
     "HF_HOME", "HF_HUB_CACHE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "TRITON_INTERPRET", "admin_token", "api_key",
-    "cache_dir", "cxx", "ensure_loopback_ray", "hf_hub_cache", "step_log_dir", "triton_interpret",
+    "cache_dir", "cxx", "ensure_private_ray_env", "hf_hub_cache", "step_log_dir", "triton_interpret",
 ]
 
 
@@ -102,7 +102,7 @@ def triton_interpret() -> bool:
     return TRITON_INTERPRET.get().lower() in ("1", "true", "on", "yes")
 
 
-def ensure_loopback_ray(environ: MutableMapping[str, str] | None = None) -> None:
+def ensure_private_ray_env(environ: MutableMapping[str, str] | None = None) -> None:
     """Before Ray starts (or is imported, for a driver): a private Ray then binds to and talks to
     127.0.0.1 only, not the machine's interface address, and starts its worker processes at
     niceness 0 rather than 15 (a worker booting at 15 beside busy workers at 0 barely runs; the

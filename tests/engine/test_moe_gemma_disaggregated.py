@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.protocol import ResumeState
+from common.protocol import PrefillRequest, ResumeState
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import save_tiny_model
 from tests.engine.test_gemma_and_windows import GEMMA_CASES, WINDOW
@@ -49,8 +49,6 @@ def poll_until(worker: EngineWorker, request_id: str, tokens: list[int], count: 
 
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_remote_prefill_fp8_kv_and_a_migration_are_exact(kind):
-    from common.protocol import PrefillRequest
-
     folder, _ = save_tiny_model(kind, **MODELS[kind])
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     oracle = [c.token_ids for c in LLMEngine.from_model_dir(folder, CONFIG).generate(prompts(7), params)]

@@ -41,4 +41,4 @@ def test_transport_names_are_declared_once():
 def test_ray_loopback_is_set_in_one_place_of_the_product():
     setters = sorted(path for path, text in sources().items()
                      if re.search(r"environ.*RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", text) and not path.startswith("tests/"))
-    assert setters == [], setters  # common.envs.ensure_loopback_ray declares and sets it
+    assert setters == [], setters  # common.envs.ensure_private_ray_env declares and sets it
