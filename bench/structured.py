@@ -155,7 +155,10 @@ def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dic
                   + (f", {valid}/{valid + invalid} valid" if mode == "json_schema" else ""), flush=True)
         return result
     finally:
-        os.killpg(proc.pid, 15)
+        # The server first, which shuts its workers down (they unlink their shared-memory KV
+        # segments); the group only if it does not end: a signal to the whole group kills the
+        # Ray workers before they can clean up.
+        proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
