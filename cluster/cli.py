@@ -22,7 +22,6 @@ import yaml
 
 from common import envs
 from cluster.config import BatonConfig, add_flags, json_schema
-from cluster.env_report import collect, format_text
 from cluster.launcher import serve
 from cluster.plan_cli import add_plan_parser, run_plan
 from cluster.router_main import join_spec, run_router
@@ -85,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _env(args: argparse.Namespace) -> int:
+    # Here, not at the top: the report loads torch and the kernels (triton), which no other command needs.
+    from cluster.env_report import collect, format_text
     report = collect(address=args.address, kernel_backend=args.kernel_backend)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_text(report), end="\n" if args.json else "")
     return 0

@@ -35,10 +35,10 @@ from typing import Any
 import ray
 
 from cluster.config import BatonConfig
-from kvtransfer import Place, offered_kinds
-from workers.actors import actor_class
 from common.roles import ROLES, Role
-from workers.worker import WorkerConfig
+from common.transports import Place, offered_kinds
+from workers.actors import actor_class
+from workers.config import WorkerConfig
 
 log = logging.getLogger("baton.placement")
 

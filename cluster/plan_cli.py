@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from cluster.planner import Plan, PlanProblem, exhaustive, plan, plot_plan
+from cluster.planner import Plan, PlanProblem, SplitEvaluations, exhaustive, plan, plot_plan
 from cluster.sim.costs import GPUS, LINKS, MODELS, RooflineCostModel, ServingOverheads, load_cost_model
 from cluster.sim.engine import EngineSettings
 from cluster.sim.metrics import SLO
@@ -86,10 +86,11 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"baton plan: {exc}", file=sys.stderr)
         return 2
-    chosen = plan(problem)
+    evaluations = SplitEvaluations(problem)  # what the plan simulated, exhaustive search does not again
+    chosen = plan(problem, evaluations)
     plans: list[Plan] = [chosen]
     if args.exhaustive:
-        plans.insert(0, exhaustive(problem))
+        plans.insert(0, exhaustive(problem, evaluations))
     best = chosen.best
     # The chosen split at the workload's own rate.
     sim = Simulator(ClusterSpec(best.prefill_workers, best.decode_workers, engine), cost, overheads, problem.link,

@@ -2,7 +2,8 @@
 
 A split's **goodput** is DistServe's: the highest request rate of the workload's mix at which at
 least `attainment` (default 90%) of requests meet both the TTFT and the TPOT SLO, found by
-bisection on the rate, each probe one simulation (cluster/sim) with the same random arrivals.
+bisection on the rate, each probe one simulation (cluster/sim) with the same random arrivals,
+stopped as soon as it cannot pass (`probe`).
 Goodput per GPU is that rate over the GPUs the split uses.
 
 The planner does not simulate every split. It estimates each pool's capacity per worker from the
@@ -23,13 +24,13 @@ from pathlib import Path
 
 from cluster.sim.costs import CostModel, LinkModel, ServingOverheads, StepShape
 from cluster.sim.engine import EngineSettings
-from cluster.sim.metrics import SLO, pyplot
+from cluster.sim.metrics import SLO, RequestRecord, pyplot
 from cluster.sim.simulator import ClusterSpec, Simulator
 from cluster.sim.workload import WorkloadSpec
 from router.routing import RoutingConfig
 
-__all__ = ["Plan", "PlanProblem", "SplitResult", "capacity_estimate", "evaluate_split", "exhaustive", "plan",
-           "plot_plan"]
+__all__ = ["Plan", "PlanProblem", "ProbeResult", "SplitEvaluations", "SplitResult", "capacity_estimate",
+           "evaluate_split", "exhaustive", "plan", "plot_plan", "probe"]
 
 
 @dataclass(frozen=True)
@@ -153,14 +154,51 @@ def capacity_estimate(problem: PlanProblem) -> dict:
             "rate_upper_bound": min(p_star * prefill_cap, (problem.gpus - p_star * pg) / dg * decode_cap) * 1.5}
 
 
-def _attainment(problem: PlanProblem, p: int, d: int, rate: float) -> float:
-    min_s = problem.min_probe_s if problem.min_probe_s is not None else 10 * problem.slo.ttft_s
+@dataclass(frozen=True)
+class ProbeResult:
+    passed: bool  # at least the problem's `attainment` of the requests after the warm-up met both SLOs
+    attainment: float | None  # the fraction that did; None when the probe stopped once it had failed
+
+
+def probe(problem: PlanProblem, p: int, d: int, rate: float, stop_once_failed: bool = True) -> ProbeResult:
+    """One simulation of the split at the rate. With stop_once_failed it ends as soon as so many
+    requests have missed (failed, late for their TTFT, or done outside the TPOT SLO) that it cannot
+    pass: the verdict is the one the whole run gives (an overloaded probe would otherwise run its
+    queue down to the drain limit), only the fraction is not known."""
+    slo, target = problem.slo, problem.attainment
+    min_s = problem.min_probe_s if problem.min_probe_s is not None else 10 * slo.ttft_s
     duration = max(min(problem.requests_per_probe / rate, 20 * min_s), min_s)
-    wl = dataclasses.replace(problem.workload, rate=rate, duration_s=duration)
-    spec = ClusterSpec(p, d, problem.engine, problem.routing, drain_limit_s=max(10.0, 4 * problem.slo.ttft_s))
+    warm_up = 0.2 * duration
+    workload = dataclasses.replace(problem.workload, rate=rate, duration_s=duration).generate()
+    # An open-loop client sends each request at its arrival time, which becomes its sent_s.
+    counted = sum(1 for c in workload.clients for r in c.requests if c.start_s + r.arrival_s >= warm_up)
+    spec = ClusterSpec(p, d, problem.engine, problem.routing, drain_limit_s=max(10.0, 4 * slo.ttft_s))
     sim = Simulator(spec, problem.cost, problem.overheads, problem.link, problem.pcost, record_itl=False)
-    records = [r for r in sim.run(wl.generate()).records if r.sent_s >= 0.2 * duration]
-    return sum(problem.slo.met(r) for r in records) / len(records) if records else 0.0
+    stopped = False
+
+    def missed(r: RequestRecord, now: float) -> bool:
+        if r.failed:
+            return True
+        if r.first_token_s is None:
+            return now - r.sent_s > slo.ttft_s  # its first token comes at now or later
+        return r.ttft_s > slo.ttft_s or (r.done_s is not None and not slo.met(r))
+
+    def check(s: Simulator) -> None:
+        nonlocal stopped
+        now = s.loop.now
+        misses = sum(1 for r in s.records if r.sent_s >= warm_up and missed(r, now))
+        if (counted - misses) / counted < target:  # even if every other request meets both SLOs
+            stopped = True
+            s.stop()
+
+    if stop_once_failed and counted:
+        sim.every(slo.ttft_s / 2, check)
+    records = [r for r in sim.run(workload).records if r.sent_s >= warm_up]
+    if stopped:
+        return ProbeResult(False, None)
+    assert len(records) == counted, (len(records), counted)
+    att = sum(slo.met(r) for r in records) / len(records) if records else 0.0
+    return ProbeResult(att >= target, att)
 
 
 def evaluate_split(problem: PlanProblem, p: int, d: int, rate_hint: float) -> SplitResult:
@@ -170,11 +208,11 @@ def evaluate_split(problem: PlanProblem, p: int, d: int, rate_hint: float) -> Sp
     gpus = p * problem.pcost.gpus_per_worker() + d * problem.decode_gpus
     probes = 0
 
-    def ok(rate: float) -> tuple[bool, float]:
+    def ok(rate: float) -> tuple[bool, float | None]:
         nonlocal probes
         probes += 1
-        att = _attainment(problem, p, d, rate)
-        return att >= problem.attainment, att
+        result = probe(problem, p, d, rate)
+        return result.passed, result.attainment
 
     hint = max(rate_hint, 1e-6)
     passed, att = ok(hint)
@@ -193,8 +231,8 @@ def evaluate_split(problem: PlanProblem, p: int, d: int, rate_hint: float) -> Sp
             if passed:
                 lo, lo_att, hi = hi, att, hi_fail
                 break
-        if lo == 0.0:
-            return SplitResult(p, d, gpus, 0.0, att, probes)
+        if lo == 0.0:  # the last probe's attainment, in full (it stopped once it had failed)
+            return SplitResult(p, d, gpus, 0.0, probe(problem, p, d, hi, stop_once_failed=False).attainment, probes)
     while hi / lo - 1 > problem.rate_tolerance:
         mid = math.sqrt(lo * hi)
         passed, att = ok(mid)
@@ -205,23 +243,51 @@ def evaluate_split(problem: PlanProblem, p: int, d: int, rate_hint: float) -> Sp
     return SplitResult(p, d, gpus, lo, lo_att, probes)
 
 
-def exhaustive(problem: PlanProblem) -> Plan:
+@dataclass
+class SplitEvaluations:
+    """The splits evaluated for one problem, for `plan` and `exhaustive` to share: a split's result
+    depends on the problem alone (seeded arrivals and routing), so a second search on the same
+    problem (`baton plan --exhaustive`) reuses what the first simulated instead of simulating it
+    again. Its results are the same either way; each keeps the probe count of its simulations."""
+
+    problem: PlanProblem
+    results: dict[tuple[int, int, float], SplitResult] = field(default_factory=dict)
+
+    def evaluate(self, p: int, d: int, rate_hint: float) -> SplitResult:
+        key = (p, d, rate_hint)
+        if key not in self.results:
+            self.results[key] = evaluate_split(self.problem, p, d, rate_hint)
+        return self.results[key]
+
+
+def _evaluations(problem: PlanProblem, evaluations: SplitEvaluations | None) -> SplitEvaluations:
+    if evaluations is None:
+        return SplitEvaluations(problem)
+    if evaluations.problem != problem:
+        raise ValueError("these split evaluations are for another planning problem")
+    return evaluations
+
+
+def exhaustive(problem: PlanProblem, evaluations: SplitEvaluations | None = None) -> Plan:
+    """Every split, evaluated (those in `evaluations` already are not simulated again)."""
     est = capacity_estimate(problem)
-    results = [evaluate_split(problem, p, d, est["rate_upper_bound"]) for p, d in problem.splits()]
+    evaluations = _evaluations(problem, evaluations)
+    results = [evaluations.evaluate(p, d, est["rate_upper_bound"]) for p, d in problem.splits()]
     best = max(results, key=lambda r: (r.goodput_per_gpu, -r.gpus))
     return Plan(best, tuple(results), sum(r.probes for r in results), "exhaustive", est)
 
 
-def plan(problem: PlanProblem) -> Plan:
+def plan(problem: PlanProblem, evaluations: SplitEvaluations | None = None) -> Plan:
     """Estimate, then hill-climb over the split (and try the colocated layout)."""
     est = capacity_estimate(problem)
+    evaluations = _evaluations(problem, evaluations)
     splits = [s for s in problem.splits() if s[0] > 0]
     by_p = {p: (p, d) for p, d in splits}
     seen: dict[tuple[int, int], SplitResult] = {}
 
     def score(split: tuple[int, int]) -> float:
         if split not in seen:
-            seen[split] = evaluate_split(problem, *split, est["rate_upper_bound"])
+            seen[split] = evaluations.evaluate(*split, est["rate_upper_bound"])
         return seen[split].goodput_per_gpu
 
     if splits:

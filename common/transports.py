@@ -8,11 +8,17 @@ Two lists, and "auto" is only in one of them:
   memory (shm) inside a node and gloo between nodes on the CPU, nccl on GPUs; `cpu` is the same
   choice restricted to the CPU backends; `shm`, `gloo` or `nccl` force that backend for every pair.
 - `BACKENDS`: the transports `kvtransfer.create_transport` builds, each one `KVTransport.kind`.
+
+`Place` (where a worker's KV cache lives) and `offered_kinds` (the backends a choice needs there)
+live here too, so placement checks a choice against a pool's device without loading kvtransfer.
 """
 
 from __future__ import annotations
 
-__all__ = ["BACKENDS", "CHOICES", "FIXED_CHOICES", "KV_LOAD_FAILURE_POLICIES", "KVLoadFailed"]
+from dataclasses import dataclass
+
+__all__ = ["BACKENDS", "CHOICES", "DEVICES", "FIXED_CHOICES", "KV_LOAD_FAILURE_POLICIES", "KVLoadFailed", "Place",
+           "offered_kinds"]
 
 CHOICES = ("auto", "cpu", "shm", "gloo", "nccl")
 # The choices that name one backend for every pair (the others choose per pair).
@@ -34,3 +40,38 @@ class KVLoadFailed(RuntimeError):
 
     def __reduce__(self):  # keeps `reason` across Ray's pickling
         return type(self), (str(self), self.reason)
+
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a worker's KV cache lives, as far as choosing a transport goes."""
+
+    node_id: str = "local"  # the Ray node id ("local" outside Ray: one node)
+    host: str = "127.0.0.1"  # the node's IP as Ray reports it: gloo/nccl bind and rendezvous here
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not self.node_id or not self.host:
+            raise ValueError(f"a Place needs a node id and a host, got {self!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+
+    def short(self) -> str:
+        return f"node {self.node_id[:12]} ({self.host}, {self.device})"
+
+
+def offered_kinds(choice: str, place: Place) -> tuple[str, ...]:
+    """The backends a worker at `place` needs for any peer, receiving backend first."""
+    if choice not in CHOICES:
+        raise ValueError(f"unknown KV transport choice {choice!r}; expected one of {CHOICES}")
+    if choice in FIXED_CHOICES:
+        return (choice,)
+    if place.device == "cuda":
+        if choice == "cpu":
+            raise ValueError("transport 'cpu' (shm/gloo) needs the workers' KV caches on the CPU; "
+                             "GPU workers use nccl (transport auto or nccl)")
+        return ("nccl",)
+    return ("shm", "gloo")

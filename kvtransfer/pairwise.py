@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.protocol import KVEndpoint, KVLayout
-from common.transports import CHOICES, FIXED_CHOICES
+from common.transports import FIXED_CHOICES, Place, offered_kinds
 
 from ._common import MAX_FINISHED_RECORDS, check_transfer_id
 from .base import KVTransferError, KVTransport, Role, TransferHandle, TransferResult, TransferStatus
@@ -43,25 +43,6 @@ from .nccl import NcclTransport
 from .shm import ShmTransport
 
 KIND = "pairwise"
-DEVICES = ("cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a worker's KV cache lives, as far as choosing a transport goes."""
-
-    node_id: str = "local"  # the Ray node id ("local" outside Ray: one node)
-    host: str = "127.0.0.1"  # the node's IP as Ray reports it: gloo/nccl bind and rendezvous here
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if not self.node_id or not self.host:
-            raise ValueError(f"a Place needs a node id and a host, got {self!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-
-    def short(self) -> str:
-        return f"node {self.node_id[:12]} ({self.host}, {self.device})"
 
 
 @dataclass(frozen=True)
@@ -74,20 +55,6 @@ class PeerLink:
     kind: str
     blocks_sent: int = 0
     bytes_sent: int = 0
-
-
-def offered_kinds(choice: str, place: Place) -> tuple[str, ...]:
-    """The backends a worker at `place` needs for any peer, receiving backend first."""
-    if choice not in CHOICES:
-        raise ValueError(f"unknown KV transport choice {choice!r}; expected one of {CHOICES}")
-    if choice in FIXED_CHOICES:
-        return (choice,)
-    if place.device == "cuda":
-        if choice == "cpu":
-            raise ValueError("transport 'cpu' (shm/gloo) needs the workers' KV caches on the CPU; "
-                             "GPU workers use nccl (transport auto or nccl)")
-        return ("nccl",)
-    return ("shm", "gloo")
 
 
 def pair_kind(choice: str, sender: Place, receiver: Place) -> str:

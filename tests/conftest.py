@@ -37,7 +37,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_collection_finish(session):
+    # transformers' answers that tests/engine compares with take about a minute of CPU when pytest's
+    # cache does not keep them: computed meanwhile at idle priority (tests/engine/references.py).
+    cache = getattr(session.config, "cache", None)
+    if cache is None or session.config.option.collectonly or not any(
+            "hf_references" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    from tests.engine import references
+
+    session.config.stash[references.BACKGROUND] = references.start_in_background(cache.mkdir(references.CACHE_FOLDER))
+
+
 def pytest_sessionfinish(session, exitstatus):
+    from tests.engine import references
+
+    background = session.config.stash.get(references.BACKGROUND, None)
+    if background is not None and background.poll() is None:  # the run ended before it was needed
+        background.kill()
+        background.wait()
     # The fault tests SIGKILL workers, which cannot unlink their shared-memory KV segments; a
     # worker started later sweeps them, but the test run leaves none behind either.
     from kvtransfer.shm import sweep_stale_segments

@@ -3,6 +3,11 @@
 The shells add what only Ray knows: the node the actor landed on and that node's IP, which the
 KV transport per pair of workers needs (`WorkerConfig.node_id`, `host`), and they undo Ray's
 niceness (see `normal_priority`).
+
+They are also what the driver (`baton serve`, which starts Ray and runs the router) holds: Ray
+reads an actor's remote methods off its class there, so this module imports nothing of the
+engine (torch, transformers, xgrammar, triton). Each actor imports it in its own process, in its
+constructor, and every remote method hands the call to its EngineWorker unchanged.
 """
 
 from __future__ import annotations
@@ -10,11 +15,20 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import ray
 
+from common.protocol import (
+    KVEndpoint, KVReservation, PrefillRequest, PrefillResult, RequestOutput, ResumeState, RouterClaim, WorkerHeartbeat,
+    WorkerReady, WorkerStats,
+)
 from common.roles import Role
-from workers.worker import EngineWorker, WorkerConfig
+from common.sampling_params import SamplingParams
+from workers.config import WorkerConfig
+
+if TYPE_CHECKING:  # kvtransfer loads torch; PeerLink is only an annotation here
+    from kvtransfer import PeerLink
 
 
 log = logging.getLogger(__name__)
@@ -46,29 +60,86 @@ def normal_priority() -> int:
     return raised
 
 
-def _placed(config: WorkerConfig) -> WorkerConfig:
+def placed(config: WorkerConfig) -> WorkerConfig:
     """`config` with this actor's Ray node id and node IP filled in."""
     return replace(config, node_id=ray.get_runtime_context().get_node_id(), host=ray.util.get_node_ip_address())
 
 
-class PrefillWorker(EngineWorker):
+class WorkerActor:
+    """One pool's worker as a Ray actor: checks its role, builds its EngineWorker, forwards each call.
+
+    The methods are EngineWorker's public ones with the same signatures (Ray checks a call's
+    arguments against them in the caller; tests/unit/test_cli_imports.py holds the two equal)."""
+
+    ROLE: Role
+
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.role != self.ROLE:
+            raise ValueError(f"{type(self).__name__} needs role {self.ROLE.value!r}, got {config.role!r}")
+        normal_priority()  # before the engine's threads start: they inherit it
+        # Here, not at the top: the engine loads torch, transformers, xgrammar and triton, which
+        # only the actor's process needs (the driver holds this class and stays without them).
+        from workers.worker import EngineWorker
+        self.worker = EngineWorker(placed(config))
+
+    def ready(self) -> WorkerReady:
+        return self.worker.ready()
+
+    def endpoint(self) -> KVEndpoint:
+        return self.worker.endpoint()
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               resume: ResumeState | None = None, router: RouterClaim | None = None) -> None:
+        return self.worker.submit(request_id, prompt_token_ids, params, resume, router)
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        return self.worker.compile_grammar(params)
+
+    def prefill(self, request: PrefillRequest) -> PrefillResult:
+        return self.worker.prefill(request)
+
+    def connect_peer(self, endpoint: KVEndpoint) -> str:
+        return self.worker.connect_peer(endpoint)
+
+    def kv_links(self) -> list[PeerLink]:
+        return self.worker.kv_links()
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                router: RouterClaim | None = None) -> KVReservation | None:
+        return self.worker.reserve(request_id, prompt_token_ids, params, router)
+
+    def start_decode(self, request_id: str, first_token: int) -> None:
+        return self.worker.start_decode(request_id, first_token)
+
+    def abort(self, request_id: str, final: bool = True) -> bool:
+        return self.worker.abort(request_id, final)
+
+    def poll_outputs(self, timeout_s: float = 0.05, router: RouterClaim | None = None) -> list[RequestOutput]:
+        return self.worker.poll_outputs(timeout_s, router)
+
+    def renew_lease(self, router: RouterClaim) -> None:
+        return self.worker.renew_lease(router)
+
+    def heartbeat(self, router: RouterClaim | None = None) -> WorkerHeartbeat:
+        return self.worker.heartbeat(router)
+
+    def stats(self) -> WorkerStats:
+        return self.worker.stats()
+
+    def shutdown(self) -> None:
+        return self.worker.shutdown()
+
+
+class PrefillWorker(WorkerActor):
     """Runs prompts to their first token and pushes their KV blocks to decode workers."""
 
-    def __init__(self, config: WorkerConfig) -> None:
-        if config.role != Role.PREFILL:
-            raise ValueError(f"PrefillWorker needs role 'prefill', got {config.role!r}")
-        normal_priority()  # before the engine's threads start: they inherit it
-        super().__init__(_placed(config))
+    ROLE = Role.PREFILL
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker(WorkerActor):
     """Receives KV blocks, decodes in a continuous batch, and can prefill locally."""
 
-    def __init__(self, config: WorkerConfig) -> None:
-        if config.role != Role.DECODE:
-            raise ValueError(f"DecodeWorker needs role 'decode', got {config.role!r}")
-        normal_priority()  # before the engine's threads start: they inherit it
-        super().__init__(_placed(config))
+    ROLE = Role.DECODE
 
 
 # Actor methods block (long polls, waits for first tokens), so each actor serves calls on a pool

@@ -53,8 +53,13 @@ class BlockManager:
         if window is not None and window < 1:
             raise ValueError(f"window must be None or >= 1, got {window}")
         self.window = window  # tokens every layer's queries see; None: some layer attends to everything
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Built as blocks are first handed out (in id order), so a cache of many blocks costs
+        # nothing until used (the simulator builds thousands of workers). The free list in LRU
+        # order is: the first `_free_ahead` entries of `_free` (uncached blocks given back), the
+        # never-used ids len(blocks)..num_blocks-1, then the rest of `_free`.
+        self.blocks: list[Block] = []
+        self._free: OrderedDict[int, None] = OrderedDict()  # free blocks handed out before
+        self._free_ahead = 0
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._events: list[KVEvent] = []
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -63,19 +68,19 @@ class BlockManager:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self.blocks)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by sequences (cached-but-free blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_ids))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+        return self.blocks_needed(seq, num_new_tokens) <= len(self._free) + self.num_blocks - len(self.blocks)
 
     def cached_hashes(self) -> tuple[int, ...]:
         """Hashes of every block in the prefix cache now (a KV-event snapshot)."""
@@ -123,7 +128,7 @@ class BlockManager:
         new_needed = -(-total // self.block_size) - len(cached_block_ids)
         # Cached blocks sitting in the free list stop being free once referenced.
         reusable_free = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
-        if new_needed > len(self._free) - reusable_free:
+        if new_needed > self.num_free_blocks - reusable_free:
             return False
         for block_id in cached_block_ids:
             self._ref(block_id)
@@ -139,20 +144,32 @@ class BlockManager:
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
+            # A free block is referenced only as a cache hit: cached when freed, so never one of
+            # the `_free_ahead` entries.
+            assert block.block_hash is not None, block
             del self._free[block_id]
         block.ref_count += 1
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give seq enough blocks to hold num_new_tokens more tokens. Caller checked can_allocate."""
         needed = self.blocks_needed(seq, num_new_tokens)
-        assert needed <= len(self._free), "caller must check can_allocate first"
+        assert needed <= len(self._free) + self.num_blocks - len(self.blocks), "caller must check can_allocate first"
         for _ in range(needed):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self._take_free()
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
-            seq.block_ids.append(block_id)
+            seq.block_ids.append(block.block_id)
+
+    def _take_free(self) -> Block:
+        """The block at the front of the free list (see __init__), out of it."""
+        if self._free_ahead or len(self.blocks) == self.num_blocks:
+            block_id, _ = self._free.popitem(last=False)
+            self._free_ahead = max(0, self._free_ahead - 1)
+            return self.blocks[block_id]
+        block = Block(len(self.blocks))
+        self.blocks.append(block)
+        return block
 
     def _evict(self, block: Block) -> None:
         assert block.block_hash is not None
@@ -204,6 +221,7 @@ class BlockManager:
             if block.block_hash is None:
                 # Uncached blocks go first in line for reuse: they hold nothing worth keeping.
                 self._free.move_to_end(block_id, last=False)
+                self._free_ahead += 1
 
     def release_tail(self, seq: Sequence) -> int:
         """Release seq's trailing blocks that hold none of its computed tokens (the slots of drafts

@@ -1,4 +1,5 @@
-"""Engine configuration: one dataclass, checked on construction.
+"""Engine configuration: one dataclass, checked on construction; and `WorkerConfig`, what the
+launcher hands each worker actor (torch-free: the driver builds it without loading the engine).
 
 Each user-facing field carries its help text (and allowed values) in its dataclass metadata;
 `cluster.config` builds the `baton serve` flags, the YAML reader and the JSON Schema from them.
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+
+from common.roles import ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -154,3 +157,25 @@ class EngineConfig:
             if not all(k > 0 and v > 0 and k < float("inf") and v < float("inf") for k, v in scales):
                 raise ValueError(f"kv_scales must be finite and > 0, got {self.kv_scales!r}")
             self.kv_scales = scales
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker: its id, role and engine, the KV transport choice, and where it runs."""
+
+    worker_id: str
+    role: str
+    model: str | None = None  # None: the default model; resolved on the worker's own node
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    # KV transport choice (common.transports.CHOICES): auto picks per pair of workers.
+    transport: str = "auto"
+    transfer_timeout_s: float = 30.0
+    kv_load_failure_policy: str = "recompute"  # when pushed KV is unusable: recompute or fail (workers.kv_load)
+    # Where the worker runs, filled in by the Ray actor shell (workers.actors) from Ray's own
+    # view: the transport per pair compares node ids, and gloo/nccl rendezvous on `host`.
+    node_id: str = "local"
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {tuple(r.value for r in ROLES)}, got {self.role!r}")

@@ -2,7 +2,7 @@
 (xgrammar), and follow each request's position in it with a matcher.
 
 `GrammarCache` owns the model's xgrammar tokenizer info (built on first use: it reads the
-tokenizer and walks the vocabulary once) and a bounded LRU of compiled grammars keyed by the spec;
+tokenizer and walks the vocabulary once; `tokenizer_info` keeps it in Baton's cache directory) and a bounded LRU of compiled grammars keyed by the spec;
 a compile that takes longer than `compile_timeout_s` is refused with ValueError (it finishes in the
 background and is kept, so a retry finds it). `GrammarState` is one request's matcher: the engine
 advances it with every token the request emits, here or elsewhere (the prefill worker's first
@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import bisect
 import enum
+import hashlib
+import importlib.metadata
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +40,7 @@ from pathlib import Path
 import torch
 import xgrammar as xgr
 
+from common import envs
 from common.protocol import COMPILE_SECONDS_BUCKETS, GrammarCompileError, GrammarCounts
 from common.sampling_params import StructuredOutput
 
@@ -128,6 +132,39 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+# What xgrammar's tokenizer info is built from, besides the arguments.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json")
+
+
+def tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: list[int]) -> "xgr.TokenizerInfo":
+    """xgrammar's view of the model's tokenizer. Building it reads the tokenizer through
+    transformers (about 2 s of CPU here, which every starting worker paid), so it is kept as JSON in
+    Baton's cache directory, keyed by the tokenizer files' bytes, the arguments and xgrammar's
+    version; a cache that cannot be read or written is rebuilt or skipped."""
+    key = hashlib.sha256(json.dumps([vocab_size, sorted(stop_token_ids), importlib.metadata.version("xgrammar")]).encode())
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            key.update(name.encode() + b"\0" + (model_dir / name).read_bytes())
+    path = envs.cache_dir() / "xgrammar" / f"tokenizer-info-{key.hexdigest()[:24]}.json"
+    try:
+        return xgr.TokenizerInfo.deserialize_json(path.read_text())
+    except (OSError, RuntimeError, ValueError):
+        pass
+    from transformers import AutoTokenizer  # heavy, and needed only when the cache has no entry
+
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(model_dir)), vocab_size=vocab_size,
+                                              stop_token_ids=stop_token_ids)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(info.serialize_json())
+        os.replace(partial, path)  # whole or absent for a worker starting beside this one
+    except OSError:
+        pass
+    return info
+
+
 class GrammarCache:
     """Compiled grammars of one model, by spec (bounded LRU); thread-safe."""
 
@@ -152,11 +189,7 @@ class GrammarCache:
 
     def _get_compiler(self) -> "xgr.GrammarCompiler":
         if self._compiler is None:
-            from transformers import AutoTokenizer  # heavy, and only structured requests need it
-
-            tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
+            info = tokenizer_info(self.model_dir, self.vocab_size, self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 

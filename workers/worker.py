@@ -22,12 +22,12 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from common import envs
 from kvtransfer import KVTransferError, PairwiseTransport, PeerLink, Place, dtype_name
 from workers.kv_load import KVLoadFailures, PendingLoad, recompute
-from workers.config import EngineConfig
+from workers.config import EngineConfig, WorkerConfig
 from workers.engine import LLMEngine, load_tokenizer_decode
 from workers.grammar import GrammarCache
 from workers.model_config import ModelConfig
@@ -39,7 +39,6 @@ from common.protocol import (
     RouterClaim, WorkerHeartbeat, WorkerReady, WorkerStats,
 )
 from workers.router_leases import RouterLeases
-from common.roles import ROLES
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -102,26 +101,6 @@ class Counters:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    worker_id: str
-    role: str
-    model: str | None = None  # None: the default model; resolved on the worker's own node
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    # KV transport choice (common.transports.CHOICES): auto picks per pair of workers.
-    transport: str = "auto"
-    transfer_timeout_s: float = 30.0
-    kv_load_failure_policy: str = "recompute"  # when pushed KV is unusable: recompute or fail (workers.kv_load)
-    # Where the worker runs, filled in by the Ray actor shell (workers.actors) from Ray's own
-    # view: the transport per pair compares node ids, and gloo/nccl rendezvous on `host`.
-    node_id: str = "local"
-    host: str = "127.0.0.1"
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {tuple(r.value for r in ROLES)}, got {self.role!r}")
 
 
 class EngineWorker:

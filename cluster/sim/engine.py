@@ -14,7 +14,7 @@ engine thread as its step ends: the simulator calls begin_send from the step's o
 from __future__ import annotations
 
 import heapq
-import itertools
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,26 +41,57 @@ class _Seq(Sequence):
 
 
 class EventLoop:
-    """A heap of timed callbacks; `now` is the simulated time in seconds."""
+    """A heap of timed callbacks; `now` is the simulated time in seconds. Callbacks at the same
+    time run in the order they were scheduled."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list = []
-        self._order = itertools.count()
+        self._pushes = 0  # callbacks scheduled so far: each one's place in the order of a tie
+        self._open_group: tuple[int, float, Callable, list] | None = None  # see after_grouped
 
     def at(self, t: float, fn: Callable, *args) -> None:
-        heapq.heappush(self._heap, (max(t, self.now), next(self._order), fn, args))
+        now = self.now
+        self._pushes += 1
+        heapq.heappush(self._heap, (t if t > now else now, self._pushes, fn, args))
 
     def after(self, dt: float, fn: Callable, *args) -> None:
-        self.at(self.now + dt, fn, *args)
+        # at(now + dt) written out: a simulation schedules an event or two per token.
+        now = self.now
+        t = now + dt
+        self._pushes += 1
+        heapq.heappush(self._heap, (t if t > now else now, self._pushes, fn, args))
+
+    def after_grouped(self, dt: float, fn: Callable, *args) -> None:
+        """after(dt, fn, *args), in one heap entry with the previous call when that was to the same
+        fn at the same time and nothing was scheduled in between (a step's outputs, one per
+        sequence): the calls run back to back at that time either way, in the same order."""
+        now = self.now
+        t = now + dt
+        t = t if t > now else now
+        group = self._open_group
+        if group is not None and group[0] == self._pushes and group[1] == t and group[2] == fn:
+            group[3].append(args)
+            return
+        calls = [args]
+        self._pushes += 1
+        heapq.heappush(self._heap, (t, self._pushes, self._run_group, (fn, calls)))
+        self._open_group = (self._pushes, t, fn, calls)
+
+    def _run_group(self, fn: Callable, calls: list) -> None:
+        if self._open_group is not None and self._open_group[3] is calls:
+            self._open_group = None  # running: a call scheduled from now on goes after what is queued
+        for args in calls:
+            fn(*args)
 
     def run(self, until: float | None = None, stop: Callable[[], bool] | None = None) -> None:
-        heap = self._heap
+        heap, pop = self._heap, heapq.heappop
+        limit = math.inf if until is None else until
         while heap:
-            if until is not None and heap[0][0] > until:
-                self.now = until
+            if heap[0][0] > limit:
+                self.now = limit
                 return
-            t, _, fn, args = heapq.heappop(heap)
+            t, _, fn, args = pop(heap)
             self.now = t
             fn(*args)
             if stop is not None and stop():
@@ -227,16 +258,18 @@ class SimWorker:
                 bm.cache_computed_blocks(seq)
             if sample:
                 sampled.append(seq)
+        states = self._states
         for seq in sampled:
-            state = self._states[seq.request_id]
+            state = states[seq.request_id]
             seq.append_token(PLACEHOLDER_TOKEN)
-            finished = seq.num_output_tokens >= seq.sampling_params.max_tokens
+            num_output = seq.num_output_tokens
+            finished = num_output >= seq.sampling_params.max_tokens
             if finished:
                 self._finish(seq)
             elif state.prefill_only:
                 self.scheduler.hold(seq)
-                del self._states[seq.request_id]
-            state.on_output(seq.request_id, seq.num_output_tokens, finished, seq.num_cached_tokens)
+                del states[seq.request_id]
+            state.on_output(seq.request_id, num_output, finished, seq.num_cached_tokens)
         self._collect_events()
         self.busy = False
         while self._commands and not self.busy:

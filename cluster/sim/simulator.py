@@ -18,6 +18,7 @@ the autoscaler drives.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections import deque
 from collections.abc import Callable
@@ -97,6 +98,7 @@ class Simulator:
         self.recent: deque[RequestRecord] = deque()  # completed in the last window (autoscaler signals)
         self._tickers: list[tuple[float, Callable[["Simulator"], None]]] = []
         self._open_clients = 0
+        self._stopped = False
         self._flights: dict[str, _Flight] = {}
         self.unstarted: dict[str, float] = {}  # routed, not yet computing: request id -> routed at
         self.counters = dict.fromkeys(COUNTERS, 0)  # what the flows counted, as RayBackend.counters
@@ -325,10 +327,24 @@ class Simulator:
         self.loop.after(rpc, p.call, lambda: p.add(rid, f.req.prompt, f.req.output_len, on_first, prefill_only=True))
 
     def _decode_output(self, f: _Flight):
+        stream_s, after, deliver = self.overheads.stream_s, self.loop.after_grouped, self._deliver
+
         def on_output(rid: str, n: int, finished: bool, cached: int) -> None:
-            out = RequestOutput(rid, [0] * n, finished=finished, num_cached_tokens=cached)
-            self.loop.after(self.overheads.stream_s, self._answer, f, lambda now: f.flow.on_output(out, now))
+            # One step's increment: the one token it sampled (n counts every token so far).
+            after(stream_s, deliver, f, RequestOutput(rid, [0], finished=finished, num_cached_tokens=cached))
         return on_output
+
+    def _deliver(self, f: _Flight, out: RequestOutput) -> None:
+        """A decode worker's output reached the router (`_answer` for the commonest outcome, without
+        a closure per token)."""
+        flow = f.flow
+        if flow.done:
+            return
+        commands = flow.on_output(out, self.loop.now)
+        if len(commands) == 1 and type(commands[0]) is Emit:  # a token and nothing else: most of them
+            self._client_token(f, commands[0].output.finished)
+        else:
+            self._execute(f, commands)
 
     def _client_token(self, f: _Flight, finished: bool) -> None:
         rec, now = f.rec, self.loop.now
@@ -400,7 +416,12 @@ class Simulator:
                 launch()
 
     def _finished(self) -> bool:
-        return self._open_clients == 0
+        return self._stopped or self._open_clients == 0
+
+    def stop(self) -> None:
+        """End the run after the event now running (a caller that has seen enough, from an `every`
+        ticker: the planner once a probe cannot pass); requests not done by then are failed."""
+        self._stopped = True
 
     def every(self, interval_s: float, fn: Callable[["Simulator"], None]) -> None:
         """Call fn(simulator) every interval_s of simulated time while clients are running (the autoscaler)."""
@@ -411,6 +432,19 @@ class Simulator:
         self.loop.after(interval_s, tick)
 
     def run(self, workload: Workload) -> SimResult:
+        # What is alive before the run (imported torch and Ray under `baton plan`, the workload) is
+        # none of its garbage: out of the collector's full passes, which walked it all (a fifth of
+        # a planner's time). Not if someone froze already (the launcher does): theirs stays frozen.
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
+        try:
+            return self._run(workload)
+        finally:
+            if freeze:
+                gc.unfreeze()
+
+    def _run(self, workload: Workload) -> SimResult:
         started = time.perf_counter()
         self._rebuild_infos()
         for client in workload.clients:

@@ -11,7 +11,9 @@
   `fake_cluster.kill_node(node_id)` SIGKILLs one simulated node's processes (raylet and
   workers), as when a machine dies. The simulated nodes run with `HF_HUB_CACHE` set to an empty
   folder (`fake_cluster.node_hf_cache`), which the "model files on every node" test relies on.
-- `reference_engine`: the engine alone in this process, the oracle for greedy answers.
+- `reference_engine`: the engine alone in this process, the oracle for greedy answers, and
+  `clear_prompt_set(n, max_tokens)`: prompts whose greedy answers it decides clearly; both are
+  the session's one `tests.healing.helpers.session_oracle`, which tests/healing shares.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 
 from cluster.testing import FakeCluster, leave_ray
 from cluster_fixtures import POOL_NODES
+from tests.healing.helpers import session_oracle
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,12 @@ def fake_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference_engine():
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
+def reference_engine(request):
+    return session_oracle(request.config).engine
 
-    return LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20))
+
+@pytest.fixture(scope="session")
+def clear_prompt_set(request, reference_engine, tokenizer):
+    """A function (n, max_tokens) -> n prompts with clear greedy answers (tests/healing/helpers.py), cached."""
+    oracle = session_oracle(request.config)
+    return lambda n, max_tokens: oracle.clear_prompts(tokenizer, n, max_tokens)

@@ -1,6 +1,6 @@
 """A whole simulated node dies during 32 streaming requests: a head, two prefill nodes and three
-decode nodes on 127.0.0.1 (cluster.testing.FakeCluster), 2 prefill and 2 decode workers, one per
-node, so one decode node is spare.
+decode nodes on 127.0.0.1 (cluster.testing.FakeCluster, a fresh one: the test kills one of its
+nodes), 2 prefill and 2 decode workers, one per node, so one decode node is spare.
 
 The test SIGKILLs every process of one decode node (its raylet and the decode worker on it, as
 `FakeCluster.kill_node` finds them), as when a machine goes away. The requests streaming from that worker migrate to the other decode
@@ -23,7 +23,7 @@ import pytest
 import ray
 
 from cluster.testing import FakeCluster, NodeType, leave_ray
-from tests.healing.helpers import check_results, clear_prompts, kill_when_running, run_load, wait_async
+from tests.healing.helpers import check_results, kill_when_running, run_load, wait_async
 
 from cluster_fixtures import POOL_NODES, actor_nodes, cluster_config, serving_on
 
@@ -48,8 +48,8 @@ async def _nothing(load) -> None:
     return None
 
 
-def test_a_decode_node_dies_mid_stream_and_the_pool_heals(spare_cluster, reference_engine, tokenizer):
-    expected = clear_prompts(reference_engine, tokenizer, 32, 16)
+def test_a_decode_node_dies_mid_stream_and_the_pool_heals(spare_cluster, clear_prompt_set):
+    expected = clear_prompt_set(32, 16)
     config = cluster_config(spare_cluster, max_num_seqs=32, routing_policy="round-robin", request_timeout=DEADLINE_S,
                             max_restarts=2)
     with serving_on(config, "nodekill") as server:

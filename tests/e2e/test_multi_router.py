@@ -29,7 +29,7 @@ from cluster.harness import baton_serve, wait_until
 
 pytestmark = pytest.mark.slow
 HEADER = "x-baton-router"
-MAX_TOKENS = 32
+MAX_TOKENS = 16
 QUESTIONS = ["Write a short poem about autumn leaves falling in a quiet park at dusk.",
              "Explain what a compiler does, in two sentences, for a beginner who has never programmed.",
              "Describe the moon in one sentence.", "Why do birds migrate? Answer briefly."]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from dataclasses import dataclass
 
@@ -16,6 +17,16 @@ NEAR_TIE = 1e-3  # a divergence is allowed only where the reference's top-2 gap 
 class Reference:
     token_ids: list[int]
     logits: list[torch.Tensor]  # one [vocab] float32 row per generated token
+
+
+def interpreter_ready() -> bool:
+    """True when Triton was imported with TRITON_INTERPRET=1 (its library functions are
+    interpretable), as tests/conftest.py arranges for the whole session; a test of the Triton path
+    then runs its engines in this process, otherwise in a child started with the variable set."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.sum, InterpretedFunction)
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> Reference:

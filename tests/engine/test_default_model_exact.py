@@ -56,7 +56,7 @@ def test_prefix_cache_off_and_mid_block_chunks(default_model_dir, chat_prompts, 
         default_model_dir,
         EngineConfig(kv_cache_memory=256 << 20, enable_prefix_caching=False, max_num_batched_tokens=40),
     )
-    picks = list(range(0, len(chat_prompts), 4)) + [len(chat_prompts) - 1]
+    picks = [0, 9, len(chat_prompts) - 1]  # two questions and the 1,100-token document
     completions = engine.generate([chat_prompts[i] for i in picks], GREEDY)
     check_all(completions, None, [hf_references[i] for i in picks])
     assert engine.stats().prefix_cache_hits == 0

@@ -21,7 +21,7 @@ import torch
 
 from common.protocol import KVLayout, KVLayoutMismatch
 from common.sampling_params import SamplingParams
-from tests.engine.helpers import compare_greedy, hf_greedy, run_with_logits, save_tiny_model
+from tests.engine.helpers import compare_greedy, hf_greedy, interpreter_ready, run_with_logits, save_tiny_model
 from workers.block_manager import FREED_BLOCK
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -315,7 +315,7 @@ def test_block_manager_releases_a_leading_run_and_frees_the_rest():
 # ---- the Triton kernels in the model (interpreted on the CPU) ----------------------------------------
 
 def triton_path_child(kind: str) -> None:
-    """Run in a child process with TRITON_INTERPRET=1 (it must be set before Triton is imported):
+    """Run where Triton was imported with TRITON_INTERPRET=1 (this session, or a child started with it):
     the tiny Gemma on kernel_backend "triton" (windowed and soft-capped attention, GeGLU) against
     transformers, with chunked prefill."""
     folder, hf = save_tiny_model(kind, **GEMMA_CASES[kind])
@@ -338,6 +338,9 @@ def test_gemma_on_the_triton_kernels_matches_transformers(kind):
     import sys
 
     pytest.importorskip("triton")
+    if interpreter_ready():  # the session's Triton interprets (tests/conftest.py): no child needed
+        triton_path_child(kind)
+        return
     repo = Path(__file__).resolve().parents[2]
     code = f"from tests.engine.test_gemma_and_windows import triton_path_child; triton_path_child({kind!r})"
     child = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=600,

@@ -123,7 +123,9 @@ def test_bad_specs_are_refused_and_compiles_are_cached(engine, tok):
 def test_prefill_workers_first_token_continues_under_the_grammar_on_the_decode_worker(default_model_dir, engine, tok):
     alone = engine  # the oracle: the same engine configuration, one process, no handoff
     with worker_pair(default_model_dir, CONFIG) as (prefill, decode):
-        for i, name in enumerate(SCHEMAS):
+        # Two schemas unlike each other (a pattern-constrained string; nested numbers): the grammar's
+        # hand-over does not depend on the schema, test_batched_schemas_... covers all five.
+        for i, name in enumerate(("order", "address")):
             params = SamplingParams(max_tokens=96, temperature=0.0, structured_output=schema_spec(name))
             prompt = chat(tok, PROMPTS[name])
             [want] = alone.generate([prompt], params)
@@ -131,6 +133,42 @@ def test_prefill_workers_first_token_continues_under_the_grammar_on_the_decode_w
             assert finish_reason == "stop"  # the grammar completed
             assert tokens == want.token_ids
             jsonschema.validate(json.loads(tok.decode(tokens)), SCHEMAS[name])
+
+
+def test_the_tokenizer_info_is_cached_and_equals_a_fresh_one(default_model_dir, tmp_path, monkeypatch):
+    import transformers
+    import xgrammar as xgr
+
+    from workers.grammar import tokenizer_info
+
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
+    config = json.loads((default_model_dir / "config.json").read_text())
+    vocab_size, stops = config["vocab_size"], [config["eos_token_id"]]
+    fresh = xgr.TokenizerInfo.from_huggingface(transformers.AutoTokenizer.from_pretrained(str(default_model_dir)),
+                                               vocab_size=vocab_size, stop_token_ids=stops)
+    first = tokenizer_info(default_model_dir, vocab_size, stops)
+    assert len(list((tmp_path / "xgrammar").glob("tokenizer-info-*.json"))) == 1
+
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("the cached tokenizer info was not used")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
+    cached = tokenizer_info(default_model_dir, vocab_size, stops)
+    for info in (first, cached):
+        assert (info.vocab_size, info.vocab_type, info.add_prefix_space, info.stop_token_ids, info.special_token_ids) == (
+            fresh.vocab_size, fresh.vocab_type, fresh.add_prefix_space, fresh.stop_token_ids, fresh.special_token_ids)
+        assert info.decoded_vocab == fresh.decoded_vocab
+    # The same grammar compiled from either allows the same tokens at its start.
+    masks = []
+    for info in (fresh, cached):
+        compiled = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(SCHEMAS["order"]))
+        mask = xgr.allocate_token_bitmask(1, vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        masks.append(mask)
+    assert torch.equal(*masks)
+    # Other stop tokens are another entry: built afresh, not read from this one.
+    with pytest.raises(AssertionError, match="was not used"):
+        tokenizer_info(default_model_dir, vocab_size, stops + [0])
 
 
 def test_min_tokens_does_not_hold_a_complete_grammar_open(engine, tok):

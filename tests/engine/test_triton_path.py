@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.helpers import run_with_logits, save_tiny_model
+from tests.engine.helpers import interpreter_ready, run_with_logits, save_tiny_model
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_config import ModelConfig
@@ -63,14 +63,6 @@ TRITON_FNS = {
 
 CHILD_ENV = "BATON_TRITON_PATH_CHILD"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def interpreter_ready() -> bool:
-    """True when Triton was imported with TRITON_INTERPRET=1 (its library functions are interpretable)."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.sum, InterpretedFunction)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
 step "1. kernel tests on CUDA"
-BATON_KERNEL_TEST_DEVICE=cuda timeout 200 \
+# BATON_COMPILE_ALL=1: the AOT compile check takes every specialisation here (16 cores), not the subset.
+BATON_KERNEL_TEST_DEVICE=cuda BATON_COMPILE_ALL=1 timeout 200 \
     "$PY" -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$RESULTS/gpu_kernel_tests.log" || status=1
 
 step "2. kernel benchmark"

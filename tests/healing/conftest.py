@@ -4,26 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from tests.healing.helpers import Expected, clear_prompts
+from tests.healing.helpers import Expected, session_oracle
 
 
 @pytest.fixture(scope="session")
-def reference_engine():
-    """The engine alone, greedy float32: the oracle."""
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-
-    return LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20))
+def reference_engine(request):
+    """The engine alone, greedy float32: the oracle (loaded once a session, helpers.session_oracle)."""
+    return session_oracle(request.config).engine
 
 
 @pytest.fixture(scope="session")
-def clear_prompt_set(reference_engine, tokenizer):
+def clear_prompt_set(request, reference_engine, tokenizer):
     """A function (n, max_tokens) -> n prompts with clear greedy answers (helpers.clear_prompts), cached."""
-    cache: dict[tuple[int, int], list[Expected]] = {}
+    oracle = session_oracle(request.config)
 
     def get(n: int, max_tokens: int) -> list[Expected]:
-        if (n, max_tokens) not in cache:
-            cache[n, max_tokens] = clear_prompts(reference_engine, tokenizer, n, max_tokens)
-        return cache[n, max_tokens]
+        return oracle.clear_prompts(tokenizer, n, max_tokens)
 
     return get

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 
 from common.sampling_params import SamplingParams
 
@@ -53,6 +54,33 @@ def clear_prompts(engine, tokenizer, n: int, max_tokens: int, chunk: int = 24) -
         if len(found) >= n:
             return found[:n]
     raise AssertionError(f"only {len(found)} of {len(candidates)} prompts have clear greedy answers")
+
+
+@dataclass
+class Oracle:
+    """The engine alone, greedy float32, and the clear prompts found with it, per (n, max_tokens)."""
+
+    engine: object
+    prompts: dict[tuple[int, int], list[Expected]] = field(default_factory=dict)
+
+    def clear_prompts(self, tokenizer, n: int, max_tokens: int) -> list[Expected]:
+        if (n, max_tokens) not in self.prompts:
+            self.prompts[n, max_tokens] = clear_prompts(self.engine, tokenizer, n, max_tokens)
+        return self.prompts[n, max_tokens]
+
+
+ORACLE = pytest.StashKey[Oracle]()
+
+
+def session_oracle(config: pytest.Config) -> Oracle:
+    """The test session's one Oracle (in its stash), shared by tests/healing and tests/cluster:
+    the model loads once, and the same prompts are searched for once."""
+    if ORACLE not in config.stash:
+        from workers.config import EngineConfig
+        from workers.engine import LLMEngine
+
+        config.stash[ORACLE] = Oracle(LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20)))
+    return config.stash[ORACLE]
 
 
 @dataclass

@@ -13,6 +13,7 @@ import pytest
 
 from common.protocol import ResumeState
 from common.sampling_params import SamplingParams
+from tests.healing.helpers import session_oracle
 
 pytestmark = pytest.mark.slow
 
@@ -20,11 +21,11 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-
-    return LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20))
+def engine(request):
+    """The engine alone (64 MiB of KV cache), the session's one (tests/healing/helpers.session_oracle)."""
+    engine = session_oracle(request.config).engine
+    assert not engine.has_unfinished_requests()
+    return engine
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:

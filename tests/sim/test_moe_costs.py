@@ -70,12 +70,12 @@ def test_baton_plan_takes_an_moe_roofline(tmp_path, capsys):
     workload = tmp_path / "w.yaml"
     workload.write_text("rate: 2\nduration_s: 20\nprompt_len: {dist: uniform, low: 256, high: 1024}\noutput_len: 64\n")
     # A tight TTFT keeps each rate probe short (the planner simulates at least 10 x the TTFT SLO).
-    # 128-token blocks: each simulated worker (4 in each of ~25 simulations) builds its table of
-    # blocks first, and an H200's 1.2M tokens of KV are 77k blocks of 16 (3/4 of this test's time
-    # at the default); the plan is the same.
+    # The default 16-token blocks: an H200's 1.2M tokens of KV are 77k blocks per simulated worker
+    # (4 in each of ~25 simulations), built only as they are used (they were 3/4 of this test's time
+    # when each worker built its whole table first).
     code = baton(["plan", "--gpus", "4", "--model-profile", "roofline:H200:mixtral-8x7b:fp8", "--slo-ttft", "50ms",
                   "--slo-tpot", "50ms", "--workload", str(workload), "--requests-per-probe", "40",
-                  "--block-size", "128", "--json", str(tmp_path / "p.json")])
+                  "--json", str(tmp_path / "p.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     data = json.loads((tmp_path / "p.json").read_text())

@@ -8,7 +8,9 @@ import pytest
 
 from cluster.cli import main as baton
 from cluster.plan_cli import parse_duration
-from cluster.planner import PlanProblem, capacity_estimate, exhaustive, plan
+from cluster.planner import (
+    PlanProblem, ProbeResult, SplitEvaluations, capacity_estimate, exhaustive, plan, probe,
+)
 from cluster.sim import SLO, FittedCostModel, LengthDist, ServingOverheads, StepShape, WorkloadSpec
 
 # A worker like this machine's (bench/results/cost_profile_cpu.json, rounded).
@@ -26,10 +28,32 @@ U = lambda lo, hi: LengthDist("uniform", low=lo, high=hi)  # noqa: E731
 def test_the_plan_is_within_10_percent_of_exhaustive_search(name, workload, slo):
     problem = PlanProblem(5, workload, slo, COST, overheads=OVERHEADS, requests_per_probe=50, min_probe_s=15,
                           rate_tolerance=0.06)
-    chosen, best = plan(problem), exhaustive(problem)
+    # Exhaustive search reuses the splits the plan simulated (the same simulations, the same results:
+    # bench/sim_planner.py runs the two apart) and simulates the rest.
+    evaluations = SplitEvaluations(problem)
+    chosen, best = plan(problem, evaluations), exhaustive(problem, evaluations)
+    assert len(evaluations.results) == len(best.evaluated) == len(problem.splits())
     assert best.best.goodput > 0
     assert chosen.best.goodput_per_gpu >= 0.9 * best.best.goodput_per_gpu, (chosen.to_dict(), best.to_dict())
     assert chosen.simulations < best.simulations  # and it got there with fewer simulations
+
+
+def test_a_probe_stops_once_it_cannot_pass_with_the_verdict_of_the_whole_run():
+    wl = WorkloadSpec(rate=1, prompt_len=U(64, 256), output_len=LengthDist("fixed", 32), seed=5)
+    problem = PlanProblem(3, wl, SLO(1.0, 0.2), COST, overheads=OVERHEADS, requests_per_probe=40, min_probe_s=4)
+    whole = {rate: probe(problem, 1, 2, rate, stop_once_failed=False) for rate in (2.0, 2.5, 4.0)}
+    # It passes with a request missing; it fails by a little (82.6%); it fails by a lot.
+    assert [(r.passed, round(r.attainment, 3)) for r in whole.values()] == [(True, 0.978), (False, 0.826),
+                                                                            (False, 0.348)]
+    for rate, full in whole.items():
+        quick = probe(problem, 1, 2, rate)
+        assert quick == full if full.passed else quick == ProbeResult(False, None)
+
+
+def test_split_evaluations_belong_to_one_problem():
+    problem = PlanProblem(3, WorkloadSpec(rate=1), SLO(1.0, 0.2), COST)
+    with pytest.raises(ValueError, match="another planning problem"):
+        plan(PlanProblem(4, WorkloadSpec(rate=1), SLO(1.0, 0.2), COST), SplitEvaluations(problem))
 
 
 def test_the_capacity_estimate_balances_the_pools():

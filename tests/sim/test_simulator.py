@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import random
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,11 @@ from cluster.sim import (
     LINKS, SLO, Client, ClusterSpec, EngineSettings, FittedCostModel, LinkModel, ServingOverheads, SimRequest,
     Simulator, Workload, simulate,
 )
+from cluster.sim.engine import EventLoop
+from common.sampling_params import SamplingParams
 from router.routing import RoutingConfig
+from workers.block_manager import BlockManager
+from workers.sequence import Sequence
 
 STEP = 0.010  # a cost model where every step takes 10 ms, whatever it holds
 CONSTANT = FittedCostModel({"c0": STEP, "c_token": 0.0, "c_sampled": 0.0, "c_decode_ctx": 0.0,
@@ -165,3 +170,76 @@ def test_the_cpu_shm_link_preset_matches_the_measured_transfer_rate():
     # bench/results/kv_transfer.json: ~0.7-1.0 GB/s for 1 MiB+ transfers, ~60 us per call.
     t = LINKS["cpu-shm"].transfer_time(1 << 20)
     assert 0.001 < t < 0.0016
+
+
+def test_the_block_table_is_built_as_used_and_hands_out_blocks_as_a_whole_one_would():
+    """A simulated H200 worker has 77k blocks, so the block manager builds them as it first hands
+    them out. Its free list must still be the documented LRU order: uncached blocks given back
+    first, then the never-used ones by id, then cached ones, least recently freed first. Oracle:
+    that order kept over every block, as the block manager did before."""
+    big = BlockManager(num_blocks=10 ** 7, block_size=16)
+    assert big.blocks == [] and big.num_free_blocks == 10 ** 7 and big.usage == 0.0
+    bm, rng = BlockManager(num_blocks=24, block_size=4), random.Random(11)
+    order = OrderedDict.fromkeys(range(24))  # the oracle's free list
+    refs: Counter[int] = Counter()
+    heads = [[rng.randrange(1000, 2000) for _ in range(8)] for _ in range(3)]
+    live: list[Sequence] = []
+    for i in range(600):
+        if live and rng.random() < 0.45:
+            seq = live.pop(rng.randrange(len(live)))
+            for b in reversed(seq.block_ids):  # the tail first
+                refs[b] -= 1
+                if refs[b] == 0:
+                    order[b] = None
+                    if bm.blocks[b].block_hash is None:
+                        order.move_to_end(b, last=False)
+            bm.free(seq)
+        else:
+            tail = [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 14))]
+            tokens = rng.choice(heads)[:rng.randrange(9)] + tail
+            seq = Sequence(f"s{i}", tokens, SamplingParams())
+            cached = bm.find_cached_prefix(seq)
+            need = -(-seq.num_tokens // 4) - len(cached)
+            fits = need <= len(order) - sum(1 for b in cached if refs[b] == 0)
+            assert bm.allocate_prefix_and_new(seq, cached, seq.num_tokens - 4 * len(cached)) == fits
+            if not fits:
+                continue
+            for b in cached:
+                if refs[b] == 0:
+                    del order[b]
+            expected = cached + [order.popitem(last=False)[0] for _ in range(need)]
+            assert seq.block_ids == expected
+            refs.update(expected)
+            seq.num_computed_tokens = seq.num_tokens
+            bm.cache_computed_blocks(seq)
+            live.append(seq)
+        assert bm.num_free_blocks == len(order)
+    assert len(bm.blocks) == 24 and bm.prefix_hits > 0  # every block used, prefixes hit along the way
+    bm.check_invariants(refs)
+
+
+def test_grouped_callbacks_run_when_and_in_the_order_separate_ones_would():
+    """A step's outputs share one heap entry (EventLoop.after_grouped); the oracle is the same
+    callbacks scheduled one by one, ties included (zero delays from inside a group, a plain
+    callback between grouped ones)."""
+    children = {"root": [(1, "a", True), (1, "b", True), (1, "c", False), (1, "d", True), (1, "e", True),
+                         (2, "f", True), (1, "g", True)],
+                "a": [(0, "a0", True), (0, "a1", True), (0, "a2", False), (0, "a3", True)],
+                "d": [(0, "d0", True), (1, "d1", True)], "e": [(1, "e1", True), (0, "e0", True)]}
+
+    def drive(grouped: bool) -> tuple[list, int]:
+        loop, log = EventLoop(), []
+
+        def fire(name: str) -> None:
+            log.append((loop.now, name))
+            for dt, child, group in children.get(name, ()):
+                (loop.after_grouped if grouped and group else loop.after)(dt, fire, child)
+        loop.at(0.0, fire, "root")
+        loop.run(until=0.0)
+        queued = len(loop)
+        loop.run()
+        return log, queued
+
+    (separate, queued_separately), (grouped, queued_grouped) = drive(False), drive(True)
+    assert grouped == separate and len(separate) == 16
+    assert (queued_separately, queued_grouped) == (7, 5)  # a+b and d+e shared an entry

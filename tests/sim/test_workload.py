@@ -4,6 +4,7 @@ requests bench/serve.py really sends."""
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 
 import pytest
@@ -23,6 +24,20 @@ def test_poisson_count_and_a_rate_step():
     arrivals = [r.arrival_s for r in step.generate().clients[0].requests]
     low, high = sum(a < 50 for a in arrivals), sum(a >= 50 for a in arrivals)
     assert abs(low - 100) < 4 * 10 and abs(high - 500) < 4 * 23
+
+
+def test_prompts_are_the_random_modules_randrange_draws():
+    # The generator draws token ids without a Python call per token; the ids must be the ones
+    # random.Random.randrange gives (the workloads, and so every simulated result, stay the same).
+    spec = WorkloadSpec(rate=5, duration_s=10, prompt_len=LengthDist("fixed", 300), output_len=LengthDist("fixed", 8),
+                        seed=7)
+    rng = random.Random(7)
+    expected, t = [], rng.expovariate(5)
+    while t < 10:
+        expected.append((t, tuple(rng.randrange(1000, 40000) for _ in range(300))))
+        t += rng.expovariate(5)
+    got = [(r.arrival_s, r.prompt) for r in spec.generate().clients[0].requests]
+    assert len(got) > 20 and got == expected
 
 
 def test_prefix_groups_share_their_first_tokens():

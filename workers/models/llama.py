@@ -163,7 +163,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ops = ops  # the kernels every layer calls (kernels.ops.kernel_ops)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (empty) weight, the embedding skips its random init: that init's normal_ imports
+        # torch._dynamo under the meta device (1.6 s of CPU at every start), and the checkpoint overwrites it.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, ops, i, tp_group) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
