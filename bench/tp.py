@@ -1,12 +1,12 @@
-"""Decode step time of the engine at tensor-parallel sizes 1, 2 and 3 on this machine (issue 23, phase 1).
+"""Decode step time of the engine at tensor-parallel sizes 1, 2 and 3 on this machine.
 
     .venv/bin/python -m bench.tp [--steps 64] [--prompt-tokens 64] [--rounds 2] [--out bench/results/tp_step_cpu.json]
 
 Setup: float32, the engine alone (no router, no Ray), one stream: a prompt of `--prompt-tokens`
 random tokens is prefilled, then `--steps` single-sequence decode steps are timed (wall clock of
 each engine step, LLMEngine.observe_steps). Each configuration runs in its own spawned processes
-(workers/tensor_parallel.lockstep_generate; TP N is N rank processes with a gloo all-reduce on
-127.0.0.1). Two models:
+(workers/tp_testing.run_group: TP N is N rank processes, rank 0 scheduling and broadcasting each
+step, joined by gloo all-reduces on 127.0.0.1). Two models:
   - "default": SmolLM2-135M-Instruct. Its 9 query heads allow TP 1, 3 and 9 but not 2, so it is
     timed at TP 1 and TP 3 (three single-threaded ranks on two cores: oversubscribed);
   - "smollm2_shape_12_heads": a random Llama with SmolLM2-135M's every weight shape (hidden 576,
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from workers.config import EngineConfig
 from workers.model_files import resolve_model_dir
-from workers.tensor_parallel import LockstepJob, lockstep_generate
+from workers.tp_testing import GroupJob, run_group
 
 # (model, tp size, torch threads per rank)
 CONFIGS = [("default", 1, 1), ("default", 3, 1), ("default", 1, 2),
@@ -69,11 +69,11 @@ def main() -> None:
         for _ in range(args.rounds):
             for config in CONFIGS:
                 model, tp, threads = config
-                job = LockstepJob(models[model], [prompt], max_tokens=8, decode_steps_to_time=args.steps)
-                [ranks] = lockstep_generate([job], tp, EngineConfig(num_threads=threads, kv_cache_memory=64 << 20))
-                steps[config] += ranks[0].decode_step_seconds
-                tokens[config] = ranks[0].token_ids[0]
-                assert all(r.token_ids == ranks[0].token_ids for r in ranks), f"{config}: ranks disagree"
+                job = GroupJob(models[model], [prompt], max_tokens=8, decode_steps_to_time=args.steps)
+                [result] = run_group([job], tp, EngineConfig(num_threads=threads, kv_cache_memory=64 << 20))
+                steps[config] += result.decode_step_seconds
+                tokens[config] = result.token_ids[0]
+                assert len(set(result.steps_run)) == 1, f"{config}: the ranks ran {result.steps_run} steps"
     results = []
     for config in CONFIGS:
         model, tp, threads = config

@@ -92,7 +92,16 @@ class PlacementConfig:
                 "prefill worker, it takes every core for prompts of 1,024+ tokens and decode workers run at idle "
                 "priority)"})
     gpus_per_worker: float | None = field(default=None, metadata={
-        "help": "GPUs each worker asks Ray for (default: 1 when the Ray cluster has GPUs, else 0)"})
+        "help": "GPUs each rank of a worker asks Ray for (a worker of tensor-parallel size N asks N times as many; "
+                "default: 1 when the Ray cluster has GPUs, else 0)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "alias": "-tp", "example": 2,
+        "help": "ranks of a worker (both pools): each holds a shard of every layer and its KV heads, all on one node "
+                "(a STRICT_PACK placement group); vLLM's flag"})
+    prefill_tensor_parallel_size: int | None = field(default=None, metadata={
+        "example": 1, "help": "tensor-parallel size of a prefill worker (default: --tensor-parallel-size)"})
+    decode_tensor_parallel_size: int | None = field(default=None, metadata={
+        "example": 1, "help": "tensor-parallel size of a decode worker (default: --tensor-parallel-size)"})
     prefill_resource: str | None = field(default="baton_prefill", metadata={
         "help": "Ray custom resource a prefill worker needs, used when the cluster's nodes offer it"})
     decode_resource: str | None = field(default="baton_decode", metadata={
@@ -155,6 +164,15 @@ class PlacementConfig:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
         if self.gpus_per_worker is not None and not self.gpus_per_worker >= 0:
             raise ValueError(f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+        for name in ("tensor_parallel_size", "prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        prefill_tp, decode_tp = self.tp_size(Role.PREFILL), self.tp_size(Role.DECODE)
+        if self.prefill_workers and prefill_tp != decode_tp:
+            raise ValueError(f"prefill_tensor_parallel_size {prefill_tp} and decode_tensor_parallel_size {decode_tp} "
+                             f"differ: a KV handoff between groups of different sizes is not supported yet (each "
+                             f"prefill rank hands its KV heads to the same rank of the decode worker)")
         for name in ("prefill_node_labels", "decode_node_labels"):
             parse_labels(getattr(self, name), name)  # raises ValueError naming the field
         if not 0 < self.placement_timeout_s < float("inf"):
@@ -164,6 +182,11 @@ class PlacementConfig:
         """The label selector of a pool (`role` prefill or decode) as Ray takes it."""
         return parse_labels(self.prefill_node_labels if role == Role.PREFILL else self.decode_node_labels,
                             f"{role}_node_labels")
+
+    def tp_size(self, role: str) -> int:
+        """The tensor-parallel size of a pool's workers (`role` prefill or decode)."""
+        size = self.prefill_tensor_parallel_size if role == Role.PREFILL else self.decode_tensor_parallel_size
+        return size or self.tensor_parallel_size
 
     def resource(self, role: str) -> str | None:
         """The custom resource a pool's workers need, if the cluster offers it."""
@@ -225,10 +248,14 @@ class BatonConfig:
         return cls.load(None, options)
 
     def worker_threads(self) -> int:
+        """CPU threads of each rank: threads_per_worker, else the machine's cores split between every
+        rank of every worker."""
         placement = self.placement
         if placement.threads_per_worker:
             return placement.threads_per_worker
-        return max(1, (os.cpu_count() or 1) // (placement.prefill_workers + placement.decode_workers))
+        ranks = (placement.prefill_workers * placement.tp_size(Role.PREFILL)
+                 + placement.decode_workers * placement.tp_size(Role.DECODE))
+        return max(1, (os.cpu_count() or 1) // ranks)
 
     def worker_engine_config(self) -> EngineConfig:
         """The engine configuration every worker runs with (threads filled in from the placement)."""
@@ -261,6 +288,7 @@ class Option:
     choices: tuple | None
     size: bool  # bytes, also written with a unit ("512MiB")
     example: Any  # a valid non-default value (tests use it)
+    alias: str | None = None  # a short flag beside the long one, as vLLM's -tp
 
     @property
     def key(self) -> str:
@@ -320,7 +348,7 @@ def _section_options(cls: type, prefix: tuple[str, ...]) -> list[Option]:
         options.append(Option(
             path=prefix + (f.name,), name=meta.get("flag", f.name), type=base, optional=optional, default=default,
             help=meta.get("help", ""), choices=meta.get("choices"), size=bool(meta.get("size")),
-            example=meta.get("example"),
+            example=meta.get("example"), alias=meta.get("alias"),
         ))
     return options
 
@@ -419,7 +447,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             continue
         if option.choices is not None:
             kwargs["choices"] = [c for c in option.choices if c is not None]
-        parser.add_argument(option.flag, type=_flag_parser(option), **kwargs)
+        flags = (option.flag, option.alias) if option.alias else (option.flag,)
+        parser.add_argument(*flags, type=_flag_parser(option), **kwargs)
 
 
 def json_schema() -> dict[str, Any]:

@@ -29,7 +29,8 @@ import ray
 
 from cluster.config import BatonConfig
 from cluster.placement import (
-    SpawnedWorker, actor_state, cluster_nodes, connect_pairs, private_ray_cpus, resolve_pool, spawn_worker, wait_placed,
+    SpawnedWorker, actor_state, cluster_nodes, connect_pairs, private_ray_cpus, release_placement_group, resolve_pool,
+    spawn_worker, wait_placed,
 )
 from cluster.autoscaler import install_autoscaler
 from cluster.membership import MembershipPublisher
@@ -103,6 +104,7 @@ class Deployment:
                 ray.kill(w.handle)
             except Exception:
                 pass
+            release_placement_group(w)
         if self.membership is not None:
             self.membership.close()
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import BatonConfig
 from common.roles import ROLES, Role
@@ -148,6 +150,24 @@ class SpawnedWorker:
     handle: Any
     placement: PoolPlacement | None  # None: a stand-in that Ray did not place (tests)
     actor_name: str
+    placement_group: Any = None  # a tensor-parallel worker's ranks' bundles (released with the worker)
+
+
+def release_placement_group(worker: SpawnedWorker) -> None:
+    """Give back a removed tensor-parallel worker's bundles (after its actor is ended)."""
+    if worker.placement_group is not None:
+        try:
+            remove_placement_group(worker.placement_group)
+        except Exception as exc:  # Ray already gone (shutdown): nothing is held any more
+            log.debug("placement group of %s not removed: %r", worker.worker_id, exc)
+
+
+def rank_bundles(placement: PoolPlacement, tp_size: int) -> list[dict[str, float]]:
+    """The bundles of a worker of tp_size ranks: each rank's CPUs and GPUs, the pool's custom
+    resource once (in rank 0's bundle: one per worker, as a node type offers it per worker).
+    Ray refuses an empty bundle, so a rank that asks for nothing holds a hundredth of a CPU."""
+    rank = {k: v for k, v in (("CPU", placement.num_cpus), ("GPU", placement.num_gpus)) if v > 0} or {"CPU": 0.01}
+    return [{**rank, **placement.resources}] + [dict(rank) for _ in range(tp_size - 1)]
 
 
 def worker_config(config: BatonConfig, role: str, worker_id: str, placement: PoolPlacement) -> WorkerConfig:
@@ -156,7 +176,8 @@ def worker_config(config: BatonConfig, role: str, worker_id: str, placement: Poo
     engine = replace(config.worker_engine_config(), device=placement.device)
     return WorkerConfig(worker_id, role, config.model, engine, transport=config.transport.kind,
                         transfer_timeout_s=config.transport.transfer_timeout_s,
-                        kv_load_failure_policy=config.transport.kv_load_failure_policy)
+                        kv_load_failure_policy=config.transport.kv_load_failure_policy,
+                        tp_size=config.placement.tp_size(role))
 
 
 def spawn_worker(config: BatonConfig, role: str, index: int, name_prefix: str = "baton",
@@ -171,8 +192,19 @@ def spawn_worker(config: BatonConfig, role: str, index: int, name_prefix: str = 
     worker_id = f"{role}-{index}"
     name = f"{name_prefix}-{worker_id}"
     options = {**placement.ray_options(), "name": name, **actor_options}
+    tp_size = config.placement.tp_size(role)
+    group = None
+    if tp_size > 1:
+        # The ranks of a worker on one node (STRICT_PACK): rank 0 is this actor in bundle 0, and it
+        # starts ranks 1..N-1 in the other bundles (workers.actors.RayRankFollowers).
+        bundles = rank_bundles(placement, tp_size)
+        selector = [dict(placement.label_selector)] * tp_size if placement.label_selector else None
+        group = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
+        options = {"num_cpus": bundles[0].get("CPU", 0), "num_gpus": bundles[0].get("GPU", 0),
+                   "resources": {k: v for k, v in bundles[0].items() if k not in ("CPU", "GPU")}, "name": name,
+                   "scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0), **actor_options}
     handle = actor_class(role).options(**options).remote(worker_config(config, role, worker_id, placement))
-    return SpawnedWorker(worker_id, Role(role), index, handle, placement, name)
+    return SpawnedWorker(worker_id, Role(role), index, handle, placement, name, group)
 
 
 def actor_state(handle: Any) -> tuple[str, str | None]:

@@ -30,7 +30,7 @@ from typing import Protocol
 import ray
 
 from cluster.membership import Member, Membership
-from cluster.placement import SpawnedWorker, connect_pairs, spawn_worker, wait_placed
+from cluster.placement import SpawnedWorker, connect_pairs, release_placement_group, spawn_worker, wait_placed
 from router.admin import PoolsView, ScaleResult
 from common.protocol import WorkerReady
 from common.roles import ROLES, Role
@@ -187,6 +187,7 @@ class PoolManager:
             self.deployment.workers[:] = [w for w in self.deployment.workers if w.worker_id not in failed]
             for w in spawned:
                 _kill(w.handle)
+                release_placement_group(w)
             if isinstance(exc, asyncio.TimeoutError):
                 raise RuntimeError(f"new workers not ready after {self.ready_timeout_s:.0f} s") from None
             if isinstance(exc, ray.exceptions.RayError):
@@ -227,10 +228,13 @@ class PoolManager:
         moved = await self.workers.drain_worker(worker_id, self.drain_timeout_s)
         handle = self.workers.remove_worker(worker_id)
         self._publish()
+        leaving = [w for w in self.deployment.workers if w.worker_id == worker_id]
         self.deployment.workers[:] = [w for w in self.deployment.workers if w.worker_id != worker_id]
         self.deployment.nodes.pop(worker_id, None)
         self.deployment.kv_links = {k: v for k, v in self.deployment.kv_links.items() if worker_id not in k}
         await _stop(handle)
+        for w in leaving:
+            release_placement_group(w)
         log.info("worker %s left its pool (%d requests moved)", worker_id, moved)
         return moved
 

@@ -115,9 +115,13 @@ class KVLayout:
     dtype: str
     kv_scales: tuple[tuple[float, float], ...] = ()
     layer_windows: tuple[int | None, ...] = ()
+    # Tensor parallelism: the size of the worker's group, and the model's KV heads [start, stop)
+    # this rank's cache holds (None: all of them, as at size 1).
+    tp_size: int = 1
+    kv_heads: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
@@ -144,6 +148,12 @@ class KVLayout:
         if any(w is not None and w < 1 for w in windows):
             raise ValueError(f"KVLayout.layer_windows {windows} must hold None or windows >= 1")
         object.__setattr__(self, "layer_windows", windows if any(w is not None for w in windows) else ())
+        if self.kv_heads is not None:
+            start, stop = (int(h) for h in self.kv_heads)
+            if not 0 <= start < stop or stop - start != self.num_kv_heads:
+                raise ValueError(f"KVLayout.kv_heads {self.kv_heads} must be a range of num_kv_heads "
+                                 f"({self.num_kv_heads}) heads")
+            object.__setattr__(self, "kv_heads", (start, stop))
 
     @property
     def element_size(self) -> int:
@@ -164,7 +174,13 @@ class KVLayout:
         """Raise KVLayoutMismatch naming the first field that differs (ours vs the peer's)."""
         if not isinstance(peer, KVLayout):
             raise KVLayoutMismatch(f"peer layout is {type(peer).__name__}, not KVLayout")
+        if self.tp_size != peer.tp_size:
+            raise KVLayoutMismatch(
+                f"KV layout mismatch: tp_size local={self.tp_size} peer={peer.tp_size} (a KV handoff between "
+                f"tensor-parallel groups of different sizes is not supported yet: give both pools the same "
+                f"--tensor-parallel-size)")
         checks = (
+            ("kv_heads", self.kv_heads, peer.kv_heads),
             ("dtype", self.dtype, peer.dtype),
             ("block_size", self.block_size, peer.block_size),
             ("num_layers", self.num_layers, peer.num_layers),
@@ -201,6 +217,9 @@ class KVEndpoint:
     layout: KVLayout
     num_blocks: int
     address: dict = field(default_factory=dict, compare=False)
+    # A tensor-parallel worker: the endpoints of its ranks 1..N-1 (this one is rank 0's); the
+    # prefill worker's rank i pushes its heads into rank i's cache.
+    ranks: tuple["KVEndpoint", ...] = field(default=(), compare=False)
 
     @property
     def peer_key(self) -> tuple[str, str]:
@@ -257,6 +276,8 @@ class PrefillResult:
     bytes_sent: int
     transfer_seconds: float
     prefill_seconds: float
+    # A tensor-parallel pair: the bytes rank i moved into the decode worker's rank i (bytes_sent is their sum).
+    rank_bytes: tuple[int, ...] = ()
 
 
 class GrammarCompileError(ValueError):

@@ -17,6 +17,7 @@ and `KVEndpoint` themselves are torch-free (common.protocol); the torch side of 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from abc import ABC, abstractmethod
@@ -83,7 +84,9 @@ def check_cache(layout: KVLayout, kv_cache: torch.Tensor) -> int:
     """Validate a cache tensor against `layout`; returns its number of blocks."""
     if not isinstance(kv_cache, torch.Tensor):
         raise ValueError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
-    layout.check_compatible(layout_from_cache(kv_cache, scales=layout.kv_scales, layer_windows=layout.layer_windows))
+    of_cache = layout_from_cache(kv_cache, scales=layout.kv_scales, layer_windows=layout.layer_windows)
+    # A tensor-parallel rank's share of the heads is the layout's to say; the tensor has no word on it.
+    layout.check_compatible(dataclasses.replace(of_cache, tp_size=layout.tp_size, kv_heads=layout.kv_heads))
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
     return int(kv_cache.shape[2])

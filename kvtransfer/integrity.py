@@ -95,8 +95,11 @@ class FaultPlan:
 
 def layout_tag(layout: KVLayout) -> int:
     """63-bit tag of everything that decides how a block's bytes are read."""
-    text = repr((layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype,
-                 tuple(layout.kv_scales)))
+    fields = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype,
+              tuple(layout.kv_scales))
+    if layout.kv_heads is not None:  # a tensor-parallel rank's heads: another rank's bytes read wrong
+        fields += (layout.kv_heads,)
+    text = repr(fields)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
+import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.protocol import (
     KVEndpoint, KVReservation, PrefillRequest, PrefillResult, RequestOutput, ResumeState, RouterClaim, WorkerHeartbeat,
@@ -27,8 +31,8 @@ from common.roles import Role
 from common.sampling_params import SamplingParams
 from workers.config import WorkerConfig
 
-if TYPE_CHECKING:  # kvtransfer loads torch; PeerLink is only an annotation here
-    from kvtransfer import PeerLink
+if TYPE_CHECKING:  # kvtransfer loads torch; these are only annotations here
+    from kvtransfer import PeerLink, TransferResult
 
 
 log = logging.getLogger(__name__)
@@ -80,7 +84,14 @@ class WorkerActor:
         # Here, not at the top: the engine loads torch, transformers, xgrammar and triton, which
         # only the actor's process needs (the driver holds this class and stays without them).
         from workers.worker import EngineWorker
-        self.worker = EngineWorker(placed(config))
+        config = placed(config)
+        if config.tp_size == 1:
+            self.worker = EngineWorker(config)
+            return
+        config = replace(config, tp_init_method=f"tcp://{config.host}:{_free_port(config.host)}")
+        followers = RayRankFollowers.start(config)
+        self.worker = EngineWorker(config, followers=followers)
+        followers.watch()
 
     def ready(self) -> WorkerReady:
         return self.worker.ready()
@@ -128,6 +139,122 @@ class WorkerActor:
 
     def shutdown(self) -> None:
         return self.worker.shutdown()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class TPRankActor:
+    """A non-zero rank of a tensor-parallel worker (workers.tp_rank.TPRankWorker) as a Ray actor."""
+
+    def __init__(self, config: WorkerConfig, rank: int) -> None:
+        normal_priority()
+        from workers.tp_rank import TPRankWorker  # in the actor's process only, as EngineWorker above
+        self.rank = TPRankWorker(config, rank)
+
+    def endpoint(self) -> KVEndpoint:
+        return self.rank.endpoint()
+
+    def connect_peer(self, endpoint: KVEndpoint) -> str:
+        return self.rank.connect_peer(endpoint)
+
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+        return self.rank.expect(request_id, block_ids, timeout_s)
+
+    def wait(self, request_id: str) -> "TransferResult":
+        return self.rank.wait(request_id)
+
+    def send(self, endpoint: KVEndpoint, src_block_ids: list[int], dst_block_ids: list[int], request_id: str,
+             timeout_s: float) -> "TransferResult":
+        return self.rank.send(endpoint, src_block_ids, dst_block_ids, request_id, timeout_s)
+
+    def abort(self, request_id: str) -> None:
+        return self.rank.abort(request_id)
+
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        return self.rank.wait_stopped(timeout_s)
+
+    def shutdown(self) -> None:
+        return self.rank.shutdown()
+
+
+class RayRankFollowers:
+    """Ranks 1..N-1 of this actor's worker as Ray actors in the bundles 1..N-1 of its placement
+    group (one node: the group was made STRICT_PACK), owned by this actor: they die with it, and a
+    restarted rank 0 starts new ones. Implements workers.worker.RankFollowers."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+        self._closing = threading.Event()
+
+    @classmethod
+    def start(cls, config: WorkerConfig) -> "RayRankFollowers":
+        group = ray.util.get_current_placement_group()
+        remote = ray.remote(max_concurrency=ACTOR_MAX_CONCURRENCY)(TPRankActor)
+        handles = []
+        for rank in range(1, config.tp_size):
+            if group is not None and rank < len(group.bundle_specs):
+                bundle = group.bundle_specs[rank]
+                options = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0),
+                           "scheduling_strategy": PlacementGroupSchedulingStrategy(group, rank)}
+            else:  # not placed by Baton's launcher (tests): beside it, without resources
+                options = {"num_cpus": 0}
+            handles.append(remote.options(**options).remote(config, rank))
+        return cls(handles)
+
+    def watch(self) -> None:
+        """End this process when a rank's steps end or its actor dies, unless this worker is
+        shutting down: the group cannot step without it, and Ray restarts the whole worker (its
+        requests migrate meanwhile)."""
+        def wait_for_a_loss() -> None:
+            refs = [h.wait_stopped.remote() for h in self.handles]
+            ray.wait(refs, num_returns=1, timeout=None)
+            if not self._closing.is_set():
+                log.error("a rank of this tensor-parallel worker stopped; the worker restarts as a whole")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=wait_for_a_loss, name="tp-ranks-watch", daemon=True).start()
+
+    def endpoints(self) -> list[KVEndpoint]:
+        return ray.get([h.endpoint.remote() for h in self.handles])
+
+    def connect(self, endpoints: Sequence[KVEndpoint]) -> None:
+        self._check(endpoints)
+        ray.get([h.connect_peer.remote(e) for h, e in zip(self.handles, endpoints)])
+
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+        ray.get([h.expect.remote(request_id, block_ids, timeout_s) for h in self.handles])
+
+    def wait(self, request_id: str) -> list["TransferResult"]:
+        return ray.get([h.wait.remote(request_id) for h in self.handles])
+
+    def send(self, endpoints: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int],
+             request_id: str, timeout_s: float):
+        self._check(endpoints)
+        refs = [h.send.remote(e, src_block_ids, dst_block_ids, request_id, timeout_s)
+                for h, e in zip(self.handles, endpoints)]
+        return lambda: ray.get(refs)
+
+    def abort(self, request_id: str) -> None:
+        ray.get([h.abort.remote(request_id) for h in self.handles])
+
+    def closing(self) -> None:
+        self._closing.set()
+
+    def shutdown(self) -> None:
+        self._closing.set()
+        try:
+            ray.get([h.shutdown.remote() for h in self.handles], timeout=15)
+        except (ray.exceptions.RayError, TimeoutError) as exc:  # a rank already gone has nothing to close
+            log.warning("the other ranks did not confirm their shutdown: %r", exc)
+
+    def _check(self, endpoints: Sequence[KVEndpoint]) -> None:
+        if len(endpoints) != len(self.handles):
+            raise ValueError(f"the peer has {len(endpoints) + 1} tensor-parallel ranks, this worker "
+                             f"{len(self.handles) + 1}: a KV handoff pairs rank i with rank i")
 
 
 class PrefillWorker(WorkerActor):

@@ -175,7 +175,13 @@ class WorkerConfig:
     # view: the transport per pair compares node ids, and gloo/nccl rendezvous on `host`.
     node_id: str = "local"
     host: str = "127.0.0.1"
+    # Tensor parallelism: the worker's ranks, and the rendezvous (tcp://HOST:PORT) its rank 0 picks
+    # for the group before it starts the other ranks.
+    tp_size: int = 1
+    tp_init_method: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {tuple(r.value for r in ROLES)}, got {self.role!r}")
+        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")

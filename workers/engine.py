@@ -87,13 +87,13 @@ class LLMEngine:
         weights,
         decode: Decode | None = None,
         kv_cache: torch.Tensor | None = None,
-        grammars: GrammarCache | None = None,
+        grammars: GrammarCache | None = None, tp_group=None,  # rank 0 of a workers.tensor_parallel.TPGroup: weights are its shard
     ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = model_config
         self.config = config
-        self.runner = ModelRunner(model_config, config, weights, kv_cache=kv_cache)
+        self.runner = ModelRunner(model_config, config, weights, kv_cache=kv_cache, tp_group=tp_group)
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(self.runner.max_model_len, capacity)
         # With every layer windowed, blocks that fall out of the window are released as sequences advance.

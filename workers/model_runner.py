@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -231,8 +232,12 @@ def kv_cache_num_blocks(model: LlamaForCausalLM, model_config: ModelConfig, engi
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, weights, kv_cache: torch.Tensor | None = None):
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, weights, kv_cache: torch.Tensor | None = None,
+                 tp_group=None):
         self.model_config = model_config
+        # A tensor-parallel group of more than one rank (workers.tensor_parallel.TPGroup): rank 0
+        # broadcasts each step's inputs before running it, the other ranks run them in follow().
+        self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.config = engine_config
         self.device = torch.device(engine_config.device)
         self.dtype = TORCH_DTYPES[engine_config.dtype]
@@ -270,7 +275,8 @@ class ModelRunner:
         # and its scales exist; None (the CPU, --enforce-eager) runs every step eagerly. The graphs
         # hold the cache's address: it is written in place (KV handoff included), never replaced.
         self.decode_graphs: DecodeGraphs | None = None
-        if decode_graphs_wanted(engine_config.enforce_eager, self.device, self.ops.backend):
+        # Not with tensor parallelism yet: a replayed graph would skip the step's broadcast.
+        if self.tp_group is None and decode_graphs_wanted(engine_config.enforce_eager, self.device, self.ops.backend):
             self.capture_decode_graphs(cuda_graph_factory())
 
     def capture_decode_graphs(self, new_graph, batch_sizes=None) -> DecodeGraphs:
@@ -343,7 +349,73 @@ class ModelRunner:
         return torch.cat(out) if out else torch.zeros(0)
 
     def _forward(self, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> tuple[torch.Tensor, list[int]]:
-        bs = self.block_size
+        step = StepInputs.of(chunks, sample_mask, self.block_size)
+        graphs = self.decode_graphs
+        if graphs is not None and step.num_decode == len(step.input_ids) and graphs.fits(step.decode_rows):
+            # Decode only: replay the bucket's graph; the rows past num_decode are padding, not returned.
+            return graphs.run(step.input_ids, step.positions, step.slots, step.decode_rows,
+                              step.decode_lens), step.logits_index
+        if self.tp_group is not None:
+            self.tp_group.broadcast_step(step)  # the other ranks run the same step on their shards
+        return self.forward(step), step.logits_index
+
+    def forward(self, step: "StepInputs") -> torch.Tensor:
+        """The model over one step's inputs: hidden states [tokens, hidden]. Every rank of a
+        tensor-parallel group runs it on the same inputs (its all-reduces join them)."""
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(step.slots, dtype=torch.int64, device=device),
+            num_decode_tokens=step.num_decode,
+            decode_block_tables=self._block_table(step.decode_rows).to(device),
+            decode_context_lens=torch.tensor(step.decode_lens, dtype=torch.int32, device=device),
+            prefill_block_tables=self._block_table(step.prefill_rows).to(device),
+            prefill_query_start_loc=torch.tensor(step.query_start, dtype=torch.int32, device=device),
+            prefill_context_lens=torch.tensor(step.prefill_lens, dtype=torch.int32, device=device),
+        )
+        with torch.inference_mode():
+            return self.model(
+                torch.tensor(step.input_ids, dtype=torch.int64, device=device),
+                torch.tensor(step.positions, dtype=torch.int64, device=device),
+                meta,
+                self.kv_views(),
+            )
+
+    def stop_followers(self) -> None:
+        """Rank 0 of a tensor-parallel group: end the other ranks' follow() (no step comes after)."""
+        if self.tp_group is not None:
+            self.tp_group.broadcast_step(None)
+
+    def follow(self) -> int:
+        """A non-zero rank of a tensor-parallel group: run every step rank 0 broadcasts, until it
+        broadcasts the end (StepInputs None). Returns the number of steps run."""
+        assert self.tp_group is not None and self.tp_group.rank > 0
+        steps = 0
+        while (step := self.tp_group.receive_step()) is not None:
+            self.forward(step)
+            steps += 1
+        return steps
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's batch as plain lists: what the forward pass needs besides the weights and the
+    KV cache, and what rank 0 of a tensor-parallel group broadcasts to the others. Decode rows
+    (one token each) come first; slots are flat KV cache slots (block * block_size + offset)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    num_decode: int
+    decode_rows: list[list[int]]  # block ids of each decode row
+    decode_lens: list[int]  # context length of each decode row, its new token included
+    prefill_rows: list[list[int]]
+    prefill_lens: list[int]
+    query_start: list[int]  # prefix sums of the prefill chunks' token counts, from 0
+    logits_index: list[int]  # rows of the hidden states whose logits are wanted
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk], sample_mask: list[bool], block_size: int) -> "StepInputs":
+        bs = block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -371,26 +443,5 @@ class ModelRunner:
             if sample:
                 # A draft chunk's rows verify its drafts: its last token's and each draft's.
                 logits_index.extend(range(len(input_ids) - 1 - len(chunk.draft_token_ids), len(input_ids)))
-
-        graphs = self.decode_graphs
-        if graphs is not None and num_decode == len(input_ids) and graphs.fits(decode_rows):
-            # Decode only: replay the bucket's graph; the rows past num_decode are padding, not returned.
-            return graphs.run(input_ids, positions, slots, decode_rows, decode_lens), logits_index
-
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            num_decode_tokens=num_decode,
-            decode_block_tables=self._block_table(decode_rows).to(device),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
-            prefill_block_tables=self._block_table(prefill_rows).to(device),
-            prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=device),
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            meta,
-            self.kv_views(),
-        )
-        return hidden, logits_index
+        return cls(input_ids, positions, slots, num_decode, decode_rows, decode_lens, prefill_rows, prefill_lens,
+                   query_start, logits_index)

@@ -20,27 +20,26 @@ small next to the layers, replication needs no all-gather of logits, and since e
 hidden states are the same after the last all-reduce, every rank computes the same logits and
 samples the same token, so rank 0's sample is every rank's.
 
-Phase 1 (this module): each rank runs its own LLMEngine (`build_engine`) in lockstep on the same
-requests (SPMD): identical inputs make identical scheduler decisions, and rank 0's tokens are the
-answer (`lockstep_generate` runs the ranks as processes on one machine, gloo on 127.0.0.1). Phase
-2 replaces lockstep by rank 0 scheduling and broadcasting each step to the other ranks.
+Only rank 0 schedules: its LLMEngine (block manager, scheduler, sampler) is the worker as the
+router sees it. Its ModelRunner broadcasts each step's inputs (`StepInputs`, plain lists) to the
+other ranks before running the step; they run the same forward pass on their shards
+(`ModelRunner.follow`), joined by the all-reduces, and compute no logits. The KV block ids
+rank 0's block manager picks index every rank's cache alike, so a rank's cache holds its heads of
+the same blocks. `workers.tp_rank` is a non-zero rank as a worker process; `workers.actors`
+places the ranks of one worker on one node (a placement group).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from common.net import free_port
-from common.sampling_params import SamplingParams
 from workers import model_runner
 from workers.config import EngineConfig
 from workers.engine import LLMEngine, load_tokenizer_decode
@@ -51,20 +50,32 @@ from workers.model_config import ModelConfig
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
+# How long a non-zero rank waits for rank 0's next step: an idle worker sends none for as long as
+# no request comes, so the wait has no useful bound. A dead rank 0 ends it at once all the same
+# (its sockets close), and the group is torn down with it.
+STEP_WAIT = timedelta(days=3650)
+
+
+class TPGroupBroken(RuntimeError):
+    """A rank of the group is gone: the group cannot step again and is restarted whole."""
+
+
 class TPGroup:
-    """This process's place in a tensor-parallel group and the group's one collective.
+    """This process's place in a tensor-parallel group: the all-reduce the model calls, and the
+    step broadcast from rank 0 (over a gloo group, also on GPUs: the inputs are Python lists).
 
     Size 1 (`TPGroup.single()`) needs no torch.distributed: all_reduce returns its input. A larger
     group is one torch.distributed process group per process (gloo on the CPU, NCCL on CUDA),
     made by `TPGroup.connect`; `close` tears it down.
     """
 
-    def __init__(self, rank: int, size: int, backend: str | None = None) -> None:
+    def __init__(self, rank: int, size: int, backend: str | None = None, control=None) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"TP rank {rank} is outside a group of size {size}")
         self.rank = rank
         self.size = size
         self.backend = backend
+        self._control = control  # the gloo group steps are broadcast on
 
     @classmethod
     def single(cls) -> "TPGroup":
@@ -79,7 +90,34 @@ class TPGroup:
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
-        return cls(rank, size, backend)
+        control = dist.new_group(backend="gloo", timeout=STEP_WAIT)  # every rank makes it, in the same order
+        return cls(rank, size, backend, control)
+
+    def broadcast_step(self, step) -> None:
+        """Rank 0: send one step's inputs (or None: the end) to every other rank."""
+        assert self.rank == 0 and self.size > 1
+        try:
+            dist.broadcast_object_list([step], src=0, group=self._control)
+        except RuntimeError as exc:
+            raise TPGroupBroken(f"a rank of this tensor-parallel group of {self.size} is gone: {exc}") from exc
+
+    def receive_step(self):
+        """A non-zero rank: the next step's inputs from rank 0 (None: the end)."""
+        assert self.rank > 0
+        box = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._control)
+        except RuntimeError as exc:
+            raise TPGroupBroken(f"rank 0 of this tensor-parallel group is gone: {exc}") from exc
+        return box[0]
+
+    def all_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (the ranks agree on a KV cache's block count)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._control)
+        return int(tensor.item())
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of every rank's `tensor`, in place; returns it."""
@@ -221,77 +259,29 @@ def load_sharded_model(model_dir: str | os.PathLike, engine_config: EngineConfig
 
 
 def build_engine(model_dir: str | os.PathLike, engine_config: EngineConfig, group: TPGroup) -> LLMEngine:
-    """An LLMEngine on this rank's shard of the model in model_dir (the whole model at size 1)."""
+    """Rank 0: an LLMEngine on its shard of the model in model_dir (the whole model at size 1)
+    that broadcasts every step to the other ranks (which run `build_follower(...).follow()`)."""
     model, plan, engine_config = load_sharded_model(model_dir, engine_config, group)
     cfg = plan.model_config
-    return LLMEngine(cfg, engine_config, model, load_tokenizer_decode(Path(model_dir)),
-                     grammars=GrammarCache(Path(model_dir), cfg.vocab_size, cfg.eos_token_ids))
+    kv_cache = _shared_size_cache(model, cfg, engine_config, group)
+    return LLMEngine(cfg, engine_config, model, load_tokenizer_decode(Path(model_dir)), kv_cache=kv_cache,
+                     grammars=GrammarCache(Path(model_dir), cfg.vocab_size, cfg.eos_token_ids), tp_group=group)
 
 
-@dataclass(frozen=True)
-class LockstepJob:
-    """Prompts to run to completion on one model; every rank runs the same job."""
-
-    model_dir: str
-    prompts: list[list[int]]
-    max_tokens: int
-    decode_steps_to_time: int = 0  # then also time this many single-stream decode steps of prompts[0]
-    record_logits: bool = False  # return the float32 logits each token was sampled from
+def build_follower(model_dir: str | os.PathLike, engine_config: EngineConfig,
+                   group: TPGroup) -> model_runner.ModelRunner:
+    """A non-zero rank: the ModelRunner of its shard, to `follow()` rank 0's steps."""
+    model, plan, engine_config = load_sharded_model(model_dir, engine_config, group)
+    kv_cache = _shared_size_cache(model, plan.model_config, engine_config, group)
+    return model_runner.ModelRunner(plan.model_config, engine_config, model, kv_cache=kv_cache, tp_group=group)
 
 
-@dataclass(frozen=True)
-class RankResult:
-    rank: int
-    token_ids: list[list[int]]  # per prompt, greedy
-    decode_step_seconds: list[float]  # wall time of each timed decode step (empty unless asked)
-    logits: list[torch.Tensor] | None = None  # per prompt [tokens, vocab] when the job records them
+def _shared_size_cache(model, config: ModelConfig, engine_config: EngineConfig, group: TPGroup) -> torch.Tensor:
+    """This rank's KV cache with as many blocks as every rank's (rank 0's block ids index them all)."""
+    max_len = engine_config.max_model_len or config.max_position_embeddings
+    num_blocks = group.all_min(model_runner.kv_cache_num_blocks(model, config, engine_config, max_len))
+    shape = (config.num_layers, 2, num_blocks, engine_config.block_size, config.num_kv_heads, config.head_dim)
+    return torch.zeros(shape, dtype=model_runner.kv_cache_torch_dtype(engine_config),
+                       device=torch.device(engine_config.device))
 
 
-def _run_rank(rank: int, size: int, init_method: str, jobs: list[LockstepJob], engine_config: EngineConfig,
-              out_dir: str) -> None:
-    """One rank's process: join the group, run every job on its shard, save its results to out_dir."""
-    torch.set_num_threads(1)  # an EngineConfig.num_threads overrides it
-    group = TPGroup.connect(rank, size, init_method, engine_config.device)
-    try:
-        results = []
-        for job in jobs:
-            engine = build_engine(job.model_dir, engine_config, group)
-            greedy = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True)
-            logits = {tuple(p): [] for p in job.prompts}
-            if job.record_logits:
-                engine.sampler = _recording(engine.sampler, logits)
-            tokens = [c.token_ids for c in engine.generate(job.prompts, greedy)]
-            seconds: list[float] = []
-
-            def time_single_stream_decode(chunks, wall_s: float) -> None:
-                if [tokens_this_step for _, tokens_this_step, _ in chunks] == [1]:
-                    seconds.append(wall_s)
-
-            if job.decode_steps_to_time:
-                stop = engine.observe_steps(time_single_stream_decode)
-                engine.generate(job.prompts[:1], dataclasses.replace(greedy, max_tokens=job.decode_steps_to_time + 1))
-                stop()
-            results.append({"token_ids": tokens, "decode_step_seconds": seconds,
-                            "logits": [torch.stack(logits[tuple(p)]) for p in job.prompts] if job.record_logits else None})
-        torch.save(results, Path(out_dir, f"rank{rank}.pt"))
-    finally:
-        group.close()
-
-
-def _recording(sampler, logits: dict[tuple[int, ...], list[torch.Tensor]]):
-    """sampler, also appending each row's logits to logits[its prompt]."""
-    def sample(step_logits: torch.Tensor, rows):
-        for row_logits, row in zip(step_logits, rows):
-            logits[tuple(row.prompt_token_ids)].append(row_logits.detach().clone())
-        return sampler(step_logits, rows)
-    return sample
-
-
-def lockstep_generate(jobs: list[LockstepJob], tp_size: int, engine_config: EngineConfig) -> list[list[RankResult]]:
-    """Run the jobs on tp_size rank processes in lockstep (gloo on 127.0.0.1); per job, each rank's result."""
-    with tempfile.TemporaryDirectory(prefix="baton-tp-") as out_dir:
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        mp.start_processes(_run_rank, args=(tp_size, init_method, jobs, engine_config, out_dir), nprocs=tp_size,
-                           join=True, start_method="spawn")
-        per_rank = [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(tp_size)]
-    return [[RankResult(r, **per_rank[r][j]) for r in range(tp_size)] for j in range(len(jobs))]

@@ -25,20 +25,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from common import envs
-from kvtransfer import KVTransferError, PairwiseTransport, PeerLink, Place, dtype_name
+from kvtransfer import KVTransferError, PeerLink
 from workers.kv_load import KVLoadFailures, PendingLoad, recompute
-from workers.config import EngineConfig, WorkerConfig
+from workers.config import WorkerConfig
 from workers.engine import LLMEngine, load_tokenizer_decode
 from workers.grammar import GrammarCache
-from workers.model_config import ModelConfig
-from workers.model_files import ModelNotFoundError, resolve_model_dir
-from workers.model_runner import (iter_safetensors, kv_cache_num_blocks, kv_cache_scales, kv_cache_torch_dtype,
-                                  load_model)
 from common.protocol import (
-    GrammarCounts, KVEndpoint, KVEventBatch, KVLayout, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
+    GrammarCounts, KVEndpoint, KVEventBatch, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
     RouterClaim, WorkerHeartbeat, WorkerReady, WorkerStats,
 )
 from workers.router_leases import RouterLeases
+from workers.shard import build_rank_shard
+from workers.tensor_parallel import TPGroup
+from workers.tp_rank import RankFollowers, combined
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -104,12 +103,22 @@ class Counters:
 
 
 class EngineWorker:
-    def __init__(self, config: WorkerConfig, engine=None, transport=None) -> None:
+    def __init__(self, config: WorkerConfig, engine=None, transport=None,
+                 followers: RankFollowers | None = None) -> None:
+        """`followers`: the other ranks of a tensor-parallel worker (config.tp_size > 1), whose
+        constructors are joining the group at config.tp_init_method as this one does."""
         self.config = config
         self.worker_id = config.worker_id
         self.role = config.role
+        self.followers = followers
         if engine is None:
-            engine, transport = _build_engine_and_transport(config, transport)
+            group = None
+            if config.tp_size > 1:
+                if followers is None or not config.tp_init_method:
+                    raise ValueError(f"worker {config.worker_id}: tensor-parallel size {config.tp_size} needs its "
+                                     f"other ranks and the group's tp_init_method")
+                group = TPGroup.connect(0, config.tp_size, config.tp_init_method, config.engine.device)
+            engine, transport = _build_engine_and_transport(config, transport, group)
         self.engine = engine
         self.transport = transport
         self._step_log = None
@@ -172,7 +181,7 @@ class EngineWorker:
                         self.worker_id, lease.router_id, lease.term_s, len(lease.request_ids))
             for request_id in lease.request_ids:
                 if self._recv_handles.pop(request_id, None) is not None:
-                    self.transport.abort(request_id)
+                    self._abort_transfer(request_id)
                 self._abort_here(request_id, True, "was ended: its router is gone")  # a send releases after
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -240,7 +249,10 @@ class EngineWorker:
         passes it on)."""
         if self.transport is None:
             raise ValueError(f"worker {self.worker_id} has no KV transport")
-        return self.transport.endpoint()
+        endpoint = self.transport.endpoint()
+        if self.followers is not None:
+            endpoint = replace(endpoint, ranks=tuple(self.followers.endpoints()))
+        return endpoint
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                resume: ResumeState | None = None, router: RouterClaim | None = None) -> None:
@@ -296,14 +308,23 @@ class EngineWorker:
         prefill_seconds = time.perf_counter() - started
         sent = nbytes = 0
         transfer_seconds = 0.0
+        rank_bytes: tuple[int, ...] = ()
         try:
             if src is not None:
                 if len(src) != len(request.dst_block_ids):
                     raise ValueError(f"request {rid}: {len(src)} KV blocks here, {len(request.dst_block_ids)} reserved on the decode worker")
                 skip = request.dst_num_cached_tokens // self.engine.block_manager.block_size
                 peer_id = self._connect(request.peer_endpoint)
-                handle = self.transport.send(peer_id, src[skip:], request.dst_block_ids[skip:], rid, self.config.transfer_timeout_s)
+                timeout_s = self.config.transfer_timeout_s
+                handle = self.transport.send(peer_id, src[skip:], request.dst_block_ids[skip:], rid, timeout_s)
+                ranks = None
+                if self.followers is not None:  # rank i pushes its heads into the peer's rank i
+                    ranks = self.followers.send(request.peer_endpoint.ranks, src[skip:],
+                                                request.dst_block_ids[skip:], rid, timeout_s)
                 result = self.transport.wait(handle)
+                if ranks is not None:
+                    per_rank = [result, *ranks()]
+                    result, rank_bytes = combined(per_rank), tuple(r.nbytes for r in per_rank)
                 if not result.ok:
                     raise KVTransferError(f"KV transfer for {rid} ended {result.status.name}: {result.error}")
                 sent, nbytes, transfer_seconds = len(src) - skip, result.nbytes, result.seconds
@@ -313,13 +334,15 @@ class EngineWorker:
             # return to the pool (the router needs the first token now).
             self._post(lambda: self.engine.release(rid))
             self.leases.forget(rid)
-        return PrefillResult(output, sent, nbytes, transfer_seconds, prefill_seconds)
+        return PrefillResult(output, sent, nbytes, transfer_seconds, prefill_seconds, rank_bytes)
 
     def connect_peer(self, endpoint: KVEndpoint) -> str:
         """Handshake with a decode worker now (at start-up), so an incompatible KV layout fails
         before any request does: raises KVLayoutMismatch naming the field. Returns the backend
         that serves the pair (shm, gloo or nccl)."""
         self._connect(endpoint)
+        if self.followers is not None:
+            self.followers.connect(endpoint.ranks)
         return self.transport.kind_for(endpoint)
 
     def kv_links(self) -> list[PeerLink]:
@@ -350,6 +373,8 @@ class EngineWorker:
             self._recv_handles[request_id] = PendingLoad(self.transport.expect(
                 request_id, reservation.block_ids[skip:], self.config.transfer_timeout_s
             ), prompt_token_ids, params)
+            if self.followers is not None:  # before the prefill worker can send: this call returns first
+                self.followers.expect(request_id, reservation.block_ids[skip:], self.config.transfer_timeout_s)
         return reservation
 
     def start_decode(self, request_id: str, first_token: int) -> None:
@@ -357,6 +382,8 @@ class EngineWorker:
         load = self._recv_handles.pop(request_id, None)
         if load is not None:
             result = self.transport.wait(load.handle)
+            if self.followers is not None:
+                result = combined([result, *self.followers.wait(request_id)])
             if not result.ok:
                 reason = self.kv_failures.record(request_id, result)
                 if self.kv_failures.policy == "recompute":
@@ -372,8 +399,14 @@ class EngineWorker:
         passes final=False when it frees a request here to start it again (a prefill fallback, a
         migration back to a restarted worker)."""
         if self._recv_handles.pop(request_id, None) is not None:
-            self.transport.abort(request_id)  # no bytes land in the blocks once this returns
+            self._abort_transfer(request_id)  # no bytes land in the blocks once this returns
         return self._call(lambda: self._abort_here(request_id, final, "was aborted"))
+
+    def _abort_transfer(self, request_id: str) -> None:
+        """End a transfer into this worker's blocks on every rank."""
+        self.transport.abort(request_id)
+        if self.followers is not None:
+            self.followers.abort(request_id)
 
     def _abort_here(self, request_id: str, final: bool, why: str) -> bool:
         """Engine thread: free the engine's state of the request (and end a prefill call waiting on it)."""
@@ -420,6 +453,14 @@ class EngineWorker:
     def shutdown(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=5)
+        if self.followers is not None:
+            self.followers.closing()
+            if not self._thread.is_alive():  # the step broadcast is the engine thread's
+                try:
+                    self.engine.runner.stop_followers()
+                except Exception as exc:  # a rank already gone: nothing to stop there
+                    log.warning("worker %s: could not stop the other ranks' steps: %r", self.worker_id, exc)
+            self.followers.shutdown()
         if self.transport is not None:
             self.transport.close()
         if self._step_log is not None:
@@ -434,32 +475,13 @@ class EngineWorker:
                                              "chunks": chunks}) + "\n")
 
 
-def _build_engine_and_transport(config: WorkerConfig, transport=None):
-    """Load the model and allocate its KV cache through the transport (which may put it in shared memory)."""
-    ec = config.engine
-    try:
-        model_dir = resolve_model_dir(config.model, quiet=True)
-    except ModelNotFoundError as exc:  # every node needs the files: say which one lacks them
-        raise ModelNotFoundError(f"worker {config.worker_id} on node {config.node_id} ({config.host}): {exc}") from None
-    model_config = ModelConfig.from_model_dir(model_dir)
-    kv_dtype = kv_cache_torch_dtype(ec)
-    # The model comes first: FP8 KV scales are calibrated on it, and they belong to the layout
-    # the transport checks when a prefill worker connects (deterministic, so equal configs pair).
-    # load_model refuses FP8 on a GPU without native FP8 before any kernel runs.
-    weights = iter_safetensors(model_dir)
-    model = load_model(model_config, ec, weights, ec.max_model_len)
-    # On a GPU without --kv-cache-memory: --gpu-memory-utilization less the weights and the profiled activation peak.
-    num_blocks = kv_cache_num_blocks(model, model_config, ec, ec.max_model_len)
-    kv_scales = kv_cache_scales(model, ec, weights)
-    ec = replace(ec, kv_scales=kv_scales) if ec.kv_cache_dtype == "fp8" else ec
-    layout = KVLayout(
-        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-        block_size=ec.block_size, dtype=dtype_name(kv_dtype), kv_scales=kv_scales,
-        layer_windows=model_config.layer_windows)
-    place = Place(config.node_id, config.host, "cuda" if ec.device.startswith("cuda") else "cpu")
-    transport = transport or PairwiseTransport(config.transport, place, config.worker_id)
-    kv_cache = transport.allocate_cache(layout, num_blocks)
-    grammars = GrammarCache(model_dir, model_config.vocab_size, model_config.eos_token_ids)
+def _build_engine_and_transport(config: WorkerConfig, transport=None, group: TPGroup | None = None):
+    """Rank 0's shard (the whole model without tensor parallelism) and the engine on it."""
+    group = group or TPGroup.single()
+    shard = build_rank_shard(config, group, transport)
+    cfg = shard.model_config
+    grammars = GrammarCache(shard.model_dir, cfg.vocab_size, cfg.eos_token_ids)
     grammars.warm()
-    engine = LLMEngine(model_config, ec, model, load_tokenizer_decode(model_dir), kv_cache=kv_cache, grammars=grammars)
-    return engine, transport
+    engine = LLMEngine(cfg, shard.engine_config, shard.model, load_tokenizer_decode(shard.model_dir),
+                       kv_cache=shard.kv_cache, grammars=grammars, tp_group=group)
+    return engine, shard.transport

@@ -19,7 +19,8 @@ from tests.engine.helpers import LOGIT_TOL, hf_greedy, run_with_logits, save_tin
 from common.sampling_params import SamplingParams
 from workers.config import EngineConfig
 from workers.model_config import ModelConfig
-from workers.tensor_parallel import LockstepJob, ShardedCheckpoint, ShardPlan, TPGroup, build_engine, lockstep_generate
+from workers.tensor_parallel import ShardedCheckpoint, ShardPlan, TPGroup, build_engine
+from workers.tp_testing import GroupJob, run_group
 
 NEW_TOKENS = 12
 CONFIG = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64)
@@ -113,7 +114,7 @@ def test_group_of_one_needs_no_collectives():
         TPGroup(2, 2)
 
 
-# ---- sharded engines in lockstep (slow) --------------------------------------------------------
+# ---- a sharded engine: rank 0 schedules and broadcasts each step (slow) --------------------------------------------------------
 
 @dataclass
 class Oracle:
@@ -132,15 +133,16 @@ def oracle(folder: str, hf, prompts: list[list[int]]) -> Oracle:
     return Oracle([c.token_ids for c in completions], [torch.stack(rows) for rows in logits], ref)
 
 
-def assert_exact(results, expected: Oracle, what: str) -> None:
-    """Tokens identical to TP 1 and to transformers on every rank; logits within LOGIT_TOL of TP 1's
-    (a bias added on every rank, or a wrong KV head, moves them far more)."""
+def assert_exact(result, expected: Oracle, what: str) -> None:
+    """Tokens identical to TP 1 and to transformers; logits within LOGIT_TOL of TP 1's (a bias added
+    on every rank, or a wrong KV head, moves them far more); every rank ran every step of rank 0."""
     assert expected.tp1 == expected.hf, f"{what}: TP 1 differs from transformers"
-    for result in results:
-        assert result.token_ids == expected.tp1, f"{what}: rank {result.rank} of TP {len(results)} differs from TP 1"
-        for ours, tp1 in zip(result.logits, expected.tp1_logits):
-            error = float((ours - tp1).abs().max())
-            assert error < LOGIT_TOL, f"{what}: rank {result.rank} logits differ from TP 1 by {error:.2e}"
+    tp = len(result.steps_run)
+    assert result.token_ids == expected.tp1, f"{what}: TP {tp} differs from TP 1"
+    for ours, tp1 in zip(result.logits, expected.tp1_logits):
+        error = float((ours - tp1).abs().max())
+        assert error < LOGIT_TOL, f"{what}: TP {tp} logits differ from TP 1 by {error:.2e}"
+    assert result.steps_run[0] > 0 and len(set(result.steps_run)) == 1, f"{what}: steps per rank {result.steps_run}"
 
 
 @pytest.mark.slow
@@ -152,8 +154,8 @@ def test_default_model_at_tp3_matches_tp1_and_transformers(default_model_dir, hf
                                                 return_dict=True)["input_ids"] for q in questions]
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     expected = oracle(str(default_model_dir), hf, prompts)
-    [results] = lockstep_generate([LockstepJob(str(default_model_dir), prompts, NEW_TOKENS, record_logits=True)], 3, CONFIG)
-    assert_exact(results, expected, "SmolLM2-135M")
+    [result] = run_group([GroupJob(str(default_model_dir), prompts, NEW_TOKENS, record_logits=True)], 3, CONFIG)
+    assert_exact(result, expected, "SmolLM2-135M")
 
 
 # 8 query heads, 4 KV heads (2 in "llama-2kv", replicated at TP 4); Llama with o_proj and MLP
@@ -185,6 +187,6 @@ def tiny_models():
 def test_tiny_models_match_tp1_and_transformers(tiny_models, tp):
     prompts, models = tiny_models
     names = AT_TP[tp]
-    jobs = [LockstepJob(models[name][0], prompts, NEW_TOKENS, record_logits=True) for name in names]
-    for name, results in zip(names, lockstep_generate(jobs, tp, CONFIG)):
-        assert_exact(results, models[name][1], name)
+    jobs = [GroupJob(models[name][0], prompts, NEW_TOKENS, record_logits=True) for name in names]
+    for name, result in zip(names, run_group(jobs, tp, CONFIG)):
+        assert_exact(result, models[name][1], name)

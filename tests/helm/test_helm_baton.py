@@ -57,9 +57,11 @@ def test_configmap_is_accepted_by_batons_loader(variant, tmp_path):
     assert (placement.prefill_workers, placement.decode_workers) == (prefill["replicas"], decode["replicas"])
     assert (config.server.host, config.server.port) == ("0.0.0.0", only(objs, "Service")["spec"]["ports"][0]["port"])
     for role, group in (("prefill", prefill), ("decode", decode)):
+        # gpus_per_worker is per rank; a pod holds one worker, all its ranks.
+        pod_gpus = placement.gpus_per_worker * placement.tp_size(role)
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert placement.gpus_per_worker == limits.get("nvidia.com/gpu", 0), role
-        assert float(group["rayStartParams"]["num-gpus"]) == placement.gpus_per_worker
+        assert pod_gpus == limits.get("nvidia.com/gpu", 0), role
+        assert float(group["rayStartParams"]["num-gpus"]) == pod_gpus
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)

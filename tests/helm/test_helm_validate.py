@@ -4,6 +4,7 @@ against KubeRay's CRD and the monitors against the Prometheus Operator's (../sha
 
 from __future__ import annotations
 
+import helm_python
 import kubernetes_validate
 import pytest
 
@@ -95,3 +96,24 @@ def test_monitors_match_prometheus_operators_crds():
     relabelled = objects(render({"serviceMonitor": {"enabled": True, "relabelings": [
         {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]}}))
     assert crd_errors(only(relabelled, "ServiceMonitor")) == []
+
+
+def test_a_tensor_parallel_render_validates():
+    """Per-pool TP sizes (prefill 4 GPUs a pod, decode 2) give a RayCluster KubeRay's CRD accepts and
+    built-in objects Kubernetes accepts; Helm's strict lint agrees."""
+    eight = {"cpu": "8", "memory": "64Gi"}
+    pool = {"gpus": 1, "resources": {"requests": eight, "limits": eight}}
+    values = {"baton": {"placement": {"tensor_parallel_size": 2, "prefill_tensor_parallel_size": 4,
+                                      "threads_per_worker": 2}},
+              "prefill": pool, "decode": pool}
+    objs = objects(render(values))
+    cluster = only(objs, "RayCluster")
+    gpus = {g["groupName"]: g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+            for g in cluster["spec"]["workerGroupSpecs"]}
+    assert gpus == {"prefill": 4, "decode": 2}
+    assert crd_errors(cluster) == []
+    for version in KUBE_VERSIONS:
+        for obj in builtin(objs):
+            assert kubernetes_validate.validate(obj, version, strict=True) == version, obj["metadata"]["name"]
+    report = helm_python.lint(CHART, values=values, strict=True, kube_version=f"v{KUBE_VERSIONS[-1]}.0")
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report

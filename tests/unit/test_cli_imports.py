@@ -94,3 +94,12 @@ def test_the_actor_shells_offer_every_engine_worker_call_with_its_signature():
     assert "poll_outputs" in expected and "prefill" in expected
     for shell in (PrefillWorker, DecodeWorker):
         assert remote_methods(shell) == expected
+
+
+def test_the_rank_actor_offers_every_rank_call_with_its_signature():
+    from workers.actors import TPRankActor
+    from workers.tp_rank import TPRankWorker
+
+    expected = remote_methods(TPRankWorker)
+    assert {"send", "expect", "wait", "wait_stopped"} <= set(expected)
+    assert remote_methods(TPRankActor) == expected

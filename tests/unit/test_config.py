@@ -77,7 +77,8 @@ def test_every_field_has_one_flag_and_one_schema_entry_with_its_default():
         assert node["default"] == option.default == option.get(defaults), option.key
         assert node["description"], f"{option.key} has no help text"
     # Nothing else: the flags are the options, --config, --help and the --no- forms of booleans.
-    expected = {o.flag for o in OPTIONS} | {"--no-" + o.flag[2:] for o in OPTIONS if o.type is bool}
+    expected = ({o.flag for o in OPTIONS} | {"--no-" + o.flag[2:] for o in OPTIONS if o.type is bool}
+                | {o.alias for o in OPTIONS if o.alias})
     assert set(flag_strings) - {"-h", "--help", "--config"} == expected
     assert len({o.name for o in OPTIONS}) == len(OPTIONS)
 

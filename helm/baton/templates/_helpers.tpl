@@ -97,6 +97,64 @@ Argument: (list $section "key" value "explanation"). Returns nothing; mutates $s
 {{- $decode }}
 {{- end }}
 
+{{/* A pool's tensor-parallel size, as Baton's PlacementConfig.tp_size reads it:
+baton.placement.<role>_tensor_parallel_size, else tensor_parallel_size, else 1. A worker is that
+many ranks on one node (its pod). Argument: (list $ "prefill"). */}}
+{{- define "baton.tpSize" -}}
+{{- $placement := (index . 0).Values.baton.placement | default dict }}
+{{- range $key := list "tensor_parallel_size" (printf "%s_tensor_parallel_size" (index . 1)) }}
+{{- $value := get $placement $key }}
+{{- if and (hasKey $placement $key) (not (kindIs "invalid" $value)) (lt (float64 $value) 1.0) }}
+{{- fail (printf "baton.placement.%s is %v: a tensor-parallel size is at least 1" $key $value) }}
+{{- end }}
+{{- end }}
+{{- get $placement (printf "%s_tensor_parallel_size" (index . 1)) | default (get $placement "tensor_parallel_size") | default 1 | int }}
+{{- end }}
+
+{{/* Accelerators of one pod of a pool (one worker): the pool's `gpus` (per rank) times its
+tensor-parallel size. Argument: (list $ "prefill"). */}}
+{{- define "baton.podGpus" -}}
+{{- mul (int (index (index . 0).Values (index . 1)).gpus) (include "baton.tpSize" . | int) }}
+{{- end }}
+
+{{/* A CPU quantity ("4", 4, "1.5", "500m") in whole CPUs, rounded up as KubeRay hands it to `ray start`. */}}
+{{- define "baton.wholeCpus" -}}
+{{- $q := toString . }}
+{{- if hasSuffix "m" $q }}{{ divf (float64 (trimSuffix "m" $q)) 1000 | ceil | int }}{{ else }}{{ float64 $q | ceil | int }}{{ end }}
+{{- end }}
+
+{{/* The CPUs a pool's pod gives Ray (empty when unknown): its rayStartParams num-cpus, else what
+KubeRay derives, the container's CPU limit, else its CPU request. Argument: (list $ "prefill"). */}}
+{{- define "baton.podRayCpus" -}}
+{{- $pool := index (index . 0).Values (index . 1) }}
+{{- $params := $pool.rayStartParams | default dict }}
+{{- $resources := $pool.resources | default dict }}
+{{- $limits := get $resources "limits" | default dict }}
+{{- $requests := get $resources "requests" | default dict }}
+{{- if hasKey $params "num-cpus" }}{{ include "baton.wholeCpus" (get $params "num-cpus") }}
+{{- else if get $limits "cpu" }}{{ include "baton.wholeCpus" (get $limits "cpu") }}
+{{- else if get $requests "cpu" }}{{ include "baton.wholeCpus" (get $requests "cpu") }}
+{{- end }}
+{{- end }}
+
+{{/* Each rank of a worker asks Ray for threads_per_worker CPUs, so a worker (a pod) needs
+threads_per_worker x its pool's tensor-parallel size of them: refuse a pool whose pods give Ray
+fewer, where the worker would never be placed. Argument: (list $ "prefill"). */}}
+{{- define "baton.checkCpus" -}}
+{{- $root := index . 0 }}
+{{- $role := index . 1 }}
+{{- $pool := index $root.Values $role }}
+{{- $placement := $root.Values.baton.placement | default dict }}
+{{- $threads := get $placement "threads_per_worker" | default 0 | int }}
+{{- $tp := include "baton.tpSize" . | int }}
+{{- $cpus := include "baton.podRayCpus" . }}
+{{- if and (gt (int $pool.maxReplicas) 0) (gt $threads 0) $cpus }}
+{{- if gt (mul $threads $tp) (int $cpus) }}
+{{- fail (printf "a %s worker is %d rank(s) of baton.placement.threads_per_worker (%d) CPUs each, %d CPUs, but a %s pod gives Ray %s (%s.resources or %s.rayStartParams num-cpus): give the pool more CPUs or lower threads_per_worker" $role $tp $threads (mul $threads $tp) $role $cpus $role $role) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The pool's Ray custom resource name (empty when none). Argument: (list $ "prefill"). */}}
 {{- define "baton.poolResource" -}}
 {{- $placement := (index . 0).Values.baton.placement | default dict }}

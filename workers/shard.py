@@ -1,0 +1,66 @@
+"""One rank's share of a worker: the model (its shard at tensor-parallel size > 1), the KV cache
+allocated through the rank's own KV transport, and the layout both are described by. Rank 0
+(`workers.worker`) and the other ranks (`workers.tp_rank`) build theirs alike, at the same time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from common.protocol import KVLayout
+from kvtransfer import PairwiseTransport, Place, dtype_name
+from workers.config import EngineConfig, WorkerConfig
+from workers.model_config import ModelConfig
+from workers.model_files import ModelNotFoundError, resolve_model_dir
+from workers.model_runner import iter_safetensors, kv_cache_num_blocks, kv_cache_scales, kv_cache_torch_dtype, load_model
+from workers.tensor_parallel import TPGroup, load_sharded_model
+
+
+@dataclass
+class RankShard:
+    """What one rank of a worker holds: its view of the model (its heads at TP > 1), the weights,
+    and its KV cache allocated through its own transport."""
+
+    model_dir: object  # Path of the resolved model folder
+    model_config: ModelConfig
+    engine_config: EngineConfig  # kv_scales filled in for an FP8 cache
+    model: object  # the loaded torch module
+    transport: object
+    kv_cache: object  # torch.Tensor
+
+
+def build_rank_shard(config: WorkerConfig, group: TPGroup, transport=None) -> RankShard:
+    """Load this rank's shard of the model and allocate its KV cache through the transport (which
+    may put it in shared memory). Every rank of a group calls it at once: loading and sizing the
+    cache run collectives (FP8 KV calibration's forward passes, the block count all ranks share)."""
+    ec = config.engine
+    try:
+        model_dir = resolve_model_dir(config.model, quiet=True)
+    except ModelNotFoundError as exc:  # every node needs the files: say which one lacks them
+        raise ModelNotFoundError(f"worker {config.worker_id} on node {config.node_id} ({config.host}): {exc}") from None
+    kv_dtype = kv_cache_torch_dtype(ec)
+    # The model comes first: FP8 KV scales are calibrated on it, and they belong to the layout
+    # the transport checks when a prefill worker connects (deterministic, so equal configs pair).
+    # load_model refuses FP8 on a GPU without native FP8 before any kernel runs.
+    kv_heads = None
+    if group.size == 1:
+        model_config = ModelConfig.from_model_dir(model_dir)
+        weights = iter_safetensors(model_dir)
+        model = load_model(model_config, ec, weights, ec.max_model_len)
+        kv_scales = kv_cache_scales(model, ec, weights)
+        ec = replace(ec, kv_scales=kv_scales) if ec.kv_cache_dtype == "fp8" else ec
+    else:
+        model, plan, ec = load_sharded_model(model_dir, ec, group)
+        model_config, kv_heads = plan.model_config, plan.kv_heads
+        kv_scales = kv_cache_scales(model, ec)
+    # On a GPU without --kv-cache-memory: --gpu-memory-utilization less the weights and the profiled activation peak.
+    num_blocks = group.all_min(kv_cache_num_blocks(model, model_config, ec, ec.max_model_len))
+    layout = KVLayout(
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+        block_size=ec.block_size, dtype=dtype_name(kv_dtype), kv_scales=kv_scales,
+        layer_windows=model_config.layer_windows, tp_size=group.size, kv_heads=kv_heads)
+    place = Place(config.node_id, config.host, "cuda" if ec.device.startswith("cuda") else "cpu")
+    name = config.worker_id if group.rank == 0 else f"{config.worker_id}.tp{group.rank}"
+    transport = transport or PairwiseTransport(config.transport, place, name)
+    kv_cache = transport.allocate_cache(layout, num_blocks)
+    return RankShard(model_dir, model_config, ec, model, transport, kv_cache)

@@ -1,0 +1,143 @@
+"""A non-zero rank of a tensor-parallel worker: its shard of the model, its KV cache (its heads of
+every block) and its own KV transport. It schedules nothing: it runs each step rank 0 broadcasts
+(`ModelRunner.follow`) on a thread of its own, and moves its heads of a request's blocks when
+rank 0 says so (rank 0's `EngineWorker` drives it through `RankFollowers`). Without Ray, like
+`workers.worker`; `workers.actors` wraps it as an actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from dataclasses import replace
+from typing import Callable, Protocol, Sequence
+
+from common.protocol import KVEndpoint
+from kvtransfer import TransferResult, TransferStatus
+from kvtransfer.base import Role as TransferRole
+from workers.config import WorkerConfig
+from workers.model_runner import ModelRunner
+from workers.shard import build_rank_shard
+from workers.tensor_parallel import TPGroup, TPGroupBroken
+
+log = logging.getLogger(__name__)
+
+
+class RankFollowers(Protocol):
+    """Ranks 1..N-1 of a tensor-parallel worker as rank 0 drives their KV transfers (each rank moves
+    its own heads; `workers.tp_rank` is a rank, `workers.actors` reaches them over Ray). Lists are
+    in rank order, one entry per follower."""
+
+    def endpoints(self) -> list[KVEndpoint]: ...
+
+    def connect(self, endpoints: Sequence[KVEndpoint]) -> None: ...
+
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None: ...
+
+    def wait(self, request_id: str) -> list[TransferResult]: ...
+
+    def send(self, endpoints: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int],
+             request_id: str, timeout_s: float) -> Callable[[], list[TransferResult]]:
+        """Start every follower's send; returns the function that waits for their results."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    def closing(self) -> None:
+        """Rank 0 is shutting down: the ranks' steps end now by its word, not by a loss."""
+
+    def shutdown(self) -> None: ...
+
+
+def combined(results: Sequence[TransferResult]) -> TransferResult:
+    """One request's transfer over every rank pair: the worst status (TransferStatus sorts
+    failures lowest), the bytes of all, the time of the slowest, the first failure's reason."""
+    worst = min(results, key=lambda r: r.status)
+    return replace(worst, nbytes=sum(r.nbytes for r in results), seconds=max(r.seconds for r in results))
+
+
+
+class TPRankWorker:
+    def __init__(self, config: WorkerConfig, rank: int) -> None:
+        if not 0 < rank < config.tp_size or not config.tp_init_method:
+            raise ValueError(f"worker {config.worker_id}: rank {rank} needs 0 < rank < tp_size ({config.tp_size}) "
+                             f"and the group's tp_init_method")
+        self.name = f"{config.worker_id}.tp{rank}"
+        if config.engine.num_threads:
+            torch.set_num_threads(config.engine.num_threads)
+        group = TPGroup.connect(rank, config.tp_size, config.tp_init_method, config.engine.device)
+        shard = build_rank_shard(config, group)
+        self.runner = ModelRunner(shard.model_config, shard.engine_config, shard.model, kv_cache=shard.kv_cache,
+                                  tp_group=group)
+        self.transport = shard.transport
+        self._peers: dict[tuple[str, str], str] = {}
+        self._receiving: dict[str, object] = {}  # request id -> the transfer handle into this rank's blocks
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name=f"steps-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        try:
+            steps = self.runner.follow()
+            log.info("%s: rank 0 ended the steps after %d", self.name, steps)
+        except TPGroupBroken as exc:
+            log.error("%s: %s", self.name, exc)
+        except Exception:
+            log.exception("%s: a step failed; this rank stops (its group restarts)", self.name)
+        finally:
+            self._stopped.set()
+
+    def endpoint(self) -> KVEndpoint:
+        return self.transport.endpoint()
+
+    def connect_peer(self, endpoint: KVEndpoint) -> str:
+        """Connect to the peer rank `endpoint` (KVLayoutMismatch names the field that differs)."""
+        with self._lock:
+            peer_id = self._peers.get(endpoint.peer_key)
+            if peer_id is None:
+                peer_id = self._peers[endpoint.peer_key] = self.transport.connect(endpoint)
+        return peer_id
+
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+        handle = self.transport.expect(request_id, block_ids, timeout_s)
+        with self._lock:
+            self._receiving[request_id] = handle
+
+    def wait(self, request_id: str) -> TransferResult:
+        """The end of the transfer into this rank's blocks that expect() announced."""
+        with self._lock:
+            handle = self._receiving.pop(request_id, None)
+        if handle is None:
+            return TransferResult(request_id, TransferRole.RECV, TransferStatus.FAILED, 0, 0.0,
+                                  f"{self.name} expected no KV for {request_id}")
+        return self.transport.wait(handle)
+
+    def send(self, endpoint: KVEndpoint, src_block_ids: list[int], dst_block_ids: list[int], request_id: str,
+             timeout_s: float) -> TransferResult:
+        """Push this rank's heads of src_block_ids into the peer rank's dst_block_ids; waits for the end."""
+        started = time.perf_counter()
+        try:
+            peer_id = self.connect_peer(endpoint)
+            return self.transport.wait(self.transport.send(peer_id, src_block_ids, dst_block_ids, request_id,
+                                                           timeout_s))
+        except Exception as exc:  # a failed rank fails the request's transfer, which the policy handles
+            return TransferResult(request_id, TransferRole.SEND, TransferStatus.FAILED, 0,
+                                  time.perf_counter() - started, f"{self.name}: {exc!r}")
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            pending = self._receiving.pop(request_id, None) is not None
+        if pending:
+            self.transport.abort(request_id)
+
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Whether this rank's steps have ended (rank 0 ended them, or the group broke)."""
+        return self._stopped.wait(timeout_s)
+
+    def shutdown(self) -> None:
+        self._stopped.wait(5)
+        self.transport.close()
