@@ -93,8 +93,8 @@ def main() -> None:
                                            f"{args.prompt_tokens} --rounds {args.rounds}",
         "dtype": "float32", "device": "cpu", "cpu_count": os.cpu_count(),
         "load_average_1m_at_start": round(load, 2), "wall_s": round(time.time() - started, 1),
-        "note": "2-core machine shared with other engineers' work while measured: medians over interleaved rounds; "
-                "TP > 1 here is a correctness target, not a speed claim",
+        "note": "2-core machine: medians over interleaved rounds; TP > 1 here is a correctness target, not a speed "
+                "claim (each decode step is 2 gloo all-reduces per layer over loopback TCP plus the step broadcast)",
         "results": results,
     }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -169,6 +169,19 @@ def t_engine_throughput_moe() -> str:
                   "identical greedy tokens"], rows)
 
 
+def t_tp_step() -> str:
+    """bench/tp.py: single-stream decode step time per tensor-parallel size (medians of rank 0's steps)."""
+    d = load("tp_step_cpu")
+    names = {"default": "SmolLM2-135M", "smollm2_shape_12_heads": "SmolLM2-135M's shapes in 12 heads"}
+    rows = [[names.get(r["model"], r["model"]), str(r["tensor_parallel_size"]), str(r["threads_per_rank"]),
+             ms(r["median_decode_step_ms"]), f(r["single_stream_tokens_per_s"]), ratio(r["step_time_vs_tp1_1thread"]),
+             "yes" if r["greedy_tokens_equal_tp1"] else "**no**"] for r in d["results"]]
+    return table(["model", "TP", "threads per rank", "decode step p50 (ms)", "tokens/s, one stream",
+                  "step time vs TP 1 on one thread", "greedy tokens equal TP 1"], rows) + (
+        f"\n\n`{d['command']}`, float32, {d['cpu_count']} cores, 1-minute load {d['load_average_1m_at_start']} "
+        f"at the start.")
+
+
 def t_decode_profile() -> str:
     steps = ("PyTorch references, `F.linear`", "+ native kernels", "+ prepacked linear layers")
     rows = []
