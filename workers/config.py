@@ -113,6 +113,9 @@ class EngineConfig:
         "help": "speculative decoding on the decode pool, as JSON with vLLM's keys: method (ngram), "
                 "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size",
         "example": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}'})
+    enable_expert_parallel: bool = field(default=False, metadata={
+        "help": "mixture-of-experts models with --tensor-parallel-size N: each rank holds 1/N of the experts "
+                "whole (vLLM's flag); without it every rank holds 1/N of every expert's intermediate channels"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "run every step eagerly: no CUDA graphs for decode steps on a GPU (vLLM's flag; "
                 "the CPU always runs eagerly)"})
@@ -146,8 +149,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.packed_linear, bool):
             raise ValueError("enable_prefix_caching and packed_linear must be true or false")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_expert_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, str):
             raise ValueError(f"speculative_config must be a JSON string, got {self.speculative_config!r}")
         self.speculative = (SpeculativeConfig.from_json(self.speculative_config)

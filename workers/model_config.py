@@ -37,6 +37,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one expert's intermediate size
     norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (intermediate_size)
+    # A tensor-parallel rank's experts [start, stop) under expert parallelism (None: all num_experts, the
+    # router always scoring all of them); set by workers.tensor_parallel.ShardPlan.
+    local_experts: tuple[int, int] | None = None
     # Sliding-window attention (see attention_fields): each layer's window, in tokens a query sees
     # (itself included, transformers' convention), None for a global layer; () when every layer is global.
     layer_windows: tuple[int | None, ...] = ()

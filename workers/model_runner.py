@@ -95,8 +95,9 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
         raise ValueError(f"{model_config.architecture}: FP8 weights (quantization 'fp8' or an FP8 checkpoint) are not "
                          "supported for this model family yet; serve it without --quantization, in bfloat16")
     ops = kernel_ops(engine_config.kernel_backend, device)
-    if tp_group is not None and model_class is not LlamaForCausalLM:
-        raise ValueError(f"{model_config.architecture}: tensor parallelism supports the Llama family only so far")
+    if tp_group is not None and model_class not in (LlamaForCausalLM, MoeForCausalLM):
+        raise ValueError(f"{model_config.architecture}: tensor parallelism supports the Llama family and "
+                         f"mixture-of-experts models only so far")
     with torch.device("meta"):
         model = model_class(model_config, ops) if tp_group is None else model_class(model_config, ops, tp_group)
     if checkpoint_quant is not None:

@@ -8,6 +8,11 @@ intermediate dimension. `ShardPlan.model_config` is the rank's view of the model
 intermediate counts): the model, its KV cache and the attention kernels are built from it
 unchanged, so the KV cache of a rank holds only its KV heads.
 
+Mixture-of-experts models keep the router whole on every rank and split the experts by their
+intermediate channels (each rank every expert's 1/N, like a dense MLP) or, with expert parallelism,
+whole (each rank 1/N of the experts, `ModelConfig.local_experts`); workers/models/moe.py says how
+each runs.
+
 `ShardedCheckpoint` slices the Hugging Face tensors on the way into `load_hf_weights`:
 column-parallel q/k/v and gate/up keep the rank's output rows (Qwen2's q/k/v biases and FP8
 per-channel weight scales with them), row-parallel o_proj and down_proj keep the rank's input
@@ -144,18 +149,33 @@ class ShardPlan:
     intermediate: tuple[int, int]
     kv_replicated: bool  # tp_size > num_kv_heads: this rank's KV head is also on other ranks
     model_config: ModelConfig  # the rank's view: its head and intermediate counts
+    experts: tuple[int, int] = (0, 0)  # the experts it holds (all of them unless expert parallel)
+    moe_intermediate: tuple[int, int] = (0, 0)  # its channels of each expert's intermediate dimension
+    expert_parallel: bool = False
 
     @classmethod
-    def of(cls, config: ModelConfig, tp_size: int, rank: int) -> "ShardPlan":
+    def of(cls, config: ModelConfig, tp_size: int, rank: int, expert_parallel: bool = False) -> "ShardPlan":
         if tp_size < 1 or not 0 <= rank < tp_size:
             raise ValueError(f"need tensor_parallel_size >= 1 and 0 <= rank < it, got size {tp_size}, rank {rank}")
         heads, kv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
         if heads % tp_size:
             raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {heads} query heads")
-        if inter % tp_size:
+        dense_mlps = not config.num_experts or bool(config.dense_mlp_layers)
+        if dense_mlps and inter % tp_size:
             raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's intermediate_size {inter}")
-        if config.num_experts:
-            raise ValueError(f"{config.architecture}: tensor parallelism of mixture-of-experts models is not supported")
+        experts, moe_inter = (0, config.num_experts), (0, config.moe_intermediate_size)
+        if config.num_experts and expert_parallel:
+            if config.num_experts % tp_size:
+                raise ValueError(f"--enable-expert-parallel: tensor_parallel_size {tp_size} does not divide the "
+                                 f"model's {config.num_experts} experts")
+            per = config.num_experts // tp_size
+            experts = (rank * per, (rank + 1) * per)
+        elif config.num_experts:
+            if config.moe_intermediate_size % tp_size:
+                raise ValueError(f"tensor_parallel_size {tp_size} does not divide the experts' intermediate size "
+                                 f"{config.moe_intermediate_size} (--enable-expert-parallel splits whole experts)")
+            per = config.moe_intermediate_size // tp_size
+            moe_inter = (rank * per, (rank + 1) * per)
         if kv >= tp_size:
             if kv % tp_size:
                 raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {kv} KV heads")
@@ -168,10 +188,13 @@ class ShardPlan:
             head = rank * kv // tp_size
             kv_heads = (head, head + 1)
         q_per_rank, i_per_rank = heads // tp_size, inter // tp_size
-        shard = dataclasses.replace(config, num_heads=q_per_rank, num_kv_heads=kv_heads[1] - kv_heads[0],
-                                    intermediate_size=i_per_rank)
+        shard = dataclasses.replace(
+            config, num_heads=q_per_rank, num_kv_heads=kv_heads[1] - kv_heads[0], intermediate_size=i_per_rank,
+            moe_intermediate_size=moe_inter[1] - moe_inter[0],
+            local_experts=experts if config.num_experts and expert_parallel and tp_size > 1 else None)
         return cls(rank, tp_size, config.head_dim, (rank * q_per_rank, (rank + 1) * q_per_rank), kv_heads,
-                   (rank * i_per_rank, (rank + 1) * i_per_rank), tp_size > kv, shard)
+                   (rank * i_per_rank, (rank + 1) * i_per_rank), tp_size > kv, shard, experts, moe_inter,
+                   bool(config.num_experts) and expert_parallel)
 
     @property
     def q_rows(self) -> slice:
@@ -208,7 +231,36 @@ class ShardedCheckpoint:
 
     def __iter__(self):
         for name, tensor in self.weights:
+            if self.plan.tp_size > 1 and ".experts." in name:
+                piece = self.expert(name, tensor)
+                if piece is not None:
+                    yield piece
+                continue
             yield name, self.shard(name, tensor)
+
+    def expert(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """The rank's part of an expert tensor, under the name the loader reads (with expert
+        parallelism a kept expert is renumbered from 0); None: an expert this rank does not hold.
+
+        Per expert: `...experts.{e}.{w1|w3|gate_proj|up_proj}.weight` [I, H] and `{w2|down_proj}` [H, I];
+        fused: `...experts.gate_up_proj` [E, 2I, H] and `...experts.down_proj` [E, H, I]."""
+        plan = self.plan
+        head, _, rest = name.partition(".experts.")
+        parts = rest.split(".")
+        if parts[0].isdigit():  # one expert's projection
+            e, proj = int(parts[0]), parts[1]
+            if plan.expert_parallel:
+                if not plan.experts[0] <= e < plan.experts[1]:
+                    return None
+                return f"{head}.experts.{e - plan.experts[0]}.{'.'.join(parts[1:])}", tensor
+            cut = slice(*plan.moe_intermediate)
+            return name, (tensor[:, cut] if proj in ("w2", "down_proj") else tensor[cut]).contiguous()
+        if plan.expert_parallel:
+            return name, tensor[slice(*plan.experts)].contiguous()
+        cut, inter = slice(*plan.moe_intermediate), self.config.moe_intermediate_size
+        if parts[0] == "gate_up_proj":
+            return name, torch.cat((tensor[:, :inter][:, cut], tensor[:, inter:][:, cut]), dim=1).contiguous()
+        return name, tensor[:, :, cut].contiguous()  # down_proj
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's part of checkpoint tensor `name`."""
@@ -221,7 +273,7 @@ class ShardedCheckpoint:
         proj, kind = parts[-2], parts[-1]
         per_row = kind in ("weight", "bias") or (kind.startswith("weight_scale") and tensor.numel() > 1)
         if not per_row:
-            return tensor  # norms, per-tensor scales, static activation scales
+            return tensor  # norms, per-tensor scales, static activation scales, an MoE router
         if proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
             rows = {"q_proj": plan.q_rows, "k_proj": plan.kv_rows, "v_proj": plan.kv_rows}.get(proj, plan.intermediate_rows)
             return tensor[rows].contiguous()
@@ -247,7 +299,7 @@ def load_sharded_model(model_dir: str | os.PathLike, engine_config: EngineConfig
     """The rank's shard of the model in model_dir, its ShardPlan and the engine config to run it
     with (an FP8 KV cache's scales calibrated on this rank's heads, as a prebuilt model needs)."""
     config = ModelConfig.from_model_dir(model_dir)
-    plan = ShardPlan.of(config, group.size, group.rank)
+    plan = ShardPlan.of(config, group.size, group.rank, engine_config.enable_expert_parallel)
     weights = ShardedCheckpoint(model_runner.iter_safetensors(Path(model_dir)), config, plan)
     max_len = engine_config.max_model_len or config.max_position_embeddings
     model = model_runner.load_model(plan.model_config, engine_config, weights, max_len,

@@ -72,11 +72,50 @@ def test_plan_refuses_uneven_splits(heads, kv, inter, tp, message):
         ShardPlan.of(model_config(heads, kv, inter), tp, 0)
 
 
-def test_plan_refuses_mixture_of_experts():
-    moe = dataclasses.replace(model_config(8, 4, 160), architecture="MixtralForCausalLM", num_experts=8,
-                              num_experts_per_tok=2, moe_intermediate_size=160)
-    with pytest.raises(ValueError, match="MixtralForCausalLM: tensor parallelism of mixture-of-experts"):
-        ShardPlan.of(moe, 2, 0)
+def moe_config(experts: int = 8, moe_inter: int = 48) -> ModelConfig:
+    return dataclasses.replace(model_config(8, 4, 160), architecture="MixtralForCausalLM", num_experts=experts,
+                               num_experts_per_tok=2, moe_intermediate_size=moe_inter)
+
+
+def test_plan_splits_experts_whole_or_by_their_channels():
+    cfg = moe_config()
+    by_channel = [ShardPlan.of(cfg, 4, r) for r in range(4)]
+    assert [p.moe_intermediate for p in by_channel] == [(0, 12), (12, 24), (24, 36), (36, 48)]
+    assert all(p.experts == (0, 8) and p.model_config.moe_intermediate_size == 12 for p in by_channel)
+    assert by_channel[0].model_config.local_experts is None and by_channel[0].model_config.num_experts == 8
+    whole = [ShardPlan.of(cfg, 4, r, expert_parallel=True) for r in range(4)]
+    assert [p.experts for p in whole] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # The router still scores all 8 experts on every rank; each holds two of them, every channel.
+    assert [p.model_config.local_experts for p in whole] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert all(p.model_config.num_experts == 8 and p.model_config.moe_intermediate_size == 48 for p in whole)
+    assert ShardPlan.of(cfg, 1, 0, expert_parallel=True).model_config.local_experts is None
+    with pytest.raises(ValueError, match="--enable-expert-parallel: tensor_parallel_size 3 does not divide the model's 8 experts"):
+        ShardPlan.of(dataclasses.replace(cfg, num_heads=6, num_kv_heads=3), 3, 0, True)
+    with pytest.raises(ValueError, match="does not divide the experts' intermediate size 50"):
+        ShardPlan.of(moe_config(8, 50), 4, 0)
+
+
+def test_expert_tensors_are_cut_per_rank():
+    cfg = moe_config(experts=4, moe_inter=4)
+    gate_up = torch.arange(4 * 8 * 2, dtype=torch.float32).reshape(4, 8, 2)  # [E, gate rows 0-3 then up rows 4-7, H]
+    down = torch.arange(4 * 2 * 4, dtype=torch.float32).reshape(4, 2, 4)  # [E, H, I]
+    w1 = torch.arange(8.0).reshape(4, 2)  # one expert's gate [I, H]
+    w2 = torch.arange(8.0).reshape(2, 4)  # one expert's down [H, I]
+    pre = "model.layers.0.block_sparse_moe.experts."
+
+    def cut(plan, name, tensor):
+        return ShardedCheckpoint([], cfg, plan).expert(name, tensor)
+
+    channel = ShardPlan.of(cfg, 2, 1)  # channels 2-3 of every expert
+    assert torch.equal(cut(channel, pre + "3.w1.weight", w1)[1], w1[2:4])
+    assert torch.equal(cut(channel, pre + "3.w2.weight", w2)[1], w2[:, 2:4])
+    name, fused = cut(channel, "model.layers.0.mlp.experts.gate_up_proj", gate_up)
+    assert torch.equal(fused, torch.cat((gate_up[:, 2:4], gate_up[:, 6:8]), dim=1))
+    assert torch.equal(cut(channel, "model.layers.0.mlp.experts.down_proj", down)[1], down[:, :, 2:4])
+    whole = ShardPlan.of(cfg, 2, 1, expert_parallel=True)  # experts 2 and 3, renumbered 0 and 1
+    assert cut(whole, pre + "1.w1.weight", w1) is None
+    assert cut(whole, pre + "3.w3.weight", w1) == (pre + "1.w3.weight", w1)
+    assert torch.equal(cut(whole, "model.layers.0.mlp.experts.down_proj", down)[1], down[2:4])
 
 
 def test_checkpoint_slices_columns_rows_and_biases():
@@ -180,6 +219,29 @@ def tiny_models():
         folder, hf = save_tiny_model(kind, **overrides)
         models[name] = (folder, oracle(folder, hf, prompts))
     return prompts, models
+
+
+# 8 experts, top-2; Qwen3-MoE with a dense MLP in layer 1 (mlp_only_layers), split as a dense model's.
+TINY_MOE = {
+    "mixtral": ("mixtral", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
+    "qwen3_moe": ("qwen3_moe", dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, norm_topk_prob=True,
+                                    tie_word_embeddings=False, mlp_only_layers=[1])),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, expert_parallel", [(2, False), (2, True), (4, True)],
+                         ids=["tp2-expert-channels", "tp2-expert-parallel", "tp4-expert-parallel"])
+def test_tiny_moe_models_match_tp1_and_transformers(tiny_models, tp, expert_parallel):
+    prompts, _ = tiny_models
+    models = {}
+    for name, (kind, overrides) in TINY_MOE.items():
+        folder, hf = save_tiny_model(kind, **overrides)
+        models[name] = (folder, oracle(folder, hf, prompts))
+    jobs = [GroupJob(folder, prompts, NEW_TOKENS, record_logits=True) for folder, _ in models.values()]
+    config = dataclasses.replace(CONFIG, enable_expert_parallel=expert_parallel)
+    for name, result in zip(models, run_group(jobs, tp, config)):
+        assert_exact(result, models[name][1], f"{name} at TP {tp}{' (expert parallel)' if expert_parallel else ''}")
 
 
 @pytest.mark.slow

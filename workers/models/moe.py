@@ -14,11 +14,19 @@ Checkpoint layouts read: per expert (Mixtral `block_sparse_moe.experts.{e}.w1/w3
 save_pretrained writes) and fused 3-D (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
 [E, H, I], transformers 5's in-memory layout).
 
+Tensor parallelism (workers.tensor_parallel): attention as llama.py's; the router is whole on every
+rank; the experts are split either by their intermediate channels (each rank holds every expert's
+1/N, as a dense MLP) or, with expert parallelism, whole (each rank holds 1/N of the experts and
+runs only the (token, slot) pairs routed to them). Either way each rank's sum is partial and one
+all-reduce per MoE layer completes it.
+
 Not supported, refused with a message: FP8 weights (pre-quantized checkpoints and quantization
-"fp8"; load_model reads `supports_fp8`), expert parallelism (needs tensor-parallel worker groups).
+"fp8"; load_model reads `supports_fp8`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +34,9 @@ from torch import nn
 from kernels.ops import KernelOps
 from workers.model_config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:  # an annotation only (tensor_parallel imports the engine)
+    from workers.tensor_parallel import TPGroup
 
 MOE_PREFIXES = ("mlp", "block_sparse_moe")  # Qwen3-MoE, Mixtral
 GATE_ROWS = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}  # which half of w13 a projection fills
@@ -49,17 +60,36 @@ class MoeExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: TPGroup | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.top_k = config.num_experts_per_tok
         self.renormalise = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = MoeExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.local = config.local_experts  # expert parallelism: the experts [start, stop) held here
+        held = config.num_experts if self.local is None else self.local[1] - self.local[0]
+        self.experts = MoeExperts(held, config.hidden_size, config.moe_intermediate_size)
+        self.tp_group = tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalise)
-        return self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        if self.local is None:
+            out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        else:
+            out = self._local_experts(x, weights, ids)
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The (token, slot) pairs routed to the experts held here, each as a row of its own with
+        top-1 routing, summed back into their tokens (the other ranks add the rest)."""
+        start, stop = self.local
+        token, slot = ((ids >= start) & (ids < stop)).nonzero(as_tuple=True)
+        out = torch.zeros_like(x)
+        if token.numel():
+            rows = self.ops.fused_moe(x[token], self.experts.w13, self.experts.w2, weights[token, slot, None],
+                                      ids[token, slot, None] - start)
+            out.index_add_(0, token, rows.to(out.dtype))
+        return out
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -67,14 +97,14 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     supports_fp8 = False
 
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: TPGroup | None = None) -> None:
         if config.num_experts < 1:
             raise ValueError(f"{config.architecture}: MoeForCausalLM needs num_experts >= 1")
-        super().__init__(config, ops)
+        super().__init__(config, ops, tp_group)
         dense = set(config.dense_mlp_layers)
         for i, layer in enumerate(self.layers):
             if i not in dense:
-                layer.mlp = SparseMoeBlock(config, ops)
+                layer.mlp = SparseMoeBlock(config, ops, tp_group)
 
     def load_hf_weights(self, weights, quant=None) -> None:
         """The MoE blocks' tensors load here; everything else through LlamaForCausalLM's loader."""
