@@ -90,10 +90,6 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
     model_class = MODEL_CLASSES.get(model_config.architecture)
     if model_class is None:
         raise ValueError(f"no model class for architecture {model_config.architecture!r}; known: {', '.join(MODEL_CLASSES)}")
-    if not getattr(model_class, "supports_fp8", True) and (checkpoint_quant is not None
-                                                           or engine_config.quantization == "fp8"):
-        raise ValueError(f"{model_config.architecture}: FP8 weights (quantization 'fp8' or an FP8 checkpoint) are not "
-                         "supported for this model family yet; serve it without --quantization, in bfloat16")
     ops = kernel_ops(engine_config.kernel_backend, device)
     if tp_group is not None and model_class not in (LlamaForCausalLM, MoeForCausalLM):
         raise ValueError(f"{model_config.architecture}: tensor parallelism supports the Llama family and "

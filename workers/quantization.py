@@ -138,18 +138,26 @@ class Fp8Linear(nn.Module):
 
 
 def _replace_linears(model: nn.Module, make) -> int:
+    """Replace the nn.Linear children of every module, except those it lists in `float_children`."""
     count = 0
     for parent in list(model.modules()):
+        keep = getattr(parent, "float_children", ())
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and name not in keep:
                 setattr(parent, name, make(child))
                 count += 1
     return count
 
 
 def quantize_linears(model: nn.Module, ops: KernelOps | None = None) -> int:
-    """Replace every nn.Linear (loaded, float) by a per-channel Fp8Linear running on `ops`; returns how many."""
-    return _replace_linears(model, lambda linear: Fp8Linear.from_linear(linear, ops))
+    """Replace every nn.Linear (loaded, float) by a per-channel Fp8Linear running on `ops`, and
+    quantize the modules that quantize themselves (`quantize_fp8`: an MoE block's experts);
+    returns how many linear layers were replaced."""
+    count = _replace_linears(model, lambda linear: Fp8Linear.from_linear(linear, ops))
+    for module in list(model.modules()):
+        if hasattr(module, "quantize_fp8"):
+            module.quantize_fp8()
+    return count
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -158,6 +166,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             keep |= {id(module.weight), id(module.weight_scale)}
+        keep |= {id(p) for p in getattr(module, "fp8_params", lambda: [])()}
     for p in model.parameters():
         if id(p) not in keep and p.dtype.is_floating_point and p.dtype != dtype:
             p.data = p.data.to(dtype)

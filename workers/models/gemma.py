@@ -64,8 +64,6 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma2ForCausalLM and Gemma3ForCausalLM (text); weights load through llama.py's loader."""
 
-    supports_fp8 = False  # not validated for Gemma yet: load_model refuses FP8 weights
-
     def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__(config, ops)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, ops, i) for i in range(config.num_layers))

@@ -20,8 +20,10 @@ rank; the experts are split either by their intermediate channels (each rank hol
 runs only the (token, slot) pairs routed to them). Either way each rank's sum is partial and one
 all-reduce per MoE layer completes it.
 
-Not supported, refused with a message: FP8 weights (pre-quantized checkpoints and quantization
-"fp8"; load_model reads `supports_fp8`).
+FP8 weights (`--quantization fp8`): every linear layer but the router as llama.py's, and the
+experts quantized per expert and output row (MoeExperts.quantize_fp8); a step dequantizes only the
+experts its tokens are routed to. Pre-quantized FP8 checkpoints of these families are refused with
+a message.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from kernels.ops import KernelOps
+from workers import quantization as q8
 from workers.model_config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
 
@@ -53,10 +56,43 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
 
 
 class MoeExperts(nn.Module):
+    """The experts' stacked weights; after `quantize_fp8`, float8_e4m3fn with one float32 scale per
+    expert and output row (w13_scale [E, 2I, 1], w2_scale [E, H, 1]), as Fp8Linear's per-channel."""
+
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    def quantize_fp8(self) -> None:
+        """Load-time quantization (`--quantization fp8`) of the loaded float weights."""
+        for name in ("w13", "w2"):
+            weight = getattr(self, name).data
+            experts, rows, cols = weight.shape
+            q, scale = q8.quantize_per_channel(weight.reshape(experts * rows, cols))
+            setattr(self, name, nn.Parameter(q.reshape(experts, rows, cols), requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale.reshape(experts, rows, 1), requires_grad=False))
+
+    def fp8_params(self) -> list[nn.Parameter]:
+        """The tensors a dtype cast must leave as they are."""
+        return [self.w13, self.w2, self.w13_scale, self.w2_scale] if self.is_fp8 else []
+
+    def weights_for(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w13, w2, ids) to run `ids` [T, k] on: the weights as they are, or with FP8 experts only
+        the experts `ids` name, dequantized into `dtype` and renumbered in `ids` (the rest are not read)."""
+        if not self.is_fp8:
+            return self.w13, self.w2, ids
+        used, renumbered = torch.unique(ids, return_inverse=True)
+        # fp8_to_float gives value / 256 (see workers.quantization); the scales take the 256 back.
+        w13 = q8.fp8_to_float(self.w13[used]) * (self.w13_scale[used] * 256.0)
+        w2 = q8.fp8_to_float(self.w2[used]) * (self.w2_scale[used] * 256.0)
+        return w13, w2, renumbered
 
 
 class SparseMoeBlock(nn.Module):
@@ -66,6 +102,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalise = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.float_children = ("gate",)  # --quantization fp8 leaves the router in float (as vLLM does)
         self.local = config.local_experts  # expert parallelism: the experts [start, stop) held here
         held = config.num_experts if self.local is None else self.local[1] - self.local[0]
         self.experts = MoeExperts(held, config.hidden_size, config.moe_intermediate_size)
@@ -74,7 +111,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalise)
         if self.local is None:
-            out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+            w13, w2, ids = self.experts.weights_for(ids)
+            out = self.ops.fused_moe(x, w13.to(x.dtype), w2.to(x.dtype), weights, ids)
         else:
             out = self._local_experts(x, weights, ids)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
@@ -86,16 +124,14 @@ class SparseMoeBlock(nn.Module):
         token, slot = ((ids >= start) & (ids < stop)).nonzero(as_tuple=True)
         out = torch.zeros_like(x)
         if token.numel():
-            rows = self.ops.fused_moe(x[token], self.experts.w13, self.experts.w2, weights[token, slot, None],
-                                      ids[token, slot, None] - start)
+            w13, w2, local_ids = self.experts.weights_for(ids[token, slot, None] - start)
+            rows = self.ops.fused_moe(x[token], w13.to(x.dtype), w2.to(x.dtype), weights[token, slot, None], local_ids)
             out.index_add_(0, token, rows.to(out.dtype))
         return out
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM with a SparseMoeBlock as the MLP of every MoE layer."""
-
-    supports_fp8 = False
 
     def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: TPGroup | None = None) -> None:
         if config.num_experts < 1:
