@@ -251,7 +251,11 @@ def parse_quantization_config(config: dict | None) -> CheckpointQuantization | N
 
 
 def prepare_for_checkpoint(model: nn.Module, quant: CheckpointQuantization, ops: KernelOps | None = None) -> int:
-    """Replace every nn.Linear by an empty Fp8Linear (running on `ops`) the checkpoint's FP8 tensors load into."""
+    """Replace every nn.Linear by an empty Fp8Linear (running on `ops`) the checkpoint's FP8 tensors load
+    into, and let the modules that hold other FP8 weights (`prepare_fp8_checkpoint`: MoE experts) make theirs."""
+    for module in list(model.modules()):
+        if hasattr(module, "prepare_fp8_checkpoint"):
+            module.prepare_fp8_checkpoint(quant)
 
     def make(linear: nn.Linear) -> Fp8Linear:
         device = linear.weight.device

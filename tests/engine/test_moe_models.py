@@ -2,7 +2,7 @@
 
 Chunked prefill (max_num_batched_tokens 32, so prompts span several steps) and prefix caching
 (a second batch reuses the first's cached prefix) are on. Also: both checkpoint layouts (per-expert
-tensors, fused 3-D), Qwen3-MoE's dense layers, and the refusals (FP8 checkpoints, shared experts, unknown families).
+tensors, fused 3-D), Qwen3-MoE's dense layers, and the refusals (a float checkpoint labelled FP8, shared experts, unknown families).
 """
 
 from __future__ import annotations
@@ -96,18 +96,18 @@ def test_fused_3d_expert_checkpoint_loads(tmp_path):
 
 
 class _Fp8Checkpoint(list):
-    """A checkpoint that says it is pre-quantized FP8 (config.json's quantization_config)."""
+    """A float checkpoint that says it is pre-quantized FP8 (config.json's quantization_config)."""
 
     quantization_config = {"quant_method": "fp8"}
 
 
-def test_missing_expert_and_fp8_checkpoints_are_refused(tmp_path):
+def test_missing_expert_and_mislabelled_fp8_checkpoints_are_refused(tmp_path):
     folder, hf = save_tiny_model("qwen3_moe", tie_word_embeddings=False)
     config = ModelConfig.from_model_dir(folder)
     weights = [(n, t) for n, t in iter_safetensors(folder) if "experts.3.up_proj" not in n]
     with pytest.raises(ValueError, match="missing .* router/expert tensors"):
         load_model(config, EngineConfig(num_kv_blocks=8), weights)
-    with pytest.raises(ValueError, match="FP8 checkpoints of mixture-of-experts models are not supported yet"):
+    with pytest.raises(ValueError, match="a torch.float32 expert weight in an FP8 checkpoint"):
         load_model(config, EngineConfig(num_kv_blocks=8), _Fp8Checkpoint(iter_safetensors(folder)))
 
 

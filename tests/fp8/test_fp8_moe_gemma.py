@@ -86,3 +86,47 @@ def test_fp8_experts_split_over_two_ranks_match_one(prompts):
         [result] = run_group([GroupJob(folder, prompts, NEW_TOKENS)], 2,
                              EngineConfig(num_kv_blocks=64, quantization="fp8", enable_expert_parallel=expert_parallel))
         assert result.token_ids == want, f"expert_parallel={expert_parallel}"
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-channel"])
+def test_a_prequantized_moe_checkpoint_loads_its_dequantized_weights(fmt, prompts, tmp_path):
+    """A Qwen3-MoE checkpoint with FP8 attention, dense MLP and per-expert weights (block scales as
+    Qwen3-*-FP8 publishes, or compressed-tensors per channel; the router in bfloat16/float): the
+    engine computes with exactly the weights the hand dequantization gives, as transformers does
+    on a float checkpoint of those weights."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.fp8.helpers import write_fp8_checkpoint
+
+    folder, _ = save_tiny_model("qwen3_moe", tie_word_embeddings=False, mlp_only_layers=[1])
+    quantized = tmp_path / "fp8"
+    dequantized = write_fp8_checkpoint(folder, str(quantized), fmt)
+    assert any(".experts.3.down_proj." in n for n in dequantized) and not any("mlp.gate.weight" in n for n in dequantized)
+    # The oracle: the same checkpoint in float, each quantized tensor replaced by its hand dequantization.
+    from safetensors.torch import load_file
+
+    state = {n: t for f in sorted(quantized.glob("*.safetensors")) for n, t in load_file(str(f)).items()
+             if not n.endswith(("_scale", "_scale_inv"))}
+    state.update(dequantized)
+    plain = tmp_path / "dequantized"
+    plain.mkdir()
+    save_file({n: t.float().contiguous() for n, t in state.items()}, str(plain / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((quantized / "config.json").read_text())
+    config.pop("quantization_config")
+    (plain / "config.json").write_text(json.dumps(config))
+    oracle = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    oracle.generation_config.eos_token_id = None
+
+    engine = LLMEngine.from_model_dir(quantized, EngineConfig(num_kv_blocks=64))
+    experts = [m for m in engine.runner.model.modules() if isinstance(m, MoeExperts)]
+    assert experts and all(e.w13.dtype == FP8 for e in experts)
+    completions, logits = run_with_logits(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                                        ignore_eos=True))
+    with torch.inference_mode():
+        for prompt, done, rows in zip(prompts, completions, logits):
+            result = compare_greedy(done.token_ids, hf_greedy(oracle, prompt, NEW_TOKENS), rows)
+            assert result.max_logit_error < 2e-5, f"{fmt}: logits differ by {result.max_logit_error:.2e}"

@@ -20,10 +20,11 @@ rank; the experts are split either by their intermediate channels (each rank hol
 runs only the (token, slot) pairs routed to them). Either way each rank's sum is partial and one
 all-reduce per MoE layer completes it.
 
-FP8 weights (`--quantization fp8`): every linear layer but the router as llama.py's, and the
-experts quantized per expert and output row (MoeExperts.quantize_fp8); a step dequantizes only the
-experts its tokens are routed to. Pre-quantized FP8 checkpoints of these families are refused with
-a message.
+FP8 weights: with `--quantization fp8` every linear layer but the router is llama.py's Fp8Linear
+and the experts are quantized per expert and output row (MoeExperts.quantize_fp8); a pre-quantized
+checkpoint (per-expert tensors with weight_scale or weight_scale_inv: per tensor, per channel or in
+blocks, as Qwen3-*-FP8 publishes them) loads as it is (MoeExperts.prepare_fp8_checkpoint). A step
+dequantizes only the experts its tokens are routed to.
 """
 
 from __future__ import annotations
@@ -65,10 +66,24 @@ class MoeExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
+        self.group_sizes = (0, 0)  # input columns per scale of w13 and w2 (their whole rows per channel)
 
     @property
     def is_fp8(self) -> bool:
         return self.w13_scale is not None
+
+    def prepare_fp8_checkpoint(self, quant: q8.CheckpointQuantization) -> None:
+        """Empty FP8 weights and float32 scales [E, rows, groups] for a pre-quantized checkpoint to fill."""
+        scales = []
+        for name in ("w13", "w2"):
+            experts, rows, cols = getattr(self, name).shape
+            device = getattr(self, name).device  # meta while the model is built: nothing is allocated yet
+            setattr(self, name, nn.Parameter(torch.empty(experts, rows, cols, dtype=q8.FP8_DTYPE, device=device),
+                                             requires_grad=False))
+            scale = torch.ones(experts, rows, quant.groups(cols), dtype=torch.float32, device=device)
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+            scales.append(quant.group_size(cols))
+        self.group_sizes = tuple(scales)
 
     def quantize_fp8(self) -> None:
         """Load-time quantization (`--quantization fp8`) of the loaded float weights."""
@@ -78,6 +93,7 @@ class MoeExperts(nn.Module):
             q, scale = q8.quantize_per_channel(weight.reshape(experts * rows, cols))
             setattr(self, name, nn.Parameter(q.reshape(experts, rows, cols), requires_grad=False))
             setattr(self, f"{name}_scale", nn.Parameter(scale.reshape(experts, rows, 1), requires_grad=False))
+        self.group_sizes = (self.w13.shape[2], self.w2.shape[2])
 
     def fp8_params(self) -> list[nn.Parameter]:
         """The tensors a dtype cast must leave as they are."""
@@ -89,10 +105,18 @@ class MoeExperts(nn.Module):
         if not self.is_fp8:
             return self.w13, self.w2, ids
         used, renumbered = torch.unique(ids, return_inverse=True)
-        # fp8_to_float gives value / 256 (see workers.quantization); the scales take the 256 back.
-        w13 = q8.fp8_to_float(self.w13[used]) * (self.w13_scale[used] * 256.0)
-        w2 = q8.fp8_to_float(self.w2[used]) * (self.w2_scale[used] * 256.0)
+        w13 = _dequantize(self.w13[used], self.w13_scale[used], self.group_sizes[0])
+        w2 = _dequantize(self.w2[used], self.w2_scale[used], self.group_sizes[1])
         return w13, w2, renumbered
+
+
+def _dequantize(weight: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float32 [E, rows, cols] from FP8 weights and scales [E, rows, groups] of group_size columns each."""
+    # fp8_to_float gives value / 256 (see workers.quantization); the scales take the 256 back.
+    scale = scale * 256.0
+    if scale.shape[2] > 1:
+        scale = scale.repeat_interleave(group_size, dim=2)[:, :, : weight.shape[2]]
+    return q8.fp8_to_float(weight) * scale
 
 
 class SparseMoeBlock(nn.Module):
@@ -143,12 +167,11 @@ class MoeForCausalLM(LlamaForCausalLM):
                 layer.mlp = SparseMoeBlock(config, ops, tp_group)
 
     def load_hf_weights(self, weights, quant=None) -> None:
-        """The MoE blocks' tensors load here; everything else through LlamaForCausalLM's loader."""
-        if quant is not None:
-            raise ValueError(f"{self.config.architecture}: FP8 checkpoints of mixture-of-experts models are not "
-                             "supported yet; use a bfloat16/float32 checkpoint")
+        """The MoE blocks' tensors load here; everything else through LlamaForCausalLM's loader.
+        With quant (a pre-quantized FP8 checkpoint, per expert: each projection's weight and its
+        weight_scale or weight_scale_inv), the experts were made FP8 by prepare_fp8_checkpoint."""
         blocks = {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoeBlock)}
-        loader = _ExpertLoader(blocks)
+        loader = _ExpertLoader(blocks, quant)
         # The dense loader checks that every parameter it sees was loaded: it must not see the MoE blocks.
         for i in blocks:
             delattr(self.layers[i], "mlp")  # unregisters the submodule
@@ -163,8 +186,9 @@ class MoeForCausalLM(LlamaForCausalLM):
 class _ExpertLoader:
     """Copies router and expert tensors into the SparseMoeBlocks and records which pieces arrived."""
 
-    def __init__(self, blocks: dict[int, SparseMoeBlock]) -> None:
+    def __init__(self, blocks: dict[int, SparseMoeBlock], quant: q8.CheckpointQuantization | None = None) -> None:
         self.blocks = blocks
+        self.quant = quant
         self.loaded: set[tuple] = set()
 
     def take(self, hf_name: str, tensor: torch.Tensor) -> bool:
@@ -175,8 +199,15 @@ class _ExpertLoader:
         layer = int(parts[1])
         block = self.blocks[layer]
         rest = parts[3:]
-        if rest[-1] in ("weight_scale", "weight_scale_inv", "input_scale") or tensor.dtype == torch.float8_e4m3fn:
-            raise ValueError(f"{hf_name}: FP8 expert weights are not supported yet")
+        fp8 = block.experts.is_fp8
+        if rest[-1] == "input_scale":
+            return True  # activations stay in the model dtype: a static activation scale is not used
+        if not fp8 and (rest[-1] in ("weight_scale", "weight_scale_inv") or tensor.dtype == torch.float8_e4m3fn):
+            raise ValueError(f"{hf_name}: an FP8 expert weight, but config.json has no quantization_config")
+        if fp8 and rest[-1] in ("weight_scale", "weight_scale_inv"):
+            return self._take_scale(hf_name, block, rest, tensor, layer)
+        if fp8 and rest[-1] == "weight" and tensor.dtype != torch.float8_e4m3fn and rest[:1] == ["experts"]:
+            raise ValueError(f"{hf_name}: a {tensor.dtype} expert weight in an FP8 checkpoint")
         w13, w2 = block.experts.w13.data, block.experts.w2.data
         inter = w2.shape[2]
         if rest == ["gate", "weight"]:
@@ -200,6 +231,28 @@ class _ExpertLoader:
             raise ValueError(f"checkpoint tensor {hf_name} is not a router or expert weight this loader knows")
         return True
 
+    def _take_scale(self, hf_name: str, block: SparseMoeBlock, rest: list[str], tensor: torch.Tensor,
+                    layer: int) -> bool:
+        """One expert projection's FP8 scale, expanded to [rows, groups] (CheckpointQuantization.expand_scale)."""
+        if not (len(rest) == 4 and rest[0] == "experts" and rest[1].isdigit()):
+            raise ValueError(f"{hf_name}: FP8 scales of fused expert tensors are not supported (per-expert only)")
+        e, proj = int(rest[1]), rest[2]
+        experts = block.experts
+        if e >= experts.w13.shape[0]:
+            raise ValueError(f"{hf_name}: expert {e} but the model has {experts.w13.shape[0]} experts")
+        inter, hidden = experts.w2.shape[2], experts.w2.shape[1]
+        if proj in GATE_ROWS:
+            half = GATE_ROWS[proj]
+            target = experts.w13_scale.data[e, half * inter : (half + 1) * inter]
+            self._put(hf_name, target, self.quant.expand_scale(tensor, inter, hidden, hf_name),
+                      (layer, "w13_scale", e, half))
+        elif proj in DOWN:
+            self._put(hf_name, experts.w2_scale.data[e], self.quant.expand_scale(tensor, hidden, inter, hf_name),
+                      (layer, "w2_scale", e))
+        else:
+            raise ValueError(f"{hf_name}: unknown expert projection {proj!r}")
+        return True
+
     def _put(self, name: str, target: torch.Tensor, tensor: torch.Tensor, *pieces: tuple) -> None:
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
@@ -212,6 +265,9 @@ class _ExpertLoader:
             experts = block.experts.w13.shape[0]
             expected |= {(layer, "gate")} | {(layer, "w2", e) for e in range(experts)}
             expected |= {(layer, "w13", e, h) for e in range(experts) for h in (0, 1)}
+            if block.experts.is_fp8:
+                expected |= {(layer, "w2_scale", e) for e in range(experts)}
+                expected |= {(layer, "w13_scale", e, h) for e in range(experts) for h in (0, 1)}
         missing = sorted(expected - self.loaded, key=str)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} router/expert tensors, e.g. {missing[:4]} "
