@@ -49,6 +49,17 @@ def fp8_oracle(hf: torch.nn.Module) -> torch.nn.Module:
     return hf
 
 
+def assert_matches(engine, oracle, prompts, what: str) -> None:
+    """Greedy tokens equal the oracle's, logits within 2e-5: the same arithmetic in another order
+    (measured about 1e-6; a 0.4% error in one expert scale moves these logits by 2e-4 to 4e-4)."""
+    completions, logits = run_with_logits(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                                        ignore_eos=True))
+    with torch.inference_mode():
+        for prompt, done, rows in zip(prompts, completions, logits):
+            result = compare_greedy(done.token_ids, hf_greedy(oracle, prompt, NEW_TOKENS), rows)
+            assert result.max_logit_error < 2e-5, f"{what}: logits differ by {result.max_logit_error:.2e}"
+
+
 @pytest.fixture(scope="module")
 def prompts():
     rng = random.Random(3)
@@ -64,14 +75,7 @@ def test_fp8_weights_match_transformers_on_round_tripped_weights(family, prompts
     engine = LLMEngine.from_model_dir(folder, EngineConfig(num_kv_blocks=64, quantization="fp8"))
     experts = [m for m in engine.runner.model.modules() if isinstance(m, MoeExperts)]
     assert all(e.w13.dtype == FP8 and e.w2.dtype == FP8 for e in experts) and (experts or family == "gemma3")
-    completions, logits = run_with_logits(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                                        ignore_eos=True))
-    with torch.inference_mode():
-        for prompt, done, rows in zip(prompts, completions, logits):
-            result = compare_greedy(done.token_ids, hf_greedy(oracle, prompt, NEW_TOKENS), rows)
-            # The same arithmetic in another order: far closer than LOGIT_TOL (measured about 1e-6, a 0.4%
-            # error in one scale moves these logits by 2e-4 to 4e-4).
-            assert result.max_logit_error < 2e-5, f"{family}: logits differ by {result.max_logit_error:.2e}"
+    assert_matches(engine, oracle, prompts, family)
 
 
 def test_fp8_experts_split_over_two_ranks_match_one(prompts):
@@ -124,9 +128,4 @@ def test_a_prequantized_moe_checkpoint_loads_its_dequantized_weights(fmt, prompt
     engine = LLMEngine.from_model_dir(quantized, EngineConfig(num_kv_blocks=64))
     experts = [m for m in engine.runner.model.modules() if isinstance(m, MoeExperts)]
     assert experts and all(e.w13.dtype == FP8 for e in experts)
-    completions, logits = run_with_logits(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                                        ignore_eos=True))
-    with torch.inference_mode():
-        for prompt, done, rows in zip(prompts, completions, logits):
-            result = compare_greedy(done.token_ids, hf_greedy(oracle, prompt, NEW_TOKENS), rows)
-            assert result.max_logit_error < 2e-5, f"{fmt}: logits differ by {result.max_logit_error:.2e}"
+    assert_matches(engine, oracle, prompts, fmt)
