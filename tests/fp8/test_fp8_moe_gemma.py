@@ -92,12 +92,14 @@ def test_fp8_experts_split_over_two_ranks_match_one(prompts):
         assert result.token_ids == want, f"expert_parallel={expert_parallel}"
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "ct-channel"])
-def test_a_prequantized_moe_checkpoint_loads_its_dequantized_weights(fmt, prompts, tmp_path):
+@pytest.mark.parametrize("kind, fmt", [("qwen3_moe", "fp8-block"), ("qwen3_moe", "ct-channel"),
+                                       ("gemma3", "ct-channel")])
+def test_a_prequantized_checkpoint_loads_its_dequantized_weights(kind, fmt, prompts, tmp_path):
     """A Qwen3-MoE checkpoint with FP8 attention, dense MLP and per-expert weights (block scales as
-    Qwen3-*-FP8 publishes, or compressed-tensors per channel; the router in bfloat16/float): the
-    engine computes with exactly the weights the hand dequantization gives, as transformers does
-    on a float checkpoint of those weights."""
+    Qwen3-*-FP8 publishes, or compressed-tensors per channel; the router in float), and a Gemma 3
+    one in compressed-tensors (as FP8 Gemma checkpoints are published): the engine computes with
+    exactly the weights the hand dequantization gives, as transformers does on a float checkpoint
+    of those weights."""
     import json
 
     from safetensors.torch import save_file
@@ -105,10 +107,12 @@ def test_a_prequantized_moe_checkpoint_loads_its_dequantized_weights(fmt, prompt
 
     from tests.fp8.helpers import write_fp8_checkpoint
 
-    folder, _ = save_tiny_model("qwen3_moe", tie_word_embeddings=False, mlp_only_layers=[1])
+    kind_overrides = dict(tie_word_embeddings=False, mlp_only_layers=[1]) if kind == "qwen3_moe" else FAMILIES[kind][1]
+    folder, _ = save_tiny_model(kind, **kind_overrides)
     quantized = tmp_path / "fp8"
     dequantized = write_fp8_checkpoint(folder, str(quantized), fmt)
-    assert any(".experts.3.down_proj." in n for n in dequantized) and not any("mlp.gate.weight" in n for n in dequantized)
+    assert not any("mlp.gate.weight" in n for n in dequantized)
+    assert kind != "qwen3_moe" or any(".experts.3.down_proj." in n for n in dequantized)
     # The oracle: the same checkpoint in float, each quantized tensor replaced by its hand dequantization.
     from safetensors.torch import load_file
 
@@ -127,5 +131,5 @@ def test_a_prequantized_moe_checkpoint_loads_its_dequantized_weights(fmt, prompt
 
     engine = LLMEngine.from_model_dir(quantized, EngineConfig(num_kv_blocks=64))
     experts = [m for m in engine.runner.model.modules() if isinstance(m, MoeExperts)]
-    assert experts and all(e.w13.dtype == FP8 for e in experts)
-    assert_matches(engine, oracle, prompts, fmt)
+    assert all(e.w13.dtype == FP8 for e in experts) and (experts or kind == "gemma3")
+    assert_matches(engine, oracle, prompts, f"{kind} {fmt}")

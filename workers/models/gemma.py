@@ -91,9 +91,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits
 
     def load_hf_weights(self, weights, quant=None) -> None:
-        """llama.py's loader, then every norm weight w becomes 1 + w in float32 (Gemma's RMSNorm)."""
-        if quant is not None:
-            raise ValueError(f"{self.config.architecture}: FP8 checkpoints are not supported")
+        """llama.py's loader (FP8 checkpoints too), then every norm weight w becomes 1 + w in float32
+        (Gemma's RMSNorm)."""
         super().load_hf_weights(weights, quant)
         for name, param in self.named_parameters():
             if name == "norm" or name.rsplit(".", 1)[-1].endswith(NORM_SUFFIXES):
