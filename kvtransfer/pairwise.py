@@ -113,6 +113,9 @@ class PairwiseTransport(KVTransport):
         self._subs: dict[str, KVTransport] = {k: _backend(k, place, checksums) for k in offered_kinds(choice, place)}
         self.set_fault_plan(fault_plan)
         self._lock = threading.Lock()
+        # Held through a whole connect: the first requests to a restarted peer arrive together on
+        # several call threads, and two pairs built at once to one peer left transfers hanging.
+        self._connecting = threading.Lock()
         self._layout: Optional[KVLayout] = None
         self._num_blocks = 0
         self._links: dict[str, _Link] = {}  # our peer id -> link
@@ -169,6 +172,10 @@ class PairwiseTransport(KVTransport):
         if self._layout is None:
             raise ValueError("pairwise transport has no cache: call allocate_cache() first")
         self._layout.check_compatible(peer.layout)  # KVLayoutMismatch names the field
+        with self._connecting:
+            return self._connect(peer)
+
+    def _connect(self, peer: KVEndpoint) -> str:
         peer_id = f"{peer.kind}:{peer.worker_id}"
         with self._lock:
             link = self._links.get(peer_id)

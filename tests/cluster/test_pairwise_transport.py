@@ -150,3 +150,22 @@ def test_endpoint_crosses_the_router_without_torch(pair, tmp_path):
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_requests_connecting_to_a_new_peer_at_once_share_one_pair(pair):
+    """The first requests to a restarted decode worker connect from several call threads at once:
+    one pair is built, and a transfer through it arrives whole. (Two gloo pairs built at once to
+    one peer deadlocked: the connects never returned, and neither did those requests.)"""
+    import queue
+    import threading
+
+    p, d, d_cache = pair(A, B)
+    endpoint = d.endpoint()
+    connected: queue.Queue = queue.Queue()
+    for _ in range(4):  # daemon threads: a deadlock fails the test instead of hanging the run
+        threading.Thread(target=lambda: connected.put(p.connect(endpoint)), daemon=True).start()
+    peers = [connected.get(timeout=30) for _ in range(4)]
+    assert len(set(peers)) == 1 and len(p.links()) == 1
+    h = d.expect("r", [5], 10.0)
+    assert p.wait(p.send(peers[0], [2], [5], "r", 10.0)).ok and d.wait(h).ok
+    assert torch.equal(d_cache.view(torch.uint8).view(LAYOUT.num_layers, 2, NUM_BLOCKS, -1), expected([2], [5]))

@@ -7,6 +7,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+from pathlib import Path
+
 import torch
 
 LOGIT_TOL = 1e-3  # fp32, different summation order
@@ -75,6 +77,16 @@ def compare_greedy(ours: list[int], ref: Reference, our_logits: list[torch.Tenso
             f"where the reference's top-2 gap is {gap:.2e}, not a near tie"
         )
     return Comparison(diverged, max_err)
+
+
+def write_word_tokenizer(folder: str, vocab_size: int = 512) -> None:
+    """A word-level tokenizer.json naming token i "t{i}": what the router needs to serve a tiny
+    folder, and its logprobs then name the token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(Path(folder) / "tokenizer.json"))
 
 
 def save_tiny_model(kind: str, **overrides) -> tuple[str, torch.nn.Module]:

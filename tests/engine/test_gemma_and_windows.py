@@ -257,37 +257,6 @@ def test_kv_layout_handshake_names_the_window_field():
         KVLayout(**common, layer_windows=(32,))
 
 
-# ---- end to end over HTTP ---------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_baton_serve_a_gemma3_folder_answers_as_transformers():
-    """`baton serve FOLDER` on the tiny Gemma 3: the family is read from config.json, and a
-    completion of token ids (the folder has no tokenizer) equals transformers' greedy tokens."""
-    import httpx
-
-    from cluster.harness import baton_serve
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    folder, hf = save_tiny_model("gemma3", **GEMMA_CASES["gemma3"])
-    # A word-level tokenizer naming token i "t{i}": the router needs one, and its logprobs then say the ids.
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    words.save(str(Path(folder) / "tokenizer.json"))
-    prompts = _prompts(21, (40, 75))
-    with torch.inference_mode():
-        refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    with baton_serve([folder, "--log-level", "warning", "--max-num-batched-tokens", "32"],
-                     ready_timeout_s=300) as server:
-        for prompt, ref in zip(prompts, refs):
-            r = httpx.post(server.base_url + "/v1/completions", timeout=120,
-                           json={"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                                 "ignore_eos": True, "logprobs": 1})
-            assert r.status_code == 200, r.text
-            choice = r.json()["choices"][0]
-            compare_greedy([int(t.removeprefix("t")) for t in choice["logprobs"]["tokens"]], ref)
-
-
 def test_block_manager_releases_a_leading_run_and_frees_the_rest():
     """Hand-computed: window 20, blocks of 8. After 30 computed tokens the next query (position 30)
     sees positions 11..30, so blocks 0 (0-7) is released and block 1 (8-15) kept."""
