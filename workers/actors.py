@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.net import free_port
 from common.protocol import (
     KVEndpoint, KVReservation, PrefillRequest, PrefillResult, RequestOutput, ResumeState, RouterClaim, WorkerHeartbeat,
     WorkerReady, WorkerStats,
@@ -88,7 +88,7 @@ class WorkerActor:
         if config.tp_size == 1:
             self.worker = EngineWorker(config)
             return
-        config = replace(config, tp_init_method=f"tcp://{config.host}:{_free_port(config.host)}")
+        config = replace(config, tp_init_method=f"tcp://{config.host}:{free_port(config.host)}")
         followers = RayRankFollowers.start(config)
         self.worker = EngineWorker(config, followers=followers)
         followers.watch()
@@ -139,12 +139,6 @@ class WorkerActor:
 
     def shutdown(self) -> None:
         return self.worker.shutdown()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class TPRankActor:
@@ -239,7 +233,10 @@ class RayRankFollowers:
         return lambda: ray.get(refs)
 
     def abort(self, request_id: str) -> None:
-        ray.get([h.abort.remote(request_id) for h in self.handles])
+        try:  # called on the engine thread too (a router's lease ran out): a lost rank must not end it
+            ray.get([h.abort.remote(request_id) for h in self.handles])
+        except ray.exceptions.RayError as exc:  # the rank is gone; watch() restarts the whole worker
+            log.warning("could not abort %s on the other ranks: %r", request_id, exc)
 
     def closing(self) -> None:
         self._closing.set()
