@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-
-import torch
-
 from dataclasses import replace
 from typing import Callable, Protocol, Sequence
+
+import torch
 
 from common.protocol import KVEndpoint
 from kvtransfer import TransferResult, TransferStatus
