@@ -64,9 +64,9 @@ def test_greedy_answers_equal_tp1_and_every_rank_moves_its_heads(tp_server, refe
     before = tp_server.stats()
     questions = ["What is the capital of France?", "Write a haiku about the sea."]
     for question in questions:
-        want = chat(reference_engine, tokenizer, question, 24)
+        want = chat(reference_engine, tokenizer, question, 16)
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
-                                               temperature=0, max_tokens=24)
+                                               temperature=0, max_tokens=16)
         assert reply.choices[0].message.content == want
     prompt = "The three primary colors are"
     [want] = reference_engine.generate([tokenizer.encode(prompt)], SamplingParams(max_tokens=20, temperature=0.0))
@@ -93,8 +93,8 @@ def test_greedy_answers_equal_tp1_and_every_rank_moves_its_heads(tp_server, refe
 
 def test_a_killed_rank_restarts_its_group_and_the_streams_finish_exactly(tp_server, reference_engine, tokenizer):
     questions = ["Describe the moon in one sentence.", "Why do birds migrate? Answer briefly.",
-                 "Explain what a compiler does, in two sentences, for a beginner.", "Count from one to five."]
-    expected = {q: chat(reference_engine, tokenizer, q, 40) for q in questions}
+                 "Explain what a compiler does, in two sentences, for a beginner."]
+    expected = {q: chat(reference_engine, tokenizer, q, 32) for q in questions}
     decode = next(w.handle for w in tp_server.deployment.workers if w.worker_id == "decode-0")
     rank0_before = rank_pids("baton-decode-0")["rank0"]
     decode_ranks = ray.get(decode.stats.remote(), timeout=60)  # warm: the handle answers
@@ -103,7 +103,7 @@ def test_a_killed_rank_restarts_its_group_and_the_streams_finish_exactly(tp_serv
 
     async def one(q: str) -> str:
         stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
-                                                      temperature=0, max_tokens=40, stream=True)
+                                                      temperature=0, max_tokens=32, stream=True)
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def kill_a_decode_rank() -> int:
