@@ -5,14 +5,14 @@ allocated through the rank's own KV transport, and the layout both are described
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from common.protocol import KVLayout
 from kvtransfer import PairwiseTransport, Place, dtype_name
 from workers.config import EngineConfig, WorkerConfig
 from workers.model_config import ModelConfig
 from workers.model_files import ModelNotFoundError, resolve_model_dir
-from workers.model_runner import iter_safetensors, kv_cache_num_blocks, kv_cache_scales, kv_cache_torch_dtype, load_model
+from workers.model_runner import kv_cache_num_blocks, kv_cache_scales, kv_cache_torch_dtype
 from workers.tensor_parallel import TPGroup, load_sharded_model
 
 
@@ -42,17 +42,10 @@ def build_rank_shard(config: WorkerConfig, group: TPGroup, transport=None) -> Ra
     # The model comes first: FP8 KV scales are calibrated on it, and they belong to the layout
     # the transport checks when a prefill worker connects (deterministic, so equal configs pair).
     # load_model refuses FP8 on a GPU without native FP8 before any kernel runs.
-    kv_heads = None
-    if group.size == 1:
-        model_config = ModelConfig.from_model_dir(model_dir)
-        weights = iter_safetensors(model_dir)
-        model = load_model(model_config, ec, weights, ec.max_model_len)
-        kv_scales = kv_cache_scales(model, ec, weights)
-        ec = replace(ec, kv_scales=kv_scales) if ec.kv_cache_dtype == "fp8" else ec
-    else:
-        model, plan, ec = load_sharded_model(model_dir, ec, group)
-        model_config, kv_heads = plan.model_config, plan.kv_heads
-        kv_scales = kv_cache_scales(model, ec)
+    model, plan, ec = load_sharded_model(model_dir, ec, group)  # the whole model at size 1
+    model_config = plan.model_config
+    kv_heads = plan.kv_heads if group.size > 1 else None
+    kv_scales = kv_cache_scales(model, ec)  # calibrated by load_sharded_model for an FP8 cache
     # On a GPU without --kv-cache-memory: --gpu-memory-utilization less the weights and the profiled activation peak.
     num_blocks = group.all_min(kv_cache_num_blocks(model, model_config, ec, ec.max_model_len))
     layout = KVLayout(

@@ -151,7 +151,11 @@ class ShardPlan:
     model_config: ModelConfig  # the rank's view: its head and intermediate counts
     experts: tuple[int, int] = (0, 0)  # the experts it holds (all of them unless expert parallel)
     moe_intermediate: tuple[int, int] = (0, 0)  # its channels of each expert's intermediate dimension
-    expert_parallel: bool = False
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the rank holds a share of the experts whole (rather than of every expert's channels)."""
+        return self.model_config.local_experts is not None
 
     @classmethod
     def of(cls, config: ModelConfig, tp_size: int, rank: int, expert_parallel: bool = False) -> "ShardPlan":
@@ -193,8 +197,7 @@ class ShardPlan:
             moe_intermediate_size=moe_inter[1] - moe_inter[0],
             local_experts=experts if config.num_experts and expert_parallel and tp_size > 1 else None)
         return cls(rank, tp_size, config.head_dim, (rank * q_per_rank, (rank + 1) * q_per_rank), kv_heads,
-                   (rank * i_per_rank, (rank + 1) * i_per_rank), tp_size > kv, shard, experts, moe_inter,
-                   bool(config.num_experts) and expert_parallel)
+                   (rank * i_per_rank, (rank + 1) * i_per_rank), tp_size > kv, shard, experts, moe_inter)
 
     @property
     def q_rows(self) -> slice:

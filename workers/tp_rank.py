@@ -72,7 +72,6 @@ class TPRankWorker:
         self.runner = ModelRunner(shard.model_config, shard.engine_config, shard.model, kv_cache=shard.kv_cache,
                                   tp_group=group)
         self.transport = shard.transport
-        self._peers: dict[tuple[str, str], str] = {}
         self._receiving: dict[str, object] = {}  # request id -> the transfer handle into this rank's blocks
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -94,12 +93,9 @@ class TPRankWorker:
         return self.transport.endpoint()
 
     def connect_peer(self, endpoint: KVEndpoint) -> str:
-        """Connect to the peer rank `endpoint` (KVLayoutMismatch names the field that differs)."""
-        with self._lock:
-            peer_id = self._peers.get(endpoint.peer_key)
-            if peer_id is None:
-                peer_id = self._peers[endpoint.peer_key] = self.transport.connect(endpoint)
-        return peer_id
+        """Connect to the peer rank `endpoint` (KVLayoutMismatch names the field that differs); the
+        transport connects once per peer, however many calls ask at once."""
+        return self.transport.connect(endpoint)
 
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
         handle = self.transport.expect(request_id, block_ids, timeout_s)

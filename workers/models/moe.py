@@ -101,7 +101,7 @@ class MoeExperts(nn.Module):
 
     def weights_for(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w13, w2, ids) to run `ids` [T, k] on: the weights as they are, or with FP8 experts only
-        the experts `ids` name, dequantized into `dtype` and renumbered in `ids` (the rest are not read)."""
+        the experts `ids` name, dequantized to float32 and renumbered in `ids` (the rest are not read)."""
         if not self.is_fp8:
             return self.w13, self.w2, ids
         used, renumbered = torch.unique(ids, return_inverse=True)
@@ -111,12 +111,11 @@ class MoeExperts(nn.Module):
 
 
 def _dequantize(weight: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """float32 [E, rows, cols] from FP8 weights and scales [E, rows, groups] of group_size columns each."""
-    # fp8_to_float gives value / 256 (see workers.quantization); the scales take the 256 back.
-    scale = scale * 256.0
-    if scale.shape[2] > 1:
-        scale = scale.repeat_interleave(group_size, dim=2)[:, :, : weight.shape[2]]
-    return q8.fp8_to_float(weight) * scale
+    """float32 [E, rows, cols] from FP8 weights and scales [E, rows, groups] of group_size columns each
+    (workers.quantization.dequantize, each expert's rows one after the other)."""
+    experts, rows, cols = weight.shape
+    flat = q8.dequantize(weight.reshape(experts * rows, cols), scale.reshape(experts * rows, -1), group_size)
+    return flat.reshape(experts, rows, cols)
 
 
 class SparseMoeBlock(nn.Module):
