@@ -1,6 +1,8 @@
-"""Decode step time of the engine at tensor-parallel sizes 1, 2 and 3 on this machine.
+"""Decode step time of the engine at tensor-parallel sizes 1, 2 and 3 on this machine, and what
+a KV handoff moves between prefill and decode groups of every pair of sizes.
 
-    .venv/bin/python -m bench.tp [--steps 64] [--prompt-tokens 64] [--rounds 2] [--out bench/results/tp_step_cpu.json]
+    .venv/bin/python -m bench.tp [--steps 64] [--prompt-tokens 64] [--rounds 2] [--handoff-tokens 1024]
+                                 [--out bench/results/tp_step_cpu.json]
 
 Setup: float32, the engine alone (no router, no Ray), one stream: a prompt of `--prompt-tokens`
 random tokens is prefilled, then `--steps` single-sequence decode steps are timed (wall clock of
@@ -17,6 +19,14 @@ as many threads as TP N has ranks (the same cores, without collectives). The con
 `--rounds` times, interleaved, and each reports the median over all its timed steps (rank 0's),
 since the machine's 2 cores are shared with other work (`load_average_1m` records how busy it
 was at the start). Also checked: every TP N's greedy tokens equal TP 1's.
+
+Handoffs: one request of `--handoff-tokens` tokens (whole blocks of 16) handed from a prefill
+group to a decode group (kvtransfer.resharding, the shared-memory backend every pair on one node
+uses), for each pair of sizes of the two models' KV shapes (3 KV heads of 64; 4 of 48), float32:
+the transfers it takes (its links), the bytes of each and in all (every head of every block once:
+the same bytes as TP 1 -> 1), and its wall time, median of `--rounds` x 5 handoffs. The ranks of
+each group are in this one process and send one after another (in a served worker they send at
+once, each from its own process), and the staging or inlet copy is included.
 """
 
 from __future__ import annotations
@@ -33,6 +43,12 @@ from pathlib import Path
 from workers.config import EngineConfig
 from workers.model_files import resolve_model_dir
 from workers.tp_testing import GroupJob, run_group
+
+# (KV shape, prefill TP, decode TP)
+HANDOFF_PAIRS = [("default", 1, 1), ("default", 3, 3), ("default", 3, 1), ("default", 1, 3),
+                 ("smollm2_shape_12_heads", 2, 2), ("smollm2_shape_12_heads", 2, 4), ("smollm2_shape_12_heads", 4, 2),
+                 ("smollm2_shape_12_heads", 2, 1), ("smollm2_shape_12_heads", 1, 2)]
+KV_SHAPES = {"default": (30, 3, 64), "smollm2_shape_12_heads": (30, 4, 48)}  # layers, KV heads, head_dim
 
 # (model, tp size, torch threads per rank)
 CONFIGS = [("default", 1, 1), ("default", 3, 1), ("default", 1, 2),
@@ -52,11 +68,50 @@ def smollm2_shaped_model(folder: str) -> str:
     return folder
 
 
+def handoff_costs(tokens: int, repeats: int) -> list[dict]:
+    """Per pair of sizes: links, bytes and wall time of one request's handoff (see the docstring)."""
+    from common.protocol import KVLayout
+    from kvtransfer.testing import handoff, rank_group
+
+    block_size, results = 16, []
+    num_blocks = tokens // block_size
+    for shape, src_tp, dst_tp in HANDOFF_PAIRS:
+        layers, heads, head_dim = KV_SHAPES[shape]
+        model = KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
+                         dtype="float32")
+        prefill = rank_group("shm", model, src_tp, num_blocks + 1)
+        decode = rank_group("shm", model, dst_tp, num_blocks + 1, src_tp)
+        try:
+            for rank in prefill:
+                rank.cache.normal_()
+            ids = list(range(1, num_blocks + 1))
+            seconds = []
+            for i in range(repeats):
+                started = time.perf_counter()
+                links, received = handoff(prefill, decode, ids, ids, f"bench-{i}")
+                seconds.append(time.perf_counter() - started)
+                assert all(r.ok for r in received) and all(x.result.ok for x in links), (links, received)
+        finally:
+            for rank in prefill + decode:
+                rank.close()
+        total = sum(x.result.nbytes for x in links)
+        results.append({"kv_shape": shape, "prefill_tp": src_tp, "decode_tp": dst_tp, "tokens": tokens,
+                        "transfers": len(links), "total_bytes": total,
+                        "bytes_vs_tp1": round(total / model.block_bytes / num_blocks, 3),
+                        "links": [{"prefill_rank": x.link.src_rank, "decode_rank": x.link.dst_rank,
+                                   "kv_heads": list(x.link.heads), "bytes": x.result.nbytes} for x in links],
+                        "median_handoff_ms": round(statistics.median(seconds) * 1e3, 2)})
+        print(f"{shape:24s} TP {src_tp} -> {dst_tp}: {len(links)} transfers, {total / 2**20:.1f} MiB, "
+              f"median {statistics.median(seconds) * 1e3:.2f} ms")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--handoff-tokens", type=int, default=1024)
     parser.add_argument("--out", default="bench/results/tp_step_cpu.json")
     args = parser.parse_args()
     load = os.getloadavg()[0]
@@ -88,14 +143,17 @@ def main() -> None:
                         "greedy_tokens_equal_tp1": tokens[config] == tokens[(model, 1, 1)]})
         print(f"{model:24s} TP {tp} x {threads} thread(s): median step {median * 1e3:7.2f} ms "
               f"({1 / median:6.1f} tokens/s, {len(timed)} steps, x{median / base:.2f} of TP 1)")
+    handoffs = handoff_costs(args.handoff_tokens, args.rounds * 5)
     out = {
         "bench": "bench/tp.py", "command": f"python -m bench.tp --steps {args.steps} --prompt-tokens "
-                                           f"{args.prompt_tokens} --rounds {args.rounds}",
+                                           f"{args.prompt_tokens} --rounds {args.rounds} --handoff-tokens "
+                                           f"{args.handoff_tokens}",
         "dtype": "float32", "device": "cpu", "cpu_count": os.cpu_count(),
         "load_average_1m_at_start": round(load, 2), "wall_s": round(time.time() - started, 1),
         "note": "2-core machine: medians over interleaved rounds; TP > 1 here is a correctness target, not a speed "
                 "claim (each decode step is 2 gloo all-reduces per layer over loopback TCP plus the step broadcast)",
         "results": results,
+        "handoffs": handoffs,
     }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -99,7 +99,8 @@ class PlacementConfig:
         "help": "ranks of a worker (both pools): each holds a shard of every layer and its KV heads, all on one node "
                 "(a STRICT_PACK placement group); vLLM's flag"})
     prefill_tensor_parallel_size: int | None = field(default=None, metadata={
-        "example": 1, "help": "tensor-parallel size of a prefill worker (default: --tensor-parallel-size)"})
+        "example": 1, "help": "tensor-parallel size of a prefill worker (default: --tensor-parallel-size); it and the "
+                              "decode size may differ when one is a multiple of the other"})
     decode_tensor_parallel_size: int | None = field(default=None, metadata={
         "example": 1, "help": "tensor-parallel size of a decode worker (default: --tensor-parallel-size)"})
     prefill_resource: str | None = field(default="baton_prefill", metadata={
@@ -169,10 +170,10 @@ class PlacementConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         prefill_tp, decode_tp = self.tp_size(Role.PREFILL), self.tp_size(Role.DECODE)
-        if self.prefill_workers and prefill_tp != decode_tp:
-            raise ValueError(f"prefill_tensor_parallel_size {prefill_tp} and decode_tensor_parallel_size {decode_tp} "
-                             f"differ: a KV handoff between groups of different sizes is not supported yet (each "
-                             f"prefill rank hands its KV heads to the same rank of the decode worker)")
+        if self.prefill_workers and max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
+            raise ValueError(f"prefill_tensor_parallel_size {prefill_tp} and decode_tensor_parallel_size {decode_tp}: "
+                             f"one must be a multiple of the other, so that each decode rank's KV heads come whole "
+                             f"from prefill ranks (kvtransfer.resharding)")
         for name in ("prefill_node_labels", "decode_node_labels"):
             parse_labels(getattr(self, name), name)  # raises ValueError naming the field
         if not 0 < self.placement_timeout_s < float("inf"):

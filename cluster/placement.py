@@ -177,7 +177,8 @@ def worker_config(config: BatonConfig, role: str, worker_id: str, placement: Poo
     return WorkerConfig(worker_id, role, config.model, engine, transport=config.transport.kind,
                         transfer_timeout_s=config.transport.transfer_timeout_s,
                         kv_load_failure_policy=config.transport.kv_load_failure_policy,
-                        tp_size=config.placement.tp_size(role))
+                        tp_size=config.placement.tp_size(role),
+                        peer_tp_size=config.placement.tp_size(Role.DECODE if role == Role.PREFILL else Role.PREFILL))
 
 
 def spawn_worker(config: BatonConfig, role: str, index: int, name_prefix: str = "baton",

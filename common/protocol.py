@@ -116,7 +116,8 @@ class KVLayout:
     kv_scales: tuple[tuple[float, float], ...] = ()
     layer_windows: tuple[int | None, ...] = ()
     # Tensor parallelism: the size of the worker's group, and the model's KV heads [start, stop)
-    # this rank's cache holds (None: all of them, as at size 1).
+    # this rank's cache holds (None: heads 0..num_kv_heads-1, all of them at size 1). Groups of
+    # different sizes pair (kvtransfer.resharding): what must agree is the heads of each link.
     tp_size: int = 1
     kv_heads: tuple[int, int] | None = None
 
@@ -153,7 +154,8 @@ class KVLayout:
             if not 0 <= start < stop or stop - start != self.num_kv_heads:
                 raise ValueError(f"KVLayout.kv_heads {self.kv_heads} must be a range of num_kv_heads "
                                  f"({self.num_kv_heads}) heads")
-            object.__setattr__(self, "kv_heads", (start, stop))
+            # Heads 0..n-1 of n are what a layout that names no heads holds: one meaning, one value.
+            object.__setattr__(self, "kv_heads", None if start == 0 else (start, stop))
 
     @property
     def element_size(self) -> int:
@@ -174,11 +176,6 @@ class KVLayout:
         """Raise KVLayoutMismatch naming the first field that differs (ours vs the peer's)."""
         if not isinstance(peer, KVLayout):
             raise KVLayoutMismatch(f"peer layout is {type(peer).__name__}, not KVLayout")
-        if self.tp_size != peer.tp_size:
-            raise KVLayoutMismatch(
-                f"KV layout mismatch: tp_size local={self.tp_size} peer={peer.tp_size} (a KV handoff between "
-                f"tensor-parallel groups of different sizes is not supported yet: give both pools the same "
-                f"--tensor-parallel-size)")
         checks = (
             ("kv_heads", self.kv_heads, peer.kv_heads),
             ("dtype", self.dtype, peer.dtype),
@@ -217,9 +214,12 @@ class KVEndpoint:
     layout: KVLayout
     num_blocks: int
     address: dict = field(default_factory=dict, compare=False)
-    # A tensor-parallel worker: the endpoints of its ranks 1..N-1 (this one is rank 0's); the
-    # prefill worker's rank i pushes its heads into rank i's cache.
+    # A tensor-parallel worker: the endpoints of its ranks 1..N-1 (this one is rank 0's); each
+    # prefill rank pushes its heads into the ranks that hold them (kvtransfer.resharding).
     ranks: tuple["KVEndpoint", ...] = field(default=(), compare=False)
+    # A rank fed by a prefill group of finer ranks: the caches that receive a part of its heads
+    # (one per prefill rank's heads; kvtransfer.resharding).
+    inlets: tuple["KVEndpoint", ...] = field(default=(), compare=False)
 
     @property
     def peer_key(self) -> tuple[str, str]:
@@ -276,8 +276,9 @@ class PrefillResult:
     bytes_sent: int
     transfer_seconds: float
     prefill_seconds: float
-    # A tensor-parallel pair: the bytes rank i moved into the decode worker's rank i (bytes_sent is their sum).
-    rank_bytes: tuple[int, ...] = ()
+    # Tensor-parallel workers: (prefill rank, decode rank, bytes) of each rank pair that moved KV heads
+    # (kvtransfer.resharding); bytes_sent is their sum.
+    rank_pairs: tuple[tuple[int, int, int], ...] = ()
 
 
 class GrammarCompileError(ValueError):

@@ -3,6 +3,7 @@ as a Ray actor (or directly, in-process) on each side of a transfer. Not used in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Optional, Sequence
@@ -82,3 +83,33 @@ class KVWorker:
         if self.transport is not None:
             self.transport.close()
         self.transport, self.cache, self.handles = None, None, {}
+
+
+def rank_group(kind: str, model: KVLayout, tp_size: int, num_blocks: int,
+               peer_tp_size: Optional[int] = None) -> list:
+    """The ranks of one tensor-parallel worker as `kvtransfer.resharding.RankKV`s in this process,
+    each on its own `kind` transports and holding its heads of the whole model's layout `model`
+    (`peer_tp_size`: the prefill group's size, for a decode worker's ranks)."""
+    from .resharding import RankKV, heads_layout, kv_head_range
+
+    ranks = []
+    for rank in range(tp_size):
+        layout = dataclasses.replace(heads_layout(model, kv_head_range(model.num_kv_heads, tp_size, rank)),
+                                     tp_size=tp_size)
+        transport = create_transport(kind)
+        cache = transport.allocate_cache(layout, num_blocks)
+        ranks.append(RankKV(transport, cache, layout, rank, model.num_kv_heads, lambda part: create_transport(kind),
+                            peer_tp_size))
+    return ranks
+
+
+def handoff(prefill: Sequence, decode: Sequence, src_ids: Sequence[int], dst_ids: Sequence[int],
+            transfer_id: str, timeout_s: float = 30.0) -> tuple[list, list[TransferResult]]:
+    """One request's handoff between two rank groups (rank_group), the ranks one after another:
+    every link's result (kvtransfer.resharding.LinkResult), and each decode rank's."""
+    peers = [rank.endpoint() for rank in decode]
+    for rank in decode:
+        rank.expect(transfer_id, dst_ids, timeout_s)
+    sends = [(rank, rank.send(peers, src_ids, dst_ids, transfer_id, timeout_s)) for rank in prefill]
+    links = [link for rank, started in sends for link in rank.wait_sent(started)]
+    return links, [rank.wait_received(transfer_id) for rank in decode]

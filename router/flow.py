@@ -288,7 +288,7 @@ class RequestFlow:
             0.0, (now - self._sent_at) - result.prefill_seconds - result.transfer_seconds)
         trace.prefill_s, trace.transfer_s = result.prefill_seconds, result.transfer_seconds
         trace.kv_bytes, trace.kv_blocks = result.bytes_sent, result.num_blocks_sent
-        trace.kv_rank_bytes = result.rank_bytes
+        trace.kv_rank_pairs = result.rank_pairs
         trace.cached_tokens = first.num_cached_tokens
         self.prefill_worker = None
         commands: list[Command] = [Count("remote_prefill"), Count("kv_blocks_transferred", result.num_blocks_sent),

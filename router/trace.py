@@ -43,7 +43,8 @@ class RequestTrace:
     transfer_s: float = 0.0
     kv_bytes: int = 0
     kv_blocks: int = 0
-    kv_rank_bytes: tuple[int, ...] = ()  # tensor-parallel pools: bytes per rank pair (rank i -> rank i)
+    # Tensor-parallel pools: (prefill rank, decode rank, bytes) of each rank pair of the KV handoff.
+    kv_rank_pairs: tuple[tuple[int, int, int], ...] = ()
     # client side
     ttft_s: float | None = None
     decode_s: float = 0.0
@@ -98,7 +99,7 @@ class RequestTrace:
     _FIELDS: ClassVar[tuple[str, ...]] = (
         "request_id", "prompt_tokens", "structured_output", "arrival", "decode_worker", "prefill_worker", "policy_reason",
         "cached_blocks_found", "fell_back_to_local", "cached_tokens", "queue_s", "prefill_s", "transfer_s", "kv_bytes",
-        "kv_blocks", "kv_rank_bytes", "ttft_s", "decode_s", "e2e_s", "output_tokens", "finish_reason", "error")
+        "kv_blocks", "kv_rank_pairs", "ttft_s", "decode_s", "e2e_s", "output_tokens", "finish_reason", "error")
 
     def to_dict(self) -> dict:
         # By hand, not dataclasses.asdict: that deep-copies itl_s, and /v1/status calls this often.

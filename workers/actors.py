@@ -152,8 +152,8 @@ class TPRankActor:
     def endpoint(self) -> KVEndpoint:
         return self.rank.endpoint()
 
-    def connect_peer(self, endpoint: KVEndpoint) -> str:
-        return self.rank.connect_peer(endpoint)
+    def connect_peer(self, peers: list[KVEndpoint]) -> list:
+        return self.rank.connect_peer(peers)
 
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
         return self.rank.expect(request_id, block_ids, timeout_s)
@@ -161,9 +161,9 @@ class TPRankActor:
     def wait(self, request_id: str) -> "TransferResult":
         return self.rank.wait(request_id)
 
-    def send(self, endpoint: KVEndpoint, src_block_ids: list[int], dst_block_ids: list[int], request_id: str,
-             timeout_s: float) -> "TransferResult":
-        return self.rank.send(endpoint, src_block_ids, dst_block_ids, request_id, timeout_s)
+    def send(self, peers: list[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int], request_id: str,
+             timeout_s: float) -> list:
+        return self.rank.send(peers, src_block_ids, dst_block_ids, request_id, timeout_s)
 
     def abort(self, request_id: str) -> None:
         return self.rank.abort(request_id)
@@ -215,9 +215,8 @@ class RayRankFollowers:
     def endpoints(self) -> list[KVEndpoint]:
         return ray.get([h.endpoint.remote() for h in self.handles])
 
-    def connect(self, endpoints: Sequence[KVEndpoint]) -> None:
-        self._check(endpoints)
-        ray.get([h.connect_peer.remote(e) for h, e in zip(self.handles, endpoints)])
+    def connect(self, peers: Sequence[KVEndpoint]) -> None:
+        ray.get([h.connect_peer.remote(list(peers)) for h in self.handles])
 
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
         ray.get([h.expect.remote(request_id, block_ids, timeout_s) for h in self.handles])
@@ -225,12 +224,10 @@ class RayRankFollowers:
     def wait(self, request_id: str) -> list["TransferResult"]:
         return ray.get([h.wait.remote(request_id) for h in self.handles])
 
-    def send(self, endpoints: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int],
+    def send(self, peers: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int],
              request_id: str, timeout_s: float):
-        self._check(endpoints)
-        refs = [h.send.remote(e, src_block_ids, dst_block_ids, request_id, timeout_s)
-                for h, e in zip(self.handles, endpoints)]
-        return lambda: ray.get(refs)
+        refs = [h.send.remote(list(peers), src_block_ids, dst_block_ids, request_id, timeout_s) for h in self.handles]
+        return lambda: [link for links in ray.get(refs) for link in links]
 
     def abort(self, request_id: str) -> None:
         try:  # called on the engine thread too (a router's lease ran out): a lost rank must not end it
@@ -247,11 +244,6 @@ class RayRankFollowers:
             ray.get([h.shutdown.remote() for h in self.handles], timeout=15)
         except (ray.exceptions.RayError, TimeoutError) as exc:  # a rank already gone has nothing to close
             log.warning("the other ranks did not confirm their shutdown: %r", exc)
-
-    def _check(self, endpoints: Sequence[KVEndpoint]) -> None:
-        if len(endpoints) != len(self.handles):
-            raise ValueError(f"the peer has {len(endpoints) + 1} tensor-parallel ranks, this worker "
-                             f"{len(self.handles) + 1}: a KV handoff pairs rank i with rank i")
 
 
 class PrefillWorker(WorkerActor):

@@ -183,9 +183,15 @@ class WorkerConfig:
     # for the group before it starts the other ranks.
     tp_size: int = 1
     tp_init_method: str | None = None
+    # A decode worker's prefill pool's tensor-parallel size, a prefill worker's decode pool's (None:
+    # this worker's own): a rank that receives parts of its heads from finer prefill ranks has a
+    # cache for each part (kvtransfer.resharding), which the memory for its KV cache also pays for.
+    peer_tp_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {tuple(r.value for r in ROLES)}, got {self.role!r}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+        if self.peer_tp_size is not None and (not isinstance(self.peer_tp_size, int) or self.peer_tp_size < 1):
+            raise ValueError(f"peer_tp_size must be a positive integer, got {self.peer_tp_size!r}")

@@ -20,7 +20,7 @@ from common.detokenizer import IncrementalDetokenizer
 from common.protocol import ResumeState
 from common.sampling_params import SamplingParams
 from common.transports import KV_LOAD_FAILURE_POLICIES, KVLoadFailed
-from kvtransfer import TransferHandle, TransferResult
+from kvtransfer import TransferResult
 from kvtransfer.integrity import FAILURE_REASONS, FailureReason
 
 log = logging.getLogger(__name__)
@@ -34,9 +34,9 @@ def check_policy(policy: str) -> str:
 
 @dataclass(frozen=True)
 class PendingLoad:
-    """A reservation waiting for its KV: the transfer, and what recomputing it would need."""
+    """A reservation waiting for its KV: its size, and what recomputing it would need."""
 
-    handle: TransferHandle
+    num_blocks: int  # the blocks the prefill worker pushes (those the decode worker had cached are not)
     prompt_token_ids: list[int]
     params: SamplingParams
 

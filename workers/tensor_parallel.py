@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kvtransfer.resharding import kv_head_range
 from workers import model_runner
 from workers.config import EngineConfig
 from workers.engine import LLMEngine, load_tokenizer_decode
@@ -124,6 +125,14 @@ class TPGroup:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._control)
         return int(tensor.item())
 
+    def all_max(self, values: list[float]) -> list[float]:
+        """The elementwise largest of every rank's `values` (float64 on the control group)."""
+        if self.size == 1:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._control)
+        return tensor.tolist()
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of every rank's `tensor`, in place; returns it."""
         if self.size == 1:
@@ -151,6 +160,7 @@ class ShardPlan:
     model_config: ModelConfig  # the rank's view: its head and intermediate counts
     experts: tuple[int, int] = (0, 0)  # the experts it holds (all of them unless expert parallel)
     moe_intermediate: tuple[int, int] = (0, 0)  # its channels of each expert's intermediate dimension
+    model_kv_heads: int = 0  # the whole model's KV heads
 
     @property
     def expert_parallel(self) -> bool:
@@ -180,24 +190,14 @@ class ShardPlan:
                                  f"{config.moe_intermediate_size} (--enable-expert-parallel splits whole experts)")
             per = config.moe_intermediate_size // tp_size
             moe_inter = (rank * per, (rank + 1) * per)
-        if kv >= tp_size:
-            if kv % tp_size:
-                raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {kv} KV heads")
-            per_rank = kv // tp_size
-            kv_heads = (rank * per_rank, (rank + 1) * per_rank)
-        else:
-            if tp_size % kv:
-                raise ValueError(f"tensor_parallel_size {tp_size} exceeds the model's {kv} KV heads and is not a "
-                                 f"multiple of it (each KV head must be replicated on the same number of ranks)")
-            head = rank * kv // tp_size
-            kv_heads = (head, head + 1)
+        kv_heads = kv_head_range(kv, tp_size, rank)
         q_per_rank, i_per_rank = heads // tp_size, inter // tp_size
         shard = dataclasses.replace(
             config, num_heads=q_per_rank, num_kv_heads=kv_heads[1] - kv_heads[0], intermediate_size=i_per_rank,
             moe_intermediate_size=moe_inter[1] - moe_inter[0],
             local_experts=experts if config.num_experts and expert_parallel and tp_size > 1 else None)
         return cls(rank, tp_size, config.head_dim, (rank * q_per_rank, (rank + 1) * q_per_rank), kv_heads,
-                   (rank * i_per_rank, (rank + 1) * i_per_rank), tp_size > kv, shard, experts, moe_inter)
+                   (rank * i_per_rank, (rank + 1) * i_per_rank), tp_size > kv, shard, experts, moe_inter, kv)
 
     @property
     def q_rows(self) -> slice:
@@ -300,7 +300,9 @@ class ShardedCheckpoint:
 def load_sharded_model(model_dir: str | os.PathLike, engine_config: EngineConfig,
                        group: TPGroup) -> tuple[torch.nn.Module, ShardPlan, EngineConfig]:
     """The rank's shard of the model in model_dir, its ShardPlan and the engine config to run it
-    with (an FP8 KV cache's scales calibrated on this rank's heads, as a prebuilt model needs)."""
+    with (an FP8 KV cache's scales calibrated over every rank's heads: the largest of the ranks',
+    so that they are those of the whole model whatever the group's size, and FP8 blocks pair
+    between groups of different sizes)."""
     config = ModelConfig.from_model_dir(model_dir)
     plan = ShardPlan.of(config, group.size, group.rank, engine_config.enable_expert_parallel)
     weights = ShardedCheckpoint(model_runner.iter_safetensors(Path(model_dir)), config, plan)
@@ -309,6 +311,8 @@ def load_sharded_model(model_dir: str | os.PathLike, engine_config: EngineConfig
                                     tp_group=group if group.size > 1 else None)
     if engine_config.kv_cache_dtype == "fp8" and engine_config.kv_scales is None:
         scales = model_runner.kv_cache_scales(model, engine_config, weights)
+        flat = group.all_max([s for pair in scales for s in pair])
+        scales = tuple(zip(flat[0::2], flat[1::2]))
         engine_config = dataclasses.replace(engine_config, kv_scales=scales)
     return model, plan, engine_config
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
 from typing import Callable, Protocol, Sequence
 
 import torch
 
 from common.protocol import KVEndpoint
 from kvtransfer import TransferResult, TransferStatus
+from kvtransfer.resharding import HeadLink, LinkResult
 from kvtransfer.base import Role as TransferRole
 from workers.config import WorkerConfig
 from workers.model_runner import ModelRunner
@@ -28,20 +28,21 @@ log = logging.getLogger(__name__)
 
 class RankFollowers(Protocol):
     """Ranks 1..N-1 of a tensor-parallel worker as rank 0 drives their KV transfers (each rank moves
-    its own heads; `workers.tp_rank` is a rank, `workers.actors` reaches them over Ray). Lists are
-    in rank order, one entry per follower."""
+    its own heads, kvtransfer.resharding says to which peer ranks; `workers.tp_rank` is a rank,
+    `workers.actors` reaches them over Ray). `peers` are the peer worker's ranks in order; lists
+    of results are in rank order."""
 
     def endpoints(self) -> list[KVEndpoint]: ...
 
-    def connect(self, endpoints: Sequence[KVEndpoint]) -> None: ...
+    def connect(self, peers: Sequence[KVEndpoint]) -> None: ...
 
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None: ...
 
     def wait(self, request_id: str) -> list[TransferResult]: ...
 
-    def send(self, endpoints: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int],
-             request_id: str, timeout_s: float) -> Callable[[], list[TransferResult]]:
-        """Start every follower's send; returns the function that waits for their results."""
+    def send(self, peers: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int],
+             request_id: str, timeout_s: float) -> Callable[[], list[LinkResult]]:
+        """Start every follower's sends; returns the function that waits for their links' results."""
 
     def abort(self, request_id: str) -> None: ...
 
@@ -49,14 +50,6 @@ class RankFollowers(Protocol):
         """Rank 0 is shutting down: the ranks' steps end now by its word, not by a loss."""
 
     def shutdown(self) -> None: ...
-
-
-def combined(results: Sequence[TransferResult]) -> TransferResult:
-    """One request's transfer over every rank pair: the worst status (TransferStatus sorts
-    failures lowest), the bytes of all, the time of the slowest, the first failure's reason."""
-    worst = min(results, key=lambda r: r.status)
-    return replace(worst, nbytes=sum(r.nbytes for r in results), seconds=max(r.seconds for r in results))
-
 
 
 class TPRankWorker:
@@ -71,9 +64,8 @@ class TPRankWorker:
         shard = build_rank_shard(config, group)
         self.runner = ModelRunner(shard.model_config, shard.engine_config, shard.model, kv_cache=shard.kv_cache,
                                   tp_group=group)
-        self.transport = shard.transport
-        self._receiving: dict[str, object] = {}  # request id -> the transfer handle into this rank's blocks
-        self._lock = threading.Lock()
+        self.rank = rank
+        self.kv = shard.kv
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._follow, name=f"steps-{self.name}", daemon=True)
         self._thread.start()
@@ -90,44 +82,33 @@ class TPRankWorker:
             self._stopped.set()
 
     def endpoint(self) -> KVEndpoint:
-        return self.transport.endpoint()
+        return self.kv.endpoint()
 
-    def connect_peer(self, endpoint: KVEndpoint) -> str:
-        """Connect to the peer rank `endpoint` (KVLayoutMismatch names the field that differs); the
-        transport connects once per peer, however many calls ask at once."""
-        return self.transport.connect(endpoint)
+    def connect_peer(self, peers: Sequence[KVEndpoint]) -> list[HeadLink]:
+        """Connect to the peer ranks this rank sends to (KVLayoutMismatch names the field that
+        differs); the transports connect once per peer, however many calls ask at once."""
+        return self.kv.connect(peers)
 
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
-        handle = self.transport.expect(request_id, block_ids, timeout_s)
-        with self._lock:
-            self._receiving[request_id] = handle
+        self.kv.expect(request_id, block_ids, timeout_s)
 
     def wait(self, request_id: str) -> TransferResult:
-        """The end of the transfer into this rank's blocks that expect() announced."""
-        with self._lock:
-            handle = self._receiving.pop(request_id, None)
-        if handle is None:
-            return TransferResult(request_id, TransferRole.RECV, TransferStatus.FAILED, 0, 0.0,
-                                  f"{self.name} expected no KV for {request_id}")
-        return self.transport.wait(handle)
+        """The end of the transfers into this rank's blocks that expect() announced."""
+        return self.kv.wait_received(request_id)
 
-    def send(self, endpoint: KVEndpoint, src_block_ids: list[int], dst_block_ids: list[int], request_id: str,
-             timeout_s: float) -> TransferResult:
-        """Push this rank's heads of src_block_ids into the peer rank's dst_block_ids; waits for the end."""
+    def send(self, peers: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int], request_id: str,
+             timeout_s: float) -> list[LinkResult]:
+        """Push this rank's heads of src_block_ids into the peer ranks' dst_block_ids; waits for the end."""
         started = time.perf_counter()
         try:
-            peer_id = self.connect_peer(endpoint)
-            return self.transport.wait(self.transport.send(peer_id, src_block_ids, dst_block_ids, request_id,
-                                                           timeout_s))
+            return self.kv.wait_sent(self.kv.send(peers, src_block_ids, dst_block_ids, request_id, timeout_s))
         except Exception as exc:  # a failed rank fails the request's transfer, which the policy handles
-            return TransferResult(request_id, TransferRole.SEND, TransferStatus.FAILED, 0,
-                                  time.perf_counter() - started, f"{self.name}: {exc!r}")
+            failed = TransferResult(request_id, TransferRole.SEND, TransferStatus.FAILED, 0,
+                                    time.perf_counter() - started, f"{self.name}: {exc!r}")
+            return [LinkResult(HeadLink(self.rank, -1, self.kv.heads), failed)]
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            pending = self._receiving.pop(request_id, None) is not None
-        if pending:
-            self.transport.abort(request_id)
+        self.kv.abort(request_id)
 
     def wait_stopped(self, timeout_s: float | None = None) -> bool:
         """Whether this rank's steps have ended (rank 0 ended them, or the group broke)."""
@@ -135,4 +116,4 @@ class TPRankWorker:
 
     def shutdown(self) -> None:
         self._stopped.wait(5)
-        self.transport.close()
+        self.kv.close()

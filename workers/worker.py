@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from common import envs
 from kvtransfer import KVTransferError, PeerLink
+from kvtransfer.resharding import RankKV, combined
 from workers.kv_load import KVLoadFailures, PendingLoad, recompute
 from workers.config import WorkerConfig
 from workers.engine import LLMEngine, load_tokenizer_decode
@@ -37,7 +38,7 @@ from common.protocol import (
 from workers.router_leases import RouterLeases
 from workers.shard import build_rank_shard
 from workers.tensor_parallel import TPGroup
-from workers.tp_rank import RankFollowers, combined
+from workers.tp_rank import RankFollowers
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,12 @@ class Counters:
 
 
 class EngineWorker:
-    def __init__(self, config: WorkerConfig, engine=None, transport=None,
+    def __init__(self, config: WorkerConfig, engine=None, kv: RankKV | None = None,
                  followers: RankFollowers | None = None) -> None:
-        """`followers`: the other ranks of a tensor-parallel worker (config.tp_size > 1), whose
-        constructors are joining the group at config.tp_init_method as this one does."""
+        """Without `engine`, the worker loads its own (and its KV transports); with one, `kv` gives
+        the transports (None: the worker moves no KV). `followers`: the other ranks of a
+        tensor-parallel worker (config.tp_size > 1), whose constructors are joining the group at
+        config.tp_init_method as this one does."""
         self.config = config
         self.worker_id = config.worker_id
         self.role = config.role
@@ -118,9 +121,10 @@ class EngineWorker:
                     raise ValueError(f"worker {config.worker_id}: tensor-parallel size {config.tp_size} needs its "
                                      f"other ranks and the group's tp_init_method")
                 group = TPGroup.connect(0, config.tp_size, config.tp_init_method, config.engine.device)
-            engine, transport = _build_engine_and_transport(config, transport, group)
+            engine, kv = _build_engine_and_kv(config, group)
         self.engine = engine
-        self.transport = transport
+        self.kv = kv
+        self.transport = kv.transport if kv is not None else None  # this rank's own cache's
         self._step_log = None
         self._stop_step_log = None
         step_log_dir = envs.step_log_dir()
@@ -131,7 +135,6 @@ class EngineWorker:
         self._prefills: dict[str, PendingPrefill] = {}
         self._aborted = AbortedIds()
         self._recv_handles: dict[str, object] = {}
-        self._peers: dict[tuple[str, str], str] = {}  # KVEndpoint.peer_key -> transport peer id
         self.counters = Counters("kv_blocks_sent", "kv_bytes_sent", "kv_blocks_received", "prompt_tokens",
                                  "generation_tokens")
         self.kv_failures = KVLoadFailures(self.worker_id, config.kv_load_failure_policy)  # workers.kv_load
@@ -247,9 +250,9 @@ class EngineWorker:
     def endpoint(self) -> KVEndpoint:
         """This worker's KV endpoint, for prefill workers to push into (torch-free: the router
         passes it on)."""
-        if self.transport is None:
+        if self.kv is None:
             raise ValueError(f"worker {self.worker_id} has no KV transport")
-        endpoint = self.transport.endpoint()
+        endpoint = self.kv.endpoint()
         if self.followers is not None:
             endpoint = replace(endpoint, ranks=tuple(self.followers.endpoints()))
         return endpoint
@@ -308,23 +311,21 @@ class EngineWorker:
         prefill_seconds = time.perf_counter() - started
         sent = nbytes = 0
         transfer_seconds = 0.0
-        rank_bytes: tuple[int, ...] = ()
+        rank_pairs: tuple[tuple[int, int, int], ...] = ()
         try:
             if src is not None:
                 if len(src) != len(request.dst_block_ids):
                     raise ValueError(f"request {rid}: {len(src)} KV blocks here, {len(request.dst_block_ids)} reserved on the decode worker")
                 skip = request.dst_num_cached_tokens // self.engine.block_manager.block_size
-                peer_id = self._connect(request.peer_endpoint)
-                timeout_s = self.config.transfer_timeout_s
-                handle = self.transport.send(peer_id, src[skip:], request.dst_block_ids[skip:], rid, timeout_s)
-                ranks = None
-                if self.followers is not None:  # rank i pushes its heads into the peer's rank i
-                    ranks = self.followers.send(request.peer_endpoint.ranks, src[skip:],
-                                                request.dst_block_ids[skip:], rid, timeout_s)
-                result = self.transport.wait(handle)
-                if ranks is not None:
-                    per_rank = [result, *ranks()]
-                    result, rank_bytes = combined(per_rank), tuple(r.nbytes for r in per_rank)
+                peers = [request.peer_endpoint, *request.peer_endpoint.ranks]
+                src_ids, dst_ids, timeout_s = src[skip:], request.dst_block_ids[skip:], self.config.transfer_timeout_s
+                # Every rank pushes its heads into the decode ranks that hold them (kvtransfer.resharding).
+                sends = self.kv.send(peers, src_ids, dst_ids, rid, timeout_s)
+                others = None if self.followers is None else self.followers.send(peers, src_ids, dst_ids, rid, timeout_s)
+                links = self.kv.wait_sent(sends) + (others() if others is not None else [])
+                result = combined([link.result for link in links])
+                if self.config.tp_size > 1 or len(peers) > 1:
+                    rank_pairs = tuple((x.link.src_rank, x.link.dst_rank, x.result.nbytes) for x in links)
                 if not result.ok:
                     raise KVTransferError(f"KV transfer for {rid} ended {result.status.name}: {result.error}")
                 sent, nbytes, transfer_seconds = len(src) - skip, result.nbytes, result.seconds
@@ -334,28 +335,22 @@ class EngineWorker:
             # return to the pool (the router needs the first token now).
             self._post(lambda: self.engine.release(rid))
             self.leases.forget(rid)
-        return PrefillResult(output, sent, nbytes, transfer_seconds, prefill_seconds, rank_bytes)
+        return PrefillResult(output, sent, nbytes, transfer_seconds, prefill_seconds, rank_pairs)
 
     def connect_peer(self, endpoint: KVEndpoint) -> str:
         """Handshake with a decode worker now (at start-up), so an incompatible KV layout fails
         before any request does: raises KVLayoutMismatch naming the field. Returns the backend
         that serves the pair (shm, gloo or nccl)."""
-        self._connect(endpoint)
+        peers = [endpoint, *endpoint.ranks]
+        self.kv.connect(peers)
         if self.followers is not None:
-            self.followers.connect(endpoint.ranks)
+            self.followers.connect(peers)
         return self.transport.kind_for(endpoint)
 
     def kv_links(self) -> list[PeerLink]:
         """The decode workers this worker has connected to: the backend of each pair and the
         blocks it carried."""
         return self.transport.links()
-
-    def _connect(self, endpoint: KVEndpoint) -> str:
-        peer_id = self._peers.get(endpoint.peer_key)
-        if peer_id is None:
-            peer_id = self.transport.connect(endpoint)
-            self._peers[endpoint.peer_key] = peer_id
-        return peer_id
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 router: RouterClaim | None = None):
@@ -368,20 +363,20 @@ class EngineWorker:
             return self.engine.reserve_for_kv(prompt_token_ids, params, request_id)
 
         reservation = self._call(reserve_here)
-        if reservation is not None and self.transport is not None:
+        if reservation is not None and self.kv is not None:
             skip = reservation.num_cached_tokens // self.engine.block_manager.block_size
-            self._recv_handles[request_id] = PendingLoad(self.transport.expect(
-                request_id, reservation.block_ids[skip:], self.config.transfer_timeout_s
-            ), prompt_token_ids, params)
+            block_ids = reservation.block_ids[skip:]
+            self.kv.expect(request_id, block_ids, self.config.transfer_timeout_s)
+            self._recv_handles[request_id] = PendingLoad(len(block_ids), prompt_token_ids, params)
             if self.followers is not None:  # before the prefill worker can send: this call returns first
-                self.followers.expect(request_id, reservation.block_ids[skip:], self.config.transfer_timeout_s)
+                self.followers.expect(request_id, block_ids, self.config.transfer_timeout_s)
         return reservation
 
     def start_decode(self, request_id: str, first_token: int) -> None:
         """The prefill worker has pushed the KV: check it landed intact (else see workers.kv_load) and decode on."""
         load = self._recv_handles.pop(request_id, None)
         if load is not None:
-            result = self.transport.wait(load.handle)
+            result = self.kv.wait_received(request_id)
             if self.followers is not None:
                 result = combined([result, *self.followers.wait(request_id)])
             if not result.ok:
@@ -390,7 +385,7 @@ class EngineWorker:
                     return self._call(lambda: recompute(self.engine, request_id, load, first_token))
                 self._call(lambda: self.engine.abort(request_id))
                 raise self.kv_failures.error(request_id, reason, result)
-            self.counters.add(kv_blocks_received=load.handle.num_blocks)
+            self.counters.add(kv_blocks_received=load.num_blocks)
         self._call(lambda: self.engine.start_decoding(request_id, first_token))
 
     def abort(self, request_id: str, final: bool = True) -> bool:
@@ -404,7 +399,7 @@ class EngineWorker:
 
     def _abort_transfer(self, request_id: str) -> None:
         """End a transfer into this worker's blocks on every rank."""
-        self.transport.abort(request_id)
+        self.kv.abort(request_id)
         if self.followers is not None:
             self.followers.abort(request_id)
 
@@ -461,8 +456,8 @@ class EngineWorker:
                 except Exception as exc:  # a rank already gone: nothing to stop there
                     log.warning("worker %s: could not stop the other ranks' steps: %r", self.worker_id, exc)
             self.followers.shutdown()
-        if self.transport is not None:
-            self.transport.close()
+        if self.kv is not None:
+            self.kv.close()
         if self._step_log is not None:
             self._stop_step_log()
             self._step_log.close()
@@ -475,13 +470,13 @@ class EngineWorker:
                                              "chunks": chunks}) + "\n")
 
 
-def _build_engine_and_transport(config: WorkerConfig, transport=None, group: TPGroup | None = None):
-    """Rank 0's shard (the whole model without tensor parallelism) and the engine on it."""
+def _build_engine_and_kv(config: WorkerConfig, group: TPGroup | None = None):
+    """Rank 0's shard (the whole model without tensor parallelism), the engine on it, its KV transports."""
     group = group or TPGroup.single()
-    shard = build_rank_shard(config, group, transport)
+    shard = build_rank_shard(config, group)
     cfg = shard.model_config
     grammars = GrammarCache(shard.model_dir, cfg.vocab_size, cfg.eos_token_ids)
     grammars.warm()
     engine = LLMEngine(cfg, shard.engine_config, shard.model, load_tokenizer_decode(shard.model_dir),
                        kv_cache=shard.kv_cache, grammars=grammars, tp_group=group)
-    return engine, shard.transport
+    return engine, shard.kv

@@ -182,6 +182,19 @@ def t_tp_step() -> str:
         f"at the start.")
 
 
+def t_tp_handoff() -> str:
+    """bench/tp.py: one request's KV handoff between prefill and decode groups of each pair of sizes."""
+    d = load("tp_step_cpu")
+    names = {"default": "SmolLM2-135M (3 KV heads)", "smollm2_shape_12_heads": "12-head shapes (4 KV heads)"}
+    rows = [[names.get(r["kv_shape"], r["kv_shape"]), f"{r['prefill_tp']} -> {r['decode_tp']}", str(r["transfers"]),
+             ", ".join(f"{x['prefill_rank']}->{x['decode_rank']}" for x in r["links"]),
+             f(r["total_bytes"] / 2**20, 1), ratio(r["bytes_vs_tp1"]), ms(r["median_handoff_ms"])]
+            for r in d["handoffs"]]
+    return table(["KV shape", "prefill TP -> decode TP", "transfers", "rank pairs", "MiB moved",
+                  "bytes vs TP 1 -> 1", "handoff p50 (ms)"], rows) + (
+        f"\n\nOne request of {d['handoffs'][0]['tokens']} tokens, float32, shared memory, `{d['command']}`.")
+
+
 def t_decode_profile() -> str:
     steps = ("PyTorch references, `F.linear`", "+ native kernels", "+ prepacked linear layers")
     rows = []

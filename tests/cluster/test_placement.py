@@ -20,7 +20,7 @@ from common.roles import Role
 from cluster.placement import (NodeOffer, PoolPlacement, SpawnedWorker, labels_match, lacking, private_ray_cpus,
                                resolve_pool, unplaced_message, worker_config)
 from workers.model_files import ModelNotFoundError, is_repo_id, resolve_model_dir
-from workers.worker import WorkerConfig, _build_engine_and_transport
+from workers.worker import WorkerConfig, _build_engine_and_kv
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = NodeOffer("a" * 56, "10.0.0.1", {"CPU": 8.0, "memory": 1e9}, {"CPU": 8.0}, {})
@@ -169,4 +169,4 @@ def test_worker_without_the_model_names_its_node_and_the_path():
     config = WorkerConfig("decode-3", "decode", "/nowhere/llama", node_id="f00d" * 14, host="10.1.2.3")
     with pytest.raises(ModelNotFoundError, match=r"worker decode-3 on node (f00d){14} \(10.1.2.3\): model path "
                                                  r"'/nowhere/llama' does not exist"):
-        _build_engine_and_transport(config)
+        _build_engine_and_kv(config)

@@ -35,3 +35,28 @@ def tokenizer():
     from workers.model_files import resolve_model_dir
 
     return Tokenizer.from_model_dir(resolve_model_dir(quiet=True))
+
+
+@pytest.fixture(scope="session")
+def greedy_answers_match(tokenizer):
+    """check(base_url, engine): two greedy chat answers and a streamed completion from the server
+    at base_url equal `engine`'s, over the official openai client."""
+    import openai
+
+    from common.sampling_params import SamplingParams
+
+    def check(base_url: str, engine) -> None:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused")
+        for question in ["What is the capital of France?", "Write a haiku about the sea."]:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+            [want] = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))
+            reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=16,
+                                                   messages=[{"role": "user", "content": question}])
+            assert reply.choices[0].message.content == want.text
+        prompt = "The three primary colors are"
+        [want] = engine.generate([tokenizer.encode(prompt)], SamplingParams(max_tokens=20, temperature=0.0))
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, temperature=0, max_tokens=20, stream=True) if c.choices)
+        assert streamed == want.text
+
+    return check

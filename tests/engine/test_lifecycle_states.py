@@ -107,7 +107,7 @@ def test_abort_all_aborts_waiting_running_and_reserved_but_not_held(engine):
 
 
 def test_worker_ready_reports_the_engines_limits(engine):
-    worker = EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine, transport=None)
+    worker = EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine)
     try:
         report = worker.ready()
     finally:
@@ -122,7 +122,7 @@ def test_worker_ready_reports_the_engines_limits(engine):
 def test_a_creation_call_arriving_after_a_final_abort_is_refused(engine):
     # The router's abort and a late reserve/submit/prefill of the same request race through
     # different Ray call threads; what the late call would create must not be held for ever.
-    worker = EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine, transport=None)
+    worker = EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine)
     try:
         assert worker.abort("gone") is False  # nothing here yet
         with pytest.raises(RequestAborted, match="gone"):
@@ -171,7 +171,7 @@ def test_the_step_observer_sees_each_steps_chunks_and_time(engine):
 
 def test_a_worker_logs_its_steps_where_the_environment_says(engine, tmp_path, monkeypatch):
     monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path))
-    worker = EngineWorker(WorkerConfig("prefill-0", "prefill"), engine=engine, transport=None)
+    worker = EngineWorker(WorkerConfig("prefill-0", "prefill"), engine=engine)
     try:
         worker.submit("logged", prompt(40), GREEDY)
         while not any(o.finished for o in worker.poll_outputs(5.0)):

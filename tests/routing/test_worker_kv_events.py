@@ -39,7 +39,7 @@ def cache_blocks(bm: BlockManager, tokens: list[int]) -> None:
 
 def make_worker() -> tuple[EngineWorker, BlockManager]:
     engine = _Engine()
-    return EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine, transport=None), engine.block_manager
+    return EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine), engine.block_manager
 
 
 def test_heartbeat_carries_events_in_order_once():

@@ -32,14 +32,20 @@ def test_tp_flags_short_and_long_and_each_pool_falls_back_to_the_common_size():
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
     (dict(decode_tensor_parallel_size=-2), "decode_tensor_parallel_size must be a positive integer, got -2"),
-    (dict(prefill_tensor_parallel_size=3, decode_tensor_parallel_size=1),
-     "prefill_tensor_parallel_size 3 and decode_tensor_parallel_size 1 differ"),
-    (dict(tensor_parallel_size=2, decode_tensor_parallel_size=4),
-     "prefill_tensor_parallel_size 2 and decode_tensor_parallel_size 4 differ"),
+    (dict(prefill_tensor_parallel_size=2, decode_tensor_parallel_size=3),
+     "prefill_tensor_parallel_size 2 and decode_tensor_parallel_size 3: one must be a multiple of the other"),
+    (dict(tensor_parallel_size=4, decode_tensor_parallel_size=6),
+     "prefill_tensor_parallel_size 4 and decode_tensor_parallel_size 6: one must be a multiple"),
 ])
 def test_bad_tp_sizes_are_refused_naming_the_flag(options, message):
     with pytest.raises(ValueError, match=message):
         PlacementConfig(**options)
+
+
+@pytest.mark.parametrize("prefill, decode", [(3, 1), (1, 3), (2, 4), (4, 2)])
+def test_pools_of_nesting_sizes_are_accepted(prefill, decode):
+    config = PlacementConfig(prefill_tensor_parallel_size=prefill, decode_tensor_parallel_size=decode)
+    assert (config.tp_size("prefill"), config.tp_size("decode")) == (prefill, decode)
 
 
 def test_without_a_prefill_pool_the_decode_size_stands_alone():
@@ -67,12 +73,14 @@ def layout(**overrides) -> KVLayout:
     return KVLayout(**{**fields, **overrides})
 
 
-def test_the_handshake_refuses_groups_of_other_sizes_or_other_heads():
-    with pytest.raises(KVLayoutMismatch, match="tp_size local=3 peer=1 .*not supported yet"):
-        layout(tp_size=3, kv_heads=(0, 1)).check_compatible(layout())
-    with pytest.raises(KVLayoutMismatch, match=r"kv_heads local=\(0, 1\) peer=\(1, 2\)"):
+def test_the_handshake_pairs_equal_heads_and_refuses_other_heads():
+    with pytest.raises(KVLayoutMismatch, match=r"kv_heads local=None peer=\(1, 2\)"):
         layout(tp_size=3, kv_heads=(0, 1)).check_compatible(layout(tp_size=3, kv_heads=(1, 2)))
     layout(tp_size=3, kv_heads=(2, 3)).check_compatible(layout(tp_size=3, kv_heads=(2, 3)))
+    # The same heads in groups of other sizes are the same bytes: a TP-4 rank holding head 1 of 2 pairs
+    # with a TP-2 rank holding it, and heads 0..n-1 of n with a cache that names none.
+    layout(tp_size=4, kv_heads=(1, 2)).check_compatible(layout(tp_size=2, kv_heads=(1, 2)))
+    assert layout(tp_size=3, kv_heads=(0, 1)) == layout(tp_size=3)
     with pytest.raises(ValueError, match="kv_heads .* must be a range of num_kv_heads"):
         layout(kv_heads=(0, 2))
 
@@ -85,8 +93,8 @@ def test_the_block_checksum_tag_covers_a_ranks_heads_and_is_unchanged_without_tp
     text = repr((2, 1, 64, 16, "float32", ()))
     assert layout_tag(plain) == int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
                                                "little") & ((1 << 63) - 1)
-    tags = {layout_tag(layout(tp_size=3, kv_heads=(h, h + 1))) for h in range(3)}
-    assert len(tags) == 3 and layout_tag(plain) not in tags
+    tags = [layout_tag(layout(tp_size=3, kv_heads=(h, h + 1))) for h in range(3)]
+    assert len(set(tags)) == 3 and tags[0] == layout_tag(plain)  # head 0 of a one-head cache is the plain layout
 
 
 def test_step_inputs_of_a_mixed_batch():
@@ -109,7 +117,7 @@ def test_step_inputs_of_a_mixed_batch():
 def test_the_ranks_transfer_results_add_up_to_the_worst_status():
     from kvtransfer import TransferResult, TransferStatus
     from kvtransfer.base import Role
-    from workers.tp_rank import combined
+    from kvtransfer.resharding import combined
 
     ok = TransferResult("r", Role.RECV, TransferStatus.SUCCESS, 100, 0.5)
     bad = TransferResult("r", Role.RECV, TransferStatus.FAILED, 40, 0.25, "checksum", reason="checksum_mismatch")
