@@ -128,6 +128,24 @@ def serving(config, actor_name_prefix: str = "baton", app=None, **serve_kwargs) 
 
 
 @dataclass(frozen=True)
+class RankActor:
+    """A live Ray actor of a tensor-parallel worker, as Ray's own actor table gives it."""
+
+    pid: int
+    node_id: str
+    rank0: bool  # the worker's rank 0 (the actor named after the worker); else one of the ranks it owns
+
+
+def tp_group_actors(worker_actor_name: str) -> list[RankActor]:
+    """The live actors of the worker named `worker_actor_name`: its rank 0 and the rank actors it owns."""
+    alive = [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
+    rank0 = [a for a in alive if a.get("Name") == worker_actor_name]
+    owners = {a["Address"]["Port"] for a in rank0}  # a process's own port: its rank actors' owner's
+    ranks = [a for a in alive if a["ActorClassName"].endswith("TPRankActor") and a["OwnerAddress"]["Port"] in owners]
+    return [RankActor(a["Pid"], a["Address"]["NodeID"], a in rank0) for a in rank0 + ranks]
+
+
+@dataclass(frozen=True)
 class NodeType:
     """`count` simulated nodes, each offering `resources` and carrying `labels`."""
 

@@ -338,6 +338,8 @@ class WorkerStats:
     kv_transfer_failures: dict[str, int] = field(default_factory=dict)
     grammar: GrammarCounts = field(default_factory=GrammarCounts)  # structured output's compile cache
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # zeros without speculative decoding
+    tp_size: int = 1  # the worker's tensor-parallel group: its ranks, rank 0 (this process) included
+    rank_pids: tuple[int, ...] = ()  # the processes of ranks 1..tp_size-1
 
 
 @dataclass(frozen=True)

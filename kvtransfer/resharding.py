@@ -30,25 +30,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from common.protocol import KVEndpoint, KVLayout, KVLayoutMismatch
+from common.tp_split import kv_head_range
 
 from ._common import coalesce
 from .base import KVTransport, Role, TransferHandle, TransferResult, TransferStatus
-
-
-def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
-    """The model's KV heads [start, stop) that rank `rank` of a group of `tp_size` holds."""
-    if tp_size < 1 or not 0 <= rank < tp_size:
-        raise ValueError(f"need tensor_parallel_size >= 1 and 0 <= rank < it, got size {tp_size}, rank {rank}")
-    if num_kv_heads >= tp_size:
-        if num_kv_heads % tp_size:
-            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {num_kv_heads} KV heads")
-        per_rank = num_kv_heads // tp_size
-        return rank * per_rank, (rank + 1) * per_rank
-    if tp_size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {tp_size} exceeds the model's {num_kv_heads} KV heads and is not a "
-                         f"multiple of it (each KV head must be replicated on the same number of ranks)")
-    head = rank * num_kv_heads // tp_size
-    return head, head + 1
 
 
 def head_range(layout: KVLayout) -> tuple[int, int]:

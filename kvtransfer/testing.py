@@ -11,9 +11,11 @@ from typing import Optional, Sequence
 import torch
 
 from common.protocol import KVEndpoint, KVLayout
+from common.tp_split import kv_head_range
 
 from . import create_transport
 from .base import Role, TransferResult, TransferStatus
+from .resharding import RankKV, heads_layout
 
 
 def seeded_bytes(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
@@ -90,8 +92,6 @@ def rank_group(kind: str, model: KVLayout, tp_size: int, num_blocks: int,
     """The ranks of one tensor-parallel worker as `kvtransfer.resharding.RankKV`s in this process,
     each on its own `kind` transports and holding its heads of the whole model's layout `model`
     (`peer_tp_size`: the prefill group's size, for a decode worker's ranks)."""
-    from .resharding import RankKV, heads_layout, kv_head_range
-
     ranks = []
     for rank in range(tp_size):
         layout = dataclasses.replace(heads_layout(model, kv_head_range(model.num_kv_heads, tp_size, rank)),

@@ -49,6 +49,8 @@ class WorkerInfo:
     kv_transfer_failures: Mapping[str, int] = field(default_factory=dict)  # received KV that failed, by reason
     grammar: GrammarCounts = field(default_factory=GrammarCounts)  # structured output's compile cache on the worker
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding on the worker
+    tp_size: int = 1  # its tensor-parallel group's ranks
+    rank_pids: tuple[int, ...] = ()  # the processes of its ranks 1..tp_size-1 (pid is rank 0's)
 
 
 @dataclass(frozen=True)

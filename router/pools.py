@@ -228,6 +228,7 @@ class WorkerPools:
                 kv_transfer_failures=dict(s.kv_transfer_failures) if s else {},
                 grammar=s.grammar if s else GrammarCounts(),
                 spec_decode=s.spec_decode if s else SpecDecodeStats(),
+                tp_size=s.tp_size if s else 1, rank_pids=s.rank_pids if s else (),
             ))
         return infos
 

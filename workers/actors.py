@@ -152,6 +152,9 @@ class TPRankActor:
     def endpoint(self) -> KVEndpoint:
         return self.rank.endpoint()
 
+    def pid(self) -> int:
+        return self.rank.pid()
+
     def connect_peer(self, peers: list[KVEndpoint]) -> list:
         return self.rank.connect_peer(peers)
 
@@ -183,6 +186,7 @@ class RayRankFollowers:
     def __init__(self, handles: list) -> None:
         self.handles = handles
         self._closing = threading.Event()
+        self._pids: list[int] | None = None
 
     @classmethod
     def start(cls, config: WorkerConfig) -> "RayRankFollowers":
@@ -214,6 +218,11 @@ class RayRankFollowers:
 
     def endpoints(self) -> list[KVEndpoint]:
         return ray.get([h.endpoint.remote() for h in self.handles])
+
+    def pids(self) -> list[int]:
+        if self._pids is None:  # asked with every heartbeat; a rank's process never changes (a new one is a new group)
+            self._pids = ray.get([h.pid.remote() for h in self.handles])
+        return self._pids
 
     def connect(self, peers: Sequence[KVEndpoint]) -> None:
         ray.get([h.connect_peer.remote(list(peers)) for h in self.handles])

@@ -20,9 +20,9 @@ KERNEL_BACKENDS = ("auto", "triton", "native", "reference")
 CPU_KV_CACHE_MEMORY = 1 << 30  # kv_cache_memory's default on the CPU
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 # vLLM's methods that Baton will take later: refused with "not yet supported" rather than "unknown".
-SPECULATIVE_METHODS_LATER = ("draft_model", "suffix")
+SPECULATIVE_METHODS_LATER = ("draft_model",)
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,24 @@ class SpeculativeConfig:
 
     ngram (prompt lookup): the last n tokens of a sequence (n from prompt_lookup_max down to
     prompt_lookup_min) are looked up earlier in its prompt and output; the tokens that followed the
-    latest match are the drafts (at most num_speculative_tokens). disable_by_batch_size: no drafts
-    in a step with more decoding sequences than this (the step's cost grows with its tokens; at
-    high load drafts stop paying)."""
+    latest match are the drafts (at most num_speculative_tokens).
+    suffix (workers.suffix_decoding): the longest match of the sequence's last tokens in its own
+    tokens and in this worker's recent outputs, continued along the most frequent path while its
+    estimated probability stays >= suffix_decoding_min_token_prob, for at most
+    suffix_decoding_max_spec_factor x the match's length (and num_speculative_tokens) drafts.
+    disable_by_batch_size: no drafts in a step with more decoding sequences than this (the step's
+    cost grows with its tokens; at high load drafts stop paying)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     disable_by_batch_size: int | None = 8
+    # suffix (vLLM's keys); the cached outputs are a Python index here, so fewer than vLLM's 10,000 by default.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method in SPECULATIVE_METHODS_LATER:
@@ -48,13 +57,25 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "suffix_decoding_max_tree_depth"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if (not isinstance(self.suffix_decoding_max_cached_requests, int)
+                or isinstance(self.suffix_decoding_max_cached_requests, bool)
+                or self.suffix_decoding_max_cached_requests < 0):
+            raise ValueError(f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, "
+                             f"got {self.suffix_decoding_max_cached_requests!r}")
+        factor = self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
+        prob = self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be a positive integer or null, got {size!r}")

@@ -291,8 +291,15 @@ class LLMEngine:
         if state is None:
             return False
         state.seq.finish_reason = "abort"
-        self.scheduler.finish(state.seq)
+        self._leave(state.seq, finished=False)
         return True
+
+    def _leave(self, seq: Sequence, finished: bool) -> None:
+        """seq's request leaves the engine: its blocks go back (to the prefix cache), and the
+        speculator's proposer drops what it kept of it."""
+        self.scheduler.finish(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq, finished)
 
     def request_ids(self) -> list[str]:
         """Requests waiting, running or waiting for KV here (not prefilled ones held for a peer)."""
@@ -416,7 +423,7 @@ class LLMEngine:
         state.pending_logprobs = []
         if finished:
             seq.finish_reason = reason
-            self.scheduler.finish(seq)
+            self._leave(seq, finished=True)
             del self._requests[seq.request_id]
         elif state.prefill_only:
             self.scheduler.hold(seq)
@@ -427,23 +434,15 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_usage=bm.usage,
-            num_free_blocks=bm.num_free_blocks,
-            num_blocks=bm.num_blocks,
-            prefix_cache_queries=bm.prefix_queries,
-            prefix_cache_hits=bm.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), kv_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             num_computed_tokens=self.num_computed_tokens,
             spec_decode=self.speculator.counters.snapshot() if self.speculator is not None else SpecDecodeStats(),
         )
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
-    ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Run a batch of prompts to completion (continuous batching inside) and return them in order."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from common.protocol import KVLayout
 from common.roles import Role
 from kvtransfer import PairwiseTransport, Place, dtype_name
-from kvtransfer.resharding import RankKV, handoff_links, kv_head_range
+from common.tp_split import kv_head_range
+from kvtransfer.resharding import RankKV, handoff_links
 from workers.config import EngineConfig, WorkerConfig
 from workers.model_config import ModelConfig
 from workers.model_files import ModelNotFoundError, resolve_model_dir

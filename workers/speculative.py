@@ -35,16 +35,21 @@ from common.protocol import SpecDecodeStats
 from workers.config import SpeculativeConfig
 from workers.sampler import draw_keys
 from workers.sequence import ScheduledChunk, Sequence
+from workers.suffix_decoding import SuffixProposer
 
 MISSES_BEFORE_PAUSE = 4  # verifications in a row with no accepted draft before a sequence pauses
 PAUSE_STEPS = 16  # decode steps a paused sequence runs without drafts before trying again
 
 
 class Proposer(Protocol):
-    """Guesses the tokens that follow a sequence (draft_model and suffix will be others)."""
+    """Guesses the tokens that follow a sequence (ngram here, suffix in workers.suffix_decoding)."""
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         """At most max_drafts draft tokens to follow seq.token_ids (possibly none)."""
+        ...
+
+    def forget(self, seq: Sequence, finished: bool) -> None:
+        """The request left the engine (`finished`: it ended, rather than being aborted or handed on)."""
         ...
 
 
@@ -59,6 +64,9 @@ class NgramProposer:
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         return ngram_drafts(seq.token_ids, self.min_n, self.max_n, max_drafts)
+
+    def forget(self, seq: Sequence, finished: bool) -> None:
+        pass  # it keeps nothing between steps
 
 
 def ngram_drafts(token_ids: list[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
@@ -82,6 +90,8 @@ def ngram_drafts(token_ids: list[int], min_n: int, max_n: int, max_drafts: int) 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "suffix":
+        return SuffixProposer(config)
     raise ValueError(f"speculative_config.method {config.method!r} is not yet supported")  # config refuses it first
 
 
@@ -170,6 +180,10 @@ class Speculator:
             budget -= len(drafts)
             out.append(drafts)
         return out
+
+    def forget(self, seq: Sequence, finished: bool) -> None:
+        """The request left the engine: the proposer drops what it kept of it (workers.suffix_decoding)."""
+        self.proposer.forget(seq, finished)
 
     def verdict(self, chunk: ScheduledChunk, tokens: list[int], history: DraftHistory,
                 generator: torch.Generator | None, generator_state: torch.Tensor | None) -> int:

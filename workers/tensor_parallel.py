@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kvtransfer.resharding import kv_head_range
+from common.tp_split import check_tp_split, kv_head_range
 from workers import model_runner
 from workers.config import EngineConfig
 from workers.engine import LLMEngine, load_tokenizer_decode
@@ -172,22 +172,13 @@ class ShardPlan:
         if tp_size < 1 or not 0 <= rank < tp_size:
             raise ValueError(f"need tensor_parallel_size >= 1 and 0 <= rank < it, got size {tp_size}, rank {rank}")
         heads, kv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
-        if heads % tp_size:
-            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {heads} query heads")
-        dense_mlps = not config.num_experts or bool(config.dense_mlp_layers)
-        if dense_mlps and inter % tp_size:
-            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's intermediate_size {inter}")
+        check_tp_split(tp_size, heads, kv, inter, config.num_experts, config.moe_intermediate_size, expert_parallel,
+                       dense_mlps=not config.num_experts or bool(config.dense_mlp_layers))
         experts, moe_inter = (0, config.num_experts), (0, config.moe_intermediate_size)
         if config.num_experts and expert_parallel:
-            if config.num_experts % tp_size:
-                raise ValueError(f"--enable-expert-parallel: tensor_parallel_size {tp_size} does not divide the "
-                                 f"model's {config.num_experts} experts")
             per = config.num_experts // tp_size
             experts = (rank * per, (rank + 1) * per)
         elif config.num_experts:
-            if config.moe_intermediate_size % tp_size:
-                raise ValueError(f"tensor_parallel_size {tp_size} does not divide the experts' intermediate size "
-                                 f"{config.moe_intermediate_size} (--enable-expert-parallel splits whole experts)")
             per = config.moe_intermediate_size // tp_size
             moe_inter = (rank * per, (rank + 1) * per)
         kv_heads = kv_head_range(kv, tp_size, rank)

@@ -8,6 +8,7 @@ rank 0 says so (rank 0's `EngineWorker` drives it through `RankFollowers`). With
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable, Protocol, Sequence
@@ -33,6 +34,9 @@ class RankFollowers(Protocol):
     of results are in rank order."""
 
     def endpoints(self) -> list[KVEndpoint]: ...
+
+    def pids(self) -> list[int]:
+        """The ranks' processes (the admin endpoint and the dashboard show a worker's group)."""
 
     def connect(self, peers: Sequence[KVEndpoint]) -> None: ...
 
@@ -83,6 +87,9 @@ class TPRankWorker:
 
     def endpoint(self) -> KVEndpoint:
         return self.kv.endpoint()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def connect_peer(self, peers: Sequence[KVEndpoint]) -> list[HeadLink]:
         """Connect to the peer ranks this rank sends to (KVLayoutMismatch names the field that

@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from common.net import free_port
+from common.protocol import ResumeState
 from common.sampling_params import SamplingParams
 from workers.config import EngineConfig
 from workers.tensor_parallel import TPGroup, build_engine, build_follower
@@ -28,6 +29,9 @@ class GroupJob:
     max_tokens: int
     decode_steps_to_time: int = 0  # then also time this many single-stream decode steps of prompts[0]
     record_logits: bool = False  # return the float32 logits each token was sampled from
+    # Continue each prompt from these tokens, as a request migrated from a lost worker goes on
+    # (LLMEngine.resume_request): token_ids are then the tokens after them, up to max_tokens in all.
+    resume_from: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,10 @@ def _lead(job: GroupJob, engine) -> dict:
         engine.sampler = _recording(engine.sampler, logits)
     steps = [0]
     engine.observe_steps(lambda chunks, wall_s: steps.__setitem__(0, steps[0] + 1))
-    tokens = [c.token_ids for c in engine.generate(job.prompts, greedy)]
+    if job.resume_from is None:
+        tokens = [c.token_ids for c in engine.generate(job.prompts, greedy)]
+    else:
+        tokens = _resumed(engine, job, greedy)
     seconds: list[float] = []
 
     def time_single_stream_decode(chunks, wall_s: float) -> None:
@@ -77,6 +84,21 @@ def _lead(job: GroupJob, engine) -> dict:
     engine.runner.stop_followers()
     return {"token_ids": tokens, "decode_step_seconds": seconds, "steps": steps[0],
             "logits": [torch.stack(logits[tuple(p)]) for p in job.prompts] if job.record_logits else None}
+
+
+def _resumed(engine, job: GroupJob, greedy: SamplingParams) -> list[list[int]]:
+    """Continue each prompt after job.resume_from's tokens; the tokens each then produces."""
+    ids = [f"resumed-{i}" for i in range(len(job.prompts))]
+    for rid, prompt, done in zip(ids, job.prompts, job.resume_from):
+        engine.resume_request(prompt, greedy, rid, ResumeState(tuple(done), 0))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    pending = set(ids)
+    while pending:
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+            if out.finished:
+                pending.discard(out.request_id)
+    return [tokens[rid] for rid in ids]
 
 
 def _recording(sampler, logits: dict[tuple[int, ...], list[torch.Tensor]]):

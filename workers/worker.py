@@ -442,7 +442,8 @@ class EngineWorker:
             generation_tokens=c["generation_tokens"], pid=os.getpid(),
             kv_transfer_failures=self.kv_failures.snapshot(),
             grammar=self.engine.grammars.counts() if self.engine.grammars is not None else GrammarCounts(),
-            spec_decode=s.spec_decode,
+            spec_decode=s.spec_decode, tp_size=self.config.tp_size,
+            rank_pids=tuple(self.followers.pids()) if self.followers is not None else (),
         )
 
     def shutdown(self) -> None:

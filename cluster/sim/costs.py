@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from common.stats import percentile
+from common.tp_split import check_tp_split
 
 __all__ = [
     "GPUS", "LINKS", "MODELS", "CostModel", "FittedCostModel", "GpuSpec", "LinkModel", "ModelShape",
@@ -291,6 +292,12 @@ class RooflineCostModel:
                 raise ValueError(f"{name} must be fp8 or bf16, got {getattr(self, name)!r}")
         if self.tp not in (1, 2, 4, 8):
             raise ValueError(f"tensor-parallel size must be 1, 2, 4 or 8, got {self.tp}")
+        m = self.model
+        try:  # a size the engine cannot shard this model at is no plan
+            check_tp_split(self.tp, m.heads, m.kv_heads, m.intermediate, m.experts, m.expert_intermediate,
+                           dense_mlps=not m.experts)
+        except ValueError as exc:
+            raise ValueError(f"{m.name} at TP {self.tp}: {exc}") from None
         if self.kv_capacity_tokens() < 1:
             raise ValueError(f"{self.model.name} in {self.weight_dtype} does not fit on {self.tp} x {self.gpu.name}")
 

@@ -594,13 +594,18 @@ def t_speculative_engine() -> str:
     d = load("speculative_engine_cpu")
     wall, cpu, per_step = d["median_tokens_per_s"], d["median_tokens_per_cpu_s"], d["tokens_per_step"]
     k = d["speculative_config"]["num_speculative_tokens"]
-    rows = [["without speculation", f(wall["plain"], 2), f(cpu["plain"], 2), f(per_step["plain"], 2), "", ""],
-            [f"ngram, k = {k}", f(wall["ngram"], 2), f(cpu["ngram"], 2), f(per_step["ngram"], 2),
-             pct(d["acceptance_rate"]), f(d["mean_accepted_per_verification"], 2)]]
+    labels = {"ngram": f"ngram, k = {k}", "suffix_own": f"suffix, k = {k}, own tokens only",
+              "suffix": f"suffix, k = {k}, earlier outputs cached"}
+    methods = d["methods"]
+    rows = [["without speculation", f(wall["plain"], 2), f(cpu["plain"], 2), f(per_step["plain"], 2), "", ""]] + [
+        [labels.get(name, name), f(wall[name], 2), f(cpu[name], 2), f(per_step[name], 2), pct(m["acceptance_rate"]),
+         f(m["mean_accepted_per_verification"], 2)] for name, m in methods.items()]
     same = "identical" if d["identical_tokens"] else "DIFFERENT"
     return (table(["engine", "tokens/s", "tokens per CPU s", "tokens per step", "drafts accepted",
                    "accepted per verification"], rows)
-            + f"\n\nSpeedup {ratio(d['speedup'])} in wall time, {ratio(d['speedup_cpu_time'])} in CPU time; "
+            + "\n\nSpeedup over no speculation, wall time (CPU time): " + ", ".join(
+                f"{labels.get(name, name)} {ratio(m['speedup'])} ({ratio(m['speedup_cpu_time'])})"
+                for name, m in methods.items()) + "; "
               f"{d['max_tokens']} tokens at most per reply, {d['rounds']} rounds over {len(d['runs']['plain'])} "
               f"replies; load average at the end {f(d['loadavg_at_end'][0], 1)} on "
               f"{d['machine']}; greedy tokens with and without speculation: {same}."

@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram) through the engine: the tokens are those of the same engine
+"""Speculative decoding (n-gram, and suffix) through the engine: the tokens are those of the same engine
 without speculation (the oracle), greedy and seeded, with chunked prefill, FP8 KV, preemptions,
 stop tokens, stop strings, max_tokens and min_tokens; the block manager's invariants hold after
 every step of a randomized run. Every test also asserts drafts were accepted, so none can pass by
@@ -20,6 +20,7 @@ from workers.model_config import ModelConfig
 from workers.model_runner import iter_safetensors
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
 KV = 8 << 20
 
 
@@ -172,9 +173,10 @@ def test_stops_end_the_reply_exactly_where_they_do_without_speculation(model_dir
             assert len(tokens) > p.min_tokens
 
 
-def test_block_invariants_hold_after_every_step_of_a_randomized_run(model_dir):
+@pytest.mark.parametrize("method", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_block_invariants_hold_after_every_step_of_a_randomized_run(model_dir, method):
     rng = random.Random(7)
-    eng = engine(model_dir, NGRAM, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=48)
+    eng = engine(model_dir, method, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=48)
     eng.sampler.generator.manual_seed(11)  # unseeded requests' draws too: one run, the same preemptions each time
     prompts = passage_prompts(24, seed=5)
     live: list[str] = []
@@ -196,6 +198,18 @@ def test_block_invariants_hold_after_every_step_of_a_randomized_run(model_dir):
     bm = eng.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert finished > 15 and accepted(eng) > 0 and eng.stats().num_preemptions > 0
+
+
+def test_suffix_drafts_change_no_token_and_later_requests_draft_from_earlier_outputs(model_dir):
+    prompts = passage_prompts(4, seed=3)
+    plain = run(engine(model_dir, None), prompts, GREEDY)
+    eng = engine(model_dir, SUFFIX, max_num_batched_tokens=16)  # chunked prefill too
+    assert run(eng, prompts, GREEDY, check_blocks=True) == plain
+    first = accepted(eng)
+    assert first > 0
+    # Asked again, each request finds its answer among the outputs this engine cached: more accepted.
+    assert run(eng, prompts, GREEDY, check_blocks=True) == plain
+    assert accepted(eng) - first > first
 
 
 def test_no_drafts_past_the_batch_threshold(model_dir):

@@ -17,6 +17,8 @@ from common.sampling_params import SamplingParams
 from tests.unit.test_sampling_distribution import ALPHA, LOGITS, assert_same_distribution, chi_square_p_value, oracle
 from workers.config import EngineConfig, SpeculativeConfig
 from workers.sampler import SamplingRow, sample
+from workers.sequence import Sequence
+from workers.suffix_decoding import SuffixIndex, SuffixProposer
 from workers.speculative import (MISSES_BEFORE_PAUSE, PAUSE_STEPS, DraftHistory, SpecDecodeCounters, ngram_drafts,
                                  num_accepted)
 
@@ -35,7 +37,14 @@ def test_vllm_keys_parse_into_the_engine_config():
     ('["ngram"]', "JSON object"),
     ('{"method": "draft_model", "num_speculative_tokens": 4, "model": "/m"}', "unknown key 'model'"),
     ('{"method": "draft_model", "num_speculative_tokens": 4}', "'draft_model' is not yet supported"),
-    ('{"method": "suffix", "num_speculative_tokens": 4}', "'suffix' is not yet supported"),
+    ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 1.5}',
+     "suffix_decoding_min_token_prob must be in [0, 1], got 1.5"),
+    ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 0}',
+     "suffix_decoding_max_spec_factor must be a number > 0"),
+    ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": -1}',
+     "suffix_decoding_max_tree_depth must be a positive integer"),
+    ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_cached_requests": -2}',
+     "suffix_decoding_max_cached_requests must be an integer >= 0"),
     ('{"method": "eagle", "num_speculative_tokens": 4}', "speculative_config.method must be one of ngram"),
     ('{"method": "ngram"}', "needs the key 'num_speculative_tokens'"),
     ('{"num_speculative_tokens": 3}', "needs the key 'method'"),
@@ -62,8 +71,73 @@ def test_baton_serve_has_the_flag_and_passes_it_to_the_workers():
     args = parser.parse_args(["--speculative-config", NGRAM])
     config = BatonConfig.load(None, vars(args))
     assert config.worker_engine_config().speculative.num_speculative_tokens == 4
-    with pytest.raises(ValueError, match="suffix' is not yet supported"):
-        BatonConfig.load(None, {"speculative_config": '{"method": "suffix", "num_speculative_tokens": 2}'})
+    with pytest.raises(ValueError, match="draft_model' is not yet supported"):
+        BatonConfig.load(None, {"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 2}'})
+    suffix = BatonConfig.load(None, {"speculative_config": '{"method": "suffix", "num_speculative_tokens": 6}'})
+    assert suffix.worker_engine_config().speculative == SpeculativeConfig("suffix", 6)
+
+
+# ---- the suffix proposer ------------------------------------------------------------------
+def suffix_config(**keys) -> SpeculativeConfig:
+    return SpeculativeConfig("suffix", keys.pop("num_speculative_tokens", 8), **keys)
+
+
+def request(rid: str, prompt: list[int], output: list[int] = ()) -> Sequence:
+    seq = Sequence(rid, list(prompt), SamplingParams())
+    for token in output:
+        seq.append_token(token)
+    return seq
+
+
+def test_the_suffix_index_counts_every_run_up_to_its_depth_and_forgets_them():
+    index = SuffixIndex(depth=3)
+    index.add([1, 2, 3, 1, 2, 4])
+    root = index.root.children
+    assert {t: n.count for t, n in root.items()} == {1: 2, 2: 2, 3: 1, 4: 1}
+    assert {t: n.count for t, n in root[1].children[2].children.items()} == {3: 1, 4: 1}
+    assert root[1].children[2].count == 2 and not root[1].children[2].children[3].children  # depth 3
+    # Growing a sequence token by token counts the same runs as adding it whole.
+    grown, runs = SuffixIndex(depth=3), []
+    for token in [1, 2, 3, 1, 2, 4]:
+        runs = grown.extend(runs, token)
+    assert snapshot(grown.root) == snapshot(index.root)
+    index.remove([1, 2, 3, 1, 2, 4])
+    assert not index.root.children
+
+
+def snapshot(node) -> dict:
+    return {t: (c.count, snapshot(c)) for t, c in node.children.items()}
+
+
+def test_suffix_drafts_follow_the_longest_match_for_as_long_as_it_earns():
+    proposer = SuffixProposer(suffix_config())
+    # "5 6" occurred before, followed by 7 8 5 6: a match of 2 earns 2 drafts (max_spec_factor 1.0).
+    assert proposer.propose(request("a", [5, 6, 7, 8, 5, 6]), 8) == [7, 8]
+    # "8 5 6" never occurred before, so "5 6" is the longest match; at max_spec_factor 2.0 it earns 4.
+    doubled = SuffixProposer(suffix_config(suffix_decoding_max_spec_factor=2.0))
+    assert doubled.propose(request("b", [5, 6, 7, 8, 5, 6]), 8) == [7, 8, 5, 6]
+    assert doubled.propose(request("c", [1, 2, 3]), 8) == []  # nothing repeats
+
+
+def test_suffix_drafts_stop_where_the_path_gets_unlikely():
+    # After "1" came 2, 2 and 3: p(2 | 1) = 2/3.
+    tokens = [1, 2, 9, 1, 2, 8, 1, 3, 7, 1]
+    assert SuffixProposer(suffix_config(suffix_decoding_min_token_prob=0.5)).propose(request("a", tokens), 4) == [2]
+    assert SuffixProposer(suffix_config(suffix_decoding_min_token_prob=0.7)).propose(request("a", tokens), 4) == []
+
+
+def test_finished_outputs_feed_other_requests_and_the_oldest_leaves():
+    proposer = SuffixProposer(suffix_config(suffix_decoding_max_cached_requests=1))
+    first = request("a", [1], [7, 8, 9, 10])
+    proposer.propose(first, 4)
+    proposer.forget(first, finished=True)
+    assert proposer.propose(request("b", [3, 7, 8]), 4) == [9, 10]  # from a's output
+    aborted = request("c", [2], [20, 21, 22])
+    proposer.forget(aborted, finished=False)  # an aborted request's output is not a hint
+    assert proposer.propose(request("d", [20, 21]), 4) == []
+    second = request("e", [2], [30, 31, 32])
+    proposer.forget(second, finished=True)  # only one cached: a's output leaves
+    assert proposer.propose(request("f", [7, 8]), 4) == [] and proposer.propose(request("g", [30, 31]), 4) == [32]
 
 
 # ---- the n-gram proposer ------------------------------------------------------------------

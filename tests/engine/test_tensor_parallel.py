@@ -23,6 +23,7 @@ from workers.tensor_parallel import ShardedCheckpoint, ShardPlan, TPGroup, build
 from workers.tp_testing import GroupJob, run_group
 
 NEW_TOKENS = 12
+MIGRATE_AFTER = 5  # tokens a TP-1 worker produced before its request moved to a group
 CONFIG = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64)
 
 
@@ -225,6 +226,11 @@ def test_tiny_models_match_tp1_and_transformers(tiny_models, tp, expert_parallel
     prompts, models = tiny_models
     names = [*(AT_TP[tp] if not (tp == 2 and expert_parallel) else []), *TINY_MOE]
     jobs = [GroupJob(models[name][0], prompts, NEW_TOKENS, record_logits=True) for name in names]
+    # A migration onto this group: the TP-1 engine's first tokens of each prompt, continued here.
+    folder, expected = models["llama-bias"]
+    migrated = GroupJob(folder, prompts, NEW_TOKENS, resume_from=[tokens[:MIGRATE_AFTER] for tokens in expected.tp1])
     config = dataclasses.replace(CONFIG, enable_expert_parallel=expert_parallel)
-    for name, result in zip(names, run_group(jobs, tp, config)):
+    *results, resumed = run_group([*jobs, migrated], tp, config)
+    for name, result in zip(names, results):
         assert_exact(result, models[name][1], f"{name} at TP {tp}{' (expert parallel)' if expert_parallel else ''}")
+    assert resumed.token_ids == [tokens[MIGRATE_AFTER:] for tokens in expected.tp1], f"migrated onto TP {tp}"

@@ -70,9 +70,12 @@ def test_each_pool_takes_its_own_size(tmp_path):
     values |= {"prefill": {"gpus": 1}, "decode": {"gpus": 1}}
     objs = objects(render(values))
     assert pod_gpus(objs) == {"prefill": 4, "decode": 1}
-    # Baton itself refuses pools of different sizes until a handoff between them is supported.
-    with pytest.raises(ValueError, match="prefill_tensor_parallel_size 4 and decode_tensor_parallel_size 1 differ"):
-        baton_config(objs, tmp_path)
+    config = baton_config(objs, tmp_path).placement  # the handoff re-slices KV heads between the sizes
+    assert (config.tp_size("prefill"), config.tp_size("decode")) == (4, 1)
+    # Sizes that do not nest are refused by Baton's loader, naming both.
+    values = placement(prefill_tensor_parallel_size=2, decode_tensor_parallel_size=3, threads_per_worker=1)
+    with pytest.raises(ValueError, match="prefill_tensor_parallel_size 2 and decode_tensor_parallel_size 3: one must"):
+        baton_config(objects(render(values)), tmp_path)
     # A pool's own size wins over tensor_parallel_size, which covers the other pool.
     objs = objects(render(placement(tensor_parallel_size=2, decode_tensor_parallel_size=1, threads_per_worker=2)))
     assert pod_gpus(objs) == {"prefill": 2, "decode": 1}

@@ -14,7 +14,8 @@ import torch
 
 from common.protocol import KVLayout, KVLayoutMismatch
 from kvtransfer import Fault, FaultKind, FaultPlan
-from kvtransfer.resharding import HeadLink, handoff_links, kv_head_range
+from common.tp_split import kv_head_range
+from kvtransfer.resharding import HeadLink, handoff_links
 from kvtransfer.testing import handoff as run_handoff, rank_group
 
 H3, H4, H2 = 3, 4, 2
