@@ -68,6 +68,105 @@ def smollm2_shaped_model(folder: str) -> str:
     return folder
 
 
+def _collectives_rank(rank: int, size: int, init_method: str, compute_s: float, iterations: int, out_dir: str) -> None:
+    """One rank of the collectives micro-benchmark: all-reduces of one token's hidden state, each after
+    compute_s of busy work (a layer's share of compute, which the other ranks wait for), then step
+    broadcasts of a one-sequence decode step's inputs."""
+    import torch
+
+    from common.sampling_params import SamplingParams
+    from workers.model_runner import StepInputs
+    from workers.sequence import ScheduledChunk, Sequence
+    from workers.tensor_parallel import TPGroup
+
+    torch.set_num_threads(1)
+    group = TPGroup.connect(rank, size, init_method, "cpu")
+    hidden = torch.randn(1, 576)
+    seq = Sequence("s", list(range(100, 170)), SamplingParams())
+    seq.block_ids, seq.num_computed_tokens = list(range(5)), 69
+    step = StepInputs.of([ScheduledChunk(seq, 1)], [True], block_size=16)
+    seconds = {}
+    for name in ("allreduce", "broadcast"):
+        started = time.perf_counter()
+        for _ in range(iterations):
+            if name == "allreduce":
+                until = time.perf_counter() + compute_s
+                while time.perf_counter() < until:
+                    pass
+                group.all_reduce(hidden)
+            elif rank == 0:
+                group.broadcast_step(step)
+            else:
+                group.receive_step()
+        seconds[name] = (time.perf_counter() - started) / iterations
+    seconds["allreduce"] -= compute_s
+    if rank == 0:
+        Path(out_dir, "collectives.json").write_text(json.dumps(seconds))
+    group.close()
+
+
+def collective_costs(size: int, compute_s: float, iterations: int = 600) -> dict[str, float]:
+    """Seconds of one all-reduce (between compute_s of work per rank) and of one step broadcast in a
+    group of `size` rank processes on this machine (gloo on 127.0.0.1)."""
+    import torch.multiprocessing as mp
+
+    from common.net import free_port
+
+    with tempfile.TemporaryDirectory(prefix="baton-bench-collectives-") as out_dir:
+        mp.start_processes(_collectives_rank, args=(size, f"tcp://127.0.0.1:{free_port()}", compute_s, iterations,
+                                                    out_dir), nprocs=size, join=True, start_method="spawn")
+        return json.loads(Path(out_dir, "collectives.json").read_text())
+
+
+class _MeasuredStep:
+    """A cost model whose every step takes what the engine's one-sequence decode step took here."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def step_time(self, shape) -> float:
+        return self.seconds
+
+    def kv_bytes_per_token(self) -> int:
+        return 1
+
+    def kv_capacity_tokens(self) -> int:
+        return 1
+
+    def gpus_per_worker(self) -> int:
+        return 1
+
+
+def simulated_tp_steps(results: list[dict]) -> list[dict]:
+    """The simulator's TP cost (cluster.sim.costs.TensorParallelCost) for each measured TP > 1 step,
+    from the TP 1 one-thread step measured beside it and this machine's collectives."""
+    from cluster.sim.costs import MODELS, StepShape, TensorParallelCost
+
+    shape = MODELS["smollm2-135m"]  # both models here have its weight shapes
+    out = []
+    for r in results:
+        if r["tensor_parallel_size"] == 1:
+            continue
+        tp = r["tensor_parallel_size"]
+        base = next(b["median_decode_step_ms"] for b in results if b["model"] == r["model"]
+                    and b["tensor_parallel_size"] == 1 and b["threads_per_rank"] == 1) / 1e3
+        layer_share = base * shape.sharded_weight_fraction / tp / (2 * shape.layers)
+        costs = collective_costs(tp, layer_share)
+        model = TensorParallelCost(_MeasuredStep(base), tp, shape.layers, shape.sharded_weight_fraction,
+                                   costs["allreduce"], costs["broadcast"])
+        predicted = model.step_time(StepShape.of([(64, 1, True)]))
+        measured = r["median_decode_step_ms"] / 1e3
+        out.append({"model": r["model"], "tensor_parallel_size": tp, "tp1_step_ms": round(base * 1e3, 2),
+                    "sharded_fraction": round(shape.sharded_weight_fraction, 3),
+                    "allreduce_ms": round(costs["allreduce"] * 1e3, 3), "broadcast_ms": round(costs["broadcast"] * 1e3, 3),
+                    "simulated_step_ms": round(predicted * 1e3, 2), "measured_step_ms": r["median_decode_step_ms"],
+                    "simulated_vs_measured": round(predicted / measured, 3)})
+        print(f"{r['model']:24s} TP {tp}: simulated step {predicted * 1e3:7.2f} ms, measured {measured * 1e3:7.2f} ms "
+              f"(x{predicted / measured:.2f}; all-reduce {costs['allreduce'] * 1e3:.2f} ms, broadcast "
+              f"{costs['broadcast'] * 1e3:.2f} ms)")
+    return out
+
+
 def handoff_costs(tokens: int, repeats: int) -> list[dict]:
     """Per pair of sizes: links, bytes and wall time of one request's handoff (see the docstring)."""
     from common.protocol import KVLayout
@@ -143,6 +242,7 @@ def main() -> None:
                         "greedy_tokens_equal_tp1": tokens[config] == tokens[(model, 1, 1)]})
         print(f"{model:24s} TP {tp} x {threads} thread(s): median step {median * 1e3:7.2f} ms "
               f"({1 / median:6.1f} tokens/s, {len(timed)} steps, x{median / base:.2f} of TP 1)")
+    simulated = simulated_tp_steps(results)
     handoffs = handoff_costs(args.handoff_tokens, args.rounds * 5)
     out = {
         "bench": "bench/tp.py", "command": f"python -m bench.tp --steps {args.steps} --prompt-tokens "
@@ -153,6 +253,7 @@ def main() -> None:
         "note": "2-core machine: medians over interleaved rounds; TP > 1 here is a correctness target, not a speed "
                 "claim (each decode step is 2 gloo all-reduces per layer over loopback TCP plus the step broadcast)",
         "results": results,
+        "simulated": simulated,
         "handoffs": handoffs,
     }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -121,6 +121,10 @@ def baton_serve(flags: Sequence[str] = (), *, port: int | None = None, ready_tim
             stop_process(process, stop_timeout_s)
 
 
+class ServerDidNotStart(RuntimeError):
+    """uvicorn ended before it served (serve_app)."""
+
+
 @dataclass
 class ServedApp:
     """An app served by uvicorn in a thread of this process."""
@@ -149,7 +153,7 @@ def serve_app(app, port: int | None = None, log_level: str = "warning", start_ti
     try:
         wait_until(lambda: server.started or not thread.is_alive(), start_timeout_s, "uvicorn to start", every_s=0.01)
         if not server.started:
-            raise RuntimeError("uvicorn exited before it started")
+            raise ServerDidNotStart("uvicorn exited before it started (its log says why: a port in use, ...)")
         yield ServedApp(server, thread, port)
     finally:
         server.should_exit = True

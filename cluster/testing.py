@@ -38,7 +38,7 @@ ensure_private_ray_env()
 import ray  # noqa: E402
 import yaml  # noqa: E402
 
-from cluster.harness import ServedApp, free_port, serve_app  # noqa: E402
+from cluster.harness import ServedApp, ServerDidNotStart, free_port, serve_app  # noqa: E402
 from cluster.launcher import build_app, deploy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,8 +120,18 @@ def serving(config, actor_name_prefix: str = "baton", app=None, **serve_kwargs) 
     block, then stop both. `serve_kwargs` go to cluster.harness.serve_app."""
     deployment = deploy(config, actor_name_prefix=actor_name_prefix)
     try:
-        router_app = (app or build_app)(deployment)
-        with serve_app(router_app, port=config.server.port, **serve_kwargs) as served:
+        with contextlib.ExitStack() as stack:
+            port = config.server.port
+            for attempt in range(3):
+                try:
+                    served = stack.enter_context(serve_app((app or build_app)(deployment), port=port, **serve_kwargs))
+                    break
+                except ServerDidNotStart:
+                    # The port was free when the test chose it, but the processes Ray started since
+                    # bind ports of their own and may have taken it: serve on one free now instead.
+                    if attempt == 2:
+                        raise
+                    port = free_port()
             yield RunningServer(deployment, served)
     finally:
         deployment.shutdown()

@@ -28,7 +28,7 @@ from common.tp_split import check_tp_split
 
 __all__ = [
     "GPUS", "LINKS", "MODELS", "CostModel", "FittedCostModel", "GpuSpec", "LinkModel", "ModelShape",
-    "RooflineCostModel", "ServingOverheads", "StepShape", "fit_cost_model", "load_cost_model",
+    "RooflineCostModel", "ServingOverheads", "StepShape", "TensorParallelCost", "fit_cost_model", "load_cost_model",
 ]
 
 
@@ -257,6 +257,13 @@ class ModelShape:
     def lm_head_params(self) -> int:
         return self.vocab * self.hidden
 
+    @property
+    def sharded_weight_fraction(self) -> float:
+        """The share of the weights a decode step streams that tensor parallelism splits (the
+        layers'; the embedding and lm_head are replicated): of a one-sequence decode step's time too,
+        where streaming the weights is the step."""
+        return self.layer_params_read(1) / (self.layer_params_read(1) + self.lm_head_params)
+
 
 MODELS: dict[str, ModelShape] = {
     "llama-8b": ModelShape("llama-8b", 32, 4096, 32, 8, 128, 14336, 128256),  # Llama 3.1 8B
@@ -344,6 +351,43 @@ class RooflineCostModel:
                 "kv_dtype": self.kv_dtype, "tp": self.tp, "compute_eff": self.compute_eff,
                 "bandwidth_eff": self.bandwidth_eff, "memory_util": self.memory_util,
                 "step_overhead_s": self.step_overhead_s}
+
+
+@dataclass(frozen=True)
+class TensorParallelCost:
+    """A worker of `tp` ranks on hosts measured at one rank (`base`, e.g. a FittedCostModel of this
+    CPU): rank 0's step is base's with the sharded layers' share of it divided by tp (the embedding,
+    lm_head and sampling stay whole on rank 0), plus 2 all-reduces per layer and the step's
+    broadcast, both as measured on the host (bench/tp.py times them between rank processes, an
+    all-reduce between compute of one layer's share, since a rank that is still computing is what
+    the other waits for)."""
+
+    base: CostModel
+    tp: int
+    layers: int
+    sharded_fraction: float  # of base's step in the sharded layers (ModelShape.sharded_weight_fraction)
+    allreduce_s: float
+    broadcast_s: float
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.layers < 1 or not 0 <= self.sharded_fraction <= 1:
+            raise ValueError(f"need tp >= 1, layers >= 1 and 0 <= sharded_fraction <= 1, got {self}")
+
+    def step_time(self, shape: StepShape) -> float:
+        base = self.base.step_time(shape)
+        if self.tp == 1:
+            return base
+        share = self.sharded_fraction / self.tp + 1.0 - self.sharded_fraction
+        return base * share + 2 * self.layers * self.allreduce_s + self.broadcast_s
+
+    def kv_bytes_per_token(self) -> int:
+        return self.base.kv_bytes_per_token()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.base.kv_capacity_tokens()
+
+    def gpus_per_worker(self) -> int:
+        return self.base.gpus_per_worker() * self.tp
 
 
 def cost_model_from_dict(spec: dict) -> CostModel:

@@ -182,6 +182,17 @@ def t_tp_step() -> str:
         f"at the start.")
 
 
+def t_tp_simulated() -> str:
+    """bench/tp.py: the simulator's TP step (cluster.sim.costs.TensorParallelCost) against the measured one."""
+    d = load("tp_step_cpu")
+    names = {"default": "SmolLM2-135M", "smollm2_shape_12_heads": "SmolLM2-135M's shapes in 12 heads"}
+    rows = [[names.get(r["model"], r["model"]), str(r["tensor_parallel_size"]), ms(r["tp1_step_ms"]),
+             f(r["allreduce_ms"], 2), f(r["broadcast_ms"], 2), ms(r["simulated_step_ms"]), ms(r["measured_step_ms"]),
+             ratio(r["simulated_vs_measured"])] for r in d["simulated"]]
+    return table(["model", "TP", "TP 1 step (ms)", "all-reduce (ms)", "broadcast (ms)", "simulated step (ms)",
+                  "measured step (ms)", "simulated / measured"], rows)
+
+
 def t_tp_handoff() -> str:
     """bench/tp.py: one request's KV handoff between prefill and decode groups of each pair of sizes."""
     d = load("tp_step_cpu")

@@ -1,16 +1,23 @@
 """Prefill and decode pools of different tensor-parallel sizes over HTTP, on the default model
 (SmolLM2-135M: 3 KV heads): prefill TP 3 -> decode TP 1 (three prefill ranks' heads gathered into
 the one decode rank's cache through its inlets) and prefill TP 1 -> decode TP 3 with an FP8 KV
-cache (the prefill rank slices its heads apart through staging caches).
+cache (the prefill rank slices its heads apart through staging caches); and a tiny random Llama
+with 4 KV heads at prefill TP 2 -> decode TP 4.
 
-Oracles: the engine alone at TP 1 in this process, in the same KV dtype; the links each pair of
-sizes needs, written out by hand; the KV bytes a handoff must move, from the model's shape.
+Oracles: the engine alone at TP 1 in this process, in the same KV dtype (the tiny model:
+transformers' greedy generate); the links each pair of sizes needs, written out by hand; the KV
+bytes a handoff must move, from the model's shape.
 """
 
 from __future__ import annotations
 
+import random
+
 import httpx
 import pytest
+import torch
+
+from tests.engine.helpers import compare_greedy, hf_greedy, save_tiny_model, write_word_tokenizer
 
 pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16
@@ -18,7 +25,9 @@ BLOCK_SIZE = 16
 ELEMENTS_PER_TOKEN = 30 * 2 * 3 * 64
 
 
-@pytest.fixture(scope="module", params=[(3, 1, "auto"), (1, 3, "fp8")], ids=["tp3-to-tp1", "tp1-to-tp3-fp8"])
+# One server per case, stopped before the next module-level server starts (a module-scoped one would
+# still be up, and its Ray connection left, when the tiny model's test starts its own).
+@pytest.fixture(params=[(3, 1, "auto"), (1, 3, "fp8")], ids=["tp3-to-tp1", "tp1-to-tp3-fp8"])
 def mixed_server(request):
     from cluster.config import BatonConfig
     from cluster.harness import free_port
@@ -61,3 +70,32 @@ def test_greedy_answers_equal_tp1_and_each_link_moves_its_heads(mixed_server, re
     links = [(r, 0) for r in range(3)] if prefill_tp == 3 else [(0, r) for r in range(3)]
     recent = [t for t in httpx.get(server.base_url + "/v1/status").json()["recent"] if t["decision"] == "remote"]
     assert recent and all(t["kv_rank_pairs"] == [[s, d, t["kv_bytes"] // 3] for s, d in links] for t in recent)
+
+
+def test_a_tiny_model_from_tp2_to_tp4_answers_as_transformers():
+    from cluster.config import BatonConfig
+    from cluster.harness import free_port
+    from cluster.testing import leave_ray, serving
+
+    # 8 query heads and 4 KV heads of 8: TP 2 holds two KV heads a rank, TP 4 one.
+    folder, hf = save_tiny_model("llama", num_attention_heads=8, num_key_value_heads=4)
+    write_word_tokenizer(folder)
+    rng = random.Random(24)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(20, 41))] for _ in range(4)]
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        refs = [hf_greedy(hf, p, 8) for p in prompts]
+    config = BatonConfig.from_options(model=folder, port=free_port(), kv_cache_memory="16MiB", local_prefill_threshold=0,
+                                      prefill_tensor_parallel_size=2, decode_tensor_parallel_size=4)
+    leave_ray()
+    with serving(config, actor_name_prefix="tp2to4") as server:
+        for prompt, ref in zip(prompts, refs):
+            r = httpx.post(server.base_url + "/v1/completions", timeout=120,
+                           json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1})
+            assert r.status_code == 200, r.text
+            compare_greedy([int(t.removeprefix("t")) for t in r.json()["choices"][0]["logprobs"]["tokens"]], ref)
+        recent = [t for t in httpx.get(server.base_url + "/v1/status").json()["recent"] if t["decision"] == "remote"]
+        # Prefill rank 0 holds heads 0-1, rank 1 heads 2-3: each slices its two apart for two decode ranks.
+        assert len(recent) == len(prompts) and all(
+            t["kv_rank_pairs"] == [[s, d, t["kv_bytes"] // 4] for s, d in ((0, 0), (0, 1), (1, 2), (1, 3))]
+            for t in recent)

@@ -80,6 +80,22 @@ def test_every_tp_the_roofline_takes_is_one_the_engine_shards_the_model_at():
     assert RooflineCostModel(GPUS["H200"], MODELS["llama-70b"], "fp8", "fp8", tp=2).gpus_per_worker() == 2
 
 
+def test_a_tensor_parallel_step_divides_the_layers_share_and_adds_the_collectives():
+    from cluster.sim.costs import TensorParallelCost
+
+    base = FittedCostModel({"c0": 0.02, "c_token": 0.0, "c_sampled": 0.0, "c_decode_ctx": 0.0,
+                            "c_prefill_pairs": 0.0, "c_decode_seq": 0.0}, knee=1, kv_bytes_per_token=1,
+                           kv_capacity_tokens=100)
+    tp2 = TensorParallelCost(base, tp=2, layers=30, sharded_fraction=0.8, allreduce_s=0.001, broadcast_s=0.0005)
+    shape = StepShape.of([(64, 1, True)])
+    # 20 ms at one rank: 16 ms of layers halved, 4 ms whole, 60 all-reduces of 1 ms, one broadcast.
+    assert tp2.step_time(shape) == pytest.approx(0.008 + 0.004 + 0.060 + 0.0005)
+    assert TensorParallelCost(base, 1, 30, 0.8, 0.001, 0.0005).step_time(shape) == pytest.approx(0.02)
+    assert tp2.gpus_per_worker() == 2 and tp2.kv_capacity_tokens() == 100
+    # SmolLM2-135M: the layers are 106.2 M of the 134.5 M weights a decode step reads (lm_head 28.3 M).
+    assert MODELS["smollm2-135m"].sharded_weight_fraction == pytest.approx(106.17e6 / 134.48e6, rel=1e-3)
+
+
 def test_the_profile_fit_recovers_known_coefficients():
     truth = {"c0": 0.004, "c_token": 0.0011, "c_sampled": 0.0003, "c_decode_ctx": 2e-6, "c_prefill_pairs": 1e-8,
              "c_decode_seq": 0.0}
