@@ -42,6 +42,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     created_at: float = 0.0  # time.time() when the worker queued it (streaming-overhead measurement)
+    # Speculative decoding: draft tokens proposed for the request on this worker so far, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -297,6 +297,8 @@ class RouterMetrics:
                 "last_heartbeat_age_s": max(0.0, now - w.last_heartbeat) if w.last_heartbeat is not None else None,
                 "indexed_blocks": index.num_blocks(w.worker_id) if index is not None else None,
                 "pid": w.pid, "tp_size": w.tp_size, "rank_pids": list(w.rank_pids),
+                "spec_draft_tokens": w.spec_decode.num_draft_tokens,
+                "spec_accepted_tokens": w.spec_decode.num_accepted_tokens,
             })
         in_window = [(t, tr) for t, tr in self.recent if t >= since]
         ttfts = [tr.ttft_s for _, tr in in_window if tr.ttft_s is not None]

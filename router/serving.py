@@ -345,6 +345,8 @@ class Serving:
         try:
             async for out in outputs:
                 trace.token(len(out.token_ids))
+                if out.num_draft_tokens:
+                    trace.speculation(out.num_draft_tokens, out.num_accepted_tokens)
                 if texts is not None and out.text:
                     texts.append(out.text)
                 if out.finished:

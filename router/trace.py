@@ -50,11 +50,14 @@ class RequestTrace:
     decode_s: float = 0.0
     e2e_s: float | None = None
     output_tokens: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens proposed for the request, on every worker
+    spec_accepted_tokens: int = 0  # and accepted
     itl_s: list[float] = field(default_factory=list)  # gaps between consecutive token outputs
     finish_reason: str | None = None
     error: str | None = None
     _first_at: float | None = None
     _last_at: float | None = None
+    _spec_seen: tuple[int, int] = (0, 0)  # the worker's last reported totals (speculation)
 
     def set_route(self, route) -> None:
         """Copy the routing policy's decision (a router.backend.RouteDecision)."""
@@ -84,6 +87,16 @@ class RequestTrace:
         self._last_at = now
         self.output_tokens += num_tokens
 
+    def speculation(self, drafted: int, accepted: int) -> None:
+        """An output's speculative-decoding totals for the request on its worker. A migrated request
+        counts from 0 again on its new worker: its totals there add to those of the old one."""
+        seen_drafted, seen_accepted = self._spec_seen
+        if drafted < seen_drafted:
+            seen_drafted = seen_accepted = 0
+        self.spec_draft_tokens += drafted - seen_drafted
+        self.spec_accepted_tokens += accepted - seen_accepted
+        self._spec_seen = (drafted, accepted)
+
     def finish(self, finish_reason: str | None, error: str | None = None, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
         self.e2e_s = now - self.started
@@ -99,7 +112,8 @@ class RequestTrace:
     _FIELDS: ClassVar[tuple[str, ...]] = (
         "request_id", "prompt_tokens", "structured_output", "arrival", "decode_worker", "prefill_worker", "policy_reason",
         "cached_blocks_found", "fell_back_to_local", "cached_tokens", "queue_s", "prefill_s", "transfer_s", "kv_bytes",
-        "kv_blocks", "kv_rank_pairs", "ttft_s", "decode_s", "e2e_s", "output_tokens", "finish_reason", "error")
+        "kv_blocks", "kv_rank_pairs", "ttft_s", "decode_s", "e2e_s", "output_tokens", "spec_draft_tokens",
+        "spec_accepted_tokens", "finish_reason", "error")
 
     def to_dict(self) -> dict:
         # By hand, not dataclasses.asdict: that deep-copies itl_s, and /v1/status calls this often.

@@ -415,7 +415,8 @@ class LLMEngine:
             logprobs=state.pending_logprobs if logprobs[0] is not None else None,
             finished=finished,
             finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=state.drafting.drafted,
+            num_accepted_tokens=state.drafting.accepted,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
         )

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from common.protocol import KVLayout
 from common.roles import Role
-from kvtransfer import PairwiseTransport, Place, dtype_name
 from common.tp_split import kv_head_range
+from kvtransfer import PairwiseTransport, Place, dtype_name
 from kvtransfer.resharding import RankKV, handoff_links
 from workers.config import EngineConfig, WorkerConfig
 from workers.model_config import ModelConfig

@@ -108,10 +108,13 @@ def num_accepted(tokens: list[int], drafts: tuple[int, ...] | list[int]) -> int:
 
 @dataclass
 class DraftHistory:
-    """One request's recent acceptance, for the per-sequence pause (state of the request)."""
+    """One request's acceptance: its totals (reported with its outputs) and its recent misses, for
+    the per-sequence pause (state of the request)."""
 
     misses_in_a_row: int = 0
     paused_steps_left: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     def wants_drafts(self) -> bool:
         """Whether to draft this decode step (a paused sequence counts one step down)."""
@@ -123,6 +126,8 @@ class DraftHistory:
     def record(self, num_drafts: int, accepted: int) -> None:
         if not num_drafts:
             return
+        self.drafted += num_drafts
+        self.accepted += accepted
         self.misses_in_a_row = 0 if accepted else self.misses_in_a_row + 1
         if self.misses_in_a_row >= MISSES_BEFORE_PAUSE:
             self.misses_in_a_row = 0

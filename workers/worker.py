@@ -350,7 +350,7 @@ class EngineWorker:
     def kv_links(self) -> list[PeerLink]:
         """The decode workers this worker has connected to: the backend of each pair and the
         blocks it carried."""
-        return self.transport.links()
+        return [link for transport in self.kv.transports() for link in transport.links()]
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 router: RouterClaim | None = None):

@@ -2,11 +2,14 @@
 with suffix decoding on the decode pool (every request through the KV handoff), greedy chat answers
 streamed and not. Oracle: the engine alone without speculation in this process (itself checked
 against transformers in tests/engine). The workers' counters must show drafts accepted, so the test
-cannot pass by never speculating.
+cannot pass by never speculating, and the requests' traces must add up to them.
 """
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import openai
 import pytest
 
@@ -54,3 +57,15 @@ def test_greedy_answers_equal_the_engine_without_speculation(spec_server, refere
         assert streamed == want.text
     after = spec_server.stats()["decode-0"].spec_decode
     assert after.num_accepted_tokens > before.num_accepted_tokens and after.num_drafts > before.num_drafts
+    # Each request's trace has its drafts (the dashboard shows them): together, what the worker counted.
+    status = httpx.get(spec_server.base_url + "/v1/status").json()
+    assert len(status["recent"]) == 7  # 3 of greedy_answers_match, 2 x 2 here
+    assert sum(t["spec_draft_tokens"] for t in status["recent"]) == after.num_draft_tokens - before.num_draft_tokens
+    assert sum(t["spec_accepted_tokens"] for t in status["recent"]) == (after.num_accepted_tokens
+                                                                       - before.num_accepted_tokens)
+    # The workers' totals (the dashboard's acceptance rate) as the router's last heartbeat saw them.
+    deadline = time.monotonic() + 20
+    while httpx.get(spec_server.base_url + "/v1/status").json()["pools"]["decode"][0]["spec_draft_tokens"] \
+            != after.num_draft_tokens:
+        assert time.monotonic() < deadline, "the router's status never caught up with the worker's drafts"
+        time.sleep(0.2)

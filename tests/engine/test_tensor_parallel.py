@@ -234,3 +234,20 @@ def test_tiny_models_match_tp1_and_transformers(tiny_models, tp, expert_parallel
     for name, result in zip(names, results):
         assert_exact(result, models[name][1], f"{name} at TP {tp}{' (expert parallel)' if expert_parallel else ''}")
     assert resumed.token_ids == [tokens[MIGRATE_AFTER:] for tokens in expected.tp1], f"migrated onto TP {tp}"
+
+
+@pytest.mark.slow
+def test_a_request_moves_from_tp1_onto_a_tp3_group_and_ends_as_at_tp1():
+    # SmolLM2's split in small: 6 query heads, 3 KV heads, one KV head a rank at TP 3.
+    folder, hf = save_tiny_model("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3,
+                                 intermediate_size=144)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 23)]
+    expected = oracle(folder, hf, prompts)
+    # The TP-1 engine's first tokens, continued by the group as a migrated request is (a decode worker
+    # lost mid-stream: the new one prefills prompt + those tokens and decodes on).
+    job = GroupJob(folder, prompts, NEW_TOKENS, resume_from=[tokens[:MIGRATE_AFTER] for tokens in expected.tp1])
+    [resumed] = run_group([job], 3, CONFIG)
+    assert expected.tp1 == expected.hf
+    assert resumed.token_ids == [tokens[MIGRATE_AFTER:] for tokens in expected.tp1]
+    assert len(set(resumed.steps_run)) == 1 and resumed.steps_run[0] > 0
