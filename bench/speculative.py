@@ -26,10 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from common.envs import ensure_private_ray_env
+ensure_private_ray_env()  # the Baton servers it starts keep Ray on loopback
 
-from bench.compare_vllm import summary
-from workers.model_files import resolve_model_dir
+import httpx  # noqa: E402
+
+from bench.compare_vllm import summary  # noqa: E402
+from workers.model_files import resolve_model_dir  # noqa: E402
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
@@ -56,8 +59,7 @@ def dataset(path: Path) -> int:
 
 def start(label: str, port: int, command: list[str], logs: Path) -> subprocess.Popen:
     proc = subprocess.Popen(command, stdout=open(logs / f"{label}.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                                                         "HF_HUB_OFFLINE": "1"})
+                            start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 600
     while True:
         try:
