@@ -66,10 +66,10 @@ def test_a_group_lands_on_one_node_and_a_killed_rank_restarts_it(tp_cluster, cle
         assert counts["exact"] == len(expected), counts
         assert deployment.backend.counters["migrations"] >= 1, deployment.backend.counters
 
-        def restarted() -> bool:
+        def restarted() -> bool:  # (an actor of the old group may still be listed for a moment)
             pids, nodes = group_nodes(name)
-            return bool(pids) and pids != rank0 and len(nodes) == 3
-        asyncio.run(wait_async(restarted, 120, "decode-0's group back", every_s=0.5))
+            return bool(pids) and pids != rank0 and len(nodes) >= 3 and victim not in nodes
+        asyncio.run(wait_async(restarted, 240, "decode-0's group back", every_s=0.5))
         _, after = group_nodes(name)
         assert victim not in after and len(set(after.values())) == 1, after  # the new group: one node again
         stats = server.wait_idle(timeout_s=60)
