@@ -118,29 +118,10 @@ def collective_costs(size: int, compute_s: float, iterations: int = 600) -> dict
         return json.loads(Path(out_dir, "collectives.json").read_text())
 
 
-class _MeasuredStep:
-    """A cost model whose every step takes what the engine's one-sequence decode step took here."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def step_time(self, shape) -> float:
-        return self.seconds
-
-    def kv_bytes_per_token(self) -> int:
-        return 1
-
-    def kv_capacity_tokens(self) -> int:
-        return 1
-
-    def gpus_per_worker(self) -> int:
-        return 1
-
-
 def simulated_tp_steps(results: list[dict]) -> list[dict]:
     """The simulator's TP cost (cluster.sim.costs.TensorParallelCost) for each measured TP > 1 step,
     from the TP 1 one-thread step measured beside it and this machine's collectives."""
-    from cluster.sim.costs import MODELS, StepShape, TensorParallelCost
+    from cluster.sim.costs import MODELS, FittedCostModel, StepShape, TensorParallelCost
 
     shape = MODELS["smollm2-135m"]  # both models here have its weight shapes
     out = []
@@ -152,7 +133,10 @@ def simulated_tp_steps(results: list[dict]) -> list[dict]:
                     and b["tensor_parallel_size"] == 1 and b["threads_per_rank"] == 1) / 1e3
         layer_share = base * shape.sharded_weight_fraction / tp / (2 * shape.layers)
         costs = collective_costs(tp, layer_share)
-        model = TensorParallelCost(_MeasuredStep(base), tp, shape.layers, shape.sharded_weight_fraction,
+        # One rank's step as measured here: a fitted model whose every step costs that much.
+        measured_step = FittedCostModel({"c0": base, **dict.fromkeys(FittedCostModel.COEFFICIENTS[1:], 0.0)}, knee=1,
+                                        kv_bytes_per_token=1, kv_capacity_tokens=1)
+        model = TensorParallelCost(measured_step, tp, shape.layers, shape.sharded_weight_fraction,
                                    costs["allreduce"], costs["broadcast"])
         predicted = model.step_time(StepShape.of([(64, 1, True)]))
         measured = r["median_decode_step_ms"] / 1e3
