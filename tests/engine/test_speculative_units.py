@@ -1,5 +1,5 @@
 """Speculative decoding without a model: --speculative-config parsing, the n-gram proposer, the
-per-sequence pause, and (chi-square, at the sampler level) that verifying a point-mass draft
+per-position counters, and (chi-square, at the sampler level) that verifying a point-mass draft
 keeps every emitted token's distribution.
 
 The distribution oracle is tests/unit/test_sampling_distribution.py's, written in float64 from the
@@ -19,8 +19,7 @@ from workers.config import EngineConfig, SpeculativeConfig
 from workers.sampler import SamplingRow, sample
 from workers.sequence import Sequence
 from workers.suffix_decoding import SuffixIndex, SuffixProposer
-from workers.speculative import (MISSES_BEFORE_PAUSE, PAUSE_STEPS, DraftHistory, SpecDecodeCounters, ngram_drafts,
-                                 num_accepted)
+from workers.speculative import SpecDecodeCounters, ngram_drafts, num_accepted
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 
@@ -35,8 +34,10 @@ def test_vllm_keys_parse_into_the_engine_config():
 @pytest.mark.parametrize("text, named", [
     ('{"method": "ngram", ', "not valid JSON"),
     ('["ngram"]', "JSON object"),
-    ('{"method": "draft_model", "num_speculative_tokens": 4, "model": "/m"}', "unknown key 'model'"),
-    ('{"method": "draft_model", "num_speculative_tokens": 4}', "'draft_model' is not yet supported"),
+    ('{"method": "draft_model", "num_speculative_tokens": 4}', "speculative_config.model must name the draft"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "model": "/m"}', "model is for method 'draft_model'"),
+    ('{"method": "draft_model", "num_speculative_tokens": 4, "model": "/m", "quantization": "int4"}',
+     "quantization must be null or 'fp8'"),
     ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 1.5}',
      "suffix_decoding_min_token_prob must be in [0, 1], got 1.5"),
     ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 0}',
@@ -45,7 +46,8 @@ def test_vllm_keys_parse_into_the_engine_config():
      "suffix_decoding_max_tree_depth must be a positive integer"),
     ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_cached_requests": -2}',
      "suffix_decoding_max_cached_requests must be an integer >= 0"),
-    ('{"method": "eagle", "num_speculative_tokens": 4}', "speculative_config.method must be one of ngram"),
+    ('{"method": "eagle", "num_speculative_tokens": 4}', "'eagle' is not yet supported"),
+    ('{"method": "lookahead", "num_speculative_tokens": 4}', "speculative_config.method must be one of ngram"),
     ('{"method": "ngram"}', "needs the key 'num_speculative_tokens'"),
     ('{"num_speculative_tokens": 3}', "needs the key 'method'"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
@@ -71,7 +73,7 @@ def test_baton_serve_has_the_flag_and_passes_it_to_the_workers():
     args = parser.parse_args(["--speculative-config", NGRAM])
     config = BatonConfig.load(None, vars(args))
     assert config.worker_engine_config().speculative.num_speculative_tokens == 4
-    with pytest.raises(ValueError, match="draft_model' is not yet supported"):
+    with pytest.raises(ValueError, match="speculative_config.model must name the draft model's folder"):
         BatonConfig.load(None, {"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 2}'})
     suffix = BatonConfig.load(None, {"speculative_config": '{"method": "suffix", "num_speculative_tokens": 6}'})
     assert suffix.worker_engine_config().speculative == SpeculativeConfig("suffix", 6)
@@ -181,18 +183,6 @@ def test_acceptance_is_the_longest_agreeing_prefix():
     assert num_accepted([5, 6, 7], (5, 6)) == 2
     assert num_accepted([5, 9, 7], (5, 6)) == 1
     assert num_accepted([4, 6, 7], (5, 6)) == 0
-
-
-def test_a_sequence_whose_drafts_keep_failing_pauses_then_tries_again():
-    history = DraftHistory()
-    for _ in range(MISSES_BEFORE_PAUSE - 1):
-        history.record(4, 0)
-        assert history.wants_drafts()
-    history.record(4, 1)  # one accepted draft resets the run
-    for _ in range(MISSES_BEFORE_PAUSE):
-        assert history.wants_drafts()
-        history.record(4, 0)
-    assert [history.wants_drafts() for _ in range(PAUSE_STEPS + 1)] == [False] * PAUSE_STEPS + [True]
 
 
 def test_counters_count_per_position():

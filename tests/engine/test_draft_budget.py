@@ -1,0 +1,196 @@
+"""How many drafts pay (workers.draft_budget): the plan against a brute-force search over every
+choice of draft counts, hand-computed cases, the step-cost fit against the line it was drawn from,
+the acceptance estimate, and a sequence whose drafts stop paying."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from workers.config import SpeculativeConfig
+from workers.draft_budget import (PRIOR_TOKEN_COST, PROBE_STEPS, Acceptance, DraftHistory, StepCostFit,
+                                  draft_counts, entry_bound)
+from workers.speculative import Speculator
+from common.sampling_params import SamplingParams
+from workers.sequence import Sequence
+
+
+def tokens_per_cost(counts: list[int], acceptance: list[float], token_cost: float) -> float:
+    """Expected tokens emitted over the step's relative cost, from the definition: sequence i emits
+    its own token plus draft j with probability acceptance_i ** j (accepted in order)."""
+    expected = sum(1 + sum(a ** j for j in range(1, k + 1)) for k, a in zip(counts, acceptance))
+    return expected / (1 + token_cost * (len(counts) + sum(counts)))
+
+
+def best_by_search(available, acceptance, token_cost, probes, budget) -> float:
+    best = 0.0
+    for counts in itertools.product(*[range(n + 1) for n in available]):
+        if sum(counts) > budget or any(p and n and k < 1 for p, n, k in zip(probes, available, counts)):
+            continue
+        best = max(best, tokens_per_cost(list(counts), acceptance, token_cost))
+    return best
+
+
+def test_the_plan_is_as_good_as_any_choice_of_counts():
+    rng = random.Random(5)
+    for _ in range(400):
+        n = rng.randint(1, 4)
+        available = [rng.randint(0, 4) for _ in range(n)]
+        acceptance = [rng.choice([0.0, 0.05, 0.2, 0.5, 0.8, 0.95, rng.random()]) for _ in range(n)]
+        token_cost = rng.choice([0.0, 0.01, 0.05, 0.2, 1.0])
+        probes = [rng.random() < 0.2 for _ in range(n)]
+        budget = rng.randint(0, 12)
+        counts = draft_counts(available, acceptance, token_cost, probes, budget)
+        assert all(0 <= k <= a for k, a in zip(counts, available)) and sum(counts) <= budget
+        if sum(1 for p, a in zip(probes, available) if p and a) <= budget:
+            assert tokens_per_cost(counts, acceptance, token_cost) == pytest.approx(
+                best_by_search(available, acceptance, token_cost, probes, budget), rel=1e-12), \
+                (available, acceptance, token_cost, probes, budget, counts)
+
+
+def test_hand_computed_plans():
+    # One sequence, acceptance 0.5, a token at 5% of the step: tokens per cost for 0..4 drafts are
+    # 1/1.05, 1.5/1.1, 1.75/1.15, 1.875/1.2, 1.9375/1.25 = 0.952, 1.364, 1.522, 1.5625, 1.55.
+    assert draft_counts([4], [0.5], 0.05, [False], 8) == [3]
+    # Acceptance 0.18 (what sampling at temperature 1 gets on the repetition workload): one draft
+    # pays alone (0.18 * 1.05 > 0.05) and beside 3 others (the first: 0.18 * 1.2 > 0.2), none in a
+    # batch of 16 (0.18 * 1.8 < 0.8).
+    assert draft_counts([4], [0.18], 0.05, [False], 8) == [1]
+    assert draft_counts([4] * 4, [0.18] * 4, 0.05, [False] * 4, 16) == [1] * 4
+    assert draft_counts([4] * 16, [0.18] * 16, 0.05, [False] * 16, 64) == [0] * 16
+    assert entry_bound(16, 0.05) == pytest.approx(0.8 / 1.8)
+    # Free tokens (a GPU's small batch): every available draft with any chance.
+    assert draft_counts([4, 2, 3], [0.1, 0.0, 0.9], 0.0, [False] * 3, 16) == [4, 0, 3]
+    # A probe drafts one even when it does not pay; the budget caps everything.
+    assert draft_counts([4, 4], [0.01, 0.9], 0.05, [True, False], 2) == [1, 1]
+    assert draft_counts([4, 4], [0.01, 0.01], 0.05, [True, True], 1) == [1, 0]
+
+
+def test_the_step_cost_fit_finds_the_line_it_was_drawn_from():
+    rng = random.Random(2)
+    fit = StepCostFit()
+    assert fit.token_cost() == PRIOR_TOKEN_COST  # nothing measured
+    for _ in range(200):
+        tokens = rng.randint(1, 20)
+        fit.observe(tokens, (0.020 + 0.002 * tokens) * rng.uniform(0.97, 1.03))
+    assert fit.token_cost() == pytest.approx(0.1, rel=0.1)
+    # Then only steps of one size (a batch without drafts): the slope cannot be fitted, the last fit stays.
+    for _ in range(2000):
+        fit.observe(8, 0.5)
+    assert fit.token_cost() == pytest.approx(0.1, rel=0.1)
+
+
+def test_acceptance_is_accepted_over_accepted_plus_rejections():
+    acceptance = Acceptance(decay=1.0)
+    acceptance.record(4, 4)  # all accepted: no rejection
+    acceptance.record(4, 1)
+    acceptance.record(2, 0)
+    assert acceptance.rate(prior=0.5, prior_weight=0.0) == pytest.approx(5 / 7)
+    assert acceptance.rate(prior=0.5, prior_weight=1.0) == pytest.approx(5.5 / 8)
+    decayed = Acceptance(decay=0.5)
+    decayed.record(4, 4)
+    decayed.record(4, 0)
+    assert (decayed.accepted, decayed.rejections) == (2.0, 1.0)
+
+
+def sequence(tokens: list[int]) -> Sequence:
+    return Sequence("r", tokens, SamplingParams(max_tokens=64, temperature=0.0))
+
+
+def test_a_sequence_whose_drafts_fail_stops_drafting_then_probes():
+    speculator = Speculator(SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=2), 4096)
+    seq = sequence([1, 2, 3] * 10)  # the n-gram proposer always has 4 drafts for it
+    history = DraftHistory()
+    drafted = []
+    for _ in range(80):
+        drafts = speculator.drafts([seq], 64, lambda s: history)[0]
+        drafted.append(len(drafts))
+        if drafts:
+            history.record(len(drafts), 0)  # every draft rejected (the worker's pooled rate stays at its prior)
+    # The prior (0.5) pays for 3 drafts (test_hand_computed_plans); the misses pull the estimate down.
+    assert drafted[0] == 3 and drafted[1:10] == sorted(drafted[1:10], reverse=True)
+    quiet = drafted[20:]
+    probes = [i for i, n in enumerate(quiet) if n]
+    assert len(probes) >= 3 and all(quiet[i] == 1 for i in probes)  # only probes, one draft each
+    assert all(b - a == PROBE_STEPS + 1 for a, b in zip(probes, probes[1:]))
+    # Accepted drafts bring it back.
+    for _ in range(4):
+        while not (drafts := speculator.drafts([seq], 64, lambda s: history)[0]):
+            pass
+        history.record(len(drafts), len(drafts))
+    assert len(speculator.drafts([seq], 64, lambda s: history)[0]) >= 2
+
+
+def test_no_proposal_is_made_for_a_sequence_whose_first_draft_cannot_pay():
+    asked = []
+
+    class CountingProposer:
+        def propose(self, seq, max_drafts):
+            asked.append(seq)
+            return [7] * max_drafts
+
+        def forget(self, seq, finished):
+            pass
+
+    speculator = Speculator(SpeculativeConfig("ngram", 4, disable_by_batch_size=None), 4096)
+    speculator.proposer = CountingProposer()
+    low = DraftHistory()
+    for _ in range(6):
+        low.record(4, 0)
+    seqs = [sequence([1, 2, 3]) for _ in range(16)]
+    out = speculator.drafts(seqs, 256, lambda s: low)
+    assert out == [[]] * 16 and not asked
+    assert low.idle_steps == 16  # one skipped step per sequence sharing it
+
+
+class ConstantTokenCost:
+    """A CPU-like rho, fixed so the engine test below does not depend on how fast this host runs."""
+
+    def __init__(self, rho: float) -> None:
+        self.rho = rho
+
+    def token_cost(self) -> float:
+        return self.rho
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_the_engine_drafts_while_drafts_are_accepted_and_stops_when_they_are_not():
+    from tests.engine.helpers import save_tiny_model
+    from tests.engine.test_draft_model import draft_config
+    from tests.engine.test_speculative_engine import engine, passage_prompts, run
+
+    target, _ = save_tiny_model("llama")
+    other, _ = save_tiny_model("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                               num_attention_heads=2, num_key_value_heads=1)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def drafts_per_step(draft: str, prompts: list[list[int]]) -> tuple[float, float]:
+        eng = engine(target, draft_config(draft), adaptive=True)
+        eng.speculator.step_cost = ConstantTokenCost(0.05)
+        run(eng, prompts, greedy)
+        stats = eng.stats().spec_decode
+        decode_steps = len(prompts) * greedy.max_tokens - stats.num_accepted_tokens
+        return stats.num_draft_tokens / decode_steps, stats.num_accepted_tokens / max(stats.num_draft_tokens, 1)
+
+    # The model drafting for itself: every draft accepted, so all 4 are verified nearly every step.
+    per_step, rate = drafts_per_step(target, passage_prompts(1))
+    assert rate == 1.0 and per_step > 3
+    # A draft that is never right, 16 at once: after the first misses, almost nothing is drafted.
+    per_step, rate = drafts_per_step(other, passage_prompts(16, seed=9))
+    assert rate < 0.1 and per_step < 0.1
+
+
+def test_the_proposer_is_asked_only_for_drafts_that_could_pay():
+    from workers.draft_budget import most_that_could_pay
+
+    # bound 0.2: 0.5 ** 2 = 0.25 beats it, 0.5 ** 3 does not.
+    assert most_that_could_pay(0.5, 0.2, 4, probe=False) == 2
+    assert most_that_could_pay(0.5, 0.2, 1, probe=False) == 1
+    assert most_that_could_pay(0.1, 0.2, 4, probe=False) == 0
+    assert most_that_could_pay(0.1, 0.2, 4, probe=True) == 1
+    assert most_that_could_pay(0.9, 0.0, 4, probe=False) == 4
+    assert most_that_could_pay(0.9, 0.0, 0, probe=True) == 0

@@ -1,0 +1,166 @@
+"""The draft_model method through the engine: the tokens are those of the same engine without
+speculation (the oracle), greedy and seeded, with chunked prefill, FP8 KV, preemptions, a migration
+and a remote prefill whose KV arrived over shared memory. A model drafting for itself must have
+(nearly) every greedy draft accepted: that checks the draft's own KV (its catch-up after a remote
+prefill, a preemption or a migration, its scratch blocks, what it keeps after a verification),
+because a draft reading wrong KV guesses wrong. A smaller draft (one layer, other weights) checks
+exactness when drafts are often wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from common.protocol import PrefillRequest, ResumeState
+from common.sampling_params import SamplingParams
+from tests.engine.helpers import save_tiny_model
+from tests.engine.test_speculative_engine import GREEDY, FreeTokens, accepted, engine, passage_prompts, run
+from workers.config import EngineConfig, SpeculativeConfig
+
+
+def draft_config(folder: str, k: int = 4) -> str:
+    return json.dumps({"method": "draft_model", "model": str(folder), "num_speculative_tokens": k})
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    folder, _ = save_tiny_model("llama")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def small_draft_dir():
+    folder, _ = save_tiny_model("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                num_attention_heads=2, num_key_value_heads=1)
+    return folder
+
+
+def acceptance(eng) -> float:
+    stats = eng.stats().spec_decode
+    return stats.num_accepted_tokens / max(stats.num_draft_tokens, 1)
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="plain-kv"),
+    pytest.param({"max_num_batched_tokens": 16}, id="chunked-prefill"),
+    pytest.param({"kv_cache_dtype": "fp8"}, id="fp8-kv"),
+])
+def test_a_model_drafting_for_itself_has_its_greedy_drafts_accepted(target_dir, options):
+    prompts = passage_prompts(4)
+    plain = run(engine(target_dir, None, **options), prompts, GREEDY)
+    spec_engine = engine(target_dir, draft_config(target_dir), **options)
+    assert run(spec_engine, prompts, GREEDY, check_blocks=True) == plain
+    stats = spec_engine.stats().spec_decode
+    assert stats.num_draft_tokens > 40
+    # FP8 KV: the target reads quantized KV, the draft float; a near tie may then go the other way.
+    assert acceptance(spec_engine) >= (0.9 if options.get("kv_cache_dtype") == "fp8" else 0.97)
+
+
+def test_a_smaller_draft_changes_no_token(target_dir, small_draft_dir):
+    prompts = passage_prompts(6, seed=1)
+    plain = run(engine(target_dir, None), prompts, GREEDY)
+    spec_engine = engine(target_dir, draft_config(small_draft_dir))
+    assert run(spec_engine, prompts, GREEDY, check_blocks=True) == plain
+    assert spec_engine.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_preemptions_leave_the_draft_nothing_stale(target_dir):
+    prompts = passage_prompts(8, seed=1)
+    plain = run(engine(target_dir, None), prompts, GREEDY)
+    small = engine(target_dir, draft_config(target_dir), num_kv_blocks=12, max_num_seqs=8)
+    assert run(small, prompts, GREEDY, check_blocks=True) == plain
+    assert small.stats().num_preemptions > 0
+    assert acceptance(small) >= 0.97
+
+
+def test_seeded_requests_get_the_same_tokens_with_a_draft(target_dir, small_draft_dir):
+    prompts = passage_prompts(4, seed=2)
+    params = [SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=10 + i, ignore_eos=True) for i in range(4)]
+    plain = run(engine(target_dir, None), prompts, params)
+    for draft in (target_dir, small_draft_dir):
+        spec_engine = engine(target_dir, draft_config(draft))
+        assert run(spec_engine, prompts, params) == plain
+        assert spec_engine.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_a_migrated_request_drafts_from_its_new_worker(target_dir):
+    prompt = passage_prompts(1, seed=3)[0]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    [(want, _, _)] = run(engine(target_dir, None), [prompt], params)
+    spec_engine = engine(target_dir, draft_config(target_dir))
+    spec_engine.resume_request(prompt, params, "moved", ResumeState(tuple(want[:10]), 0))
+    got = list(want[:10])
+    while spec_engine.has_unfinished_requests():
+        for out in spec_engine.step():
+            got += out.token_ids
+    assert got == want
+    assert acceptance(spec_engine) >= 0.97 and accepted(spec_engine) > 0
+
+
+def test_a_remote_prefill_gives_the_draft_no_kv_and_it_catches_up(target_dir):
+    from workers.worker import EngineWorker, WorkerConfig
+
+    prompts = passage_prompts(3, seed=4)
+    plain = run(engine(target_dir, None), prompts, GREEDY)
+    config = EngineConfig(kv_cache_memory=8 << 20)
+    prefill = EngineWorker(WorkerConfig("p0", "prefill", target_dir, config, transport="shm"))
+    decode = EngineWorker(WorkerConfig("d0", "decode", target_dir, EngineConfig(
+        kv_cache_memory=8 << 20, speculative_config=draft_config(target_dir)), transport="shm"))
+    decode.engine.speculator.step_cost = FreeTokens()  # verify drafts on every step (see engine())
+    try:
+        for i, (prompt, (want, _, _)) in enumerate(zip(prompts, plain)):
+            reservation = decode.reserve(f"r{i}", prompt, GREEDY)
+            result = prefill.prefill(PrefillRequest(f"r{i}", prompt, GREEDY, decode.endpoint(),
+                                                    reservation.block_ids, reservation.num_cached_tokens))
+            tokens = list(result.output.token_ids)
+            decode.start_decode(f"r{i}", tokens[0])
+            while len(tokens) < len(want):
+                outputs = decode.poll_outputs(5.0)
+                assert outputs, "the decode worker produced nothing for 5 s"
+                tokens += [t for out in outputs for t in out.token_ids]
+            assert tokens == want
+        assert acceptance(decode.engine) >= 0.97 and accepted(decode.engine) > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_block_invariants_hold_with_a_draft_in_a_randomized_run(target_dir, small_draft_dir):
+    rng = random.Random(7)
+    eng = engine(target_dir, draft_config(small_draft_dir), num_kv_blocks=24, max_num_seqs=6,
+                 max_num_batched_tokens=48)
+    eng.sampler.generator.manual_seed(11)
+    prompts = passage_prompts(16, seed=5)
+    live: list[str] = []
+    submitted = 0
+    while submitted < len(prompts) or eng.has_unfinished_requests():
+        while submitted < len(prompts) and rng.random() < 0.5:
+            params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=rng.choice([0.0, 0.8]),
+                                    ignore_eos=True)
+            live.append(eng.add_request(prompts[submitted], params))
+            submitted += 1
+        for out in eng.step():
+            if out.finished:
+                live.remove(out.request_id)
+        if live and rng.random() < 0.05:
+            assert eng.abort(live.pop(rng.randrange(len(live))))
+        eng.scheduler.check_invariants()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.stats().spec_decode.num_draft_tokens > 0 and not eng.speculator.proposer._cached
+
+
+def test_bad_draft_configs_name_the_key(target_dir, tmp_path):
+    with pytest.raises(ValueError, match="speculative_config.model must name"):
+        SpeculativeConfig("draft_model", 4)
+    with pytest.raises(ValueError, match="speculative_config.model is for method 'draft_model'"):
+        SpeculativeConfig("ngram", 4, model=str(target_dir))
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 2 is not yet supported"):
+        SpeculativeConfig("draft_model", 4, model=str(target_dir), draft_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="not a model folder"):
+        engine(target_dir, draft_config(tmp_path))
+    other_vocab, _ = save_tiny_model("llama", vocab_size=256)
+    with pytest.raises(ValueError, match="vocabulary of 256 tokens"):
+        engine(target_dir, draft_config(other_vocab))

@@ -1,0 +1,164 @@
+"""When drafts pay: how many drafts each decoding sequence verifies in a step.
+
+A draft costs one more token in the step and is worth its chance of being accepted. Drafts are
+accepted in order until the first rejection, so with a sequence's measured acceptance per position
+alpha, its j-th draft counts with probability alpha^j. The step's cost is measured on the engine's own
+steps as t = a + b * tokens. A step of T tokens expected to emit E tokens gives E / (a + b T) tokens
+per second, and one more draft with chance g raises that exactly when
+
+    g > rho * E / (1 + rho * T),        rho = b / a (a token's cost against the step's fixed cost).
+
+Taking drafts in falling order of chance while that holds maximises the expected tokens per second:
+each draft taken raises E / (1 + rho T), so the bound only rises and the first draft that misses it
+ends the plan. Drafts therefore thin out as the batch grows (a decode-only batch of n sequences
+starts at the bound rho n / (1 + rho n)), as acceptance falls, and as tokens get dearer (a CPU's rho
+is ~0.05; a GPU's decode step costs nearly the same for 1 token as for 64, so drafts pay there at any
+batch).
+
+A sequence that verified no draft for PROBE_STEPS decode steps is given one, so that an estimate
+that went low can recover when the text turns repetitive (one token every PROBE_STEPS steps), while
+the worker's pooled acceptance would pay for a first draft in the step (above it, as in a large batch
+at a CPU's rho, no sequence drafts and none probes: the step costs what it costs without drafts).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE = 0.5  # before any draft was verified on this worker
+# The worker's pooled acceptance counts as this many trials in a sequence's estimate: light, so that a
+# sequence whose drafts keep failing falls below any bound (at most 1 / (1 - SEQUENCE_DECAY) = 10
+# rejections are remembered; the estimate then reaches prior / 21).
+PRIOR_WEIGHT = 0.5
+SEQUENCE_DECAY = 0.9  # per verification: copying comes in runs, so a sequence's recent drafts count most
+POOL_DECAY = 0.99  # per verification, for the worker's pooled acceptance
+COST_DECAY = 0.99  # per observed step: the fit follows the host's load
+# rho until steps of different sizes were measured: this CPU's fitted step (c_token + c_sampled over c0
+# in bench/results/cost_profile_cpu.json).
+PRIOR_TOKEN_COST = 0.05
+MAX_TOKEN_COST = 1.0  # a token costing as much as the step's fixed part: drafts pay only when nearly sure
+MIN_COST_WEIGHT = 20.0  # decayed steps observed before the fit is used
+MIN_TOKEN_VARIANCE = 0.25  # steps must differ in size for a slope (a batch without drafts never does)
+PROBE_STEPS = 16
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of accepted drafts and of rejections (verifications that rejected a draft).
+    accepted / (accepted + rejections) is the maximum-likelihood chance per position for drafts
+    accepted in order until the first rejection."""
+
+    decay: float
+    accepted: float = 0.0
+    rejections: float = 0.0
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        self.accepted = self.accepted * self.decay + accepted
+        self.rejections = self.rejections * self.decay + (1.0 if accepted < num_drafts else 0.0)
+
+    def rate(self, prior: float, prior_weight: float) -> float:
+        return (self.accepted + prior * prior_weight) / (self.accepted + self.rejections + prior_weight)
+
+
+@dataclass
+class DraftHistory:
+    """One request's drafts: its totals (reported with its outputs), its recent acceptance and the
+    decode steps since it last verified drafts (state of the request, kept across preemption)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    recent: Acceptance = field(default_factory=lambda: Acceptance(SEQUENCE_DECAY))
+    idle_steps: int = 0
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        if not num_drafts:
+            return
+        self.drafted += num_drafts
+        self.accepted += accepted
+        self.recent.record(num_drafts, accepted)
+        self.idle_steps = 0
+
+    def skip_step(self) -> None:
+        """This decode step verifies none of its drafts."""
+        self.idle_steps += 1
+
+    @property
+    def due_a_probe(self) -> bool:
+        return self.idle_steps >= PROBE_STEPS
+
+
+class StepCostFit:
+    """Least squares of a step's seconds on its tokens, t = a + b * tokens, over decayed sums of the
+    engine's steps; token_cost() is rho = b / a."""
+
+    def __init__(self, decay: float = COST_DECAY, prior: float = PRIOR_TOKEN_COST) -> None:
+        self.decay = decay
+        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
+        self._last_fit = min(prior, MAX_TOKEN_COST)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds > 0:
+            return
+        x, y = float(tokens), float(seconds)
+        self._sums = [s * self.decay + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
+
+    def token_cost(self) -> float:
+        """rho, clamped to [0, MAX_TOKEN_COST]; the last fit (at first the prior) while the
+        recent steps are too few or too alike in size to fit a slope."""
+        w, sx, sy, sxx, sxy = self._sums
+        if w < MIN_COST_WEIGHT:
+            return self._last_fit
+        mean_x, mean_y = sx / w, sy / w
+        variance = sxx / w - mean_x * mean_x
+        if variance < MIN_TOKEN_VARIANCE:
+            return self._last_fit
+        slope = (sxy / w - mean_x * mean_y) / variance
+        intercept = mean_y - slope * mean_x
+        rho = MAX_TOKEN_COST if intercept <= 0 else slope / intercept
+        self._last_fit = min(max(rho, 0.0), MAX_TOKEN_COST)
+        return self._last_fit
+
+
+def entry_bound(num_decoding: int, token_cost: float) -> float:
+    """The chance a first draft must beat in a step of num_decoding sequences without drafts."""
+    return token_cost * num_decoding / (1 + token_cost * num_decoding)
+
+
+def most_that_could_pay(acceptance: float, bound: float, limit: int, probe: bool) -> int:
+    """At most how many drafts a sequence can get in a step whose first draft must beat bound
+    (entry_bound): its j-th draft's chance acceptance ** j must beat it too (the bound only rises);
+    a probe gets one regardless. Capped by limit."""
+    most = 0
+    while most < limit and acceptance ** (most + 1) > bound:
+        most += 1
+    return max(most, 1 if probe and limit > 0 else 0)
+
+
+def draft_counts(available: list[int], acceptance: list[float], token_cost: float, probes: list[bool],
+                 budget: int) -> list[int]:
+    """How many of its available drafts each decoding sequence verifies this step (see the module's
+    docstring): probes take one draft first, then drafts in falling order of chance while each
+    raises the expected tokens per second, at most budget drafts in all."""
+    assert len(available) == len(acceptance) == len(probes)
+    counts = [1 if probe and n > 0 else 0 for probe, n in zip(probes, available)]
+    over = sum(counts) - max(budget, 0)
+    for i in range(len(counts) - 1, -1, -1):  # more probes than budget: the latest sequences wait
+        if over > 0 and counts[i]:
+            counts[i], over = 0, over - 1
+    expected = len(available) + sum(a for a, c in zip(acceptance, counts) if c)
+    tokens = len(available) + sum(counts)
+    heap = [(-acceptance[i] ** (counts[i] + 1), i) for i in range(len(available))
+            if counts[i] < available[i] and acceptance[i] > 0]
+    heapq.heapify(heap)
+    while heap and tokens - len(available) < budget:
+        gain = -heap[0][0]
+        if gain * (1 + token_cost * tokens) <= token_cost * expected:
+            break
+        i = heapq.heappop(heap)[1]
+        counts[i] += 1
+        expected += gain
+        tokens += 1
+        if counts[i] < available[i]:
+            heapq.heappush(heap, (-acceptance[i] ** (counts[i] + 1), i))
+    return counts
