@@ -52,7 +52,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    # draft_model (vLLM's keys): the draft's folder, its quantization, its tensor-parallel size (1: whole on each rank 0)
+    # draft_model (vLLM's keys): the draft's folder, its quantization, its tensor-parallel size (only 1: the
+    # draft runs whole beside the target's rank 0)
     draft_tensor_parallel_size: int | None = None
     model: str | None = None
     quantization: str | None = None

@@ -13,7 +13,7 @@ from common.protocol import TokenLogprob
 from workers.grammar import GrammarState
 from workers.sampler import SamplingRow
 from workers.sequence import Sequence
-from workers.speculative import DraftHistory
+from workers.draft_budget import DraftHistory
 
 
 @dataclass
@@ -29,7 +29,7 @@ class RequestState:
     prompt_tensor: torch.Tensor | None = None
     # Structured output: where the request stands in its grammar (advanced by every output token).
     grammar: GrammarState | None = None
-    # Speculative decoding: how its drafts fared lately (the per-sequence pause).
+    # Speculative decoding: its drafts' totals and recent acceptance (workers.draft_budget).
     drafting: DraftHistory = field(default_factory=DraftHistory)
 
     def sampling_rows(self, draft_token_ids: tuple[int, ...], eos_token_ids: set[int]) -> list[SamplingRow]:
