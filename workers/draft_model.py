@@ -89,16 +89,15 @@ class DraftModelProposer:
                  num_blocks: int, max_model_len: int, target_bytes: int) -> None:
         draft_config, path = load_draft(config, target)
         self.block_size = engine_config.block_size
-        self.k = config.num_speculative_tokens
         # Scratch: each sequence of a batch may write k - 1 positions past its last allocated block.
-        self.scratch_per_seq = -(-(self.k - 1) // self.block_size)
+        self.scratch_per_seq = -(-(config.num_speculative_tokens - 1) // self.block_size)
         self.first_scratch = num_blocks
         total = num_blocks + self.scratch_per_seq * engine_config.max_num_seqs
         # The draft runs in its own dtype (default: the target's), its KV unquantized and its steps eager.
         draft_engine = dataclasses.replace(engine_config, speculative_config=None, kv_cache_dtype="auto",
                                            dtype=config.dtype or engine_config.dtype,
                                            quantization=config.quantization, enforce_eager=True,
-                                           max_model_len=max_model_len, num_kv_blocks=total)
+                                           max_model_len=max_model_len)
         kv_cache = torch.zeros((draft_config.num_layers, 2, total, self.block_size, draft_config.num_kv_heads,
                                 draft_config.head_dim), dtype=kv_cache_torch_dtype(draft_engine),
                                device=torch.device(engine_config.device))
