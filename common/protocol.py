@@ -45,6 +45,9 @@ class RequestOutput:
     # Speculative decoding: draft tokens proposed for the request on this worker so far, and accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # The router's attempt at the request whose run made it (router.flow.Follow), as the creation
+    # call named it: a router that comes back to a worker drops what an earlier attempt left queued.
+    attempt: int = 0
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,12 @@ class IllegalTransition(AssertionError):
 # ---- commands: what an executor carries out, in the order given ------------------------------------
 @dataclass(frozen=True)
 class Follow:
-    """Take the request's outputs from this decode worker from now on (and from no other)."""
+    """Take the request's outputs from this decode worker from now on (and from no other), and
+    only those of this attempt: the creation calls that follow carry it, the worker stamps it on
+    the request's outputs, and whatever an earlier attempt on the same worker left queued (a
+    worker that was given up and came back, or restarted) is told apart and dropped."""
     worker_id: str
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,7 @@ class RequestFlow:
     output_token_ids: list[int] = field(default_factory=list)  # what the client has
     text_chars: int = 0
     migrations: int = 0  # failed decode workers so far
-    moves: int = 0  # every move, drains included
+    moves: int = 0  # every move, drains included; the attempt each Follow names
     error: str | None = None
     # Prompt tokens counted as queued prefill work on `queued_on` until the first token.
     queued_on: str | None = None
@@ -415,7 +419,7 @@ class RequestFlow:
         self.moves += 1
         self.decode_worker = target
         self.trace.decode_worker = target
-        return [Count("migrations"), Follow(target), Submit(target, self.resume_state())]
+        return [Count("migrations"), Follow(target, self.moves), Submit(target, self.resume_state())]
 
     def _record(self, output: RequestOutput) -> None:
         self.output_token_ids.extend(output.token_ids)

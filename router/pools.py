@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError, RayTaskError
 
 from common.protocol import DEFAULT_ROUTER_ID, GrammarCounts, KVEndpoint, RouterClaim, RouterLeaseInfo, SpecDecodeStats
 from common.roles import Role
@@ -80,6 +80,7 @@ class Stream:
     decode_worker: str
     queue: asyncio.Queue  # RequestOutput or WorkerLost; a new queue per decode worker
     prefill_worker: str | None = None
+    attempt: int = 0  # router.flow.Follow: only outputs stamped with it are the request's
 
 
 class WorkerPools:
@@ -270,7 +271,9 @@ class WorkerPools:
         if w.down is not None:
             w.down.set()
         # ActorDiedError: no restart left (ActorUnavailableError, its sibling, means restarting).
-        w.gone = w.gone or isinstance(exc, ActorDiedError)
+        # Not when a call failed because another actor died (a tensor-parallel rank): Ray raises
+        # that as a RayTaskError that is also an ActorDiedError, and the worker itself restarts.
+        w.gone = w.gone or (isinstance(exc, ActorDiedError) and not isinstance(exc, RayTaskError))
         self.prefix_index.remove_worker(w.worker_id)
         if w.role is Role.DECODE:
             self._fail_streams(w.worker_id, f"decode worker {w.worker_id} is down")
@@ -309,8 +312,9 @@ class WorkerPools:
             for out in outputs:
                 self.stream_delays.append(now - out.created_at)
                 stream = self._streams.get(out.request_id)
-                # Only the request's current decode worker speaks for it (one it left may linger).
-                if stream is not None and stream.decode_worker == w.worker_id:
+                # Only the request's current decode worker speaks for it (one it left may linger),
+                # and only for the current attempt (an earlier one on the same worker may too).
+                if stream is not None and stream.decode_worker == w.worker_id and out.attempt == stream.attempt:
                     stream.queue.put_nowait(out)
 
     def _fail_streams(self, decode_worker: str, message: str) -> None:
@@ -368,10 +372,12 @@ class WorkerPools:
         self._streams[request_id] = stream
         return stream
 
-    def follow(self, stream: Stream, decode_worker: str) -> None:
-        """Take the stream's outputs from this decode worker from now on (a fresh queue: nothing said
-        before, by the worker it left or by this one before a restart, reaches it)."""
+    def follow(self, stream: Stream, decode_worker: str, attempt: int) -> None:
+        """Take the stream's outputs of this attempt from this decode worker from now on (a fresh
+        queue, and outputs of an earlier attempt dropped: nothing said before, by the worker it
+        left or by this one before it was given up or restarted, reaches it)."""
         stream.decode_worker, stream.queue, stream.prefill_worker = decode_worker, asyncio.Queue(), None
+        stream.attempt = attempt
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

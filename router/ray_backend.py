@@ -155,12 +155,12 @@ class RayBackend:
         elif isinstance(command, Follow):
             if flow.moves:
                 log.warning("request %s moves to %s after %d tokens", rid, command.worker_id, len(flow.output_token_ids))
-            self.pools.follow(stream, command.worker_id)
+            self.pools.follow(stream, command.worker_id, command.attempt)
         elif isinstance(command, Reserve):
             decode = self._worker(command.worker_id)
             try:
                 reservation = await self._create_on(decode, rid, decode.handle.reserve.remote(
-                    rid, request.prompt_token_ids, request.sampling_params, self.pools.router))
+                    rid, request.prompt_token_ids, request.sampling_params, self.pools.router, stream.attempt))
             except RayError as exc:
                 bad = _bad_input(exc)
                 if bad is not None:
@@ -176,7 +176,8 @@ class RayBackend:
             decode = self._worker(command.worker_id)
             try:
                 await self._create_on(decode, rid, decode.handle.submit.remote(
-                    rid, request.prompt_token_ids, request.sampling_params, command.resume, self.pools.router))
+                    rid, request.prompt_token_ids, request.sampling_params, command.resume, self.pools.router,
+                    stream.attempt))
             except RayError as exc:  # refused (a bug, or a worker that cannot hold the context)
                 bad = _bad_input(exc)
                 if bad is not None:

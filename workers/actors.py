@@ -100,8 +100,8 @@ class WorkerActor:
         return self.worker.endpoint()
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               resume: ResumeState | None = None, router: RouterClaim | None = None) -> None:
-        return self.worker.submit(request_id, prompt_token_ids, params, resume, router)
+               resume: ResumeState | None = None, router: RouterClaim | None = None, attempt: int = 0) -> None:
+        return self.worker.submit(request_id, prompt_token_ids, params, resume, router, attempt)
 
     def compile_grammar(self, params: SamplingParams) -> None:
         return self.worker.compile_grammar(params)
@@ -116,8 +116,8 @@ class WorkerActor:
         return self.worker.kv_links()
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                router: RouterClaim | None = None) -> KVReservation | None:
-        return self.worker.reserve(request_id, prompt_token_ids, params, router)
+                router: RouterClaim | None = None, attempt: int = 0) -> KVReservation | None:
+        return self.worker.reserve(request_id, prompt_token_ids, params, router, attempt)
 
     def start_decode(self, request_id: str, first_token: int) -> None:
         return self.worker.start_decode(request_id, first_token)
@@ -210,11 +210,16 @@ class RayRankFollowers:
         def wait_for_a_loss() -> None:
             refs = [h.wait_stopped.remote() for h in self.handles]
             ray.wait(refs, num_returns=1, timeout=None)
-            if not self._closing.is_set():
-                log.error("a rank of this tensor-parallel worker stopped; the worker restarts as a whole")
-                os.kill(os.getpid(), signal.SIGKILL)
+            self.lost(RuntimeError("a rank's actor stopped"))
 
         threading.Thread(target=wait_for_a_loss, name="tp-ranks-watch", daemon=True).start()
+
+    def lost(self, exc: Exception) -> None:
+        # Whichever notices first, this watch or rank 0's next step: a step's failure must not end
+        # the requests (their streams would stop short); the restart moves them instead.
+        if not self._closing.is_set():
+            log.error("a rank of this tensor-parallel worker stopped (%s); the worker restarts as a whole", exc)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def endpoints(self) -> list[KVEndpoint]:
         return ray.get([h.endpoint.remote() for h in self.handles])

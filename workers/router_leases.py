@@ -65,6 +65,7 @@ class RouterLeases:
         self._leases: dict[str, RouterLease] = {
             DEFAULT_ROUTER_ID: RouterLease(DEFAULT_ROUTER_ID, math.inf, clock(), kv_events_lost=False)}
         self._owner: dict[str, str] = {}  # request id -> router id
+        self._attempt: dict[str, int] = {}  # request id -> the router's attempt (stamped on its outputs)
 
     # ---- leases ----------------------------------------------------------------------------
     def _lease(self, claim: RouterClaim | None) -> RouterLease:
@@ -82,9 +83,11 @@ class RouterLeases:
         with self._ready:
             self._lease(claim)
 
-    def own(self, request_id: str, claim: RouterClaim | None) -> None:
-        """The request belongs to the claim's router from now on (its outputs go there)."""
+    def own(self, request_id: str, claim: RouterClaim | None, attempt: int = 0) -> None:
+        """The request belongs to the claim's router from now on (its outputs go there, stamped
+        with the router's `attempt`)."""
         with self._ready:
+            self._attempt[request_id] = attempt
             lease = self._lease(claim)
             previous = self._owner.get(request_id)
             if previous is not None and previous in self._leases:
@@ -99,6 +102,7 @@ class RouterLeases:
 
     def _forget(self, request_id: str) -> None:
         router_id = self._owner.pop(request_id, None)
+        self._attempt.pop(request_id, None)
         lease = self._leases.get(router_id) if router_id is not None else None
         if lease is not None:
             lease.request_ids.discard(request_id)
@@ -144,6 +148,7 @@ class RouterLeases:
             for out in outputs:
                 router_id = self._owner.get(out.request_id)
                 lease = self._leases.get(router_id) if router_id is not None else None
+                out.attempt = self._attempt.get(out.request_id, 0)
                 if out.finished:
                     self._forget(out.request_id)
                 if lease is not None:

@@ -53,6 +53,10 @@ class RankFollowers(Protocol):
     def closing(self) -> None:
         """Rank 0 is shutting down: the ranks' steps end now by its word, not by a loss."""
 
+    def lost(self, exc: Exception) -> None:
+        """Rank 0's step found the group broken (a rank is gone): end the worker, which restarts as
+        a whole while its requests move (returns only where nothing restarts it)."""
+
     def shutdown(self) -> None: ...
 
 

@@ -37,7 +37,7 @@ from common.protocol import (
 )
 from workers.router_leases import RouterLeases
 from workers.shard import build_rank_shard
-from workers.tensor_parallel import TPGroup
+from workers.tensor_parallel import TPGroup, TPGroupBroken
 from workers.tp_rank import RankFollowers
 from common.sampling_params import SamplingParams
 
@@ -163,6 +163,10 @@ class EngineWorker:
             if engine.has_schedulable_work():
                 try:
                     self._dispatch(engine.step())
+                except TPGroupBroken as exc:  # the worker restarts as a whole; its requests move
+                    if self.followers is not None:
+                        self.followers.lost(exc)
+                    self._fail_all(exc)
                 except Exception as exc:  # a failed step must fail its requests, not hang them
                     self._fail_all(exc)
             self._drain_kv_events()
@@ -258,12 +262,13 @@ class EngineWorker:
         return endpoint
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               resume: ResumeState | None = None, router: RouterClaim | None = None) -> None:
-        """Run a whole request here (local prefill, then decode); outputs go to `router`'s poll_outputs.
-        With `resume`, continue a request whose first decode worker died (engine.resume_request)."""
+               resume: ResumeState | None = None, router: RouterClaim | None = None, attempt: int = 0) -> None:
+        """Run a whole request here (local prefill, then decode); outputs go to `router`'s poll_outputs,
+        stamped with the router's `attempt`. With `resume`, continue a request whose first decode
+        worker died (engine.resume_request)."""
         def add():
             self._aborted.refuse(request_id)
-            self.leases.own(request_id, router)
+            self.leases.own(request_id, router, attempt)
             if resume is None:
                 self.engine.add_request(prompt_token_ids, params, request_id)
             else:
@@ -353,13 +358,14 @@ class EngineWorker:
         return [link for transport in self.kv.transports() for link in transport.links()]
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                router: RouterClaim | None = None):
-        """Set aside blocks for a prompt a prefill worker will push; None when full right now."""
+                router: RouterClaim | None = None, attempt: int = 0):
+        """Set aside blocks for a prompt a prefill worker will push; None when full right now.
+        The decode's outputs go to `router`, stamped with its `attempt`."""
         self.compile_grammar(params)
 
         def reserve_here():
             self._aborted.refuse(request_id)
-            self.leases.own(request_id, router)
+            self.leases.own(request_id, router, attempt)
             return self.engine.reserve_for_kv(prompt_token_ids, params, request_id)
 
         reservation = self._call(reserve_here)

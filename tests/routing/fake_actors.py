@@ -13,7 +13,9 @@ them ("length"), one per `step_s` for every request a decode actor runs (a conti
 
 `kill()` makes every later call raise (ActorDiedError: gone for good); `kill(restart_after_s=T)`
 raises ActorUnavailableError until the actor comes back T seconds later with a new pid and
-nothing of its old state, as a Ray actor restart does. `hang()` makes calls never return.
+nothing of its old state, as a Ray actor restart does. `hang()` makes calls wait (its requests go
+on decoding) until `unhang()`: a worker that stalled, was given up, and came back as it was.
+Like EngineWorker, it stamps each output with the attempt its creation call named.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ class _Method:
             actor = self.actor
             if self.fn.__name__ != "_renew_lease":  # the lease loop's renewals are counted apart
                 actor.calls.append(self.fn.__name__.lstrip("_"))  # attempts, even on a dead actor
-            if actor.hung:
-                await asyncio.Event().wait()
+            if actor.hung is not None:
+                await actor.hung.wait()
             if actor.dead:
                 if actor.restarting:
                     raise ActorUnavailableError("restarting", None)
@@ -77,6 +79,7 @@ class _Running:
     prompt: list[int]
     max_tokens: int
     produced: int  # tokens of the script already produced (here or on an earlier worker)
+    attempt: int = 0  # the router's, stamped on the outputs
 
 
 class FakeActor:
@@ -84,7 +87,8 @@ class FakeActor:
 
     def __init__(self, worker_id: str, role: str, prefill_delay_s: float = 0.0, step_s: float = 0.0) -> None:
         self.worker_id, self.role = worker_id, role
-        self.dead = self.restarting = self.hung = False
+        self.dead = self.restarting = False
+        self.hung: asyncio.Event | None = None  # set: calls go on
         self.prefill_delay_s = prefill_delay_s
         self.step_s = step_s
         self.calls: list[str] = []
@@ -98,10 +102,12 @@ class FakeActor:
         # reserve() remembers what start_decode() needs (the real worker keeps it in its engine).
         self._prompts: dict[str, list[int]] = {}
         self._max_tokens: dict[str, int] = {}
+        self._attempts: dict[str, int] = {}
         self._stepper: asyncio.Task | None = None
         self.pid = os.getpid()  # change it to simulate a restarted worker
         self.stopped = False
         self.renewed = 0  # lease renewals (the router's lease loop)
+        self.reply_delay_s = 0.0  # poll_outputs: from taking the outputs to the reply reaching the router
         for name in ("heartbeat", "reserve", "prefill", "start_decode", "submit", "poll_outputs", "abort", "endpoint",
                      "ready", "shutdown", "renew_lease"):
             setattr(self, name, _Method(self, getattr(self, "_" + name)))
@@ -122,7 +128,11 @@ class FakeActor:
         self.events.append(KVEvent(KVEventKind.CLEARED))
 
     def hang(self) -> None:
-        self.hung = True
+        self.hung = asyncio.Event()
+
+    def unhang(self) -> None:
+        hung, self.hung = self.hung, None
+        hung.set()
 
     # ---- the scripted engine -----------------------------------------------------------------
     def _queue(self) -> asyncio.Queue:
@@ -144,8 +154,8 @@ class FakeActor:
             self.events.append(KVEvent(KVEventKind.STORED, tuple(new)))
         return hit * BS
 
-    def _run(self, rid: str, prompt: list[int], max_tokens: int, produced: int) -> None:
-        self.running[rid] = _Running(list(prompt), max_tokens, produced)
+    def _run(self, rid: str, prompt: list[int], max_tokens: int, produced: int, attempt: int) -> None:
+        self.running[rid] = _Running(list(prompt), max_tokens, produced, attempt)
         if self._stepper is None or self._stepper.done():
             self._stepper = asyncio.get_running_loop().create_task(self._steps())
 
@@ -162,7 +172,7 @@ class FakeActor:
                     del self.running[rid]
                 self._queue().put_nowait(RequestOutput(
                     rid, [tok], script_text(tok), finished=done, finish_reason="length" if done else None,
-                    num_prompt_tokens=len(r.prompt), num_output_tokens=r.produced))
+                    num_prompt_tokens=len(r.prompt), num_output_tokens=r.produced, attempt=r.attempt))
 
     # ---- the calls -----------------------------------------------------------------------------
     async def _heartbeat(self, router=None):
@@ -174,9 +184,10 @@ class FakeActor:
     async def _endpoint(self):
         return f"endpoint-{self.worker_id}-{self.pid}"
 
-    async def _reserve(self, rid, prompt, params, router=None):
+    async def _reserve(self, rid, prompt, params, router=None, attempt=0):
         cached = self._compute(prompt)
         self.reserved.add(rid)
+        self._attempts[rid] = attempt
         self._prompts[rid], self._max_tokens[rid] = list(prompt), params.max_tokens
         return KVReservation(rid, list(range(-(-len(prompt) // BS))), cached)
 
@@ -194,9 +205,9 @@ class FakeActor:
         if rid not in self.reserved:
             raise ValueError(f"request {rid!r} is not waiting for KV here")
         self.reserved.discard(rid)
-        self._run(rid, self._prompts.pop(rid), self._max_tokens.pop(rid), 1)
+        self._run(rid, self._prompts.pop(rid), self._max_tokens.pop(rid), 1, self._attempts.pop(rid))
 
-    async def _submit(self, rid, prompt, params, resume: ResumeState | None = None, router=None):
+    async def _submit(self, rid, prompt, params, resume: ResumeState | None = None, router=None, attempt=0):
         if rid in self.running:
             raise ValueError(f"request_id {rid!r} is already in use")
         self.submitted.append((rid, resume))
@@ -207,7 +218,7 @@ class FakeActor:
             if list(resume.output_token_ids) != expect or resume.text_chars != sum(len(script_text(t)) for t in expect):
                 raise ValueError(f"resume of {rid!r} does not match what was produced")
         self._compute(prompt)
-        self._run(rid, prompt, params.max_tokens, produced)
+        self._run(rid, prompt, params.max_tokens, produced, attempt)
 
     async def _poll_outputs(self, timeout_s, router=None):
         q = self._queue()
@@ -218,6 +229,7 @@ class FakeActor:
         out = [first]
         while not q.empty():
             out.append(q.get_nowait())
+        await asyncio.sleep(self.reply_delay_s)  # the reply in flight (a slow network)
         return out
 
     async def _ready(self):

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from ray.exceptions import ActorDiedError, RayTaskError
+
 from router.backend import BackendError, GenerateRequest, RouteDecision
 from router.flow import FlowLimits
 from router.pools import WorkerPools
@@ -187,6 +189,34 @@ def test_a_hung_decode_worker_is_given_up_and_its_streams_move():
     asyncio.run(main())
 
 
+def test_a_lone_decode_worker_that_stalls_and_comes_back_as_it_was_takes_its_streams_back_exactly():
+    """Given up while it stalled, the worker kept decoding: what it queued for the first attempt
+    (and the long-poll that was out when it stalled) reaches the router after the streams came back
+    to it, beside the new attempt's outputs, and must not reach the clients."""
+    async def main():
+        backend, actors = make(num_prefill=0, num_decode=1, migration_wait_s=10.0)
+        d = actors["decode-0"]
+        try:
+            backend.workers()
+            tasks = [asyncio.create_task(stream(backend, f"r{i}", prompt_of(i), 80, "decode-0")) for i in range(3)]
+            await wait_for(lambda: len(d.running) == 3)
+            await asyncio.sleep(5 * STEP_S)
+            d.hang()
+            await wait_for(lambda: not backend.workers()[0].alive)
+            await asyncio.sleep(10 * STEP_S)  # it decodes on into its outbox meanwhile
+            d.reply_delay_s = 0.3  # the stalled long-poll's reply (those outputs) lands after the move back
+            d.unhang()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            for i, result in enumerate(results):
+                assert_exact(result, prompt_of(i), 80)
+            assert backend.counters["migrations"] == 3
+            assert [resume is not None for _, resume in d.submitted] == [False] * 3 + [True] * 3
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
 def test_calls_to_a_worker_that_never_answers_end_when_it_is_marked_down():
     """A Ray actor being restarted (or that cannot be placed again) leaves calls to it waiting;
     the request must not wait with them: once the heartbeat gives the worker up, it moves on."""
@@ -314,6 +344,31 @@ def test_a_decode_worker_that_dies_before_starting_the_decode_moves_the_request(
             assert_exact(result, prompt, 12)
             assert backend.counters["migrations"] == 1 and backend.counters["remote_prefill"] == 1
             assert actors["decode-1"].submitted[-1][1].output_token_ids == tuple(script(prompt, 1))
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_call_that_failed_because_a_rank_died_marks_the_worker_down_but_not_gone():
+    """A tensor-parallel worker's reserve fails because one of its rank actors died (Ray raises a
+    RayTaskError that is also an ActorDiedError): the worker restarts as a whole, so it is down,
+    not gone for good (gone would have the pool manager start a replacement beside it)."""
+    async def main():
+        backend, actors = make(num_prefill=1, num_decode=2)
+        d0 = actors["decode-0"]
+
+        async def rank_died(*args):
+            d0.kill(restart_after_s=0.2)
+            raise RayTaskError("reserve", "a rank's traceback", ActorDiedError()).as_instanceof_cause()
+
+        d0.reserve.fn = rank_died
+        try:
+            prompt = prompt_of(2)
+            result = await stream(backend, "r-rank", prompt, 12, "decode-0", "prefill-0")
+            assert_exact(result, prompt, 12)
+            assert backend.pools.gone_workers() == []
+            await wait_for(lambda: backend.workers()[1].alive)  # back after its restart
         finally:
             await backend.close()
 

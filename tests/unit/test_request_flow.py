@@ -145,7 +145,7 @@ def test_a_lost_decode_worker_migrates_with_what_the_client_has():
     f = decoding()
     f.on_output(out(8, text="b"), 1.1)
     commands = f.on_worker_lost("decode-0", failure=True, now=2.0)
-    assert commands == [Abort("decode-0", final=False), Count("migrations"), Follow("decode-1"),
+    assert commands == [Abort("decode-0", final=False), Count("migrations"), Follow("decode-1", 1),
                         Submit("decode-1", ResumeState((7, 8), 2))]
     assert f.state is S.DECODING and f.decode_worker == "decode-1" and f.migrations == 1 and f.moves == 1
     assert f.trace.decode_worker == "decode-1"
@@ -188,7 +188,7 @@ def test_waiting_for_a_decode_worker_until_one_comes_back_or_the_wait_ends():
     assert f.on_worker_lost("decode-0", failure=True, now=2.1) == []  # already moving off it
     assert f.on_wait(3.0) == [WaitForDecode(7.0)]
     pools.live.add("decode-0")  # restarted: free it of the request, then continue there
-    assert f.on_wait(4.0) == [Abort("decode-0", final=False, wait=True), Count("migrations"), Follow("decode-0"),
+    assert f.on_wait(4.0) == [Abort("decode-0", final=False, wait=True), Count("migrations"), Follow("decode-0", 1),
                               Submit("decode-0", ResumeState((7,), 1))]
     # the same once more, but nothing comes back in time
     pools.live.clear()

@@ -100,3 +100,16 @@ def test_a_claim_needs_a_name_and_a_positive_term():
         RouterClaim("", 5.0)
     with pytest.raises(ValueError, match="lease_s"):
         RouterClaim("a", 0)
+
+
+def test_outputs_carry_the_attempt_that_created_the_request_and_a_new_attempt_is_told_apart():
+    leases = RouterLeases(64, Clock())
+    a = RouterClaim("a", 5.0)
+    leases.own("r", a, attempt=0)
+    leases.deliver([out("r")])  # queued, not yet collected, when the router gives up and comes back
+    leases.forget("r")  # the router's abort before its second attempt here
+    leases.own("r", a, attempt=1)
+    leases.deliver([out("r"), out("r", finished=True)])
+    assert [o.attempt for o in leases.take_outputs(a, 0)] == [0, 1, 1]
+    leases.deliver([out("r")])  # finished: no owner any more, dropped
+    assert leases.take_outputs(a, 0) == []
