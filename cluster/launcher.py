@@ -150,6 +150,8 @@ def deploy(config: BatonConfig, ready_timeout_s: float = 300.0, actor_name_prefi
         for role, count in ((Role.PREFILL, placement.prefill_workers), (Role.DECODE, placement.decode_workers)):
             pool = resolve_pool(config, role, nodes)
             log.info("%s pool: %d workers, each with %s", role, count, pool.describe())
+            if role is Role.PREFILL:  # the routing's automatic queue threshold follows its device
+                config = deployment.config = dataclasses.replace(config, routing=config.routing.for_device(pool.device))
             for i in range(count):
                 spawned.append(spawn_worker(config, role, i, actor_name_prefix, pool, max_restarts=placement.max_restarts))
                 deployment.workers.append(spawned[-1])

@@ -21,7 +21,11 @@ swap without touching the HTTP layer. Four are built in (`make_policy(name, ...)
   `local_prefill_threshold` tokens (reason `local_short_uncached`), when no prefill worker is
   alive (`local_no_prefill_worker`), or when every prefill worker has more than
   `prefill_queue_threshold` queued tokens (`local_prefill_busy`). Otherwise the prefill worker
-  P is drawn from the prefill pool (`remote_prefill`).
+  P is drawn from the prefill pool (`remote_prefill`). Left automatic, that threshold follows the
+  prefill pool's device (`RoutingConfig.for_device`): a prefill worker on a CPU core takes
+  seconds per thousand tokens, so past 1,024 queued tokens a long prompt starts sooner on the
+  decode worker's core (whose streams then slow down for its chunks, but do not stop); a GPU
+  clears 8,192 in a fraction of a second.
   Each draw is a softmax over -cost / (temperature * scale), scale = the prompt length: at
   temperature 0.1 a worker costing 10% of the prompt more is e times less likely. A hot prefix
   thus keeps its worker while that worker's queue is short, and spills over once the queue costs
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol, Sequence
 
 from router.backend import RouteDecision, WorkerInfo
@@ -107,6 +111,12 @@ class RoundRobinPolicy:
         return RouteDecision(decode_worker=decode, prefill_worker=prefill, reason="round_robin")
 
 
+# prefill_queue_threshold left automatic, by the prefill pool's device (see the module docstring;
+# measured in bench/results/issue29_attempts/prefill_queue_threshold.json).
+CPU_PREFILL_QUEUE_THRESHOLD = 1024
+GPU_PREFILL_QUEUE_THRESHOLD = 8192
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
     """Knobs of the routing policies; each field's metadata names its `baton serve` flag."""
@@ -127,8 +137,10 @@ class RoutingConfig:
         "help": "softmax temperature of the kv-aware draw, relative to the prompt length; 0: argmin"})
     local_prefill_threshold: int = field(default=64, metadata={
         "help": "uncached prompt tokens at or below which the decode worker prefills itself"})
-    prefill_queue_threshold: int = field(default=8192, metadata={
-        "help": "queued prefill tokens per prefill worker beyond which decode workers prefill locally"})
+    prefill_queue_threshold: int | None = field(default=None, metadata={
+        "help": "queued prefill tokens per prefill worker beyond which decode workers prefill locally "
+                f"(default: {CPU_PREFILL_QUEUE_THRESHOLD} when the prefill pool runs on CPUs, "
+                f"{GPU_PREFILL_QUEUE_THRESHOLD} on GPUs)"})
     seed: int | None = field(default=None, metadata={
         "flag": "routing_seed", "help": "seed of the kv-aware and random policies' draws (default: random)"})
 
@@ -137,12 +149,29 @@ class RoutingConfig:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name not in ("policy", "seed"):
+            if f.name not in ("policy", "seed") and value is not None:
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or math.isnan(value):
                     raise ValueError(f"routing option {f.name} must be a number >= 0, got {value!r}")
-        for name in ("local_prefill_threshold", "prefill_queue_threshold"):
-            if not isinstance(getattr(self, name), int):
-                raise ValueError(f"routing option {name} must be an integer, got {getattr(self, name)!r}")
+        if not isinstance(self.local_prefill_threshold, int):
+            raise ValueError(f"routing option local_prefill_threshold must be an integer, got "
+                             f"{self.local_prefill_threshold!r}")
+        if self.prefill_queue_threshold is not None and not isinstance(self.prefill_queue_threshold, int):
+            raise ValueError(f"routing option prefill_queue_threshold must be an integer, got "
+                             f"{self.prefill_queue_threshold!r}")
+
+    def for_device(self, device: str) -> "RoutingConfig":
+        """This configuration with an automatic prefill_queue_threshold set for a prefill pool on
+        `device` ("cpu" or "cuda")."""
+        if self.prefill_queue_threshold is not None:
+            return self
+        return replace(self, prefill_queue_threshold=CPU_PREFILL_QUEUE_THRESHOLD if device == "cpu"
+                       else GPU_PREFILL_QUEUE_THRESHOLD)
+
+    @property
+    def queue_threshold(self) -> int:
+        """prefill_queue_threshold, the GPU default where nothing set it (a policy built without a
+        deployment: the simulator, tests)."""
+        return GPU_PREFILL_QUEUE_THRESHOLD if self.prefill_queue_threshold is None else self.prefill_queue_threshold
 
 
 class RandomPolicy:
@@ -242,7 +271,7 @@ class KvAwarePolicy:
         prefill = live_workers(workers, Role.PREFILL)
         if not prefill:
             return RouteDecision(d.worker_id, None, "local_no_prefill_worker", d_blocks)
-        if min(w.queued_prefill_tokens for w in prefill) > c.prefill_queue_threshold:
+        if min(w.queued_prefill_tokens for w in prefill) > c.queue_threshold:
             return RouteDecision(d.worker_id, None, "local_prefill_busy", d_blocks)
         p_uncached = [n - matched.get(w.worker_id, 0) * bs for w in prefill]
         j = self._draw(prefill, [self._cost(w, u, False) for w, u in zip(prefill, p_uncached)], scale)

@@ -26,7 +26,8 @@ POOL_NODES = [
 
 def cluster_config(cluster: FakeCluster, **options) -> BatonConfig:
     defaults = dict(address=cluster.address, prefill_workers=2, decode_workers=2, threads_per_worker=1,
-                    kv_cache_memory="64MiB", max_num_seqs=16, local_prefill_threshold=0, port=free_port(),
+                    kv_cache_memory="64MiB", max_num_seqs=16, local_prefill_threshold=0, prefill_queue_threshold=10**6,
+                    port=free_port(),
                     placement_timeout=60.0)
     return BatonConfig.from_options(**{**defaults, **options})
 

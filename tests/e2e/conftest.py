@@ -14,7 +14,8 @@ def server():
 
     # local_prefill_threshold=0: these tests check the prefill -> decode handoff, so every request
     # goes through it (the kv-aware default would prefill their short prompts on the decode worker).
-    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="192MiB", max_num_seqs=64, local_prefill_threshold=0)
+    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="192MiB", max_num_seqs=64, local_prefill_threshold=0,
+                                      prefill_queue_threshold=10**6)
     leave_ray()  # a private Ray of this module's own, which the deployment shuts down after it
     with serving(config) as running:
         yield running

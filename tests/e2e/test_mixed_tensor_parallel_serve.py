@@ -37,7 +37,7 @@ def mixed_server(request):
     # local_prefill_threshold=0: every request crosses the handoff between the two groups.
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", kv_cache_dtype=kv_dtype,
                                       prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
-                                      local_prefill_threshold=0)
+                                      local_prefill_threshold=0, prefill_queue_threshold=10**6)
     leave_ray()
     with serving(config) as running:
         yield running, request.param
@@ -86,7 +86,8 @@ def test_a_tiny_model_from_tp2_to_tp4_answers_as_transformers():
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, 8) for p in prompts]
     config = BatonConfig.from_options(model=folder, port=free_port(), kv_cache_memory="16MiB", local_prefill_threshold=0,
-                                      prefill_tensor_parallel_size=2, decode_tensor_parallel_size=4)
+                                      prefill_queue_threshold=10**6, prefill_tensor_parallel_size=2,
+                                      decode_tensor_parallel_size=4)
     leave_ray()
     with serving(config, actor_name_prefix="tp2to4") as server:
         for prompt, ref in zip(prompts, refs):

@@ -54,7 +54,7 @@ def test_a_served_tiny_model_answers_as_transformers(family, ray_for_deployments
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     config = BatonConfig.from_options(model=folder, port=free_port(), kv_cache_memory="16MiB", max_num_batched_tokens=16,
-                                      local_prefill_threshold=0)
+                                      local_prefill_threshold=0, prefill_queue_threshold=10**6)
     with serving(config, actor_name_prefix=f"families-{family}") as server:
         for prompt, ref in zip(prompts, refs):
             r = httpx.post(server.base_url + "/v1/completions", timeout=120,

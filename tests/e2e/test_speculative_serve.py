@@ -27,7 +27,7 @@ def spec_server():
     from cluster.testing import leave_ray, serving
 
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", speculative_config=SUFFIX,
-                                      local_prefill_threshold=0)
+                                      local_prefill_threshold=0, prefill_queue_threshold=10**6)
     leave_ray()
     with serving(config, actor_name_prefix="spec") as running:
         yield running

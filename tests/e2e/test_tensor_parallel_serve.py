@@ -30,7 +30,7 @@ def tp_server():
 
     # local_prefill_threshold=0: every request crosses the KV handoff between the two groups.
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", tensor_parallel_size=TP,
-                                      local_prefill_threshold=0, migration_wait=120.0)
+                                      local_prefill_threshold=0, prefill_queue_threshold=10**6, migration_wait=120.0)
     leave_ray()
     with serving(config) as running:
         yield running

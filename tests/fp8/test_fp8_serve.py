@@ -48,7 +48,7 @@ def test_serve_fp8_answers_like_the_fp8_engine_and_reports_float32_agreement():
     [ref] = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=32 << 20)).generate([prompt], params)
 
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="32MiB", max_num_seqs=8, quantization="fp8",
-                         kv_cache_dtype="fp8", local_prefill_threshold=0)
+                         kv_cache_dtype="fp8", local_prefill_threshold=0, prefill_queue_threshold=10**6)
     leave_ray()  # a private Ray of this test's own, which the deployment shuts down after it
     with serving(config, actor_name_prefix="baton-fp8") as running:
         client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused")

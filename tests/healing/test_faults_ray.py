@@ -38,7 +38,7 @@ def deployment():
     # local_prefill_threshold=0: every request crosses a prefill worker and the KV transfer.
     config = BatonConfig.from_options(
         port=free_port(), prefill_workers=2, decode_workers=2, kv_cache_memory="64MiB", max_num_seqs=32,
-        local_prefill_threshold=0, routing_policy="round-robin", request_timeout=DEADLINE_S,
+        local_prefill_threshold=0, prefill_queue_threshold=10**6, routing_policy="round-robin", request_timeout=DEADLINE_S,
         admin_endpoint=True, drain_timeout=2.0, max_restarts=2)
     leave_ray()  # a private Ray of this module's own, which the deployment shuts down after it
     with serving(config, actor_name_prefix="heal") as running:

@@ -46,6 +46,8 @@ def test_real_metrics_index_idle_and_killed_worker(deployment):
     import ray
 
     dep, url = deployment
+    # Left automatic, the routing's queue threshold is the one for a prefill pool on CPUs.
+    assert dep.config.routing.prefill_queue_threshold == 1024
     interval = dep.backend.pools.health_interval_s
     before = scrape(url)
     short = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": "Hi", "max_tokens": 4, "temperature": 0})

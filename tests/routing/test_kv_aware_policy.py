@@ -103,6 +103,19 @@ def test_busy_prefill_pool_and_empty_prefill_pool_mean_local_prefill():
         policy.choose(list(range(500)), workers(d0={"alive": False}))
 
 
+def test_the_automatic_queue_threshold_follows_the_prefill_pools_device():
+    auto = RoutingConfig(seed=0)
+    assert auto.prefill_queue_threshold is None
+    assert auto.for_device("cpu").prefill_queue_threshold == 1024
+    assert auto.for_device("cuda").prefill_queue_threshold == 8192
+    assert RoutingConfig(prefill_queue_threshold=300).for_device("cpu").prefill_queue_threshold == 300  # set: kept
+    queued = workers(prefill=1, p0={"queued_prefill_tokens": 2000})
+    on_cpu = KvAwarePolicy(PrefixIndex(), BS, auto.for_device("cpu"))
+    assert on_cpu.choose(list(range(2000)), queued).reason == "local_prefill_busy"
+    # Unresolved (a policy built outside a deployment: the simulator): the GPU threshold.
+    assert KvAwarePolicy(PrefixIndex(), BS, auto).choose(list(range(2000)), queued).reason == "remote_prefill"
+
+
 def test_decode_load_steers_the_decode_choice():
     policy = KvAwarePolicy(PrefixIndex(), BS, RoutingConfig(temperature=0))
     ws = workers(decode=2, d0={"kv_usage": 0.9, "running": 30})
