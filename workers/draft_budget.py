@@ -11,9 +11,10 @@ per second, and one more draft with chance g raises that exactly when
 Taking drafts in falling order of chance while that holds maximises the expected tokens per second:
 each draft taken raises E / (1 + rho T), so the bound only rises and the first draft that misses it
 ends the plan. Drafts therefore thin out as the batch grows (a decode-only batch of n sequences
-starts at the bound rho n / (1 + rho n)), as acceptance falls, and as tokens get dearer (a CPU's rho
-is ~0.05; a GPU's decode step costs nearly the same for 1 token as for 64, so drafts pay there at any
-batch).
+starts at the bound rho n / (1 + rho n)), as acceptance falls, and as tokens get dearer (this CPU's
+cost profile fits ~0.05 over its batches, but a few tokens cost more: 0.15-0.18 at batches of 1 and
+4, bench/speculative_step_cost.py; a GPU's decode step costs nearly the same for 1 token as for 64,
+so drafts pay there at any batch).
 
 A sequence that verified no draft for PROBE_STEPS decode steps is given one, so that an estimate
 that went low can recover when the text turns repetitive (one token every PROBE_STEPS steps), while
@@ -35,7 +36,7 @@ SEQUENCE_DECAY = 0.9  # per verification: copying comes in runs, so a sequence's
 POOL_DECAY = 0.99  # per verification, for the worker's pooled acceptance
 COST_DECAY = 0.99  # per observed step: the fit follows the host's load
 # rho until steps of different sizes were measured: this CPU's fitted step (c_token + c_sampled over c0
-# in bench/results/cost_profile_cpu.json).
+# in bench/results/cost_profile_cpu.json), low for small batches (bench/results/speculative_step_cost_b*.json).
 PRIOR_TOKEN_COST = 0.05
 MAX_TOKEN_COST = 1.0  # a token costing as much as the step's fixed part: drafts pay only when nearly sure
 MIN_COST_WEIGHT = 20.0  # decayed steps observed before the fit is used

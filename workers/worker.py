@@ -163,11 +163,9 @@ class EngineWorker:
             if engine.has_schedulable_work():
                 try:
                     self._dispatch(engine.step())
-                except TPGroupBroken as exc:  # the worker restarts as a whole; its requests move
-                    if self.followers is not None:
-                        self.followers.lost(exc)
-                    self._fail_all(exc)
                 except Exception as exc:  # a failed step must fail its requests, not hang them
+                    if isinstance(exc, TPGroupBroken) and self.followers is not None:
+                        self.followers.lost(exc)  # unless the worker restarts as a whole first: they move
                     self._fail_all(exc)
             self._drain_kv_events()
             self._end_expired_leases()
