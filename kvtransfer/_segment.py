@@ -42,6 +42,7 @@ REASONS = {  # the slot's reason codes
 REASON_KINDS = {1: FailureReason.IDS_MISMATCH, 2: FailureReason.ABORTED, 3: FailureReason.ABORTED,
                 4: FailureReason.DEADLINE}
 PAGE = 4096
+FAULT_IN_PAGES = 1024  # pages touched per call by fault_in_background (4 MiB)
 
 
 def shm_dir() -> str:
@@ -208,12 +209,10 @@ def layout_bytes(layout: KVLayout, num_blocks: int, num_slots: int) -> tuple[int
 
 def map_segment(path: str, fd: int, size: int, layout: KVLayout, num_blocks: int, num_slots: int,
          owner: bool) -> Segment:
-    # MAP_POPULATE: build the page tables now. Otherwise the first copy into each page of a
-    # peer's cache pays a page fault.
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    mm = mmap.mmap(fd, size, flags=flags)
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     offset, nbytes = layout_bytes(layout, num_blocks, num_slots)
     raw = torch.frombuffer(mm, dtype=torch.uint8)
+    fault_in_background(raw)
     shape = layout.cache_shape(num_blocks)
     cache = raw[offset:offset + nbytes].view(torch_dtype(layout)).view(shape)
     slots = np.ndarray((num_slots, SLOT_COLS), dtype=np.int64, buffer=mm, offset=HEADER_INTS * 8)
@@ -222,3 +221,30 @@ def map_segment(path: str, fd: int, size: int, layout: KVLayout, num_blocks: int
     cache_bytes = byte_view(cache)
     return Segment(path, fd, mm, slots, seals, cache_bytes, block_rows(cache_bytes), owner,
                     threading.Lock())
+
+
+def fault_in_background(mapping: torch.Tensor) -> threading.Thread:
+    """Fault every page of `mapping` in from a daemon thread at the lowest priority (niceness 19).
+
+    Otherwise the first copy into each page of a cache pays a page fault: a 4 MiB transfer into
+    untouched blocks took as long as a 16 MiB one into touched blocks. Doing it up front
+    (MAP_POPULATE) made every worker's start about 1.2 s longer per GiB of cache, which a worker
+    restarted by healing waits out again; in the background it uses time the host has spare.
+    The thread only reads, one byte per page (for a shared mapping a read fault maps the page
+    writable), so it never changes what the engine or a peer wrote, and a page fault holds no
+    lock that the engine's own mmap calls wait for, as madvise(MADV_POPULATE_WRITE) would while
+    this thread waits for a core."""
+    def fault_in() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:  # not permitted: it still runs, at the process's priority
+            pass
+        # numpy, not torch: a torch op still running in a daemon thread while the process exits
+        # aborts it ("terminate called without an active exception").
+        pages = mapping.numpy()[::PAGE]
+        for start in range(0, len(pages), FAULT_IN_PAGES):
+            pages[start:start + FAULT_IN_PAGES].max()  # numpy drops the GIL for loops this long
+
+    thread = threading.Thread(target=fault_in, name="kv-fault-in", daemon=True)
+    thread.start()
+    return thread

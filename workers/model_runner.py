@@ -71,6 +71,19 @@ def iter_safetensors(model_dir: Path) -> SafetensorsCheckpoint:
     return SafetensorsCheckpoint(model_dir)
 
 
+def allocate_empty(model: torch.nn.Module, device) -> torch.nn.Module:
+    """`model` (built on the meta device) with uninitialised storage on `device` for every parameter
+    and buffer, as `Module.to_empty` gives. to_empty reaches `torch.empty_like` through PyTorch's
+    reference ops, whose first call imports sympy: about 0.8 s of every worker's start on a CPU."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            setattr(module, name, torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                                     param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
+    return model
+
+
 def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, max_model_len: int | None = None,
                tp_group=None) -> LlamaForCausalLM:
     """Build the model on the kernels engine_config.kernel_backend picks, and load `weights` into it,
@@ -98,7 +111,7 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
         model = model_class(model_config, ops) if tp_group is None else model_class(model_config, ops, tp_group)
     if checkpoint_quant is not None:
         q8.prepare_for_checkpoint(model, checkpoint_quant, ops)
-    model = q8.cast_model(model.to_empty(device=device), dtype)
+    model = q8.cast_model(allocate_empty(model, device), dtype)
     # The rope table stays float32 whatever the model dtype: positions need the precision.
     model.cos_sin_cache = build_rope_cache(
         model_config.head_dim, max_model_len or model_config.max_position_embeddings,

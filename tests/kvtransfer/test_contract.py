@@ -392,3 +392,37 @@ def test_shm_registered_cache_can_send_but_not_receive():
 def test_nccl_needs_cuda():
     with pytest.raises(KVTransferError, match="needs CUDA"):
         create_transport("nccl")
+
+
+def test_a_segment_is_faulted_in_behind_the_worker_without_changing_what_it_holds(tmp_path):
+    """fault_in_background maps every page of a fresh segment (its resident size grows to the whole
+    segment, counted by the kernel in /proc/self/smaps) and leaves the bytes written before it
+    ran as they were."""
+    import mmap
+
+    from kvtransfer._segment import PAGE, fault_in_background
+
+    size = 64 << 20
+    path = tmp_path / "segment"
+    with open(path, "wb") as f:
+        f.truncate(size)
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED)
+    raw = torch.frombuffer(mm, dtype=torch.uint8)
+    written = torch.randint(1, 256, (3 * PAGE + 5,), generator=torch.Generator().manual_seed(7), dtype=torch.uint8)
+    raw[PAGE:PAGE + written.numel()] = written  # a peer's copy that landed before the thread runs
+
+    def resident_kib() -> int:
+        start = f"{raw.data_ptr():x}-"
+        with open("/proc/self/smaps") as smaps:
+            lines = iter(smaps)
+            for line in lines:
+                if line.startswith(start):
+                    return next(int(l.split()[1]) for l in lines if l.startswith("Rss:"))
+        raise AssertionError("mapping not in /proc/self/smaps")
+
+    assert resident_kib() <= 4 * PAGE // 1024 + 4  # only the written pages so far
+    fault_in_background(raw).join(timeout=60)
+    assert resident_kib() == size // 1024
+    assert torch.equal(raw[PAGE:PAGE + written.numel()], written)
+    assert int(raw[:PAGE].max()) == 0 and int(raw[PAGE + written.numel():].max()) == 0
