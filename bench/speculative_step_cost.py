@@ -75,7 +75,7 @@ def main() -> None:
                                      for n, v in sorted(by.items())} for name, by in steps.items()},
         "ols_over_ngram_steps": {"slope_ms": round(slope * 1e3, 3), "intercept_ms": round(intercept * 1e3, 3),
                                  "rho": round(slope / intercept, 4)},
-        "engine_fit_rho": round(speculator.step_cost.token_cost(), 4),
+        "engine_fit_rho": round(speculator.step_cost.token_cost(args.batch), 4),
         "drafts": {"verified_steps": counters.num_drafts, "draft_tokens": counters.num_draft_tokens,
                    "accepted_tokens": counters.num_accepted_tokens},
         "tokens_per_s": {name: [round(v, 1) for v in values] for name, values in tokens_per_s.items()},

@@ -11,9 +11,9 @@ per second, and one more draft with chance g raises that exactly when
 Taking drafts in falling order of chance while that holds maximises the expected tokens per second:
 each draft taken raises E / (1 + rho T), so the bound only rises and the first draft that misses it
 ends the plan. Drafts therefore thin out as the batch grows (a decode-only batch of n sequences
-starts at the bound rho n / (1 + rho n)), as acceptance falls, and as tokens get dearer (this CPU's
-cost profile fits ~0.05 over its batches, but a few tokens cost more: 0.15-0.18 at batches of 1 and
-4, bench/speculative_step_cost.py; a GPU's decode step costs nearly the same for 1 token as for 64,
+starts at the bound rho n / (1 + rho n)), as acceptance falls, and as tokens get dearer (rho is fitted
+per batch size, StepCostFit: on this CPU a draft costs 0.15-0.18 of a step at batches of 1 and 4,
+bench/speculative_step_cost.py; a GPU's decode step costs nearly the same for 1 token as for 64,
 so drafts pay there at any batch).
 
 A sequence that verified no draft for PROBE_STEPS decode steps is given one, so that an estimate
@@ -32,12 +32,18 @@ PRIOR_ACCEPTANCE = 0.5  # before any draft was verified on this worker
 # sequence whose drafts keep failing falls below any bound (at most 1 / (1 - SEQUENCE_DECAY) = 10
 # rejections are remembered; the estimate then reaches prior / 21).
 PRIOR_WEIGHT = 0.5
+# The worker's pooled acceptance starts as this many trials at PRIOR_ACCEPTANCE: heavy enough that a
+# reply's first few misses (its opening words are rarely in the prompt) do not decide for the whole
+# worker. With a light prior two rejections took the pool below a batch of one's bound at rho 0.15;
+# then no sequence drafted or probed again, so the estimate could never recover.
+POOL_PRIOR_WEIGHT = 8.0
 SEQUENCE_DECAY = 0.9  # per verification: copying comes in runs, so a sequence's recent drafts count most
 POOL_DECAY = 0.99  # per verification, for the worker's pooled acceptance
 COST_DECAY = 0.99  # per observed step: the fit follows the host's load
-# rho until steps of different sizes were measured: this CPU's fitted step (c_token + c_sampled over c0
-# in bench/results/cost_profile_cpu.json), low for small batches (bench/results/speculative_step_cost_b*.json).
-PRIOR_TOKEN_COST = 0.05
+# rho for a batch size until its steps with and without drafts were measured: what a verified draft
+# cost in decode steps of 1 and 4 sequences on this CPU (0.15-0.18, bench/results/speculative_step_cost_b*.json),
+# so that a worker drafts only where drafts are likely to pay until it has measured its own steps.
+PRIOR_TOKEN_COST = 0.15
 MAX_TOKEN_COST = 1.0  # a token costing as much as the step's fixed part: drafts pay only when nearly sure
 MIN_COST_WEIGHT = 20.0  # decayed steps observed before the fit is used
 MIN_TOKEN_VARIANCE = 0.25  # steps must differ in size for a slope (a batch without drafts never does)
@@ -91,34 +97,47 @@ class DraftHistory:
 
 class StepCostFit:
     """Least squares of a step's seconds on its tokens, t = a + b * tokens, over decayed sums of the
-    engine's steps; token_cost() is rho = b / a."""
+    engine's all-decode steps, one fit per number of decoding sequences; token_cost(n) is rho = b / a
+    for a step of n sequences.
+
+    One fit per batch size because a CPU's step is not one line: across batch sizes an extra
+    sequence costs ~0.05 of the fixed part (bench/results/cost_profile_cpu.json), but within a
+    batch of 1 or 4 each verified draft costs 0.15-0.18 (bench/results/speculative_step_cost_b*.json).
+    A fit over every step mixes the two, and steps without drafts (most of them) pull it to the
+    cheap slope, so drafts were verified that cost more than they gave. Within one batch size only
+    drafts make steps differ in size, which is exactly the cost in question."""
 
     def __init__(self, decay: float = COST_DECAY, prior: float = PRIOR_TOKEN_COST) -> None:
         self.decay = decay
-        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
-        self._last_fit = min(prior, MAX_TOKEN_COST)
+        self.prior = min(prior, MAX_TOKEN_COST)
+        self._sums: dict[int, list[float]] = {}  # per batch size: weight, x, y, x*x, x*y
+        self._last_fit: dict[int, float] = {}
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens < 1 or not seconds > 0:
+    def observe(self, num_decoding: int, tokens: int, seconds: float) -> None:
+        if num_decoding < 1 or tokens < num_decoding or not seconds > 0:
             return
         x, y = float(tokens), float(seconds)
-        self._sums = [s * self.decay + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
+        sums = self._sums.setdefault(num_decoding, [0.0] * 5)
+        sums[:] = [s * self.decay + v for s, v in zip(sums, (1.0, x, y, x * x, x * y))]
 
-    def token_cost(self) -> float:
-        """rho, clamped to [0, MAX_TOKEN_COST]; the last fit (at first the prior) while the
-        recent steps are too few or too alike in size to fit a slope."""
-        w, sx, sy, sxx, sxy = self._sums
-        if w < MIN_COST_WEIGHT:
-            return self._last_fit
+    def token_cost(self, num_decoding: int) -> float:
+        """rho for a step of num_decoding sequences, clamped to [0, MAX_TOKEN_COST]; that batch
+        size's last fit (at first the prior) while its recent steps are too few or too alike in
+        size to fit a slope."""
+        last = self._last_fit.get(num_decoding, self.prior)
+        sums = self._sums.get(num_decoding)
+        if sums is None or sums[0] < MIN_COST_WEIGHT:
+            return last
+        w, sx, sy, sxx, sxy = sums
         mean_x, mean_y = sx / w, sy / w
         variance = sxx / w - mean_x * mean_x
         if variance < MIN_TOKEN_VARIANCE:
-            return self._last_fit
+            return last
         slope = (sxy / w - mean_x * mean_y) / variance
         intercept = mean_y - slope * mean_x
         rho = MAX_TOKEN_COST if intercept <= 0 else slope / intercept
-        self._last_fit = min(max(rho, 0.0), MAX_TOKEN_COST)
-        return self._last_fit
+        self._last_fit[num_decoding] = min(max(rho, 0.0), MAX_TOKEN_COST)
+        return self._last_fit[num_decoding]
 
 
 def entry_bound(num_decoding: int, token_cost: float) -> float:

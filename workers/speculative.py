@@ -34,8 +34,8 @@ import torch
 from common.protocol import SpecDecodeStats
 from workers.config import EngineConfig, SpeculativeConfig
 from workers.draft_model import DraftModelProposer
-from workers.draft_budget import (POOL_DECAY, PRIOR_ACCEPTANCE, PRIOR_TOKEN_COST, PRIOR_WEIGHT, Acceptance,
-                                  DraftHistory, StepCostFit, draft_counts, entry_bound, most_that_could_pay)
+from workers.draft_budget import (POOL_DECAY, POOL_PRIOR_WEIGHT, PRIOR_ACCEPTANCE, PRIOR_TOKEN_COST, PRIOR_WEIGHT,
+                                  Acceptance, DraftHistory, StepCostFit, draft_counts, entry_bound, most_that_could_pay)
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner, model_bytes
 from workers.sampler import draw_keys
@@ -177,9 +177,9 @@ class Speculator:
         size = self.config.disable_by_batch_size
         if size is not None and len(decoding) > size:
             return [[] for _ in decoding]
-        token_cost = self.step_cost.token_cost()
+        token_cost = self.step_cost.token_cost(len(decoding))
         bound = entry_bound(len(decoding), token_cost)
-        prior = self.pooled.rate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+        prior = self.pooled.rate(PRIOR_ACCEPTANCE, POOL_PRIOR_WEIGHT)
         limits, rates, probes, histories = [], [], [], []
         for seq in decoding:
             history = history_of(seq)
@@ -211,7 +211,7 @@ class Speculator:
         step-cost fit; steps that also prefill would tie a token's cost to the prompts' lengths."""
         longest = 1 + self.config.num_speculative_tokens
         if all(sampled and num_tokens <= longest for _, num_tokens, sampled in chunks):
-            self.step_cost.observe(sum(num_tokens for _, num_tokens, _ in chunks), seconds)
+            self.step_cost.observe(len(chunks), sum(num_tokens for _, num_tokens, _ in chunks), seconds)
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         """The request left the engine: the proposer drops what it kept of it (workers.suffix_decoding)."""

@@ -68,18 +68,31 @@ def test_hand_computed_plans():
     assert draft_counts([4, 4], [0.01, 0.01], 0.05, [True, True], 1) == [1, 0]
 
 
-def test_the_step_cost_fit_finds_the_line_it_was_drawn_from():
+def test_the_step_cost_fit_finds_each_batch_sizes_line():
     rng = random.Random(2)
     fit = StepCostFit()
-    assert fit.token_cost() == PRIOR_TOKEN_COST  # nothing measured
+    assert fit.token_cost(4) == PRIOR_TOKEN_COST  # nothing measured
+    # Batches of 4 whose drafts cost 0.2 of the fixed part, and batches of 16 sequences whose drafts
+    # cost 0.05 of theirs, interleaved as a worker's batch size changes: each size gets its own line.
     for _ in range(200):
-        tokens = rng.randint(1, 20)
-        fit.observe(tokens, (0.020 + 0.002 * tokens) * rng.uniform(0.97, 1.03))
-    assert fit.token_cost() == pytest.approx(0.1, rel=0.1)
-    # Then only steps of one size (a batch without drafts): the slope cannot be fitted, the last fit stays.
+        drafts = rng.randint(0, 12)
+        fit.observe(4, 4 + drafts, (0.020 + 0.004 * (4 + drafts)) * rng.uniform(0.97, 1.03))
+        drafts = rng.randint(0, 12)
+        fit.observe(16, 16 + drafts, (0.040 + 0.002 * (16 + drafts)) * rng.uniform(0.97, 1.03))
+    assert fit.token_cost(4) == pytest.approx(0.2, rel=0.1)
+    assert fit.token_cost(16) == pytest.approx(0.05, rel=0.1)
+    assert fit.token_cost(8) == PRIOR_TOKEN_COST  # a batch size never seen
+    # Then batches of 4 without drafts only (steps of one size): no slope to fit, the last fit stays.
     for _ in range(2000):
-        fit.observe(8, 0.5)
-    assert fit.token_cost() == pytest.approx(0.1, rel=0.1)
+        fit.observe(4, 4, 0.5)
+    assert fit.token_cost(4) == pytest.approx(0.2, rel=0.1)
+    # Steps of one size across batch sizes are not a slope either: a fit that pooled the sizes
+    # (1 sequence 21 ms, 16 sequences 52 ms) would give rho 0.1 here.
+    pooled = StepCostFit()
+    for _ in range(100):
+        pooled.observe(1, 1, 0.021)
+        pooled.observe(16, 16, 0.052)
+    assert pooled.token_cost(1) == pooled.token_cost(16) == PRIOR_TOKEN_COST
 
 
 def test_acceptance_is_accepted_over_accepted_plus_rejections():
@@ -109,8 +122,10 @@ def test_a_sequence_whose_drafts_fail_stops_drafting_then_probes():
         drafted.append(len(drafts))
         if drafts:
             history.record(len(drafts), 0)  # every draft rejected (the worker's pooled rate stays at its prior)
-    # The prior (0.5) pays for 3 drafts (test_hand_computed_plans); the misses pull the estimate down.
-    assert drafted[0] == 3 and drafted[1:10] == sorted(drafted[1:10], reverse=True)
+    # At the prior rho 0.15 the prior acceptance 0.5 pays for 2 drafts: 0.5 * 1.15 > 0.15 * 1, then
+    # 0.25 * 1.3 > 0.15 * 1.5, but 0.125 * 1.45 < 0.15 * 1.75. The misses pull the estimate down.
+    assert PRIOR_TOKEN_COST == 0.15
+    assert drafted[0] == 2 and drafted[1:10] == sorted(drafted[1:10], reverse=True)
     quiet = drafted[20:]
     probes = [i for i, n in enumerate(quiet) if n]
     assert len(probes) >= 3 and all(quiet[i] == 1 for i in probes)  # only probes, one draft each
@@ -151,10 +166,10 @@ class ConstantTokenCost:
     def __init__(self, rho: float) -> None:
         self.rho = rho
 
-    def token_cost(self) -> float:
+    def token_cost(self, num_decoding: int) -> float:
         return self.rho
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, num_decoding: int, tokens: int, seconds: float) -> None:
         pass
 
 
