@@ -30,6 +30,11 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
+def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A bitmask of `rows` rows on the CPU with every token allowed (xgrammar's layout and initial value)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     _check(logits, bitmask, rows)
     if not rows:

@@ -36,18 +36,30 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from common import envs
 from common.protocol import COMPILE_SECONDS_BUCKETS, GrammarCompileError, GrammarCounts
 from common.sampling_params import StructuredOutput
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 __all__ = ["GrammarCache", "GrammarPhase", "GrammarState", "GrammarStats", "choice_grammar"]
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+
+def _xgrammar():
+    """xgrammar, imported at the first structured request: importing it imports transformers
+    (about 1 s of CPU), which a worker would otherwise pay at every start for requests that may
+    never come (vLLM also sets up its grammar backend at the first structured request)."""
+    import xgrammar
+
+    return xgrammar
 
 
 def _ebnf_literal(text: str) -> str:
@@ -98,7 +110,7 @@ class GrammarState:
 
     def __init__(self, compiled: "xgr.CompiledGrammar", stop_token_ids: list[int],
                  reasoning_end: tuple[int, ...] = ()) -> None:
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+        self.matcher = _xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
         self.reasoning_end = tuple(reasoning_end)
         self.phase = GrammarPhase.REASONING if self.reasoning_end else GrammarPhase.CONSTRAINED
         self._tail: list[int] = []  # the last len(reasoning_end) tokens, while reasoning
@@ -148,12 +160,12 @@ def tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: list[int]) 
             key.update(name.encode() + b"\0" + (model_dir / name).read_bytes())
     path = envs.cache_dir() / "xgrammar" / f"tokenizer-info-{key.hexdigest()[:24]}.json"
     try:
-        return xgr.TokenizerInfo.deserialize_json(path.read_text())
+        return _xgrammar().TokenizerInfo.deserialize_json(path.read_text())
     except (OSError, RuntimeError, ValueError):
         pass
     from transformers import AutoTokenizer  # heavy, and needed only when the cache has no entry
 
-    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(model_dir)), vocab_size=vocab_size,
+    info = _xgrammar().TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(model_dir)), vocab_size=vocab_size,
                                               stop_token_ids=stop_token_ids)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,15 +194,10 @@ class GrammarCache:
         self._times: list[float] = []
         self.stats = GrammarStats()
 
-    def warm(self) -> None:
-        """Read the tokenizer for the compiler now, on the compile thread, so that a serving
-        worker's first structured request does not wait for it (about a second here)."""
-        self._pool.submit(self._get_compiler)
-
     def _get_compiler(self) -> "xgr.GrammarCompiler":
         if self._compiler is None:
             info = tokenizer_info(self.model_dir, self.vocab_size, self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._compiler = _xgrammar().GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
     def _compile(self, spec: StructuredOutput) -> object:
@@ -228,7 +235,7 @@ class GrammarCache:
                 self.stats.cache_hits += 1
                 return found
             self.stats.cache_misses += 1
-        if self._compiler is None:  # the first one reads the tokenizer (seconds): not counted in the limit
+        if self._compiler is None:  # the first imports xgrammar and reads the tokenizer (seconds): not counted in the limit
             self._pool.submit(self._get_compiler).result()
         future = self._pool.submit(self._compile, spec)
         try:

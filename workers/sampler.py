@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from xgrammar import allocate_token_bitmask
 
 from kernels.sampling import exponential_race_reference, retry_keys
-from kernels.token_bitmask import apply_token_bitmask_reference
+from kernels.token_bitmask import allocate_token_bitmask, apply_token_bitmask_reference
 from common.protocol import TokenLogprob
 from common.sampling_params import SamplingParams
 

@@ -481,7 +481,6 @@ def _build_engine_and_kv(config: WorkerConfig, group: TPGroup | None = None):
     shard = build_rank_shard(config, group)
     cfg = shard.model_config
     grammars = GrammarCache(shard.model_dir, cfg.vocab_size, cfg.eos_token_ids)
-    grammars.warm()
     engine = LLMEngine(cfg, shard.engine_config, shard.model, load_tokenizer_decode(shard.model_dir),
                        kv_cache=shard.kv_cache, grammars=grammars, tp_group=group)
     return engine, shard.kv

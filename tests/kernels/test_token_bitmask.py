@@ -5,7 +5,7 @@ import pytest
 import torch
 import xgrammar
 
-from kernels.token_bitmask import apply_token_bitmask_cpu, apply_token_bitmask_reference, native_available
+from kernels.token_bitmask import allocate_token_bitmask, apply_token_bitmask_cpu, apply_token_bitmask_reference, native_available
 
 KERNELS = [apply_token_bitmask_reference, apply_token_bitmask_cpu]
 
@@ -71,3 +71,9 @@ def test_bad_inputs_name_the_problem(kernel):
         kernel(logits, torch.zeros(2, 2, dtype=torch.int32), [2])
     with pytest.raises(ValueError, match="logits"):
         kernel(logits.double(), torch.zeros(2, 2, dtype=torch.int32), [0])
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 32), (3, 1000), (2, 49155)])
+def test_allocated_bitmask_is_xgrammars(rows, vocab):
+    ours, theirs = allocate_token_bitmask(rows, vocab), xgrammar.allocate_token_bitmask(rows, vocab)
+    assert ours.dtype == theirs.dtype and ours.device == theirs.device and torch.equal(ours, theirs)

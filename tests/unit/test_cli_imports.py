@@ -71,6 +71,16 @@ def test_the_serve_drivers_modules_load_no_engine_library():
     assert not HEAVY & loaded
 
 
+def test_a_worker_loads_xgrammar_and_transformers_only_for_a_structured_request():
+    # A worker's start imports the engine and builds it; xgrammar (which imports transformers,
+    # about a second of CPU) waits for the first structured request.
+    code = "import workers.worker, workers.engine, workers.sampler, workers.grammar\n"
+    loaded = modules_after(code)
+    assert "torch" in loaded and not {"xgrammar", "transformers"} & loaded
+    structured = modules_after(code + "from workers.grammar import _xgrammar\n_xgrammar()\n")
+    assert {"xgrammar", "transformers"} <= structured
+
+
 def test_baton_env_still_reports_torch():
     assert "torch" in modules_after(cli_run(["env", "--json"]))
 
