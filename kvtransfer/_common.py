@@ -354,11 +354,17 @@ class TransportCore(KVTransport):
     def _refresh(self, rec: Record) -> None:
         """Hook: pull status kept outside this process (shared memory) into `rec`."""
 
+    def _late_detail(self, rec: Record) -> str:
+        """Hook: what a transfer past its deadline was still waiting for (for its error)."""
+        return ""
+
     def _expire_if_due(self, rec: Record) -> None:
         if not rec.status.is_terminal and time.monotonic() > rec.deadline:
+            detail = self._late_detail(rec)
             self._terminate(rec, TransferStatus.FAILED,
                             f"transfer {rec.transfer_id!r} ({rec.role.value}) exceeded its "
-                            f"deadline of {rec.deadline - rec.t_start:.3f}s", FailureReason.DEADLINE)
+                            f"deadline of {rec.deadline - rec.t_start:.3f}s{'; ' + detail if detail else ''}",
+                            FailureReason.DEADLINE)
 
     # -- KVTransport -------------------------------------------------------------------
     def poll(self, handle: TransferHandle) -> TransferStatus:

@@ -132,8 +132,7 @@ class ShmTransport(TransportCore):
             resource_tracker.register("/" + os.path.basename(path), "shared_memory")
         header = np.ndarray((_HEADER_INTS,), dtype=np.int64, buffer=seg.mm)
         pid = os.getpid()
-        header[:7] = (_MAGIC, self._num_slots, num_blocks, offset, nbytes, pid,
-                      _process_start(pid) or -1)
+        header[:7] = (_MAGIC, self._num_slots, num_blocks, offset, nbytes, pid, _process_start(pid) or -1)
         self._own = seg
         self._wake_fd = make_wake_fifo(path)
         self._follower = Follower(self._wake_fd, self._look, lambda: self._closed)
@@ -204,14 +203,10 @@ class ShmTransport(TransportCore):
         key = transfer_key(transfer_id)
         with seg.locked():
             slot = self._free_slot(seg, key)
-            seg.slots[slot, _HASH] = ids_hash(dst)
-            seg.slots[slot, _NBLOCKS] = len(dst)
-            seg.slots[slot, _REASON] = 0
-            seg.slots[slot, _DEADLINE] = int(rec.deadline * 1e9)
-            seg.slots[slot, _SENT_BLOCKS] = _UNSEALED
-            seg.slots[slot, _LANDED] = 0
-            seg.slots[slot, _STATE] = int(TransferStatus.PENDING)
-            seg.slots[slot, _KEY] = key  # last: senders look slots up by key
+            row = seg.slots[slot]
+            row[[_HASH, _NBLOCKS, _REASON, _DEADLINE, _SENT_BLOCKS, _LANDED, _STATE]] = (
+                ids_hash(dst), len(dst), 0, int(rec.deadline * 1e9), _UNSEALED, 0, _PENDING)
+            row[_KEY] = key  # last: senders look slots up by key
         # Sums the verifier thread took: blocks [0, summed[0]), kept current (a lander sums the rest).
         rec.extra.update(slot=slot, sums=np.empty((len(dst), 2), np.uint64), summed=np.zeros(1, np.int64),
                          ids=array("q", dst))
@@ -223,6 +218,11 @@ class ShmTransport(TransportCore):
             live = {r.extra.get("slot") for r in self._records.values()
                     if r.role == Role.RECV and not r.status.is_terminal}
         return seg.free_slot(key, live)
+
+    def _late_detail(self, rec: Record) -> str:
+        seg = rec.extra.get("seg") if rec.role == Role.SEND else None
+        return "" if seg is None else (f"the receiver's slot {'is' if seg.find(rec.extra['key']) >= 0 else 'never was'}"
+                                       f" in {seg.path}")
 
     def _refresh(self, rec: Record) -> None:
         if rec.role != Role.RECV or rec.status.is_terminal or "slot" not in rec.extra:

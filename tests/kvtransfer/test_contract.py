@@ -149,6 +149,8 @@ def test_deadline_fails_without_hanging(kind, sides):
     received = d.wait("nobody-sends", Role.RECV)
     assert time.monotonic() - t0 < 3.0
     assert sent.status == TransferStatus.FAILED and sent.error
+    if kind == "shm":  # the sender's error says what it waited for: a receiver's slot that never came
+        assert "never" in sent.error, sent.error
     assert received.status == TransferStatus.FAILED and "deadline" in received.error
     assert d.poll("nobody-sends", Role.RECV) == TransferStatus.FAILED
     assert_bytes_equal(d.cache_bytes(), untouched(F32))
