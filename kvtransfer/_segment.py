@@ -170,6 +170,12 @@ class Segment:
         finally:
             self.thread_lock.release()
 
+    def owner_alive(self) -> bool:
+        """Whether the process that made this segment still runs (its pid and start time, in the
+        header); True where that cannot be told (no /proc)."""
+        pid, start = (int(v) for v in np.ndarray((2,), dtype=np.int64, buffer=self.mm, offset=5 * 8))
+        return pid <= 0 or not os.path.isdir("/proc") or process_start(pid) == start
+
     def find(self, key: int) -> int:
         """Slot holding `key`, or -1. Looks at the key's home slot first (where expect()
         puts it unless taken): a scan of the whole table is slow in a process that was
@@ -205,6 +211,26 @@ def layout_bytes(layout: KVLayout, num_blocks: int, num_slots: int) -> tuple[int
     table = HEADER_INTS * 8 + num_slots * SLOT_COLS * 8 + num_blocks * 8
     offset = (table + PAGE - 1) // PAGE * PAGE
     return offset, num_blocks * layout.block_bytes
+
+
+def open_peer_segment(path: str, layout: KVLayout, num_blocks: int, num_slots: int, peer_name: str) -> Segment:
+    """Map a receiver's segment for sending into it, after checking its size and header."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise KVTransferError(f"shared memory segment {path} of peer {peer_name} does "
+                              "not exist (peer closed, or on another node?)") from None
+    offset, nbytes = layout_bytes(layout, num_blocks, num_slots)
+    size = os.fstat(fd).st_size
+    if size != offset + nbytes:
+        os.close(fd)
+        raise KVTransferError(f"segment {path} has {size} bytes, expected {offset + nbytes}")
+    seg = map_segment(path, fd, size, layout, num_blocks, num_slots, False)
+    header = np.ndarray((HEADER_INTS,), dtype=np.int64, buffer=seg.mm)
+    if int(header[0]) != MAGIC or int(header[2]) != num_blocks:
+        os.close(fd)
+        raise KVTransferError(f"segment {path} is not a Baton KV cache of {num_blocks} blocks")
+    return seg
 
 
 def map_segment(path: str, fd: int, size: int, layout: KVLayout, num_blocks: int, num_slots: int,

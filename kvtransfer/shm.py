@@ -64,14 +64,14 @@ from ._common import (
 from ._follower import FOLLOW_WAIT_S, STALLED_S, Follower, Progress, wake
 from ._segment import HEADER_INTS as _HEADER_INTS, MAGIC as _MAGIC, REASON_KINDS as _REASON_KINDS, REASONS as _REASONS
 from ._segment import Segment as _Segment, layout_bytes as _layout_bytes, map_segment as _map
-from ._segment import make_wake_fifo, open_waker, process_start as _process_start, shm_dir as _shm_dir
+from ._segment import make_wake_fifo, open_peer_segment, open_waker, process_start as _process_start, shm_dir as _shm_dir
 from ._segment import sweep_stale_segments, wake_path
+from ._shm_faults import faulty_copy
 from ._segment import (DEADLINE as _DEADLINE, HASH as _HASH, KEY as _KEY, LANDED as _LANDED, NBLOCKS as _NBLOCKS,
                        REASON as _REASON, SENT_BLOCKS as _SENT_BLOCKS, SENT_KEY as _SENT_KEY, SENT_TAG as _SENT_TAG,
                        STATE as _STATE, UNSEALED as _UNSEALED)
-from .base import KVTransferError, Role, TransferHandle, TransferStatus, torch_dtype
-from .integrity import (FailureReason, Fault, FaultKind, FaultPlan, Manifest, clamp_block, faulty_manifest,
-                        faulty_pairs, flip_bit)
+from .base import Role, TransferHandle, TransferStatus, torch_dtype
+from .integrity import FailureReason, Fault, FaultKind, FaultPlan, Manifest, faulty_manifest
 
 # Plain ints for the states the send path compares against (an IntEnum round trip per field
 # read is measurable at this scale).
@@ -99,7 +99,6 @@ class ShmTransport(TransportCore):
         self._worker_id = f"shm-{uuid.uuid4().hex[:12]}"
         self._own: Optional[_Segment] = None
         self._peers: dict[str, _Segment] = {}
-        self._peer_blocks: dict[str, int] = {}
         self._jobs: "queue.Queue[Optional[Record]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
         self._rows: Optional[np.ndarray] = None  # block_rows() of our cache, when on the CPU
@@ -163,31 +162,41 @@ class ShmTransport(TransportCore):
         if path is None:
             raise ValueError(f"peer {peer.worker_id} registered a private cache; only caches made "
                              "by ShmTransport.allocate_cache() can receive over shm")
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise KVTransferError(f"shared memory segment {path} of peer {peer.worker_id} does "
-                                  "not exist (peer closed, or on another node?)") from None
-        num_slots = int(peer.address["num_slots"])
-        offset, nbytes = _layout_bytes(peer.layout, peer.num_blocks, num_slots)
-        size = os.fstat(fd).st_size
-        if size != offset + nbytes:
-            os.close(fd)
-            raise KVTransferError(f"segment {path} has {size} bytes, expected {offset + nbytes}")
-        seg = _map(path, fd, size, peer.layout, peer.num_blocks, num_slots, False)
-        header = np.ndarray((_HEADER_INTS,), dtype=np.int64, buffer=seg.mm)
-        if int(header[0]) != _MAGIC or int(header[2]) != peer.num_blocks:
-            os.close(fd)
-            raise KVTransferError(f"segment {path} is not a Baton KV cache of {peer.num_blocks} "
-                                  "blocks")
+        self._forget_exited_peers()
+        seg = open_peer_segment(path, peer.layout, peer.num_blocks, int(peer.address["num_slots"]), peer.worker_id)
         self._peers[peer.worker_id] = seg
-        self._peer_blocks[peer.worker_id] = peer.num_blocks
         self._copiers[peer.worker_id] = KVBlockCopier(seg.cache_bytes, self._bytes) \
             if copy_native_available(seg.cache_bytes, self._bytes) else None
         self._summing[peer.worker_id] = SummingCopier(seg.cache_bytes, self._bytes) \
             if native_sums_available(seg.cache_bytes, self._bytes) else None
         self._wakers[peer.worker_id] = open_waker(path)
         return peer.worker_id
+
+    def _forget_exited_peers(self) -> None:
+        """Drop the receivers whose process has exited (a restarted, replaced or removed decode
+        worker): their segment's memory returns to the system once no send still holds its mapping."""
+        with self._lock:
+            records = list(self._records.values())
+        busy = {id(r.extra.get("seg")) for r in records if not r.status.is_terminal}
+        exited = {p: seg for p, seg in self._peers.items() if id(seg) not in busy and not seg.owner_alive()}
+        for peer_id in exited:
+            self._drop_peer(peer_id)
+        dropped = {id(seg) for seg in exited.values()}
+        for rec in records:  # finished sends kept for their status must not keep the mapping alive
+            if rec.status.is_terminal and id(rec.extra.get("seg")) in dropped:
+                rec.extra.clear()
+
+    def _drop_peer(self, peer_id: str) -> None:
+        os.close(self._peers.pop(peer_id).fd)
+        waker = self._wakers.pop(peer_id, None)
+        if waker is not None:
+            os.close(waker)
+        self._copiers.pop(peer_id, None)
+        self._summing.pop(peer_id, None)
+
+    def peers(self) -> list[str]:
+        """The receivers this transport holds a mapping of."""
+        return list(self._peers)
 
     # -- receiver --------------------------------------------------------------------------
     def expect(self, transfer_id: str, dst_block_ids: Sequence[int],
@@ -318,7 +327,7 @@ class ShmTransport(TransportCore):
             raise ValueError(f"unknown peer {peer_id!r}: call connect() with its endpoint first")
         if self.checksums:  # the receiver's verifier thread gets ready while we prepare
             wake(self._wakers.get(peer_id))
-        src, dst, timeout_s = self._prepare_send(self._peer_blocks[peer_id], src_block_ids,
+        src, dst, timeout_s = self._prepare_send(len(seg.seals), src_block_ids,
                                                  dst_block_ids, transfer_id, timeout_s)
         rec = self._new_record(transfer_id, Role.SEND, src, timeout_s)
         if rec.status.is_terminal:
@@ -334,6 +343,9 @@ class ShmTransport(TransportCore):
         # Common case: the receiver reserved and expect()ed first. Copy right here: one
         # memcpy, no thread hand-off.
         if rec.extra["not_before"] or not self._try_send(rec):
+            if not seg.owner_alive():  # an exited receiver never expects it: fail now, not at the deadline
+                self._finish(rec, TransferStatus.FAILED, f"the receiver of {seg.path} has exited")
+                return rec.handle()
             with self._lock:
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._send_worker, daemon=True,
@@ -413,8 +425,12 @@ class ShmTransport(TransportCore):
             sums = None
             if fault is not None:
                 sums = self._block_sums(src) if self.checksums else None
-                if not self._faulty_copy(rec, seg, row, fault, src, dst):
-                    return True  # the sender "died"
+                if not faulty_copy(seg, row, fault, src, dst, self._bytes, self.checksums, extra["waker"]):
+                    # The slot stays TRANSFERRING, as a dead process leaves it (its flock goes with it):
+                    # the receiver runs into its deadline.
+                    self._finish(rec, TransferStatus.FAILED, "injected fault: sender killed mid-transfer",
+                                 FailureReason.SENDER_FAILED)
+                    return True
             elif summing is not None and self.checksums:  # the common case: one native call copies and sums
                 wake(extra["waker"])  # the receiver's verifier thread follows the chunks as they land
                 sums = summing(array("q", dst), array("q", src), row[_LANDED:_LANDED + 1], self._chunk_blocks)
@@ -442,27 +458,6 @@ class ShmTransport(TransportCore):
         else:  # a registered cache on another device
             copy_blocks(seg.cache_bytes, dst, self._bytes, src)
 
-    def _faulty_copy(self, rec: Record, seg: _Segment, row: np.ndarray, fault: Fault, src: list[int],
-                     dst: list[int]) -> bool:
-        """The copy as `fault` spoils it (tests only); False when the sender "died" mid-copy.
-        A sealing sender counts the spoiled blocks as landed, as a real fault in transit would
-        leave them, so the receiver's verifier thread reads them while the transfer is open."""
-        wrote_src, wrote_dst = faulty_pairs(fault, src, dst)
-        if wrote_src:
-            copy_blocks(seg.cache_bytes, wrote_dst, self._bytes, wrote_src)
-        if fault.kind == FaultKind.FLIP:
-            flip_bit(seg.rows, dst[clamp_block(fault, len(dst))], fault.bit)
-        if self.checksums:
-            row[_LANDED] = len(dst) // 2 if fault.kind == FaultKind.KILL else len(dst)
-            wake(rec.extra["waker"])
-        if fault.kind == FaultKind.KILL:
-            # The slot stays TRANSFERRING, as a dead process leaves it (its flock goes with it):
-            # the receiver runs into its deadline.
-            self._finish(rec, TransferStatus.FAILED, "injected fault: sender killed mid-transfer",
-                         FailureReason.SENDER_FAILED)
-            return False
-        return True
-
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
@@ -474,14 +469,8 @@ class ShmTransport(TransportCore):
             self._worker.join(timeout=2.0)
         if self._follower is not None:
             self._follower.stop()
-        for seg in self._peers.values():
-            os.close(seg.fd)
-        for fd in self._wakers.values():
-            if fd is not None:
-                os.close(fd)
-        self._peers.clear()
-        self._copiers.clear()
-        self._wakers.clear()
+        for peer_id in list(self._peers):
+            self._drop_peer(peer_id)
         seg, self._own = self._own, None
         if seg is not None:
             os.close(seg.fd)

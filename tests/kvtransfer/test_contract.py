@@ -370,6 +370,35 @@ def test_shm_segment_of_a_killed_process_is_swept(ray_sides):
     assert os.path.exists(live)
 
 
+def test_a_sender_lets_go_of_a_receiver_whose_process_exited(ray_sides):
+    """A send to a receiver that exited (a decode worker restarted or removed) fails at once rather
+    than at its deadline, and the next connection unmaps the exited receiver's segment."""
+    import ray
+
+    from kvtransfer.shm import ShmTransport
+
+    sender = ShmTransport()
+    sender.allocate_cache(F32, NUM_BLOCKS)
+    victim = ray.remote(num_cpus=0)(KVWorker).remote()
+    gone = ray.get(victim.setup.remote("shm", F32, NUM_BLOCKS, None), timeout=60)
+    pid = ray.get(victim.pid.remote(), timeout=60)
+    peer = sender.connect(gone)
+    ray.kill(victim)
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        sent = sender.wait(sender.send(peer, [1], [1], "to-an-exited-receiver", 30.0), timeout_s=10.0)
+        assert sent.status == TransferStatus.FAILED and "has exited" in sent.error, sent
+        live = ray_sides[1].setup("shm", F32, NUM_BLOCKS, D_SEED)
+        sender.connect(live)
+        assert sender.peers() == [live.worker_id]
+        with open("/proc/self/maps") as maps:  # its mapping went with the last reference to it
+            assert gone.address["path"] not in maps.read()
+    finally:
+        sender.close()
+
+
 def test_shm_registered_cache_can_send_but_not_receive():
     d, p = create_transport("shm"), create_transport("shm")
     try:
