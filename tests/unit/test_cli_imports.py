@@ -73,12 +73,14 @@ def test_the_serve_drivers_modules_load_no_engine_library():
 
 def test_a_worker_loads_xgrammar_and_transformers_only_for_a_structured_request():
     # A worker's start imports the engine and builds it; xgrammar (which imports transformers,
-    # about a second of CPU) waits for the first structured request.
-    code = "import workers.worker, workers.engine, workers.sampler, workers.grammar\n"
-    loaded = modules_after(code)
-    assert "torch" in loaded and not {"xgrammar", "transformers"} & loaded
-    structured = modules_after(code + "from workers.grammar import _xgrammar\n_xgrammar()\n")
-    assert {"xgrammar", "transformers"} <= structured
+    # about a second of CPU) waits for the first structured request. One interpreter checks both
+    # sides: before the first grammar, neither is loaded (else the script fails); after, both are.
+    code = ("import sys\n"
+            "import workers.worker, workers.engine, workers.sampler, workers.grammar\n"
+            "early = {'xgrammar', 'transformers', 'torch'} & {m.split('.')[0] for m in sys.modules}\n"
+            "assert early == {'torch'}, early\n"
+            "workers.grammar._xgrammar()\n")
+    assert {"torch", "xgrammar", "transformers"} <= modules_after(code)
 
 
 def test_baton_env_still_reports_torch():
