@@ -89,6 +89,12 @@ def process_start(pid: int) -> Optional[int]:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def owner_running(pid: int, start: int) -> bool:
+    """Whether a segment header's owner (pid and start time) still runs; True while the header is
+    not written yet (pid 0) and where liveness cannot be told (no /proc)."""
+    return pid <= 0 or not os.path.isdir("/proc") or process_start(pid) == start
+
+
 def sweep_stale_segments(directory: Optional[str] = None) -> list[str]:
     """Unlink this user's Baton KV segments whose owning process is gone; returns them."""
     directory = directory or shm_dir()
@@ -118,10 +124,8 @@ def sweep_stale_segments(directory: Optional[str] = None) -> list[str]:
         if len(head) < 7 * 8:
             continue
         magic, _, _, _, _, pid, start = struct.unpack("<7q", head)
-        if magic != MAGIC or pid <= 0:
-            continue  # header not written yet: being created
-        if process_start(pid) == start:
-            continue
+        if magic != MAGIC or owner_running(pid, start):
+            continue  # header not written yet (being created), or its owner lives
         try:
             os.unlink(path)
             removed.append(path)
@@ -174,7 +178,7 @@ class Segment:
         """Whether the process that made this segment still runs (its pid and start time, in the
         header); True where that cannot be told (no /proc)."""
         pid, start = (int(v) for v in np.ndarray((2,), dtype=np.int64, buffer=self.mm, offset=5 * 8))
-        return pid <= 0 or not os.path.isdir("/proc") or process_start(pid) == start
+        return owner_running(pid, start)
 
     def find(self, key: int) -> int:
         """Slot holding `key`, or -1. Looks at the key's home slot first (where expect()
