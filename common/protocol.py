@@ -226,6 +226,9 @@ class KVEndpoint:
     # A rank fed by a prefill group of finer ranks: the caches that receive a part of its heads
     # (one per prefill rank's heads; kvtransfer.resharding).
     inlets: tuple["KVEndpoint", ...] = field(default=(), compare=False)
+    # A worker with a draft model (speculative decoding's draft_model): the draft's own cache, into
+    # which a prefill worker pushes the draft's KV of the prompt beside the target's (kvtransfer.resharding).
+    draft: "KVEndpoint | None" = field(default=None, compare=False)
 
     @property
     def peer_key(self) -> tuple[str, str]:

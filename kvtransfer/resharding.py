@@ -19,6 +19,13 @@ block ids (block i of the request's blocks is block i there too), so nothing all
 request; they cost as much memory as the rank's own cache at most, and only the rank that
 needs them has them. The layout tag each block is sealed with covers the head range, so bytes
 of one head range can never be accepted as another's.
+
+A worker with a draft model (speculative decoding's draft_model) has a second cache on rank 0, the
+draft's, with a transport of its own (`RankKV.allocate_draft`): every handoff then also moves the
+same blocks of the draft's cache, rank 0 to rank 0 (the draft runs whole there), under the
+request's transfer id + DRAFT_SUFFIX, and the receiver's blocks are ready only when both parts
+arrived intact. The handshake covers the draft's layout, and a pair where only one side has a draft
+is refused: its decode worker would otherwise run every prompt through the draft again.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from common.tp_split import kv_head_range
 
 from ._common import coalesce
 from .base import KVTransport, Role, TransferHandle, TransferResult, TransferStatus
+
+DRAFT_SUFFIX = "/draft"  # added to a request's transfer id for the draft model's part of its handoff
 
 
 def head_range(layout: KVLayout) -> tuple[int, int]:
@@ -184,6 +193,19 @@ class RankKV:
             (None if link.heads == self.heads else self._head_cache(link.heads, "inlet"), link_id_suffix(link, links))
             for link in links if link.dst_rank == rank]
         self._inlets = [inlet for inlet, _ in self._inbound if inlet is not None]
+        self.draft: Optional[KVTransport] = None  # the draft model's cache's transport (allocate_draft)
+
+    def allocate_draft(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+        """The draft model's KV cache, allocated through a transport of its own (in shared memory
+        where the pair's backend wants it), so that handoffs carry the draft's KV too. Rank 0 only."""
+        if self.rank != 0 or self.draft is not None:
+            raise ValueError(f"a draft model's cache belongs to rank 0, once (this is rank {self.rank})")
+        transport = self._new_transport("draft")
+        if self._fault_plan is not None:
+            transport.set_fault_plan(self._fault_plan)
+        cache = transport.allocate_cache(layout, num_blocks)
+        self.draft = transport
+        return cache
 
     def _head_cache(self, heads: tuple[int, int], kind: str) -> _HeadCache:
         transport = self._new_transport(f"{kind}{heads[0]}-{heads[1]}")
@@ -195,11 +217,13 @@ class RankKV:
     def endpoint(self) -> KVEndpoint:
         """The rank's endpoint, with those of its inlets (a prefill rank sends a part of this rank's
         heads to the inlet of exactly those heads)."""
-        return replace(self.transport.endpoint(), inlets=tuple(i.transport.endpoint() for i in self._inlets))
+        return replace(self.transport.endpoint(), inlets=tuple(i.transport.endpoint() for i in self._inlets),
+                       draft=self.draft.endpoint() if self.draft is not None else None)
 
     def transports(self) -> list[KVTransport]:
         with self._lock:
-            return [self.transport, *(c.transport for c in self._staging.values()), *(i.transport for i in self._inlets)]
+            return [self.transport, *(c.transport for c in self._staging.values()), *(i.transport for i in self._inlets),
+                    *([self.draft] if self.draft is not None else [])]
 
     # ---- sender ---------------------------------------------------------------------------
     def connect(self, peers: Sequence[KVEndpoint]) -> list[HeadLink]:
@@ -234,8 +258,29 @@ class RankKV:
                         staging = self._staging[link.heads] = self._head_cache(link.heads, "staging")
             transport = staging.transport if staging else self.transport
             routes.append(_Route(link, link_id_suffix(link, links), transport, transport.connect(target), staging))
+        if self.rank == 0:
+            routes += self._draft_route(peers[0])
         self._routes[key] = routes
         return routes
+
+    def _draft_route(self, peer: KVEndpoint) -> list[_Route]:
+        """The route of the draft model's KV to a decode worker's rank 0 (none without a draft);
+        KVLayoutMismatch when only one side has a draft or their drafts' layouts differ."""
+        if (self.draft is None) != (peer.draft is None):
+            which = "this prefill worker runs a draft model and" if self.draft is not None else \
+                "this prefill worker runs no draft model but"
+            raise KVLayoutMismatch(
+                f"KV layout mismatch: speculative_config: {which} the decode worker it connects to "
+                f"{'does not' if peer.draft is None else 'does'} (the draft's KV travels with every handoff); give "
+                f"both pools the same --speculative-config")
+        if self.draft is None:
+            return []
+        try:
+            peer_id = self.draft.connect(peer.draft)
+        except KVLayoutMismatch as exc:
+            raise KVLayoutMismatch(f"the draft model's cache (speculative_config.model): {exc}") from None
+        link = HeadLink(0, 0, head_range(peer.draft.layout))
+        return [_Route(link, DRAFT_SUFFIX, self.draft, peer_id, None)]
 
     def send(self, peers: Sequence[KVEndpoint], src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
              transfer_id: str, timeout_s: float) -> list[tuple[_Route, TransferHandle]]:
@@ -264,6 +309,8 @@ class RankKV:
             for inlet, id_suffix in self._inbound:
                 transport = self.transport if inlet is None else inlet.transport
                 handles.append((transport, transport.expect(transfer_id + id_suffix, dst_block_ids, timeout_s), inlet))
+            if self.draft is not None:
+                handles.append((self.draft, self.draft.expect(transfer_id + DRAFT_SUFFIX, dst_block_ids, timeout_s), None))
         except BaseException:  # the parts announced already must not land in blocks the caller frees
             for transport, handle, _ in handles:
                 transport.abort(handle.transfer_id)

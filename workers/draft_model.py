@@ -22,16 +22,29 @@ all recomputed, never trusted).
 
 Drafts are point masses (the draft's argmax), so verification is the engine's rejection rule for a
 point-mass proposal (workers/speculative.py) and the output distribution is unchanged.
+
+Disaggregated: a prefill worker's draft runs over each prefill chunk of a peer's request beside the
+target (`prefill_kv`), so the prompt's draft KV sits in the same blocks as the target's and travels
+in the same handoff (kvtransfer.resharding); the decode worker then takes the prompt's draft KV as
+computed (`adopt_prompt`) and its first proposal runs only the first token through the draft. A
+prefill worker's every block is written so, so its prefix-cache hits hold the draft's KV too. A
+decode worker's hits (blocks not sent) are trusted only where the draft is known to have filled the
+block whole for the same tokens: the proposer keeps, per block id, the chained hash of the tokens
+it last filled it with (forgotten when it writes the block again), and compares it with the hit's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from common.block_hash import ROOT_PARENT_HASH, hash_prefix_blocks
+from common.protocol import KVLayout
+from kvtransfer.base import dtype_name
 from workers.config import EngineConfig, SpeculativeConfig
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner, iter_safetensors, kv_cache_torch_dtype, model_bytes
@@ -70,6 +83,20 @@ class DraftCacheState:
         return min(n, blocks * block_size)
 
 
+# Where a draft model's KV cache lives: (its layout, number of blocks) -> the cache tensor.
+AllocateKV = Callable[[KVLayout, int], torch.Tensor]
+
+
+def chained_hashes(seq: Sequence, stop: int, block_size: int) -> list[int]:
+    """The chained hashes of seq's first `stop` blocks (full ones): the block manager's
+    (Sequence.block_hashes), extended where it has not hashed them yet."""
+    known = seq.block_hashes[:stop]
+    if len(known) < stop:
+        parent = known[-1] if known else ROOT_PARENT_HASH
+        known += hash_prefix_blocks(seq.token_ids[len(known) * block_size: stop * block_size], block_size, parent)
+    return known
+
+
 def load_draft(config: SpeculativeConfig, target: ModelConfig) -> tuple[ModelConfig, Path]:
     """The draft's model config, checked against the target's (same vocabulary); ValueError naming `model`."""
     path = Path(config.model)
@@ -86,7 +113,10 @@ class DraftModelProposer:
     """Greedy drafts from a smaller model (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig, target: ModelConfig, engine_config: EngineConfig,
-                 num_blocks: int, max_model_len: int, target_bytes: int) -> None:
+                 num_blocks: int, max_model_len: int, target_bytes: int,
+                 allocate_kv: AllocateKV | None = None) -> None:
+        """`allocate_kv(layout, num_blocks)`: where the draft's cache lives (a worker's KV transport,
+        so that handoffs carry it); None: a tensor of its own."""
         draft_config, path = load_draft(config, target)
         self.block_size = engine_config.block_size
         # Scratch: each sequence of a batch may write k - 1 positions past its last allocated block.
@@ -98,13 +128,49 @@ class DraftModelProposer:
                                            dtype=config.dtype or engine_config.dtype,
                                            quantization=config.quantization, enforce_eager=True,
                                            max_model_len=max_model_len)
-        kv_cache = torch.zeros((draft_config.num_layers, 2, total, self.block_size, draft_config.num_kv_heads,
-                                draft_config.head_dim), dtype=kv_cache_torch_dtype(draft_engine),
-                               device=torch.device(engine_config.device))
+        kv_dtype = kv_cache_torch_dtype(draft_engine)
+        self.layout = KVLayout(num_layers=draft_config.num_layers, num_kv_heads=draft_config.num_kv_heads,
+                               head_dim=draft_config.head_dim, block_size=self.block_size, dtype=dtype_name(kv_dtype),
+                               layer_windows=draft_config.layer_windows)
+        kv_cache = (allocate_kv(self.layout, total) if allocate_kv is not None else
+                    torch.zeros(self.layout.cache_shape(total), dtype=kv_dtype, device=torch.device(engine_config.device)))
         self.runner = ModelRunner(draft_config, draft_engine, iter_safetensors(path), kv_cache=kv_cache)
         # A draft step streams the draft's weights as a target step streams the target's.
         self.relative_cost = model_bytes(self.runner.model) / max(target_bytes, 1)
         self._cached: dict[str, DraftCacheState] = {}
+        self.num_computed_tokens = 0  # tokens run through the draft since start (prompts and drafts)
+        # Block id -> chained hash of the block's tokens, where the draft's KV fills it whole for them.
+        self._filled: dict[int, int] = {}
+
+    @torch.inference_mode()
+    def prefill_kv(self, chunks: list[ScheduledChunk]) -> None:
+        """Write the draft's KV of these prefill chunks of the target's step (a peer's prompts), in
+        the same blocks: call it before their sequences' computed tokens advance."""
+        if not chunks:
+            return
+        views = [ScheduledChunk(DraftView(c.seq.token_ids, c.seq.block_ids, c.seq.num_computed_tokens), c.num_tokens)
+                 for c in sorted(chunks, key=lambda c: c.num_tokens != 1)]  # single-token chunks first
+        self.runner.execute(views, [False] * len(views))
+        self.num_computed_tokens += sum(c.num_tokens for c in chunks)
+
+    def adopt_prompt(self, seq: Sequence, num_cached_tokens: int) -> bool:
+        """seq's prompt KV arrived from a prefill worker with the draft's (prefill_kv there), except its
+        first num_cached_tokens, found in this worker's prefix cache. If the draft filled those blocks
+        for the same tokens, it has KV for the whole prompt and catches up from its end (True);
+        otherwise it runs the prompt again at its first proposal."""
+        cached = num_cached_tokens // self.block_size
+        hashes = chained_hashes(seq, seq.num_prompt_tokens // self.block_size, self.block_size)
+        self._forget_filled(seq.block_ids[cached:])  # the transfer wrote them
+        if any(self._filled.get(seq.block_ids[i]) != hashes[i] for i in range(cached)):
+            return False
+        self._cached[seq.request_id] = DraftCacheState(list(seq.prompt_token_ids), list(seq.block_ids),
+                                                       seq.num_preemptions)
+        self._filled.update(zip(seq.block_ids, hashes))
+        return True
+
+    def _forget_filled(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self._filled.pop(block_id, None)
 
     @torch.inference_mode()
     def propose_many(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
@@ -112,7 +178,7 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in seqs]
         if not active:
             return drafts
-        views = {}
+        views, done_before = {}, {}
         for slot, i in enumerate(active):
             seq = seqs[i]
             state = self._cached.setdefault(seq.request_id, DraftCacheState())
@@ -120,6 +186,7 @@ class DraftModelProposer:
             scratch = list(range(self.first_scratch + slot * self.scratch_per_seq,
                                  self.first_scratch + (slot + 1) * self.scratch_per_seq))
             views[i] = DraftView(list(seq.token_ids), list(seq.block_ids) + scratch, done)
+            done_before[i] = done
         # Step 1: every sequence's uncomputed tokens (single-token chunks first, as StepInputs wants).
         order = sorted(active, key=lambda i: seqs[i].num_tokens - views[i].num_computed_tokens != 1)
         chunks = [ScheduledChunk(views[i], seqs[i].num_tokens - views[i].num_computed_tokens) for i in order]
@@ -143,11 +210,21 @@ class DraftModelProposer:
             # KV was written for the view's computed tokens; only those in the sequence's own blocks stay.
             kept = min(view.num_computed_tokens, len(seq.block_ids) * self.block_size)
             self._cached[seq.request_id] = DraftCacheState(view.token_ids[:kept], list(seq.block_ids), seq.num_preemptions)
+            # Blocks written from `done` on: filled whole for the sequence's tokens up to its last, not past it (drafts).
+            first = done_before[i] // self.block_size
+            self._forget_filled(seq.block_ids[first:])
+            whole = seq.num_tokens // self.block_size
+            if whole > first:
+                self._filled.update(zip(seq.block_ids[first:whole], chained_hashes(seq, whole, self.block_size)[first:]))
         return drafts
 
     def _greedy(self, chunks: list[ScheduledChunk]) -> list[int]:
         logits = self.runner.execute(chunks, [True] * len(chunks))
+        self.num_computed_tokens += sum(c.num_tokens for c in chunks)
         return logits.argmax(dim=-1).tolist()
 
     def forget(self, seq: Sequence, finished: bool) -> None:
-        self._cached.pop(seq.request_id, None)
+        if self._cached.pop(seq.request_id, None) is None:
+            # It left before the draft ran for it or took its prompt's KV (e.g. a failed KV transfer):
+            # what a transfer may have written into its blocks is not known.
+            self._forget_filled(seq.block_ids[seq.num_cached_tokens // self.block_size:])

@@ -88,6 +88,7 @@ class LLMEngine:
         decode: Decode | None = None,
         kv_cache: torch.Tensor | None = None,
         grammars: GrammarCache | None = None, tp_group=None,  # rank 0 of a workers.tensor_parallel.TPGroup: weights are its shard
+        draft_kv=None,  # workers.draft_model.AllocateKV: where a draft model's KV cache lives (default: its own tensor)
     ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -99,7 +100,7 @@ class LLMEngine:
         # With every layer windowed, blocks that fall out of the window are released as sequences advance.
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           window=model_config.kv_window)
-        self.speculator = Speculator.for_engine(config, model_config, self.runner, self.max_model_len)
+        self.speculator = Speculator.for_engine(config, model_config, self.runner, self.max_model_len, draft_kv)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self._drafts if self.speculator is not None else None)
         self.decode = decode
@@ -142,13 +143,8 @@ class LLMEngine:
         return cls(model_config, config or EngineConfig(), iter_safetensors(model_dir), load_tokenizer_decode(model_dir), **kwargs)
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        prefill_only: bool = False,
-    ) -> str:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, prefill_only: bool = False) -> str:
         """Queue a request. With prefill_only, it ends here after its first token and keeps its KV
         blocks (see held_block_ids / release) so they can be sent to a decode worker."""
         seq = self._new_sequence(prompt_token_ids, params, request_id, prefill_only)
@@ -260,8 +256,8 @@ class LLMEngine:
             return None
         return KVReservation(request_id, list(seq.block_ids), seq.num_cached_tokens)
 
-    def start_decoding(self, request_id: str, first_token: int) -> None:
-        """The prompt's KV has arrived and its first token was sampled elsewhere: decode on."""
+    def start_decoding(self, request_id: str, first_token: int, with_draft_kv: bool = False) -> None:
+        """The prompt's KV (`with_draft_kv`: and a draft model's) arrived, its first token sampled elsewhere: decode on."""
         state = self._requests.get(request_id)
         if state is None:
             raise ValueError(f"request {request_id!r} is not waiting for KV here")
@@ -270,6 +266,8 @@ class LLMEngine:
             # The prefill worker sampled it under the same grammar: a mismatch is a bug, not bad input.
             raise AssertionError(f"request {request_id!r}: first token {first_token} is not allowed by its grammar")
         self.scheduler.kv_arrived(seq)
+        if with_draft_kv and self.speculator is not None:
+            self.speculator.adopt_prompt(seq)
         seq.append_token(first_token)
         if state.generator is not None and not seq.sampling_params.greedy:
             # The prefill worker drew that token's key from the same seed: go on after it, so a seeded
@@ -297,9 +295,9 @@ class LLMEngine:
     def _leave(self, seq: Sequence, finished: bool) -> None:
         """seq's request leaves the engine: its blocks go back (to the prefix cache), and the
         speculator's proposer drops what it kept of it."""
-        self.scheduler.finish(seq)
-        if self.speculator is not None:
+        if self.speculator is not None:  # before its blocks go: a draft model's proposer looks at them
             self.speculator.forget(seq, finished)
+        self.scheduler.finish(seq)
 
     def request_ids(self) -> list[str]:
         """Requests waiting, running or waiting for KV here (not prefilled ones held for a peer)."""
@@ -341,6 +339,8 @@ class LLMEngine:
 
     def _run(self, num_tokens: int, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> list[RequestOutput]:
         logits = self.runner.execute(chunks, sample_mask)
+        if self.speculator is not None:  # a peer's prompt: a draft model's KV of it travels too
+            self.speculator.prefill_kv([c for c in chunks if self._requests[c.seq.request_id].prefill_only])
         self.num_computed_tokens += num_tokens
         sampled: list[ScheduledChunk] = []
         for chunk, sampling in zip(chunks, sample_mask):

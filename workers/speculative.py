@@ -33,7 +33,7 @@ import torch
 
 from common.protocol import SpecDecodeStats
 from workers.config import EngineConfig, SpeculativeConfig
-from workers.draft_model import DraftModelProposer
+from workers.draft_model import AllocateKV, DraftModelProposer
 from workers.draft_budget import (POOL_DECAY, POOL_PRIOR_WEIGHT, PRIOR_ACCEPTANCE, PRIOR_TOKEN_COST, PRIOR_WEIGHT,
                                   Acceptance, DraftHistory, StepCostFit, draft_counts, entry_bound, most_that_could_pay)
 from workers.model_config import ModelConfig
@@ -97,8 +97,10 @@ def ngram_drafts(token_ids: list[int], min_n: int, max_n: int, max_drafts: int) 
 
 
 def make_proposer(config: SpeculativeConfig, target: ModelConfig | None = None, engine_config: EngineConfig | None = None,
-                  runner: ModelRunner | None = None, max_model_len: int = 0) -> Proposer:
-    """The config's proposer; draft_model needs the target's model and engine configs and its runner."""
+                  runner: ModelRunner | None = None, max_model_len: int = 0,
+                  allocate_kv: AllocateKV | None = None) -> Proposer:
+    """The config's proposer; draft_model needs the target's model and engine configs and its runner
+    (and takes `allocate_kv`, where its cache lives: DraftModelProposer)."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "suffix":
@@ -107,7 +109,7 @@ def make_proposer(config: SpeculativeConfig, target: ModelConfig | None = None, 
         if target is None or engine_config is None or runner is None:
             raise ValueError("speculative_config.method 'draft_model' needs the engine's model (LLMEngine builds it)")
         return DraftModelProposer(config, target, engine_config, runner.num_blocks, max_model_len,
-                                  model_bytes(runner.model))
+                                  model_bytes(runner.model), allocate_kv)
     raise ValueError(f"speculative_config.method {config.method!r} is not yet supported")  # config refuses it first
 
 
@@ -161,12 +163,23 @@ class Speculator:
 
     @classmethod
     def for_engine(cls, engine_config: EngineConfig, target: ModelConfig, runner: ModelRunner,
-                   max_model_len: int) -> Speculator | None:
-        """The engine's speculator (None: no --speculative-config)."""
+                   max_model_len: int, allocate_kv: AllocateKV | None = None) -> Speculator | None:
+        """The engine's speculator (None: no --speculative-config); `allocate_kv`: see make_proposer."""
         config = engine_config.speculative
         if config is None:
             return None
-        return cls(config, max_model_len, make_proposer(config, target, engine_config, runner, max_model_len))
+        return cls(config, max_model_len, make_proposer(config, target, engine_config, runner, max_model_len, allocate_kv))
+
+    def prefill_kv(self, chunks: list[ScheduledChunk]) -> None:
+        """A step's prefill chunks of peers' requests: a draft model writes its KV of them too (it
+        travels in the handoff: DraftModelProposer.prefill_kv); the other proposers keep no KV."""
+        if chunks and isinstance(self.proposer, DraftModelProposer):
+            self.proposer.prefill_kv(chunks)
+
+    def adopt_prompt(self, seq: Sequence) -> None:
+        """seq's prompt KV arrived with the draft model's part (DraftModelProposer.adopt_prompt)."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.adopt_prompt(seq, seq.num_cached_tokens)
 
     def drafts(self, decoding: list[Sequence], budget: int,
                history_of: Callable[[Sequence], DraftHistory | None]) -> list[list[int]]:

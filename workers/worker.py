@@ -371,7 +371,7 @@ class EngineWorker:
             skip = reservation.num_cached_tokens // self.engine.block_manager.block_size
             block_ids = reservation.block_ids[skip:]
             self.kv.expect(request_id, block_ids, self.config.transfer_timeout_s)
-            self._recv_handles[request_id] = PendingLoad(len(block_ids), prompt_token_ids, params)
+            self._recv_handles[request_id] = PendingLoad(len(block_ids), prompt_token_ids, params, self.kv.draft is not None)
             if self.followers is not None:  # before the prefill worker can send: this call returns first
                 self.followers.expect(request_id, block_ids, self.config.transfer_timeout_s)
         return reservation
@@ -390,7 +390,8 @@ class EngineWorker:
                 self._call(lambda: self.engine.abort(request_id))
                 raise self.kv_failures.error(request_id, reason, result)
             self.counters.add(kv_blocks_received=load.num_blocks)
-        self._call(lambda: self.engine.start_decoding(request_id, first_token))
+        with_draft_kv = load is not None and load.with_draft_kv
+        self._call(lambda: self.engine.start_decoding(request_id, first_token, with_draft_kv))
 
     def abort(self, request_id: str, final: bool = True) -> bool:
         """Free what this worker holds of the request. `final`: the router has ended it for good,
@@ -482,5 +483,5 @@ def _build_engine_and_kv(config: WorkerConfig, group: TPGroup | None = None):
     cfg = shard.model_config
     grammars = GrammarCache(shard.model_dir, cfg.vocab_size, cfg.eos_token_ids)
     engine = LLMEngine(cfg, shard.engine_config, shard.model, load_tokenizer_decode(shard.model_dir),
-                       kv_cache=shard.kv_cache, grammars=grammars, tp_group=group)
+                       kv_cache=shard.kv_cache, grammars=grammars, tp_group=group, draft_kv=shard.kv.allocate_draft)
     return engine, shard.kv

@@ -100,31 +100,90 @@ def test_a_migrated_request_drafts_from_its_new_worker(target_dir):
     assert acceptance(spec_engine) >= 0.97 and accepted(spec_engine) > 0
 
 
-def test_a_remote_prefill_gives_the_draft_no_kv_and_it_catches_up(target_dir):
+def draft_tokens(eng) -> int:
+    """Tokens run through the engine's draft model since it started."""
+    return eng.speculator.proposer.num_computed_tokens
+
+
+def test_a_remote_prefill_carries_the_drafts_kv_and_the_decode_worker_runs_only_new_tokens(target_dir):
+    """The prefill worker's draft runs over exactly the prompt tokens its target runs, and its KV travels
+    with the target's. The oracle for the decode worker's draft: a local engine's draft, given the same
+    requests one at a time, runs each prompt again at its first proposal; the decode worker's runs the
+    same less the prompts whose draft KV it has: those it received whole, and one whose prefix it found
+    in its prefix cache in blocks its draft had filled (a follow-up turn), but not one whose prefix was
+    computed here by the target alone (a local request that never drafted). It drafts as well as the
+    local engine: a model drafting for itself from wrong KV would guess wrong."""
     from workers.worker import EngineWorker, WorkerConfig
 
-    prompts = passage_prompts(3, seed=4)
-    plain = run(engine(target_dir, None), prompts, GREEDY)
-    config = EngineConfig(kv_cache_memory=8 << 20)
+    first, local_only, other = passage_prompts(3, seed=4)
+    extra = [7, 8, 9, 10, 11]
+    local = engine(target_dir, draft_config(target_dir))
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    config = EngineConfig(kv_cache_memory=8 << 20, speculative_config=draft_config(target_dir))
     prefill = EngineWorker(WorkerConfig("p0", "prefill", target_dir, config, transport="shm"))
-    decode = EngineWorker(WorkerConfig("d0", "decode", target_dir, EngineConfig(
-        kv_cache_memory=8 << 20, speculative_config=draft_config(target_dir)), transport="shm"))
+    decode = EngineWorker(WorkerConfig("d0", "decode", target_dir, config, transport="shm"))
     decode.engine.speculator.step_cost = FreeTokens()  # verify drafts on every step (see engine())
+
+    def remote(rid: str, prompt: list[int]) -> tuple[list[int], int]:
+        """The request through the handoff: its tokens, and the prompt tokens the decode worker had cached."""
+        reservation = decode.reserve(rid, prompt, GREEDY)
+        result = prefill.prefill(PrefillRequest(rid, prompt, GREEDY, decode.endpoint(), reservation.block_ids,
+                                                reservation.num_cached_tokens))
+        tokens = list(result.output.token_ids)
+        decode.start_decode(rid, tokens[0])
+        return tokens + collect(rid, GREEDY.max_tokens - 1), reservation.num_cached_tokens
+
+    def collect(rid: str, count: int) -> list[int]:
+        tokens: list[int] = []
+        while len(tokens) < count:
+            outputs = decode.poll_outputs(5.0)
+            assert outputs, "the decode worker produced nothing for 5 s"
+            tokens += [t for out in outputs if out.request_id == rid for t in out.token_ids]
+        return tokens
+
     try:
-        for i, (prompt, (want, _, _)) in enumerate(zip(prompts, plain)):
-            reservation = decode.reserve(f"r{i}", prompt, GREEDY)
-            result = prefill.prefill(PrefillRequest(f"r{i}", prompt, GREEDY, decode.endpoint(),
-                                                    reservation.block_ids, reservation.num_cached_tokens))
-            tokens = list(result.output.token_ids)
-            decode.start_decode(f"r{i}", tokens[0])
-            while len(tokens) < len(want):
-                outputs = decode.poll_outputs(5.0)
-                assert outputs, "the decode worker produced nothing for 5 s"
-                tokens += [t for out in outputs for t in out.token_ids]
-            assert tokens == want
-        assert acceptance(decode.engine) >= 0.97 and accepted(decode.engine) > 0
+        assert prefill.connect_peer(decode.endpoint()) == "shm"
+        want = run(local, [first], GREEDY)[0][0]
+        assert remote("r0", first) == (want, 0)
+        follow_up = first + want + extra  # its prefix is r0's prompt and reply, cached on the decode worker
+        want = run(local, [follow_up], GREEDY)[0][0]
+        got, cached = remote("r1", follow_up)
+        assert got == want and cached >= len(first)
+        run(local, [local_only], one)
+        decode.submit("r2", local_only, one)  # prefilled here by the target alone; too short to draft
+        assert len(collect("r2", 1)) == 1
+        beside = local_only + extra
+        want = run(local, [beside], GREEDY)[0][0]
+        got, cached = remote("r3", beside)
+        assert got == want and cached >= len(local_only) - len(local_only) % 16 > 0
+        assert draft_tokens(prefill.engine) == prefill.engine.stats().num_computed_tokens
+        assert draft_tokens(decode.engine) == draft_tokens(local) - len(first) - len(follow_up)
+        assert acceptance(decode.engine) >= 0.97 and accepted(decode.engine) == accepted(local)
     finally:
         prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_pair_that_disagrees_on_the_draft_model_is_refused_at_connect(target_dir, small_draft_dir):
+    from common.protocol import KVLayoutMismatch
+    from workers.worker import EngineWorker, WorkerConfig
+
+    def worker(name: str, role: str, draft: str | None) -> EngineWorker:
+        spec = draft_config(draft) if draft is not None else None
+        return EngineWorker(WorkerConfig(name, role, target_dir, EngineConfig(kv_cache_memory=4 << 20,
+                                                                              speculative_config=spec)))
+
+    decode = worker("d0", "decode", target_dir)
+    try:
+        for draft, error in ((None, "this prefill worker runs no draft model but the decode worker it connects to does"),
+                             (small_draft_dir, r"draft model's cache \(speculative_config.model\): KV layout mismatch")):
+            prefill = worker("p0", "prefill", draft)
+            try:
+                with pytest.raises(KVLayoutMismatch, match=error):
+                    prefill.connect_peer(decode.endpoint())
+            finally:
+                prefill.shutdown()
+    finally:
         decode.shutdown()
 
 

@@ -8,6 +8,7 @@ may change. Over every CPU backend, float32 and FP8, with a checksum fault on on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -164,3 +165,46 @@ def test_a_decode_rank_without_the_inlet_a_link_needs_is_refused():
     finally:
         prefill.close()
         decode.close()
+
+
+DRAFT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=4, dtype="bfloat16")  # a draft model's
+
+
+@pytest.mark.parametrize("kind", ["inprocess", "shm"])
+@pytest.mark.parametrize("src_tp, dst_tp", [(1, 1), (3, 1), (1, 3)])
+def test_a_draft_models_cache_travels_in_the_same_handoff(kind, src_tp, dst_tp):
+    """Rank 0 of each side has a draft cache (another layout, its own blocks' count): the handoff
+    moves the same blocks of it, rank 0 to rank 0; a fault in the draft's part fails the handoff."""
+    model = KVLayout(num_layers=2, num_kv_heads=H3, head_dim=8, block_size=4, dtype="float32")
+    with groups(kind, model, src_tp, dst_tp, 8) as (prefill, decode):
+        sent_draft = prefill.ranks[0].allocate_draft(DRAFT, 10)
+        got_draft = decode.ranks[0].allocate_draft(DRAFT, 10)
+        for rank in prefill.ranks:
+            rank.cache.normal_()
+        sent_draft.normal_()
+        sent, received = handoff(prefill, decode, [1, 2, 3], [4, 5, 6], "req")
+        assert all(r.ok for r in received)
+        assert (0, 0, 3 * DRAFT.block_bytes) in {(r.link.src_rank, r.link.dst_rank, r.result.nbytes) for r in sent}
+        assert torch.equal(got_draft[:, :, [4, 5, 6]], sent_draft[:, :, [1, 2, 3]])
+        assert not got_draft[:, :, [0, 1, 2, 3, 7, 8, 9]].any()  # nothing else changed
+        # A bit flipped in the draft's part only: the request's blocks are not ready.
+        prefill.ranks[0].set_fault_plan(FaultPlan({"bad/draft": Fault(FaultKind.FLIP, block=0, bit=5)}))
+        _, received = handoff(prefill, decode, [1, 2, 3], [4, 5, 6], "bad")
+        assert not received[0].ok and received[0].reason == "checksum"
+
+
+def test_a_pair_where_one_side_has_no_draft_or_another_draft_is_refused():
+    model = KVLayout(num_layers=1, num_kv_heads=H3, head_dim=8, block_size=4, dtype="float32")
+    with groups("inprocess", model, 1, 1, 4) as (prefill, decode):
+        decode.ranks[0].allocate_draft(DRAFT, 4)
+        with pytest.raises(KVLayoutMismatch, match="speculative_config: this prefill worker runs no draft model but "
+                                                   "the decode worker it connects to does"):
+            prefill.ranks[0].connect(decode.endpoints())
+        prefill.ranks[0].allocate_draft(dataclasses.replace(DRAFT, num_layers=2), 4)
+        with pytest.raises(KVLayoutMismatch, match=r"draft model's cache \(speculative_config.model\): KV layout "
+                                                   r"mismatch: num_layers local=2 peer=1"):
+            prefill.ranks[0].connect(decode.endpoints())
+    with groups("inprocess", model, 1, 1, 4) as (prefill, decode):
+        prefill.ranks[0].allocate_draft(DRAFT, 4)
+        with pytest.raises(KVLayoutMismatch, match="runs a draft model and the decode worker it connects to does not"):
+            prefill.ranks[0].connect(decode.endpoints())
