@@ -20,8 +20,17 @@ proposal keeps the longest prefix that still matches the sequence's tokens and b
 drafts, scratch positions, a preemption's new blocks and a prefix-cache block that went elsewhere are
 all recomputed, never trusted).
 
-Drafts are point masses (the draft's argmax), so verification is the engine's rejection rule for a
-point-mass proposal (workers/speculative.py) and the output distribution is unchanged.
+Each draft is one token (a point mass), so verification is the engine's rejection rule for a
+point-mass proposal (workers/speculative.py) and the output distribution is unchanged whatever the
+drafts are. Which token: for a greedy request, the draft's argmax. For a sampled request, the token
+the plain sampler would draw from the draft's distribution (the request's temperature, top-k, top-p,
+min-p and penalties) with the key the verification will draw that position's token with: the
+request's generator drawn ahead on a copy (the engine gives every sampled request a generator of its
+own when it drafts so). The verification's token at a position is the target's race with that key,
+the draft's the draft's race with the same key, so they agree whenever the two distributions put the
+race's winner on the same token: a draft close to the target is accepted about as often as under
+greedy decoding, where its argmax would be accepted only with the target's probability of that one
+token (often low at temperature 1).
 
 Disaggregated: a prefill worker's draft runs over each prefill chunk of a peer's request beside the
 target (`prefill_kv`), so the prompt's draft KV sits in the same blocks as the target's and travels
@@ -45,9 +54,11 @@ import torch
 from common.block_hash import ROOT_PARENT_HASH, hash_prefix_blocks
 from common.protocol import KVLayout
 from kvtransfer.base import dtype_name
+from common.sampling_params import SamplingParams
 from workers.config import EngineConfig, SpeculativeConfig
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner, iter_safetensors, kv_cache_torch_dtype, model_bytes
+from workers.sampler import SamplingRow, sample
 from workers.sequence import ScheduledChunk, Sequence
 
 
@@ -95,6 +106,18 @@ def chained_hashes(seq: Sequence, stop: int, block_size: int) -> list[int]:
         parent = known[-1] if known else ROOT_PARENT_HASH
         known += hash_prefix_blocks(seq.token_ids[len(known) * block_size: stop * block_size], block_size, parent)
     return known
+
+
+def keys_ahead(seq: Sequence, generator: torch.Generator | None) -> tuple[SamplingParams, torch.Generator] | None:
+    """For a sampled sequence with a generator: its sampling parameters (without logprobs, which a
+    draft does not report) and a copy of the generator, whose draws are then the keys the
+    verification will use, position by position; None for a greedy one or without a generator."""
+    params = seq.sampling_params
+    if generator is None or params.greedy:
+        return None
+    ahead = torch.Generator(device=generator.device)
+    ahead.set_state(generator.get_state())
+    return dataclasses.replace(params, logprobs=None), ahead
 
 
 def load_draft(config: SpeculativeConfig, target: ModelConfig) -> tuple[ModelConfig, Path]:
@@ -173,11 +196,18 @@ class DraftModelProposer:
             self._filled.pop(block_id, None)
 
     @torch.inference_mode()
-    def propose_many(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+    def propose_many(self, seqs: list[Sequence], limits: list[int],
+                     generators: list[torch.Generator | None] | None = None) -> list[list[int]]:
         active = [i for i, limit in enumerate(limits) if limit > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not active:
             return drafts
+        keys = {i: keys_ahead(seqs[i], generators[i]) for i in active if generators is not None}
+
+        def rows(order: list[int]) -> list[SamplingRow | None]:
+            """The sampler's row of each sequence's next draft (None: the draft's argmax)."""
+            return [None if keys.get(i) is None else SamplingRow(keys[i][0], seqs[i].output_token_ids + drafts[i],
+                                                                seqs[i].prompt_token_ids, keys[i][1]) for i in order]
         views, done_before = {}, {}
         for slot, i in enumerate(active):
             seq = seqs[i]
@@ -190,7 +220,7 @@ class DraftModelProposer:
         # Step 1: every sequence's uncomputed tokens (single-token chunks first, as StepInputs wants).
         order = sorted(active, key=lambda i: seqs[i].num_tokens - views[i].num_computed_tokens != 1)
         chunks = [ScheduledChunk(views[i], seqs[i].num_tokens - views[i].num_computed_tokens) for i in order]
-        tokens = self._greedy(chunks)
+        tokens = self._next_tokens(chunks, rows(order))
         for i, token in zip(order, tokens):
             views[i].num_computed_tokens = seqs[i].num_tokens
             views[i].token_ids.append(token)
@@ -200,7 +230,7 @@ class DraftModelProposer:
             running = [i for i in active if limits[i] > j]
             if not running:
                 break
-            tokens = self._greedy([ScheduledChunk(views[i], 1) for i in running])
+            tokens = self._next_tokens([ScheduledChunk(views[i], 1) for i in running], rows(running))
             for i, token in zip(running, tokens):
                 views[i].num_computed_tokens += 1
                 views[i].token_ids.append(token)
@@ -218,10 +248,17 @@ class DraftModelProposer:
                 self._filled.update(zip(seq.block_ids[first:whole], chained_hashes(seq, whole, self.block_size)[first:]))
         return drafts
 
-    def _greedy(self, chunks: list[ScheduledChunk]) -> list[int]:
+    def _next_tokens(self, chunks: list[ScheduledChunk], rows: list[SamplingRow | None]) -> list[int]:
+        """The draft's next token after each chunk: drawn as `rows` say (see propose_many), else its argmax."""
         logits = self.runner.execute(chunks, [True] * len(chunks))
         self.num_computed_tokens += sum(c.num_tokens for c in chunks)
-        return logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1).tolist()
+        keyed = [i for i, row in enumerate(rows) if row is not None]
+        if keyed:
+            drawn, _ = sample(logits[keyed], [rows[i] for i in keyed], race=self.runner.ops.exponential_race)
+            for i, token in zip(keyed, drawn):
+                tokens[i] = token
+        return tokens
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         if self._cached.pop(seq.request_id, None) is None:

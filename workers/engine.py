@@ -215,9 +215,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.stop and self.decode is None:
             raise ValueError("stop strings need a tokenizer; this engine was built without one")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        seed = params.seed
+        if seed is None and not params.greedy and self.speculator is not None and self.speculator.drafts_with_keys:
+            seed = int(draw_keys(self.sampler.generator, 1)[0])  # keys of its own, which a draft can draw ahead
+        generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         detok = IncrementalDetokenizer(self.decode, params.stop) if self.decode else None
         grammar = None
         if params.structured_output is not None:
@@ -236,8 +237,7 @@ class LLMEngine:
         return self.scheduler.held_block_ids(request_id)
 
     def begin_send(self, request_id: str) -> list[int]:
-        """A transfer starts reading a prefilled request's blocks (returned, in token order); they
-        stay allocated, even through an abort, until release() after the transfer has ended."""
+        """A transfer reads a prefilled request's blocks (returned, in order): allocated, aborted or not, until release()."""
         return self.scheduler.begin_send(request_id)
 
     def release(self, request_id: str) -> bool:
@@ -293,8 +293,7 @@ class LLMEngine:
         return True
 
     def _leave(self, seq: Sequence, finished: bool) -> None:
-        """seq's request leaves the engine: its blocks go back (to the prefix cache), and the
-        speculator's proposer drops what it kept of it."""
+        """seq's request leaves: the speculator's proposer drops what it kept of it, its blocks go back (prefix cache)."""
         if self.speculator is not None:  # before its blocks go: a draft model's proposer looks at them
             self.speculator.forget(seq, finished)
         self.scheduler.finish(seq)
@@ -387,7 +386,8 @@ class LLMEngine:
             self.block_manager.release_out_of_window(seq)
 
     def _drafts(self, decoding: list[Sequence], budget: int) -> list[list[int]]:
-        return self.speculator.drafts(decoding, budget, self._draft_history)  # the scheduler's drafter
+        return self.speculator.drafts(decoding, budget, self._draft_history,  # the scheduler's drafter
+                                      lambda seq: self._requests[seq.request_id].generator)
 
     def _draft_history(self, seq: Sequence) -> DraftHistory | None:
         """None where seq may not draft: structured output (its grammar moves token by token), a peer's prefill."""

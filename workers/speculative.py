@@ -51,8 +51,11 @@ class Proposer(Protocol):
     # (workers.draft_budget) until steps are measured.
     relative_cost: float
 
-    def propose_many(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        """For each of seqs, at most its limit of draft tokens to follow its token_ids (possibly none)."""
+    def propose_many(self, seqs: list[Sequence], limits: list[int],
+                     generators: list[torch.Generator | None] | None = None) -> list[list[int]]:
+        """For each of seqs, at most its limit of draft tokens to follow its token_ids (possibly none).
+        `generators`: for each, the generator whose next draws key its next sampled positions (None:
+        greedy, or not known); a proposer with a distribution may draw its drafts with those keys."""
         ...
 
     def forget(self, seq: Sequence, finished: bool) -> None:
@@ -71,7 +74,8 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose_many(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+    def propose_many(self, seqs: list[Sequence], limits: list[int],
+                     generators: list[torch.Generator | None] | None = None) -> list[list[int]]:
         return [ngram_drafts(seq.token_ids, self.min_n, self.max_n, limit) for seq, limit in zip(seqs, limits)]
 
     def forget(self, seq: Sequence, finished: bool) -> None:
@@ -176,17 +180,23 @@ class Speculator:
         if chunks and isinstance(self.proposer, DraftModelProposer):
             self.proposer.prefill_kv(chunks)
 
+    @property
+    def drafts_with_keys(self) -> bool:
+        """Whether the proposer draws its drafts with the keys the verification will use (a draft
+        model: DraftModelProposer), so that every sampled request should have keys it can draw ahead."""
+        return isinstance(self.proposer, DraftModelProposer)
+
     def adopt_prompt(self, seq: Sequence) -> None:
         """seq's prompt KV arrived with the draft model's part (DraftModelProposer.adopt_prompt)."""
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.adopt_prompt(seq, seq.num_cached_tokens)
 
-    def drafts(self, decoding: list[Sequence], budget: int,
-               history_of: Callable[[Sequence], DraftHistory | None]) -> list[list[int]]:
+    def drafts(self, decoding: list[Sequence], budget: int, history_of: Callable[[Sequence], DraftHistory | None],
+               generator_of: Callable[[Sequence], torch.Generator | None] = lambda seq: None) -> list[list[int]]:
         """Drafts for each of decoding, at most budget in all, as many as pay (workers.draft_budget):
         none past disable_by_batch_size sequences, none where history_of(seq) is None (it may not
         draft), never past max_tokens or the context. The proposer is asked only for sequences
-        whose first draft could pay."""
+        whose first draft could pay. `generator_of(seq)`: the generator of seq's keys (Proposer.propose_many)."""
         size = self.config.disable_by_batch_size
         if size is not None and len(decoding) > size:
             return [[] for _ in decoding]
@@ -210,7 +220,8 @@ class Speculator:
         asked = [(i, seq) for i, seq in enumerate(decoding) if limits[i]]
         proposals: list[list[int]] = [[] for _ in decoding]
         if asked:
-            made = self.proposer.propose_many([seq for _, seq in asked], [limits[i] for i, _ in asked])
+            made = self.proposer.propose_many([seq for _, seq in asked], [limits[i] for i, _ in asked],
+                                              [generator_of(seq) for _, seq in asked])
             for (i, _), drafts in zip(asked, made):
                 proposals[i] = drafts[: limits[i]]
         counts = draft_counts([len(p) for p in proposals], rates, token_cost, probes, budget)

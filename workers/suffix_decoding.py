@@ -127,8 +127,8 @@ class SuffixProposer:
         self._cached: OrderedDict[str, list[int]] = OrderedDict()  # request id -> output, oldest first
         self._own: dict[str, _Own] = {}
 
-    def propose_many(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        return [self.propose(seq, limit) for seq, limit in zip(seqs, limits)]
+    def propose_many(self, seqs: list[Sequence], limits: list[int], generators=None) -> list[list[int]]:
+        return [self.propose(seq, limit) for seq, limit in zip(seqs, limits)]  # no distribution: keys unused
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         own = self._own.get(seq.request_id)

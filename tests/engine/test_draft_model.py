@@ -9,6 +9,7 @@ exactness when drafts are often wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -84,6 +85,39 @@ def test_seeded_requests_get_the_same_tokens_with_a_draft(target_dir, small_draf
         spec_engine = engine(target_dir, draft_config(draft))
         assert run(spec_engine, prompts, params) == plain
         assert spec_engine.stats().spec_decode.num_draft_tokens > 0
+
+
+SAMPLED = [SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True),
+           SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True),
+           SamplingParams(max_tokens=32, temperature=1.2, min_p=0.01, frequency_penalty=0.5, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_sampled_drafts_are_drawn_with_the_verifications_keys(target_dir, seeded):
+    """At temperature 1 the tiny random model spreads its probability thin, so a draft that guessed its
+    own argmax would be accepted about as often as that one token is drawn. Drawn from the draft's
+    distribution with the key the verification draws that position with, a model drafting for itself
+    is accepted nearly always (oracle: the acceptance, and a point-mass proposer's on the same
+    requests); seeded requests still get exactly the tokens of the engine without speculation."""
+    prompts = passage_prompts(6, seed=5)
+    params = [dataclasses.replace(SAMPLED[i % 3], seed=100 + i if seeded else None) for i in range(6)]
+    spec_engine = engine(target_dir, draft_config(target_dir))
+    got = run(spec_engine, prompts, params)
+    if seeded:
+        assert got == run(engine(target_dir, None), prompts, params)
+    assert spec_engine.stats().spec_decode.num_draft_tokens > 100
+    assert acceptance(spec_engine) >= 0.9
+    argmax_drafts = engine(target_dir, draft_config(target_dir))
+    run_without_keys(argmax_drafts, prompts, params)
+    assert acceptance(argmax_drafts) < 0.5
+
+
+def run_without_keys(eng, prompts, params):
+    """run() with the draft model proposing without the verification's keys (its argmax)."""
+    proposer = eng.speculator.proposer
+    plain = proposer.propose_many
+    proposer.propose_many = lambda seqs, limits, generators=None: plain(seqs, limits)
+    return run(eng, prompts, params)
 
 
 def test_a_migrated_request_drafts_from_its_new_worker(target_dir):
