@@ -40,6 +40,9 @@ class ArgmaxDrafts:
     def forget(self, seq, finished: bool) -> None:
         self.proposer.forget(seq, finished)
 
+    def drafting_seconds(self, measured: float):
+        return self.proposer.drafting_seconds(measured)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -16,10 +16,29 @@ per batch size, StepCostFit: on this CPU a draft costs 0.15-0.18 of a step at ba
 bench/speculative_step_cost.py; a GPU's decode step costs nearly the same for 1 token as for 64,
 so drafts pay there at any batch).
 
+Proposing costs too, and not as verifying does: a draft model runs a pass over the batch per draft
+position, whatever the verified tokens. So the proposer's time is measured apart from the step's
+(StepCostFit.observe_proposal; the step's fit gets the step less it) as delta, the seconds of a
+proposed draft against the step's fixed cost a, per batch size (before any is measured, the
+proposer's relative_cost over n: a draft model's bytes against the target's, what a memory-bound pass
+costs, shared by the n sequences it drafts for; or, where more, what a pass cost at fewer sequences,
+over n: a pass over more sequences costs no less).
+Whether to propose a first draft then compares its chance with the bound of a draft that costs both:
+
+    (rho + delta) * n / (1 + rho * n)                (entry_bound, a step of n decodes)
+
+Once proposed, the drafts' proposal is spent, and which of them to verify (draft_counts) weighs rho
+alone. Without the split, a draft model's passes go into the step's fixed cost (they do not grow with
+the verified tokens), and at 16 sequences on a CPU a bfloat16 self-draft whose drafts were nearly all
+accepted was proposed at every step, at about half the throughput of no drafts.
+
 A sequence that verified no draft for PROBE_STEPS decode steps is given one, so that an estimate
 that went low can recover when the text turns repetitive (one token every PROBE_STEPS steps), while
 the worker's pooled acceptance would pay for a first draft in the step (above it, as in a large batch
-at a CPU's rho, no sequence drafts and none probes: the step costs what it costs without drafts).
+at a CPU's rho, no sequence drafts and none probes: the step costs what it costs without drafts), or,
+until the worker has verified POOL_PRIOR_WEIGHT drafts, whatever the bound but for one sequence every
+PROBE_STEPS steps of the worker: a costly proposer (a draft model) would otherwise never be tried at
+the prior acceptance, and its probe may first have to run the sequence's tokens through the draft.
 """
 
 from __future__ import annotations
@@ -48,6 +67,9 @@ MAX_TOKEN_COST = 1.0  # a token costing as much as the step's fixed part: drafts
 MIN_COST_WEIGHT = 20.0  # decayed steps observed before the fit is used
 MIN_TOKEN_VARIANCE = 0.25  # steps must differ in size for a slope (a batch without drafts never does)
 PROBE_STEPS = 16
+# The prior delta counts as this many proposed drafts in the measured one, so that the first few
+# (a pass that happened to wait for a core) do not decide alone.
+DRAFT_COST_PRIOR_WEIGHT = 4.0
 
 
 @dataclass
@@ -107,11 +129,47 @@ class StepCostFit:
     cheap slope, so drafts were verified that cost more than they gave. Within one batch size only
     drafts make steps differ in size, which is exactly the cost in question."""
 
-    def __init__(self, decay: float = COST_DECAY, prior: float = PRIOR_TOKEN_COST) -> None:
+    def __init__(self, decay: float = COST_DECAY, prior: float = PRIOR_TOKEN_COST, draft_prior: float = 0.0) -> None:
+        """`prior`: rho until measured; `draft_prior` / n: delta until measured (see the module docstring)."""
         self.decay = decay
         self.prior = min(prior, MAX_TOKEN_COST)
+        self.draft_prior = draft_prior
         self._sums: dict[int, list[float]] = {}  # per batch size: weight, x, y, x*x, x*y
         self._last_fit: dict[int, float] = {}
+        self._proposals: dict[int, list[float]] = {}  # per batch size: decayed seconds, drafts proposed
+
+    def observe_proposal(self, num_decoding: int, drafts: int, seconds: float) -> None:
+        """The proposer took `seconds` to propose `drafts` drafts for a step of num_decoding sequences."""
+        if drafts < 1 or not seconds >= 0:
+            return
+        sums = self._proposals.setdefault(num_decoding, [0.0, 0.0])
+        sums[:] = [sums[0] * self.decay + seconds, sums[1] * self.decay + drafts]
+
+    def _fixed_seconds(self, num_decoding: int) -> float | None:
+        """A step's fixed seconds a at num_decoding sequences, from its mean step at the fitted or
+        prior rho; at a batch size without steps yet, the nearest one's (None: no steps at all)."""
+        measured = [m for m, sums in self._sums.items() if sums[0] >= 1.0]
+        if not measured:
+            return None
+        nearest = min(measured, key=lambda m: (abs(m - num_decoding), m))
+        w, sx, sy = self._sums[nearest][:3]
+        return sy / w / (1 + self.token_cost(nearest) * sx / w)
+
+    def draft_cost(self, num_decoding: int) -> float:
+        """delta for a step of num_decoding sequences: a proposed draft's seconds against the step's
+        fixed seconds a (_fixed_seconds), shrunk toward the prior; the bytes' prior before any step."""
+        fixed = self._fixed_seconds(num_decoding)
+        if fixed is None:
+            return self.draft_prior / max(num_decoding, 1)
+        if not fixed > 0:
+            return MAX_TOKEN_COST
+        # A pass drafts for the batch and costs at least what one over fewer sequences did: the
+        # seconds of a draft measured at m < n sequences, times m, over n (else the bytes' prior).
+        floor = max((s / d * m / num_decoding for m, (s, d) in self._proposals.items() if m < num_decoding and d > 0),
+                    default=0.0)
+        prior = max(self.draft_prior / max(num_decoding, 1), floor / fixed)
+        seconds, drafts = self._proposals.get(num_decoding, (0.0, 0.0))
+        return (seconds / fixed + prior * DRAFT_COST_PRIOR_WEIGHT) / (drafts + DRAFT_COST_PRIOR_WEIGHT)
 
     def observe(self, num_decoding: int, tokens: int, seconds: float) -> None:
         if num_decoding < 1 or tokens < num_decoding or not seconds > 0:
@@ -140,9 +198,10 @@ class StepCostFit:
         return self._last_fit[num_decoding]
 
 
-def entry_bound(num_decoding: int, token_cost: float) -> float:
-    """The chance a first draft must beat in a step of num_decoding sequences without drafts."""
-    return token_cost * num_decoding / (1 + token_cost * num_decoding)
+def entry_bound(num_decoding: int, token_cost: float, draft_cost: float = 0.0) -> float:
+    """The chance a first draft must beat in a step of num_decoding sequences without drafts, for
+    proposing it (draft_cost: delta) or, once proposed, for verifying it (draft_cost 0)."""
+    return (token_cost + draft_cost) * num_decoding / (1 + token_cost * num_decoding)
 
 
 def most_that_could_pay(acceptance: float, bound: float, limit: int, probe: bool) -> int:

@@ -45,6 +45,7 @@ it last filled it with (forgotten when it writes the block again), and compares 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,10 @@ class DraftCacheState:
             blocks += 1
         return min(n, blocks * block_size)
 
+
+# A first pass of at most this many tokens per sequence (the last token and what the last verification
+# accepted) costs about what a pass of one does: a proposal that had only such passes is all drafting.
+CATCH_UP_TOKENS = 5
 
 # Where a draft model's KV cache lives: (its layout, number of blocks) -> the cache tensor.
 AllocateKV = Callable[[KVLayout, int], torch.Tensor]
@@ -162,6 +167,7 @@ class DraftModelProposer:
         self.relative_cost = model_bytes(self.runner.model) / max(target_bytes, 1)
         self._cached: dict[str, DraftCacheState] = {}
         self.num_computed_tokens = 0  # tokens run through the draft since start (prompts and drafts)
+        self._passes: list[tuple[float, int]] = []
         # Block id -> chained hash of the block's tokens, where the draft's KV fills it whole for them.
         self._filled: dict[int, int] = {}
 
@@ -220,6 +226,7 @@ class DraftModelProposer:
         # Step 1: every sequence's uncomputed tokens (single-token chunks first, as StepInputs wants).
         order = sorted(active, key=lambda i: seqs[i].num_tokens - views[i].num_computed_tokens != 1)
         chunks = [ScheduledChunk(views[i], seqs[i].num_tokens - views[i].num_computed_tokens) for i in order]
+        self._passes = []  # (seconds, most tokens of a sequence) of each pass: drafting_seconds
         tokens = self._next_tokens(chunks, rows(order))
         for i, token in zip(order, tokens):
             views[i].num_computed_tokens = seqs[i].num_tokens
@@ -250,6 +257,7 @@ class DraftModelProposer:
 
     def _next_tokens(self, chunks: list[ScheduledChunk], rows: list[SamplingRow | None]) -> list[int]:
         """The draft's next token after each chunk: drawn as `rows` say (see propose_many), else its argmax."""
+        started = time.perf_counter()
         logits = self.runner.execute(chunks, [True] * len(chunks))
         self.num_computed_tokens += sum(c.num_tokens for c in chunks)
         tokens = logits.argmax(dim=-1).tolist()
@@ -258,7 +266,16 @@ class DraftModelProposer:
             drawn, _ = sample(logits[keyed], [rows[i] for i in keyed], race=self.runner.ops.exponential_race)
             for i, token in zip(keyed, drawn):
                 tokens[i] = token
+        self._passes.append((time.perf_counter() - started, max(c.num_tokens for c in chunks)))
         return tokens
+
+    def drafting_seconds(self, measured: float) -> float | None:
+        """The last proposal's passes as if each ran one token per sequence: a draft costs a pass, but
+        a first pass that caught up on many tokens (a prompt the draft had not run) costs more, once."""
+        single = [seconds for seconds, most in self._passes if most == 1]
+        if single:
+            return sum(single) / len(single) * len(self._passes)
+        return measured if all(most <= CATCH_UP_TOKENS for _, most in self._passes) else None
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         if self._cached.pop(seq.request_id, None) is None:

@@ -24,6 +24,7 @@ and the measured cost of a step's tokens (workers.draft_budget); disable_by_batc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,7 +35,7 @@ import torch
 from common.protocol import SpecDecodeStats
 from workers.config import EngineConfig, SpeculativeConfig
 from workers.draft_model import AllocateKV, DraftModelProposer
-from workers.draft_budget import (POOL_DECAY, POOL_PRIOR_WEIGHT, PRIOR_ACCEPTANCE, PRIOR_TOKEN_COST, PRIOR_WEIGHT,
+from workers.draft_budget import (POOL_DECAY, POOL_PRIOR_WEIGHT, PRIOR_ACCEPTANCE, PRIOR_TOKEN_COST, PRIOR_WEIGHT, PROBE_STEPS,
                                   Acceptance, DraftHistory, StepCostFit, draft_counts, entry_bound, most_that_could_pay)
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner, model_bytes
@@ -62,6 +63,11 @@ class Proposer(Protocol):
         """The request left the engine (`finished`: it ended, rather than being aborted or handed on)."""
         ...
 
+    def drafting_seconds(self, measured: float) -> float | None:
+        """What the drafts of the last propose_many cost, from its measured wall seconds, leaving out
+        any one-time catching up (a draft model's first pass over a sequence's tokens); None: cannot tell."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup: the longest suffix of n tokens (n from prompt_lookup_max down to
@@ -80,6 +86,9 @@ class NgramProposer:
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         pass  # it keeps nothing between steps
+
+    def drafting_seconds(self, measured: float) -> float:
+        return measured  # all of its time is drafting
 
 
 def ngram_drafts(token_ids: list[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
@@ -163,7 +172,9 @@ class Speculator:
         self.proposer = proposer if proposer is not None else make_proposer(config)
         self.counters = SpecDecodeCounters(config.num_speculative_tokens)
         self.pooled = Acceptance(POOL_DECAY)  # every sequence's drafts: a new sequence's prior
-        self.step_cost = StepCostFit(prior=PRIOR_TOKEN_COST + self.proposer.relative_cost)
+        self.step_cost = StepCostFit(prior=PRIOR_TOKEN_COST, draft_prior=self.proposer.relative_cost)
+        self._proposal_seconds = 0.0  # the proposer's part of the current step (observe_step takes it out)
+        self._steps_since_trial = 0  # drafts() calls since a probe was given only to learn the acceptance
 
     @classmethod
     def for_engine(cls, engine_config: EngineConfig, target: ModelConfig, runner: ModelRunner,
@@ -201,8 +212,13 @@ class Speculator:
         if size is not None and len(decoding) > size:
             return [[] for _ in decoding]
         token_cost = self.step_cost.token_cost(len(decoding))
-        bound = entry_bound(len(decoding), token_cost)
+        bound = entry_bound(len(decoding), token_cost, self.step_cost.draft_cost(len(decoding)))
         prior = self.pooled.rate(PRIOR_ACCEPTANCE, POOL_PRIOR_WEIGHT)
+        # Until the worker has verified a few drafts, one probe every PROBE_STEPS steps tries them
+        # whatever the bound: a proposer whose cost puts the prior acceptance under it would otherwise
+        # never be tried (a draft model's probe may have to run the sequence's tokens first).
+        self._steps_since_trial += 1
+        trial = self.pooled.accepted + self.pooled.rejections < POOL_PRIOR_WEIGHT and self._steps_since_trial > PROBE_STEPS
         limits, rates, probes, histories = [], [], [], []
         for seq in decoding:
             history = history_of(seq)
@@ -210,8 +226,10 @@ class Speculator:
             limit = min(self.config.num_speculative_tokens, budget,
                         seq.sampling_params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
             rate = history.recent.rate(prior, PRIOR_WEIGHT) if history is not None else 0.0
-            # Probing is worth it only while a fresh sequence (estimated at the pooled rate) would draft.
-            probe = history is not None and history.due_a_probe and prior > bound
+            # Probing is worth it while a fresh sequence (at the pooled rate) would draft, or as the trial above.
+            probe = history is not None and history.due_a_probe and (prior > bound or trial)
+            if probe and not prior > bound:
+                trial, self._steps_since_trial = False, 0
             limits.append(0 if history is None else most_that_could_pay(rate, bound, limit, probe))
             rates.append(rate)
             probes.append(probe)
@@ -220,10 +238,15 @@ class Speculator:
         asked = [(i, seq) for i, seq in enumerate(decoding) if limits[i]]
         proposals: list[list[int]] = [[] for _ in decoding]
         if asked:
+            started = time.perf_counter()
             made = self.proposer.propose_many([seq for _, seq in asked], [limits[i] for i, _ in asked],
                                               [generator_of(seq) for _, seq in asked])
+            self._proposal_seconds = time.perf_counter() - started
             for (i, _), drafts in zip(asked, made):
                 proposals[i] = drafts[: limits[i]]
+            drafting = self.proposer.drafting_seconds(self._proposal_seconds)
+            if drafting is not None:
+                self.step_cost.observe_proposal(len(decoding), sum(map(len, proposals)), drafting)
         counts = draft_counts([len(p) for p in proposals], rates, token_cost, probes, budget)
         for history, count in zip(histories, counts):
             if history is not None and not count:
@@ -234,8 +257,9 @@ class Speculator:
         """The engine's step observer: a step of decodes (each with or without drafts) feeds the
         step-cost fit; steps that also prefill would tie a token's cost to the prompts' lengths."""
         longest = 1 + self.config.num_speculative_tokens
+        proposing, self._proposal_seconds = self._proposal_seconds, 0.0
         if all(sampled and num_tokens <= longest for _, num_tokens, sampled in chunks):
-            self.step_cost.observe(len(chunks), sum(num_tokens for _, num_tokens, _ in chunks), seconds)
+            self.step_cost.observe(len(chunks), sum(num_tokens for _, num_tokens, _ in chunks), seconds - proposing)
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         """The request left the engine: the proposer drops what it kept of it (workers.suffix_decoding)."""

@@ -95,6 +95,68 @@ def test_the_step_cost_fit_finds_each_batch_sizes_line():
     assert pooled.token_cost(1) == pooled.token_cost(16) == PRIOR_TOKEN_COST
 
 
+def test_a_proposed_drafts_cost_is_its_seconds_over_the_steps_fixed_part():
+    fit = StepCostFit(decay=1.0, draft_prior=0.2)
+    assert fit.draft_cost(1) == 0.2 and fit.draft_cost(16) == 0.2 / 16  # one pass drafts for the batch
+    # Verification steps of 1 sequence: t = 20 ms + 1 ms per token (rho 0.05, fixed part a = 20 ms).
+    for tokens in [1, 5] * 15:
+        fit.observe(1, tokens, 0.020 + 0.001 * tokens)
+    assert fit.token_cost(1) == pytest.approx(0.05)
+    # 100 proposed drafts took 1 s: 10 ms each, delta 0.5, shrunk toward the prior by its 4 drafts' weight.
+    fit.observe_proposal(1, 100, 1.0)
+    assert fit.draft_cost(1) == pytest.approx((0.5 * 100 + 0.2 * 4) / 104)
+    # At 4 sequences, before a draft is measured there: a pass costs no less than the 10 ms one at 1
+    # sequence, so a draft no less than 10 / 4 ms, against that batch's fixed part of 40 ms (more than
+    # the bytes' prior 0.2 / 4).
+    for tokens in [4, 8] * 15:
+        fit.observe(4, tokens, 0.040 + 0.001 * tokens)
+    assert fit.draft_cost(4) == pytest.approx(0.0025 / 0.040)
+    # A first draft must then beat (rho + delta) n / (1 + rho n) to be proposed.
+    assert entry_bound(1, 0.05, 0.5) == pytest.approx(0.55 / 1.05)
+    assert entry_bound(16, 0.05, 0.0) == pytest.approx(0.8 / 1.8)
+
+
+class DraftingProposer:
+    """A proposer that always has drafts; what they cost is fed to the fit by hand."""
+
+    relative_cost = 0.0
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def propose_many(self, seqs, limits, generators=None):
+        self.asked += len(seqs)
+        return [[7] * limit for limit in limits]
+
+    def forget(self, seq, finished):
+        pass
+
+    def drafting_seconds(self, measured):
+        return None  # the test feeds the fit
+
+
+def test_drafts_that_are_nearly_all_accepted_are_not_proposed_where_their_passes_cost_more():
+    """A draft model on a CPU: at 16 sequences a step's fixed part is small against its tokens, and a
+    draft pass costs about a decode of the batch, so even drafts accepted 95% of the time cost more
+    than they give; at 1 sequence, the same drafts pay."""
+    speculator = Speculator(SpeculativeConfig("ngram", 4), 4096, DraftingProposer())
+    for _ in range(10):
+        speculator.pooled.record(4, 4)  # the worker's drafts were all accepted
+    for tokens in [16, 48] * 15:  # 16 sequences: t = 8 ms + 1.5 ms per token (rho 0.19)
+        speculator.step_cost.observe(16, tokens, 0.008 + 0.0015 * tokens)
+    speculator.step_cost.observe_proposal(16, 160, 0.25)  # a pass of 16 drafts: 25 ms (delta 0.2)
+    for tokens in [1, 5] * 15:  # 1 sequence: t = 20 ms + 0.5 ms per token (rho 0.025)
+        speculator.step_cost.observe(1, tokens, 0.020 + 0.0005 * tokens)
+    speculator.step_cost.observe_proposal(1, 40, 0.48)  # a pass of 1 draft: 12 ms (delta 0.6)
+    history = DraftHistory()
+    for _ in range(10):
+        history.record(4, 4)
+    seqs = [sequence([1, 2, 3] * 5) for _ in range(16)]
+    assert speculator.drafts(seqs, 256, lambda s: history) == [[]] * 16
+    assert speculator.proposer.asked == 0
+    assert speculator.drafts(seqs[:1], 256, lambda s: history) == [[7] * 4]
+
+
 def test_acceptance_is_accepted_over_accepted_plus_rejections():
     acceptance = Acceptance(decay=1.0)
     acceptance.record(4, 4)  # all accepted: no rejection
@@ -170,6 +232,12 @@ class ConstantTokenCost:
         return self.rho
 
     def observe(self, num_decoding: int, tokens: int, seconds: float) -> None:
+        pass
+
+    def draft_cost(self, num_decoding: int) -> float:
+        return 0.0
+
+    def observe_proposal(self, num_decoding: int, drafts: int, seconds: float) -> None:
         pass
 
 

@@ -55,6 +55,12 @@ class FreeTokens:
     def observe(self, num_decoding: int, tokens: int, seconds: float) -> None:
         pass
 
+    def draft_cost(self, num_decoding: int) -> float:
+        return 0.0
+
+    def observe_proposal(self, num_decoding: int, drafts: int, seconds: float) -> None:
+        pass
+
 
 def engine(model_dir, speculative: str | None, decode=None, adaptive: bool = False, **config) -> LLMEngine:
     cfg = EngineConfig(kv_cache_memory=KV, speculative_config=speculative, **config)
