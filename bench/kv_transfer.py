@@ -351,6 +351,9 @@ def measure_checksum_cost(args) -> dict:
                              "handoff_seconds_quartiles": statistics.quantiles(t["handoff"], n=4),
                              "receiver_after_copy_seconds_quartiles": statistics.quantiles(t["after"], n=4)})
     finally:
+        # Closed before Ray ends the actors: their shared-memory segments go with them (a killed
+        # actor's stay in /dev/shm until the next transport's sweep).
+        ray.get([actor.close.remote() for actor in (d, *senders.values())])
         ray.shutdown()
     overhead = {}
     for pattern in args.patterns:
