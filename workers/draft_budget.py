@@ -145,22 +145,18 @@ class StepCostFit:
         sums = self._proposals.setdefault(num_decoding, [0.0, 0.0])
         sums[:] = [sums[0] * self.decay + seconds, sums[1] * self.decay + drafts]
 
-    def _fixed_seconds(self, num_decoding: int) -> float | None:
-        """A step's fixed seconds a at num_decoding sequences, from its mean step at the fitted or
-        prior rho; at a batch size without steps yet, the nearest one's (None: no steps at all)."""
-        measured = [m for m, sums in self._sums.items() if sums[0] >= 1.0]
-        if not measured:
-            return None
-        nearest = min(measured, key=lambda m: (abs(m - num_decoding), m))
-        w, sx, sy = self._sums[nearest][:3]
-        return sy / w / (1 + self.token_cost(nearest) * sx / w)
-
     def draft_cost(self, num_decoding: int) -> float:
         """delta for a step of num_decoding sequences: a proposed draft's seconds against the step's
-        fixed seconds a (_fixed_seconds), shrunk toward the prior; the bytes' prior before any step."""
-        fixed = self._fixed_seconds(num_decoding)
-        if fixed is None:
-            return self.draft_prior / max(num_decoding, 1)
+        fixed seconds a (from its mean step at the fitted or prior rho), shrunk toward the prior."""
+        sums = self._sums.get(num_decoding)
+        if sums is None or sums[0] < 1.0:
+            # Before any step, the bytes' prior. Once steps are measured, a batch size without one
+            # yet drafts nothing until a step measured its fixed part: another size's says little
+            # (on a CPU it halves from 1 to 16 sequences), and a wrong one can make a first round of
+            # drafts catch up on 16 prompts at once.
+            return self.draft_prior / max(num_decoding, 1) if not self._sums else MAX_TOKEN_COST
+        w, sx, sy = sums[:3]
+        fixed = sy / w / (1 + self.token_cost(num_decoding) * sx / w)
         if not fixed > 0:
             return MAX_TOKEN_COST
         # A pass drafts for the batch and costs at least what one over fewer sequences did: the

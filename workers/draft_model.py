@@ -172,15 +172,39 @@ class DraftModelProposer:
         self._filled: dict[int, int] = {}
 
     @torch.inference_mode()
-    def prefill_kv(self, chunks: list[ScheduledChunk]) -> None:
-        """Write the draft's KV of these prefill chunks of the target's step (a peer's prompts), in
-        the same blocks: call it before their sequences' computed tokens advance."""
-        if not chunks:
+    def prefill_kv(self, chunks: list[tuple[ScheduledChunk, bool]]) -> None:
+        """Write the draft's KV of prompt chunks of the target's step in the same blocks; call it
+        before their sequences' computed tokens advance. A peer's chunk (True) always: it travels in
+        the handoff. A chunk of this worker's own request only where the draft has KV for all before
+        it (an earlier chunk, or a prefix-cache hit in blocks it filled): the first proposal then
+        runs a token instead of the prompt, and a prompt it has no start of is left to that proposal."""
+        run = [c for c, for_peer in chunks if for_peer or self._extends(c)]
+        if not run:
             return
+        ran = {id(c) for c in run}
         views = [ScheduledChunk(DraftView(c.seq.token_ids, c.seq.block_ids, c.seq.num_computed_tokens), c.num_tokens)
-                 for c in sorted(chunks, key=lambda c: c.num_tokens != 1)]  # single-token chunks first
+                 for c in sorted(run, key=lambda c: c.num_tokens != 1)]  # single-token chunks first
         self.runner.execute(views, [False] * len(views))
-        self.num_computed_tokens += sum(c.num_tokens for c in chunks)
+        self.num_computed_tokens += sum(c.num_tokens for c in run)
+        for c, for_peer in chunks:
+            if not for_peer and id(c) in ran:
+                seq, end = c.seq, c.seq.num_computed_tokens + c.num_tokens
+                self._cached[seq.request_id] = DraftCacheState(seq.token_ids[:end], list(seq.block_ids), seq.num_preemptions)
+                first, whole = seq.num_computed_tokens // self.block_size, end // self.block_size
+                self._forget_filled(seq.block_ids[first:])
+                self._filled.update(zip(seq.block_ids[first:whole], chained_hashes(seq, whole, self.block_size)[first:]))
+
+    def _extends(self, chunk: ScheduledChunk) -> bool:
+        """Whether the draft has KV for all of chunk's sequence before the chunk (see prefill_kv)."""
+        seq, start = chunk.seq, chunk.seq.num_computed_tokens
+        state = self._cached.get(seq.request_id)
+        if state is not None:
+            return state.valid_prefix(seq, self.block_size) >= start
+        cached = start // self.block_size
+        if start == 0 or start % self.block_size:
+            return False
+        hashes = chained_hashes(seq, cached, self.block_size)
+        return all(self._filled.get(seq.block_ids[i]) == hashes[i] for i in range(cached))
 
     def adopt_prompt(self, seq: Sequence, num_cached_tokens: int) -> bool:
         """seq's prompt KV arrived from a prefill worker with the draft's (prefill_kv there), except its

@@ -237,8 +237,7 @@ class LLMEngine:
         return self.scheduler.held_block_ids(request_id)
 
     def begin_send(self, request_id: str) -> list[int]:
-        """A transfer reads a prefilled request's blocks (returned, in order): allocated, aborted or not, until release()."""
-        return self.scheduler.begin_send(request_id)
+        return self.scheduler.begin_send(request_id)  # blocks stay allocated, aborted or not, until release()
 
     def release(self, request_id: str) -> bool:
         """Free a prefill-only request's blocks (they stay in the prefix cache)."""
@@ -338,8 +337,9 @@ class LLMEngine:
 
     def _run(self, num_tokens: int, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> list[RequestOutput]:
         logits = self.runner.execute(chunks, sample_mask)
-        if self.speculator is not None:  # a peer's prompt: a draft model's KV of it travels too
-            self.speculator.prefill_kv([c for c in chunks if self._requests[c.seq.request_id].prefill_only])
+        if self.speculator is not None:  # prompts: a draft model's KV of them (a peer's travels too)
+            self.speculator.prefill_kv([(c, self._requests[c.seq.request_id].prefill_only) for c in chunks
+                                        if c.seq.num_computed_tokens < c.seq.num_prompt_tokens])
         self.num_computed_tokens += num_tokens
         sampled: list[ScheduledChunk] = []
         for chunk, sampling in zip(chunks, sample_mask):

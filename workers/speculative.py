@@ -185,9 +185,9 @@ class Speculator:
             return None
         return cls(config, max_model_len, make_proposer(config, target, engine_config, runner, max_model_len, allocate_kv))
 
-    def prefill_kv(self, chunks: list[ScheduledChunk]) -> None:
-        """A step's prefill chunks of peers' requests: a draft model writes its KV of them too (it
-        travels in the handoff: DraftModelProposer.prefill_kv); the other proposers keep no KV."""
+    def prefill_kv(self, chunks: list[tuple[ScheduledChunk, bool]]) -> None:
+        """A step's prompt chunks, each with whether it is a peer's: a draft model writes its KV of
+        them too (DraftModelProposer.prefill_kv); the other proposers keep no KV."""
         if chunks and isinstance(self.proposer, DraftModelProposer):
             self.proposer.prefill_kv(chunks)
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from workers.config import SpeculativeConfig
-from workers.draft_budget import (PRIOR_TOKEN_COST, PROBE_STEPS, Acceptance, DraftHistory, StepCostFit,
+from workers.draft_budget import (MAX_TOKEN_COST, PRIOR_TOKEN_COST, PROBE_STEPS, Acceptance, DraftHistory, StepCostFit,
                                   draft_counts, entry_bound)
 from workers.speculative import Speculator
 from common.sampling_params import SamplingParams
@@ -102,6 +102,8 @@ def test_a_proposed_drafts_cost_is_its_seconds_over_the_steps_fixed_part():
     for tokens in [1, 5] * 15:
         fit.observe(1, tokens, 0.020 + 0.001 * tokens)
     assert fit.token_cost(1) == pytest.approx(0.05)
+    # A batch size without a step yet proposes nothing until one measured its fixed part.
+    assert fit.draft_cost(16) == MAX_TOKEN_COST and entry_bound(16, PRIOR_TOKEN_COST, MAX_TOKEN_COST) > 1
     # 100 proposed drafts took 1 s: 10 ms each, delta 0.5, shrunk toward the prior by its 4 drafts' weight.
     fit.observe_proposal(1, 100, 1.0)
     assert fit.draft_cost(1) == pytest.approx((0.5 * 100 + 0.2 * 4) / 104)
