@@ -22,7 +22,8 @@ position, whatever the verified tokens. So the proposer's time is measured apart
 proposed draft against the step's fixed cost a, per batch size (before any is measured, the
 proposer's relative_cost over n: a draft model's bytes against the target's, what a memory-bound pass
 costs, shared by the n sequences it drafts for; or, where more, what a pass cost at fewer sequences,
-over n: a pass over more sequences costs no less).
+over n: a pass over more sequences costs no less). A batch size without a measured step proposes
+nothing until one step measured its fixed part.
 Whether to propose a first draft then compares its chance with the bound of a draft that costs both:
 
     (rho + delta) * n / (1 + rho * n)                (entry_bound, a step of n decodes)
