@@ -103,14 +103,15 @@ CATCH_UP_TOKENS = 5
 AllocateKV = Callable[[KVLayout, int], torch.Tensor]
 
 
-def chained_hashes(seq: Sequence, stop: int, block_size: int) -> list[int]:
-    """The chained hashes of seq's first `stop` blocks (full ones): the block manager's
+def chained_hashes(seq: Sequence, start: int, stop: int, block_size: int) -> list[int]:
+    """The chained hashes of seq's blocks start..stop-1 (full ones): the block manager's
     (Sequence.block_hashes), extended where it has not hashed them yet."""
-    known = seq.block_hashes[:stop]
-    if len(known) < stop:
-        parent = known[-1] if known else ROOT_PARENT_HASH
-        known += hash_prefix_blocks(seq.token_ids[len(known) * block_size: stop * block_size], block_size, parent)
-    return known
+    known = seq.block_hashes
+    if len(known) >= stop:
+        return known[start:stop]
+    parent = known[-1] if known else ROOT_PARENT_HASH
+    more = hash_prefix_blocks(seq.token_ids[len(known) * block_size: stop * block_size], block_size, parent)
+    return known[start:] + more if start <= len(known) else more[start - len(known):]
 
 
 def keys_ahead(seq: Sequence, generator: torch.Generator | None) -> tuple[SamplingParams, torch.Generator] | None:
@@ -138,7 +139,7 @@ def load_draft(config: SpeculativeConfig, target: ModelConfig) -> tuple[ModelCon
 
 
 class DraftModelProposer:
-    """Greedy drafts from a smaller model (see the module docstring)."""
+    """Drafts from a smaller model: its argmax, or drawn with the verification's keys (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig, target: ModelConfig, engine_config: EngineConfig,
                  num_blocks: int, max_model_len: int, target_bytes: int,
@@ -190,9 +191,7 @@ class DraftModelProposer:
             if not for_peer and id(c) in ran:
                 seq, end = c.seq, c.seq.num_computed_tokens + c.num_tokens
                 self._cached[seq.request_id] = DraftCacheState(seq.token_ids[:end], list(seq.block_ids), seq.num_preemptions)
-                first, whole = seq.num_computed_tokens // self.block_size, end // self.block_size
-                self._forget_filled(seq.block_ids[first:])
-                self._filled.update(zip(seq.block_ids[first:whole], chained_hashes(seq, whole, self.block_size)[first:]))
+                self._refill(seq, seq.num_computed_tokens, end)
 
     def _extends(self, chunk: ScheduledChunk) -> bool:
         """Whether the draft has KV for all of chunk's sequence before the chunk (see prefill_kv)."""
@@ -200,25 +199,32 @@ class DraftModelProposer:
         state = self._cached.get(seq.request_id)
         if state is not None:
             return state.valid_prefix(seq, self.block_size) >= start
-        cached = start // self.block_size
-        if start == 0 or start % self.block_size:
-            return False
-        hashes = chained_hashes(seq, cached, self.block_size)
-        return all(self._filled.get(seq.block_ids[i]) == hashes[i] for i in range(cached))
+        return start > 0 and start % self.block_size == 0 and self._holds(seq, start // self.block_size)
+
+    def _holds(self, seq: Sequence, num_blocks: int) -> bool:
+        """Whether the draft filled each of seq's first num_blocks blocks whole for seq's tokens."""
+        hashes = chained_hashes(seq, 0, num_blocks, self.block_size)
+        return all(self._filled.get(block_id) == h for block_id, h in zip(seq.block_ids, hashes))
+
+    def _refill(self, seq: Sequence, start: int, end: int) -> None:
+        """The draft wrote seq's positions start..end-1 for seq's tokens: the blocks from start's on
+        are forgotten, and those it now fills whole remembered."""
+        first, whole = start // self.block_size, end // self.block_size
+        self._forget_filled(seq.block_ids[first:])
+        if whole > first:
+            self._filled.update(zip(seq.block_ids[first:whole], chained_hashes(seq, first, whole, self.block_size)))
 
     def adopt_prompt(self, seq: Sequence, num_cached_tokens: int) -> bool:
         """seq's prompt KV arrived from a prefill worker with the draft's (prefill_kv there), except its
         first num_cached_tokens, found in this worker's prefix cache. If the draft filled those blocks
         for the same tokens, it has KV for the whole prompt and catches up from its end (True);
         otherwise it runs the prompt again at its first proposal."""
-        cached = num_cached_tokens // self.block_size
-        hashes = chained_hashes(seq, seq.num_prompt_tokens // self.block_size, self.block_size)
-        self._forget_filled(seq.block_ids[cached:])  # the transfer wrote them
-        if any(self._filled.get(seq.block_ids[i]) != hashes[i] for i in range(cached)):
+        if not self._holds(seq, num_cached_tokens // self.block_size):
+            self._forget_filled(seq.block_ids[num_cached_tokens // self.block_size:])  # the transfer wrote them
             return False
         self._cached[seq.request_id] = DraftCacheState(list(seq.prompt_token_ids), list(seq.block_ids),
                                                        seq.num_preemptions)
-        self._filled.update(zip(seq.block_ids, hashes))
+        self._refill(seq, num_cached_tokens, seq.num_prompt_tokens)
         return True
 
     def _forget_filled(self, block_ids: list[int]) -> None:
@@ -271,12 +277,8 @@ class DraftModelProposer:
             # KV was written for the view's computed tokens; only those in the sequence's own blocks stay.
             kept = min(view.num_computed_tokens, len(seq.block_ids) * self.block_size)
             self._cached[seq.request_id] = DraftCacheState(view.token_ids[:kept], list(seq.block_ids), seq.num_preemptions)
-            # Blocks written from `done` on: filled whole for the sequence's tokens up to its last, not past it (drafts).
-            first = done_before[i] // self.block_size
-            self._forget_filled(seq.block_ids[first:])
-            whole = seq.num_tokens // self.block_size
-            if whole > first:
-                self._filled.update(zip(seq.block_ids[first:whole], chained_hashes(seq, whole, self.block_size)[first:]))
+            # Written from `done` on: for the sequence's tokens up to its last, and past it for drafts.
+            self._refill(seq, done_before[i], seq.num_tokens)
         return drafts
 
     def _next_tokens(self, chunks: list[ScheduledChunk], rows: list[SamplingRow | None]) -> list[int]:

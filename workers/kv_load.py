@@ -39,7 +39,6 @@ class PendingLoad:
     num_blocks: int  # the blocks the prefill worker pushes (those the decode worker had cached are not)
     prompt_token_ids: list[int]
     params: SamplingParams
-    with_draft_kv: bool = False  # a draft model's KV comes with the target's (workers.draft_model.adopt_prompt)
 
 
 def recompute(engine, request_id: str, load: PendingLoad, first_token: int) -> None:

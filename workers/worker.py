@@ -371,7 +371,7 @@ class EngineWorker:
             skip = reservation.num_cached_tokens // self.engine.block_manager.block_size
             block_ids = reservation.block_ids[skip:]
             self.kv.expect(request_id, block_ids, self.config.transfer_timeout_s)
-            self._recv_handles[request_id] = PendingLoad(len(block_ids), prompt_token_ids, params, self.kv.draft is not None)
+            self._recv_handles[request_id] = PendingLoad(len(block_ids), prompt_token_ids, params)
             if self.followers is not None:  # before the prefill worker can send: this call returns first
                 self.followers.expect(request_id, block_ids, self.config.transfer_timeout_s)
         return reservation
@@ -390,7 +390,7 @@ class EngineWorker:
                 self._call(lambda: self.engine.abort(request_id))
                 raise self.kv_failures.error(request_id, reason, result)
             self.counters.add(kv_blocks_received=load.num_blocks)
-        with_draft_kv = load is not None and load.with_draft_kv
+        with_draft_kv = load is not None and self.kv.draft is not None  # a draft model's part came with it
         self._call(lambda: self.engine.start_decoding(request_id, first_token, with_draft_kv))
 
     def abort(self, request_id: str, final: bool = True) -> bool:
