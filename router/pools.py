@@ -47,6 +47,9 @@ __all__ = ["DEFAULT_LEASE_S", "PoolWorker", "Stream", "WorkerEntry", "WorkerPool
 log = logging.getLogger("baton.router")
 
 DEFAULT_LEASE_S = 5.0  # a router silent this long is gone for the workers (cluster.config: router_lease)
+# A route chosen for a request that never started in the pools (its client left first) stops
+# counting as queued prefill work after this long (WorkerPools.routed).
+ROUTED_TTL_S = 10.0
 
 
 class WorkerEntry(Protocol):
@@ -95,6 +98,8 @@ class WorkerPools:
         self._streams: dict[str, Stream] = {}
         self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
         self._queued_prefill: dict[str, int] = {}
+        # Request id -> (worker, prompt tokens, expiry): routed, not yet started (see routed()).
+        self._routed: dict[str, tuple[str, int, float]] = {}
         self._tasks: list[asyncio.Task] = []
         self._pumps: dict[str, asyncio.Task] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -216,13 +221,14 @@ class WorkerPools:
         except RuntimeError:
             pass  # no running loop (called from sync code): report what we know
         in_flight = self._in_flight_counts()
+        queued = self._queued_with_routed(time.monotonic())
         infos = []
         for w in list(self._workers.values()):
             s = w.stats
             infos.append(WorkerInfo(
                 worker_id=w.worker_id, role=w.role, alive=w.alive,
                 running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
-                kv_usage=s.kv_usage if s else 0.0, queued_prefill_tokens=self._queued_prefill.get(w.worker_id, 0),
+                kv_usage=s.kv_usage if s else 0.0, queued_prefill_tokens=queued.get(w.worker_id, 0),
                 prefix_cache_queries=s.prefix_cache_queries if s else 0, prefix_cache_hits=s.prefix_cache_hits if s else 0,
                 last_heartbeat=w.last_heartbeat, draining=w.draining, pid=s.pid if s else None,
                 in_flight=in_flight.get(w.worker_id, 0),
@@ -391,6 +397,25 @@ class WorkerPools:
 
     def stream_of(self, request_id: str) -> Stream | None:
         return self._streams.get(request_id)
+
+    def routed(self, request_id: str, worker_id: str, tokens: int, now: float) -> None:
+        """A route for request_id was just chosen: its prompt counts as queued on worker_id until the
+        request starts in the pools (started()), where its flow queues the tokens itself. The
+        requests of a burst are all routed before the first of them starts (each starts when the
+        event loop comes back to it), and each must see the prompts routed before it."""
+        self._routed[request_id] = (worker_id, tokens, now + ROUTED_TTL_S)
+
+    def started(self, request_id: str) -> None:
+        self._routed.pop(request_id, None)
+
+    def _queued_with_routed(self, now: float) -> dict[str, int]:
+        queued = dict(self._queued_prefill)
+        for request_id, (worker_id, tokens, expires) in list(self._routed.items()):
+            if expires < now:
+                del self._routed[request_id]
+            elif worker_id in queued:
+                queued[worker_id] += tokens
+        return queued
 
     def queue_tokens(self, worker_id: str, delta: int) -> None:
         """Prompt tokens counted as queued prefill work on the worker (the routing policy's queue term)."""

@@ -80,9 +80,18 @@ class RayBackend:
         await self.pools.close()
 
     # ---- requests ----------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        # The prompt counts as queued on its worker from now, not from the first iteration: a burst
+        # of requests is routed before any of them starts (WorkerPools.routed).
+        route = request.route
+        self.pools.routed(request.request_id, route.prefill_worker or route.decode_worker,
+                          len(request.prompt_token_ids), time.monotonic())
+        return self._run(request)
+
+    async def _run(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self.pools.ensure_started()
         rid = request.request_id
+        self.pools.started(rid)  # flow.start queues the prompt itself, in this same step
         flow = RequestFlow(rid, len(request.prompt_token_ids), request.route, self.pools, self.limits, request.trace)
         stream = self.pools.open_stream(rid, request.route.decode_worker)
         pending: deque[Command] = deque(flow.start(time.monotonic()))
@@ -277,6 +286,7 @@ class RayBackend:
             pass  # dead or hung: it holds nothing we can free from here
 
     async def abort(self, request_id: str) -> None:
+        self.pools.started(request_id)  # aborted before it started: its route no longer counts as queued
         stream = self.pools.stream_of(request_id)
         if stream is None:
             return

@@ -195,3 +195,36 @@ def test_a_remote_prefills_first_token_does_not_wait_for_the_decode_worker():
             await backend.close()
 
     asyncio.run(main())
+
+
+def test_a_burst_counts_the_prompts_routed_before_it_against_the_prefill_queue_threshold(tokenizer):
+    """Requests that arrive together are routed before any of them starts in the pools. Each must
+    still count the prompts routed before it as queued on their prefill worker: with a 1-prefill
+    pool and a threshold of about two prompts, a burst of 8 sends 2 to the prefill worker and
+    prefills the other 6 on the decode worker (`local_prefill_busy`), not all 8 remotely."""
+    import httpx
+
+    from router.app import build_app
+
+    actors = {"prefill-0": FakeActor("prefill-0", "prefill", prefill_delay_s=0.3),
+              "decode-0": FakeActor("decode-0", "decode")}
+    backend = RayBackend(WorkerPools(list(actors.values()), health_interval_s=HEALTH_S, health_timeout_s=1.0,
+                                     poll_timeout_s=0.02))
+    prompt = "word " * 300
+    prompt_len = len(tokenizer.encode(prompt, add_special_tokens=True))
+    policy = KvAwarePolicy(backend.prefix_index, BS, RoutingConfig(
+        seed=0, local_prefill_threshold=0, prefill_queue_threshold=prompt_len + prompt_len // 2))
+    app = build_app(backend, tokenizer, "m", 8192, policy)
+
+    async def main():
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+                replies = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+                                                 for _ in range(8)))
+            assert [r.status_code for r in replies] == [200] * 8
+            assert backend.counters["remote_prefill"] == 2 and backend.counters["local_prefill"] == 6
+            assert all(w.queued_prefill_tokens == 0 for w in backend.workers())
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
