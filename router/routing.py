@@ -12,8 +12,9 @@ swap without touching the HTTP layer. Four are built in (`make_policy(name, ...)
               + weight_running  * (running(W) + waiting(W)) # (decode only) per sequence in its batch
 
   queued_prefill_tokens counts the whole prompts (cached part included) of requests routed to W
-  that have no first token yet: a prefill reads its whole context in attention and holds all of
-  its blocks, and counting whole prompts is what stops herding. With a hot prefix cached on W
+  that have no first token yet, from the moment each route is chosen (so the requests of a burst
+  see each other: WorkerPools.routed): a prefill reads its whole context in attention and holds
+  all of its blocks, and counting whole prompts is what stops herding. With a hot prefix cached on W
   only, W keeps winning while its queue is shorter than the recomputation saved (the prefix
   length); past that, requests split about evenly instead of piling onto W.
   The decode worker D is drawn from the decode pool (its prefix counts: `reserve` and local
