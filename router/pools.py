@@ -400,12 +400,12 @@ class WorkerPools:
 
     def routed(self, request_id: str, worker_id: str, tokens: int, now: float) -> None:
         """A route for request_id was just chosen: its prompt counts as queued on worker_id until the
-        request starts in the pools (started()), where its flow queues the tokens itself. The
+        request starts in the pools, where its flow queues the tokens itself (forget_route). The
         requests of a burst are all routed before the first of them starts (each starts when the
         event loop comes back to it), and each must see the prompts routed before it."""
         self._routed[request_id] = (worker_id, tokens, now + ROUTED_TTL_S)
 
-    def started(self, request_id: str) -> None:
+    def forget_route(self, request_id: str) -> None:
         self._routed.pop(request_id, None)
 
     def _queued_with_routed(self, now: float) -> dict[str, int]:

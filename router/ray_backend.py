@@ -91,7 +91,7 @@ class RayBackend:
     async def _run(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self.pools.ensure_started()
         rid = request.request_id
-        self.pools.started(rid)  # flow.start queues the prompt itself, in this same step
+        self.pools.forget_route(rid)  # flow.start queues the prompt itself, in this same step
         flow = RequestFlow(rid, len(request.prompt_token_ids), request.route, self.pools, self.limits, request.trace)
         stream = self.pools.open_stream(rid, request.route.decode_worker)
         pending: deque[Command] = deque(flow.start(time.monotonic()))
@@ -286,7 +286,7 @@ class RayBackend:
             pass  # dead or hung: it holds nothing we can free from here
 
     async def abort(self, request_id: str) -> None:
-        self.pools.started(request_id)  # aborted before it started: its route no longer counts as queued
+        self.pools.forget_route(request_id)  # aborted before it started: its route no longer counts as queued
         stream = self.pools.stream_of(request_id)
         if stream is None:
             return
