@@ -115,10 +115,15 @@ class WorkerPools:
         self._on_gone.append(callback)
 
     def ensure_started(self) -> None:
-        """Start the health loop and the output pumps on the running event loop (idempotent)."""
+        """Start the health loop and the output pumps on the running event loop (idempotent).
+        Raises RuntimeError when there is no running loop, or when they run on another loop that
+        is still running: a second pump per worker would split its outputs between two long-polls
+        and could hand a stream its tokens out of order."""
         loop = asyncio.get_running_loop()
         if self._tasks and self._loop is loop:
             return
+        if self._tasks and self._loop is not None and self._loop.is_running():
+            raise RuntimeError("these worker pools are served from another event loop")
         # First use, or a new event loop (a second router app over the same workers, after the
         # first one's server stopped): the old loop's tasks are gone with it; start them here.
         self._loop = loop
@@ -219,7 +224,7 @@ class WorkerPools:
         try:
             self.ensure_started()
         except RuntimeError:
-            pass  # no running loop (called from sync code): report what we know
+            pass  # no running loop (sync code), or another loop's (a caller in another thread): report what we know
         in_flight = self._in_flight_counts()
         queued = self._queued_with_routed(time.monotonic())
         infos = []
