@@ -141,6 +141,8 @@ def load_draft(config: SpeculativeConfig, target: ModelConfig) -> tuple[ModelCon
 class DraftModelProposer:
     """Drafts from a smaller model: its argmax, or drawn with the verification's keys (see the module docstring)."""
 
+    draws_with_keys = True
+
     def __init__(self, config: SpeculativeConfig, target: ModelConfig, engine_config: EngineConfig,
                  num_blocks: int, max_model_len: int, target_bytes: int,
                  allocate_kv: AllocateKV | None = None) -> None:

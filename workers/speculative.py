@@ -51,6 +51,19 @@ class Proposer(Protocol):
     # What a draft costs to propose, as a fraction of a target step: the step-cost fit's prior
     # (workers.draft_budget) until steps are measured.
     relative_cost: float
+    # Whether propose_many draws its drafts with the keys the verification will use (a draft model),
+    # so that every sampled request should have keys it can draw ahead.
+    draws_with_keys: bool
+
+    def prefill_kv(self, chunks: list[tuple[ScheduledChunk, bool]]) -> None:
+        """A step's prompt chunks, each with whether it is a peer's: a proposer with a KV cache of its
+        own writes its KV of them too (a draft model); the others keep no KV and do nothing."""
+        ...
+
+    def adopt_prompt(self, seq: Sequence, num_cached_tokens: int) -> object:
+        """seq's prompt KV arrived from a prefill worker (with a draft model's part, where it has one),
+        except its first num_cached_tokens, found in this worker's prefix cache."""
+        ...
 
     def propose_many(self, seqs: list[Sequence], limits: list[int],
                      generators: list[torch.Generator | None] | None = None) -> list[list[int]]:
@@ -75,6 +88,7 @@ class NgramProposer:
     tokens that followed its latest earlier occurrence. O(len * n) numpy compares a step."""
 
     relative_cost = 0.0
+    draws_with_keys = False
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
@@ -86,6 +100,12 @@ class NgramProposer:
 
     def forget(self, seq: Sequence, finished: bool) -> None:
         pass  # it keeps nothing between steps
+
+    def prefill_kv(self, chunks: list[tuple[ScheduledChunk, bool]]) -> None:
+        pass  # no KV of its own
+
+    def adopt_prompt(self, seq: Sequence, num_cached_tokens: int) -> None:
+        pass
 
     def drafting_seconds(self, measured: float) -> float:
         return measured  # all of its time is drafting
@@ -186,21 +206,18 @@ class Speculator:
         return cls(config, max_model_len, make_proposer(config, target, engine_config, runner, max_model_len, allocate_kv))
 
     def prefill_kv(self, chunks: list[tuple[ScheduledChunk, bool]]) -> None:
-        """A step's prompt chunks, each with whether it is a peer's: a draft model writes its KV of
-        them too (DraftModelProposer.prefill_kv); the other proposers keep no KV."""
-        if chunks and isinstance(self.proposer, DraftModelProposer):
+        """A step's prompt chunks, each with whether it is a peer's (Proposer.prefill_kv)."""
+        if chunks:
             self.proposer.prefill_kv(chunks)
 
     @property
     def drafts_with_keys(self) -> bool:
-        """Whether the proposer draws its drafts with the keys the verification will use (a draft
-        model: DraftModelProposer), so that every sampled request should have keys it can draw ahead."""
-        return isinstance(self.proposer, DraftModelProposer)
+        """Whether every sampled request should have keys its drafts can be drawn with (Proposer.draws_with_keys)."""
+        return self.proposer.draws_with_keys
 
     def adopt_prompt(self, seq: Sequence) -> None:
-        """seq's prompt KV arrived with the draft model's part (DraftModelProposer.adopt_prompt)."""
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.adopt_prompt(seq, seq.num_cached_tokens)
+        """seq's prompt KV arrived from a prefill worker (Proposer.adopt_prompt)."""
+        self.proposer.adopt_prompt(seq, seq.num_cached_tokens)
 
     def drafts(self, decoding: list[Sequence], budget: int, history_of: Callable[[Sequence], DraftHistory | None],
                generator_of: Callable[[Sequence], torch.Generator | None] = lambda seq: None) -> list[list[int]]:

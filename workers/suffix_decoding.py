@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from workers.config import SpeculativeConfig
-from workers.sequence import Sequence
+from workers.sequence import ScheduledChunk, Sequence
 
 
 @dataclass(eq=False)
@@ -115,6 +115,7 @@ class SuffixProposer:
     """workers.speculative.Proposer for `"method": "suffix"` (see the module docstring)."""
 
     relative_cost = 0.0
+    draws_with_keys = False
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.depth = config.suffix_decoding_max_tree_depth
@@ -129,6 +130,12 @@ class SuffixProposer:
 
     def drafting_seconds(self, measured: float) -> float:
         return measured  # all of its time is drafting
+
+    def prefill_kv(self, chunks: list[tuple[ScheduledChunk, bool]]) -> None:
+        pass  # no KV of its own
+
+    def adopt_prompt(self, seq: Sequence, num_cached_tokens: int) -> None:
+        pass  # its index reads the tokens at its first proposal
 
     def propose_many(self, seqs: list[Sequence], limits: list[int], generators=None) -> list[list[int]]:
         return [self.propose(seq, limit) for seq, limit in zip(seqs, limits)]  # no distribution: keys unused
