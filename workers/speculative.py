@@ -60,9 +60,10 @@ class Proposer(Protocol):
         own writes its KV of them too (a draft model); the others keep no KV and do nothing."""
         ...
 
-    def adopt_prompt(self, seq: Sequence, num_cached_tokens: int) -> object:
+    def adopt_prompt(self, seq: Sequence, num_cached_tokens: int) -> bool | None:
         """seq's prompt KV arrived from a prefill worker (with a draft model's part, where it has one),
-        except its first num_cached_tokens, found in this worker's prefix cache."""
+        except its first num_cached_tokens, found in this worker's prefix cache (a draft model
+        answers whether its KV covers the whole prompt)."""
         ...
 
     def propose_many(self, seqs: list[Sequence], limits: list[int],
