@@ -46,7 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 from cluster import loadgen as load  # noqa: E402  (the request code every benchmark here uses)
-from cluster.busy_host import cpu_fractions, cpu_times  # noqa: E402
+from cluster.busy_host import cpu_fractions, cpu_name, cpu_times  # noqa: E402
 from workers.model_files import resolve_model_dir  # noqa: E402
 SAMPLING_MODES = {"default": [], "temperature 0": ["--temperature", "0"]}
 WORKLOAD_1 = ["--random-input-len", "256", "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "16"]
@@ -139,7 +139,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"compare_{args.label}.json"
     result = {"label": args.label, "base_url": args.base_url, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": {"cores": os.cpu_count(), "note": "shared with other jobs: see each run's loadavg"},
+              "machine": {"cores": os.cpu_count(), "cpu": cpu_name(),
+                          "note": "shared with other jobs: see each run's loadavg"},
               "client": "vllm bench serve (vLLM 0.32.0 CPU build's CLI)", "commands": [" ".join(sys.argv)], "runs": {}}
     if args.merge and path.exists():
         earlier = json.loads(path.read_text())

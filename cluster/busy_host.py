@@ -1,9 +1,11 @@
 """The busy-host condition of the benchmarks: a CPU hog's duty loop (bench/cpu_hog.py runs it as a
-process) and the host's CPU-time fractions over a run (steal, busy), read off /proc/stat.
+process) and the host's CPU-time fractions over a run (steal, busy), read off /proc/stat, and
+which CPU the host has.
 """
 
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import dataclass
 
@@ -61,3 +63,15 @@ def cpu_fractions(before: list[int], after: list[int]) -> dict[str, float | None
     delta = [b - a for a, b in zip(before, after)]
     total = sum(delta[:8]) or 1
     return {"cpu_steal": round(delta[7] / total, 4), "cpu_busy": round(1 - (delta[3] + delta[4]) / total, 4)}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

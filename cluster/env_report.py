@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from cluster.busy_host import cpu_name
 from common import envs
 from kernels import block_copy, cpu_native
 from kernels import ops as kops
@@ -104,17 +105,6 @@ def _baton_version() -> str:
         return version("baton-serve")
     except PackageNotFoundError:
         return "unknown (not installed as a package)"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _driver(torch) -> str | None:
@@ -307,7 +297,7 @@ def collect(address: str | None = None, kernel_backend: str = "auto") -> EnvRepo
     resolved, ops = _ops(kernel_backend, device)
     return EnvReport(
         baton=_baton_version(), python=sys.version.split()[0] + f" ({platform.python_implementation()})",
-        platform=platform.platform(), cpu=_cpu_name(), cpu_count=os.cpu_count(),
+        platform=platform.platform(), cpu=cpu_name(), cpu_count=os.cpu_count(),
         torch=torch.__version__, torch_cuda=torch.version.cuda, cuda_available=cuda, driver=_driver(torch),
         triton=_version("triton"), triton_interpret=envs.triton_interpret(), nccl=_nccl(torch),
         cxx=cpu_native.compiler(), gpus=gpus, kernel_backend=kernel_backend, device=device,
