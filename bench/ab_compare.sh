@@ -7,7 +7,8 @@
 # REV is checked out in a temporary git worktree and run with this checkout's .venv (PYTHONPATH
 # first). JSON: OUT_DIR/{before,after}_{N}_{compare,engine}.json and OUT_DIR/summary.json.
 # WORKLOAD=mixed runs workload 2 instead (streams beside long prompts: ITL and TTFT percentiles)
-# and no engine benchmark; BUSY=1 runs every round beside bench/cpu_hog.py (one core 50% busy).
+# and no engine benchmark; BUSY=1 runs every round beside bench/cpu_hog.py (one core 50% busy);
+# ENGINE=0 leaves the engine benchmark out (a change of the router or the pools only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=${1:?usage: bench/ab_compare.sh REV [OUT_DIR]}
@@ -34,7 +35,7 @@ rm -f "$OUT"/before_* "$OUT"/after_*
 run_side() {  # label, tree, round
   local label=$1 tree=$2 round=$3
   # the engine alone (no Ray, no HTTP): that tree's own benchmark script and code
-  [ "$WORKLOAD" = throughput ] && (cd "$tree" && PYTHONPATH="$tree" "$HERE/.venv/bin/python" bench/engine_throughput.py \
+  [ "$WORKLOAD" = throughput ] && [ "${ENGINE:-1}" = 1 ] && (cd "$tree" && PYTHONPATH="$tree" "$HERE/.venv/bin/python" bench/engine_throughput.py \
       --num-requests 32 --concurrency 32 --sequential-requests 2 --skip-hf-batched \
       --out "$HERE/$OUT/${label}_${round}_engine.json") > "/tmp/baton_ab_${label}_engine.log" 2>&1
   # the server, measured by vLLM's client
@@ -93,10 +94,10 @@ for side in ("before", "after"):
                       "cpu_steal": [r["mixed"]["cpu_steal"] for r in runs],
                       "loadavg_after": [r["mixed"]["loadavg_after"][0] for r in runs]}
 mean = lambda xs: sum(xs) / len(xs)
-summary = {"benchmark": "ab_compare", "workload": workload, "condition": condition, "before": rev,
-           "after": f"{head} + working tree", **rows,
+summary = {"benchmark": "ab_compare", "workload": workload, "condition": condition, "before_rev": rev,
+           "after_rev": f"{head} + working tree", **rows,
            "ratio_after_over_before": {k: mean(rows["after"][k]) / mean(rows["before"][k]) for k in rows["after"]
-                                       if None not in rows["after"][k] + rows["before"][k]}}
+                                       if rows["after"][k] and rows["before"][k] and None not in rows["after"][k] + rows["before"][k]}}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary, indent=2))
 EOF
