@@ -162,7 +162,7 @@ class WorkerPools:
 
     def _in_flight_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for stream in self._streams.values():
+        for stream in list(self._streams.values()):  # a copy: workers() may be read from another thread
             for wid in {stream.decode_worker, stream.prefill_worker} - {None}:
                 counts[wid] = counts.get(wid, 0) + 1
         return counts
@@ -417,7 +417,7 @@ class WorkerPools:
         queued = dict(self._queued_prefill)
         for request_id, (worker_id, tokens, expires) in list(self._routed.items()):
             if expires < now:
-                del self._routed[request_id]
+                self._routed.pop(request_id, None)
             elif worker_id in queued:
                 queued[worker_id] += tokens
         return queued
