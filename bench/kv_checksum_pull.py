@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from cluster.busy_host import cpu_name
+from common.stats import percentile, percentiles
 from kernels.block_checksum import BlockSummer, SummingCopier
 
 VARIANTS = ("push_copy", "push_verified", "pull_copy", "pull_verified", "pull_sealed")
@@ -154,7 +155,7 @@ def main() -> None:
         for name in ("src", "dst", "control"):
             Path(f"{folder}/{name}").unlink(missing_ok=True)
         os.rmdir(folder)
-    median = {v: float(np.median(t)) for v, t in times.items()}
+    median = {v: percentile(t, 50) for v, t in times.items()}
     copy = min(median["push_copy"], median["pull_copy"])
     result = {
         "benchmark": "kv_checksum_pull",
@@ -164,7 +165,7 @@ def main() -> None:
                     "note": "2 cores shared with other developers' jobs: expect noise"},
         "bytes": n * block_bytes, "blocks": n, "block_bytes": block_bytes, "block_ids": "scattered", "reps": args.reps,
         "seconds_median": median,
-        "seconds_quartiles": {v: [float(x) for x in np.percentile(t, [25, 75])] for v, t in times.items()},
+        "seconds_quartiles": {v: percentiles(t, [25, 75]) for v, t in times.items()},
         "overhead": {
             "push_verified_over_push_copy": median["push_verified"] / median["push_copy"] - 1,
             "pull_verified_over_fastest_copy": median["pull_verified"] / copy - 1,
