@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -71,11 +72,14 @@ class Side:
 
 
 def receiver(folder: str, num_blocks: int, n: int) -> None:
-    side, seen = Side(folder, num_blocks, n), 0
+    side, seen, parent = Side(folder, num_blocks, n), 0, os.getppid()
     c = side.control
     while True:
+        spins = 0
         while int(c[GO]) == seen:
-            pass
+            spins += 1
+            if spins % 100_000 == 0 and os.getppid() != parent:
+                return  # the sender is gone: spin no longer
         seen = int(c[GO])
         if seen < 0:
             return
@@ -108,8 +112,10 @@ def sender(side: Side, reps: int) -> dict[str, list[float]]:
             side.src_sums(side.src_ids)
         mine = time.monotonic_ns()
         c[STATE] = ENDED
+        deadline = time.monotonic() + 30.0
         while int(c[RECEIVER_DONE]) != rep:
-            pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the receiver process stopped answering")
         times[variant].append((max(mine, int(c[RECEIVER_END])) - start) / 1e9)
         time.sleep(0.005)
     return times
@@ -128,6 +134,9 @@ def main() -> None:
     block_bytes = NUM_LAYERS * 2 * int(np.prod(CACHE_SHAPE_TAIL)) * 4
     n = (args.mib << 20) // block_bytes
     num_blocks = 4 * n
+    for stale in Path("/dev/shm").glob("baton_kv_checksum_pull_*"):  # left by a run that was killed
+        if not Path(f"/proc/{stale.name.rsplit('_', 1)[1]}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
     folder = f"/dev/shm/baton_kv_checksum_pull_{os.getpid()}"
     os.makedirs(folder)
     child = None
