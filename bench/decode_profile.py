@@ -4,7 +4,7 @@
         [--out bench/results/decode_profile.json]
 
 Setup: the default model, one torch thread (as one worker of `baton serve` on this 2-core
-machine), `--batch` sequences of `--context` random prompt tokens, prefilled, then `--steps`
+machine; `--threads 2` as a decode worker that borrowed the idle prefill worker's core), `--batch` sequences of `--context` random prompt tokens, prefilled, then `--steps`
 decode steps timed (wall clock, no profiler) and the same number again under cProfile for the
 split. Runs for float32 and bfloat16, each three ways: "before" (EngineConfig kernel_backend
 "reference" and packed_linear False: PyTorch references and plain F.linear, the engine before
@@ -60,6 +60,7 @@ from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.packed_linear import PackedLinear  # noqa: E402
 from workers.quantization import weight_memory  # noqa: E402
+from cluster.busy_host import cpu_name  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -278,16 +279,19 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default bench/results/decode_profile.json (prefill_profile.json with --prefill)")
     ap.add_argument("--prefill", action="store_true", help="only the long prompt's prefill profile (see above)")
     ap.add_argument("--baseline-kernel", default=None, help="with --prefill: a prefill attention source to time too")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (a decode worker that borrows an idle core "
+                    "runs on 2 here: workers/elastic_threads.py)")
+    ap.add_argument("--default-only", action="store_true", help="only the engine's default configuration")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if args.prefill:
         args.out = args.out or str(REPO / "bench" / "results" / "prefill_profile.json")
         prefill_profile(args)
         return
     args.out = args.out or str(REPO / "bench" / "results" / "decode_profile.json")
-    runs = [measure(dtype, native, packed, args) for dtype in ("float32", "bfloat16")
-            for native, packed in ((False, False), (True, False), (True, True))]
-    print(f"decode step, {args.batch} sequences of ~{args.context} tokens, 1 thread (ms)")
+    variants = ((True, True),) if args.default_only else ((False, False), (True, False), (True, True))
+    runs = [measure(dtype, native, packed, args) for dtype in ("float32", "bfloat16") for native, packed in variants]
+    print(f"decode step, {args.batch} sequences of ~{args.context} tokens, {args.threads} thread(s) (ms)")
     cats = list(runs[0]["split_ms"])
     print("| config | step | step, scattered pages | " + " | ".join(cats) + " | prefill (s) |")
     print("|---|---:|---:|" + "---:|" * len(cats) + "---|")
@@ -298,7 +302,8 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items()) + " |")
     doc = {"benchmark": "decode step profile", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": " ".join([sys.executable, *sys.argv]), "batch": args.batch, "context": args.context,
-           "steps": args.steps, "torch_threads": 1, "loadavg": list(os.getloadavg()), "runs": runs}
+           "steps": args.steps, "torch_threads": args.threads, "machine": {"cpu": cpu_name()},
+           "loadavg": list(os.getloadavg()), "runs": runs}
     for r in runs:
         one = r["linear_layers_one_row"]
         print(f"{r['dtype']}, native {r['native_kernels']}, packed {r['packed_linear']}: linear layers at one row "

@@ -259,8 +259,12 @@ class BatonConfig:
         return max(1, (os.cpu_count() or 1) // ranks)
 
     def worker_engine_config(self) -> EngineConfig:
-        """The engine configuration every worker runs with (threads filled in from the placement)."""
-        return dataclasses.replace(self.engine, num_threads=self.worker_threads())
+        """The engine configuration every worker runs with (threads filled in from the placement).
+        With the cores split automatically, a CPU decode worker also borrows the cores the others
+        leave idle (workers.elastic_threads); threads_per_worker, the user's own choice, is kept."""
+        threads = self.worker_threads()
+        borrow = None if self.placement.threads_per_worker else max(threads, os.cpu_count() or 1)
+        return dataclasses.replace(self.engine, num_threads=threads, max_threads=borrow)
 
     def to_dict(self) -> dict[str, Any]:
         """The effective configuration as the YAML file would spell it."""

@@ -9,7 +9,9 @@ Per pool (`resolve_pool`), from the configuration and the cluster's nodes as Ray
   Without it on the CPU the workers split the machine's cores between them
   (`BatonConfig.worker_threads`: cores // workers threads each, all at normal priority), so a
   decode worker always has its own share and a long prompt's prefill cannot take it: streams
-  keep their pace beside a long prompt, whatever else runs on the host. Giving a long prefill
+  keep their pace beside a long prompt, whatever else runs on the host. A CPU decode worker
+  borrows the cores the other processes leave idle, step by step, and gives them back as soon
+  as they are wanted (workers.elastic_threads). Giving a long prefill
   every core (with the decode worker at idle priority, or at a lower priority than the
   prefill's threads) was measured and dropped: a busy host stalled the streams, or starved the
   prefill (docs/performance.md, "Sharing a CPU host").

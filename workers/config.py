@@ -165,6 +165,9 @@ class EngineConfig:
                 "the CPU always runs eagerly)"})
     device: str = field(default="cpu", metadata={"internal": True})
     num_threads: int | None = field(default=None, metadata={"internal": True})
+    # A CPU decode worker may run a step on up to this many threads while the host's other cores
+    # are idle (workers.elastic_threads); None: always num_threads.
+    max_threads: int | None = field(default=None, metadata={"internal": True})
     # One (k_scale, v_scale) per layer for an FP8 KV cache; calibrated at load time when None.
     kv_scales: tuple[tuple[float, float], ...] | None = field(default=None, metadata={"internal": True})
     # speculative_config parsed (set from it on construction; None: no speculative decoding).
@@ -179,7 +182,7 @@ class EngineConfig:
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive(name)
-        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads"):
+        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads", "max_threads"):
             if getattr(self, name) is not None:
                 positive(name)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \

@@ -24,11 +24,14 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+import torch
+
 from common import envs
 from kvtransfer import KVTransferError, PeerLink
 from kvtransfer.resharding import RankKV, combined
 from workers.kv_load import KVLoadFailures, PendingLoad, recompute
 from workers.config import WorkerConfig
+from workers.elastic_threads import elastic_threads_for
 from workers.engine import LLMEngine, load_tokenizer_decode
 from workers.grammar import GrammarCache
 from common.protocol import (
@@ -148,6 +151,8 @@ class EngineWorker:
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
+        # OpenMP's thread count is per calling thread: the governor must live on this one.
+        threads = elastic_threads_for(self.config)
         while not self._stopped.is_set():
             block = not engine.has_schedulable_work()
             try:
@@ -161,6 +166,8 @@ class EngineWorker:
             except queue.Empty:
                 pass
             if engine.has_schedulable_work():
+                if threads is not None:
+                    threads.before_step()
                 try:
                     self._dispatch(engine.step())
                 except Exception as exc:  # a failed step must fail its requests, not hang them
@@ -474,7 +481,7 @@ class EngineWorker:
             # `end` on the monotonic clock, which every process of the host shares: steps of two
             # workers can be laid side by side (tests/e2e/test_streams_beside_a_long_prompt.py).
             self._step_log.write(json.dumps({"role": self.role, "seconds": seconds, "end": time.monotonic(),
-                                             "chunks": chunks}) + "\n")
+                                             "threads": torch.get_num_threads(), "chunks": chunks}) + "\n")
 
 
 def _build_engine_and_kv(config: WorkerConfig, group: TPGroup | None = None):

@@ -1,0 +1,109 @@
+"""A CPU decode worker borrows the cores other processes leave idle, and gives them back
+(workers.elastic_threads): hand-computed decisions on scripted CPU samples, then the real
+/proc/stat with a real busy process beside this one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster.config import BatonConfig
+from workers import elastic_threads
+from workers.config import EngineConfig, WorkerConfig
+from workers.elastic_threads import CpuSample, ElasticThreads, elastic_threads_for, host_busy_seconds
+
+
+class Script:
+    """Samples handed out in order; each is (seconds since start, host busy s, own s)."""
+
+    def __init__(self, *samples: tuple[float, float, float]) -> None:
+        self.samples = [CpuSample(*s) for s in samples]
+
+    def __call__(self) -> CpuSample:
+        return self.samples.pop(0)
+
+
+def test_it_borrows_while_the_others_leave_a_core_idle_and_gives_it_back():
+    set_to: list[int] = []
+    # Windows of 0.2 s. Others' use = host busy - own, per second of wall time.
+    governor = ElasticThreads(1, 2, Script(
+        (0.0, 10.0, 5.0),
+        (0.2, 10.22, 5.2),   # others 0.02 s / 0.2 s = 0.1 core: borrow the second core
+        (0.25, 10.3, 5.25),  # 0.05 s after the last window: too short to judge, keep 2
+        (0.4, 10.62, 5.5),   # others (0.4 - 0.3) / 0.2 = 0.5 core since 0.2 (a prefill started): back to 1
+        (0.6, 10.98, 5.7),   # others (0.36 - 0.2) / 0.2 = 0.8 core: stay at 1
+        (0.8, 11.2, 5.9),    # others 0.02 / 0.2 = 0.1 core: the prefill ended, borrow again
+    ), set_to.append)
+    assert [governor.before_step() for _ in range(5)] == [2, 2, 1, 1, 2]
+    assert set_to == [1, 2, 1, 2]  # the share at start, then only the changes
+
+
+def test_on_four_cores_it_takes_what_the_others_leave():
+    # Others kept 1.2 cores busy: 2.8 are free, and a core counts once the others leave 0.7 of it.
+    governor = ElasticThreads(1, 4, Script((0.0, 0.0, 0.0), (1.0, 2.0, 0.8)), lambda n: None)
+    assert governor.before_step() == 3
+    # Others above 3 cores: never below the worker's own share.
+    governor = ElasticThreads(2, 4, Script((0.0, 0.0, 0.0), (1.0, 3.9, 0.1)), lambda n: None)
+    assert governor.before_step() == 2
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError, match="share"):
+        ElasticThreads(3, 2, Script((0.0, 0.0, 0.0)), lambda n: None)
+
+
+def test_host_busy_seconds_reads_every_busy_column(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice, in ticks
+    stat.write_text("cpu  100 20 30 5000 40 5 6 7 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    monkeypatch.setattr(elastic_threads.os, "sysconf", lambda name: 100)
+    assert host_busy_seconds(str(stat)) == pytest.approx((100 + 20 + 30 + 5 + 6 + 7) / 100)
+
+
+def test_only_a_cpu_decode_worker_with_a_ceiling_above_its_share_borrows(monkeypatch):
+    monkeypatch.setattr(elastic_threads, "usable_cores", lambda: 4)
+    engine = EngineConfig(num_threads=1, max_threads=8)
+    decode = elastic_threads_for(WorkerConfig("d0", "decode", engine=engine))
+    assert (decode.share, decode.most) == (1, 4)  # capped by the cores this process may run on
+    assert elastic_threads_for(WorkerConfig("p0", "prefill", engine=engine)) is None
+    assert elastic_threads_for(WorkerConfig("d0", "decode", engine=EngineConfig(num_threads=1))) is None
+    assert elastic_threads_for(WorkerConfig("d0", "decode", engine=EngineConfig(num_threads=4, max_threads=8))) is None
+    assert elastic_threads_for(WorkerConfig("d0", "decode", engine=engine, tp_size=2)) is None
+    gpu = EngineConfig(num_threads=1, max_threads=8, device="cuda")
+    assert elastic_threads_for(WorkerConfig("d0", "decode", engine=gpu)) is None
+
+
+def test_threads_per_worker_is_kept_and_the_automatic_split_may_borrow(monkeypatch):
+    monkeypatch.setattr("cluster.config.os.cpu_count", lambda: 8)
+    split = BatonConfig().worker_engine_config()  # 1 prefill + 1 decode worker on 8 cores
+    assert (split.num_threads, split.max_threads) == (4, 8)
+    chosen = BatonConfig.from_options(threads_per_worker=2).worker_engine_config()
+    assert (chosen.num_threads, chosen.max_threads) == (2, None)
+
+
+@pytest.mark.skipif(len(elastic_threads.os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_real_busy_process_takes_the_borrowed_core_back():
+    """On this host's /proc/stat: with nothing else running the second core is borrowed; a process
+    spinning beside this one makes the governor give it up; when it ends the core is borrowed again."""
+    set_to: list[int] = []
+    governor = ElasticThreads(1, 2, set_threads=set_to.append)
+
+    def settles_on(threads: int, timeout_s: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if governor.before_step() == threads:
+                return True
+            time.sleep(0.05)
+        return False
+
+    assert settles_on(2), "the host's second core was never idle"
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert settles_on(1), "a process spinning on the other core did not get it back"
+    finally:
+        hog.kill()
+        hog.wait()
+    assert settles_on(2)
