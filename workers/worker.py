@@ -31,7 +31,7 @@ from kvtransfer import KVTransferError, PeerLink
 from kvtransfer.resharding import RankKV, combined
 from workers.kv_load import KVLoadFailures, PendingLoad, recompute
 from workers.config import WorkerConfig
-from workers.elastic_threads import elastic_threads_for
+from workers.elastic_threads import core_sharing_for
 from workers.engine import LLMEngine, load_tokenizer_decode
 from workers.grammar import GrammarCache
 from common.protocol import (
@@ -152,9 +152,11 @@ class EngineWorker:
     def _loop(self) -> None:
         engine = self.engine
         # OpenMP's thread count is per calling thread: the governor must live on this one.
-        threads = elastic_threads_for(self.config)
+        cores = core_sharing_for(self.config)
         while not self._stopped.is_set():
             block = not engine.has_schedulable_work()
+            if block:
+                cores.idle()
             try:
                 while True:
                     fn, fut = self._commands.get(block=block, timeout=0.5 if block else None)
@@ -166,16 +168,18 @@ class EngineWorker:
             except queue.Empty:
                 pass
             if engine.has_schedulable_work():
-                if threads is not None:
-                    threads.before_step()
+                cores.before_step()
                 try:
                     self._dispatch(engine.step())
                 except Exception as exc:  # a failed step must fail its requests, not hang them
                     if isinstance(exc, TPGroupBroken) and self.followers is not None:
                         self.followers.lost(exc)  # unless the worker restarts as a whole first: they move
                     self._fail_all(exc)
+                finally:
+                    cores.after_step()
             self._drain_kv_events()
             self._end_expired_leases()
+        cores.close()
 
     def _drain_kv_events(self) -> None:
         self.leases.publish_kv_events(self.engine.block_manager.drain_events())
