@@ -45,7 +45,8 @@ from workers.config import WorkerConfig
 WINDOW_S = 0.1
 # A core may be borrowed while the other processes keep less than this share of it busy: the
 # router and a benchmark's client always take a little. It must stay below the half of a core that
-# a prefill gets while it shares its core with the borrowed thread, or the core would never return.
+# a busy neighbour gets while it shares its core with the borrowed thread, or the neighbour would
+# never get its core back (the host's prefill workers claim theirs through CoreClaims instead).
 BORROW_BELOW = 0.3
 
 
