@@ -95,9 +95,10 @@ def baton_serve(flags: Sequence[str] = (), *, port: int | None = None, ready_tim
                 stop_timeout_s: float = 60.0) -> Iterator[BatonProcess]:
     """`baton serve --host 127.0.0.1 --port PORT FLAGS` (the venv's `baton`) in its own process
     group, yielded once /health answers 200; stopped with `stop_process` after the block. Output
-    goes to `log_path` (default: a new file in the temporary directory). RuntimeError when it exits
-    or stays unhealthy for `ready_timeout_s`."""
+    goes to `log_path` (default: a new file in the temporary directory, removed after a block that
+    ended without an exception). RuntimeError when it exits or stays unhealthy for `ready_timeout_s`."""
     port = port or free_port()
+    temporary_log = log_path is None
     if log_path is None:
         log_path = tempfile.mkstemp(prefix="baton-serve-", suffix=".log")[1]
     log_path = Path(log_path)
@@ -119,6 +120,8 @@ def baton_serve(flags: Sequence[str] = (), *, port: int | None = None, ready_tim
             yield server
         finally:
             stop_process(process, stop_timeout_s)
+    if temporary_log:  # only reached without an exception: a failure's log stays for its reader
+        log_path.unlink(missing_ok=True)
 
 
 class ServerDidNotStart(RuntimeError):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -90,7 +92,8 @@ def write_word_tokenizer(folder: str, vocab_size: int = 512) -> None:
 
 
 def save_tiny_model(kind: str, **overrides) -> tuple[str, torch.nn.Module]:
-    """A tiny random transformers model of the given family, saved to a temp folder."""
+    """A tiny random transformers model of the given family, saved to a temp folder (removed when
+    the test process exits: module-scoped fixtures share it, and served tests hand it to workers)."""
     import transformers
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -143,6 +146,7 @@ def save_tiny_model(kind: str, **overrides) -> tuple[str, torch.nn.Module]:
             elif kind.startswith("gemma") and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.normal_(0, 0.25)  # attention logits of a few units, where soft-capping bites
     folder = tempfile.mkdtemp(prefix=f"baton-tiny-{kind}-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     model.save_pretrained(folder)
     return folder, model
 

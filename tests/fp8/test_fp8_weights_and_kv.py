@@ -8,8 +8,6 @@ float32 rounding).
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 
@@ -81,9 +79,9 @@ def test_load_time_fp8_equals_hand_quantized_weights(tiny_qwen2):
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "ct-channel", "ct-tensor"])
-def test_prequantized_checkpoint_loads_its_dequantized_weights(tiny_qwen2, fmt):
+def test_prequantized_checkpoint_loads_its_dequantized_weights(tiny_qwen2, fmt, tmp_path):
     folder, hf = tiny_qwen2
-    dst = tempfile.mkdtemp(prefix=f"baton-{fmt}-")
+    dst = str(tmp_path)
     dequantized = write_fp8_checkpoint(folder, dst, fmt)
     engine = LLMEngine.from_model_dir(dst, EngineConfig(num_kv_blocks=32))
     model = engine.runner.model
@@ -96,7 +94,7 @@ def test_prequantized_checkpoint_loads_its_dequantized_weights(tiny_qwen2, fmt):
     assert mem.linear_params == sum(w.numel() for n, w in hf.state_dict().items() if is_linear_weight(n))
 
 
-def test_quantization_config_errors_name_what_is_supported(tiny_qwen2):
+def test_quantization_config_errors_name_what_is_supported(tiny_qwen2, tmp_path):
     with pytest.raises(ValueError, match="'gptq' is not supported; supported: fp8, compressed-tensors"):
         parse_quantization_config({"quant_method": "gptq", "bits": 4})
     with pytest.raises(ValueError, match="only float-quantized"):
@@ -105,7 +103,7 @@ def test_quantization_config_errors_name_what_is_supported(tiny_qwen2):
         EngineConfig(quantization="int8")
     # FP8 tensors without a quantization_config must not load as raw codes.
     folder, _ = tiny_qwen2
-    dst = tempfile.mkdtemp(prefix="baton-noconfig-")
+    dst = str(tmp_path)
     write_fp8_checkpoint(folder, dst, "ct-channel")
     import json
     from pathlib import Path
