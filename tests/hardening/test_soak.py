@@ -1,4 +1,4 @@
-"""The short soak (bench/soak.py, 12 s of load, the first 5 s of it warm-up) against the hardening deployment.
+"""The short soak (bench/soak.py, 20 s of load) against the hardening deployment.
 
 Calibrates the sustainable throughput, offers 80% of it with 10% of clients disconnecting
 mid-stream, some giving up before the first token and some oversized requests; then no KV block
@@ -25,7 +25,7 @@ def test_short_soak_leaves_no_leak_and_no_unintended_error(hardened, good_answer
     # The benchmark as its users run it (`python -m bench.soak`), in a process of its own.
     out = tmp_path / "soak.json"
     subprocess.run([sys.executable, "-m", "bench.soak", "--base-url", hardened.base_url, "--api-key", API_KEY,
-                    "--duration", "12", "--warmup", "5", "--calibrate", "3", "--calibration-concurrency", "6",
+                    "--duration", "20", "--warmup", "8", "--calibrate", "5", "--calibration-concurrency", "6",
                     "--sample-every", "3", "--max-request-body", str(MAX_REQUEST_BODY), "--seed", "16",
                     "--out", str(out)], check=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     result = json.loads(out.read_text())
