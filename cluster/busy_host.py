@@ -9,6 +9,10 @@ import platform
 import time
 from dataclasses import dataclass
 
+from common.host_cpu import cpu_times
+
+__all__ = ["HogReport", "cpu_fractions", "cpu_name", "cpu_times", "run_hog"]
+
 
 @dataclass(frozen=True)
 class HogReport:
@@ -43,16 +47,6 @@ def run_hog(duty: float, period_s: float, seconds: float, stop=lambda: False) ->
             time.sleep(rest)
     wall = time.monotonic() - start
     return HogReport(round(wall, 3), round(busy, 3), duty, round(busy / wall, 3) if wall else 0.0, periods)
-
-
-def cpu_times() -> list[int]:
-    """The host's aggregate CPU time counters (/proc/stat's cpu line: user, nice, system, idle,
-    iowait, irq, softirq, steal, ...); empty where there is no /proc."""
-    try:
-        with open("/proc/stat") as f:
-            return [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return []
 
 
 def cpu_fractions(before: list[int], after: list[int]) -> dict[str, float | None]:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.host_cpu import busy_ticks, cpu_times, ticks_per_second
 from common.roles import Role
 from workers.config import WorkerConfig
 
@@ -60,13 +61,11 @@ class CpuSample:
 
 
 def host_busy_seconds(stat_path: str = "/proc/stat") -> float:
-    """Busy CPU time of every core together: user, nice, system, irq, softirq and steal (a core the
-    hypervisor gave to someone else is not ours to use either)."""
-    with open(stat_path) as f:
-        fields = f.readline().split()
-    assert fields[0] == "cpu", fields
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    """Busy CPU time of every core together (common.host_cpu.busy_ticks: steal counts as busy)."""
+    times = cpu_times(stat_path)
+    if len(times) < 8:
+        raise OSError(f"{stat_path} has no cpu line to read the host's busy time from")
+    return busy_ticks(times) / ticks_per_second()
 
 
 def sample_now() -> CpuSample:
@@ -128,7 +127,24 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
-class ElasticThreads:
+class NoSharing:
+    """What a worker's engine thread calls around its steps; as itself, a worker that neither
+    borrows nor claims (a GPU, threads chosen by the user, no spare core)."""
+
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ElasticThreads(NoSharing):
     """Threads for the next step: `share` at least, `most` at most (see the module docstring)."""
 
     def __init__(self, share: int, most: int, claims: CoreClaims, sample: Callable[[], CpuSample] = sample_now,
@@ -168,27 +184,8 @@ class ElasticThreads:
             self.claims.end_borrow()
             self._borrowing = False
 
-    def idle(self) -> None:
-        pass
-
     def close(self) -> None:
         self.claims.close()
-
-
-class NoSharing:
-    """A worker that neither borrows nor claims (a GPU, threads chosen by the user, no spare core)."""
-
-    def before_step(self) -> None:
-        pass
-
-    def after_step(self) -> None:
-        pass
-
-    def idle(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class PrefillClaim(NoSharing):
@@ -207,7 +204,7 @@ class PrefillClaim(NoSharing):
         self.claims.close()
 
 
-def core_sharing_for(config: WorkerConfig) -> ElasticThreads | PrefillClaim | NoSharing:
+def core_sharing_for(config: WorkerConfig) -> NoSharing:
     """A worker's side of borrowing idle cores, for its engine thread: a CPU decode worker's governor
     (not with tensor parallelism), a CPU prefill worker's claim; nothing on a GPU, with
     threads_per_worker chosen by the user (engine.max_threads unset) or without a spare core."""
