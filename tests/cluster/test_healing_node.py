@@ -1,6 +1,6 @@
-"""A whole simulated node dies during 32 streaming requests: a head, two prefill nodes and three
+"""A whole simulated node dies during 32 streaming requests: a head, a prefill node and three
 decode nodes on 127.0.0.1 (cluster.testing.FakeCluster, a fresh one: the test kills one of its
-nodes), 2 prefill and 2 decode workers, one per node, so one decode node is spare.
+nodes), 1 prefill and 2 decode workers, one per node, so one decode node is spare.
 
 The test SIGKILLs every process of one decode node (its raylet and the decode worker on it, as
 `FakeCluster.kill_node` finds them), as when a machine goes away. The requests streaming from that worker migrate to the other decode
@@ -35,7 +35,10 @@ DEADLINE_S = 240.0
 def spare_cluster():
     leave_ray()  # whatever Ray an earlier suite left connected: this module needs its own cluster
     prefill, decode = POOL_NODES
-    with FakeCluster([prefill, NodeType(decode.name, decode.count + 1, decode.resources, decode.labels)]) as cluster:
+    # One prefill node: what is tested is the decode pool, and each simulated node is a raylet and
+    # a worker process more for the two cores to start.
+    with FakeCluster([NodeType(prefill.name, 1, prefill.resources, prefill.labels),
+                      NodeType(decode.name, decode.count + 1, decode.resources, decode.labels)]) as cluster:
         yield cluster
 
 
@@ -50,8 +53,8 @@ async def _nothing(load) -> None:
 
 def test_a_decode_node_dies_mid_stream_and_the_pool_heals(spare_cluster, clear_prompt_set):
     expected = clear_prompt_set(32, 16)
-    config = cluster_config(spare_cluster, max_num_seqs=32, routing_policy="round-robin", request_timeout=DEADLINE_S,
-                            max_restarts=2)
+    config = cluster_config(spare_cluster, prefill_workers=1, max_num_seqs=32, routing_policy="round-robin",
+                            request_timeout=DEADLINE_S, max_restarts=2)
     with serving_on(config, "nodekill") as server:
         deployment = server.deployment
         backend = deployment.backend
@@ -74,7 +77,7 @@ def test_a_decode_node_dies_mid_stream_and_the_pool_heals(spare_cluster, clear_p
         assert counts["exact"] == 32 and backend.counters["migrations"] >= 1, (counts, backend.counters)
 
         # Ray restarts decode-0 on the spare decode node and the router re-admits it.
-        asyncio.run(wait_async(lambda: _alive_pools(deployment, 4), 300, "decode-0 back on the spare node", every_s=0.5))
+        asyncio.run(wait_async(lambda: _alive_pools(deployment, 3), 300, "decode-0 back on the spare node", every_s=0.5))
         moved_to = actor_nodes(deployment)["decode-0"]
         assert moved_to != victim_node and moved_to in spare_cluster.node_ids("decode")
         assert moved_to != actor_nodes(deployment)["decode-1"]

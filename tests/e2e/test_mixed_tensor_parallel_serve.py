@@ -1,10 +1,13 @@
-"""Prefill and decode pools of different tensor-parallel sizes over HTTP, on the default model
-(SmolLM2-135M: 3 KV heads): prefill TP 3 -> decode TP 1 (three prefill ranks' heads gathered into
-the one decode rank's cache through its inlets) and prefill TP 1 -> decode TP 3 with an FP8 KV
-cache (the prefill rank slices its heads apart through staging caches); and a tiny random Llama
-with 4 KV heads at prefill TP 2 -> decode TP 4.
+"""Prefill and decode pools of different tensor-parallel sizes over HTTP: the default model
+(SmolLM2-135M: 3 KV heads) at prefill TP 3 -> decode TP 1 with an FP8 KV cache (three prefill
+ranks' heads gathered into the one decode rank's cache through its inlets), and a tiny random
+Llama with 4 KV heads at prefill TP 2 -> decode TP 4 (each prefill rank slices its two heads apart
+through staging caches for two decode ranks).
 
-Oracles: the engine alone at TP 1 in this process, in the same KV dtype (the tiny model:
+Equal sizes are tests/e2e/test_tensor_parallel_serve.py's; prefill TP 1 -> decode TP 3 across
+nodes over gloo is tests/cluster/test_tensor_parallel_nodes.py's.
+
+Oracles: the engine alone at TP 1 in this process with the same FP8 KV cache (the tiny model:
 transformers' greedy generate); the links each pair of sizes needs, written out by hand; the KV
 bytes a handoff must move, from the model's shape.
 """
@@ -25,22 +28,20 @@ BLOCK_SIZE = 16
 ELEMENTS_PER_TOKEN = 30 * 2 * 3 * 64
 
 
-# One server per case, stopped before the next module-level server starts (a module-scoped one would
-# still be up, and its Ray connection left, when the tiny model's test starts its own).
-@pytest.fixture(params=[(3, 1, "auto"), (1, 3, "fp8")], ids=["tp3-to-tp1", "tp1-to-tp3-fp8"])
-def mixed_server(request):
+@pytest.fixture
+def gathering_server():
+    """Prefill TP 3 -> decode TP 1, FP8 KV cache; stopped before the tiny model's test starts its own."""
     from cluster.config import BatonConfig
     from cluster.harness import free_port
     from cluster.testing import leave_ray, serving
 
-    prefill_tp, decode_tp, kv_dtype = request.param
     # local_prefill_threshold=0: every request crosses the handoff between the two groups.
-    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", kv_cache_dtype=kv_dtype,
-                                      prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
+    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", kv_cache_dtype="fp8",
+                                      prefill_tensor_parallel_size=3, decode_tensor_parallel_size=1,
                                       local_prefill_threshold=0, prefill_queue_threshold=10**6)
     leave_ray()
     with serving(config) as running:
-        yield running, request.param
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +52,22 @@ def fp8_reference_engine():
     return LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20, kv_cache_dtype="fp8"))
 
 
-def test_greedy_answers_equal_tp1_and_each_link_moves_its_heads(mixed_server, reference_engine, fp8_reference_engine,
-                                                                 greedy_answers_match):
-    server, (prefill_tp, decode_tp, kv_dtype) = mixed_server
-    engine = fp8_reference_engine if kv_dtype == "fp8" else reference_engine
+def test_three_prefill_ranks_feed_one_decode_rank_and_answers_equal_tp1(gathering_server, fp8_reference_engine,
+                                                                        greedy_answers_match):
+    server = gathering_server
     before = server.stats()
-    greedy_answers_match(server.base_url, engine)
+    greedy_answers_match(server.base_url, fp8_reference_engine)
 
     after = server.wait_idle()
     assert all(s.num_free_blocks == s.num_blocks for s in after.values()), "a block is still held"
     sent = after["prefill-0"].kv_blocks_sent - before["prefill-0"].kv_blocks_sent
     nbytes = after["prefill-0"].kv_bytes_sent - before["prefill-0"].kv_bytes_sent
     assert sent > 0 and sent == after["decode-0"].kv_blocks_received - before["decode-0"].kv_blocks_received
-    # Every head of every block arrives once: had a link moved nothing, a third would be missing.
-    assert nbytes == sent * BLOCK_SIZE * ELEMENTS_PER_TOKEN * (1 if kv_dtype == "fp8" else 4)
+    # Every head of every block arrives once (one byte per FP8 value): had a link moved nothing, a third would be missing.
+    assert nbytes == sent * BLOCK_SIZE * ELEMENTS_PER_TOKEN
     assert server.deployment.backend.counters["local_prefill"] == 0
-    # One link per KV head: prefill rank r -> decode rank 0 (TP 3 -> 1), or prefill rank 0 -> decode rank r.
-    links = [(r, 0) for r in range(3)] if prefill_tp == 3 else [(0, r) for r in range(3)]
+    # One link per KV head: prefill rank r -> decode rank 0.
+    links = [(r, 0) for r in range(3)]
     recent = [t for t in httpx.get(server.base_url + "/v1/status").json()["recent"] if t["decision"] == "remote"]
     assert recent and all(t["kv_rank_pairs"] == [[s, d, t["kv_bytes"] // 3] for s, d in links] for t in recent)
 

@@ -8,6 +8,10 @@ streams run: the streams on router 0 must complete exactly, those on router 1 en
 clients, the workers end router 1's requests once its lease runs out (5 s) and free their blocks,
 and `baton serve` restarts router 1, which serves again.
 
+Requests meant for one router go over a keep-alive connection the kernel handed to it
+(`RouterClient`): asking on fresh connections until the right router answers would run most of
+the chats twice.
+
 Then the pools change at runtime: admin requests that the kernel hands to router 1 work (it
 forwards them to router 0, which owns the pools), a decode worker added by the admin endpoint
 joins router 1's pools too (its lease on it, its gates' share of the new size, a request it routes
@@ -55,22 +59,52 @@ def body(q: str, stream: bool = False) -> dict:
             "stream": stream}
 
 
-def chat(url: str, q: str, with_id: bool = False):
-    """(the answer, the router that gave it[, the request id]), on a connection of its own."""
+def chat(url: str, q: str) -> tuple[str, str]:
+    """(the answer, the router that gave it), on a connection of its own."""
     r = httpx.post(url + "/v1/chat/completions", json=body(q), headers={"connection": "close"}, timeout=120)
     assert r.status_code == 200, r.text
-    answer = (r.json()["choices"][0]["message"]["content"], r.headers[HEADER])
-    return (*answer, r.json()["id"]) if with_id else answer
+    return r.json()["choices"][0]["message"]["content"], r.headers[HEADER]
 
 
-def on_router(router: str, call, timeout_s: float = 30):
-    """`call()` (an httpx response) repeated on fresh connections until `router` answers it."""
-    return wait_until(lambda: (r := call()).headers[HEADER] == router and r, timeout_s, f"{router} to answer",
-                      every_s=0.05)
+class RouterClient:
+    """Requests to one router process: each goes over a keep-alive connection on which that router
+    has just answered GET /health (the kernel picks a router per connection, and a router closes a
+    connection idle for a few seconds, so the connection is checked, and opened again until the
+    kernel hands it to `router`, before every request)."""
 
+    def __init__(self, url: str, router: str) -> None:
+        self.url, self.router = url, router
+        self._client: httpx.Client | None = None
 
-def status_of(url: str, router: str) -> dict:
-    return on_router(router, lambda: httpx.get(url + "/v1/status", headers={"connection": "close"}, timeout=30)).json()
+    def _connected(self) -> httpx.Client:
+        def attempt():
+            if self._client is None:
+                self._client = httpx.Client(base_url=self.url, timeout=120, limits=httpx.Limits(max_connections=1))
+            if self._client.get("/health").headers[HEADER] == self.router:
+                return self._client
+            self._client.close()
+            self._client = None
+            return None
+
+        return wait_until(attempt, 30, f"{self.router} to answer", every_s=0.0)
+
+    def request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        r = self._connected().request(method, path, **kwargs)
+        assert r.headers[HEADER] == self.router, (path, r.headers[HEADER])
+        return r
+
+    def status(self) -> dict:
+        return self.request("GET", "/v1/status").json()
+
+    def chat(self, q: str) -> tuple[str, str]:
+        """(the answer, the request id)."""
+        r = self.request("POST", "/v1/chat/completions", json=body(q))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["id"]
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
 
 def status(url: str) -> dict:
@@ -172,54 +206,48 @@ def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expecte
         assert len(s["pools"]["prefill"]) == 1 and len(s["pools"]["decode"]) == 1
         # baton serve restarted router 1 (a new router with a new lease), and it serves exactly.
         routers_seen(url, 2, 60)
-        served = set()
-        for i in range(40):
-            q = QUESTIONS[i % len(QUESTIONS)]
-            text, router = chat(url, q)
-            assert text == expected[q], (router, q)
-            served.add(router)
-            if "router-1.1" in served:
-                break
-        assert served >= {"router-1.1"}, served
+        router1 = RouterClient(url, "router-1.1")
+        try:
+            for q in QUESTIONS[:2]:
+                assert router1.chat(q)[0] == expected[q], q
 
-        # Admin requests the kernel hands to router 1 work: it forwards them to router 0.
-        pools = on_router("router-1.1", lambda: httpx.get(url + "/admin/pools", headers={"connection": "close"},
-                                                          timeout=30))
-        assert pools.status_code == 200 and pools.json()["decode"] == 1, pools.text
-        assert sorted(w["worker_id"] for w in pools.json()["workers"]) == ["decode-0", "prefill-0"]
-        same = on_router("router-1.1", lambda: httpx.post(url + "/admin/scale", json={"decode": 1}, timeout=60,
-                                                          headers={"connection": "close"}))
-        assert same.status_code == 200 and same.json()["after"] == {"prefill": 1, "decode": 1}, same.text
-        capacity = status_of(url, "router-1.1")["admission"]["decode"]["capacity"]
-        grown = httpx.post(url + "/admin/scale", json={"decode": 2}, timeout=400, headers={"connection": "close"})
-        assert grown.status_code == 200 and grown.json()["added"] == ["decode-1"], grown.text
+            # Admin requests the kernel hands to router 1 work: it forwards them to router 0.
+            pools = router1.request("GET", "/admin/pools")
+            assert pools.status_code == 200 and pools.json()["decode"] == 1, pools.text
+            assert sorted(w["worker_id"] for w in pools.json()["workers"]) == ["decode-0", "prefill-0"]
+            same = router1.request("POST", "/admin/scale", json={"decode": 1}, timeout=60)
+            assert same.status_code == 200 and same.json()["after"] == {"prefill": 1, "decode": 1}, same.text
+            capacity = router1.status()["admission"]["decode"]["capacity"]
+            grown = httpx.post(url + "/admin/scale", json={"decode": 2}, timeout=400, headers={"connection": "close"})
+            assert grown.status_code == 200 and grown.json()["added"] == ["decode-1"], grown.text
 
-        # Router 1 follows: decode-1 in its pools, its lease on it, its gate's share of two workers.
-        def router1_has_decode1():
-            s = status_of(url, "router-1.1")
-            decode = {w["worker_id"]: w for w in s["pools"]["decode"]}
-            leased = {lease["router_id"]: lease["workers"] for lease in s["routers"]["leases"]}
-            return ("decode-1" in decode and decode["decode-1"]["alive"]
-                    and "decode-1" in leased.get("router-1.1", []) and s)
+            # Router 1 follows: decode-1 in its pools, its lease on it, its gate's share of two workers.
+            def router1_has_decode1():
+                s = router1.status()
+                decode = {w["worker_id"]: w for w in s["pools"]["decode"]}
+                leased = {lease["router_id"]: lease["workers"] for lease in s["routers"]["leases"]}
+                return ("decode-1" in decode and decode["decode-1"]["alive"]
+                        and "decode-1" in leased.get("router-1.1", []) and s)
 
-        s = wait_until(router1_has_decode1, 15, "router 1 to serve with decode-1")
-        assert s["admission"]["decode"]["capacity"] == 2 * capacity
-        # A request router 1 routes to decode-1, answered exactly (fresh questions: either worker).
-        landed = False
-        for q in FRESH:
-            text, router, request_id = chat(url, q, with_id=True)
-            assert text == expected[q], (router, q)
-            if router == "router-1.1":
-                recent = {r["request_id"]: r for r in status_of(url, "router-1.1")["recent"]}
+            s = wait_until(router1_has_decode1, 15, "router 1 to serve with decode-1")
+            assert s["admission"]["decode"]["capacity"] == 2 * capacity
+            # A request router 1 routes to decode-1, answered exactly (fresh questions: either worker).
+            landed = False
+            for q in FRESH:
+                text, request_id = router1.chat(q)
+                assert text == expected[q], q
+                recent = {r["request_id"]: r for r in router1.status()["recent"]}
                 landed = recent[request_id]["decode_worker"] == "decode-1"
                 if landed:
                     break
-        assert landed, "router 1 never routed a request to the decode worker added at runtime"
+            assert landed, "router 1 never routed a request to the decode worker added at runtime"
 
-        # The pools shrink again: router 1 drops decode-1 too.
-        shrunk = httpx.post(url + "/admin/scale", json={"decode": 1}, timeout=120, headers={"connection": "close"})
-        assert shrunk.status_code == 200 and shrunk.json()["removed"] == ["decode-1"], shrunk.text
-        wait_until(lambda: [w["worker_id"] for w in status_of(url, "router-1.1")["pools"]["decode"]] == ["decode-0"],
-                   15, "router 1 to drop decode-1")
+            # The pools shrink again: router 1 drops decode-1 too.
+            shrunk = httpx.post(url + "/admin/scale", json={"decode": 1}, timeout=120, headers={"connection": "close"})
+            assert shrunk.status_code == 200 and shrunk.json()["removed"] == ["decode-1"], shrunk.text
+            wait_until(lambda: [w["worker_id"] for w in router1.status()["pools"]["decode"]] == ["decode-0"],
+                       15, "router 1 to drop decode-1")
+        finally:
+            router1.close()
         text, _ = chat(url, QUESTIONS[0])
         assert text == expected[QUESTIONS[0]]
