@@ -1,4 +1,10 @@
-"""A real deployment for end-to-end tests: Ray on 127.0.0.1, one prefill and one decode actor, the router on a free port."""
+"""Real deployments for end-to-end tests: Ray on 127.0.0.1, prefill and decode actors, the router on a free port.
+
+The deployments this process runs share one private Ray (`deployment_ray`): starting and
+stopping a Ray of their own cost each about 3.5 s of the two cores. The folder is a package so
+that this Ray ends with it (`_no_ray_after_the_folder`); a test that runs `baton serve` (a Ray
+of its own) ends it first (`no_driver_ray`), so that it does not idle beside that server.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,38 @@ from cluster.harness import free_port
 from cluster.testing import leave_ray, serving
 
 
+@pytest.fixture(scope="package", autouse=True)
+def _no_ray_after_the_folder():
+    yield
+    leave_ray()
+
+
 @pytest.fixture(scope="module")
-def server():
+def deployment_ray():
+    """This process's private Ray (namespace "baton", as a deployment starts its own): the first
+    test that asks starts it, later ones reuse it. Deployments in it need actor name prefixes of
+    their own (cluster.testing.serving's actor_name_prefix): a killed actor's name is freed
+    asynchronously, and the next module's deployment could find it still taken."""
+    from cluster.launcher import start_ray
+
+    start_ray(None)  # nothing when this process is already a Ray driver
+
+
+@pytest.fixture(scope="module")
+def no_driver_ray():
+    """No Ray of this process's own beside a `baton serve` test (it starts its own)."""
+    leave_ray()
+
+
+@pytest.fixture(scope="module")
+def server(deployment_ray):
     from cluster.config import BatonConfig
 
     # local_prefill_threshold=0: these tests check the prefill -> decode handoff, so every request
     # goes through it (the kv-aware default would prefill their short prompts on the decode worker).
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="192MiB", max_num_seqs=64, local_prefill_threshold=0,
                                       prefill_queue_threshold=10**6)
-    leave_ray()  # a private Ray of this module's own, which the deployment shuts down after it
-    with serving(config) as running:
+    with serving(config, actor_name_prefix="e2e") as running:
         yield running
 
 

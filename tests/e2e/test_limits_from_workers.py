@@ -35,7 +35,7 @@ def expected_max_model_len() -> int:
 
 
 @pytest.fixture(scope="module")
-def small_cache_server():
+def small_cache_server(no_driver_ray):
     # Stopped as an operator stops it (SIGTERM to the server: it takes down its workers and private
     # Ray), then whatever is left of its process group is killed: cluster.harness.stop_process.
     with baton_serve(["--kv-cache-memory", "32MiB", "--log-level", "warning"], ready_timeout_s=180) as server:

@@ -29,18 +29,17 @@ ELEMENTS_PER_TOKEN = 30 * 2 * 3 * 64
 
 
 @pytest.fixture
-def gathering_server():
+def gathering_server(deployment_ray):
     """Prefill TP 3 -> decode TP 1, FP8 KV cache; stopped before the tiny model's test starts its own."""
     from cluster.config import BatonConfig
     from cluster.harness import free_port
-    from cluster.testing import leave_ray, serving
+    from cluster.testing import serving
 
     # local_prefill_threshold=0: every request crosses the handoff between the two groups.
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", kv_cache_dtype="fp8",
                                       prefill_tensor_parallel_size=3, decode_tensor_parallel_size=1,
                                       local_prefill_threshold=0, prefill_queue_threshold=10**6)
-    leave_ray()
-    with serving(config) as running:
+    with serving(config, actor_name_prefix="gather") as running:
         yield running
 
 
@@ -72,10 +71,10 @@ def test_three_prefill_ranks_feed_one_decode_rank_and_answers_equal_tp1(gatherin
     assert recent and all(t["kv_rank_pairs"] == [[s, d, t["kv_bytes"] // 3] for s, d in links] for t in recent)
 
 
-def test_a_tiny_model_from_tp2_to_tp4_answers_as_transformers():
+def test_a_tiny_model_from_tp2_to_tp4_answers_as_transformers(deployment_ray):
     from cluster.config import BatonConfig
     from cluster.harness import free_port
-    from cluster.testing import leave_ray, serving
+    from cluster.testing import serving
 
     # 8 query heads and 4 KV heads of 8: TP 2 holds two KV heads a rank, TP 4 one.
     folder, hf = save_tiny_model("llama", num_attention_heads=8, num_key_value_heads=4)
@@ -88,7 +87,6 @@ def test_a_tiny_model_from_tp2_to_tp4_answers_as_transformers():
     config = BatonConfig.from_options(model=folder, port=free_port(), kv_cache_memory="16MiB", local_prefill_threshold=0,
                                       prefill_queue_threshold=10**6, prefill_tensor_parallel_size=2,
                                       decode_tensor_parallel_size=4)
-    leave_ray()
     with serving(config, actor_name_prefix="tp2to4") as server:
         for prompt, ref in zip(prompts, refs):
             r = httpx.post(server.base_url + "/v1/completions", timeout=120,

@@ -31,16 +31,8 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def ray_for_deployments():
-    from cluster.testing import private_ray
-
-    with private_ray():
-        yield
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_served_tiny_model_answers_as_transformers(family, ray_for_deployments):
+def test_a_served_tiny_model_answers_as_transformers(family, deployment_ray):
     from cluster.config import BatonConfig
     from cluster.harness import free_port
     from cluster.testing import serving

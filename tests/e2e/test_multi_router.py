@@ -151,7 +151,7 @@ async def streams(url: str, n: int, on_started) -> list[dict]:
     return results
 
 
-def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expected):
+def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expected, no_driver_ray):
     with baton_serve(["--api-server-count", "2", "--kv-cache-memory", "96MiB", "--log-level", "warning",
                       "--admin-endpoint"], ready_timeout_s=240) as server:
         url = server.base_url

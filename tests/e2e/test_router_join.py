@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from cluster.harness import free_port, healthy, wait_until
-from cluster.testing import leave_ray, serving
+from cluster.testing import serving
 
 pytestmark = pytest.mark.slow
 BODY = {"messages": [{"role": "user", "content": "Describe the moon in one sentence."}], "max_tokens": 24,
@@ -32,14 +32,13 @@ def leases(url: str) -> dict[str, dict]:
     return {lease["router_id"]: lease for lease in status["routers"]["leases"]}
 
 
-def test_a_joining_router_serves_the_same_workers_and_its_death_frees_them(tmp_path):
+def test_a_joining_router_serves_the_same_workers_and_its_death_frees_them(tmp_path, deployment_ray):
     import ray
 
     from cluster.config import BatonConfig
 
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="96MiB", router_lease=3)
-    leave_ray()
-    with serving(config) as running:
+    with serving(config) as running:  # prefix "baton": what `baton router` looks for
         own = running.base_url
         joined_config = config.to_dict()
         joined_config["server"]["port"] = port = free_port()

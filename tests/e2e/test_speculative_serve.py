@@ -21,14 +21,13 @@ SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
 
 
 @pytest.fixture(scope="module")
-def spec_server():
+def spec_server(deployment_ray):
     from cluster.config import BatonConfig
     from cluster.harness import free_port
-    from cluster.testing import leave_ray, serving
+    from cluster.testing import serving
 
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", speculative_config=SUFFIX,
                                       local_prefill_threshold=0, prefill_queue_threshold=10**6)
-    leave_ray()
     with serving(config, actor_name_prefix="spec") as running:
         yield running
 

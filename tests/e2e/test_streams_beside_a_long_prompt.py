@@ -83,7 +83,7 @@ def _check_decode_kept_stepping(logs: Path, sent: float, answered: float, condit
     assert len(borrowed) <= 2, f"{condition}: {len(borrowed)} decode steps kept a borrowed core during the prefill"
 
 
-def test_the_decode_worker_keeps_stepping_while_a_long_prompt_prefills(tmp_path):
+def test_the_decode_worker_keeps_stepping_while_a_long_prompt_prefills(tmp_path, no_driver_ray):
     """One deployment, one long prompt on the quiet host, then another beside a CPU hog."""
     logs = tmp_path / "steps"
     logs.mkdir()

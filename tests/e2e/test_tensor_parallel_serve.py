@@ -23,16 +23,15 @@ BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def tp_server():
+def tp_server(deployment_ray):
     from cluster.config import BatonConfig
     from cluster.harness import free_port
-    from cluster.testing import leave_ray, serving
+    from cluster.testing import serving
 
     # local_prefill_threshold=0: every request crosses the KV handoff between the two groups.
     config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", tensor_parallel_size=TP,
                                       local_prefill_threshold=0, prefill_queue_threshold=10**6, migration_wait=120.0)
-    leave_ray()
-    with serving(config) as running:
+    with serving(config, actor_name_prefix="tp") as running:
         yield running
 
 
@@ -56,11 +55,11 @@ def test_greedy_answers_equal_tp1_and_every_rank_moves_its_heads(tp_server, refe
     recent = [t for t in status["recent"] if t["decision"] == "remote"]
     assert recent and all(t["kv_rank_pairs"] == [[i, i, t["kv_bytes"] // TP] for i in range(TP)] and t["kv_bytes"] > 0
                           for t in recent)
-    for worker in ("baton-prefill-0", "baton-decode-0"):
+    for worker in ("tp-prefill-0", "tp-decode-0"):
         actors = tp_group_actors(worker)
         assert sorted(a.rank0 for a in actors) == [False] * (TP - 1) + [True], f"{worker}: {actors}"
         # The admin endpoint (and the dashboard from it) shows each worker's group: its size and the
         # processes of its ranks, as Ray's actor table has them.
-        [shown] = [w for ws in status["pools"].values() for w in ws if f"baton-{w['worker_id']}" == worker]
+        [shown] = [w for ws in status["pools"].values() for w in ws if f"tp-{w['worker_id']}" == worker]
         assert shown["tp_size"] == TP and shown["pid"] == next(a.pid for a in actors if a.rank0)
         assert sorted(shown["rank_pids"]) == sorted(a.pid for a in actors if not a.rank0)
