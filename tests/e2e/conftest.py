@@ -1,7 +1,7 @@
 """Real deployments for end-to-end tests: Ray on 127.0.0.1, prefill and decode actors, the router on a free port.
 
-The deployments this process runs share one private Ray (`deployment_ray`): starting and
-stopping a Ray of their own cost each about 3.5 s of the two cores. The folder is a package so
+The deployments this process runs share one private Ray (`deployment_ray`): a Ray of
+their own each cost about 3.5 s of the two cores to start and stop. The folder is a package so
 that this Ray ends with it (`_no_ray_after_the_folder`); a test that runs `baton serve` (a Ray
 of its own) ends it first (`no_driver_ray`), so that it does not idle beside that server.
 """

@@ -104,8 +104,8 @@ def store(path: Path, references: list[Reference]) -> None:
 def lowest_priority() -> None:
     """SCHED_IDLE where Linux has it, else niceness 19. At niceness 19 the computation still took its
     small share of a contended core, and its torch threads slowed the first Ray test beside it by
-    about a fifth (tests/cluster/test_healing_node.py: 54 s against 45 s alone); at SCHED_IDLE it
-    runs only when a core has nothing else to do and took nothing measurable (45 s)."""
+    about a fifth (tests/cluster/test_healing_node.py: 54 s against 45 s alone, one run each); at
+    SCHED_IDLE it runs only when a core has nothing else to do, and the test took 45 s beside it."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
