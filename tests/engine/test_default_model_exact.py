@@ -51,7 +51,7 @@ def test_alone_matches_transformers(engine, chat_prompts, hf_references):
 
 
 def test_prefix_cache_off_and_mid_block_chunks(default_model_dir, chat_prompts, hf_references):
-    # 40-token chunks with 16-token blocks: every chunk boundary after the second falls mid-block.
+    # 40-token chunks with 16-token blocks: every other chunk boundary (40, 120, 200, ...) falls mid-block.
     engine = LLMEngine.from_model_dir(
         default_model_dir,
         EngineConfig(kv_cache_memory=256 << 20, enable_prefix_caching=False, max_num_batched_tokens=40),
