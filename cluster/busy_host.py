@@ -9,7 +9,7 @@ import platform
 import time
 from dataclasses import dataclass
 
-from common.host_cpu import cpu_times
+from common.host_cpu import busy_ticks, cpu_times
 
 __all__ = ["HogReport", "cpu_fractions", "cpu_name", "cpu_times", "run_hog"]
 
@@ -52,11 +52,11 @@ def run_hog(duty: float, period_s: float, seconds: float, stop=lambda: False) ->
 def cpu_fractions(before: list[int], after: list[int]) -> dict[str, float | None]:
     """Steal (time the hypervisor gave to other guests) and busy (neither idle nor iowait) over the
     interval, as fractions of all CPU time."""
-    if len(before) < 8 or len(after) < 8:
-        return {"cpu_steal": None, "cpu_busy": None}
     delta = [b - a for a, b in zip(before, after)]
-    total = sum(delta[:8]) or 1
-    return {"cpu_steal": round(delta[7] / total, 4), "cpu_busy": round(1 - (delta[3] + delta[4]) / total, 4)}
+    total = sum(delta[:8])
+    if len(before) < 8 or len(after) < 8 or total <= 0:  # no /proc/stat, or no tick in between
+        return {"cpu_steal": None, "cpu_busy": None}
+    return {"cpu_steal": round(delta[7] / total, 4), "cpu_busy": round(busy_ticks(delta) / total, 4)}
 
 
 def cpu_name() -> str:

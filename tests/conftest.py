@@ -31,6 +31,12 @@ SLOW_FIXTURES = frozenset({
 })
 
 
+def pytest_configure(config):
+    from tests.beside import Beside
+
+    config.pluginmanager.register(Beside(config), "baton-tests-beside")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.engine.helpers import Reference, hf_greedy
+from tests.idle_priority import lowest_priority
 from workers.evaluation import PROMPTS
 
 NEW_TOKENS = 64
@@ -101,24 +102,14 @@ def store(path: Path, references: list[Reference]) -> None:
     os.replace(partial, path)
 
 
-def lowest_priority() -> None:
-    """SCHED_IDLE where Linux has it, else niceness 19. At niceness 19 the computation still took its
-    small share of a contended core, and its torch threads slowed the first Ray test beside it by
-    about a fifth (tests/cluster/test_healing_node.py: 54 s against 45 s alone, one run each); at
-    SCHED_IDLE it runs only when a core has nothing else to do, and the test took 45 s beside it."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
-
-
 def start_in_background(folder: Path) -> subprocess.Popen:
-    """`python -m tests.engine.references folder` at the lowest CPU priority, its output in folder/background.log."""
+    """`python -m tests.engine.references folder` at the lowest CPU priority (tests/idle_priority.py),
+    its output in folder/background.log."""
     repo = Path(__file__).resolve().parents[2]
     with (folder / "background.log").open("w") as log:
         return subprocess.Popen([sys.executable, "-m", "tests.engine.references", str(folder)], cwd=repo,
-                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=lowest_priority,
-                                env=dict(os.environ, PYTHONPATH=str(repo)))
+                                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(repo)),
+                                preexec_fn=lowest_priority, start_new_session=True)
 
 
 def main(folder: str) -> None:

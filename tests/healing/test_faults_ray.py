@@ -166,6 +166,8 @@ def test_scaling_up_and_down_under_load_loses_no_request(deployment, clear_promp
             # drain two decode workers and a prefill worker while they stream (drain timeout 2 s: they migrate)
             await wait_async(lambda: backend.pools.in_flight("decode-0") + backend.pools.in_flight("decode-1") > 0, 60, "busy")
             await scale(decode=1, prefill=1)
+            # at least as many requests as prompts, however fast this machine got through the steps
+            await wait_async(lambda: len(load.results) >= len(expected), 120, "a request per prompt")
             load.stop.set()
 
     load = asyncio.run(_steady_load(url, expected, scale_while_serving))

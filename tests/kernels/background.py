@@ -28,9 +28,9 @@ COMPILES = pytest.StashKey[BackgroundCompiles]()
 
 
 def start_in_background(jobs: list[dict], run_compiles: Callable[..., list[dict]]) -> BackgroundCompiles:
-    """`run_compiles(jobs)` with its subprocesses at niceness 19, fed from a thread of its own."""
+    """`run_compiles(jobs)` with its subprocesses at the lowest priority, fed from a thread of its own."""
     executor = ThreadPoolExecutor(1, thread_name_prefix="aot-compile-check")
     processes: list = []
-    future = executor.submit(run_compiles, jobs, None, BACKGROUND_TIMEOUT_S, 19, processes)
+    future = executor.submit(run_compiles, jobs, None, BACKGROUND_TIMEOUT_S, True, processes)
     executor.shutdown(wait=False)
     return BackgroundCompiles(jobs, future, processes)

@@ -12,8 +12,8 @@ if os.environ.get("BATON_KERNEL_TEST_DEVICE", "cpu") != "cuda":
 
 def pytest_collection_finish(session):
     # The AOT compile check is about a minute of CPU whose jobs are known before any test runs:
-    # started now at niceness 19, it fills the time the earlier tests leave a core idle, and the
-    # test collects its results (tests/kernels/test_compile_targets.py).
+    # started now at the lowest priority (tests/idle_priority.py), it fills the time the earlier
+    # tests leave a core idle, and the test collects its results (tests/kernels/test_compile_targets.py).
     if session.config.option.collectonly or not any(item.nodeid == COMPILE_CHECK for item in session.items):
         return
     from tests.kernels import background

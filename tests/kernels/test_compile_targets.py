@@ -19,8 +19,9 @@ each takes its next job when done with the last, the heaviest first. Each proces
 and triton once (about 2 CPU-seconds); the rest is the compiles themselves (CPU time on the
 subset: TTGIR passes 24 %, LLVM lowering and optimisation 42 %, PTX emission 8 %, ptxas 15 %,
 AST to TTIR 5 %, cache keys and files 7 %). In a session that collects the check, the compiles
-start at collection, at niceness 19 (tests/kernels/conftest.py, background.py): they use the CPU
-time the earlier tests leave idle, and the test then only collects their results.
+start at collection, at the lowest priority (tests/kernels/conftest.py, background.py,
+tests/idle_priority.py): they use the CPU time the earlier tests leave idle, and the test then only
+collects their results.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ pytest.importorskip("triton")
 from kernels import plan as P  # noqa: E402
 from kernels.fp8_quant import MIN_SCALE  # noqa: E402
 from tests.kernels.aot_compile import RESULT_PREFIX  # noqa: E402
+from tests import idle_priority  # noqa: E402
 from tests.kernels.background import COMPILES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -344,11 +346,12 @@ def _cost_hint(job: dict) -> float:
     return COST_HINT.get(job["kernel"].split(":")[1], 0.3)
 
 
-def run_compiles(jobs: list[dict], procs: int | None = None, timeout: float = 900, niceness: int = 0,
+def run_compiles(jobs: list[dict], procs: int | None = None, timeout: float = 900, lowest_priority: bool = False,
                  started: list | None = None) -> list[dict]:
     """Compile `jobs` in `procs` fresh subprocesses (TRITON_INTERPRET=0, an empty cache dir each),
     each given its next job when it has answered the last, the heaviest jobs first. By default one
-    process per usable CPU, at least 2. The subprocesses run at `niceness` and are appended to
+    process per usable CPU, at least 2. The subprocesses run at the lowest priority if asked
+    (tests/idle_priority.py) and are appended to
     `started` as they start (so that whoever started this in the background can end them)."""
     procs = procs or max(2, len(os.sched_getaffinity(0)))
     queue = sorted(jobs, key=_cost_hint, reverse=True)
@@ -361,7 +364,8 @@ def run_compiles(jobs: list[dict], procs: int | None = None, timeout: float = 90
             err = open(os.path.join(tmp, f"stderr{i}"), "w+")  # a file: a full stderr pipe would block the worker
             proc = subprocess.Popen([sys.executable, "-m", "tests.kernels.aot_compile"], cwd=ROOT, env=env,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+                                    preexec_fn=idle_priority.lowest_priority if lowest_priority else None,
+                                    start_new_session=lowest_priority)
             workers.append((proc, err))
             if started is not None:
                 started.append(proc)

@@ -13,6 +13,7 @@ def test_cpu_fractions_are_read_off_proc_stat_counters():
     after = [160, 0, 70, 860, 60, 0, 0, 50, 0, 0]  # 60 + 20 busy, 60 idle, 10 iowait, 50 steal of 200
     assert cpu_fractions(before, after) == {"cpu_steal": 0.25, "cpu_busy": 0.65}
     assert cpu_fractions([], after) == {"cpu_steal": None, "cpu_busy": None}
+    assert cpu_fractions(after, after) == {"cpu_steal": None, "cpu_busy": None}  # no tick: no fraction
 
 
 def test_the_hog_stops_when_told_and_refuses_a_duty_it_cannot_have():
