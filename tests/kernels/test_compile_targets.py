@@ -351,8 +351,8 @@ def run_compiles(jobs: list[dict], procs: int | None = None, timeout: float = 90
     """Compile `jobs` in `procs` fresh subprocesses (TRITON_INTERPRET=0, an empty cache dir each),
     each given its next job when it has answered the last, the heaviest jobs first. By default one
     process per usable CPU, at least 2. The subprocesses run at the lowest priority if asked
-    (tests/idle_priority.py) and are appended to
-    `started` as they start (so that whoever started this in the background can end them)."""
+    (tests/idle_priority.py) and are appended to `started` as they start (so that whoever started
+    this in the background can end them)."""
     procs = procs or max(2, len(os.sched_getaffinity(0)))
     queue = sorted(jobs, key=_cost_hint, reverse=True)
     lock = threading.Lock()
