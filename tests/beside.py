@@ -4,10 +4,11 @@ A full `make test` on this 2-core machine leaves a core idle for about a fifth o
 Ray and servers starting, clients waiting on sockets, deadlines running out. The tests listed in
 `BESIDE` are pure computation in their own process (transformers' exactness, the engine on tiny
 models, kernels in the interpreter, the simulator, accuracy statistics) with no deadline that a slow
-core could miss. As collection ends, the session hands them to a child `pytest` at `SCHED_IDLE`
-(in a session of its own: tests/idle_priority.py): it runs only on a core that would otherwise be idle,
-so the Ray, fault and starvation tests beside it keep the cores they had. The session waits for the
-child at its end, prints its report and fails if the child failed.
+core could miss. As collection ends, the session hands them to a child `pytest` at the lowest
+priority (tests/idle_priority.py): it runs only on a core that would otherwise be idle, so the Ray,
+fault and starvation tests beside it keep the cores they had. The session waits for the child at its
+end, prints its report and fails if the child failed; the child fails if a test handed to it is not
+among those it collects.
 
 `BATON_TESTS_BESIDE=0` runs everything in the one process, as does a session whose tests are all on
 one side. `--junitxml=X` gives the child's results in `X` with `.beside` before the suffix. A test
