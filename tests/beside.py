@@ -101,7 +101,7 @@ class Beside:
         self._start(beside)
 
     def _start(self, items: list[pytest.Item]) -> None:
-        from tests.idle_priority import lowest_priority
+        from tests.idle_priority import popen_at_lowest_priority
 
         folder = Path(tempfile.mkdtemp(prefix="baton-tests-beside-"))
         ids = folder / "ids"
@@ -112,9 +112,8 @@ class Beside:
             args.append(f"--junitxml={_junit_beside(self.config.option.xmlpath)}")
         self.report, self.count = folder / "report.txt", len(items)
         with self.report.open("w") as out:
-            self.child = subprocess.Popen(args, cwd=self.config.rootpath, env={**os.environ, IDS_ENV: str(ids)},
-                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          preexec_fn=lowest_priority, start_new_session=True)
+            self.child = popen_at_lowest_priority(args, cwd=self.config.rootpath, env={**os.environ, IDS_ENV: str(ids)},
+                                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         terminal = self.config.pluginmanager.get_plugin("terminalreporter")
         if terminal is not None:
             terminal.write_line(f"{self.count} tests run beside the others at idle priority (tests/beside.py); "

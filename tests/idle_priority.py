@@ -7,8 +7,8 @@ from processes in other sessions, and the simulated nodes of tests/cluster and `
 (cluster.harness) run in sessions of their own. `python -m tests.idle_priority` measures it: a
 spinning process pinned to one core beside a spinning one at normal priority, over 4 s, took 0.02
 CPU-seconds at SCHED_IDLE in the same session, 2.26 (a fair half) at SCHED_IDLE in a session of its
-own, 0.07 the same with its session's autogroup at nice 19. So background work starts in a session
-of its own (`subprocess.Popen(..., start_new_session=True, preexec_fn=lowest_priority)`).
+own, 0.07 the same with its session's autogroup at nice 19. So background work starts through
+`popen_at_lowest_priority`: in a session of its own, with `lowest_priority` run in it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ def lowest_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         os.nice(19)
+
+
+def popen_at_lowest_priority(args, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen(args, **kwargs) in a session of its own at the lowest priority."""
+    return subprocess.Popen(args, start_new_session=True, preexec_fn=lowest_priority, **kwargs)
 
 
 _SPIN = "import sys, time\nend = float(sys.argv[1])\nwhile time.time() < end:\n    pass\nprint(time.process_time())"

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.engine.helpers import Reference, hf_greedy
-from tests.idle_priority import lowest_priority
+from tests.idle_priority import popen_at_lowest_priority
 from workers.evaluation import PROMPTS
 
 NEW_TOKENS = 64
@@ -107,9 +107,9 @@ def start_in_background(folder: Path) -> subprocess.Popen:
     its output in folder/background.log."""
     repo = Path(__file__).resolve().parents[2]
     with (folder / "background.log").open("w") as log:
-        return subprocess.Popen([sys.executable, "-m", "tests.engine.references", str(folder)], cwd=repo,
-                                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(repo)),
-                                preexec_fn=lowest_priority, start_new_session=True)
+        return popen_at_lowest_priority([sys.executable, "-m", "tests.engine.references", str(folder)], cwd=repo,
+                                        stdout=log, stderr=subprocess.STDOUT,
+                                        env=dict(os.environ, PYTHONPATH=str(repo)))
 
 
 def main(folder: str) -> None:

@@ -362,10 +362,9 @@ def run_compiles(jobs: list[dict], procs: int | None = None, timeout: float = 90
             env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, f"cache{i}"),
                        TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             err = open(os.path.join(tmp, f"stderr{i}"), "w+")  # a file: a full stderr pipe would block the worker
-            proc = subprocess.Popen([sys.executable, "-m", "tests.kernels.aot_compile"], cwd=ROOT, env=env,
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    preexec_fn=idle_priority.lowest_priority if lowest_priority else None,
-                                    start_new_session=lowest_priority)
+            popen = idle_priority.popen_at_lowest_priority if lowest_priority else subprocess.Popen
+            proc = popen([sys.executable, "-m", "tests.kernels.aot_compile"], cwd=ROOT, env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
             workers.append((proc, err))
             if started is not None:
                 started.append(proc)
