@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=${1:?usage: bench/ab_compare.sh REV [OUT_DIR]}
 OUT=${2:-bench/results/ab_compare}
+case $OUT in /*) ;; *) OUT="$(pwd)/$OUT" ;; esac  # the engine benchmark runs from the other tree
 ROUNDS=${ROUNDS:-2}
 WORKLOAD=${WORKLOAD:-throughput}
 case $WORKLOAD in throughput|mixed) ;; *) echo "WORKLOAD must be throughput or mixed, got $WORKLOAD" >&2; exit 2 ;; esac
@@ -37,7 +38,7 @@ run_side() {  # label, tree, round
   # the engine alone (no Ray, no HTTP): that tree's own benchmark script and code
   [ "$WORKLOAD" = throughput ] && [ "${ENGINE:-1}" = 1 ] && (cd "$tree" && PYTHONPATH="$tree" "$HERE/.venv/bin/python" bench/engine_throughput.py \
       --num-requests 32 --concurrency 32 --sequential-requests 2 --skip-hf-batched \
-      --out "$HERE/$OUT/${label}_${round}_engine.json") > "/tmp/baton_ab_${label}_engine.log" 2>&1
+      --out "$OUT/${label}_${round}_engine.json") > "/tmp/baton_ab_${label}_engine.log" 2>&1
   # the server, measured by vLLM's client
   # exec: the background job is the server itself, leader of its own process group (setsid), so
   # the kills below reach it and its Ray.

@@ -1,4 +1,4 @@
-"""CPU linear layers on oneDNN-prepacked weights.
+"""CPU linear layers on weights packed once at load time.
 
 `F.linear` on a CPU float32 tensor goes to the BLAS torch was built with, and on a bfloat16 one
 to oneDNN, which reorders the weight into its blocked layout on every call. Packing each weight
@@ -6,6 +6,13 @@ once at load time (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's fr
 and calling oneDNN's linear on the packed copy computes the same products (up to summation order
 and, in bfloat16, the rounding of the output) without the per-call reorder, a second pass over
 every weight in each decode step (`bench/decode_profile.py` measures the gain).
+
+float32 weights with a multiple of 16 outputs go to kernels/small_m_linear.py instead, when its
+native library builds: with decode-sized batches oneDNN's packed linear neither streams the
+weights at the memory's pace nor keeps the FMA units busy, and on the default model's shapes the
+native kernel took 0.69-0.81x of its time for 1 to 32 rows on one thread, and no more for up to
+256 rows or on two threads (`python -m bench.small_m_linear`). Its packed weight is 3-D
+([N / 16, K, 16]), oneDNN's 2-D, and `packed_linear` dispatches on that.
 
 `prepack(model)` swaps every plain `nn.Linear` (FP8 layers keep their own path) for a
 `PackedLinear` and packs the lm_head; the model runner calls it when EngineConfig.packed_linear
@@ -18,6 +25,8 @@ import logging
 
 import torch
 from torch import nn
+
+from kernels import small_m_linear
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +42,14 @@ def available(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
+    if small_m_linear.packable(weight):
+        return small_m_linear.pack_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.dim() == 3:
+        return small_m_linear.small_m_linear_cpu(x.contiguous(), packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 

@@ -1,10 +1,12 @@
-"""oneDNN-prepacked linear layers: same products as F.linear, swapped in for plain nn.Linear only."""
+"""Prepacked linear layers (oneDNN, and kernels/small_m_linear for float32 weights with a multiple
+of 16 outputs): same products as F.linear, swapped in for plain nn.Linear only."""
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kernels import small_m_linear
 from tests.engine.helpers import save_tiny_model
 from workers import packed_linear
 from workers.config import EngineConfig
@@ -19,13 +21,17 @@ if not packed_linear.available(torch.zeros(2, 2)):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(dtype, rows, bias):
+@pytest.mark.parametrize("out_features", [200, 192])  # 192 in float32: the native small-M kernel
+def test_packed_linear_matches_f_linear(dtype, rows, bias, out_features):
     g = torch.Generator().manual_seed(0)
-    linear = nn.Linear(96, 200, bias=bias).to(dtype)
+    linear = nn.Linear(96, out_features, bias=bias).to(dtype)
     x = torch.randn(rows, 96, generator=g).to(dtype)
     expected = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
-    out = packed_linear.PackedLinear(linear)(x)
-    assert out.dtype == dtype and out.shape == (rows, 200)
+    module = packed_linear.PackedLinear(linear)
+    native = dtype == torch.float32 and out_features % 16 == 0 and small_m_linear.native_built()
+    assert module.packed_weight.dim() == (3 if native else 2)
+    out = module(x)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
     torch.testing.assert_close(out.double(), expected, **tol)
     reference = F.linear(x, linear.weight, linear.bias)  # what the model computed before packing
