@@ -44,6 +44,11 @@ def available(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     if small_m_linear.packable(weight):
         return small_m_linear.pack_weight(weight)
+    return onednn_pack(weight)
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked layout of a float32 or bfloat16 weight, which packed_linear also takes."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
 
 

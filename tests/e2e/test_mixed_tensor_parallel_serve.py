@@ -7,7 +7,8 @@ through staging caches for two decode ranks).
 Equal sizes are tests/e2e/test_tensor_parallel_serve.py's; prefill TP 1 -> decode TP 3 across
 nodes over gloo is tests/cluster/test_tensor_parallel_nodes.py's.
 
-Oracles: the engine alone at TP 1 in this process with the same FP8 KV cache (the tiny model:
+Oracles: the engine alone at TP 1 in this process with the same FP8 KV cache, token for token up to
+a near tie of its logits (the tiny model:
 transformers' greedy generate); the links each pair of sizes needs, written out by hand; the KV
 bytes a handoff must move, from the model's shape.
 """
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16
 # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64 values per token.
 ELEMENTS_PER_TOKEN = 30 * 2 * 3 * 64
+# An FP8 value rounds to one of 8 steps per power of two: a top-2 gap below this may flip with summation order.
+FP8_NEAR_TIE = 0.05
 
 
 @pytest.fixture
@@ -55,7 +58,9 @@ def test_three_prefill_ranks_feed_one_decode_rank_and_answers_equal_tp1(gatherin
                                                                         greedy_answers_match):
     server = gathering_server
     before = server.stats()
-    greedy_answers_match(server.base_url, fp8_reference_engine)
+    # Through the FP8 KV cache the haiku's second token is a near tie at TP 1 (top-2 gap 0.01-0.02
+    # logits, against 0.13 with a float32 cache); the TP 3 prefill's other summation order may turn it.
+    greedy_answers_match(server.base_url, fp8_reference_engine, near_tie=FP8_NEAR_TIE)
 
     after = server.wait_idle()
     assert all(s.num_free_blocks == s.num_blocks for s in after.values()), "a block is still held"
