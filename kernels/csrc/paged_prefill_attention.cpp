@@ -35,27 +35,6 @@ struct Args {
     int num_threads;
 };
 
-// Horizontal max and sum of 16 lanes: four shuffle-and-combine steps instead of a 16-long chain.
-inline float reduce_max(v16 v) {
-    v16 t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v = v > t ? v : t;
-    t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = v > t ? v : t;
-    t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v = v > t ? v : t;
-    t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    v = v > t ? v : t;
-    return v[0];
-}
-
-inline float reduce_add(v16 v) {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
-}
-
 constexpr int BS = 16;             // tokens per page this kernel is written for
 constexpr int TP = 4;              // pages per tile: softmax bookkeeping is paid once per 64 tokens
 constexpr int TILE = BS * TP;

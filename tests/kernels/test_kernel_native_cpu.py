@@ -29,7 +29,20 @@ def _built():
                                                (torch.float32, FP8), (torch.bfloat16, FP8)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_native_decode_matches_reference(hq, hk, dtype, cache_dtype, block_size):
-    D, nb = 64, 80
+    check_native_decode(hq, hk, dtype, cache_dtype, block_size, 64)
+
+
+# Head dims 64 and 128 have register-blocked loops of their own (kHeadBlock: 4 and 2 query heads per
+# block, so 8 heads per kv head take several blocks); others take the generic loop.
+@pytest.mark.parametrize("D", [128, 40])
+@pytest.mark.parametrize("hq,hk", [(8, 1), (6, 2), (3, 3)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+def test_native_decode_matches_reference_at_other_head_dims(D, hq, hk, cache_dtype):
+    check_native_decode(hq, hk, torch.float32, cache_dtype, 16, D)
+
+
+def check_native_decode(hq, hk, dtype, cache_dtype, block_size, D):
+    nb = 80
     lens = [1, block_size - 1, block_size, 3 * block_size + 5, 130]  # single token, partial and full pages
     max_blocks = -(-max(lens) // block_size) + 2  # garbage ids past each sequence's pages
     k, v = make_cache(nb, block_size, hk, D, cache_dtype, scale=0.05)
