@@ -13,7 +13,7 @@ if not sml.native_built():
 
 
 @pytest.mark.parametrize("out_features,in_features", [(16, 1), (48, 5), (960, 576), (576, 1536), (80, 33)])
-@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 17, 33])
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 16, 17, 24, 25, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_linear(out_features, in_features, rows, bias):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -57,3 +57,14 @@ def test_bad_inputs_are_refused_with_a_reason():
     with pytest.raises(ValueError, match="bias"):
         sml.small_m_linear_cpu(torch.randn(3, 8), packed, torch.randn(31))
     assert sml.packable(weight) and not sml.packable(torch.randn(20, 8)) and not sml.packable(weight.bfloat16())
+
+
+def test_a_row_gives_the_same_bits_alone_and_in_batches_of_either_block_shape():
+    # 1-8 and 25+ rows take blocks of 8 rows x 48 outputs, 9-24 rows blocks of 16 x 32: a request's
+    # outputs must not depend on how many others share its step.
+    g = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(112, 70, generator=g), torch.randn(40, 70, generator=g)
+    packed = sml.pack_weight(weight)
+    full = sml.small_m_linear_cpu(x, packed, None)
+    for rows in (1, 5, 8, 9, 16, 23, 24, 25, 31):
+        assert torch.equal(sml.small_m_linear_cpu(x[:rows], packed, None), full[:rows]), rows
