@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from kernels import small_m_linear
+from workers import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def available(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     if small_m_linear.packable(weight):
-        return small_m_linear.pack_weight(weight)
+        return host_memory.copy(small_m_linear.pack_weight(weight))
     return onednn_pack(weight)
 
 
