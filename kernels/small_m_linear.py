@@ -3,7 +3,7 @@
 The native kernel (kernels/csrc/small_m_linear.cpp) reads the weight in a layout packed once at load
 time, [N / 16][K][16]: 16 outputs side by side for each k, so that a panel of outputs streams from
 memory in one sequential run. With the default model's shapes and 1 to 32 rows on one thread it
-took 0.69-0.81x of oneDNN's prepacked linear's time (`python -m bench.small_m_linear`). The
+took 0.72-0.87x of oneDNN's prepacked linear's time (`python -m bench.small_m_linear`). The
 reference is F.linear; the two differ only in summation order.
 """
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from kernels.ops import kernel_ops
 from kernels.rotary import build_rope_cache
-from workers import host_memory, packed_linear
+from workers import packed_linear
 from workers import quantization as q8
 from workers.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from kernels.plan import DeviceSpec
@@ -270,11 +270,12 @@ class ModelRunner:
 
         self.kv_dtype = kv_cache_torch_dtype(engine_config)
         if kv_cache is None:
-            shape = (model_config.num_layers, 2,
-                     kv_cache_num_blocks(self.model, model_config, engine_config, self.max_model_len),
-                     self.block_size, model_config.num_kv_heads, model_config.head_dim)
-            kv_cache = (host_memory.zeros(shape, self.kv_dtype) if self.device.type == "cpu"
-                        else torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            kv_cache = torch.zeros(
+                (model_config.num_layers, 2, kv_cache_num_blocks(self.model, model_config, engine_config,
+                                                                 self.max_model_len), self.block_size,
+                 model_config.num_kv_heads, model_config.head_dim),
+                dtype=self.kv_dtype, device=self.device,
+            )
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[2]
         self.kv_scales = kv_cache_scales(self.model, engine_config, weights)

@@ -10,7 +10,7 @@ every weight in each decode step (`bench/decode_profile.py` measures the gain).
 float32 weights with a multiple of 16 outputs go to kernels/small_m_linear.py instead, when its
 native library builds: with decode-sized batches oneDNN's packed linear neither streams the
 weights at the memory's pace nor keeps the FMA units busy, and on the default model's shapes the
-native kernel took 0.69-0.81x of its time for 1 to 32 rows on one thread, and no more for up to
+native kernel took 0.72-0.87x of its time for 1 to 32 rows on one thread, and no more for up to
 256 rows or on two threads (`python -m bench.small_m_linear`). Its packed weight is 3-D
 ([N / 16, K, 16]), oneDNN's 2-D, and `packed_linear` dispatches on that.
 
@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from kernels import small_m_linear
-from workers import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ def available(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     if small_m_linear.packable(weight):
-        return host_memory.copy(small_m_linear.pack_weight(weight))
+        return small_m_linear.pack_weight(weight)
     return onednn_pack(weight)
 
 

@@ -5,9 +5,10 @@
 // keeps the FMA units busy (bench/small_m_linear.py). Here one panel of 32 outputs streams from
 // memory as a single sequential run, through a register block of up to 16 rows x 32 outputs, while
 // the panel after it is prefetched into L2 in step with it; further blocks of 16 rows read the
-// panel again from L2. On the default model's shapes, one thread, 16 rows, the whole set of linear
-// layers took 47 ms this way against 60 ms with blocks of 8 rows x 48 outputs that prefetched only
-// during the last block, and 43 ms for one row, which only streams the weights. Threads split the panels.
+// panel again from L2. On the default model's shapes, one thread, the whole set of linear layers
+// took 50.9 ms this way for 16 rows against 40.4 ms for one row, which only streams the weights
+// (`python -m bench.small_m_linear`); blocks of 8 rows x 48 outputs that prefetched only during
+// the last block had taken 55 ms for 16 rows. Threads split the panels.
 // Each output is one sum over k in order (vectors along N, never across K), so the result does not
 // depend on the thread count or on the rows beside it.
 
