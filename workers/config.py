@@ -151,7 +151,8 @@ class EngineConfig:
     kernel_backend: str = field(default="auto", metadata={
         "help": "auto: Triton on CUDA, native C++ kernels on the CPU (PyTorch reference where an op has none or no "
                 "compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1", "choices": KERNEL_BACKENDS})
-    packed_linear: bool = field(default=True, metadata={"help": "CPU linear layers on oneDNN-prepacked weights"})
+    packed_linear: bool = field(default=True, metadata={
+        "help": "CPU linear layers on weights packed at load time (float32: the native small-M kernel, else oneDNN)"})
     speculative_config: str | None = field(default=None, metadata={
         "help": "speculative decoding on the decode pool, as JSON with vLLM's keys: method (ngram, suffix or "
                 "draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, suffix_decoding_*, model, "

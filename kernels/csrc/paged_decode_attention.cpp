@@ -40,9 +40,14 @@ struct Args {
 // evenly (a whole page at once was no faster). bench/decode_profile.py times decode steps with
 // pages scattered and in order.
 template <typename T>
-inline void prefetch_row(const T* cache, int64_t row, int64_t row_len) {
-    const char* p = reinterpret_cast<const char*>(cache + row * row_len);
-    for (int64_t o = 0; o < row_len * int64_t(sizeof(T)); o += 64) __builtin_prefetch(p + o);
+inline void prefetch(const T* start, int64_t n) {
+    const char* p = reinterpret_cast<const char*>(start);
+    for (int64_t o = 0; o < n * int64_t(sizeof(T)); o += 64) __builtin_prefetch(p + o);
+}
+
+// The first cache row of block `id` (block_size = 1 << shift); garbage ids must not read out of bounds.
+inline int64_t block_first_row(int64_t id, int64_t num_blocks, int shift) {
+    return (id < 0 || id >= num_blocks ? 0 : id) << shift;
 }
 
 // 16 cache elements widened to float32 lanes.
@@ -58,21 +63,17 @@ inline v16 load_elems(const typename CacheElem<KV>::T* p, const float* table) {
 }
 
 // Tokens lo..ctx-1 of one sequence, the slice of kv head g in each token's row: the page lookup and
-// the prefetch of the same slice in the next page (see prefetch_row).
+// the prefetch of the same slice in the next page (see prefetch).
 template <typename T>
 struct HeadWalk {
     const T* cache; const int32_t* table; int64_t num_blocks, row_len, head_off, num_pages; int shift, head_len;
     const T* row(int64_t t) const {
         const int64_t page = t >> shift, in_page = t & ((int64_t(1) << shift) - 1);
-        if (page + 1 < num_pages) {
-            const char* next = reinterpret_cast<const char*>(cache + (first(page + 1) + in_page) * row_len + head_off);
-            for (int o = 0; o < head_len * int(sizeof(T)); o += 64) __builtin_prefetch(next + o);
-        }
-        return cache + (first(page) + in_page) * row_len + head_off;
+        if (page + 1 < num_pages) prefetch(slice(page + 1, in_page), head_len);
+        return slice(page, in_page);
     }
-    int64_t first(int64_t page) const {
-        const int64_t id = table[page];
-        return (id < 0 || id >= num_blocks ? 0 : id) << shift;  // garbage ids must not read out of bounds
+    const T* slice(int64_t page, int64_t in_page) const {
+        return cache + (block_first_row(table[page], num_blocks, shift) + in_page) * row_len + head_off;
     }
 };
 
@@ -180,9 +181,7 @@ void attend(const Args& a) {
     const int64_t max_ctx = a.max_blocks_per_seq * a.block_size;
     const int shift = __builtin_ctz(unsigned(a.block_size));
     const int64_t in_block = a.block_size - 1;
-    auto first_row = [&](int64_t page) -> int64_t {
-        return (page < 0 || page >= a.num_blocks ? 0 : page) << shift;  // garbage ids must not read out of bounds
-    };
+    auto first_row = [&](int64_t id) { return block_first_row(id, a.num_blocks, shift); };
 
 #pragma omp parallel num_threads(a.num_threads)
     {
@@ -207,15 +206,19 @@ void attend(const Args& a) {
             auto token_offset = [&](const T* cache, int64_t t) -> int64_t {
                 if ((t & in_block) == 0) row0 = first_row(table[t >> shift]);
                 if ((t >> shift) + 1 < num_pages)
-                    prefetch_row(cache, first_row(table[(t >> shift) + 1]) + (t & in_block), row_len);
+                    prefetch(cache + (first_row(table[(t >> shift) + 1]) + (t & in_block)) * row_len, row_len);
                 return (row0 + (t & in_block)) * row_len;
+            };
+            // Head dims 64 and 128: kv head g's slice of every token's row in `cache`.
+            auto head_walk = [&](const T* cache, int g) {
+                return HeadWalk<T>{cache, table, a.num_blocks, row_len, int64_t(g) * D, num_pages, shift, D};
             };
             // Pass 1: scores[h][t] = q_h . k_t (query head h reads kv head h / G).
             if constexpr (DIM > 0) {
                 for_head_blocks<DIM>(a.Hk, G, [&](auto nh, int g, int h0) {
-                    const HeadWalk<T> walk{k_cache, table, a.num_blocks, row_len, int64_t(g) * D, num_pages, shift, D};
-                    head_scores<KV, DIM / 16, decltype(nh)::value>(walk, a.k_fp8_table, &qf[size_t(h0) * D],
-                                                                   &scores[size_t(h0) * n_vis], n_vis, lo, ctx);
+                    head_scores<KV, DIM / 16, decltype(nh)::value>(head_walk(k_cache, g), a.k_fp8_table,
+                                                                   &qf[size_t(h0) * D], &scores[size_t(h0) * n_vis],
+                                                                   n_vis, lo, ctx);
                 });
             } else {
                 for (int64_t t = lo; t < ctx; ++t) {
@@ -259,9 +262,9 @@ void attend(const Args& a) {
             // Pass 2: out_h = sum_t p[h][t] v_t / sum
             if constexpr (DIM > 0) {
                 for_head_blocks<DIM>(a.Hk, G, [&](auto nh, int g, int h0) {
-                    const HeadWalk<T> walk{v_cache, table, a.num_blocks, row_len, int64_t(g) * D, num_pages, shift, D};
-                    head_values<KV, DIM / 16, decltype(nh)::value>(walk, a.v_fp8_table, &scores[size_t(h0) * n_vis],
-                                                                   &acc[size_t(h0) * D], n_vis, lo, ctx);
+                    head_values<KV, DIM / 16, decltype(nh)::value>(head_walk(v_cache, g), a.v_fp8_table,
+                                                                   &scores[size_t(h0) * n_vis], &acc[size_t(h0) * D],
+                                                                   n_vis, lo, ctx);
                 });
             } else {
                 std::fill(acc.begin(), acc.end(), 0.0f);
