@@ -9,8 +9,9 @@ decode steps timed (wall clock, no profiler) and the same number again under cPr
 split. Runs for float32 and bfloat16, each three ways: "before" (EngineConfig kernel_backend
 "reference" and packed_linear False: PyTorch references and plain F.linear, the engine before
 this work), with the native kernels (kernel_backend "auto": attention, RMSNorm, rotary, KV store,
-SiLU-and-mul in kernels/csrc), and with those plus oneDNN-prepacked linear layers
-(workers/packed_linear.py; the default).
+SiLU-and-mul in kernels/csrc), with those plus prepacked linear layers (workers/packed_linear.py),
+and, in float32, with the decoder layers of each decode-only step in one native call
+(kernels/decode_layers.py; the default, which `--enforce-eager` turns off).
 
 Categories are cumulative times of the kernels' entry points (each includes its argument
 checks): linear layers (torch's linear, lm_head included), attention, norm / rotary / KV store /
@@ -77,6 +78,8 @@ CATEGORIES = {
     "norm, rotary, KV store, SiLU": _kernel("rms_norm", "rms_norm") + _kernel("rotary", "rotary_embedding")
                                     + _kernel("kv_store", "store_kv") + _kernel("silu_mul", "silu_and_mul"),
     "sampling": [("workers/sampler.py", "sample")],
+    # A float32 decode step's layers, linear layers and attention included, when they run as one call.
+    "decoder layers in one call": [("kernels/decode_layers.py", "run")],
 }
 
 
@@ -91,13 +94,14 @@ def prefill_seconds(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
 
 
 def build_engine(dtype: str, batch: int, context: int, long_prompt: int, native: bool = True, packed: bool = True,
-                 scatter_pages: bool = False) -> tuple[LLMEngine, dict]:
+                 scatter_pages: bool = False, one_call: bool = True) -> tuple[LLMEngine, dict]:
     """An engine decoding `batch` sequences, and how long the prefills took (not part of the split).
 
     scatter_pages: shuffle the free block list first, which is what a server's cache looks like
     once it has recycled its blocks for a while: each sequence's pages land all over the cache."""
     config = EngineConfig(dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20,
-                          kernel_backend="auto" if native else "reference", packed_linear=packed)
+                          kernel_backend="auto" if native else "reference", packed_linear=packed,
+                          enforce_eager=not one_call)
     engine = LLMEngine.from_model_dir(None, config)
     if scatter_pages:
         free = engine.block_manager._free
@@ -159,10 +163,10 @@ def step_ms(engine: LLMEngine, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1000
 
 
-def measure(dtype: str, native: bool, packed: bool, args) -> dict:
-    scattered_ms = step_ms(build_engine(dtype, args.batch, args.context, 0, native, packed, scatter_pages=True)[0],
-                           args.steps)
-    engine, prefill = build_engine(dtype, args.batch, args.context, args.long_prompt, native, packed)
+def measure(dtype: str, native: bool, packed: bool, one_call: bool, args) -> dict:
+    scattered_ms = step_ms(build_engine(dtype, args.batch, args.context, 0, native, packed, scatter_pages=True,
+                                        one_call=one_call)[0], args.steps)
+    engine, prefill = build_engine(dtype, args.batch, args.context, args.long_prompt, native, packed, one_call=one_call)
     in_order_ms = step_ms(engine, args.steps)
     profile = cProfile.Profile()
     profile.enable()
@@ -172,7 +176,8 @@ def measure(dtype: str, native: bool, packed: bool, args) -> dict:
     parts = split(profile)
     scale = in_order_ms / (sum(parts.values()) / args.steps * 1000)
     ms = {k: v / args.steps * 1000 * scale for k, v in parts.items()}
-    return {"dtype": dtype, "native_kernels": native, "packed_linear": packed, "step_ms": in_order_ms,
+    return {"dtype": dtype, "native_kernels": native, "packed_linear": packed,
+            "one_call": engine.runner.cpu_decode is not None, "step_ms": in_order_ms,
             "tokens_per_s": args.batch / in_order_ms * 1000, "split_ms": ms, "prefill": prefill,
             "step_ms_scattered_pages": scattered_ms,
             "linear_layers_one_row": linear_layers_one_row(engine.runner.model, dtype)}
@@ -282,6 +287,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a decode worker that borrows an idle core "
                     "runs on 2 here: workers/elastic_threads.py)")
     ap.add_argument("--default-only", action="store_true", help="only the engine's default configuration")
+    ap.add_argument("--eager-too", action="store_true",
+                    help="with --default-only: float32 layer by layer (--enforce-eager) too, beside the one call")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.prefill:
@@ -289,14 +296,21 @@ def main() -> None:
         prefill_profile(args)
         return
     args.out = args.out or str(REPO / "bench" / "results" / "decode_profile.json")
-    variants = ((True, True),) if args.default_only else ((False, False), (True, False), (True, True))
-    runs = [measure(dtype, native, packed, args) for dtype in ("float32", "bfloat16") for native, packed in variants]
+    # (native kernels, packed linears, decoder layers in one call); bfloat16 never takes the one
+    # call (its linear layers are oneDNN's), so its full run leaves that row out.
+    default = (True, True, True)
+    eager = (True, True, False)
+    variants = {dtype: ([eager] if args.eager_too and dtype == "float32" else []) + [default] if args.default_only else
+                [(False, False, False), (True, False, False), (True, True, False)] + ([default] if dtype == "float32" else [])
+                for dtype in ("float32", "bfloat16")}
+    runs = [measure(dtype, *variant, args) for dtype in ("float32", "bfloat16") for variant in variants[dtype]]
     print(f"decode step, {args.batch} sequences of ~{args.context} tokens, {args.threads} thread(s) (ms)")
     cats = list(runs[0]["split_ms"])
     print("| config | step | step, scattered pages | " + " | ".join(cats) + " | prefill (s) |")
     print("|---|---:|---:|" + "---:|" * len(cats) + "---|")
     for r in runs:
-        label = r["dtype"] + (", + prepacked linears" if r["packed_linear"] else
+        label = r["dtype"] + (", + decoder layers in one call" if r["one_call"] else
+                              ", + prepacked linears" if r["packed_linear"] else
                               ", + native kernels" if r["native_kernels"] else ", before (PyTorch references)")
         print(f"| {label} | {r['step_ms']:.1f} | {r['step_ms_scattered_pages']:.1f} | " + " | ".join(f"{r['split_ms'][c]:.1f}" for c in cats) + " | "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items()) + " |")

@@ -124,6 +124,13 @@ def function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | No
     return fn
 
 
+def address(name: str, symbol: str) -> int | None:
+    """The address of `symbol` in kernels/csrc/{name}.cpp's library (for a native caller), or None
+    when the library cannot be built."""
+    lib = load(name)
+    return None if lib is None else ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+
+
 def build_all() -> dict[str, bool]:
     """Build (or find cached) every kernels/csrc/*.cpp library; name -> whether it loads."""
     return {src.stem: load(src.stem) is not None for src in sorted(SOURCE_DIR.glob("*.cpp"))}

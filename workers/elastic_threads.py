@@ -3,7 +3,7 @@
 Decode on a CPU streams every weight and the batch's KV once per step, so a step is bound by how
 fast the cores that run it can read memory, and one core cannot draw a socket's bandwidth
 (`bench/decode_profile.py`: a float32 step of 16 sequences on one core of the 2-core Intel host
-takes about 1.7x as long as on two). The cores are split between the workers so that a long
+takes about 1.9x as long as on two). The cores are split between the workers so that a long
 prompt's prefill never takes the decode worker's share (`cluster.placement`), but most of the time
 the prefill worker has nothing to do and its core sits idle.
 

@@ -25,6 +25,7 @@ from workers import quantization as q8
 from workers.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from kernels.plan import DeviceSpec
 from workers.device import GIB, check_fp8_config, gpu_kv_cache_blocks, gpu_total_memory
+from workers.cpu_decode import cpu_decode_layers, decode_hidden
 from workers.cuda_graphs import DecodeGraphs, GraphBuckets, cuda_graph_factory, decode_graphs_wanted, graph_batch_sizes
 from workers.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from workers.model_config import ModelConfig
@@ -288,6 +289,9 @@ class ModelRunner:
         # Not with tensor parallelism yet: a replayed graph would skip the step's broadcast.
         if self.tp_group is None and decode_graphs_wanted(engine_config.enforce_eager, self.device, self.ops.backend):
             self.capture_decode_graphs(cuda_graph_factory())
+        # On the CPU, decode-only steps run the decoder layers in one native call where the model
+        # allows (workers/cpu_decode.py); it holds the cache's and the packed weights' addresses.
+        self.cpu_decode = None if engine_config.enforce_eager else cpu_decode_layers(self.model, kv_cache, self.tp_group)
 
     def capture_decode_graphs(self, new_graph, batch_sizes=None) -> DecodeGraphs:
         """Capture the decode forward once per batch-size bucket (default: graph_batch_sizes of
@@ -365,6 +369,12 @@ class ModelRunner:
             # Decode only: replay the bucket's graph; the rows past num_decode are padding, not returned.
             return graphs.run(step.input_ids, step.positions, step.slots, step.decode_rows,
                               step.decode_lens), step.logits_index
+        if self.cpu_decode is not None and step.num_decode == len(step.input_ids):
+            return decode_hidden(
+                self.model, self.cpu_decode, torch.tensor(step.input_ids, dtype=torch.int64),
+                torch.tensor(step.positions, dtype=torch.int64), torch.tensor(step.slots, dtype=torch.int64),
+                self._block_table(step.decode_rows), torch.tensor(step.decode_lens, dtype=torch.int32),
+            ), step.logits_index
         if self.tp_group is not None:
             self.tp_group.broadcast_step(step)  # the other ranks run the same step on their shards
         return self.forward(step), step.logits_index

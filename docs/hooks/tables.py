@@ -207,18 +207,21 @@ def t_tp_handoff() -> str:
 
 
 def t_decode_profile() -> str:
-    steps = ("PyTorch references, `F.linear`", "+ native kernels", "+ prepacked linear layers")
+    steps = ("PyTorch references, `F.linear`", "+ native kernels", "+ prepacked linear layers",
+             "+ decoder layers in one call")
     rows = []
     for r in load("decode_profile")["runs"]:
-        stage = steps[int(r["native_kernels"]) + int(r["packed_linear"])]
+        stage = steps[int(r["native_kernels"]) + int(r["packed_linear"]) + int(r.get("one_call", False))]
         s = r["split_ms"]
+        one_call = s.get("decoder layers in one call", 0.0)
         rows.append([f"{r['dtype']}, {stage}", f(r["step_ms"]), f(r["step_ms_scattered_pages"]),
-                     f(s["linear layers"]), f(s["attention"]), f(s["norm, rotary, KV store, SiLU"]),
+                     f(s["linear layers"]), f(s["attention"]) if not one_call else "",
+                     f(s["norm, rotary, KV store, SiLU"]) if not one_call else "", f(one_call) if one_call else "",
                      f(s["sampling"]), f(s["python and scheduling"]),
                      f(r["prefill"]["prefill_1x2000_s"], 2), f(r["prefill"]["prefill_16x256_s"], 2)])
     return table(["one thread", "decode step (ms)", "step, pages scattered (ms)", "linear layers",
-                  "attention", "norm, rotary, KV store, SiLU", "sampling", "python and scheduling",
-                  "prefill 1 x 2,000 tokens (s)", "prefill 16 x 256 tokens (s)"], rows)
+                  "attention", "norm, rotary, KV store, SiLU", "decoder layers in one call", "sampling",
+                  "python and scheduling", "prefill 1 x 2,000 tokens (s)", "prefill 16 x 256 tokens (s)"], rows)
 
 
 def t_prefill_profile() -> str:

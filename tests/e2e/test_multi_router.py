@@ -37,9 +37,17 @@ MAX_TOKENS = 16
 QUESTIONS = ["Write a short poem about autumn leaves falling in a quiet park at dusk.",
              "Explain what a compiler does, in two sentences, for a beginner who has never programmed.",
              "Describe the moon in one sentence.", "Why do birds migrate? Answer briefly."]
-# Asked once each after the scaling: no worker has them cached, so the kv-aware policy draws either
-# decode worker (a cached question would go back to the worker that holds it).
-FRESH = [f"Name one fact about the number {n}, in one sentence." for n in range(11, 35)]
+# Asked once each after the scaling, each under a system message of its own: no worker holds even
+# the first block of their prompts, so the kv-aware policy draws either decode worker at even odds.
+# Under the chat template's default system prompt, decode-0 alone would hold the first one or two
+# blocks (16 or 32 of 44 tokens) and the draw would choose decode-1 at odds of e^-3.6 or e^-7.3:
+# the test failed about once in 25 runs.
+FRESH = {f"Name one fact about the number {n}.": f"Quiz question {n}: answer in one sentence." for n in range(11, 35)}
+
+
+def messages(q: str) -> list[dict]:
+    system = [{"role": "system", "content": FRESH[q]}] if q in FRESH else []
+    return system + [{"role": "user", "content": q}]
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +56,13 @@ def expected(reference_engine, tokenizer) -> dict[str, str]:
     against transformers): what every router must return."""
     from common.sampling_params import SamplingParams
 
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in QUESTIONS + FRESH]
+    prompts = [tokenizer.apply_chat_template(messages(q), add_generation_prompt=True) for q in QUESTIONS + list(FRESH)]
     done = reference_engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    return {q: d.text for q, d in zip(QUESTIONS + FRESH, done)}
+    return {q: d.text for q, d in zip(QUESTIONS + list(FRESH), done)}
 
 
 def body(q: str, stream: bool = False) -> dict:
-    return {"messages": [{"role": "user", "content": q}], "max_tokens": MAX_TOKENS, "temperature": 0,
+    return {"messages": messages(q), "max_tokens": MAX_TOKENS, "temperature": 0,
             "stream": stream}
 
 
