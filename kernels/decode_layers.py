@@ -2,8 +2,8 @@
 
 A decode step of a small model on one CPU core spends its time in a dozen kernels per layer, and,
 between them, in Python: the module calls, each kernel's argument checks and its ctypes call, some
-400 trips a step. On the default model that was 15-18% of a float32 step of 16 sequences (`perf`:
-the interpreter and torch's dispatch), whatever the batch. `DecodeLayers` checks the weights, the
+400 trips a step. On the default model that was about a sixth of a float32 step of 16 sequences on
+one thread (bench/decode_profile.py), whatever the batch. `DecodeLayers` checks the weights, the
 KV cache and the geometry once, when it is built, and each step's batch once per step; the C++ side
 then calls the same native kernels (rms_norm, small_m_linear, rotary, kv_store,
 paged_decode_attention, silu_mul), in the same order and with the same arguments as the model's
