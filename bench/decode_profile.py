@@ -10,8 +10,8 @@ split. Runs for float32 and bfloat16, each three ways: "before" (EngineConfig ke
 "reference" and packed_linear False: PyTorch references and plain F.linear, the engine before
 this work), with the native kernels (kernel_backend "auto": attention, RMSNorm, rotary, KV store,
 SiLU-and-mul in kernels/csrc), with those plus prepacked linear layers (workers/packed_linear.py),
-and, in float32, with the decoder layers of each decode-only step in one native call
-(kernels/decode_layers.py; the default, which `--enforce-eager` turns off).
+and, in float32, with each step's decoder layers in one native call (kernels/layer_stack.py; the
+default, which `--enforce-eager` turns off).
 
 Categories are cumulative times of the kernels' entry points (each includes its argument
 checks): linear layers (torch's linear, lm_head included), attention, norm / rotary / KV store /
@@ -78,8 +78,8 @@ CATEGORIES = {
     "norm, rotary, KV store, SiLU": _kernel("rms_norm", "rms_norm") + _kernel("rotary", "rotary_embedding")
                                     + _kernel("kv_store", "store_kv") + _kernel("silu_mul", "silu_and_mul"),
     "sampling": [("workers/sampler.py", "sample")],
-    # A float32 decode step's layers, linear layers and attention included, when they run as one call.
-    "decoder layers in one call": [("kernels/decode_layers.py", "run")],
+    # A float32 step's layers, linear layers and attention included, when they run as one call.
+    "decoder layers in one call": [("kernels/layer_stack.py", "run")],
 }
 
 
@@ -177,7 +177,7 @@ def measure(dtype: str, native: bool, packed: bool, one_call: bool, args) -> dic
     scale = in_order_ms / (sum(parts.values()) / args.steps * 1000)
     ms = {k: v / args.steps * 1000 * scale for k, v in parts.items()}
     return {"dtype": dtype, "native_kernels": native, "packed_linear": packed,
-            "one_call": engine.runner.cpu_decode is not None, "step_ms": in_order_ms,
+            "one_call": engine.runner.layer_stack is not None, "step_ms": in_order_ms,
             "tokens_per_s": args.batch / in_order_ms * 1000, "split_ms": ms, "prefill": prefill,
             "step_ms_scattered_pages": scattered_ms,
             "linear_layers_one_row": linear_layers_one_row(engine.runner.model, dtype)}

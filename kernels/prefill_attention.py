@@ -104,13 +104,18 @@ def native_built() -> bool:
     return _native_fn() is not None
 
 
+def native_shape(block_size: int, head_dim: int) -> bool:
+    """Whether the native kernel is compiled for this block size and head dim."""
+    return (block_size, head_dim) in _NATIVE_SHAPES
+
+
 def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_prefill_attention_cpu handles these tensors (CPU, float32/bfloat16 q, a compiled
     block size / head dim, built library)."""
     return (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.bfloat16)
             and k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and k_cache.dim() == 4
-            and (k_cache.shape[1], k_cache.shape[3]) in _NATIVE_SHAPES and _native_fn() is not None)
+            and native_shape(k_cache.shape[1], k_cache.shape[3]) and _native_fn() is not None)
 
 
 def paged_prefill_attention_cpu(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,

@@ -163,7 +163,7 @@ class EngineConfig:
                 "whole (vLLM's flag); without it every rank holds 1/N of every expert's intermediate channels"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "run every step layer by layer (vLLM's flag): no CUDA graphs for decode steps on a GPU, "
-                "and on the CPU no float32 decode step's layers in one native call"})
+                "and on the CPU no float32 step's decoder layers in one native call"})
     device: str = field(default="cpu", metadata={"internal": True})
     num_threads: int | None = field(default=None, metadata={"internal": True})
     # A CPU decode worker may run a step on up to this many threads while the host's other cores

@@ -25,7 +25,7 @@ from workers import quantization as q8
 from workers.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from kernels.plan import DeviceSpec
 from workers.device import GIB, check_fp8_config, gpu_kv_cache_blocks, gpu_total_memory
-from workers.cpu_decode import cpu_decode_layers, decode_hidden
+from workers.cpu_layer_stack import cpu_layer_stack, stack_hidden
 from workers.cuda_graphs import DecodeGraphs, GraphBuckets, cuda_graph_factory, decode_graphs_wanted, graph_batch_sizes
 from workers.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from workers.model_config import ModelConfig
@@ -289,9 +289,9 @@ class ModelRunner:
         # Not with tensor parallelism yet: a replayed graph would skip the step's broadcast.
         if self.tp_group is None and decode_graphs_wanted(engine_config.enforce_eager, self.device, self.ops.backend):
             self.capture_decode_graphs(cuda_graph_factory())
-        # On the CPU, decode-only steps run the decoder layers in one native call where the model
-        # allows (workers/cpu_decode.py); it holds the cache's and the packed weights' addresses.
-        self.cpu_decode = None if engine_config.enforce_eager else cpu_decode_layers(self.model, kv_cache, self.tp_group)
+        # On the CPU, steps run the decoder layers in one native call where the model allows
+        # (workers/cpu_layer_stack.py); it holds the cache's and the packed weights' addresses.
+        self.layer_stack = None if engine_config.enforce_eager else cpu_layer_stack(self.model, kv_cache, self.tp_group)
 
     def capture_decode_graphs(self, new_graph, batch_sizes=None) -> DecodeGraphs:
         """Capture the decode forward once per batch-size bucket (default: graph_batch_sizes of
@@ -369,12 +369,6 @@ class ModelRunner:
             # Decode only: replay the bucket's graph; the rows past num_decode are padding, not returned.
             return graphs.run(step.input_ids, step.positions, step.slots, step.decode_rows,
                               step.decode_lens), step.logits_index
-        if self.cpu_decode is not None and step.num_decode == len(step.input_ids):
-            return decode_hidden(
-                self.model, self.cpu_decode, torch.tensor(step.input_ids, dtype=torch.int64),
-                torch.tensor(step.positions, dtype=torch.int64), torch.tensor(step.slots, dtype=torch.int64),
-                self._block_table(step.decode_rows), torch.tensor(step.decode_lens, dtype=torch.int32),
-            ), step.logits_index
         if self.tp_group is not None:
             self.tp_group.broadcast_step(step)  # the other ranks run the same step on their shards
         return self.forward(step), step.logits_index
@@ -392,13 +386,12 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor(step.query_start, dtype=torch.int32, device=device),
             prefill_context_lens=torch.tensor(step.prefill_lens, dtype=torch.int32, device=device),
         )
+        input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=device)
+        positions = torch.tensor(step.positions, dtype=torch.int64, device=device)
         with torch.inference_mode():
-            return self.model(
-                torch.tensor(step.input_ids, dtype=torch.int64, device=device),
-                torch.tensor(step.positions, dtype=torch.int64, device=device),
-                meta,
-                self.kv_views(),
-            )
+            if self.layer_stack is not None and (self.layer_stack.takes_prefill or not step.prefill_rows):
+                return stack_hidden(self.model, self.layer_stack, input_ids, positions, meta)
+            return self.model(input_ids, positions, meta, self.kv_views())
 
     def stop_followers(self) -> None:
         """Rank 0 of a tensor-parallel group: end the other ranks' follow() (no step comes after)."""

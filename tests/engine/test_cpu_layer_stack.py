@@ -1,5 +1,5 @@
-"""Decode steps through the one-call native decoder layers (workers/cpu_decode.py): which models
-take them, and that they give the model's own layer-by-layer forward pass bit for bit.
+"""Steps through the one-call native decoder layers (workers/cpu_layer_stack.py): which models take
+them, and that they give the model's own layer-by-layer forward pass bit for bit.
 
 The oracle is the same engine with --enforce-eager (every step through the model's forward pass,
 which tests/engine checks against transformers): every step's logits must be equal, not close,
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from kernels.decode_layers import entry_points
+from kernels.layer_stack import entry_points
 from tests.engine.helpers import run_with_logits, save_tiny_model
 from workers.config import EngineConfig
-from workers.cpu_decode import unsupported_reason
+from workers.cpu_layer_stack import unsupported_reason
 from workers.engine import LLMEngine
 from workers.model_config import ModelConfig
 from workers.model_runner import iter_safetensors
@@ -25,17 +25,24 @@ from workers.model_runner import iter_safetensors
 if entry_points() is None:
     pytest.skip("the native CPU kernels do not build here", allow_module_level=True)
 
+# Head dim 16 (the native prefill attention has no kernel for it: only decode-only steps take the
+# one call), head dim 64 (every step does), and a sliding window on every layer.
+MODELS = {"llama, head dim 16": ("llama", {}), "llama, head dim 64": ("llama", {"hidden_size": 128,
+          "num_attention_heads": 2, "num_key_value_heads": 1}), "mistral, window 24": ("mistral", {"sliding_window": 24})}
+
 
 def engine(folder: str, **config) -> LLMEngine:
-    return LLMEngine(ModelConfig.from_model_dir(folder), EngineConfig(num_kv_blocks=96, max_num_seqs=8, **config),
+    # A 32-token budget splits the longer prompts into chunks that share steps with decode rows.
+    return LLMEngine(ModelConfig.from_model_dir(folder), EngineConfig(num_kv_blocks=96, max_num_seqs=8,
+                                                                      max_num_batched_tokens=32, **config),
                      iter_safetensors(folder))
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])  # mistral: a sliding window on every layer
+@pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("threads", [1, 2])
-def test_every_step_gives_the_layer_by_layer_logits(kind, threads):
-    window = {"sliding_window": 24} if kind == "mistral" else {}
-    folder, _ = save_tiny_model(kind, tie_word_embeddings=False, **window)
+def test_every_step_gives_the_layer_by_layer_logits(model, threads):
+    kind, overrides = MODELS[model]
+    folder, _ = save_tiny_model(kind, tie_word_embeddings=False, **overrides)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 70))] for _ in range(7)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -43,16 +50,19 @@ def test_every_step_gives_the_layer_by_layer_logits(kind, threads):
     torch.set_num_threads(threads)
     try:
         one_call = engine(folder)
-        assert one_call.runner.cpu_decode is not None
-        # Decode-only steps went through the one call (not only the mixed ones through the model).
-        calls = []
-        run = one_call.runner.cpu_decode.run
-        one_call.runner.cpu_decode.run = lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k)
+        stack = one_call.runner.layer_stack
+        assert stack is not None and stack.takes_prefill == ("64" in model)
+        calls = []  # (tokens, decode rows) of each step the one call ran
+        run = stack.run
+        stack.run = lambda hidden, batch, n: calls.append((hidden.shape[0], batch.decode_block_tables.shape[0])) \
+            or run(hidden, batch, n)
         done, logits = run_with_logits(one_call, prompts, params)
         eager_done, eager_logits = run_with_logits(engine(folder, enforce_eager=True), prompts, params)
     finally:
         torch.set_num_threads(before)
-    assert calls and max(calls) == len(prompts)
+    assert max(rows for _, rows in calls) == len(prompts)
+    mixed = [c for c in calls if 0 < c[1] < c[0]]  # decode rows beside a prefill chunk
+    assert bool(mixed) == stack.takes_prefill
     assert [d.token_ids for d in done] == [d.token_ids for d in eager_done]
     for got, want in zip(logits, eager_logits):
         assert len(got) == len(want) == params.max_tokens
@@ -61,12 +71,12 @@ def test_every_step_gives_the_layer_by_layer_logits(kind, threads):
 
 def test_which_models_take_the_one_call():
     llama, _ = save_tiny_model("llama", tie_word_embeddings=False)
-    assert engine(llama, enforce_eager=True).runner.cpu_decode is None
+    assert engine(llama, enforce_eager=True).runner.layer_stack is None
     for config, reason in (({"dtype": "bfloat16"}, "not float32"), ({"kv_cache_dtype": "fp8"}, "not float32"),
                            ({"packed_linear": False}, "not packed"), ({"kernel_backend": "reference"}, "native")):
         runner = engine(llama, **config).runner
-        assert runner.cpu_decode is None and reason in unsupported_reason(runner.model, runner.kv_cache, None)
+        assert runner.layer_stack is None and reason in unsupported_reason(runner.model, runner.kv_cache, None)
     for kind, reason in (("qwen3", "q/k norms"), ("qwen2", "bias"), ("gemma2", "not a plain Llama")):
         folder, _ = save_tiny_model(kind)
         runner = engine(folder).runner
-        assert runner.cpu_decode is None and reason in unsupported_reason(runner.model, runner.kv_cache, None), kind
+        assert runner.layer_stack is None and reason in unsupported_reason(runner.model, runner.kv_cache, None), kind

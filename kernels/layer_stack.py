@@ -1,0 +1,286 @@
+"""A float32 step's decoder layers in one native call (kernels/csrc/layer_stack.cpp).
+
+A step of a small model on one CPU core spends its time in a dozen kernels per layer, and, between
+them, in Python: the module calls, each kernel's argument checks and its ctypes call, some 400
+trips a step. On the default model that was about a sixth of a float32 decode step of 16 sequences
+on one thread (bench/decode_profile.py), whatever the batch. `LayerStack` checks the weights, the KV
+cache and the geometry once, when it is built, and each step's batch once per step; the C++ side
+then calls the same native kernels (rms_norm, small_m_linear, rotary, kv_store, the decode and
+prefill attentions, silu_mul), in the same order and with the same arguments as the model's
+layer-by-layer forward pass, through their entry points in their own libraries. Its output is
+therefore that pass's, bit for bit (tests/engine/test_cpu_layer_stack.py). It is the CPU's
+counterpart of a CUDA graph (workers/cuda_graphs.py): the layers' kernels without the host's work
+between them. A step may mix decode rows and prefill chunks (`StackBatch`), as the engine's steps
+do: a long prompt's chunk gains little, a speculative verification or a short prompt beside the
+decode rows gains what a decode step does.
+
+What it covers: float32 weights packed for small_m_linear (no biases), a float32 KV cache, no
+per-head q/k norm, no tensor parallelism; workers/cpu_layer_stack.py decides, per model, and leaves
+every other case on the layer-by-layer pass.
+
+The reference, `layer_stack_reference`, composes the kernels' PyTorch references.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_native
+from kernels._checks import check_tensor, require
+from kernels.decode_attention import paged_decode_attention_reference
+from kernels.kv_store import store_kv_reference
+from kernels.prefill_attention import native_shape, paged_prefill_attention_reference
+from kernels.rms_norm import rms_norm_reference
+from kernels.rotary import rotary_embedding_reference
+from kernels.silu_mul import silu_and_mul_reference
+
+_FP = ctypes.c_void_p
+_I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+# The kernels the layers call: (field, library, symbol), in StackKernels' field order.
+KERNELS = (("rms_norm", "rms_norm", "baton_rms_norm"), ("linear", "small_m_linear", "baton_small_m_linear"),
+           ("rotary", "rotary", "baton_rotary"), ("store_kv", "kv_store", "baton_store_kv"),
+           ("decode_attention", "paged_decode_attention", "baton_paged_decode_attention"),
+           ("prefill_attention", "paged_prefill_attention", "baton_paged_prefill_attention"),
+           ("silu_and_mul", "silu_mul", "baton_silu_and_mul"))
+
+_STAGES = ("input norm", "qkv projection", "rotary embedding", "KV store", "decode attention", "prefill attention",
+           "o projection", "post-attention norm", "gate/up projection", "SiLU-and-mul", "down projection")
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(field, _FP) for field, _, _ in KERNELS]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _FP) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")] \
+        + [("window", _I64)]
+
+
+class _Shapes(ctypes.Structure):
+    _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_heads", _I32), ("num_kv_heads", _I32),
+                ("head_dim", _I32), ("block_size", _I32), ("num_blocks", _I64), ("cos_sin", _FP),
+                ("max_position", _I64), ("eps", _F32), ("scale", _F32), ("softcap", _F32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", _I64), ("positions", _FP), ("slots", _FP), ("num_decode", _I64), ("decode_block_tables", _FP),
+                ("decode_width", _I64), ("decode_context_lens", _FP), ("num_prefill", _I64),
+                ("prefill_block_tables", _FP), ("prefill_width", _I64), ("prefill_query_start", _FP),
+                ("prefill_context_lens", _FP)] + [(name, _FP) for name in (
+                    "hidden", "residual", "normed", "qkv", "attn", "gate_up", "act")]
+
+
+@dataclass(frozen=True)
+class StackBatch:
+    """One step's batch of T tokens: one token of each decode row first, then the prefill chunks
+    (workers/models/llama.py's AttentionMetadata, with the tokens' positions). positions,
+    slot_mapping: int64 [T]; decode_block_tables: int32 [num_decode, W]; decode_context_lens: int32
+    [num_decode] (each row's context, its new token included); prefill_block_tables: int32
+    [num_prefill, W']; prefill_query_start: int32 [num_prefill + 1] (the chunks' bounds, from 0 at
+    the first prefill token); prefill_context_lens: int32 [num_prefill] (each sequence's tokens, its
+    chunk included)."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_query_start: torch.Tensor
+    prefill_context_lens: torch.Tensor
+
+    def check(self) -> tuple[int, int]:
+        """(num_decode, num_prefill), or ValueError naming what is wrong."""
+        for name, dtype, ndim in (("positions", torch.int64, 1), ("slot_mapping", torch.int64, 1),
+                                  ("decode_block_tables", torch.int32, 2), ("decode_context_lens", torch.int32, 1),
+                                  ("prefill_block_tables", torch.int32, 2), ("prefill_query_start", torch.int32, 1),
+                                  ("prefill_context_lens", torch.int32, 1)):
+            value = getattr(self, name)
+            check_tensor(value, name, ndim, (dtype,))
+            require(value.is_contiguous() and value.device.type == "cpu", f"{name} must be a contiguous CPU tensor")
+        t, nd, npf = self.positions.shape[0], self.decode_block_tables.shape[0], self.prefill_block_tables.shape[0]
+        require(self.slot_mapping.shape[0] == t, f"slot_mapping has {self.slot_mapping.shape[0]} tokens, positions {t}")
+        require(self.decode_context_lens.shape[0] == nd, f"decode_context_lens must have {nd} rows")
+        require(self.prefill_context_lens.shape[0] == npf and self.prefill_query_start.shape[0] == npf + 1,
+                f"prefill_context_lens must have {npf} rows and prefill_query_start {npf + 1}")
+        chunks = self.prefill_query_start.tolist()
+        require(chunks[0] == 0 and all(a < b for a, b in zip(chunks, chunks[1:])) and nd + chunks[-1] == t,
+                f"prefill_query_start {chunks} must rise from 0 to the {t - nd} prefill tokens")
+        return nd, npf
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """The model's shapes and constants, as the layer-by-layer pass uses them."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float  # attention's score scale
+    softcap: float | None = None  # attention logit soft-cap (Gemma 2), None: none
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer: its norms' weights, its projections packed by kernels.small_m_linear
+    ([N / 16, K, 16] float32), its KV cache pages ([num_blocks, block_size, num_kv_heads,
+    head_dim] float32 each) and its sliding window (None: full attention)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    window: int | None = None
+
+
+def entry_points() -> _Kernels | None:
+    """The kernels' entry points, or None when a library (this one's included) does not build."""
+    addresses = [cpu_native.address(library, symbol) for _, library, symbol in KERNELS]
+    if None in addresses or _native_fn() is None:
+        return None
+    return _Kernels(*addresses)
+
+
+def _native_fn():
+    return cpu_native.function("layer_stack", "baton_layer_stack", (_FP, _FP, _I32, _FP, _FP, _I32))
+
+
+def _packed(t: torch.Tensor, name: str, n: int, k: int) -> None:
+    check_tensor(t, name, 3, (torch.float32,))
+    require(tuple(t.shape) == (n // 16, k, 16) and t.is_contiguous(),
+            f"{name} must be a contiguous packed [{n // 16}, {k}, 16] float32 weight, got {tuple(t.shape)}")
+
+
+class LayerStack:
+    """The decoder layers of a float32 model, ready to run a step's batch in one call."""
+
+    def __init__(self, geometry: LayerGeometry, layers: list[LayerWeights], cos_sin_cache: torch.Tensor) -> None:
+        kernels = entry_points()
+        require(kernels is not None, "the native kernels are not built on this machine")
+        require(len(layers) > 0, "a model has at least one decoder layer")
+        g = geometry
+        require(g.num_heads % g.num_kv_heads == 0, f"{g.num_heads} query heads do not group over {g.num_kv_heads}")
+        require(g.hidden_size <= 8192, f"hidden size {g.hidden_size} is past the native RMSNorm's 8192")
+        q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+        check_tensor(cos_sin_cache, "cos_sin_cache", 2, (torch.float32,))
+        require(cos_sin_cache.shape[1] == g.head_dim and cos_sin_cache.is_contiguous(),
+                f"cos_sin_cache must be contiguous [positions, {g.head_dim}], got {tuple(cos_sin_cache.shape)}")
+        cache_shape = tuple(layers[0].k_cache.shape)
+        require(len(cache_shape) == 4 and cache_shape[2:] == (g.num_kv_heads, g.head_dim),
+                f"KV cache pages must be [blocks, block_size, {g.num_kv_heads}, {g.head_dim}], got {cache_shape}")
+        for i, w in enumerate(layers):
+            for name, t in (("input_norm", w.input_norm), ("post_norm", w.post_norm)):
+                check_tensor(t, f"layer {i} {name}", 1, (torch.float32,))
+                require(t.shape[0] == g.hidden_size and t.is_contiguous(), f"layer {i} {name} must be [{g.hidden_size}]")
+            _packed(w.qkv, f"layer {i} qkv", q + 2 * kv, g.hidden_size)
+            _packed(w.o, f"layer {i} o", g.hidden_size, q)
+            _packed(w.gate_up, f"layer {i} gate_up", 2 * g.intermediate_size, g.hidden_size)
+            _packed(w.down, f"layer {i} down", g.hidden_size, g.intermediate_size)
+            for name, c in (("k_cache", w.k_cache), ("v_cache", w.v_cache)):
+                check_tensor(c, f"layer {i} {name}", 4, (torch.float32,))
+                require(tuple(c.shape) == cache_shape and c.is_contiguous(),
+                        f"layer {i} {name} must be contiguous {cache_shape}, got {tuple(c.shape)}")
+            require(w.window is None or w.window >= 1, f"layer {i} window must be >= 1, got {w.window}")
+        self.geometry, self.block_size = g, cache_shape[1]
+        require(self.block_size & (self.block_size - 1) == 0, f"block size {self.block_size} is not a power of two")
+        # The native prefill attention is compiled for a few block sizes and head dims only; with
+        # others the model's pass runs the steps that prefill (on the PyTorch reference).
+        self.takes_prefill = native_shape(self.block_size, g.head_dim)
+        self._kernels = kernels
+        self._weights = layers  # the structs below point into these tensors
+        self._cos_sin = cos_sin_cache
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(), w.post_norm.data_ptr(),
+                   w.gate_up.data_ptr(), w.down.data_ptr(), w.k_cache.data_ptr(), w.v_cache.data_ptr(), w.window or 0)
+            for w in layers])
+        self._shapes = _Shapes(g.hidden_size, g.intermediate_size, g.num_heads, g.num_kv_heads, g.head_dim,
+                               self.block_size, cache_shape[0], cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
+                               g.eps, g.scale, g.softcap or 0.0)
+
+    def run(self, hidden: torch.Tensor, batch: StackBatch, num_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers over the batch's T tokens: (the last layer's output, the residual stream),
+        each [T, hidden], as the model's layer loop returns them. hidden: the tokens' embeddings
+        [T, hidden] float32."""
+        g = self.geometry
+        check_tensor(hidden, "hidden", 2, (torch.float32,))
+        T = hidden.shape[0]
+        require(hidden.shape[1] == g.hidden_size and hidden.is_contiguous(),
+                f"hidden must be contiguous [T, {g.hidden_size}], got {tuple(hidden.shape)}")
+        nd, npf = batch.check()
+        require(batch.positions.shape[0] == T, f"the batch has {batch.positions.shape[0]} tokens, hidden {T}")
+        require(npf == 0 or self.takes_prefill, f"no native prefill attention for block size {self.block_size} and "
+                                                f"head dim {g.head_dim}: this stack runs decode-only steps")
+        require(nd == 0 or int(batch.decode_context_lens.max()) <= batch.decode_block_tables.shape[1] * self.block_size,
+                "a decode row's context is longer than its block table holds")
+        require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
+        hidden = hidden.clone()  # the layers write their output over their input
+        q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+        buffers = {name: torch.empty(T, width) for name, width in (
+            ("residual", g.hidden_size), ("normed", g.hidden_size), ("qkv", q + 2 * kv), ("attn", q),
+            ("gate_up", 2 * g.intermediate_size), ("act", g.intermediate_size))}
+        b = batch
+        step = _Step(T, b.positions.data_ptr(), b.slot_mapping.data_ptr(), nd, b.decode_block_tables.data_ptr(),
+                     b.decode_block_tables.shape[1], b.decode_context_lens.data_ptr(), npf,
+                     b.prefill_block_tables.data_ptr(), b.prefill_block_tables.shape[1],
+                     b.prefill_query_start.data_ptr(), b.prefill_context_lens.data_ptr(), hidden.data_ptr(),
+                     *(buf.data_ptr() for buf in buffers.values()))
+        if T:
+            err = _native_fn()(ctypes.byref(self._kernels), self._layers, len(self._weights), ctypes.byref(self._shapes),
+                               ctypes.byref(step), num_threads)
+            if err:
+                layer, stage, status = err // 1000 - 1, err % 1000 // 10, err % 10
+                raise ValueError(f"native layer stack: layer {layer}'s {_STAGES[stage - 1]} kernel refused the batch "
+                                 f"(status {status}: positions past the rope cache, slots past the KV cache, "
+                                 f"a context shorter than its chunk, or a context length below 1)")
+        return hidden, buffers["residual"]
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """[N / 16, K, 16] (kernels.small_m_linear.pack_weight) -> the [N, K] weight."""
+    blocks, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * 16, k)
+
+
+def layer_stack_reference(geometry: LayerGeometry, layers: list[LayerWeights], cos_sin_cache: torch.Tensor,
+                          hidden: torch.Tensor, batch: StackBatch):
+    """The same layers from the kernels' PyTorch references (KV written into the caches too)."""
+    g, b = geometry, batch
+    nd = b.decode_block_tables.shape[0]
+    q_size, kv_size = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    residual = None
+    for w in layers:
+        if residual is None:
+            residual, x = hidden, rms_norm_reference(hidden, w.input_norm, g.eps)
+        else:
+            x, residual = rms_norm_reference(hidden, w.input_norm, g.eps, residual)
+        qkv = torch.nn.functional.linear(x, unpack(w.qkv))
+        T = qkv.shape[0]
+        qh = qkv[:, :q_size].view(T, g.num_heads, g.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(T, g.num_kv_heads, g.head_dim)
+        v = qkv[:, q_size + kv_size :].view(T, g.num_kv_heads, g.head_dim)
+        rotary_embedding_reference(b.positions, qh, k, cos_sin_cache)
+        store_kv_reference(k, v, w.k_cache, w.v_cache, b.slot_mapping)
+        attn = torch.empty_like(qh)
+        if nd:
+            attn[:nd] = paged_decode_attention_reference(qh[:nd], w.k_cache, w.v_cache, b.decode_block_tables,
+                                                         b.decode_context_lens, g.scale, window=w.window,
+                                                         softcap=g.softcap)
+        if nd < T:
+            attn[nd:] = paged_prefill_attention_reference(qh[nd:], w.k_cache, w.v_cache, b.prefill_block_tables,
+                                                          b.prefill_query_start, b.prefill_context_lens, g.scale,
+                                                          window=w.window, softcap=g.softcap)
+        x, residual = rms_norm_reference(torch.nn.functional.linear(attn.reshape(T, q_size), unpack(w.o)),
+                                         w.post_norm, g.eps, residual)
+        hidden = torch.nn.functional.linear(silu_and_mul_reference(torch.nn.functional.linear(x, unpack(w.gate_up))),
+                                            unpack(w.down))
+    return hidden, residual

@@ -1,0 +1,128 @@
+"""The one-call native decoder layers (kernels/layer_stack.py) against the composition of the
+kernels' PyTorch references, on decode rows, prefill chunks and both in one step, and its input checks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kernels import small_m_linear
+from kernels.layer_stack import (LayerGeometry, LayerStack, LayerWeights, StackBatch, entry_points,
+                                 layer_stack_reference)
+from kernels.rotary import build_rope_cache
+
+if entry_points() is None:
+    pytest.skip("the native CPU kernels do not build here", allow_module_level=True)
+
+# The native prefill attention is compiled for blocks of 16 and head dims of 64 and 128.
+BLOCK_SIZE, NUM_BLOCKS = 16, 24
+
+
+def geometry(softcap=None, head_dim=64) -> LayerGeometry:
+    heads = 128 // head_dim
+    return LayerGeometry(hidden_size=64, intermediate_size=48, num_heads=heads, num_kv_heads=heads // 2,
+                         head_dim=head_dim, eps=1e-5, scale=head_dim ** -0.5, softcap=softcap)
+
+
+def random_layers(g: LayerGeometry, windows, gen) -> list[LayerWeights]:
+    def packed(n, k):
+        return small_m_linear.pack_weight(torch.randn(n, k, generator=gen) * k ** -0.5)
+
+    q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    cache = (NUM_BLOCKS, BLOCK_SIZE, g.num_kv_heads, g.head_dim)
+    return [LayerWeights(
+        input_norm=1 + 0.1 * torch.randn(g.hidden_size, generator=gen), qkv=packed(q + 2 * kv, g.hidden_size),
+        o=packed(g.hidden_size, q), post_norm=1 + 0.1 * torch.randn(g.hidden_size, generator=gen),
+        gate_up=packed(2 * g.intermediate_size, g.hidden_size), down=packed(g.hidden_size, g.intermediate_size),
+        k_cache=torch.randn(cache, generator=gen), v_cache=torch.randn(cache, generator=gen), window=w)
+        for w in windows]
+
+
+def batch(context_lens: list[int], gen, chunks: list[tuple[int, int]] = ()) -> StackBatch:
+    """A step over scattered pages: one token of each decode row (its context length), then a
+    chunk of each prefill sequence ((tokens before it, its length))."""
+    pages = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+
+    def table(rows: list[int]) -> torch.Tensor:
+        tables = [[pages.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in rows]
+        width = max((len(t) for t in tables), default=1)
+        return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(rows), width)
+
+    decode_pages, decode_tables = table(context_lens)
+    prefill_pages, prefill_tables = table([before + n for before, n in chunks])
+    positions = [n - 1 for n in context_lens] + [p for before, n in chunks for p in range(before, before + n)]
+    slots = [t[(p) // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, n in zip(decode_pages, context_lens)
+             for p in [n - 1]]
+    slots += [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, (before, n) in zip(prefill_pages, chunks)
+              for p in range(before, before + n)]
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    return StackBatch(torch.tensor(positions, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64),
+                      decode_tables, torch.tensor(context_lens, dtype=torch.int32), prefill_tables,
+                      torch.tensor(starts, dtype=torch.int32),
+                      torch.tensor([before + n for before, n in chunks], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,head_dim", [("decode", 16), ("decode", 64), ("prefill", 64), ("both", 64)])
+def test_matches_the_references_layer_by_layer(softcap, threads, rows, head_dim):
+    gen = torch.Generator().manual_seed(7)
+    g = geometry(softcap, head_dim)
+    layers = random_layers(g, [None, 21, None], gen)  # a sliding-window layer between two full ones
+    copies = [LayerWeights(**{**w.__dict__, "k_cache": w.k_cache.clone(), "v_cache": w.v_cache.clone()})
+              for w in layers]
+    rope = build_rope_cache(g.head_dim, 64, 10000.0, None)
+    decode = [1, 17, 40] if rows != "prefill" else []
+    chunks = [(0, 19), (35, 8)] if rows != "decode" else []  # a whole prompt, and a chunk after 35 cached tokens
+    step = batch(decode, gen, chunks)
+    hidden = torch.randn(step.positions.shape[0], g.hidden_size, generator=gen)
+
+    out, residual = LayerStack(g, layers, rope).run(hidden, step, num_threads=threads)
+    want_out, want_residual = layer_stack_reference(g, copies, rope, hidden, step)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(residual, want_residual, atol=1e-4, rtol=1e-4)
+    for got, want in zip(layers, copies):  # each token's K and V landed in its slot, nowhere else
+        torch.testing.assert_close(got.k_cache, want.k_cache, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.v_cache, want.v_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_an_empty_batch_and_bad_inputs():
+    gen = torch.Generator().manual_seed(1)
+    g = geometry(head_dim=16)
+    layers = random_layers(g, [None, None], gen)
+    rope = build_rope_cache(g.head_dim, 16, 10000.0, None)
+    stack = LayerStack(g, layers, rope)
+    out, residual = stack.run(torch.zeros(0, 64), batch([], gen), num_threads=1)
+    assert out.shape == residual.shape == (0, 64)
+
+    step = batch([20, 3], gen)  # position 19 is past the 16-position rope cache
+    with pytest.raises(ValueError, match="layer 0's rotary embedding kernel refused"):
+        stack.run(torch.randn(2, 64), step, num_threads=1)
+    step = batch([4, 3], gen)
+    with pytest.raises(ValueError, match="the batch has 2 tokens, hidden 3"):
+        stack.run(torch.randn(3, 64), step, num_threads=1)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        stack.run(torch.randn(2, 64), replace(step, decode_context_lens=torch.tensor([17, 3], dtype=torch.int32)),
+                  num_threads=1)
+    with pytest.raises(ValueError, match="decode_block_tables dtype"):
+        stack.run(torch.randn(2, 64), replace(step, decode_block_tables=step.decode_block_tables.long()), num_threads=1)
+    with pytest.raises(ValueError, match="hidden must be contiguous"):
+        stack.run(torch.randn(2, 32), step, num_threads=1)
+    chunked = batch([], gen, [(0, 3)])
+    with pytest.raises(ValueError, match="prefill_query_start"):
+        stack.run(torch.randn(3, 64), replace(chunked, prefill_query_start=torch.tensor([0, 2], dtype=torch.int32)),
+                  num_threads=1)
+    assert not stack.takes_prefill  # head dim 16: no native prefill attention, decode-only steps
+    with pytest.raises(ValueError, match="runs decode-only steps"):
+        stack.run(torch.randn(3, 64), chunked, num_threads=1)
+
+    wrong = [LayerWeights(**{**layers[0].__dict__, "o": layers[0].qkv})]
+    with pytest.raises(ValueError, match="layer 0 o must be a contiguous packed"):
+        LayerStack(g, wrong, rope)
+    half = [LayerWeights(**{**layers[0].__dict__, "k_cache": layers[0].k_cache.bfloat16()})]
+    with pytest.raises(ValueError, match="layer 0 k_cache dtype"):
+        LayerStack(g, half, rope)
