@@ -6,7 +6,7 @@
 Setup: the default model, one torch thread (as one worker of `baton serve` on this 2-core
 machine; `--threads 2` as a decode worker that borrowed the idle prefill worker's core), `--batch` sequences of `--context` random prompt tokens, prefilled, then `--steps`
 decode steps timed (wall clock, no profiler) and the same number again under cProfile for the
-split. Runs for float32 and bfloat16, each three ways: "before" (EngineConfig kernel_backend
+split. Runs for float32 (four ways) and bfloat16 (the first three): "before" (EngineConfig kernel_backend
 "reference" and packed_linear False: PyTorch references and plain F.linear, the engine before
 this work), with the native kernels (kernel_backend "auto": attention, RMSNorm, rotary, KV store,
 SiLU-and-mul in kernels/csrc), with those plus prepacked linear layers (workers/packed_linear.py),

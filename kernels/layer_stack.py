@@ -27,6 +27,7 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from kernels import cpu_native
 from kernels._checks import check_tensor, require
@@ -36,6 +37,7 @@ from kernels.prefill_attention import native_shape, paged_prefill_attention_refe
 from kernels.rms_norm import rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
 from kernels.silu_mul import silu_and_mul_reference
+from kernels.small_m_linear import unpack_weight
 
 _FP = ctypes.c_void_p
 _I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -245,12 +247,6 @@ class LayerStack:
         return hidden, buffers["residual"]
 
 
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """[N / 16, K, 16] (kernels.small_m_linear.pack_weight) -> the [N, K] weight."""
-    blocks, k, _ = packed.shape
-    return packed.transpose(1, 2).reshape(blocks * 16, k)
-
-
 def layer_stack_reference(geometry: LayerGeometry, layers: list[LayerWeights], cos_sin_cache: torch.Tensor,
                           hidden: torch.Tensor, batch: StackBatch):
     """The same layers from the kernels' PyTorch references (KV written into the caches too)."""
@@ -263,7 +259,7 @@ def layer_stack_reference(geometry: LayerGeometry, layers: list[LayerWeights], c
             residual, x = hidden, rms_norm_reference(hidden, w.input_norm, g.eps)
         else:
             x, residual = rms_norm_reference(hidden, w.input_norm, g.eps, residual)
-        qkv = torch.nn.functional.linear(x, unpack(w.qkv))
+        qkv = F.linear(x, unpack_weight(w.qkv))
         T = qkv.shape[0]
         qh = qkv[:, :q_size].view(T, g.num_heads, g.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(T, g.num_kv_heads, g.head_dim)
@@ -279,8 +275,7 @@ def layer_stack_reference(geometry: LayerGeometry, layers: list[LayerWeights], c
             attn[nd:] = paged_prefill_attention_reference(qh[nd:], w.k_cache, w.v_cache, b.prefill_block_tables,
                                                           b.prefill_query_start, b.prefill_context_lens, g.scale,
                                                           window=w.window, softcap=g.softcap)
-        x, residual = rms_norm_reference(torch.nn.functional.linear(attn.reshape(T, q_size), unpack(w.o)),
-                                         w.post_norm, g.eps, residual)
-        hidden = torch.nn.functional.linear(silu_and_mul_reference(torch.nn.functional.linear(x, unpack(w.gate_up))),
-                                            unpack(w.down))
+        x, residual = rms_norm_reference(F.linear(attn.reshape(T, q_size), unpack_weight(w.o)), w.post_norm, g.eps,
+                                         residual)
+        hidden = F.linear(silu_and_mul_reference(F.linear(x, unpack_weight(w.gate_up))), unpack_weight(w.down))
     return hidden, residual

@@ -42,6 +42,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
 
 
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """pack_weight's inverse: [N / 16, K, 16] -> the [N, K] weight."""
+    blocks, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * 16, k)
+
+
 def small_m_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 

@@ -45,18 +45,20 @@ def batch(context_lens: list[int], gen, chunks: list[tuple[int, int]] = ()) -> S
     chunk of each prefill sequence ((tokens before it, its length))."""
     pages = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
 
-    def table(rows: list[int]) -> torch.Tensor:
-        tables = [[pages.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in rows]
+    def table(lens: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+        """Each sequence's pages, and the padded int32 block table."""
+        tables = [[pages.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in lens]
         width = max((len(t) for t in tables), default=1)
-        return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(rows), width)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return tables, torch.tensor(padded, dtype=torch.int32).reshape(len(lens), width)
 
     decode_pages, decode_tables = table(context_lens)
     prefill_pages, prefill_tables = table([before + n for before, n in chunks])
-    positions = [n - 1 for n in context_lens] + [p for before, n in chunks for p in range(before, before + n)]
-    slots = [t[(p) // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, n in zip(decode_pages, context_lens)
-             for p in [n - 1]]
-    slots += [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, (before, n) in zip(prefill_pages, chunks)
-              for p in range(before, before + n)]
+    # (pages, positions) of each sequence's new tokens, decode rows first.
+    spans = [(t, [n - 1]) for t, n in zip(decode_pages, context_lens)]
+    spans += [(t, list(range(before, before + n))) for t, (before, n) in zip(prefill_pages, chunks)]
+    positions = [p for _, ps in spans for p in ps]
+    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, ps in spans for p in ps]
     starts = [0]
     for _, n in chunks:
         starts.append(starts[-1] + n)
