@@ -158,6 +158,7 @@ def _decode_split_kernel(
     G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    FP8_VIA_F32: tl.constexpr = False,
 ):
     # One program per (sequence, kv head, context split). All G query heads sharing the kv head
     # are processed together, so each K/V row is read once per split (GQA costs no extra bandwidth).
@@ -193,7 +194,10 @@ def _decode_split_kernel(
         rows = (page * BS + n % BS) * HK + kvh
         kv_mask = nmask[:, None] & dmask[None, :]
         # FP8 K/V are exact in fp16/bf16; their scales are folded into qk_scale and v_scale.
-        k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        if FP8_VIA_F32:  # kernels/plan.py: FP8 to bfloat16 below sm_90
+            k = k.to(tl.float32)
+        k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if SOFTCAP:  # qk_scale holds 1 / cap: s = cap * tanh(raw / cap), in base 2
             s = (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * softcap_log2e
@@ -202,7 +206,10 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        if FP8_VIA_F32:  # kernels/plan.py: FP8 to bfloat16 below sm_90
+            v = v.to(tl.float32)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
 

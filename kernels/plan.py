@@ -151,6 +151,13 @@ def _dot_precision(device: DeviceSpec, dtype: torch.dtype) -> tuple[bool, str]:
     return False, "tf32"  # ignored for 16-bit operands
 
 
+def _fp8_via_float32(device: DeviceSpec, dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, bool]:
+    """Triton 3.6 converts FP8 to bfloat16 through float16 with `cvt.bf16.f16`, an sm_90
+    instruction that ptxas refuses for sm_89: there FP8 K/V tiles go through float32 instead."""
+    below_sm90 = device.is_cuda and device.capability < (9, 0)
+    return {"FP8_VIA_F32": True} if below_sm90 and kv_dtype == FP8 and dtype == torch.bfloat16 else {}
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     split: LaunchPlan  # the split-K kernel
@@ -181,7 +188,7 @@ def decode_attention_plan(device: DeviceSpec, *, batch: int, num_q_heads: int, n
     split = LaunchPlan("kernels.decode_attention:_decode_split_kernel", dict(
         G=group, HK=num_kv_heads, D=head_dim, BS=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(head_dim)),
-        DOT_F32=dot_f32, PRECISION=precision), num_warps, num_stages)
+        DOT_F32=dot_f32, PRECISION=precision, **_fp8_via_float32(device, dtype, kv_dtype)), num_warps, num_stages)
     merge = merge_splits_plan(device, num_splits=num_splits, head_dim=head_dim) if num_splits > 1 else None
     return DecodePlan(split, merge, num_splits, split_len)
 
@@ -194,8 +201,9 @@ def merge_splits_plan(device: DeviceSpec, *, num_splits: int, head_dim: int) -> 
 
 @functools.lru_cache(maxsize=1024)
 def prefill_attention_plan(device: DeviceSpec, *, max_q: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                           block_size: int, dtype, kv_dtype) -> LaunchPlan:
-    """Paged prefill attention; `max_q` is the longest sequence's count of new tokens."""
+                           block_size: int, dtype, kv_dtype, windowed: bool = False) -> LaunchPlan:
+    """Paged prefill attention; `max_q` is the longest sequence's count of new tokens; `windowed`:
+    a sliding window masks keys (the query tile may then be no taller than the key tile)."""
     dtype, kv_dtype = _dtype(dtype), _dtype(kv_dtype)
     if kv_dtype == FP8:
         check_fp8_supported(device, "an FP8 KV cache")
@@ -207,6 +215,9 @@ def prefill_attention_plan(device: DeviceSpec, *, max_q: int, num_q_heads: int, 
             # float32 (TF32) tiles are twice the bytes: 128 x 64 tiles needed 164 KB of shared memory
             # (sm_86/sm_89 have 99 KiB) and 64 x 64 ones 160 KB; 64 x 32 need at most 96 KiB.
             block_n = 32
+            if kv_dtype == FP8 and device.capability < (9, 0):
+                # sm_89 converts FP8 tiles in registers: 64 x 32 spilled 28 B with Triton 3.6.
+                block_m = min(block_m, 32)
         elif max_q >= 128:
             # Long prompts: bigger tiles amortise each K/V tile over more queries.
             block_m, num_warps = 128, 8
@@ -214,9 +225,15 @@ def prefill_attention_plan(device: DeviceSpec, *, max_q: int, num_q_heads: int, 
             block_n = 32  # 16 x 64 spilled 8 B on sm_90 / sm_100 at 4 warps; 16 x 32 does not
         if block_m == 128 and kv_dtype == FP8 and device.capability < (9, 0):
             block_n = 32  # sm_89 converts FP8 K/V tiles in registers: 128 x 64 spilled 56 B there
+    if windowed and block_m > block_n:
+        # A window starts each query row's keys at a different place: the kernel begins a tile's key
+        # loop at its first row's first visible key, so every row must find a key in the first key
+        # tile (else a row is all masked and its softmax is NaN).
+        block_m, num_warps = block_n, 4
     return LaunchPlan("kernels.prefill_attention:_prefill_kernel", dict(
         G=num_q_heads // num_kv_heads, HK=num_kv_heads, D=head_dim, BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, next_pow2(head_dim)), DOT_F32=dot_f32, PRECISION=precision), num_warps, 2)
+        BLOCK_D=max(16, next_pow2(head_dim)), DOT_F32=dot_f32, PRECISION=precision,
+        **_fp8_via_float32(device, dtype, kv_dtype)), num_warps, 2)
 
 
 # -- FP8 GEMM and quantization -----------------------------------------------------------------------

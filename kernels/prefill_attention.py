@@ -162,6 +162,7 @@ def _prefill_kernel(
     G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    FP8_VIA_F32: tl.constexpr = False,
 ):
     # One program per (tile of BLOCK_M new tokens, query head, sequence); the grid is sized for the
     # longest sequence, so tiles past a shorter sequence's end do nothing.
@@ -202,7 +203,10 @@ def _prefill_kernel(
             page = tl.load(bt_ptr + b * stride_bt + n // BS, mask=nmask, other=0).to(tl.int64)
             rows = (page * BS + n % BS) * HK + kvh
             kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            if FP8_VIA_F32:  # kernels/plan.py: FP8 to bfloat16 below sm_90
+                k = k.to(tl.float32)
+            k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if SOFTCAP:  # qk_scale holds 1 / cap: s = cap * tanh(raw / cap), in base 2
                 s = (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * softcap_log2e
@@ -216,7 +220,10 @@ def _prefill_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            if FP8_VIA_F32:  # kernels/plan.py: FP8 to bfloat16 below sm_90
+                v = v.to(tl.float32)
+            v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             m_i = m_new
         o = acc / l_i[:, None] * v_scale
@@ -246,7 +253,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     # Tiles and dot precision: kernels/plan.py (the compile check compiles the same choices).
     plan = prefill_attention_plan(DeviceSpec.of(q.device), max_q=max_q, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
-                                  block_size=bs, dtype=q.dtype, kv_dtype=k_cache.dtype)
+                                  block_size=bs, dtype=q.dtype, kv_dtype=k_cache.dtype, windowed=window is not None)
     # With a window, each row's first visible key must fall in its tile's first key block (no NaN row).
     assert window is None or plan.meta["BLOCK_M"] <= plan.meta["BLOCK_N"], plan.meta
     _prefill_kernel[(cdiv(max_q, plan.meta["BLOCK_M"]), hq, B)](

@@ -169,6 +169,44 @@ def t_engine_throughput_moe() -> str:
                   "identical greedy tokens"], rows)
 
 
+def t_gpu_engine() -> str:
+    """tests/gpu/bench_engine.py: Baton's engine against transformers generate on one GPU."""
+    d = load("gpu_engine_bench")
+    r, c = d["results"], d["concurrency"]
+    labels = (("baton_bf16", "Baton, bfloat16"), ("baton_bf16_fp8kv", "Baton, bfloat16, FP8 KV cache"),
+              ("baton_fp8_fp8kv", "Baton, FP8 weights and KV cache"), ("transformers_bf16", "transformers, bfloat16"))
+    rows = []
+    for key, label in labels:
+        one, many = r[f"{key}@1"], r[f"{key}@{c}"]
+        profile = many.get("decode_step_profile")
+        rows.append([label, f(one["tok_s"], 0), f(one["vs_transformers"], 1) + "x" if "vs_transformers" in one else "",
+                     f(many["tok_s"], 0), f(many["vs_transformers"], 1) + "x" if "vs_transformers" in many else "",
+                     f(min(profile["step_ms"]), 2) if profile else ""])
+    return table(["", "tok/s, 1 request at a time", "vs transformers", f"tok/s, {c} at once", "vs transformers",
+                  f"decode step of {c} (ms)"], rows)
+
+
+def t_gpu_kernels() -> str:
+    """tests/gpu/bench_kernels.py: the Triton kernels against their ceilings on one GPU."""
+    d = load("gpu_kernel_bench")
+    rows = []
+    for r in d["results"]:
+        kv = "FP8" if "float8" in r.get("kv_dtype", "") else "bf16"
+        if r["op"] == "paged_decode_attention":
+            rows.append([f"decode attention, {r['B']} x {r['ctx']:,} tokens, {kv} KV", f(r["ms"] * 1e3, 0),
+                         f"{gb(r['bandwidth_Bps'] / 1e3)} TB/s", pct(r["frac_of_measured_copy"], 0) + " of the copy rate", ""])
+        elif r["op"] == "paged_prefill_attention":
+            rows.append([f"prefill attention, {r['B']} x {r['q_len']:,} tokens after {r['prefix']:,}, {kv} KV",
+                         f(r["ms"] * 1e3, 0), f"{f(r['tflops'], 0)} TFLOP/s",
+                         pct(r["frac_of_measured_bf16_matmul"], 0) + " of the bf16 matmul rate",
+                         f"{ratio(r['tflops'] / r['torch_sdpa_tflops'])} SDPA" if "torch_sdpa_tflops" in r else ""])
+        else:
+            rows.append([f"FP8 GEMM {r['M']:,} x {r['N']:,} x {r['K']:,}, {r['scales']} scales", f(r["ms"] * 1e3, 0),
+                         f"{f(r['tflops'], 0)} TFLOP/s", pct(r["frac_of_fp8_datasheet"], 0) + " of the datasheet",
+                         f"{ratio(r['vs_torch_scaled_mm'])} torch._scaled_mm"])
+    return table(["kernel", "time (us)", "rate", "of the ceiling", "vs PyTorch"], rows)
+
+
 def t_tp_step() -> str:
     """bench/tp.py: single-stream decode step time per tensor-parallel size (medians of rank 0's steps)."""
     d = load("tp_step_cpu")

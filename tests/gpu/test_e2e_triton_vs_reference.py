@@ -5,7 +5,9 @@ as a Hugging Face folder (config.json + safetensors; no transformers needed on t
 same prompts run through LLMEngine twice: EngineConfig(device="cuda", dtype="float32") with
 kernel_backend="auto" (Triton kernels, compiled), and on CPU with kernel_backend="reference". Rule
 (tests/engine/helpers.compare_greedy, the CPU reference as oracle): tokens equal until a divergence
-allowed only at a near tie, logits within LOGIT_TOL before it; at most one prompt may diverge.
+allowed only at a near tie, logits within TF32_LOGIT_TOL before it; at most one prompt may diverge.
+On CUDA a float32 model's attention dots run in TF32 (kernels/plan.py's accuracy contract), so the
+logits are held to 1e-2 here, not the 1e-3 of float32 against float32 (an H200 measured 2.3e-3).
 
 The token budget forces chunked prefill and steps mixing decodes with a prefill chunk; a second
 batch shares a prefix with the first, so the prefill kernel reads cached KV blocks.
@@ -25,22 +27,26 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 VOCAB = 512
 ARCH = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 NEW_TOKENS = 16
+TF32_LOGIT_TOL = 1e-2
 
 
-def write_random_llama(folder) -> None:
-    """A random LlamaForCausalLM checkpoint with Hugging Face tensor names."""
+def write_random_llama(folder, shape: dict | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                       embed_std: float = 0.05) -> None:
+    """A random LlamaForCausalLM checkpoint with Hugging Face tensor names: `shape` (ARCH and VOCAB
+    by default) as config.json keys, the weights drawn on `device` and saved in `dtype`."""
     from safetensors.torch import save_file
 
-    h, inter, layers = ARCH["hidden_size"], ARCH["intermediate_size"], ARCH["num_hidden_layers"]
-    hd = h // ARCH["num_attention_heads"]
-    q, kv = ARCH["num_attention_heads"] * hd, ARCH["num_key_value_heads"] * hd
-    g = torch.Generator().manual_seed(4321)
+    shape = shape or dict(ARCH, vocab_size=VOCAB)
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    hd = h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    g = torch.Generator(device=device).manual_seed(4321)
 
-    def rnd(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g) * std).contiguous()
+    def rnd(*dims, std=0.02):
+        return (torch.randn(*dims, device=device, generator=g) * std).to(dtype).cpu().contiguous()
 
-    tensors = {"model.embed_tokens.weight": rnd(VOCAB, h, std=0.05), "model.norm.weight": 1 + rnd(h, std=0.1),
-               "lm_head.weight": rnd(VOCAB, h, std=0.05)}
+    tensors = {"model.embed_tokens.weight": rnd(shape["vocab_size"], h, std=embed_std),
+               "model.norm.weight": 1 + rnd(h, std=0.1), "lm_head.weight": rnd(shape["vocab_size"], h, std=0.05)}
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors |= {
@@ -51,9 +57,9 @@ def write_random_llama(folder) -> None:
             p + "input_layernorm.weight": 1 + rnd(h, std=0.1), p + "post_attention_layernorm.weight": 1 + rnd(h, std=0.1),
         }
     save_file(tensors, str(folder / "model.safetensors"))
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_act="silu",
-                  rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False,
-                  bos_token_id=1, eos_token_id=2, torch_dtype="float32", **ARCH)
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                  rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, torch_dtype=str(dtype).removeprefix("torch."), **shape)
     (folder / "config.json").write_text(json.dumps(config))
 
 
@@ -115,7 +121,7 @@ def test_engine_on_cuda_triton_matches_cpu_reference(tmp_path, monkeypatch):
     diverged = []
     for i, (g, r, gl, rl) in enumerate(zip(gpu_done, ref_done, gpu_logits, ref_logits)):
         assert len(g.token_ids) == len(r.token_ids) == NEW_TOKENS
-        cmp = compare_greedy(g.token_ids, Reference(r.token_ids, rl), gl)
+        cmp = compare_greedy(g.token_ids, Reference(r.token_ids, rl), gl, TF32_LOGIT_TOL, TF32_LOGIT_TOL)
         print(f"prompt {i}: diverged_at={cmp.diverged_at} max_logit_error={cmp.max_logit_error:.2e}")
         if cmp.diverged_at is not None:
             diverged.append(i)

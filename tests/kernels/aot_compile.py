@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import io
 import json
 import os
@@ -48,7 +49,9 @@ def compile_job(job: dict) -> dict:
     module, name = job["kernel"].split(":")
     raw = getattr(importlib.import_module(module), name)
     fn = JITFunction(getattr(raw, "fn", raw))
-    consts = job["constexprs"]
+    # A constexpr the plan leaves out takes the kernel's default, as a launch does.
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    consts = {**defaults, **job["constexprs"]}
     signature = {a: ("constexpr" if a in consts else job["args"][a]) for a in fn.arg_names}
     divisible = set(job.get("divisible", ()))
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in divisible}

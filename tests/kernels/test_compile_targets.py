@@ -10,7 +10,7 @@ By default (`make test`) a covering subset is compiled, chosen by rule (covering
 compile_group (kernel, target, activation dtype, KV / weight dtype, window + soft-cap variant) the
 specialisations most likely to fail (largest tile_load, largest head_dim), and every FP8 GEMM
 tensor-core tile config on sm_90 / sm_100 once; test_covering_subset_rule checks that rule.
-BATON_COMPILE_ALL=1 compiles every specialisation (tests/gpu/run.sh step 1 sets it).
+BATON_COMPILE_ALL=1 compiles every specialisation.
 
 The compiles run in one subprocess per usable CPU (at least 2) with TRITON_INTERPRET=0 (this
 session sets it to 1, which breaks real compiles of kernels with reductions), each with a fresh
@@ -140,6 +140,7 @@ def attention_jobs() -> list[dict]:
                                  dtypes=(a, "fp32")))
         for max_q in prefills:  # the prefill tiles: short, medium, long prompts
             pp = P.prefill_attention_plan(dev, max_q=max_q, **shape)
+            windowed = P.prefill_attention_plan(dev, max_q=max_q, windowed=True, **shape)
             args = {**_ptrs(q_ptr=a, k_ptr=c, v_ptr=c, bt_ptr="i32", qsl_ptr="i32", lens_ptr="i32",
                             out_ptr=a),
                     "qk_scale": "fp32", "v_scale": "fp32", "window": "i32", "softcap_log2e": "fp32",
@@ -147,18 +148,22 @@ def attention_jobs() -> list[dict]:
             div = [n for n in args if n.endswith("_ptr")] + ["max_ctx", "stride_qt", "stride_qh",
                                                              "stride_ot", "stride_oh"]
             jobs.extend(_window_variants(_job(f"prefill {model} {a}/{c} q{max_q}", arch, pp, args, div,
-                                              dtypes=(a, c)), arch, max_q == prefills[0]))
+                                              dtypes=(a, c)), arch, max_q == prefills[0],
+                                         _job(f"prefill {model} {a}/{c} q{max_q}", arch, windowed, args, div,
+                                              dtypes=(a, c))))
     return jobs
 
 
-def _window_variants(job: dict, arch: int, first: bool) -> list[dict]:
+def _window_variants(job: dict, arch: int, first: bool, windowed_job: dict | None = None) -> list[dict]:
     """The plain attention job (no sliding window, no soft-cap: every non-Gemma model), and on
-    sm_90 for the first shape of each case also the Gemma 2 one (window and soft-cap on)."""
+    sm_90 for the first shape of each case also the Gemma 2 one (window and soft-cap on), from
+    `windowed_job` where the plan takes other tiles with a window."""
     plain = {**job, "constexprs": {**job["constexprs"], "HAS_WINDOW": False, "SOFTCAP": False}}
     if arch != 90 or not first:
         return [plain]
-    return [plain, {**job, "id": job["id"].replace(" @", " window+softcap @"),
-                    "constexprs": {**job["constexprs"], "HAS_WINDOW": True, "SOFTCAP": True}}]
+    windowed_job = windowed_job or job
+    return [plain, {**windowed_job, "id": windowed_job["id"].replace(" @", " window+softcap @"),
+                    "constexprs": {**windowed_job["constexprs"], "HAS_WINDOW": True, "SOFTCAP": True}}]
 
 
 def fp8_jobs() -> list[dict]:
@@ -332,7 +337,7 @@ def covering_subset(jobs: list[dict]) -> list[dict]:
 
 
 def jobs_to_compile() -> list[dict]:
-    """The covering subset; every specialisation with BATON_COMPILE_ALL=1 (tests/gpu/run.sh)."""
+    """The covering subset; every specialisation with BATON_COMPILE_ALL=1."""
     everything = all_jobs()
     return everything if os.environ.get("BATON_COMPILE_ALL", "0") not in ("", "0") else covering_subset(everything)
 

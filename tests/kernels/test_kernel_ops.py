@@ -31,7 +31,7 @@ def test_resolved_functions():
     native = kernel_ops("auto", "cpu")
     assert native.fp8_gemm is kernel_ops("reference").fp8_gemm  # no native kernel: the reference
     if silu_mul.native_built():
-        x = randn(3, 8)
+        x = randn(3, 8).cpu()
         assert torch.equal(native.silu_and_mul(x), silu_mul.silu_and_mul_cpu(x))
 
 

@@ -5,6 +5,7 @@ tests/kernels/test_compile_targets.py compiles; docs/development.md shows the ta
 """
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -22,7 +23,8 @@ CUDA = ("sm_80", "sm_89", "sm_90", "sm_100")
 def test_device_spec_of_cpu_needs_no_cuda(monkeypatch):
     spec = P.DeviceSpec.of("cpu")
     assert spec.kind == "cpu" and not spec.is_cuda and spec.arch == "cpu" and spec.sm_count == 4
-    assert spec.interpreted  # tests/kernels/conftest.py sets TRITON_INTERPRET=1
+    # tests/kernels/conftest.py sets TRITON_INTERPRET=1, except for the GPU script's compiled run.
+    assert spec.interpreted == (os.environ.get("BATON_KERNEL_TEST_DEVICE", "cpu") != "cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not P.DeviceSpec.of(torch.device("cpu")).interpreted
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -66,6 +68,35 @@ def test_float32_on_cuda_runs_tf32_with_small_prefill_tiles(target):
     # 16-bit models keep the big tiles on long prompts.
     p = P.prefill_attention_plan(dev, max_q=2048, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, **LLAMA)
     assert (p.meta["BLOCK_M"], p.num_warps) == (128, 8) and not p.meta["DOT_F32"]
+
+
+@pytest.mark.parametrize("target", (*CUDA, "cpu"))
+def test_a_windowed_prefill_never_has_a_query_tile_taller_than_its_key_tile(target):
+    # The kernel starts a tile's key loop at its first row's first visible key: a taller query tile
+    # leaves its last rows with no key at all (an H200 run of the float32 windowed tests hit this).
+    dev = P.TARGETS[target]
+    for dtype, kv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                            (torch.bfloat16, FP8)):
+        if kv_dtype == FP8 and not P.fp8_supported(dev):
+            continue
+        for max_q in (1, 16, 17, 64, 65, 128, 2048):
+            plain = P.prefill_attention_plan(dev, max_q=max_q, dtype=dtype, kv_dtype=kv_dtype, **LLAMA)
+            windowed = P.prefill_attention_plan(dev, max_q=max_q, dtype=dtype, kv_dtype=kv_dtype, windowed=True, **LLAMA)
+            assert windowed.meta["BLOCK_M"] <= windowed.meta["BLOCK_N"] == plain.meta["BLOCK_N"]
+            if plain.meta["BLOCK_M"] <= plain.meta["BLOCK_N"]:
+                assert windowed == plain
+
+
+def test_fp8_kv_reaches_bfloat16_through_float32_only_below_sm90():
+    shape = dict(dtype=torch.bfloat16, kv_dtype=FP8, **LLAMA)
+    for target, via in (("sm_89", True), ("sm_90", False), ("sm_100", False)):
+        dev = P.TARGETS[target]
+        decode = P.decode_attention_plan(dev, batch=8, max_ctx=4096, **shape).split
+        prefill = P.prefill_attention_plan(dev, max_q=512, **shape)
+        assert decode.meta.get("FP8_VIA_F32", False) is prefill.meta.get("FP8_VIA_F32", False) is via, target
+    sm89 = P.TARGETS["sm_89"]
+    assert "FP8_VIA_F32" not in P.prefill_attention_plan(sm89, max_q=512, dtype=torch.bfloat16,
+                                                         kv_dtype=torch.bfloat16, **LLAMA).meta
 
 
 def test_cpu_plans_are_the_interpreters_original_choices():
