@@ -84,8 +84,12 @@ def run_baton(folder: Path, device: str, concurrency: int, prompts: list[list[in
 
 
 def profile_decode_steps(engine, prompts: list[list[int]], params, steps: int = 5) -> dict:
-    """Where a full batch's decode steps spend their time: the wall time of each and the top CUDA
-    kernels under torch.profiler (printed; the step times are returned)."""
+    """Where a full batch's decode steps spend their time: the wall time of each, the top CUDA
+    kernels under torch.profiler, and the engine's Python functions by own time under cProfile
+    over as many more steps (printed; the step times are returned)."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     for p in prompts:
@@ -98,6 +102,9 @@ def profile_decode_steps(engine, prompts: list[list[int]], params, steps: int = 
             _, secs = timed(engine.step)
             step_ms.append(secs * 1e3)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=70), flush=True)
+    python = cProfile.Profile()
+    python.runcall(lambda: [engine.step() for _ in range(steps)])
+    pstats.Stats(python).sort_stats("tottime").print_stats(15)
     while engine.has_unfinished_requests():
         engine.step()
     return {"step_ms": step_ms}
