@@ -45,22 +45,6 @@ BATON_KERNEL_TEST_DEVICE=cuda timeout 120 \
     --deselect tests/kernels/test_compile_targets.py::test_kernels_compile_for_targets \
     2>&1 | tee "$RESULTS/gpu_kernel_tests.log" || status=1
 
-# How far the native small-M linear's rows move with the batch on this CPU (bit-equal on the CI host).
-"$PY" -c '
-import torch
-from kernels import small_m_linear as s
-g = torch.Generator().manual_seed(2)
-w, x = torch.randn(112, 70, generator=g), torch.randn(40, 70, generator=g)
-packed = s.pack_weight(w)
-full = s.small_m_linear_cpu(x, packed, None)
-exact = (x.double() @ w.double().t())
-print("small_m_linear full batch vs float64:", (full.double() - exact).abs().max().item())
-for rows in (1, 5, 8, 9, 16, 24, 25):
-    part = s.small_m_linear_cpu(x[:rows], packed, None)
-    print(rows, "rows: vs the full batch", (part - full[:rows]).abs().max().item(),
-          "vs float64", (part.double() - exact[:rows]).abs().max().item())
-' || true
-
 step "2. kernel benchmark"
 timeout 90 "$PY" tests/gpu/bench_kernels.py --out "$RESULTS/gpu_kernel_bench.json" || status=1
 

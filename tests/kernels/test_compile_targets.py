@@ -147,10 +147,10 @@ def attention_jobs() -> list[dict]:
                     **_i32("max_ctx", "stride_qt", "stride_qh", "stride_bt", "stride_ot", "stride_oh")}
             div = [n for n in args if n.endswith("_ptr")] + ["max_ctx", "stride_qt", "stride_qh",
                                                              "stride_ot", "stride_oh"]
-            jobs.extend(_window_variants(_job(f"prefill {model} {a}/{c} q{max_q}", arch, pp, args, div,
-                                              dtypes=(a, c)), arch, max_q in (prefills[0], prefills[-1]),
-                                         _job(f"prefill {model} {a}/{c} q{max_q}", arch, windowed, args, div,
-                                              dtypes=(a, c))))
+            tag = f"prefill {model} {a}/{c} q{max_q}"
+            jobs.extend(_window_variants(_job(tag, arch, pp, args, div, dtypes=(a, c)), arch,
+                                         max_q in (prefills[0], prefills[-1]),
+                                         _job(tag, arch, windowed, args, div, dtypes=(a, c))))
     return jobs
 
 
