@@ -40,15 +40,19 @@ from workers.evaluation import CHUNK, WINDOW, chat_prompts, eval_windows  # noqa
 NEW_TOKENS = 32
 KV_BUDGET = 64 << 20
 CONFIGS = {
-    "float32": dict(),
+    "float32": dict(float32_prompt_matmul="ieee"),
     "fp8 weights": dict(quantization="fp8"),
     "fp8 KV": dict(kv_cache_dtype="fp8"),
     "fp8 weights + KV": dict(quantization="fp8", kv_cache_dtype="fp8"),
     # Not FP8, but the same question for `--dtype bfloat16` (weights, activations and KV in
     # bfloat16; norms, softmax and attention sums in float32), the fast mode on CPUs with bf16 FMA.
     "bfloat16": dict(dtype="bfloat16"),
+    # float32 with the prompt tokens' projections as bf16x3 on AMX (the default where the CPU has
+    # AMX-BF16; kernels/amx_linear.py): scoring is all prompt tokens, greedy decoding mostly not.
+    "float32, bf16x3 prompts": dict(float32_prompt_matmul="bf16x3"),
 }
-LIMITS = {"fp8 weights": 0.03, "fp8 KV": 0.03, "fp8 weights + KV": 0.05, "bfloat16": 0.01}
+LIMITS = {"fp8 weights": 0.03, "fp8 KV": 0.03, "fp8 weights + KV": 0.05, "bfloat16": 0.01,
+          "float32, bf16x3 prompts": 0.001}
 
 
 def perplexity(engine: LLMEngine, windows: list[list[int]]) -> tuple[float, int]:

@@ -26,7 +26,7 @@ import torch
 
 from cluster.busy_host import cpu_name
 from common import envs
-from kernels import block_copy, cpu_native
+from kernels import amx_linear, block_copy, cpu_native
 from kernels import ops as kops
 from kernels._triton_compat import HAS_TRITON
 from kernels.plan import DeviceSpec, fp8_supported
@@ -222,6 +222,14 @@ def _ops(backend: str, device: str) -> tuple[str, list[OpImplementation]]:
         out.append(OpImplementation("copy_kv_blocks (shm transport)", "reference", "kernels/block_copy.py",
                                     "the native library kernels/csrc/kv_block_copy.cpp did not build or load: "
                                     "the PyTorch reference"))
+    # Not a KernelOps entry either: how the one-call float32 layers project prompt tokens on the CPU.
+    if device == "cpu" and amx_linear.ready():
+        out.append(OpImplementation("float32 prompt projections", "native", "kernels/csrc/amx_linear.cpp",
+                                    "CPU with AMX-BF16: three bfloat16 products each on the tile unit "
+                                    "(--float32-prompt-matmul ieee: float32 FMAs, as decode rows)"))
+    elif device == "cpu":
+        out.append(OpImplementation("float32 prompt projections", "native", "kernels/csrc/small_m_linear.cpp",
+                                    "no AMX-BF16 here (or the tiles were not granted): float32 FMAs, as decode rows"))
     return resolved, out
 
 

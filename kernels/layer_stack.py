@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from kernels import cpu_native
+from kernels import amx_linear, cpu_native
 from kernels._checks import check_tensor, require
 from kernels.decode_attention import paged_decode_attention_reference
 from kernels.kv_store import store_kv_reference
@@ -53,13 +53,16 @@ _STAGES = ("input norm", "qkv projection", "rotary embedding", "KV store", "deco
            "o projection", "post-attention norm", "gate/up projection", "SiLU-and-mul", "down projection")
 
 
+_TILED = ("qkv", "o", "gate_up", "down")
+
+
 class _Kernels(ctypes.Structure):
-    _fields_ = [(field, _FP) for field, _, _ in KERNELS]
+    _fields_ = [(field, _FP) for field, _, _ in KERNELS] + [("amx_linear", _FP)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _FP) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")] \
-        + [("window", _I64)]
+        + [("window", _I64)] + [(f"{name}_tiles", _FP) for name in _TILED]
 
 
 class _Shapes(ctypes.Structure):
@@ -73,7 +76,8 @@ class _Step(ctypes.Structure):
                 ("decode_width", _I64), ("decode_context_lens", _FP), ("num_prefill", _I64),
                 ("prefill_block_tables", _FP), ("prefill_width", _I64), ("prefill_query_start", _FP),
                 ("prefill_context_lens", _FP)] + [(name, _FP) for name in (
-                    "hidden", "residual", "normed", "qkv", "attn", "gate_up", "act")]
+                    "hidden", "residual", "normed", "qkv", "attn", "gate_up", "act")] + [
+                ("prompt_runs", _FP), ("num_prompt_runs", _I64)]
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,8 @@ class StackBatch:
     [num_decode] (each row's context, its new token included); prefill_block_tables: int32
     [num_prefill, W']; prefill_query_start: int32 [num_prefill + 1] (the chunks' bounds, from 0 at
     the first prefill token); prefill_context_lens: int32 [num_prefill] (each sequence's tokens, its
-    chunk included)."""
+    chunk included); prompt_runs: int64 [R, 2], the [start, end) row ranges (rising, apart) of tokens
+    in their sequence's prompt, which a stack with AMX tiles projects with kernels.amx_linear."""
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -93,6 +98,7 @@ class StackBatch:
     prefill_block_tables: torch.Tensor
     prefill_query_start: torch.Tensor
     prefill_context_lens: torch.Tensor
+    prompt_runs: torch.Tensor | None = None
 
     def check(self) -> tuple[int, int]:
         """(num_decode, num_prefill), or ValueError naming what is wrong."""
@@ -111,6 +117,14 @@ class StackBatch:
         chunks = self.prefill_query_start.tolist()
         require(chunks[0] == 0 and all(a < b for a, b in zip(chunks, chunks[1:])) and nd + chunks[-1] == t,
                 f"prefill_query_start {chunks} must rise from 0 to the {t - nd} prefill tokens")
+        if self.prompt_runs is not None:
+            check_tensor(self.prompt_runs, "prompt_runs", 2, (torch.int64,))
+            require(self.prompt_runs.is_contiguous() and self.prompt_runs.shape[1] == 2,
+                    f"prompt_runs must be a contiguous [runs, 2], got {tuple(self.prompt_runs.shape)}")
+            bounds = self.prompt_runs.flatten().tolist()
+            require(all(a < b for a, b in zip(bounds[::2], bounds[1::2])) and all(a <= b for a, b in zip(bounds, bounds[1:]))
+                    and (not bounds or (bounds[0] >= 0 and bounds[-1] <= t)),
+                    f"prompt_runs {bounds} must be non-empty [start, end) ranges rising within the {t} tokens")
         return nd, npf
 
 
@@ -132,7 +146,9 @@ class LayerGeometry:
 class LayerWeights:
     """One decoder layer: its norms' weights, its projections packed by kernels.small_m_linear
     ([N / 16, K, 16] float32), its KV cache pages ([num_blocks, block_size, num_kv_heads,
-    head_dim] float32 each) and its sliding window (None: full attention)."""
+    head_dim] float32 each) and its sliding window (None: full attention). The *_tiles are the
+    projections split by kernels.amx_linear.pack_weight, all four or none: with them the prompt rows
+    of a step (StackBatch.prompt_runs) are projected as bf16x3 on AMX."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -143,6 +159,13 @@ class LayerWeights:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     window: int | None = None
+    qkv_tiles: torch.Tensor | None = None
+    o_tiles: torch.Tensor | None = None
+    gate_up_tiles: torch.Tensor | None = None
+    down_tiles: torch.Tensor | None = None
+
+    def tiles(self) -> list[torch.Tensor | None]:
+        return [getattr(self, f"{name}_tiles") for name in _TILED]
 
 
 def entry_points() -> _Kernels | None:
@@ -150,7 +173,8 @@ def entry_points() -> _Kernels | None:
     addresses = [cpu_native.address(library, symbol) for _, library, symbol in KERNELS]
     if None in addresses or _native_fn() is None:
         return None
-    return _Kernels(*addresses)
+    amx = cpu_native.address("amx_linear", "baton_amx_linear") if amx_linear.ready() else None
+    return _Kernels(*addresses, amx)
 
 
 def _native_fn():
@@ -193,6 +217,9 @@ class LayerStack:
                 require(tuple(c.shape) == cache_shape and c.is_contiguous(),
                         f"layer {i} {name} must be contiguous {cache_shape}, got {tuple(c.shape)}")
             require(w.window is None or w.window >= 1, f"layer {i} window must be >= 1, got {w.window}")
+            _check_tiles(w, i, {"qkv": (q + 2 * kv, g.hidden_size), "o": (g.hidden_size, q),
+                                "gate_up": (2 * g.intermediate_size, g.hidden_size),
+                                "down": (g.hidden_size, g.intermediate_size)})
         self.geometry, self.block_size = g, cache_shape[1]
         require(self.block_size & (self.block_size - 1) == 0, f"block size {self.block_size} is not a power of two")
         # The native prefill attention is compiled for a few block sizes and head dims only; with
@@ -203,8 +230,11 @@ class LayerStack:
         self._cos_sin = cos_sin_cache
         self._layers = (_Layer * len(layers))(*[
             _Layer(w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(), w.post_norm.data_ptr(),
-                   w.gate_up.data_ptr(), w.down.data_ptr(), w.k_cache.data_ptr(), w.v_cache.data_ptr(), w.window or 0)
+                   w.gate_up.data_ptr(), w.down.data_ptr(), w.k_cache.data_ptr(), w.v_cache.data_ptr(), w.window or 0,
+                   *(None if t is None else t.data_ptr() for t in w.tiles()))
             for w in layers])
+        # Prompt rows go to amx_linear only where every layer has its tiles and the kernel runs here.
+        self.tiled = kernels.amx_linear is not None and all(t is not None for w in layers for t in w.tiles())
         self._shapes = _Shapes(g.hidden_size, g.intermediate_size, g.num_heads, g.num_kv_heads, g.head_dim,
                                self.block_size, cache_shape[0], cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
                                g.eps, g.scale, g.softcap or 0.0)
@@ -231,11 +261,13 @@ class LayerStack:
             ("residual", g.hidden_size), ("normed", g.hidden_size), ("qkv", q + 2 * kv), ("attn", q),
             ("gate_up", 2 * g.intermediate_size), ("act", g.intermediate_size))}
         b = batch
+        runs = b.prompt_runs if b.prompt_runs is not None and self.tiled else None
         step = _Step(T, b.positions.data_ptr(), b.slot_mapping.data_ptr(), nd, b.decode_block_tables.data_ptr(),
                      b.decode_block_tables.shape[1], b.decode_context_lens.data_ptr(), npf,
                      b.prefill_block_tables.data_ptr(), b.prefill_block_tables.shape[1],
                      b.prefill_query_start.data_ptr(), b.prefill_context_lens.data_ptr(), hidden.data_ptr(),
-                     *(buf.data_ptr() for buf in buffers.values()))
+                     *(buf.data_ptr() for buf in buffers.values()),
+                     None if runs is None else runs.data_ptr(), 0 if runs is None else runs.shape[0])
         if T:
             err = _native_fn()(ctypes.byref(self._kernels), self._layers, len(self._weights), ctypes.byref(self._shapes),
                                ctypes.byref(step), num_threads)
@@ -247,10 +279,34 @@ class LayerStack:
         return hidden, buffers["residual"]
 
 
+def _check_tiles(w: LayerWeights, layer: int, shapes: dict[str, tuple[int, int]]) -> None:
+    tiles = w.tiles()
+    if all(t is None for t in tiles):
+        return
+    require(all(t is not None for t in tiles), f"layer {layer} has tiles for some projections only")
+    for name, t in zip(_TILED, tiles):
+        n, k = shapes[name]
+        shape = (n // 16, -(-k // amx_linear.TILE_K), 2, 16, 32)
+        check_tensor(t, f"layer {layer} {name}_tiles", 5, (torch.int16,))
+        require(tuple(t.shape) == shape and t.is_contiguous(),
+                f"layer {layer} {name}_tiles must be contiguous {shape} (kernels.amx_linear.pack_weight), "
+                f"got {tuple(t.shape)}")
+
+
 def layer_stack_reference(geometry: LayerGeometry, layers: list[LayerWeights], cos_sin_cache: torch.Tensor,
                           hidden: torch.Tensor, batch: StackBatch):
-    """The same layers from the kernels' PyTorch references (KV written into the caches too)."""
+    """The same layers from the kernels' PyTorch references (KV written into the caches too); the
+    prompt runs of layers with tiles through the bf16x3 reference."""
     g, b = geometry, batch
+    runs = [] if b.prompt_runs is None else b.prompt_runs.tolist()
+
+    def linear(x: torch.Tensor, packed: torch.Tensor, tiles: torch.Tensor | None) -> torch.Tensor:
+        weight = unpack_weight(packed)
+        y = F.linear(x, weight)
+        for start, end in runs if tiles is not None else []:
+            y[start:end] = amx_linear.bf16x3_linear_reference(x[start:end], weight)
+        return y
+
     nd = b.decode_block_tables.shape[0]
     q_size, kv_size = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     residual = None
@@ -259,7 +315,7 @@ def layer_stack_reference(geometry: LayerGeometry, layers: list[LayerWeights], c
             residual, x = hidden, rms_norm_reference(hidden, w.input_norm, g.eps)
         else:
             x, residual = rms_norm_reference(hidden, w.input_norm, g.eps, residual)
-        qkv = F.linear(x, unpack_weight(w.qkv))
+        qkv = linear(x, w.qkv, w.qkv_tiles)
         T = qkv.shape[0]
         qh = qkv[:, :q_size].view(T, g.num_heads, g.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(T, g.num_kv_heads, g.head_dim)
@@ -275,7 +331,7 @@ def layer_stack_reference(geometry: LayerGeometry, layers: list[LayerWeights], c
             attn[nd:] = paged_prefill_attention_reference(qh[nd:], w.k_cache, w.v_cache, b.prefill_block_tables,
                                                           b.prefill_query_start, b.prefill_context_lens, g.scale,
                                                           window=w.window, softcap=g.softcap)
-        x, residual = rms_norm_reference(F.linear(attn.reshape(T, q_size), unpack_weight(w.o)), w.post_norm, g.eps,
+        x, residual = rms_norm_reference(linear(attn.reshape(T, q_size), w.o, w.o_tiles), w.post_norm, g.eps,
                                          residual)
-        hidden = F.linear(silu_and_mul_reference(F.linear(x, unpack_weight(w.gate_up))), unpack_weight(w.down))
+        hidden = linear(silu_and_mul_reference(linear(x, w.gate_up, w.gate_up_tiles)), w.down, w.down_tiles)
     return hidden, residual

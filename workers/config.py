@@ -17,6 +17,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 QUANTIZATIONS = (None, "fp8")
 KERNEL_BACKENDS = ("auto", "triton", "native", "reference")
+FLOAT32_PROMPT_MATMULS = ("bf16x3", "ieee")
 CPU_KV_CACHE_MEMORY = 1 << 30  # kv_cache_memory's default on the CPU
 
 
@@ -153,6 +154,10 @@ class EngineConfig:
                 "compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1", "choices": KERNEL_BACKENDS})
     packed_linear: bool = field(default=True, metadata={
         "help": "CPU linear layers on weights packed at load time (float32: the native small-M kernel, else oneDNN)"})
+    float32_prompt_matmul: str = field(default="bf16x3", metadata={
+        "help": "a float32 model's projections of prompt tokens on CPUs with AMX-BF16: bf16x3 takes each product "
+                "as three bfloat16 ones on the tile unit (about 16 significant bits, 2x faster), ieee in float32 "
+                "as elsewhere; decode tokens always run in float32", "choices": FLOAT32_PROMPT_MATMULS})
     speculative_config: str | None = field(default=None, metadata={
         "help": "speculative decoding on the decode pool, as JSON with vLLM's keys: method (ngram, suffix or "
                 "draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, suffix_decoding_*, model, "
@@ -192,7 +197,7 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name, allowed in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES), ("quantization", QUANTIZATIONS),
-                              ("kernel_backend", KERNEL_BACKENDS)):
+                              ("kernel_backend", KERNEL_BACKENDS), ("float32_prompt_matmul", FLOAT32_PROMPT_MATMULS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.packed_linear, bool):

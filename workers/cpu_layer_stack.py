@@ -5,12 +5,18 @@ call runs (a Llama-family model in float32 on the native kernels, its projection
 small_m_linear, no biases or q/k norms, a float32 KV cache, one rank), and `unsupported_reason`
 says why not otherwise. The model runner (workers/model_runner.py) then runs every step through
 `stack_hidden` instead of the model's own forward pass; `--enforce-eager` keeps the latter.
+
+With `float32_prompt_matmul="bf16x3"` on a CPU with AMX-BF16, the stack also holds each projection
+split for kernels.amx_linear (4 bytes per weight), and the rows of prompt tokens are projected as
+three bfloat16 products each (kernels/amx_linear.py says how close that is to float32); decode rows
+and speculative drafts always run in float32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import amx_linear
 from kernels.layer_stack import LayerGeometry, LayerStack, LayerWeights, StackBatch, entry_points
 from workers.models.llama import AttentionMetadata, LlamaForCausalLM
 from workers.packed_linear import PackedLinear
@@ -44,29 +50,37 @@ def unsupported_reason(model, kv_cache: torch.Tensor, tp_group) -> str | None:
     return None
 
 
-def cpu_layer_stack(model, kv_cache: torch.Tensor, tp_group=None) -> LayerStack | None:
+def cpu_layer_stack(model, kv_cache: torch.Tensor, tp_group=None, prompt_matmul: str = "ieee") -> LayerStack | None:
     """LayerStack over the model's layers and its [layers, 2, blocks, block_size, heads, head_dim]
-    KV cache, or None (see unsupported_reason)."""
+    KV cache, or None (see unsupported_reason). prompt_matmul "bf16x3" adds the AMX tiles where the
+    kernel runs."""
     if unsupported_reason(model, kv_cache, tp_group) is not None:
         return None
+    tiled = prompt_matmul == "bf16x3" and amx_linear.ready()
+
     first = model.layers[0]
     geometry = LayerGeometry(
         hidden_size=model.config.hidden_size, intermediate_size=model.config.intermediate_size,
         num_heads=first.self_attn.num_heads, num_kv_heads=first.self_attn.num_kv_heads,
         head_dim=first.self_attn.head_dim, eps=first.eps, scale=first.self_attn.scale, softcap=first.self_attn.softcap)
-    layers = [LayerWeights(
-        input_norm=layer.input_layernorm.data, qkv=_packed(layer.self_attn.qkv_proj), o=_packed(layer.self_attn.o_proj),
-        post_norm=layer.post_attention_layernorm.data, gate_up=_packed(layer.mlp.gate_up_proj),
-        down=_packed(layer.mlp.down_proj), k_cache=kv_cache[i, 0], v_cache=kv_cache[i, 1], window=layer.self_attn.window)
-        for i, layer in enumerate(model.layers)]
+    layers = []
+    for i, layer in enumerate(model.layers):
+        projections = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+                       "down": layer.mlp.down_proj}
+        layers.append(LayerWeights(
+            input_norm=layer.input_layernorm.data, post_norm=layer.post_attention_layernorm.data,
+            k_cache=kv_cache[i, 0], v_cache=kv_cache[i, 1], window=layer.self_attn.window,
+            **{name: _packed(p) for name, p in projections.items()},
+            **{f"{name}_tiles": amx_linear.pack_weight(_packed(p)) for name, p in projections.items() if tiled}))
     return LayerStack(geometry, layers, model.cos_sin_cache)
 
 
 def stack_hidden(model, stack: LayerStack, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-    """The model's final hidden states [tokens, hidden] (normed), as model.forward returns them."""
+                 meta: AttentionMetadata, prompt_runs: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's final hidden states [tokens, hidden] (normed), as model.forward returns them
+    (prompt_runs: see StackBatch)."""
     batch = StackBatch(positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                       meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens)
+                       meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens, prompt_runs)
     hidden, residual = stack.run(model.embed_tokens(input_ids), batch, torch.get_num_threads())
     hidden, _ = model.ops.rms_norm(hidden, model.norm, model.config.rms_norm_eps, residual)
     return hidden

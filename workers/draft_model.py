@@ -70,6 +70,7 @@ class DraftView:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int  # as the target's: prompt rows run at float32_prompt_matmul's precision in both
 
 
 @dataclass
@@ -185,7 +186,8 @@ class DraftModelProposer:
         if not run:
             return
         ran = {id(c) for c in run}
-        views = [ScheduledChunk(DraftView(c.seq.token_ids, c.seq.block_ids, c.seq.num_computed_tokens), c.num_tokens)
+        views = [ScheduledChunk(DraftView(c.seq.token_ids, c.seq.block_ids, c.seq.num_computed_tokens,
+                                          c.seq.num_prompt_tokens), c.num_tokens)
                  for c in sorted(run, key=lambda c: c.num_tokens != 1)]  # single-token chunks first
         self.runner.execute(views, [False] * len(views))
         self.num_computed_tokens += sum(c.num_tokens for c in run)
@@ -253,7 +255,7 @@ class DraftModelProposer:
             done = min(state.valid_prefix(seq, self.block_size), seq.num_tokens - 1)
             scratch = list(range(self.first_scratch + slot * self.scratch_per_seq,
                                  self.first_scratch + (slot + 1) * self.scratch_per_seq))
-            views[i] = DraftView(list(seq.token_ids), list(seq.block_ids) + scratch, done)
+            views[i] = DraftView(list(seq.token_ids), list(seq.block_ids) + scratch, done, seq.num_prompt_tokens)
             done_before[i] = done
         # Step 1: every sequence's uncomputed tokens (single-token chunks first, as StepInputs wants).
         order = sorted(active, key=lambda i: seqs[i].num_tokens - views[i].num_computed_tokens != 1)

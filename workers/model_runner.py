@@ -291,7 +291,8 @@ class ModelRunner:
             self.capture_decode_graphs(cuda_graph_factory())
         # On the CPU, steps run the decoder layers in one native call where the model allows
         # (workers/cpu_layer_stack.py); it holds the cache's and the packed weights' addresses.
-        self.layer_stack = None if engine_config.enforce_eager else cpu_layer_stack(self.model, kv_cache, self.tp_group)
+        self.layer_stack = None if engine_config.enforce_eager else cpu_layer_stack(
+            self.model, kv_cache, self.tp_group, engine_config.float32_prompt_matmul)
 
     def capture_decode_graphs(self, new_graph, batch_sizes=None) -> DecodeGraphs:
         """Capture the decode forward once per batch-size bucket (default: graph_batch_sizes of
@@ -390,7 +391,8 @@ class ModelRunner:
         positions = torch.tensor(step.positions, dtype=torch.int64, device=device)
         with torch.inference_mode():
             if self.layer_stack is not None and (self.layer_stack.takes_prefill or not step.prefill_rows):
-                return stack_hidden(self.model, self.layer_stack, input_ids, positions, meta)
+                runs = torch.tensor(step.prompt_runs, dtype=torch.int64).reshape(-1, 2) if step.prompt_runs else None
+                return stack_hidden(self.model, self.layer_stack, input_ids, positions, meta, runs)
             return self.model(input_ids, positions, meta, self.kv_views())
 
     def stop_followers(self) -> None:
@@ -425,6 +427,9 @@ class StepInputs:
     prefill_lens: list[int]
     query_start: list[int]  # prefix sums of the prefill chunks' token counts, from 0
     logits_index: list[int]  # rows of the hidden states whose logits are wanted
+    # [start, end) row ranges of tokens in their sequence's prompt (merged where they touch): a
+    # CPU layer stack may project them at float32_prompt_matmul's precision (workers/cpu_layer_stack.py)
+    prompt_runs: list[tuple[int, int]]
 
     @classmethod
     def of(cls, chunks: list[ScheduledChunk], sample_mask: list[bool], block_size: int) -> "StepInputs":
@@ -435,11 +440,19 @@ class StepInputs:
         decode_rows, decode_lens = [], []
         prefill_rows, prefill_lens, query_start = [], [], [0]
         logits_index: list[int] = []
+        prompt_runs: list[tuple[int, int]] = []
         num_decode = 0
         for chunk, sample in zip(chunks, sample_mask):
             seq, n = chunk.seq, chunk.num_tokens
             start = seq.num_computed_tokens
             end = start + n
+            prompt_rows = max(0, min(end, seq.num_prompt_tokens) - start)
+            if prompt_rows:
+                row = len(input_ids)
+                if prompt_runs and prompt_runs[-1][1] == row:
+                    prompt_runs[-1] = (prompt_runs[-1][0], row + prompt_rows)
+                else:
+                    prompt_runs.append((row, row + prompt_rows))
             input_ids.extend(chunk.input_token_ids if chunk.draft_token_ids else seq.token_ids[start:end])
             positions.extend(range(start, end))
             block_ids = seq.block_ids
@@ -457,4 +470,4 @@ class StepInputs:
                 # A draft chunk's rows verify its drafts: its last token's and each draft's.
                 logits_index.extend(range(len(input_ids) - 1 - len(chunk.draft_token_ids), len(input_ids)))
         return cls(input_ids, positions, slots, num_decode, decode_rows, decode_lens, prefill_rows, prefill_lens,
-                   query_start, logits_index)
+                   query_start, logits_index, prompt_runs)

@@ -296,7 +296,8 @@ def t_sampling_cost() -> str:
 def t_fp8_accuracy() -> str:
     names = {"float32": "float32", "fp8 weights": "FP8 weights", "fp8 KV": "FP8 KV cache",
              "fp8 weights + KV": "FP8 weights + KV",
-             "bfloat16": "`--dtype bfloat16` (not FP8; for comparison)"}
+             "bfloat16": "`--dtype bfloat16` (not FP8; for comparison)",
+             "float32, bf16x3 prompts": "float32, prompt projections as bf16x3 (the default on AMX CPUs)"}
     rows = []
     for key, r in load("fp8_accuracy")["rows"].items():
         g = r["greedy"]
@@ -306,6 +307,22 @@ def t_fp8_accuracy() -> str:
                      f(g["mean_identical_prefix"], 1)])
     return table(["config", "perplexity", "vs float32", "identical greedy answers",
                   "mean identical prefix (of 32 tokens)"], rows)
+
+
+def t_amx_linear() -> str:
+    d = load("amx_linear")
+    rows = []
+    for k in d["kernels"]:
+        e = k["error_over_mean_output"]
+        rows.append([f"one layer's projections, {f(k['rows'], 0)} rows", ms(k["ieee_ms"]) + " ms",
+                     ms(k["bf16x3_ms"]) + " ms", ratio(k["speedup"]),
+                     f"{e['float32']:.1e} / {e['bf16x3']:.1e} / {e['bfloat16']:.1e}"])
+    p = d.get("engine_prefill")
+    if p:
+        rows.append([f"a {f(p['prompt_tokens'], 0)}-token prompt's prefill (CPU s, steps of {p['step_budget']} tokens)",
+                     f(p["cpu_s"]["ieee"], 2) + " s", f(p["cpu_s"]["bf16x3"], 2) + " s", ratio(p["speedup"]), ""])
+    return table(["one thread", "float32 FMAs (ieee)", "bf16x3 on AMX", "speed-up",
+                  "error / mean output: float32 / bf16x3 / bfloat16"], rows)
 
 
 def t_fp8_memory() -> str:

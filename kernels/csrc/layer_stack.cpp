@@ -14,6 +14,8 @@ using RmsNormFn = int (*)(const void* x, int64_t x_stride, const void* residual,
                           int num_threads);
 using LinearFn = int (*)(const float* x, int64_t x_stride, int64_t M, const float* w_packed, float* y,
                          int64_t y_stride, int64_t K, int64_t N, int num_threads);
+using AmxLinearFn = int (*)(const float* x, int64_t x_stride, int64_t M, const uint16_t* w_tiles, float* y,
+                            int64_t y_stride, int64_t K, int64_t N, int num_threads);
 using RotaryFn = int (*)(const int64_t* positions, void* q, int64_t q_stride_t, int64_t q_stride_h, int Hq,
                          void* k, int64_t k_stride_t, int64_t k_stride_h, int Hk, int D,
                          const float* cos_sin, int64_t max_position, int64_t T, int dtype, int num_threads);
@@ -53,6 +55,7 @@ struct StackKernels {
     DecodeAttentionFn decode_attention;
     PrefillAttentionFn prefill_attention;
     SiluMulFn silu_and_mul;
+    AmxLinearFn amx_linear;  // null: every row on `linear`
 };
 
 // One layer's weights (float32; the projections packed by kernels/small_m_linear.py) and KV cache.
@@ -66,6 +69,12 @@ struct StackLayer {
     char* k_cache;
     char* v_cache;
     int64_t window;  // 0: full attention
+    // The projections split for amx_linear (kernels/amx_linear.py), or all null: prompt rows then
+    // run on `linear` too.
+    const uint16_t* qkv_tiles;
+    const uint16_t* o_tiles;
+    const uint16_t* gate_up_tiles;
+    const uint16_t* down_tiles;
 };
 
 struct StackShapes {
@@ -83,7 +92,9 @@ struct StackShapes {
 // in workers/models/llama.py's AttentionMetadata. Buffers are float32 with unit row strides:
 // hidden [T, hidden] (the embeddings on entry, the last layer's MLP output on return), residual
 // [T, hidden] (the residual stream on return), normed [T, hidden], qkv [T, q + 2 kv], attn [T, q],
-// gate_up [T, 2 intermediate], act [T, intermediate].
+// gate_up [T, 2 intermediate], act [T, intermediate]. prompt_runs: num_prompt_runs [start, end) row
+// ranges, rising and apart, of tokens in their sequence's prompt, which amx_linear projects where
+// the layer has tiles; every other row (decode rows, speculative drafts) stays on `linear`.
 struct StackStep {
     int64_t T;
     const int64_t* positions;
@@ -104,6 +115,8 @@ struct StackStep {
     float* attn;
     float* gate_up;
     float* act;
+    const int64_t* prompt_runs;  // [num_prompt_runs, 2]
+    int64_t num_prompt_runs;
 };
 
 // Returns 0, or 1000 * (layer + 1) + 10 * stage + the kernel's own status (1 or 2) for the first
@@ -119,6 +132,27 @@ int baton_layer_stack(const StackKernels* k, const StackLayer* layers, int num_l
     float* k_rows = st->qkv + q_size;
     float* v_rows = k_rows + kv_size;
     const int64_t num_slots = s->num_blocks * s->block_size;
+    // y = x . W^T over the step's rows: the prompt runs on amx_linear when there are tiles, the rows
+    // between them on `linear`. Both give each row the same bits whatever rows run beside it.
+    auto project = [&](const float* x, int64_t xs, const float* w, const uint16_t* tiles, float* y, int64_t ys,
+                       int64_t K, int64_t N) {
+        if (tiles == nullptr || k->amx_linear == nullptr || st->num_prompt_runs == 0)
+            return k->linear(x, xs, B, w, y, ys, K, N, num_threads);
+        int64_t row = 0;
+        for (int64_t r = 0; r <= st->num_prompt_runs; ++r) {
+            const int64_t start = r < st->num_prompt_runs ? st->prompt_runs[2 * r] : B;
+            if (start > row) {
+                if (int status = k->linear(x + row * xs, xs, start - row, w, y + row * ys, ys, K, N, num_threads))
+                    return status;
+            }
+            if (r == st->num_prompt_runs) break;
+            const int64_t end = st->prompt_runs[2 * r + 1];
+            if (int status = k->amx_linear(x + start * xs, xs, end - start, tiles, y + start * ys, ys, K, N, num_threads))
+                return status;
+            row = end;
+        }
+        return 0;
+    };
     for (int l = 0; l < num_layers; ++l) {
         const StackLayer& w = layers[l];
         int status = 0, stage = 0;
@@ -134,7 +168,7 @@ int baton_layer_stack(const StackKernels* k, const StackLayer* layers, int num_l
             return k->rms_norm(st->hidden, H, nullptr, 0, w.input_norm, kFloat32, st->normed, H, nullptr, 0, B, H,
                                s->eps, kFloat32, num_threads);
         });
-        then(2, [&] { return k->linear(st->normed, H, B, w.qkv, st->qkv, qkv_width, H, qkv_width, num_threads); });
+        then(2, [&] { return project(st->normed, H, w.qkv, w.qkv_tiles, st->qkv, qkv_width, H, qkv_width); });
         then(3, [&] {
             return k->rotary(st->positions, st->qkv, qkv_width, D, Hq, k_rows, qkv_width, D, Hk, int(D), s->cos_sin,
                              s->max_position, B, kFloat32, num_threads);
@@ -159,14 +193,14 @@ int baton_layer_stack(const StackKernels* k, const StackLayer* layers, int num_l
                                         st->prefill_context_lens, st->attn + nd * q_size, q_size, D, st->num_prefill,
                                         Hq, Hk, int(D), s->block_size, s->scale, w.window, s->softcap, num_threads);
         });
-        then(7, [&] { return k->linear(st->attn, q_size, B, w.o, st->hidden, H, q_size, H, num_threads); });
+        then(7, [&] { return project(st->attn, q_size, w.o, w.o_tiles, st->hidden, H, q_size, H); });
         then(8, [&] {
             return k->rms_norm(st->hidden, H, st->residual, H, w.post_norm, kFloat32, st->normed, H, st->residual, H,
                                B, H, s->eps, kFloat32, num_threads);
         });
-        then(9, [&] { return k->linear(st->normed, H, B, w.gate_up, st->gate_up, 2 * I, H, 2 * I, num_threads); });
+        then(9, [&] { return project(st->normed, H, w.gate_up, w.gate_up_tiles, st->gate_up, 2 * I, H, 2 * I); });
         then(10, [&] { return k->silu_and_mul(st->gate_up, 2 * I, st->act, I, B, I, kFloat32, num_threads); });
-        then(11, [&] { return k->linear(st->act, I, B, w.down, st->hidden, H, I, H, num_threads); });
+        then(11, [&] { return project(st->act, I, w.down, w.down_tiles, st->hidden, H, I, H); });
         if (status != 0) return 1000 * (l + 1) + 10 * stage + status;
     }
     return 0;

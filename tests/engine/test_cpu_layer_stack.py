@@ -2,8 +2,9 @@
 them, and that they give the model's own layer-by-layer forward pass bit for bit.
 
 The oracle is the same engine with --enforce-eager (every step through the model's forward pass,
-which tests/engine checks against transformers): every step's logits must be equal, not close,
-since the same kernels run in the same order on the same inputs.
+which tests/engine checks against transformers): with float32 prompt projections every step's
+logits must be equal, not close, since the same kernels run in the same order on the same inputs.
+With the default bf16x3 prompt projections (on AMX) they must be close, and the tokens the same.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
+from kernels import amx_linear
 from kernels.layer_stack import entry_points
 from tests.engine.helpers import run_with_logits, save_tiny_model
 from workers.config import EngineConfig
@@ -49,7 +51,7 @@ def test_every_step_gives_the_layer_by_layer_logits(model, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        one_call = engine(folder)
+        one_call = engine(folder, float32_prompt_matmul="ieee")
         stack = one_call.runner.layer_stack
         assert stack is not None and stack.takes_prefill == ("64" in model)
         calls = []  # (tokens, decode rows) of each step the one call ran
@@ -67,6 +69,25 @@ def test_every_step_gives_the_layer_by_layer_logits(model, threads):
     for got, want in zip(logits, eager_logits):
         assert len(got) == len(want) == params.max_tokens
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.skipif(not amx_linear.ready(), reason="no AMX-BF16 here")
+def test_bf16x3_prompt_projections_stay_close_to_the_float32_pass():
+    kind, overrides = MODELS["llama, head dim 64"]
+    folder, _ = save_tiny_model(kind, tie_word_embeddings=False, **overrides)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 70))] for _ in range(7)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tiled = engine(folder)
+    assert tiled.runner.layer_stack.tiled
+    done, logits = run_with_logits(tiled, prompts, params)
+    eager_done, eager_logits = run_with_logits(engine(folder, enforce_eager=True), prompts, params)
+    assert [d.token_ids for d in done] == [d.token_ids for d in eager_done]
+    pairs = [(a, b) for got, want in zip(logits, eager_logits) for a, b in zip(got, want)]
+    assert not all(torch.equal(a, b) for a, b in pairs)  # the prompts did run on the tiles
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, atol=1e-3 * float(b.abs().mean()), rtol=0)
+    assert engine(folder, float32_prompt_matmul="ieee").runner.layer_stack.tiled is False
 
 
 def test_which_models_take_the_one_call():

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import small_m_linear
+from kernels import amx_linear, small_m_linear
 from kernels.layer_stack import (LayerGeometry, LayerStack, LayerWeights, StackBatch, entry_points,
                                  layer_stack_reference)
 from kernels.rotary import build_rope_cache
@@ -90,6 +90,39 @@ def test_matches_the_references_layer_by_layer(softcap, threads, rows, head_dim)
     for got, want in zip(layers, copies):  # each token's K and V landed in its slot, nowhere else
         torch.testing.assert_close(got.k_cache, want.k_cache, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.v_cache, want.v_cache, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not amx_linear.ready(), reason="no AMX-BF16 here")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_runs_take_the_bf16x3_projections_and_other_rows_float32(threads):
+    gen = torch.Generator().manual_seed(5)
+    g = geometry(None, 64)
+    layers = [replace(w, **{f"{name}_tiles": amx_linear.pack_weight(getattr(w, name))
+                            for name in ("qkv", "o", "gate_up", "down")})
+              for w in random_layers(g, [None, 21], gen)]
+    rope = build_rope_cache(g.head_dim, 64, 10000.0, None)
+    # Decode rows 0-2, then a whole 19-token prompt (rows 3-21) and a 9-token chunk of which the
+    # first 5 tokens close a prompt (rows 22-26) and the last 4 are recomputed outputs.
+    step = replace(batch([1, 17, 40], gen, [(0, 19), (35, 9)]),
+                   prompt_runs=torch.tensor([[3, 27]], dtype=torch.int64))
+    hidden = torch.randn(step.positions.shape[0], g.hidden_size, generator=gen)
+    copies = [LayerWeights(**{**w.__dict__, "k_cache": w.k_cache.clone(), "v_cache": w.v_cache.clone()})
+              for w in layers]
+    stack = LayerStack(g, layers, rope)
+    assert stack.tiled
+    out, residual = stack.run(hidden, step, num_threads=threads)
+    want_out, want_residual = layer_stack_reference(g, copies, rope, hidden, step)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(residual, want_residual, atol=1e-4, rtol=1e-4)
+    # The decode rows (their own pages, no prompt row's KV) are the float32 pass's bits; the prompt
+    # rows differ from it (they did run on the tiles). The reference above checked rows 27-30 too.
+    plain, _ = LayerStack(g, [replace(w, qkv_tiles=None, o_tiles=None, gate_up_tiles=None, down_tiles=None)
+                              for w in copies], rope).run(hidden, step, num_threads=threads)
+    assert torch.equal(out[:3], plain[:3]) and not torch.equal(out[3:27], plain[3:27])
+    with pytest.raises(ValueError, match="prompt_runs"):
+        stack.run(hidden, replace(step, prompt_runs=torch.tensor([[3, 40]], dtype=torch.int64)), num_threads=1)
+    with pytest.raises(ValueError, match="tiles for some projections only"):
+        LayerStack(g, [replace(layers[0], o_tiles=None)], rope)
 
 
 def test_an_empty_batch_and_bad_inputs():
