@@ -76,6 +76,27 @@ inline void configure() {
     _tile_loadconfig(&cfg);
 }
 
+// The sums (tiles 0-3) += the x tiles (4, 5) times the weight tiles (6, and 7 with NT = 2).
+template <int NT>
+inline void multiply_loaded() {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (NT == 2) {
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+// Sum tile `tile` (0-3) to 16 rows `stride_bytes` apart; tile numbers must be constants.
+inline void store_sums(int tile, float* out, int64_t stride_bytes) {
+    switch (tile) {
+        case 0: _tile_stored(0, out, stride_bytes); break;
+        case 1: _tile_stored(1, out, stride_bytes); break;
+        case 2: _tile_stored(2, out, stride_bytes); break;
+        default: _tile_stored(3, out, stride_bytes); break;
+    }
+}
+
 // The x rows [m, m + 32) (split, padded) against the weight tiles of outputs [16 nt, 16 nt + 16 NT).
 template <int NT>
 inline void block(const uint16_t* xh, const uint16_t* xl, int64_t kp, const uint16_t* w, int64_t nt, float* y,
@@ -90,34 +111,19 @@ inline void block(const uint16_t* xh, const uint16_t* xl, int64_t kp, const uint
     const uint16_t* w1 = w0 + nt_stride;
     for (int64_t kb = 0; kb < kblocks; ++kb) {
         const int64_t xo = kb * kTileK, wo = kb * 2 * tile_elems;
-        _tile_loadd(4, xh + xo, x_bytes);
+        _tile_loadd(4, xh + xo, x_bytes);  // xh wh
         _tile_loadd(5, xh + kTileRows * kp + xo, x_bytes);
-        _tile_loadd(6, w0 + wo, 64);  // wh
+        _tile_loadd(6, w0 + wo, 64);
         if (NT == 2) _tile_loadd(7, w1 + wo, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        if (NT == 2) {
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        multiply_loaded<NT>();
         _tile_loadd(4, xl + xo, x_bytes);  // xl wh
         _tile_loadd(5, xl + kTileRows * kp + xo, x_bytes);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        if (NT == 2) {
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        multiply_loaded<NT>();
         _tile_loadd(4, xh + xo, x_bytes);  // xh wl
         _tile_loadd(5, xh + kTileRows * kp + xo, x_bytes);
         _tile_loadd(6, w0 + wo + tile_elems, 64);
         if (NT == 2) _tile_loadd(7, w1 + wo + tile_elems, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        if (NT == 2) {
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        multiply_loaded<NT>();
     }
     // Full tiles go straight to y; a tile past the last row goes through a scratch tile.
     alignas(64) float scratch[kTileRows * 16];
@@ -126,22 +132,11 @@ inline void block(const uint16_t* xh, const uint16_t* xl, int64_t kp, const uint
         if (rows <= 0) break;
         for (int j = 0; j < NT; ++j) {
             float* out = y + half * kTileRows * y_stride + n0 + 16 * j;
-            const int tile = 2 * half + j;
             if (rows >= kTileRows) {
-                switch (tile) {  // tile numbers must be constants
-                    case 0: _tile_stored(0, out, y_stride * 4); break;
-                    case 1: _tile_stored(1, out, y_stride * 4); break;
-                    case 2: _tile_stored(2, out, y_stride * 4); break;
-                    default: _tile_stored(3, out, y_stride * 4); break;
-                }
+                store_sums(2 * half + j, out, y_stride * 4);
                 continue;
             }
-            switch (tile) {
-                case 0: _tile_stored(0, scratch, 64); break;
-                case 1: _tile_stored(1, scratch, 64); break;
-                case 2: _tile_stored(2, scratch, 64); break;
-                default: _tile_stored(3, scratch, 64); break;
-            }
+            store_sums(2 * half + j, scratch, 64);
             for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * y_stride, scratch + r * 16, 64);
         }
     }

@@ -112,6 +112,31 @@ def test_step_inputs_of_a_mixed_batch():
     assert (step.num_decode, step.decode_rows, step.decode_lens) == (1, [[7, 2]], [5])
     assert (step.prefill_rows, step.prefill_lens, step.query_start) == ([[3]], [4], [0, 3])
     assert step.logits_index == [0, 3]
+    assert step.prompt_runs == [(0, 4)]  # both sequences' tokens are still prompt tokens
+
+
+def test_step_inputs_mark_prompt_rows_and_leave_generated_tokens_and_drafts_out():
+    from common.sampling_params import SamplingParams
+    from workers.model_runner import StepInputs
+    from workers.sequence import ScheduledChunk, Sequence
+
+    decoding = Sequence("d", [1, 2, 3], SamplingParams())
+    decoding.output_token_ids = [4]
+    decoding.token_ids, decoding.block_ids, decoding.num_computed_tokens = [1, 2, 3, 4], [5], 3
+    drafting = Sequence("s", [1, 2], SamplingParams())
+    drafting.output_token_ids = [3]
+    drafting.token_ids, drafting.block_ids, drafting.num_computed_tokens = [1, 2, 3], [6, 10], 2
+    recomputed = Sequence("r", [7, 8, 9], SamplingParams())  # preempted after two outputs: all five again
+    recomputed.output_token_ids = [10, 11]
+    recomputed.token_ids, recomputed.block_ids = [7, 8, 9, 10, 11], [7, 8]
+    prompt = Sequence("p", [12, 13], SamplingParams())
+    prompt.block_ids = [9]
+    chunks = [ScheduledChunk(decoding, 1), ScheduledChunk(drafting, 3, draft_token_ids=(4, 5)),
+              ScheduledChunk(recomputed, 5), ScheduledChunk(prompt, 2)]
+    step = StepInputs.of(chunks, [True] * 4, block_size=4)
+    # Rows: 0 decode; 1-3 the drafting sequence's last token and drafts; 4-8 the recomputed sequence
+    # (its 3 prompt tokens, then 2 outputs); 9-10 the new prompt.
+    assert step.prompt_runs == [(4, 7), (9, 11)]
 
 
 def test_the_ranks_transfer_results_add_up_to_the_worst_status():
