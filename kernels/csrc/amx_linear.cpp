@@ -169,13 +169,31 @@ int baton_amx_pack_weight(const float* w_packed, int64_t K, int64_t N, uint16_t*
         for (int64_t kb = 0; kb < kblocks; ++kb) {
             uint16_t* hi = out + (nt * kblocks + kb) * 2 * kTileRows * kTileK;
             uint16_t* lo = hi + kTileRows * kTileK;
-            for (int64_t pair = 0; pair < kTileRows; ++pair)
+            for (int64_t pair = 0; pair < kTileRows; ++pair) {
+                const int64_t k = kb * kTileK + 2 * pair;
+                const float* row = w_packed + (nt * K + k) * 16;  // 16 outputs at k, then at k + 1
+#ifdef BATON_AMX
+                if (k + 1 < K) {  // both rows there: split 32 values at once, interleaved by k
+                    const __m512 a = _mm512_loadu_ps(row), b = _mm512_loadu_ps(row + 16);
+                    const __m512i interleave = _mm512_set_epi16(
+                        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+                    const __m512bh h = _mm512_cvtne2ps_pbh(b, a);  // a's 16 then b's 16
+                    const __m512i hv = (__m512i)h;
+                    const __m512 ah = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hv)), 16));
+                    const __m512 bh = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hv, 1)), 16));
+                    const __m512i lv = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
+                    _mm512_storeu_si512(hi + pair * 32, _mm512_permutexvar_epi16(interleave, hv));
+                    _mm512_storeu_si512(lo + pair * 32, _mm512_permutexvar_epi16(interleave, lv));
+                    continue;
+                }
+#endif
                 for (int64_t n = 0; n < 16; ++n)
                     for (int64_t j = 0; j < 2; ++j) {
-                        const int64_t k = kb * kTileK + 2 * pair + j;
-                        const float v = k < K ? w_packed[(nt * K + k) * 16 + n] : 0.0f;
+                        const float v = k + j < K ? row[16 * j + n] : 0.0f;
                         split(v, hi[pair * 32 + 2 * n + j], lo[pair * 32 + 2 * n + j]);
                     }
+            }
         }
     return 0;
 }

@@ -37,6 +37,18 @@ def test_matches_the_bf16x3_reference_and_float32_closely(out_features, in_featu
         assert float((plain - exact).abs().max()) > 30 * float((out.double() - exact).abs().max())
 
 
+def test_the_packed_tiles_hold_each_weight_split_in_hi_and_lo_interleaved_by_k():
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 45, generator=g)  # k 45-63 are padding in the second block of 32
+    packed = tiles(weight)
+    hi, lo = amx_linear.split_bf16(torch.nn.functional.pad(weight, (0, 64 - 45)))
+    as_bf16 = packed.view(torch.bfloat16).float()  # [n / 16, k / 32, part, pair, 16 n x 2]
+    for part, want in ((0, hi), (1, lo)):
+        # want[16 nt + n, 32 kb + 2 pair + j] sits at [nt, kb, part, pair, 2 n + j]
+        layout = want.view(3, 16, 2, 16, 2).permute(0, 2, 3, 1, 4).reshape(3, 2, 16, 32)
+        assert torch.equal(as_bf16[:, :, part], layout), part
+
+
 def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_thread_count():
     g = torch.Generator().manual_seed(2)
     weight, pad = torch.randn(112, 70, generator=g), torch.randn(70, 96, generator=g)
