@@ -1,10 +1,9 @@
 // float32 linear layer for prompt rows on Intel AMX: y[M, N] = x[M, K] . W^T with each product taken
 // as three bfloat16 products (bf16x3): x = xh + xl and w = wh + wl, each part a bfloat16, and
 // x w ~ xh wh + xh wl + xl wh, accumulated in float32 by the tile unit. What is left out (xl wl and
-// what 16 bits of significand cannot hold) is ~2^-16 of each product, ten times float32's own
-// rounding error on a dot product of the default model's length and ~30 times less than TF32's
-// (kernels/amx_linear.py has the reference and the measurement). One AMX tile multiply does 16 x 16
-// x 32 multiply-adds, so the three of them still run at several times the float32 FMA units' rate.
+// what 16 bits of significand cannot hold) is ~2^-16 of each product, far below TF32's ~2^-11
+// (kernels/amx_linear.py has the reference and the measured error). One AMX tile multiply does
+// 16 x 16 x 32 multiply-adds, so the three products still run faster than the float32 FMA units.
 //
 // The weight is split once, at load time (baton_amx_pack_weight), from kernels/small_m_linear.py's
 // [N / 16][K][16] float32 packing into tiles of [N / 16][Kp / 32][hi, lo][16 pairs of k][16 n x 2]
