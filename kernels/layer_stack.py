@@ -217,9 +217,7 @@ class LayerStack:
                 require(tuple(c.shape) == cache_shape and c.is_contiguous(),
                         f"layer {i} {name} must be contiguous {cache_shape}, got {tuple(c.shape)}")
             require(w.window is None or w.window >= 1, f"layer {i} window must be >= 1, got {w.window}")
-            _check_tiles(w, i, {"qkv": (q + 2 * kv, g.hidden_size), "o": (g.hidden_size, q),
-                                "gate_up": (2 * g.intermediate_size, g.hidden_size),
-                                "down": (g.hidden_size, g.intermediate_size)})
+            _check_tiles(w, i)
         self.geometry, self.block_size = g, cache_shape[1]
         require(self.block_size & (self.block_size - 1) == 0, f"block size {self.block_size} is not a power of two")
         # The native prefill attention is compiled for a few block sizes and head dims only; with
@@ -279,14 +277,16 @@ class LayerStack:
         return hidden, buffers["residual"]
 
 
-def _check_tiles(w: LayerWeights, layer: int, shapes: dict[str, tuple[int, int]]) -> None:
+def _check_tiles(w: LayerWeights, layer: int) -> None:
+    """The tiles of a layer whose packed projections are already checked: all or none, each of its
+    projection's shape."""
     tiles = w.tiles()
     if all(t is None for t in tiles):
         return
     require(all(t is not None for t in tiles), f"layer {layer} has tiles for some projections only")
     for name, t in zip(_TILED, tiles):
-        n, k = shapes[name]
-        shape = (n // 16, -(-k // amx_linear.TILE_K), 2, 16, 32)
+        blocks, k, _ = getattr(w, name).shape
+        shape = (blocks, -(-k // amx_linear.TILE_K), 2, 16, 32)
         check_tensor(t, f"layer {layer} {name}_tiles", 5, (torch.int16,))
         require(tuple(t.shape) == shape and t.is_contiguous(),
                 f"layer {layer} {name}_tiles must be contiguous {shape} (kernels.amx_linear.pack_weight), "

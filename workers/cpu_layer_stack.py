@@ -57,7 +57,6 @@ def cpu_layer_stack(model, kv_cache: torch.Tensor, tp_group=None, prompt_matmul:
     if unsupported_reason(model, kv_cache, tp_group) is not None:
         return None
     tiled = prompt_matmul == "bf16x3" and amx_linear.ready()
-
     first = model.layers[0]
     geometry = LayerGeometry(
         hidden_size=model.config.hidden_size, intermediate_size=model.config.intermediate_size,
