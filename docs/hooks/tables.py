@@ -391,6 +391,22 @@ def t_kv_transfer_checksum_one_process() -> str:
                  [[p] + [f(c[f"{k}_seconds_median"] * 1e3, 2) for k, _ in names] for p, c in d.items()])
 
 
+def t_kv_checksum_after_prefill() -> str:
+    """`python -m bench.kv_checksum_after_prefill`: the summing copy on blocks a prefill has just written."""
+    d = load("kv_checksum_after_prefill")
+    medians, quartiles = d["copy_seconds_median"], d["copy_seconds_quartiles"]
+    rows = [[when, f(medians[f"no sums, {when}"] * 1e3, 3), f(medians[f"sums, {when}"] * 1e3, 3),
+             pct(d["sums_overhead"][when], sign=True),
+             f"{f(quartiles[f'sums, {when}'][0] * 1e3, 3)}-{f(quartiles[f'sums, {when}'][1] * 1e3, 3)}"]
+            for when in ("after prefill", "cold")]
+    shape = "x".join(str(n) for n in d["kv_cache_shape"])
+    return (table(["blocks", "copy without sums (ms)", "copy with sums (ms)", "sums add", "with sums, quartiles (ms)"],
+                  rows)
+            + f"\n\n{d['bytes_copied'] / 2**20:.1f} MiB per copy ({d['prompt_tokens']} prompt tokens of {d['model']}, "
+              f"{d['kv_dtype']} KV cache {shape}), medians of {d['reps']} prefills per row; load average "
+              f"{f(d['machine']['load_average_1_5_15_before'][0], 1)} before.")
+
+
 # -- serving paths -------------------------------------------------------------------------------
 
 def t_serving() -> str:
