@@ -9,8 +9,9 @@ and reaches it only through its public methods):
   has its index entries dropped at once, so nothing is routed to it for its cache. A dead worker
   is marked down (requests on it are told: `WorkerLost`); Ray restarts it (restartable actors)
   and the first heartbeat it answers re-admits it. One that Ray will not restart any more
-  (ActorDiedError) is `gone`: the callbacks given to `subscribe_gone` (the pool manager's) hear of
-  it, and replace it.
+  (ActorDiedError, or Ray's state DEAD: an actor the memory monitor killed answers every call with
+  OutOfMemoryError, restarts left or not) is `gone`: the callbacks given to `subscribe_gone` (the
+  pool manager's) hear of it, and replace it.
 - **Streams**: one long-poll loop ("pump") per decode worker carries every request's new tokens
   at once into that request's queue, only while the request still runs on that worker.
 - **Leases**: every call names this router (`router`, a `RouterClaim`): with several router
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError, RayTaskError
 
 from common.protocol import DEFAULT_ROUTER_ID, GrammarCounts, KVEndpoint, RouterClaim, RouterLeaseInfo, SpecDecodeStats
@@ -45,6 +47,18 @@ from router.prefix_index import PrefixIndex
 __all__ = ["DEFAULT_LEASE_S", "PoolWorker", "Stream", "WorkerEntry", "WorkerPools"]
 
 log = logging.getLogger("baton.router")
+
+
+def ray_actor_state(handle: object) -> str | None:
+    """Ray's state of a worker's actor (ALIVE, RESTARTING, DEAD, ...), from the GCS; None for a
+    handle that is not a Ray actor's or when Ray cannot say."""
+    actor_id = getattr(handle, "_actor_id", None)
+    if actor_id is None:
+        return None
+    try:
+        return ray._private.state.actors(actor_id.hex()).get("State")
+    except Exception:  # Ray shutting down, the GCS unreachable: ask again next interval
+        return None
 
 DEFAULT_LEASE_S = 5.0  # a router silent this long is gone for the workers (cluster.config: router_lease)
 # A route chosen for a request that never started in the pools (its client left first) stops
@@ -109,6 +123,8 @@ class WorkerPools:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Called from the health loop while some worker is gone for good (the pool manager's hook).
         self._on_gone: list[Callable[[], None]] = []
+        # What Ray says of a down worker's actor (blocking: called in a thread), see _find_dead.
+        self.actor_state: Callable[[object], str | None] = ray_actor_state
         # Seconds from a worker queueing an output to the router receiving it (bounded sample).
         self.stream_delays: deque[float] = deque(maxlen=10000)
         for w in workers:
@@ -293,9 +309,19 @@ class WorkerPools:
         if w.role is Role.DECODE:
             self._fail_streams(w.worker_id, f"decode worker {w.worker_id} is down")
 
+    async def _find_dead(self) -> None:
+        """Mark gone the down workers whose actors Ray has given up on. A call to such an actor
+        raises ActorDiedError, except when the memory monitor killed it: then every call raises
+        OutOfMemoryError, which does not say whether a restart is coming, so ask Ray."""
+        for w in [w for w in self._workers.values() if not w.alive and not w.gone]:
+            if await asyncio.to_thread(self.actor_state, w.handle) == "DEAD" and not w.alive:
+                w.gone = True
+                log.warning("worker %s (%s) is dead for good: Ray will not restart it", w.worker_id, w.role)
+
     async def _health_loop(self) -> None:
         while True:
             await self.refresh_stats()
+            await self._find_dead()
             if self._on_gone and self.gone_workers():
                 for callback in self._on_gone:
                     callback()

@@ -13,7 +13,9 @@ them ("length"), one per `step_s` for every request a decode actor runs (a conti
 
 `kill()` makes every later call raise (ActorDiedError: gone for good); `kill(restart_after_s=T)`
 raises ActorUnavailableError until the actor comes back T seconds later with a new pid and
-nothing of its old state, as a Ray actor restart does. `hang()` makes calls wait (its requests go
+nothing of its old state, as a Ray actor restart does. `kill(oom=True)` is Ray's memory monitor
+killing it with no restart left: every later call raises OutOfMemoryError, and only Ray's state
+of the actor (`ray_state`, what router.pools.ray_actor_state reads of a real one) says DEAD. `hang()` makes calls wait (its requests go
 on decoding) until `unhang()`: a worker that stalled, was given up, and came back as it was.
 Like EngineWorker, it stamps each output with the attempt its creation call named.
 """
@@ -25,7 +27,7 @@ import itertools
 import os
 from dataclasses import dataclass
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, OutOfMemoryError
 
 from common.block_hash import hash_prefix_blocks
 from common.protocol import (
@@ -64,6 +66,8 @@ class _Method:
             if actor.dead:
                 if actor.restarting:
                     raise ActorUnavailableError("restarting", None)
+                if actor.oom:
+                    raise OutOfMemoryError("1 worker(s) were killed due to the node running low on memory.")
                 raise ActorDiedError()
             incarnation = actor.pid
             result = await self.fn(*args)
@@ -87,7 +91,7 @@ class FakeActor:
 
     def __init__(self, worker_id: str, role: str, prefill_delay_s: float = 0.0, step_s: float = 0.0) -> None:
         self.worker_id, self.role = worker_id, role
-        self.dead = self.restarting = False
+        self.dead = self.restarting = self.oom = False
         self.hung: asyncio.Event | None = None  # set: calls go on
         self.prefill_delay_s = prefill_delay_s
         self.step_s = step_s
@@ -113,8 +117,12 @@ class FakeActor:
             setattr(self, name, _Method(self, getattr(self, "_" + name)))
 
     # ---- faults ----------------------------------------------------------------------------
-    def kill(self, restart_after_s: float | None = None) -> None:
-        self.dead = True
+    @property
+    def ray_state(self) -> str:
+        return "ALIVE" if not self.dead else "RESTARTING" if self.restarting else "DEAD"
+
+    def kill(self, restart_after_s: float | None = None, oom: bool = False) -> None:
+        self.dead, self.oom = True, oom
         self.running.clear()
         self.reserved.clear()
         if restart_after_s is not None:

@@ -93,6 +93,44 @@ def test_scale_up_then_down_moves_running_streams_and_stops_the_removed_worker(f
     asyncio.run(main())
 
 
+def test_a_worker_the_memory_monitor_killed_for_good_is_replaced(fake_ray):
+    """Ray answers every call to an actor its memory monitor killed with OutOfMemoryError, restarts
+    left or not (checked against Ray 2.5x): only Ray's state of the actor says it is DEAD. Such a
+    worker was once down for ever and never replaced (the deployment answered 503 until restarted)."""
+    async def main():
+        deployment, actors = make_deployment()
+        backend, pools = deployment.backend, deployment.pools
+        backend.pools.actor_state = lambda handle: handle.ray_state
+        try:
+            backend.workers()
+            actors["decode-0"].kill(oom=True)
+            await wait_for(lambda: pools.replaced, timeout_s=5)
+            assert pools.replaced == [("decode-0", "decode-1")]
+            assert [w.worker_id for w in backend.workers()] == ["prefill-0", "decode-1"]
+            assert_exact(await stream(backend, "after", prompt_of(3), 5, "decode-1"), prompt_of(3), 5)
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_restarting_after_the_memory_monitor_killed_it_is_not_replaced(fake_ray):
+    async def main():
+        deployment, actors = make_deployment()
+        backend, pools = deployment.backend, deployment.pools
+        backend.pools.actor_state = lambda handle: handle.ray_state
+        try:
+            backend.workers()
+            actors["decode-0"].kill(restart_after_s=0.5, oom=True)  # RESTARTING, then back
+            await wait_for(lambda: not backend.pools.get("decode-0").alive)
+            await wait_for(lambda: backend.pools.get("decode-0").alive, timeout_s=5)
+            assert pools.replaced == [] and backend.pools.gone_workers() == []
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
 def test_a_worker_dead_for_good_is_replaced_and_a_failed_replacement_retried(fake_ray):
     async def main():
         deployment, actors = make_deployment()
