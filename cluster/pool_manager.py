@@ -30,7 +30,8 @@ from typing import Protocol
 import ray
 
 from cluster.membership import Member, Membership
-from cluster.placement import SpawnedWorker, connect_pairs, release_placement_group, spawn_worker, wait_placed
+from cluster.placement import (SpawnedWorker, actor_state, connect_pairs, release_placement_group, spawn_worker,
+                               wait_placed)
 from router.admin import PoolsView, ScaleResult
 from common.protocol import WorkerReady
 from common.roles import ROLES, Role
@@ -99,6 +100,8 @@ class PoolManager:
         self._on_membership: list[Callable[[Membership], None]] = []
         self._membership_version = 0
         self.workers.subscribe_gone(self._on_gone)
+        # The router learns from Ray's state that a worker the memory monitor killed has no restart left.
+        self.workers.actor_state = lambda handle: actor_state(handle)[0]
 
     def subscribe_resize(self, callback: Callable[[PoolTargets], None]) -> None:
         """Call `callback` with the new targets after every scaling."""

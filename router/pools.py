@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError, RayTaskError
 
 from common.protocol import DEFAULT_ROUTER_ID, GrammarCounts, KVEndpoint, RouterClaim, RouterLeaseInfo, SpecDecodeStats
@@ -47,18 +46,6 @@ from router.prefix_index import PrefixIndex
 __all__ = ["DEFAULT_LEASE_S", "PoolWorker", "Stream", "WorkerEntry", "WorkerPools"]
 
 log = logging.getLogger("baton.router")
-
-
-def ray_actor_state(handle: object) -> str | None:
-    """Ray's state of a worker's actor (ALIVE, RESTARTING, DEAD, ...), from the GCS; None for a
-    handle that is not a Ray actor's or when Ray cannot say."""
-    actor_id = getattr(handle, "_actor_id", None)
-    if actor_id is None:
-        return None
-    try:
-        return ray._private.state.actors(actor_id.hex()).get("State")
-    except Exception:  # Ray shutting down, the GCS unreachable: ask again next interval
-        return None
 
 DEFAULT_LEASE_S = 5.0  # a router silent this long is gone for the workers (cluster.config: router_lease)
 # A route chosen for a request that never started in the pools (its client left first) stops
@@ -123,8 +110,10 @@ class WorkerPools:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Called from the health loop while some worker is gone for good (the pool manager's hook).
         self._on_gone: list[Callable[[], None]] = []
-        # What Ray says of a down worker's actor (blocking: called in a thread), see _find_dead.
-        self.actor_state: Callable[[object], str | None] = ray_actor_state
+        # Ray's state of a worker's actor (ALIVE, RESTARTING, DEAD, ...; blocking, so called in a
+        # thread), asked of down workers (_find_dead). The pool manager sets it; without it only an
+        # ActorDiedError marks a worker gone.
+        self.actor_state: Callable[[object], str | None] = lambda handle: None
         # Seconds from a worker queueing an output to the router receiving it (bounded sample).
         self.stream_delays: deque[float] = deque(maxlen=10000)
         for w in workers:
@@ -314,7 +303,11 @@ class WorkerPools:
         raises ActorDiedError, except when the memory monitor killed it: then every call raises
         OutOfMemoryError, which does not say whether a restart is coming, so ask Ray."""
         for w in [w for w in self._workers.values() if not w.alive and not w.gone]:
-            if await asyncio.to_thread(self.actor_state, w.handle) == "DEAD" and not w.alive:
+            try:
+                state = await asyncio.to_thread(self.actor_state, w.handle)
+            except Exception:  # only a hint: Ray shutting down, its GCS unreachable, a handle of no Ray actor
+                continue
+            if state == "DEAD" and not w.alive:
                 w.gone = True
                 log.warning("worker %s (%s) is dead for good: Ray will not restart it", w.worker_id, w.role)
 

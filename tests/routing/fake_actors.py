@@ -15,8 +15,9 @@ them ("length"), one per `step_s` for every request a decode actor runs (a conti
 raises ActorUnavailableError until the actor comes back T seconds later with a new pid and
 nothing of its old state, as a Ray actor restart does. `kill(oom=True)` is Ray's memory monitor
 killing it with no restart left: every later call raises OutOfMemoryError, and only Ray's state
-of the actor (`ray_state`, what router.pools.ray_actor_state reads of a real one) says DEAD. `hang()` makes calls wait (its requests go
-on decoding) until `unhang()`: a worker that stalled, was given up, and came back as it was.
+of the actor says DEAD (`ray_state`: what cluster.placement.actor_state reads of a real one).
+`hang()` makes calls wait (its requests go on decoding) until `unhang()`: a worker that stalled,
+was given up, and came back as it was.
 Like EngineWorker, it stamps each output with the attempt its creation call named.
 """
 
