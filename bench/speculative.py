@@ -109,14 +109,19 @@ def spec_counters(port: int) -> dict | None:
             "accepted_tokens": sum(w.get("spec_accepted_tokens", 0) for w in decode)}
 
 
-def copied_share(replies: list[str], prompts: list[str], tokenizer) -> float:
-    """Mean over the replies of the share of each reply's token 4-grams found in one of the prompts: how
-    much of what the model wrote a prompt lookup could have proposed (a reply that wanders off the
-    passage it was asked to repeat scores low, whatever the speculation)."""
+def prompt_grams(prompts: list[str], tokenizer) -> set[tuple[int, ...]]:
+    """Every token 4-gram of the prompts."""
     grams = set()
     for prompt in prompts:
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         grams.update(tuple(ids[i:i + 4]) for i in range(len(ids) - 3))
+    return grams
+
+
+def copied_share(replies: list[str], grams: set[tuple[int, ...]], tokenizer) -> float:
+    """Mean over the replies of the share of each reply's token 4-grams found in the prompts (`grams`):
+    how much of what the model wrote a prompt lookup could have proposed (a reply that wanders off the
+    passage it was asked to repeat scores low, whatever the speculation)."""
     shares = []
     for reply in replies:
         ids = tokenizer.encode(reply, add_special_tokens=False)
@@ -196,8 +201,8 @@ def main() -> None:
         tmp = Path(tmp)
         data = tmp / "dataset.jsonl"
         num_prompts = min(args.num_prompts, dataset(data))
-        prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        grams = prompt_grams([json.loads(line)["prompt"] for line in data.read_text().splitlines()], tokenizer)
         try:
             for i, (label, command) in enumerate(servers.items()):
                 ports[label] = 18451 + i
@@ -216,7 +221,7 @@ def main() -> None:
                     for label in order:
                         run = bench_serve(args.vllm, ports[label], data, num_prompts, c, model_dir,
                                           tmp / f"{label}-{c}-{r}.json", args.temperature)
-                        run["copied_share"] = copied_share(run.pop("replies"), prompts, tokenizer)
+                        run["copied_share"] = copied_share(run.pop("replies"), grams, tokenizer)
                         rounds[label].append(run)
                         print(f"concurrency {c:2d} round {r} {label:15s} {run['output_throughput']:7.1f} tok/s  "
                               f"TPOT p50 {run['tpot_ms']['p50']:.1f} ms  copied {run['copied_share']:.0%}", flush=True)

@@ -55,6 +55,7 @@ def make_deployment(**options):
     backend = RayBackend(WorkerPools(workers, health_interval_s=0.05, health_timeout_s=0.5, poll_timeout_s=0.02))
     deployment = Deployment(config, Path("."), "m", 4096, 16, workers, backend, False)
     deployment.pools = pm.PoolManager(deployment, "test")
+    backend.pools.actor_state = lambda handle: handle.ray_state  # what Ray would say of a real actor
     return deployment, {a.worker_id: a for a in actors}
 
 
@@ -100,7 +101,6 @@ def test_a_worker_the_memory_monitor_killed_for_good_is_replaced(fake_ray):
     async def main():
         deployment, actors = make_deployment()
         backend, pools = deployment.backend, deployment.pools
-        backend.pools.actor_state = lambda handle: handle.ray_state
         try:
             backend.workers()
             actors["decode-0"].kill(oom=True)
@@ -118,7 +118,6 @@ def test_a_worker_restarting_after_the_memory_monitor_killed_it_is_not_replaced(
     async def main():
         deployment, actors = make_deployment()
         backend, pools = deployment.backend, deployment.pools
-        backend.pools.actor_state = lambda handle: handle.ray_state
         try:
             backend.workers()
             actors["decode-0"].kill(restart_after_s=0.5, oom=True)  # RESTARTING, then back
