@@ -1,14 +1,16 @@
-"""What verifying a shared-memory KV handoff costs if the receiver pulls the blocks (a design study).
+"""What verifying a shared-memory KV handoff would cost with sums taken earlier or pulled blocks (a design study).
 
 Today's shm transport (kvtransfer/shm.py) pushes: the sender copies its blocks into the receiver's
 cache and sums them on the way, and the receiver reads every block it got once more to verify the
 sums (overlapping the copy, kvtransfer/_follower.py). On a 2-core host that second read competes
 with the copy for memory, and `bench.kv_transfer --checksum-cost` measures the check at 25-45% of
 the transfer time. This study times, between two processes on 16 MiB of scattered blocks, the
-handoffs a pull design would make:
+handoffs two other designs would make (sums taken where the KV is written; a receiver that pulls):
 
   push_copy       the sender copies, no sums (today's handoff with checksums off)
   push_verified   the sender copies and sums, the receiver sums what landed (today's, checksums on)
+  push_sealed     the sender copies without sums, the receiver sums what landed: today's push with
+                  the sender's sums taken when the KV was written (a cost not counted here)
   pull_copy       the receiver copies from the sender's cache, no sums
   pull_verified   the receiver copies and sums in registers (it reads nothing twice) while the
                   sender sums its own source blocks: the expected sums
@@ -41,7 +43,16 @@ from cluster.busy_host import cpu_name
 from common.stats import percentile, percentiles
 from kernels.block_checksum import BlockSummer, SummingCopier
 
-VARIANTS = ("push_copy", "push_verified", "pull_copy", "pull_verified", "pull_sealed")
+# What each handoff does (the docstring says why); the JSON carries these so its table explains itself.
+VARIANTS = {
+    "push_copy": "the sender copies, no sums",
+    "push_verified": "the sender copies and sums; the receiver sums what landed",
+    "push_sealed": "the sender copies, no sums; the receiver sums what landed (sender's sums taken earlier)",
+    "pull_copy": "the receiver copies, no sums",
+    "pull_verified": "the receiver copies and sums; the sender sums its source meanwhile",
+    "pull_sealed": "the receiver copies and sums (sender's sums taken earlier)",
+}
+NAMES = tuple(VARIANTS)  # index = the VARIANT control word
 CACHE_SHAPE_TAIL = (16, 2, 64)  # block_size, kv heads, head_dim (float32): 64 KiB blocks over 4 layers
 NUM_LAYERS = 4
 CHUNK_BLOCKS = 4  # the push copy's landed counter moves every 256 KiB, as the transport's default
@@ -83,8 +94,8 @@ def receiver(folder: str, num_blocks: int, n: int) -> None:
         seen = int(c[GO])
         if seen < 0:
             return
-        variant = VARIANTS[int(c[VARIANT])]
-        if variant == "push_verified":
+        variant = NAMES[int(c[VARIANT])]
+        if variant in ("push_verified", "push_sealed"):
             sums, done = np.empty((n, 2), np.uint64), np.zeros(1, np.int64)
             side.dst_sums.follow(side.dst_ids, sums, done, c[LANDED:LANDED + 1], c[STATE:STATE + 1], BUSY, 1.0)
         elif variant == "pull_copy":
@@ -95,19 +106,23 @@ def receiver(folder: str, num_blocks: int, n: int) -> None:
         c[RECEIVER_DONE] = seen
 
 
-def sender(side: Side, reps: int) -> dict[str, list[float]]:
+def sender(side: Side, reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per variant: the handoffs' seconds (until both sides are done) and the sender's own."""
     c = side.control
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    own: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for rep in range(1, reps * len(VARIANTS) + 1):
         # Rotate the order each round, so that no variant always follows the same one.
-        variant = VARIANTS[(rep - 1 + (rep - 1) // len(VARIANTS)) % len(VARIANTS)]
-        c[VARIANT], c[LANDED], c[STATE] = VARIANTS.index(variant), 0, BUSY
+        variant = NAMES[(rep - 1 + (rep - 1) // len(VARIANTS)) % len(VARIANTS)]
+        c[VARIANT], c[LANDED], c[STATE] = NAMES.index(variant), 0, BUSY
         start = time.monotonic_ns()
         c[GO] = rep
         if variant == "push_copy":
             side.copier(side.dst_ids, side.src_ids, sums=False)
         elif variant == "push_verified":
             side.copier(side.dst_ids, side.src_ids, c[LANDED:LANDED + 1], CHUNK_BLOCKS)
+        elif variant == "push_sealed":
+            side.copier(side.dst_ids, side.src_ids, c[LANDED:LANDED + 1], CHUNK_BLOCKS, sums=False)
         elif variant == "pull_verified":
             side.src_sums(side.src_ids)
         mine = time.monotonic_ns()
@@ -117,8 +132,9 @@ def sender(side: Side, reps: int) -> dict[str, list[float]]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the receiver process stopped answering")
         times[variant].append((max(mine, int(c[RECEIVER_END])) - start) / 1e9)
+        own[variant].append((mine - start) / 1e9)
         time.sleep(0.005)
-    return times
+    return times, own
 
 
 def main() -> None:
@@ -151,7 +167,7 @@ def main() -> None:
         child = subprocess.Popen([sys.executable, "-m", "bench.kv_checksum_pull", "--receiver", folder,
                                   str(num_blocks), str(n)], cwd=Path(__file__).resolve().parents[1])
         time.sleep(3.0)  # the receiver imports and maps the caches
-        times = sender(side, args.reps)
+        times, own = sender(side, args.reps)
         side.control[GO] = -1
         child.wait(timeout=30)
         child = None
@@ -173,10 +189,14 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "cpu": cpu_name(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
                     "note": "2 cores shared with other developers' jobs: expect noise"},
         "bytes": n * block_bytes, "blocks": n, "block_bytes": block_bytes, "block_ids": "scattered", "reps": args.reps,
+        "variants": VARIANTS,
         "seconds_median": median,
         "seconds_quartiles": {v: percentiles(t, [25, 75]) for v, t in times.items()},
+        # the push variants' copy alone (the receiver's check of a push competes with it for memory)
+        "sender_seconds_median": {v: percentile(own[v], 50) for v in VARIANTS if v.startswith("push")},
         "overhead": {
             "push_verified_over_push_copy": median["push_verified"] / median["push_copy"] - 1,
+            "push_sealed_over_push_copy": median["push_sealed"] / median["push_copy"] - 1,
             "pull_verified_over_fastest_copy": median["pull_verified"] / copy - 1,
             "pull_sealed_over_fastest_copy": median["pull_sealed"] / copy - 1,
         },

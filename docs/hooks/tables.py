@@ -407,6 +407,23 @@ def t_kv_checksum_after_prefill() -> str:
               f"{f(d['machine']['load_average_1_5_15_before'][0], 1)} before.")
 
 
+
+def t_kv_checksum_pull() -> str:
+    """`python -m bench.kv_checksum_pull`: verified shm handoffs, pushed and pulled, between two processes."""
+    d = load("kv_checksum_pull")
+    over = {v: d["overhead"][key] for key in d["overhead"] for v in d["variants"] if key.startswith(v + "_over")}
+    baseline = {"push": "push_copy", "pull": "the faster plain copy"}
+    sender = d["sender_seconds_median"]
+    rows = [[f"`{v}`", what, f(d["seconds_median"][v] * 1e3, 3),
+             "-".join(f(q * 1e3, 3) for q in d["seconds_quartiles"][v]),
+             f(sender[v] * 1e3, 3) if v in sender else "",
+             f"{pct(over[v], sign=True)} over {baseline[v[:4]]}" if v in over else ""]
+            for v, what in d["variants"].items()]
+    return (table(["handoff", "what happens", "median (ms)", "quartiles (ms)", "the push's copy alone (ms)",
+                   "checks add"], rows, "llrrrl")
+            + f"\n\n{d['bytes'] >> 20} MiB of {d['block_ids']} blocks, {d['reps']} repetitions of each, taking turns; "
+              f"{d['machine']['cpu']}, load average {f(d['machine']['load_average_before'][0], 2)} before.")
+
 # -- serving paths -------------------------------------------------------------------------------
 
 def t_serving() -> str:
