@@ -171,7 +171,7 @@ def check_unsupported(body: dict, schema: type, vocab_size: int) -> None:
     check_logit_bias(body.get("logit_bias"), vocab_size)
     for name, (honoured, why) in UNSUPPORTED.get(schema, {}).items():
         if name in body and not honoured(body[name]):
-            raise APIError(f"{name}={json.dumps(body[name])[:80]} is not supported: {why}", 400, name)
+            raise APIError(f"{name}={json.dumps(body[name])[:80]}: {why}", 400, name)
 
 
 # --------------------------------------------------------------------------- limits on fields
