@@ -404,7 +404,9 @@ def t_kv_checksum_after_prefill() -> str:
                   rows)
             + f"\n\n{d['bytes_copied'] / 2**20:.1f} MiB per copy ({d['prompt_tokens']} prompt tokens of {d['model']}, "
               f"{d['kv_dtype']} KV cache {shape}), medians of {d['reps']} prefills per row; load average "
-              f"{f(d['machine']['load_average_1_5_15_before'][0], 1)} before.")
+              f"{f(d['machine']['load_average_1_5_15_before'][0], 1)} before. The prefill that wrote the blocks "
+              f"took {f(d['prefill_seconds_median'] * 1e3, 0)} ms (median); the sums after it, "
+              f"{pct(d['sums_share_of_prefill'], 2)} of that.")
 
 
 
