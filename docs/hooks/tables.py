@@ -409,11 +409,10 @@ def t_kv_checksum_after_prefill() -> str:
               f"{pct(d['sums_share_of_prefill'], 2)} of that.")
 
 
-
 def t_kv_checksum_pull() -> str:
     """`python -m bench.kv_checksum_pull`: verified shm handoffs, pushed and pulled, between two processes."""
     d = load("kv_checksum_pull")
-    over = {v: d["overhead"][key] for key in d["overhead"] for v in d["variants"] if key.startswith(v + "_over")}
+    over = {key.split("_over_")[0]: value for key, value in d["overhead"].items()}  # variant -> its overhead
     baseline = {"push": "push_copy", "pull": "the faster plain copy"}
     sender = d["sender_seconds_median"]
     rows = [[f"`{v}`", what, f(d["seconds_median"][v] * 1e3, 3),
@@ -425,6 +424,7 @@ def t_kv_checksum_pull() -> str:
                    "checks add"], rows, "llrrrl")
             + f"\n\n{d['bytes'] >> 20} MiB of {d['block_ids']} blocks, {d['reps']} repetitions of each, taking turns; "
               f"{d['machine']['cpu']}, load average {f(d['machine']['load_average_before'][0], 2)} before.")
+
 
 # -- serving paths -------------------------------------------------------------------------------
 
