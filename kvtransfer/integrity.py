@@ -21,8 +21,9 @@ block went where), the bytes in transit and in the destination until the receive
 the transfer's identity and layout through the seal; only the unpack's own stores (gloo, NCCL) and
 memory changed after the receiver's read are left to the hardware (ECC) and the block manager.
 The receiver's read costs one pass over the transfer's bytes at memory speed; the shm receiver
-overlaps it with the copy (kvtransfer.shm), so with a core of its own it adds little more than
-the last chunk to the handoff (bench/kv_transfer.py --checksum-cost).
+overlaps it with the copy (kvtransfer.shm), but the two compete for memory, so on a 2-core host
+the check still adds about a quarter to a 16 MiB handoff even with the sender's sums taken
+beforehand (bench/kv_checksum_pull.py; bench/kv_transfer.py --checksum-cost for today's).
 
 Fault injection is configuration of a transport (`FaultPlan`, passed to its constructor or
 `set_fault_plan`), never read from the environment: each backend applies the planned fault where
