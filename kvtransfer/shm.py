@@ -25,8 +25,8 @@ When the receiver has already called `expect()` (the normal order), `send()` doe
 the caller's thread and returns a terminal handle; only a send that arrives first is handed
 to a background thread, which retries until the slot appears or the deadline passes.
 
-The owner unlinks the segment on close(); it is also registered with Python's resource
-tracker, which unlinks it if the owning process exits without closing. A process that is
+The owner unlinks the segment and its FIFO on close(); both are also registered with Python's
+resource tracker, which unlinks them if the owning process exits without closing. A process that is
 killed (Ray kills an actor's children too, tracker included) leaves its segment behind;
 `sweep_stale_segments()`, run by every new allocation, unlinks segments whose owner (pid and
 start time, recorded in the header) no longer exists.
@@ -126,14 +126,14 @@ class ShmTransport(TransportCore):
             os.close(fd)
             os.unlink(path)
             raise
-        if path.startswith("/dev/shm/"):
-            # Unlinks the segment if this process dies without close().
-            resource_tracker.register("/" + os.path.basename(path), "shared_memory")
         header = np.ndarray((_HEADER_INTS,), dtype=np.int64, buffer=seg.mm)
         pid = os.getpid()
         header[:7] = (_MAGIC, self._num_slots, num_blocks, offset, nbytes, pid, _process_start(pid) or -1)
         self._own = seg
         self._wake_fd = make_wake_fifo(path)
+        for name in self._tracked_names(seg):
+            # Unlinks the segment and its FIFO if this process dies without close().
+            resource_tracker.register(name, "shared_memory")
         self._follower = Follower(self._wake_fd, self._look, lambda: self._closed)
         cache = seg.cache_bytes.view(torch_dtype(layout))
         self.register_cache(cache, layout)
@@ -459,6 +459,14 @@ class ShmTransport(TransportCore):
             copy_blocks(seg.cache_bytes, dst, self._bytes, src)
 
     # -- teardown --------------------------------------------------------------------------
+    def _tracked_names(self, seg: _Segment) -> list[str]:
+        """Our segment's files as the resource tracker names POSIX shared memory (/dev/shm only):
+        the segment, and its FIFO where there is one."""
+        if not seg.path.startswith("/dev/shm/"):
+            return []
+        paths = [seg.path] + ([wake_path(seg.path)] if self._wake_fd is not None else [])
+        return ["/" + os.path.basename(p) for p in paths]
+
     def close(self) -> None:
         if self._closed:
             return
@@ -479,11 +487,11 @@ class ShmTransport(TransportCore):
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+            for name in self._tracked_names(seg):
+                resource_tracker.unregister(name, "shared_memory")
             if self._wake_fd is not None:
                 os.close(self._wake_fd)
                 self._wake_fd = None
-            if seg.path.startswith("/dev/shm/"):
-                resource_tracker.unregister("/" + os.path.basename(seg.path), "shared_memory")
         # Mappings stay valid while tensors (e.g. the engine's cache) still reference them;
         # the memory is returned when the last one is dropped.
         self._cache = self._bytes = None

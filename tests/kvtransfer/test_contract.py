@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from kvtransfer import (KVLayout, KVLayoutMismatch, KVTransferError, Role, Trans
 from kvtransfer.shm import sweep_stale_segments
 from kvtransfer.testing import KVWorker, seeded_bytes
 
+REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 32
 P_SEED, D_SEED = 11, 22
 LAYOUTS = {
@@ -366,8 +370,24 @@ def test_shm_segment_of_a_killed_process_is_swept(ray_sides):
     while path not in swept and time.monotonic() < deadline:
         swept += sweep_stale_segments()
         time.sleep(0.1)
-    assert path in swept and not os.path.exists(path)
+    assert path in swept and not os.path.exists(path) and not os.path.exists(path + ".wake")
     assert os.path.exists(live)
+
+
+def test_an_owner_that_exits_without_close_leaves_neither_its_segment_nor_its_fifo():
+    """Python's resource tracker unlinks both once the owning process has exited (no sweep runs)."""
+    owner = ("from kvtransfer.shm import ShmTransport; from kvtransfer import KVLayout; t = ShmTransport(); "
+             "t.allocate_cache(KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype='float32'), 4); "
+             "print(t.endpoint().address['path'])")
+    done = subprocess.run([sys.executable, "-c", owner], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr
+    path = done.stdout.strip()
+    assert path.startswith("/dev/shm/baton_kv_"), path
+    deadline = time.monotonic() + 10  # the tracker process cleans up after its last client is gone
+    while (os.path.exists(path) or os.path.exists(path + ".wake")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(path) and not os.path.exists(path + ".wake")
 
 
 def test_a_sender_lets_go_of_a_receiver_whose_process_exited(ray_sides):
