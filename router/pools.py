@@ -113,7 +113,7 @@ class WorkerPools:
         # Ray's state of a worker's actor (ALIVE, RESTARTING, DEAD, ...; blocking, so called in a
         # thread), asked of down workers (_find_dead). The pool manager sets it; without it only an
         # ActorDiedError marks a worker gone.
-        self.actor_state: Callable[[object], str | None] = lambda handle: None
+        self.actor_state: Callable[[object], str | None] | None = None
         # Seconds from a worker queueing an output to the router receiving it (bounded sample).
         self.stream_delays: deque[float] = deque(maxlen=10000)
         for w in workers:
@@ -302,6 +302,8 @@ class WorkerPools:
         """Mark gone the down workers whose actors Ray has given up on. A call to such an actor
         raises ActorDiedError, except when the memory monitor killed it: then every call raises
         OutOfMemoryError, which does not say whether a restart is coming, so ask Ray."""
+        if self.actor_state is None:
+            return
         for w in [w for w in self._workers.values() if not w.alive and not w.gone]:
             try:
                 state = await asyncio.to_thread(self.actor_state, w.handle)
