@@ -109,13 +109,15 @@ def spec_counters(port: int) -> dict | None:
             "accepted_tokens": sum(w.get("spec_accepted_tokens", 0) for w in decode)}
 
 
+def token_grams(text: str, tokenizer) -> list[tuple[int, ...]]:
+    """The text's token 4-grams, in order."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
+
+
 def prompt_grams(prompts: list[str], tokenizer) -> set[tuple[int, ...]]:
     """Every token 4-gram of the prompts."""
-    grams = set()
-    for prompt in prompts:
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-        grams.update(tuple(ids[i:i + 4]) for i in range(len(ids) - 3))
-    return grams
+    return {gram for prompt in prompts for gram in token_grams(prompt, tokenizer)}
 
 
 def copied_share(replies: list[str], grams: set[tuple[int, ...]], tokenizer) -> float:
@@ -124,9 +126,8 @@ def copied_share(replies: list[str], grams: set[tuple[int, ...]], tokenizer) -> 
     passage it was asked to repeat scores low, whatever the speculation)."""
     shares = []
     for reply in replies:
-        ids = tokenizer.encode(reply, add_special_tokens=False)
-        if len(ids) >= 4:
-            shares.append(sum(tuple(ids[i:i + 4]) in grams for i in range(len(ids) - 3)) / (len(ids) - 3))
+        if reply_grams := token_grams(reply, tokenizer):
+            shares.append(sum(gram in grams for gram in reply_grams) / len(reply_grams))
     return statistics.mean(shares) if shares else 0.0
 
 
