@@ -42,15 +42,20 @@ def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
 
 def kernels(rows: int, reps: int) -> dict:
     gen = torch.Generator().manual_seed(rows)
-    weights = {name: torch.randn(n, k, generator=gen) * k ** -0.5 for name, (n, k) in LAYER_SHAPES.items()}
+    weights = {name: torch.randn(n, k, generator=gen) * k**-0.5 for name, (n, k) in LAYER_SHAPES.items()}
     inputs = {name: torch.randn(rows, w.shape[1], generator=gen) for name, w in weights.items()}
     packed = {name: small_m_linear.pack_weight(w) for name, w in weights.items()}
     tiles = {name: amx_linear.pack_weight(p) for name, p in packed.items()}
     errors = {"float32": 0.0, "bf16x3": 0.0, "bfloat16": 0.0}
     for name, w in weights.items():
         exact = torch.nn.functional.linear(inputs[name].double(), w.double())
-        errors["float32"] = max(errors["float32"], relative_error(small_m_linear.small_m_linear_cpu(inputs[name], packed[name], None), exact))
-        errors["bf16x3"] = max(errors["bf16x3"], relative_error(amx_linear.amx_linear_cpu(inputs[name], tiles[name]), exact))
+        errors["float32"] = max(
+            errors["float32"],
+            relative_error(small_m_linear.small_m_linear_cpu(inputs[name], packed[name], None), exact),
+        )
+        errors["bf16x3"] = max(
+            errors["bf16x3"], relative_error(amx_linear.amx_linear_cpu(inputs[name], tiles[name]), exact)
+        )
         plain = torch.nn.functional.linear(inputs[name].bfloat16().double(), w.bfloat16().double())
         errors["bfloat16"] = max(errors["bfloat16"], relative_error(plain, exact))
 
@@ -66,16 +71,24 @@ def kernels(rows: int, reps: int) -> dict:
         bf16x3.append(layer(amx_linear.amx_linear_cpu, tiles))
     flops = sum(2 * rows * n * k for n, k in LAYER_SHAPES.values())
     best_ieee, best_x3 = min(ieee[1:]), min(bf16x3[1:])
-    return {"rows": rows, "ieee_ms": best_ieee * 1e3, "bf16x3_ms": best_x3 * 1e3, "speedup": best_ieee / best_x3,
-            "ieee_gflop_per_s": flops / best_ieee / 1e9, "bf16x3_gflop_per_s": flops / best_x3 / 1e9,
-            "error_over_mean_output": errors}
+    return {
+        "rows": rows,
+        "ieee_ms": best_ieee * 1e3,
+        "bf16x3_ms": best_x3 * 1e3,
+        "speedup": best_ieee / best_x3,
+        "ieee_gflop_per_s": flops / best_ieee / 1e9,
+        "bf16x3_gflop_per_s": flops / best_x3 / 1e9,
+        "error_over_mean_output": errors,
+    }
 
 
 def prefill_cpu_seconds(engines: dict[str, LLMEngine], prompt: int, reps: int) -> dict:
     rng = random.Random(0)
 
     def once(engine: LLMEngine) -> float:
-        engine.add_request([rng.randrange(100, 40000) for _ in range(prompt)], SamplingParams(max_tokens=1, temperature=0.0))
+        engine.add_request(
+            [rng.randrange(100, 40000) for _ in range(prompt)], SamplingParams(max_tokens=1, temperature=0.0)
+        )
         start = time.process_time()
         while engine.has_unfinished_requests():
             engine.step()
@@ -99,20 +112,34 @@ def main() -> None:
     if any(r < 1 for r in args.rows) or args.reps < 1 or args.prompt < 0:
         ap.error("--rows and --reps must be positive, --prompt at least 0")
     if not amx_linear.ready():
-        sys.exit("the AMX linear kernel does not run here: it needs an x86-64 CPU with AMX-BF16 (Sapphire Rapids "
-                 "or later) and g++")
+        sys.exit(
+            "the AMX linear kernel does not run here: it needs an x86-64 CPU with AMX-BF16 (Sapphire Rapids "
+            "or later) and g++"
+        )
     torch.set_num_threads(1)
-    doc = {"benchmark": "float32 prompt projections: bf16x3 on AMX against float32 FMAs",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join([sys.executable, *sys.argv]),
-           "cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": 1,
-           "loadavg_before": list(os.getloadavg()), "kernels": []}
+    doc = {
+        "benchmark": "float32 prompt projections: bf16x3 on AMX against float32 FMAs",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": 1,
+        "loadavg_before": list(os.getloadavg()),
+        "kernels": [],
+    }
     for rows in args.rows:
         doc["kernels"].append(kernels(rows, args.reps))
         print(json.dumps(doc["kernels"][-1]), flush=True)
     if args.prompt:
-        engines = {mode: LLMEngine.from_model_dir(None, EngineConfig(
-            dtype="float32", kv_cache_memory=512 << 20, enable_prefix_caching=False, float32_prompt_matmul=mode))
-            for mode in ("ieee", "bf16x3")}
+        engines = {
+            mode: LLMEngine.from_model_dir(
+                None,
+                EngineConfig(
+                    dtype="float32", kv_cache_memory=512 << 20, enable_prefix_caching=False, float32_prompt_matmul=mode
+                ),
+            )
+            for mode in ("ieee", "bf16x3")
+        }
         doc["engine_prefill"] = prefill_cpu_seconds(engines, args.prompt, max(2, args.reps // 2))
         doc["engine_prefill"]["step_budget"] = engines["ieee"].config.max_num_batched_tokens
         print(json.dumps(doc["engine_prefill"]), flush=True)

@@ -21,16 +21,17 @@ import threading
 import time
 from pathlib import Path
 
-from common.envs import ensure_private_ray_env  # noqa: E402
+from common.envs import ensure_private_ray_env
+
 ensure_private_ray_env()
 ROOT = Path(__file__).resolve().parents[1]
 
-import httpx  # noqa: E402
+import httpx
 
-from cluster import loadgen as load  # noqa: E402  (the request code every benchmark here uses)
-from cluster.config import BatonConfig  # noqa: E402
-from cluster.harness import free_port  # noqa: E402
-from cluster.testing import serving  # noqa: E402
+from cluster import loadgen as load
+from cluster.config import BatonConfig
+from cluster.harness import free_port
+from cluster.testing import serving
 
 PHASES = ((30.0, 0.2), (60.0, 3.0), (90.0, 0.2))  # (seconds, requests/s)
 
@@ -41,6 +42,7 @@ async def traffic(base_url: str, samples: list, pools) -> list[dict]:
     args.endpoint = "/v1/completions"
     rows: list[dict] = []
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+
         async def one(i: int, sent: float) -> None:
             prompt = [rng.randrange(1000, 40000) for _ in range(96)]
             r = await load.one_request(client, args, prompt)
@@ -64,10 +66,22 @@ async def traffic(base_url: str, samples: list, pools) -> list[dict]:
 
 def main() -> None:
     config = BatonConfig.from_options(
-        port=free_port(), prefill_workers=1, decode_workers=1, kv_cache_memory="256MiB",
-        autoscale=True, autoscale_interval=3.0, autoscale_window=15.0, autoscale_cooldown=20.0,
-        autoscale_slo_ttft=1.5, autoscale_slo_tpot=0.25, min_prefill_workers=1, max_prefill_workers=2,
-        min_decode_workers=1, max_decode_workers=2, autoscale_down_after=4)
+        port=free_port(),
+        prefill_workers=1,
+        decode_workers=1,
+        kv_cache_memory="256MiB",
+        autoscale=True,
+        autoscale_interval=3.0,
+        autoscale_window=15.0,
+        autoscale_cooldown=20.0,
+        autoscale_slo_ttft=1.5,
+        autoscale_slo_tpot=0.25,
+        min_prefill_workers=1,
+        max_prefill_workers=2,
+        min_decode_workers=1,
+        max_decode_workers=2,
+        autoscale_down_after=4,
+    )
     samples: list[dict] = []
     stop = threading.Event()
     started = time.time()
@@ -77,8 +91,14 @@ def main() -> None:
         def sample() -> None:
             while not stop.is_set():
                 view = pools.pools()
-                samples.append({"t": time.time() - started, "prefill": view.prefill, "decode": view.decode,
-                                "serving": sum(1 for w in view.workers if w.alive and not w.draining)})
+                samples.append(
+                    {
+                        "t": time.time() - started,
+                        "prefill": view.prefill,
+                        "decode": view.decode,
+                        "serving": sum(1 for w in view.workers if w.alive and not w.draining),
+                    }
+                )
                 time.sleep(1.0)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -88,17 +108,28 @@ def main() -> None:
         time.sleep(40)  # the quiet tail: let the pools come back down
         stop.set()
         sampler.join(timeout=5)
-        actions = list(server.server.config.app.state.autoscaler.actions) if hasattr(
-            server.server.config.app.state, "autoscaler") else []
+        actions = (
+            list(server.server.config.app.state.autoscaler.actions)
+            if hasattr(server.server.config.app.state, "autoscaler")
+            else []
+        )
     failed = [r for r in rows if not r["ok"]]
     sizes = [(s["prefill"], s["decode"]) for s in samples]
-    result = {"benchmark": "autoscale_cpu", "phases": PHASES, "requests": len(rows), "failed": len(failed),
-              "errors": sorted({r["error"] for r in failed})[:5], "traffic_started_s": t0 - started,
-              "max_pools": [max(p for p, _ in sizes), max(d for _, d in sizes)] if sizes else None,
-              "final_pools": list(sizes[-1]) if sizes else None, "actions": actions, "samples": samples,
-              "ttft_ms": load.percentiles([r["ttft_s"] for r in rows if r["ok"]]),
-              "machine": {"cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
-              "command": " ".join(["python"] + sys.argv)}
+    result = {
+        "benchmark": "autoscale_cpu",
+        "phases": PHASES,
+        "requests": len(rows),
+        "failed": len(failed),
+        "errors": sorted({r["error"] for r in failed})[:5],
+        "traffic_started_s": t0 - started,
+        "max_pools": [max(p for p, _ in sizes), max(d for _, d in sizes)] if sizes else None,
+        "final_pools": list(sizes[-1]) if sizes else None,
+        "actions": actions,
+        "samples": samples,
+        "ttft_ms": load.percentiles([r["ttft_s"] for r in rows if r["ok"]]),
+        "machine": {"cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+        "command": " ".join(["python"] + sys.argv),
+    }
     out = ROOT / "bench/results/autoscale_cpu.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=2))

@@ -45,31 +45,86 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-from cluster import loadgen as load  # noqa: E402  (the request code every benchmark here uses)
-from cluster.busy_host import cpu_fractions, cpu_name, cpu_times  # noqa: E402
-from workers.model_files import resolve_model_dir  # noqa: E402
+from cluster import loadgen as load
+from cluster.busy_host import cpu_fractions, cpu_name, cpu_times
+from workers.model_files import resolve_model_dir
+
 SAMPLING_MODES = {"default": [], "temperature 0": ["--temperature", "0"]}
-WORKLOAD_1 = ["--random-input-len", "256", "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "16"]
+WORKLOAD_1 = [
+    "--random-input-len",
+    "256",
+    "--random-output-len",
+    "128",
+    "--num-prompts",
+    "64",
+    "--max-concurrency",
+    "16",
+]
 STREAMS = ["--random-input-len", "32", "--random-output-len", "256", "--num-prompts", "24", "--max-concurrency", "8"]
-LONG_PROMPTS = ["--random-input-len", "2000", "--random-output-len", "1", "--num-prompts", "10", "--request-rate", "0.25"]
-SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_input_tokens",
-                "total_output_tokens")
+LONG_PROMPTS = [
+    "--random-input-len",
+    "2000",
+    "--random-output-len",
+    "1",
+    "--num-prompts",
+    "10",
+    "--request-rate",
+    "0.25",
+]
+SUMMARY_KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "total_input_tokens",
+    "total_output_tokens",
+)
 
 
 def bench_command(args, workload: list[str], mode: str, out: Path) -> list[str]:
-    return [args.vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-            "--base-url", args.base_url, "--model", args.model, "--tokenizer", args.tokenizer,
-            "--dataset-name", "random", *workload, "--ignore-eos", "--seed", "0",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
-            *SAMPLING_MODES[mode], "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    return [
+        args.vllm,
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        args.base_url,
+        "--model",
+        args.model,
+        "--tokenizer",
+        args.tokenizer,
+        "--dataset-name",
+        "random",
+        *workload,
+        "--ignore-eos",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--disable-tqdm",
+        *SAMPLING_MODES[mode],
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
 
 
 def summary(raw: dict) -> dict:
     """vLLM's result file without the per-request arrays."""
     out = {k: raw[k] for k in SUMMARY_KEYS if k in raw}
     for metric in ("ttft", "tpot", "itl", "e2el"):
-        out[f"{metric}_ms"] = {stat: raw.get(f"{key}_{metric}_ms") for stat, key in
-                               (("mean", "mean"), ("p50", "median"), ("p90", "p90"), ("p99", "p99"))}
+        out[f"{metric}_ms"] = {
+            stat: raw.get(f"{key}_{metric}_ms")
+            for stat, key in (("mean", "mean"), ("p50", "median"), ("p90", "p90"), ("p99", "p99"))
+        }
     return out
 
 
@@ -111,9 +166,28 @@ def run_benches(args, parts: dict[str, list[str]], mode: str, tmp: Path) -> dict
 
 
 def own_client(args) -> dict:
-    argv = ["--base-url", args.base_url, "--model", args.model, "--token-ids", "--ignore-eos", "--input-len", "256",
-            "--output-len", "128", "--num-prompts", "64", "--max-concurrency", "16", "--temperature", "0"]
-    return {"command": "python -m bench.serve " + " ".join(argv), **asyncio.run(load.run(load.parser().parse_args(argv)))}
+    argv = [
+        "--base-url",
+        args.base_url,
+        "--model",
+        args.model,
+        "--token-ids",
+        "--ignore-eos",
+        "--input-len",
+        "256",
+        "--output-len",
+        "128",
+        "--num-prompts",
+        "64",
+        "--max-concurrency",
+        "16",
+        "--temperature",
+        "0",
+    ]
+    return {
+        "command": "python -m bench.serve " + " ".join(argv),
+        **asyncio.run(load.run(load.parser().parse_args(argv))),
+    }
 
 
 def main() -> None:
@@ -123,25 +197,43 @@ def main() -> None:
     parser.add_argument("--label", required=True, help="e.g. baton-fp32, baton-bf16, vllm-cpu")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="the served model name")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: Baton's converted default model)")
-    parser.add_argument("--vllm", default=str(REPO / ".venv-vllm" / "bin" / "vllm"), help="the vllm binary (its client)")
+    parser.add_argument(
+        "--vllm", default=str(REPO / ".venv-vllm" / "bin" / "vllm"), help="the vllm binary (its client)"
+    )
     parser.add_argument("--workload", choices=("throughput", "mixed", "all"), default="all")
     parser.add_argument("--modes", nargs="+", choices=tuple(SAMPLING_MODES), default=list(SAMPLING_MODES))
-    parser.add_argument("--condition", choices=CONDITIONS, default="quiet",
-                        help="busy: the runs are made beside a background load (bench/cpu_hog.py), stored apart")
+    parser.add_argument(
+        "--condition",
+        choices=CONDITIONS,
+        default="quiet",
+        help="busy: the runs are made beside a background load (bench/cpu_hog.py), stored apart",
+    )
     parser.add_argument("--own-client", action="store_true", help="also run workload 1 through bench/serve.py")
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
-    parser.add_argument("--merge", action="store_true",
-                        help="add these runs to an existing compare_<label>.json instead of replacing it")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="add these runs to an existing compare_<label>.json instead of replacing it",
+    )
     args = parser.parse_args()
     if args.tokenizer is None:
         args.tokenizer = str(resolve_model_dir(None))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"compare_{args.label}.json"
-    result = {"label": args.label, "base_url": args.base_url, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": {"cores": os.cpu_count(), "cpu": cpu_name(),
-                          "note": "shared with other jobs: see each run's loadavg"},
-              "client": "vllm bench serve (vLLM 0.32.0 CPU build's CLI)", "commands": [" ".join(sys.argv)], "runs": {}}
+    result = {
+        "label": args.label,
+        "base_url": args.base_url,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cores": os.cpu_count(),
+            "cpu": cpu_name(),
+            "note": "shared with other jobs: see each run's loadavg",
+        },
+        "client": "vllm bench serve (vLLM 0.32.0 CPU build's CLI)",
+        "commands": [" ".join(sys.argv)],
+        "runs": {},
+    }
     if args.merge and path.exists():
         earlier = json.loads(path.read_text())
         result["runs"] = earlier.get("runs", {})
@@ -153,13 +245,20 @@ def main() -> None:
             runs = result["runs"].setdefault(run_key(args.condition, mode), {})
             if args.workload in ("throughput", "all"):
                 runs["throughput"] = run_benches(args, {"throughput": WORKLOAD_1}, mode, Path(tmp))
-                print(f"{args.label} {run_key(args.condition, mode)} throughput: {runs['throughput']['throughput']['output_throughput']:.1f} tok/s",
-                      flush=True)
+                print(
+                    f"{args.label} {run_key(args.condition, mode)} throughput: "
+                    f"{runs['throughput']['throughput']['output_throughput']:.1f} tok/s",
+                    flush=True,
+                )
             if args.workload in ("mixed", "all"):
                 runs["mixed"] = run_benches(args, {"streams": STREAMS, "long prompts": LONG_PROMPTS}, mode, Path(tmp))
                 mixed = runs["mixed"]
-                print(f"{args.label} {run_key(args.condition, mode)} mixed: streams p99 ITL {mixed['streams']['itl_ms']['p99']:.0f} ms, "
-                      f"long prompts TTFT p50 {mixed['long prompts']['ttft_ms']['p50']:.0f} ms", flush=True)
+                print(
+                    f"{args.label} {run_key(args.condition, mode)} mixed: "
+                    f"streams p99 ITL {mixed['streams']['itl_ms']['p99']:.0f} ms, "
+                    f"long prompts TTFT p50 {mixed['long prompts']['ttft_ms']['p50']:.0f} ms",
+                    flush=True,
+                )
     if args.own_client and args.workload in ("throughput", "all"):
         result["throughput_own_client"] = own_client(args)
     path.write_text(json.dumps(result, indent=2) + "\n")

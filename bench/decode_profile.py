@@ -4,7 +4,8 @@
         [--out bench/results/decode_profile.json]
 
 Setup: the default model, one torch thread (as one worker of `baton serve` on this 2-core
-machine; `--threads 2` as a decode worker that borrowed the idle prefill worker's core), `--batch` sequences of `--context` random prompt tokens, prefilled, then `--steps`
+machine; `--threads 2` as a decode worker that borrowed the idle prefill worker's core), `--batch`
+sequences of `--context` random prompt tokens, prefilled, then `--steps`
 decode steps timed (wall clock, no profiler) and the same number again under cProfile for the
 split. Runs for float32 (four ways) and bfloat16 (the first three): "before" (EngineConfig kernel_backend
 "reference" and packed_linear False: PyTorch references and plain F.linear, the engine before
@@ -54,15 +55,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-import torch  # noqa: E402
+import torch
 
-from kernels import cpu_native, prefill_attention  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
-from workers.packed_linear import PackedLinear  # noqa: E402
-from workers.quantization import weight_memory  # noqa: E402
-from cluster.busy_host import cpu_name  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
+from cluster.busy_host import cpu_name
+from common.sampling_params import SamplingParams
+from kernels import cpu_native, prefill_attention
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.packed_linear import PackedLinear
+from workers.quantization import weight_memory
 
 
 def _kernel(module: str, op: str) -> list[tuple[str, str]]:
@@ -74,9 +75,11 @@ def _kernel(module: str, op: str) -> list[tuple[str, str]]:
 CATEGORIES = {
     "linear layers": [("", "torch._C._nn.linear"), ("workers/packed_linear.py", "packed_linear")],
     "attention": _kernel("decode_attention", "paged_decode_attention")
-                 + _kernel("prefill_attention", "paged_prefill_attention"),
-    "norm, rotary, KV store, SiLU": _kernel("rms_norm", "rms_norm") + _kernel("rotary", "rotary_embedding")
-                                    + _kernel("kv_store", "store_kv") + _kernel("silu_mul", "silu_and_mul"),
+    + _kernel("prefill_attention", "paged_prefill_attention"),
+    "norm, rotary, KV store, SiLU": _kernel("rms_norm", "rms_norm")
+    + _kernel("rotary", "rotary_embedding")
+    + _kernel("kv_store", "store_kv")
+    + _kernel("silu_mul", "silu_and_mul"),
     "sampling": [("workers/sampler.py", "sample")],
     # A float32 step's layers, linear layers and attention included, when they run as one call.
     "decoder layers in one call": [("kernels/layer_stack.py", "run")],
@@ -93,15 +96,28 @@ def prefill_seconds(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
     return time.perf_counter() - start
 
 
-def build_engine(dtype: str, batch: int, context: int, long_prompt: int, native: bool = True, packed: bool = True,
-                 scatter_pages: bool = False, one_call: bool = True) -> tuple[LLMEngine, dict]:
+def build_engine(
+    dtype: str,
+    batch: int,
+    context: int,
+    long_prompt: int,
+    native: bool = True,
+    packed: bool = True,
+    scatter_pages: bool = False,
+    one_call: bool = True,
+) -> tuple[LLMEngine, dict]:
     """An engine decoding `batch` sequences, and how long the prefills took (not part of the split).
 
     scatter_pages: shuffle the free block list first, which is what a server's cache looks like
     once it has recycled its blocks for a while: each sequence's pages land all over the cache."""
-    config = EngineConfig(dtype=dtype, max_num_seqs=batch, kv_cache_memory=512 << 20,
-                          kernel_backend="auto" if native else "reference", packed_linear=packed,
-                          enforce_eager=not one_call)
+    config = EngineConfig(
+        dtype=dtype,
+        max_num_seqs=batch,
+        kv_cache_memory=512 << 20,
+        kernel_backend="auto" if native else "reference",
+        packed_linear=packed,
+        enforce_eager=not one_call,
+    )
     engine = LLMEngine.from_model_dir(None, config)
     if scatter_pages:
         free = engine.block_manager._free
@@ -113,7 +129,8 @@ def build_engine(dtype: str, batch: int, context: int, long_prompt: int, native:
     timings = {}
     if long_prompt:
         timings[f"prefill_1x{long_prompt}_s"] = prefill_seconds(
-            engine, [[rng.randrange(100, 40000) for _ in range(long_prompt)]], 1)
+            engine, [[rng.randrange(100, 40000) for _ in range(long_prompt)]], 1
+        )
         engine.step()  # the long request finishes and leaves the batch
     prompts = [[rng.randrange(100, 40000) for _ in range(context)] for _ in range(batch)]
     timings[f"prefill_{batch}x{context}_s"] = prefill_seconds(engine, prompts, 10_000)
@@ -164,8 +181,10 @@ def step_ms(engine: LLMEngine, steps: int) -> float:
 
 
 def measure(dtype: str, native: bool, packed: bool, one_call: bool, args) -> dict:
-    scattered_ms = step_ms(build_engine(dtype, args.batch, args.context, 0, native, packed, scatter_pages=True,
-                                        one_call=one_call)[0], args.steps)
+    scattered_ms = step_ms(
+        build_engine(dtype, args.batch, args.context, 0, native, packed, scatter_pages=True, one_call=one_call)[0],
+        args.steps,
+    )
     engine, prefill = build_engine(dtype, args.batch, args.context, args.long_prompt, native, packed, one_call=one_call)
     in_order_ms = step_ms(engine, args.steps)
     profile = cProfile.Profile()
@@ -176,18 +195,26 @@ def measure(dtype: str, native: bool, packed: bool, one_call: bool, args) -> dic
     parts = split(profile)
     scale = in_order_ms / (sum(parts.values()) / args.steps * 1000)
     ms = {k: v / args.steps * 1000 * scale for k, v in parts.items()}
-    return {"dtype": dtype, "native_kernels": native, "packed_linear": packed,
-            "one_call": engine.runner.layer_stack is not None, "step_ms": in_order_ms,
-            "tokens_per_s": args.batch / in_order_ms * 1000, "split_ms": ms, "prefill": prefill,
-            "step_ms_scattered_pages": scattered_ms,
-            "linear_layers_one_row": linear_layers_one_row(engine.runner.model, dtype)}
+    return {
+        "dtype": dtype,
+        "native_kernels": native,
+        "packed_linear": packed,
+        "one_call": engine.runner.layer_stack is not None,
+        "step_ms": in_order_ms,
+        "tokens_per_s": args.batch / in_order_ms * 1000,
+        "split_ms": ms,
+        "prefill": prefill,
+        "step_ms_scattered_pages": scattered_ms,
+        "linear_layers_one_row": linear_layers_one_row(engine.runner.model, dtype),
+    }
 
 
 def prefill_cpu_seconds(dtype: str, budget: int, n: int, profile: bool = False) -> dict:
     """CPU seconds of one n-token prefill (best of 2) under `budget` tokens a step; with profile,
     the cProfile split of a third run too."""
-    config = EngineConfig(dtype=dtype, max_num_batched_tokens=budget, kv_cache_memory=512 << 20,
-                          enable_prefix_caching=False)
+    config = EngineConfig(
+        dtype=dtype, max_num_batched_tokens=budget, kv_cache_memory=512 << 20, enable_prefix_caching=False
+    )
     engine = LLMEngine.from_model_dir(None, config)
     rng = random.Random(0)
 
@@ -209,8 +236,11 @@ def prefill_cpu_seconds(dtype: str, budget: int, n: int, profile: bool = False) 
         run()
         prof.disable()
         parts = split(prof)
-        out["split_s"] = {"linear layers": parts["linear layers"], "attention": parts["attention"],
-                          "everything else": sum(v for k, v in parts.items() if k not in ("linear layers", "attention"))}
+        out["split_s"] = {
+            "linear layers": parts["linear layers"],
+            "attention": parts["attention"],
+            "everything else": sum(v for k, v in parts.items() if k not in ("linear layers", "attention")),
+        }
     return out
 
 
@@ -224,18 +254,29 @@ def attention_gflops(dtype: str, n: int, chunk: int, fn=None) -> dict:
     k = torch.randn(nb, bs, hk, d, generator=g).to(torch_dtype)
     v = torch.randn(nb, bs, hk, d, generator=g).to(torch_dtype)
     table = torch.arange(nb, dtype=torch.int32)[None]
-    chunks = [(c0, min(chunk, n - c0), torch.randn(min(chunk, n - c0), hq, d, generator=g).to(torch_dtype))
-              for c0 in range(0, n, chunk)]
+    chunks = [
+        (c0, min(chunk, n - c0), torch.randn(min(chunk, n - c0), hq, d, generator=g).to(torch_dtype))
+        for c0 in range(0, n, chunk)
+    ]
     real = prefill_attention._native_fn
     if fn is not None:
         prefill_attention._native_fn = lambda: fn
     try:
+
         def one_layer() -> float:
             start = time.process_time()
             for c0, m, q in chunks:
                 prefill_attention.paged_prefill_attention_cpu(
-                    q, k, v, table, torch.tensor([0, m], dtype=torch.int32), torch.tensor([c0 + m], dtype=torch.int32), 0.125)
+                    q,
+                    k,
+                    v,
+                    table,
+                    torch.tensor([0, m], dtype=torch.int32),
+                    torch.tensor([c0 + m], dtype=torch.int32),
+                    0.125,
+                )
             return time.process_time() - start
+
         one_layer()
         best = min(one_layer() for _ in range(5))
     finally:
@@ -252,7 +293,7 @@ def baseline_kernel(source: str):
     shutil.copy(source, folder / "baseline.cpp")
     target = folder / "baseline.so"
     cpu_native._compile(cpu_native.compiler(), folder / "baseline.cpp", target)
-    fn = getattr(ctypes.CDLL(str(target)), "baton_paged_prefill_attention")
+    fn = ctypes.CDLL(str(target)).baton_paged_prefill_attention
     fn.argtypes = list(prefill_attention._NATIVE_ARGS)
     fn.restype = ctypes.c_int
     return fn
@@ -265,13 +306,27 @@ def prefill_profile(args) -> None:
         kernel = {"current": attention_gflops(dtype, args.long_prompt, 256)}
         if baseline is not None:
             kernel["baseline"] = attention_gflops(dtype, args.long_prompt, 256, baseline)
-        runs.append({"dtype": dtype, "attention_kernel": kernel,
-                     "budgets": [prefill_cpu_seconds(dtype, 256, args.long_prompt, profile=True),
-                                 prefill_cpu_seconds(dtype, 2048, args.long_prompt, profile=True)]})
+        runs.append(
+            {
+                "dtype": dtype,
+                "attention_kernel": kernel,
+                "budgets": [
+                    prefill_cpu_seconds(dtype, 256, args.long_prompt, profile=True),
+                    prefill_cpu_seconds(dtype, 2048, args.long_prompt, profile=True),
+                ],
+            }
+        )
         print(json.dumps(runs[-1], indent=1), flush=True)
-    doc = {"benchmark": "long-prompt prefill profile", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "command": " ".join([sys.executable, *sys.argv]), "torch_threads": 1, "clock": "process CPU time",
-           "baseline_kernel": args.baseline_kernel, "loadavg": list(os.getloadavg()), "runs": runs}
+    doc = {
+        "benchmark": "long-prompt prefill profile",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "torch_threads": 1,
+        "clock": "process CPU time",
+        "baseline_kernel": args.baseline_kernel,
+        "loadavg": list(os.getloadavg()),
+        "runs": runs,
+    }
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 
 
@@ -281,14 +336,23 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--long-prompt", type=int, default=2000, help="also time one prompt this long (0: skip)")
-    ap.add_argument("--out", default=None, help="default bench/results/decode_profile.json (prefill_profile.json with --prefill)")
+    ap.add_argument(
+        "--out", default=None, help="default bench/results/decode_profile.json (prefill_profile.json with --prefill)"
+    )
     ap.add_argument("--prefill", action="store_true", help="only the long prompt's prefill profile (see above)")
     ap.add_argument("--baseline-kernel", default=None, help="with --prefill: a prefill attention source to time too")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (a decode worker that borrows an idle core "
-                    "runs on 2 here: workers/elastic_threads.py)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (a decode worker that borrows an idle core runs on 2 here: workers/elastic_threads.py)",
+    )
     ap.add_argument("--default-only", action="store_true", help="only the engine's default configuration")
-    ap.add_argument("--eager-too", action="store_true",
-                    help="with --default-only: float32 layer by layer (--enforce-eager) too, beside the one call")
+    ap.add_argument(
+        "--eager-too",
+        action="store_true",
+        help="with --default-only: float32 layer by layer (--enforce-eager) too, beside the one call",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.prefill:
@@ -300,28 +364,53 @@ def main() -> None:
     # call (its linear layers are oneDNN's), so its full run leaves that row out.
     default = (True, True, True)
     eager = (True, True, False)
-    variants = {dtype: ([eager] if args.eager_too and dtype == "float32" else []) + [default] if args.default_only else
-                [(False, False, False), (True, False, False), (True, True, False)] + ([default] if dtype == "float32" else [])
-                for dtype in ("float32", "bfloat16")}
+    variants = {
+        dtype: ([eager] if args.eager_too and dtype == "float32" else []) + [default]
+        if args.default_only
+        else [(False, False, False), (True, False, False), (True, True, False)]
+        + ([default] if dtype == "float32" else [])
+        for dtype in ("float32", "bfloat16")
+    }
     runs = [measure(dtype, *variant, args) for dtype in ("float32", "bfloat16") for variant in variants[dtype]]
     print(f"decode step, {args.batch} sequences of ~{args.context} tokens, {args.threads} thread(s) (ms)")
     cats = list(runs[0]["split_ms"])
     print("| config | step | step, scattered pages | " + " | ".join(cats) + " | prefill (s) |")
     print("|---|---:|---:|" + "---:|" * len(cats) + "---|")
     for r in runs:
-        label = r["dtype"] + (", + decoder layers in one call" if r["one_call"] else
-                              ", + prepacked linears" if r["packed_linear"] else
-                              ", + native kernels" if r["native_kernels"] else ", before (PyTorch references)")
-        print(f"| {label} | {r['step_ms']:.1f} | {r['step_ms_scattered_pages']:.1f} | " + " | ".join(f"{r['split_ms'][c]:.1f}" for c in cats) + " | "
-              + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items()) + " |")
-    doc = {"benchmark": "decode step profile", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "command": " ".join([sys.executable, *sys.argv]), "batch": args.batch, "context": args.context,
-           "steps": args.steps, "torch_threads": args.threads, "machine": {"cpu": cpu_name()},
-           "loadavg": list(os.getloadavg()), "runs": runs}
+        label = r["dtype"] + (
+            ", + decoder layers in one call"
+            if r["one_call"]
+            else ", + prepacked linears"
+            if r["packed_linear"]
+            else ", + native kernels"
+            if r["native_kernels"]
+            else ", before (PyTorch references)"
+        )
+        print(
+            f"| {label} | {r['step_ms']:.1f} | {r['step_ms_scattered_pages']:.1f} | "
+            + " | ".join(f"{r['split_ms'][c]:.1f}" for c in cats)
+            + " | "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items())
+            + " |"
+        )
+    doc = {
+        "benchmark": "decode step profile",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "batch": args.batch,
+        "context": args.context,
+        "steps": args.steps,
+        "torch_threads": args.threads,
+        "machine": {"cpu": cpu_name()},
+        "loadavg": list(os.getloadavg()),
+        "runs": runs,
+    }
     for r in runs:
         one = r["linear_layers_one_row"]
-        print(f"{r['dtype']}, native {r['native_kernels']}, packed {r['packed_linear']}: linear layers at one row "
-              f"{one['ms']:.1f} ms ({one['weight_bytes'] / 1e6:.0f} MB of weights, {one['gb_per_s']:.1f} GB/s)")
+        print(
+            f"{r['dtype']}, native {r['native_kernels']}, packed {r['packed_linear']}: linear layers at one row "
+            f"{one['ms']:.1f} ms ({one['weight_bytes'] / 1e6:.0f} MB of weights, {one['gb_per_s']:.1f} GB/s)"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 

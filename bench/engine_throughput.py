@@ -41,10 +41,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
-from workers.model_files import resolve_model_dir  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.model_files import resolve_model_dir
 
 SEED = 20261130
 PROMPT_RANGE = (32, 512)
@@ -52,10 +52,20 @@ OUTPUT_MIN = 16
 
 
 # The --moe model: a Mixtral small enough for this machine, with the routing of the real ones.
-MOE_SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
-                 max_position_embeddings=2048, sliding_window=None, tie_word_embeddings=False,
-                 initializer_range=0.1)  # wider than the default 0.02, so greedy choices are not near ties
+MOE_SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=2048,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)  # wider than the default 0.02, so greedy choices are not near ties
 
 
 def build_moe_model(folder: Path) -> Path:
@@ -96,8 +106,14 @@ def machine_info() -> dict:
         load = os.getloadavg()
     except OSError:
         load = None
-    return {"nproc": nproc, "cpu_model": cpu, "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "loadavg_at_start": load}
+    return {
+        "nproc": nproc,
+        "cpu_model": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg_at_start": load,
+    }
 
 
 # ---- Baton ---------------------------------------------------------------------------------
@@ -107,9 +123,15 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 
 
 def run_baton(model_dir, reqs, concurrency: int, kv_cache_memory: int, dtype: str = "float32") -> dict:
-    engine = LLMEngine.from_model_dir(model_dir, EngineConfig(max_num_seqs=concurrency, kv_cache_memory=kv_cache_memory,
-                                                              dtype=dtype,
-                                                              max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS))
+    engine = LLMEngine.from_model_dir(
+        model_dir,
+        EngineConfig(
+            max_num_seqs=concurrency,
+            kv_cache_memory=kv_cache_memory,
+            dtype=dtype,
+            max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS,
+        ),
+    )
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.generate([[101 + i for i in range(40)], [201 + i for i in range(20)]], warm)
     prompts = [p for p, _ in reqs]
@@ -122,7 +144,9 @@ def run_baton(model_dir, reqs, concurrency: int, kv_cache_memory: int, dtype: st
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == sum(o for _, o in reqs), "ignore_eos run produced a different number of tokens"
     return {
-        "output_tokens": tokens, "seconds": secs, "tok_s": tokens / secs,
+        "output_tokens": tokens,
+        "seconds": secs,
+        "tok_s": tokens / secs,
         "num_preemptions": st.num_preemptions - pre.num_preemptions,
         "kv_blocks": st.num_blocks,
         "token_ids": [o.token_ids for o in outs],
@@ -143,10 +167,17 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int, pad_id: int) ->
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for i, p in enumerate(batch):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=pad_id,
+    )
     return out[:, width:]
 
 
@@ -177,8 +208,13 @@ def run_hf_batched(model, reqs, batch_size: int) -> dict:
                 token_ids.append(row[:o].tolist())
                 useful += o
         secs = time.perf_counter() - t0
-    return {"output_tokens": useful, "generated_tokens_incl_padding": generated, "seconds": secs,
-            "tok_s": useful / secs, "token_ids": token_ids}
+    return {
+        "output_tokens": useful,
+        "generated_tokens_incl_padding": generated,
+        "seconds": secs,
+        "tok_s": useful / secs,
+        "token_ids": token_ids,
+    }
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -193,21 +229,34 @@ def main(argv=None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-output", type=int, default=96, help="outputs are uniform in [16, max-output] tokens")
-    ap.add_argument("--sequential-requests", type=int, default=16,
-                    help="one-at-a-time configs (transformers sequential and Baton max_num_seqs=1) run the first N "
-                         "requests only, to bound run time (tok/s is a rate); 0 = all (default 16)")
+    ap.add_argument(
+        "--sequential-requests",
+        type=int,
+        default=16,
+        help="one-at-a-time configs (transformers sequential and Baton max_num_seqs=1) run the first N "
+        "requests only, to bound run time (tok/s is a rate); 0 = all (default 16)",
+    )
     ap.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[8, 32])
     ap.add_argument("--skip-hf-batched", action="store_true")
     ap.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="bytes of KV cache for Baton")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="weights and activations, the same for Baton and transformers")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights and activations, the same for Baton and transformers",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, nproc)")
     ap.add_argument("--moe", action="store_true", help="run on the bench's own small Mixtral (MOE_SHAPE, random init)")
-    ap.add_argument("--out", default=None, help="JSON output (default bench/results/engine_throughput.json, "
-                                                "engine_throughput_moe.json with --moe)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON output (default bench/results/engine_throughput.json, engine_throughput_moe.json with --moe)",
+    )
     args = ap.parse_args(argv)
     if args.out is None:
-        args.out = str(REPO / "bench" / "results" / ("engine_throughput_moe.json" if args.moe else "engine_throughput.json"))
+        args.out = str(
+            REPO / "bench" / "results" / ("engine_throughput_moe.json" if args.moe else "engine_throughput.json")
+        )
     if args.moe and args.model:
         ap.error("--moe builds its own model; drop --model")
 
@@ -248,22 +297,35 @@ def main(argv=None) -> int:
         rows = []
         order = sorted(results, key=lambda k: (results[k]["system"] != "baton", results[k]["concurrency"], k))
         for name, r in ((k, results[k]) for k in order):
-            label = (f"Baton, max_num_seqs={r['concurrency']}" if r["system"] == "baton"
-                     else "transformers sequential" if name == "hf_sequential"
-                     else f"transformers padded batch {r['concurrency']}")
+            label = (
+                f"Baton, max_num_seqs={r['concurrency']}"
+                if r["system"] == "baton"
+                else "transformers sequential"
+                if name == "hf_sequential"
+                else f"transformers padded batch {r['concurrency']}"
+            )
             rows.append((label, r))
-        table = ["| config | requests | output tokens | seconds | output tok/s | vs transformers sequential |",
-                 "|---|---:|---:|---:|---:|---:|"]
+        table = [
+            "| config | requests | output tokens | seconds | output tok/s | vs transformers sequential |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for label, r in rows:
-            table.append(f"| {label} | {r['requests']} | {r['output_tokens']} | {r['seconds']:.1f} | {r['tok_s']:.1f} | "
-                         f"{r['ratio_vs_hf_sequential']:.2f}x |")
+            table.append(
+                f"| {label} | {r['requests']} | {r['output_tokens']} | {r['seconds']:.1f} | {r['tok_s']:.1f} | "
+                f"{r['ratio_vs_hf_sequential']:.2f}x |"
+            )
         print("\n" + "\n".join(table))
 
-        best = max((r for r in results.values() if r["system"] == "baton" and r["concurrency"] == 32), default=None,
-                   key=lambda r: r["tok_s"])
-        target = {"goal": "Baton at 32 concurrent sequences >= 5x transformers sequential output tok/s",
-                  "ratio": None if best is None else best["ratio_vs_hf_sequential"],
-                  "met": None if best is None else best["ratio_vs_hf_sequential"] >= 5.0}
+        best = max(
+            (r for r in results.values() if r["system"] == "baton" and r["concurrency"] == 32),
+            default=None,
+            key=lambda r: r["tok_s"],
+        )
+        target = {
+            "goal": "Baton at 32 concurrent sequences >= 5x transformers sequential output tok/s",
+            "ratio": None if best is None else best["ratio_vs_hf_sequential"],
+            "met": None if best is None else best["ratio_vs_hf_sequential"] >= 5.0,
+        }
         print(f"\ntarget: {target}")
 
         prompt_lens = [len(p) for p, _ in reqs]
@@ -281,28 +343,47 @@ def main(argv=None) -> int:
             "model_shape": MOE_SHAPE if args.moe else None,
             "dtype": args.dtype,
             "workload": {
-                "num_requests": len(reqs), "seed": SEED,
-                "prompt_tokens": {"range": list(PROMPT_RANGE), "total": sum(prompt_lens), "mean": sum(prompt_lens) / len(reqs)},
-                "output_tokens": {"range": [min(OUTPUT_MIN, args.max_output), args.max_output], "total": sum(out_lens),
-                                  "mean": sum(out_lens) / len(reqs)},
+                "num_requests": len(reqs),
+                "seed": SEED,
+                "prompt_tokens": {
+                    "range": list(PROMPT_RANGE),
+                    "total": sum(prompt_lens),
+                    "mean": sum(prompt_lens) / len(reqs),
+                },
+                "output_tokens": {
+                    "range": [min(OUTPUT_MIN, args.max_output), args.max_output],
+                    "total": sum(out_lens),
+                    "mean": sum(out_lens) / len(reqs),
+                },
                 "prompts": "random token ids from the vocabulary (ids >= 100), no shared prefixes",
-                "sequential_subset": {"num_requests": n_seq, "prompt_tokens_mean": sum(prompt_lens[:n_seq]) / n_seq,
-                                      "output_tokens_mean": sum(out_lens[:n_seq]) / n_seq},
+                "sequential_subset": {
+                    "num_requests": n_seq,
+                    "prompt_tokens_mean": sum(prompt_lens[:n_seq]) / n_seq,
+                    "output_tokens_mean": sum(out_lens[:n_seq]) / n_seq,
+                },
                 "sampling": "greedy (temperature 0), ignore_eos: each request yields exactly its requested tokens",
             },
             "notes": [
-                f"Baton: all requests added at once, EngineConfig(max_num_seqs=C, kv_cache_memory={args.kv_cache_memory}, "
+                "Baton: all requests added at once, "
+                f"EngineConfig(max_num_seqs=C, kv_cache_memory={args.kv_cache_memory}, "
                 f"dtype={args.dtype}), fresh engine per C; "
                 "engine construction not timed; a 2-request warm-up precedes each timed run.",
-                f"transformers: AutoModelForCausalLM {args.dtype}, generate(do_sample=False, eos_token_id=None, "
+                f"transformers: AutoModelForCausalLM {args.dtype}, "
+                "generate(do_sample=False, eos_token_id=None, "
                 "min_new_tokens=max_new_tokens), one warm-up call.",
-                "transformers padded batches: requests in order, left padding + attention mask, each batch generates up to "
-                "its longest requested output (generated_tokens_incl_padding); only each request's requested tokens count "
+                "transformers padded batches: requests in order, left padding + attention mask, "
+                "each batch generates up to "
+                "its longest requested output (generated_tokens_incl_padding); "
+                "only each request's requested tokens count "
                 "as output tokens.",
-                (f"one-at-a-time configs (transformers sequential, Baton max_num_seqs=1) measured on the first {n_seq} of "
-                 f"{len(reqs)} requests (the same requests, a subset to bound run time on this machine; see "
-                 f"workload.sequential_subset for its token mix); tok/s is a rate, so ratios compare rates."
-                 if n_seq < len(reqs) else "all configs measured on all requests."),
+                (
+                    "one-at-a-time configs (transformers sequential, Baton max_num_seqs=1) "
+                    f"measured on the first {n_seq} of "
+                    f"{len(reqs)} requests (the same requests, a subset to bound run time on this machine; see "
+                    f"workload.sequential_subset for its token mix); tok/s is a rate, so ratios compare rates."
+                    if n_seq < len(reqs)
+                    else "all configs measured on all requests."
+                ),
                 f"torch.set_num_threads({threads}) for both systems; the machine is shared with other developers, so "
                 "timings carry noise (machine.loadavg_at_start; loadavg_after per result: 1/5/15-minute load averages, "
                 "where 2.0 means both cores busy).",
@@ -322,8 +403,13 @@ def main(argv=None) -> int:
     def baton_job(c):
         sub = reqs[:n_seq] if c == 1 else reqs
         log(f"Baton, max_num_seqs={c}, {len(sub)} requests ...")
-        results[f"baton_c{c}"] = {"system": "baton", "concurrency": c, "requests": len(sub),
-                                  **run_baton(model_dir, sub, c, args.kv_cache_memory, args.dtype), "loadavg_after": loadavg()}
+        results[f"baton_c{c}"] = {
+            "system": "baton",
+            "concurrency": c,
+            "requests": len(sub),
+            **run_baton(model_dir, sub, c, args.kv_cache_memory, args.dtype),
+            "loadavg_after": loadavg(),
+        }
         log(f"  {results[f'baton_c{c}']['tok_s']:.1f} tok/s")
 
     def hf_seq_job():
@@ -331,8 +417,13 @@ def main(argv=None) -> int:
         if hf is None:
             hf = load_hf(model_dir, args.dtype)
         log(f"transformers sequential, {n_seq} of {len(reqs)} requests ...")
-        results["hf_sequential"] = {"system": "transformers", "concurrency": 1, "requests": n_seq,
-                                    **run_hf_sequential(hf, reqs[:n_seq]), "loadavg_after": loadavg()}
+        results["hf_sequential"] = {
+            "system": "transformers",
+            "concurrency": 1,
+            "requests": n_seq,
+            **run_hf_sequential(hf, reqs[:n_seq]),
+            "loadavg_after": loadavg(),
+        }
         log(f"  {results['hf_sequential']['tok_s']:.1f} tok/s")
 
     def hf_batch_job(b):
@@ -340,8 +431,13 @@ def main(argv=None) -> int:
         if hf is None:
             hf = load_hf(model_dir, args.dtype)
         log(f"transformers padded batches of {b}, {len(reqs)} requests ...")
-        results[f"hf_batch{b}"] = {"system": "transformers", "concurrency": b, "requests": len(reqs),
-                                   **run_hf_batched(hf, reqs, b), "loadavg_after": loadavg()}
+        results[f"hf_batch{b}"] = {
+            "system": "transformers",
+            "concurrency": b,
+            "requests": len(reqs),
+            **run_hf_batched(hf, reqs, b),
+            "loadavg_after": loadavg(),
+        }
         log(f"  {results[f'hf_batch{b}']['tok_s']:.1f} tok/s")
 
     # The headline pair first and back to back (similar machine load), then the rest; the JSON is

@@ -29,13 +29,13 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-import torch  # noqa: E402
+import torch
 
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
-from workers.quantization import weight_memory  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from workers.evaluation import CHUNK, WINDOW, chat_prompts, eval_windows  # noqa: E402
+from common.sampling_params import SamplingParams
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.evaluation import CHUNK, WINDOW, chat_prompts, eval_windows
+from workers.quantization import weight_memory
 
 NEW_TOKENS = 32
 KV_BUDGET = 64 << 20
@@ -51,8 +51,13 @@ CONFIGS = {
     # AMX-BF16; kernels/amx_linear.py): scoring is all prompt tokens, greedy decoding mostly not.
     "float32, bf16x3 prompts": dict(float32_prompt_matmul="bf16x3"),
 }
-LIMITS = {"fp8 weights": 0.03, "fp8 KV": 0.03, "fp8 weights + KV": 0.05, "bfloat16": 0.01,
-          "float32, bf16x3 prompts": 0.001}
+LIMITS = {
+    "fp8 weights": 0.03,
+    "fp8 KV": 0.03,
+    "fp8 weights + KV": 0.05,
+    "bfloat16": 0.01,
+    "float32, bf16x3 prompts": 0.001,
+}
 
 
 def perplexity(engine: LLMEngine, windows: list[list[int]]) -> tuple[float, int]:
@@ -93,8 +98,11 @@ def transfer_bytes(dtype: str, kv_cache_dtype: str) -> dict:
         while not any(o.finished for o in D.poll_outputs(1.0)):
             assert time.monotonic() < deadline, "decode did not finish"
         stats = P.stats()
-        return {"kv_bytes_sent": stats.kv_bytes_sent, "prompt_tokens": stats.prompt_tokens,
-                "bytes_per_prompt_token": stats.kv_bytes_sent / stats.prompt_tokens}
+        return {
+            "kv_bytes_sent": stats.kv_bytes_sent,
+            "prompt_tokens": stats.prompt_tokens,
+            "bytes_per_prompt_token": stats.kv_bytes_sent / stats.prompt_tokens,
+        }
     finally:
         P.shutdown()
         D.shutdown()
@@ -133,17 +141,26 @@ def main() -> None:
         reference = reference or {"ppl": ppl, "tokens": tokens}
         mem = weight_memory(engine.runner.model)
         rows[name] = {
-            "config": overrides, "perplexity": ppl, "predictions": n,
+            "config": overrides,
+            "perplexity": ppl,
+            "predictions": n,
             "ppl_change": ppl / reference["ppl"] - 1.0,
-            "ppl_limit": LIMITS.get(name), "within_limit": ppl / reference["ppl"] - 1.0 <= LIMITS.get(name, 0.0),
+            "ppl_limit": LIMITS.get(name),
+            "within_limit": ppl / reference["ppl"] - 1.0 <= LIMITS.get(name, 0.0),
             "greedy": agreement(tokens, reference["tokens"]),
-            "linear_weight_bytes": mem.linear_bytes, "total_weight_bytes": mem.total_bytes,
+            "linear_weight_bytes": mem.linear_bytes,
+            "total_weight_bytes": mem.total_bytes,
             "kv_scales_layer0": engine.runner.kv_scales[0],
-            "seconds": time.perf_counter() - t0, "load_seconds": t1 - t0, "score_seconds": t2 - t1,
+            "seconds": time.perf_counter() - t0,
+            "load_seconds": t1 - t0,
+            "score_seconds": t2 - t1,
             "greedy_seconds": t3 - t2,
         }
-        print(f"{name}: ppl {ppl:.4f} ({rows[name]['ppl_change']:+.2%}); load {t1 - t0:.0f} s, "
-              f"score {t2 - t1:.0f} s, greedy {t3 - t2:.0f} s", flush=True)
+        print(
+            f"{name}: ppl {ppl:.4f} ({rows[name]['ppl_change']:+.2%}); load {t1 - t0:.0f} s, "
+            f"score {t2 - t1:.0f} s, greedy {t3 - t2:.0f} s",
+            flush=True,
+        )
         del engine
 
     bf16 = LLMEngine.from_model_dir(None, EngineConfig(dtype="bfloat16", num_kv_blocks=1))
@@ -153,42 +170,76 @@ def main() -> None:
     fp8_bf16 = LLMEngine.from_model_dir(None, EngineConfig(dtype="bfloat16", quantization="fp8", num_kv_blocks=1))
     mem_fp8_bf16 = weight_memory(fp8_bf16.runner.model)
     del fp8_bf16
-    memory = {"weights": {
-        "float32": {"linear": rows["float32"]["linear_weight_bytes"], "total": rows["float32"]["total_weight_bytes"]},
-        "bfloat16": {"linear": mem_bf16.linear_bytes, "total": mem_bf16.total_bytes},
-        "fp8": {"linear": rows["fp8 weights"]["linear_weight_bytes"], "total": rows["fp8 weights"]["total_weight_bytes"]},
-        "fp8 (rest bfloat16)": {"linear": mem_fp8_bf16.linear_bytes, "total": mem_fp8_bf16.total_bytes},
-    }}
+    memory = {
+        "weights": {
+            "float32": {
+                "linear": rows["float32"]["linear_weight_bytes"],
+                "total": rows["float32"]["total_weight_bytes"],
+            },
+            "bfloat16": {"linear": mem_bf16.linear_bytes, "total": mem_bf16.total_bytes},
+            "fp8": {
+                "linear": rows["fp8 weights"]["linear_weight_bytes"],
+                "total": rows["fp8 weights"]["total_weight_bytes"],
+            },
+            "fp8 (rest bfloat16)": {"linear": mem_fp8_bf16.linear_bytes, "total": mem_fp8_bf16.total_bytes},
+        }
+    }
     kv = {}
     for dtype, kv_dtype in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8")):
-        e = LLMEngine.from_model_dir(None, EngineConfig(dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=KV_BUDGET))
+        e = LLMEngine.from_model_dir(
+            None, EngineConfig(dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=KV_BUDGET)
+        )
         cache = e.runner.kv_cache
         kv["fp8" if kv_dtype == "fp8" else dtype] = {
-            "cache_bytes": cache.numel() * cache.element_size(), "capacity_tokens": e.runner.num_blocks * e.config.block_size}
+            "cache_bytes": cache.numel() * cache.element_size(),
+            "capacity_tokens": e.runner.num_blocks * e.config.block_size,
+        }
         del e
     memory["kv_capacity_at_64MiB"] = kv
-    transfer = {name: transfer_bytes(dt, kvd) for name, dt, kvd in
-                (("float32", "float32", "auto"), ("bfloat16", "bfloat16", "auto"), ("fp8", "float32", "fp8"))}
+    transfer = {
+        name: transfer_bytes(dt, kvd)
+        for name, dt, kvd in (
+            ("float32", "float32", "auto"),
+            ("bfloat16", "bfloat16", "auto"),
+            ("fp8", "float32", "fp8"),
+        )
+    }
 
     result = {
-        "model": "SmolLM2-135M-Instruct", "text": "pydoc_data.topics, sorted keys joined by blank lines",
-        "windows": args.windows, "window_tokens": WINDOW, "score_chunk": CHUNK, "greedy_new_tokens": NEW_TOKENS,
-        "rows": rows, "memory": memory, "transfer": transfer,
-        "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+        "model": "SmolLM2-135M-Instruct",
+        "text": "pydoc_data.topics, sorted keys joined by blank lines",
+        "windows": args.windows,
+        "window_tokens": WINDOW,
+        "score_chunk": CHUNK,
+        "greedy_new_tokens": NEW_TOKENS,
+        "rows": rows,
+        "memory": memory,
+        "transfer": transfer,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
         "seconds": time.perf_counter() - started,
     }
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"\nSmolLM2-135M-Instruct, {args.windows} x {WINDOW} tokens of pydoc topics, greedy: 20 prompts x {NEW_TOKENS} tokens\n")
-    print("| config | perplexity | vs float32 | limit | identical greedy (of 20) | mean identical prefix | position match |")
+    print(
+        f"\nSmolLM2-135M-Instruct, {args.windows} x {WINDOW} tokens of pydoc topics, "
+        f"greedy: 20 prompts x {NEW_TOKENS} tokens\n"
+    )
+    print(
+        "| config | perplexity | vs float32 | limit | identical greedy (of 20) "
+        "| mean identical prefix | position match |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         g = r["greedy"]
         limit = f"{r['ppl_limit']:.0%}" if r["ppl_limit"] else ""
-        print(f"| {name} | {r['perplexity']:.4f} | {r['ppl_change']:+.2%} | {limit} | {g['identical_prompts']} | "
-              f"{g['mean_identical_prefix']:.1f} / {NEW_TOKENS} | {g['position_match_rate']:.1%} |")
+        print(
+            f"| {name} | {r['perplexity']:.4f} | {r['ppl_change']:+.2%} | {limit} | {g['identical_prompts']} | "
+            f"{g['mean_identical_prefix']:.1f} / {NEW_TOKENS} | {g['position_match_rate']:.1%} |"
+        )
     w = memory["weights"]
     print("\n| weights | linear layers (MB) | whole model (MB) |\n|---|---|---|")
     for k, v in w.items():
@@ -196,9 +247,11 @@ def main() -> None:
     print("\n| KV dtype | tokens in 64 MiB | KV bytes sent per prompt token |\n|---|---|---|")
     for k in ("float32", "bfloat16", "fp8"):
         print(f"| {k} | {kv[k]['capacity_tokens']} | {transfer[k]['bytes_per_prompt_token']:.0f} |")
-    print(f"\nlinear weights fp8 / bfloat16 = {w['fp8']['linear'] / w['bfloat16']['linear']:.3f}; "
-          f"KV tokens fp8 / bfloat16 = {kv['fp8']['capacity_tokens'] / kv['bfloat16']['capacity_tokens']:.2f}, "
-          f"fp8 / float32 = {kv['fp8']['capacity_tokens'] / kv['float32']['capacity_tokens']:.2f}")
+    print(
+        f"\nlinear weights fp8 / bfloat16 = {w['fp8']['linear'] / w['bfloat16']['linear']:.3f}; "
+        f"KV tokens fp8 / bfloat16 = {kv['fp8']['capacity_tokens'] / kv['bfloat16']['capacity_tokens']:.2f}, "
+        f"fp8 / float32 = {kv['fp8']['capacity_tokens'] / kv['float32']['capacity_tokens']:.2f}"
+    )
     print(f"\n{result['seconds']:.0f} s; JSON in {out}")
 
 

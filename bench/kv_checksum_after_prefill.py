@@ -46,8 +46,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv_checksum_after_prefill.json"))
     args = parser.parse_args()
     model_dir = resolve_model_dir(quiet=True)
-    engine = LLMEngine.from_model_dir(model_dir, EngineConfig(dtype="float32", kv_cache_memory=512 << 20,
-                                                              enable_prefix_caching=False))
+    engine = LLMEngine.from_model_dir(
+        model_dir, EngineConfig(dtype="float32", kv_cache_memory=512 << 20, enable_prefix_caching=False)
+    )
     cache = engine.runner.kv_cache  # [layers, K/V, blocks, block_size, kv heads, head_dim]
     bytes_per_token = cache[0, 0, 0, 0].numel() * cache.element_size() * cache.shape[0] * cache.shape[1]
     prompt_len = TARGET_BYTES // bytes_per_token
@@ -61,8 +62,12 @@ def main() -> None:
     for rep in range(args.reps + 1):  # the first round warms up and is not counted
         for sums, when in CASES if rep % 2 else CASES[::-1]:
             rid = f"{rep}-{sums}-{when}"
-            engine.add_request([rng.randrange(100, 40_000) for _ in range(prompt_len)],
-                               SamplingParams(max_tokens=16), rid, prefill_only=True)
+            engine.add_request(
+                [rng.randrange(100, 40_000) for _ in range(prompt_len)],
+                SamplingParams(max_tokens=16),
+                rid,
+                prefill_only=True,
+            )
             start = time.perf_counter()
             while engine.has_unfinished_requests():
                 engine.step()
@@ -82,26 +87,37 @@ def main() -> None:
         "benchmark": "kv_checksum_after_prefill",
         "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": ".venv/bin/python -m bench.kv_checksum_after_prefill",
-        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_average_1_5_15_before": list(load_before), "load_average_1_5_15": list(os.getloadavg())},
-        "model": model_dir.name, "kv_cache_shape": list(cache.shape), "kv_dtype": str(cache.dtype).removeprefix("torch."),
-        "prompt_tokens": prompt_len, "bytes_copied": nbytes, "reps": args.reps,
+        "machine": {
+            "cpu": cpu_name(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_1_5_15_before": list(load_before),
+            "load_average_1_5_15": list(os.getloadavg()),
+        },
+        "model": model_dir.name,
+        "kv_cache_shape": list(cache.shape),
+        "kv_dtype": str(cache.dtype).removeprefix("torch."),
+        "prompt_tokens": prompt_len,
+        "bytes_copied": nbytes,
+        "reps": args.reps,
         "copy_seconds_median": medians,
-        "copy_seconds_quartiles": {f"{sums}, {when}": percentiles(t, (25, 75))
-                                   for (sums, when), t in seconds.items()},
-        "sums_overhead": {when: medians[f"sums, {when}"] / medians[f"no sums, {when}"] - 1
-                          for when in ("after prefill", "cold")},
+        "copy_seconds_quartiles": {f"{sums}, {when}": percentiles(t, (25, 75)) for (sums, when), t in seconds.items()},
+        "sums_overhead": {
+            when: medians[f"sums, {when}"] / medians[f"no sums, {when}"] - 1 for when in ("after prefill", "cold")
+        },
         "prefill_seconds_median": percentile(prefill_seconds, 50),
         # the sums' time after a prefill, as a share of that prefill's
         "sums_share_of_prefill": (medians["sums, after prefill"] - medians["no sums, after prefill"])
-                                 / percentile(prefill_seconds, 50),
+        / percentile(prefill_seconds, 50),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for case, median in medians.items():
         print(f"{case:24s} {median * 1e3:7.3f} ms")
-    print({when: f"{x:+.1%}" for when, x in report["sums_overhead"].items()},
-          f"prefill {report['prefill_seconds_median'] * 1e3:.1f} ms, sums {report['sums_share_of_prefill']:.2%} of it")
+    print(
+        {when: f"{x:+.1%}" for when, x in report["sums_overhead"].items()},
+        f"prefill {report['prefill_seconds_median'] * 1e3:.1f} ms, sums {report['sums_share_of_prefill']:.2%} of it",
+    )
     print(f"wrote {args.out}")
 
 

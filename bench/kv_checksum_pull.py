@@ -63,8 +63,9 @@ BUSY, ENDED = 1, 2
 
 
 def cache(path: str, num_blocks: int) -> torch.Tensor:
-    return torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r+",
-                                      shape=(NUM_LAYERS, 2, num_blocks, *CACHE_SHAPE_TAIL)))
+    return torch.from_numpy(
+        np.memmap(path, dtype=np.float32, mode="r+", shape=(NUM_LAYERS, 2, num_blocks, *CACHE_SHAPE_TAIL))
+    )
 
 
 def block_ids(num_blocks: int, n: int, seed: int) -> array:
@@ -97,7 +98,7 @@ def receiver(folder: str, num_blocks: int, n: int) -> None:
         variant = NAMES[int(c[VARIANT])]
         if variant in ("push_verified", "push_sealed"):
             sums, done = np.empty((n, 2), np.uint64), np.zeros(1, np.int64)
-            side.dst_sums.follow(side.dst_ids, sums, done, c[LANDED:LANDED + 1], c[STATE:STATE + 1], BUSY, 1.0)
+            side.dst_sums.follow(side.dst_ids, sums, done, c[LANDED : LANDED + 1], c[STATE : STATE + 1], BUSY, 1.0)
         elif variant == "pull_copy":
             side.copier(side.dst_ids, side.src_ids, sums=False)
         elif variant in ("pull_verified", "pull_sealed"):
@@ -120,9 +121,9 @@ def sender(side: Side, reps: int) -> tuple[dict[str, list[float]], dict[str, lis
         if variant == "push_copy":
             side.copier(side.dst_ids, side.src_ids, sums=False)
         elif variant == "push_verified":
-            side.copier(side.dst_ids, side.src_ids, c[LANDED:LANDED + 1], CHUNK_BLOCKS)
+            side.copier(side.dst_ids, side.src_ids, c[LANDED : LANDED + 1], CHUNK_BLOCKS)
         elif variant == "push_sealed":
-            side.copier(side.dst_ids, side.src_ids, c[LANDED:LANDED + 1], CHUNK_BLOCKS, sums=False)
+            side.copier(side.dst_ids, side.src_ids, c[LANDED : LANDED + 1], CHUNK_BLOCKS, sums=False)
         elif variant == "pull_verified":
             side.src_sums(side.src_ids)
         mine = time.monotonic_ns()
@@ -164,8 +165,10 @@ def main() -> None:
         side.src.copy_(torch.randn(side.src.shape))
         side.dst.fill_(1.0)  # both caches' pages touched before the first copy
         load_before = os.getloadavg()
-        child = subprocess.Popen([sys.executable, "-m", "bench.kv_checksum_pull", "--receiver", folder,
-                                  str(num_blocks), str(n)], cwd=Path(__file__).resolve().parents[1])
+        child = subprocess.Popen(
+            [sys.executable, "-m", "bench.kv_checksum_pull", "--receiver", folder, str(num_blocks), str(n)],
+            cwd=Path(__file__).resolve().parents[1],
+        )
         time.sleep(3.0)  # the receiver imports and maps the caches
         times, own = sender(side, args.reps)
         side.control[GO] = -1
@@ -186,9 +189,18 @@ def main() -> None:
         "benchmark": "kv_checksum_pull",
         "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": ".venv/bin/python -m bench.kv_checksum_pull" + (f" --reps {args.reps}" if args.reps != 80 else ""),
-        "machine": {"cpus": os.cpu_count(), "cpu": cpu_name(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                    "note": "2 cores shared with other developers' jobs: expect noise"},
-        "bytes": n * block_bytes, "blocks": n, "block_bytes": block_bytes, "block_ids": "scattered", "reps": args.reps,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": cpu_name(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "note": "2 cores shared with other developers' jobs: expect noise",
+        },
+        "bytes": n * block_bytes,
+        "blocks": n,
+        "block_bytes": block_bytes,
+        "block_ids": "scattered",
+        "reps": args.reps,
         "variants": VARIANTS,
         "seconds_median": median,
         "seconds_quartiles": {v: percentiles(t, [25, 75]) for v, t in times.items()},

@@ -48,27 +48,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import zlib
-from array import array
 import os
 import pathlib
 import platform
 import random
 import statistics
 import time
+import zlib
+from array import array
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-from common.envs import ensure_private_ray_env  # noqa: E402
+from common.envs import ensure_private_ray_env
+
 ensure_private_ray_env()
 
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 
-from cluster.testing import FakeCluster, NodeType  # noqa: E402
-from kvtransfer import KVLayout, Place, Role  # noqa: E402
-from kernels.block_checksum import BlockSummer, SummingCopier  # noqa: E402
-from kernels.block_copy import KVBlockCopier  # noqa: E402
-from kvtransfer.testing import KVWorker  # noqa: E402
+from cluster.testing import FakeCluster, NodeType
+from kernels.block_checksum import BlockSummer, SummingCopier
+from kernels.block_copy import KVBlockCopier
+from kvtransfer import KVLayout, Place, Role
+from kvtransfer.testing import KVWorker
 
 # 4 layers x K/V x 16 tokens x 2 KV heads x 64 dims x fp32 = 64 KiB per block.
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
@@ -96,7 +97,7 @@ class BenchWorker(KVWorker):
         for rep in range(reps):
             off = (rep % slots) * nbytes
             t0 = time.perf_counter()
-            dst[off:off + nbytes].copy_(src[off:off + nbytes])
+            dst[off : off + nbytes].copy_(src[off : off + nbytes])
             times.append(time.perf_counter() - t0)
         return nbytes / statistics.median(times)
 
@@ -126,8 +127,12 @@ class BenchWorker(KVWorker):
         src, dst = array("q", range(n)), array("q", range(n, 2 * n))
         packed = cache[:, :, :n].contiguous().numpy()
         copier, summing, summer = KVBlockCopier(cache, cache), SummingCopier(cache, cache), BlockSummer(cache)
-        fns = {"block_sums": lambda: summer(src), "zlib_crc32": lambda: zlib.crc32(packed),
-               "copy": lambda: copier(dst, src), "copy_and_sums": lambda: summing(dst, src)}
+        fns = {
+            "block_sums": lambda: summer(src),
+            "zlib_crc32": lambda: zlib.crc32(packed),
+            "copy": lambda: copier(dst, src),
+            "copy_and_sums": lambda: summing(dst, src),
+        }
         out = {}
         for name, fn in fns.items():
             fn()
@@ -152,9 +157,12 @@ class BenchWorker(KVWorker):
             for rep in range(reps + 1):
                 src = array("q", block_ids(n, pattern, rep, 0))
                 dst = array("q", block_ids(n, pattern, rep, NUM_BLOCKS // 2))
-                for name, fn in (("copy", lambda: copier(dst, src)),
-                                 ("copy_without_sums", lambda: summing(dst, src, sums=False)),
-                                 ("copy_and_sums", lambda: summing(dst, src)), ("block_sums", lambda: summer(dst))):
+                for name, fn in (  # each called at once, below: the defaults bind this rep's ids explicitly
+                    ("copy", lambda dst=dst, src=src: copier(dst, src)),
+                    ("copy_without_sums", lambda dst=dst, src=src: summing(dst, src, sums=False)),
+                    ("copy_and_sums", lambda dst=dst, src=src: summing(dst, src)),
+                    ("block_sums", lambda dst=dst: summer(dst)),
+                ):
                     t0 = time.perf_counter()
                     fn()
                     if rep:
@@ -203,8 +211,14 @@ def block_ids(n: int, pattern: str, rep: int, offset: int) -> list[int]:
 
 def plans(kind: str, mode: str, n: int, pattern: str, reps: int) -> list:
     """reps + 1 transfers; the first one warms up and is not counted."""
-    return [(f"{kind}-{mode}-{pattern}-{n}-{rep}", block_ids(n, pattern, rep, 0),
-             block_ids(n, pattern, rep, NUM_BLOCKS // 2)) for rep in range(reps + 1)]
+    return [
+        (
+            f"{kind}-{mode}-{pattern}-{n}-{rep}",
+            block_ids(n, pattern, rep, 0),
+            block_ids(n, pattern, rep, NUM_BLOCKS // 2),
+        )
+        for rep in range(reps + 1)
+    ]
 
 
 def measure(p, d, peer: str, kind: str, n: int, pattern: str, reps: int, mode: str) -> float:
@@ -230,11 +244,15 @@ def measure_pairs(args) -> list[dict]:
     with FakeCluster(nodes, head_cpus=1):
         actor = ray.remote(num_cpus=0)(BenchWorker)
         p = actor.options(resources={"bench_a": 1}).remote()
-        placements = {"same_node": actor.options(resources={"bench_a": 1}).remote(),
-                      "cross_node": actor.options(resources={"bench_b": 1}).remote()}
+        placements = {
+            "same_node": actor.options(resources={"bench_a": 1}).remote(),
+            "cross_node": actor.options(resources={"bench_b": 1}).remote(),
+        }
         p_node = ray.get(p.node_id.remote())
-        memcpy = {n: ray.get(p.memcpy_bytes_per_s.remote(n * LAYOUT.block_bytes, max(args.reps, 9), True))
-                  for n in args.blocks}
+        memcpy = {
+            n: ray.get(p.memcpy_bytes_per_s.remote(n * LAYOUT.block_bytes, max(args.reps, 9), True))
+            for n in args.blocks
+        }
         for placement, d in placements.items():
             assert (ray.get(d.node_id.remote()) == p_node) == (placement == "same_node")
             endpoint = ray.get(d.setup_pairwise.remote("decode", 1))
@@ -244,8 +262,14 @@ def measure_pairs(args) -> list[dict]:
             for pattern in args.patterns:
                 for n in args.blocks:
                     nbytes = n * LAYOUT.block_bytes
-                    row = {"placement": placement, "backend": kind, "block_ids": pattern, "blocks": n,
-                           "bytes": nbytes, "memcpy_bytes_per_s": memcpy[n]}
+                    row = {
+                        "placement": placement,
+                        "backend": kind,
+                        "block_ids": pattern,
+                        "blocks": n,
+                        "bytes": nbytes,
+                        "memcpy_bytes_per_s": memcpy[n],
+                    }
                     for mode in MODES:
                         seconds = measure(p, d, peer, f"{placement}-{kind}", n, pattern, args.reps, mode)
                         row[f"{mode}_seconds_median"] = seconds
@@ -258,24 +282,32 @@ def measure_pairs(args) -> list[dict]:
 
 def pair_summary(rows: list[dict]) -> dict:
     big = [r for r in rows if r["bytes"] >= 1 << 20]
-    return {f"{placement} ({next(r['backend'] for r in big if r['placement'] == placement)})":
-            {m: round(statistics.mean(r[f"{m}_ratio_to_memcpy"] for r in big if r["placement"] == placement), 3)
-             for m in MODES}
-            for placement in dict.fromkeys(r["placement"] for r in big)}
+    return {
+        f"{placement} ({next(r['backend'] for r in big if r['placement'] == placement)})": {
+            m: round(statistics.mean(r[f"{m}_ratio_to_memcpy"] for r in big if r["placement"] == placement), 3)
+            for m in MODES
+        }
+        for placement in dict.fromkeys(r["placement"] for r in big)
+    }
 
 
 def measure_local(args) -> tuple[list[dict], int]:
     """Each backend between two actors of a private Ray on 127.0.0.1 (one node)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
-                                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+    )
     actor = ray.remote(num_cpus=0)(BenchWorker)
     p, d = actor.remote(), actor.remote()
     rows = []
     try:
-        memcpy = {(n, cold): ray.get(p.memcpy_bytes_per_s.remote(
-            n * LAYOUT.block_bytes, max(args.reps, 9), cold))
-            for n in args.blocks for cold in (True, False)}
+        memcpy = {
+            (n, cold): ray.get(p.memcpy_bytes_per_s.remote(n * LAYOUT.block_bytes, max(args.reps, 9), cold))
+            for n in args.blocks
+            for cold in (True, False)
+        }
         threads = ray.get(p.threads.remote())
         for kind in args.backends:
             endpoint = ray.get(d.setup.remote(kind, LAYOUT, NUM_BLOCKS, 1))
@@ -284,9 +316,14 @@ def measure_local(args) -> tuple[list[dict], int]:
             for pattern in args.patterns:
                 for n in args.blocks:
                     nbytes = n * LAYOUT.block_bytes
-                    row = {"backend": kind, "block_ids": pattern, "blocks": n, "bytes": nbytes,
-                           "memcpy_bytes_per_s": memcpy[n, True],
-                           "memcpy_hot_cache_bytes_per_s": memcpy[n, False]}
+                    row = {
+                        "backend": kind,
+                        "block_ids": pattern,
+                        "blocks": n,
+                        "bytes": nbytes,
+                        "memcpy_bytes_per_s": memcpy[n, True],
+                        "memcpy_hot_cache_bytes_per_s": memcpy[n, False],
+                    }
                     for mode in MODES:
                         seconds = measure(p, d, peer, kind, n, pattern, args.reps, mode)
                         row[f"{mode}_seconds_median"] = seconds
@@ -306,8 +343,12 @@ CHECKSUM_REPS = 101  # the machine is shared: medians of many interleaved repeti
 def measure_checksum_cost(args) -> dict:
     """A clean 16 MiB shm handoff with checksums off and on, alternating repetition by
     repetition (one prefill actor each, one decode actor) so that load drift hits both."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+    )
     actor = ray.remote(num_cpus=0)(BenchWorker)
     d, senders = actor.remote(), {False: actor.remote(), True: actor.remote()}
     reps = max(args.reps, CHECKSUM_REPS)
@@ -327,8 +368,11 @@ def measure_checksum_cost(args) -> dict:
             for rep in range(reps + 1):  # the first of each is a warm-up
                 for checksums, p in senders.items():
                     tid = f"ck-{pattern}-{int(checksums)}-{rep}"
-                    plan = (tid, block_ids(CHECKSUM_BLOCKS, pattern, rep, 0),
-                            block_ids(CHECKSUM_BLOCKS, pattern, rep, NUM_BLOCKS // 2))
+                    plan = (
+                        tid,
+                        block_ids(CHECKSUM_BLOCKS, pattern, rep, 0),
+                        block_ids(CHECKSUM_BLOCKS, pattern, rep, NUM_BLOCKS // 2),
+                    )
                     ray.get(d.expect_batch.remote([plan]))
                     time.sleep(0.005)  # the receiver's verifier thread back asleep, as between requests
                     start, send_s = ray.get(p.timed_send.remote(peers[checksums], plan))
@@ -341,15 +385,20 @@ def measure_checksum_cost(args) -> dict:
                         times[checksums]["after"].append(handoff - send_s)
             on_handoffs[pattern] = times[True]["handoff"]
             for checksums, t in times.items():
-                rows.append({"block_ids": pattern, "checksums": checksums,
-                             "bytes": CHECKSUM_BLOCKS * LAYOUT.block_bytes,
-                             "send_seconds_median": statistics.median(t["send"]),
-                             "receiver_after_copy_seconds_median": statistics.median(t["after"]),
-                             "handoff_seconds_median": statistics.median(t["handoff"]),
-                             # quartiles: on a shared machine the receiver's verifier thread gets a
-                             # core of its own (and overlaps the copy) in some repetitions only
-                             "handoff_seconds_quartiles": statistics.quantiles(t["handoff"], n=4),
-                             "receiver_after_copy_seconds_quartiles": statistics.quantiles(t["after"], n=4)})
+                rows.append(
+                    {
+                        "block_ids": pattern,
+                        "checksums": checksums,
+                        "bytes": CHECKSUM_BLOCKS * LAYOUT.block_bytes,
+                        "send_seconds_median": statistics.median(t["send"]),
+                        "receiver_after_copy_seconds_median": statistics.median(t["after"]),
+                        "handoff_seconds_median": statistics.median(t["handoff"]),
+                        # quartiles: on a shared machine the receiver's verifier thread gets a
+                        # core of its own (and overlaps the copy) in some repetitions only
+                        "handoff_seconds_quartiles": statistics.quantiles(t["handoff"], n=4),
+                        "receiver_after_copy_seconds_quartiles": statistics.quantiles(t["after"], n=4),
+                    }
+                )
     finally:
         # Closed before Ray ends the actors: their shared-memory segments go with them (a killed
         # actor's stay in /dev/shm until the next transport's sweep).
@@ -365,20 +414,32 @@ def measure_checksum_cost(args) -> dict:
             # the share of repetitions in which checksums added at most 10% to the handoff, against
             # the median handoff without them
             "handoff_within_10pct_share": statistics.mean(
-                h <= 1.1 * off["handoff_seconds_median"] for h in on_handoffs[pattern]),
+                h <= 1.1 * off["handoff_seconds_median"] for h in on_handoffs[pattern]
+            ),
         }
     return {
         "benchmark": "kv_transfer_checksum",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_average_1_5_15": os.getloadavg(), "load_average_1_5_15_before": load_before,
-                    "note": "2 cores shared with other developers' jobs: expect noise"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "load_average_1_5_15": os.getloadavg(),
+            "load_average_1_5_15_before": load_before,
+            "note": "2 cores shared with other developers' jobs: expect noise",
+        },
         "command": ".venv/bin/python -m bench.kv_transfer --checksum-cost",
         "verify_chunk_bytes": 256 << 10,
         "checksums_off_copy": "the summing copy without its sums (SummingCopier(sums=False)): the same loads and "
-                              "stores, so the two sides differ by the sums and the receiver's check alone",
-        "layout": {"num_layers": LAYOUT.num_layers, "num_kv_heads": LAYOUT.num_kv_heads, "head_dim": LAYOUT.head_dim,
-                   "block_size": LAYOUT.block_size, "dtype": LAYOUT.dtype, "block_bytes": LAYOUT.block_bytes},
+        "stores, so the two sides differ by the sums and the receiver's check alone",
+        "layout": {
+            "num_layers": LAYOUT.num_layers,
+            "num_kv_heads": LAYOUT.num_kv_heads,
+            "head_dim": LAYOUT.head_dim,
+            "block_size": LAYOUT.block_size,
+            "dtype": LAYOUT.dtype,
+            "block_bytes": LAYOUT.block_bytes,
+        },
         "reps": reps,
         "results": rows,
         "overhead": overhead,
@@ -395,32 +456,55 @@ def size_label(nbytes: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--out", default=str(REPO / "bench/results/kv_transfer.json"),
-                        help="JSON report path; '' to only print")
+    parser.add_argument(
+        "--out", default=str(REPO / "bench/results/kv_transfer.json"), help="JSON report path; '' to only print"
+    )
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=BACKENDS)
-    parser.add_argument("--blocks", nargs="+", type=int, default=BLOCK_COUNTS,
-                        help=f"transfer sizes in 64 KiB blocks (default {BLOCK_COUNTS})")
+    parser.add_argument(
+        "--blocks",
+        nargs="+",
+        type=int,
+        default=BLOCK_COUNTS,
+        help=f"transfer sizes in 64 KiB blocks (default {BLOCK_COUNTS})",
+    )
     parser.add_argument("--patterns", nargs="+", choices=PATTERNS, default=PATTERNS)
-    parser.add_argument("--local", action=argparse.BooleanOptionalAction, default=True,
-                        help="measure each backend between two actors of one private Ray")
-    parser.add_argument("--cross-node", action=argparse.BooleanOptionalAction, default=True,
-                        help="measure the transport per pair on two simulated Ray nodes")
-    parser.add_argument("--checksum-cost", action="store_true",
-                        help="only measure what checksums cost on a clean 16 MiB shm handoff "
-                             "(default --out bench/results/kv_transfer_checksum.json)")
+    parser.add_argument(
+        "--local",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure each backend between two actors of one private Ray",
+    )
+    parser.add_argument(
+        "--cross-node",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the transport per pair on two simulated Ray nodes",
+    )
+    parser.add_argument(
+        "--checksum-cost",
+        action="store_true",
+        help="only measure what checksums cost on a clean 16 MiB shm handoff "
+        "(default --out bench/results/kv_transfer_checksum.json)",
+    )
     args = parser.parse_args()
     if args.checksum_cost:
-        out = REPO / "bench/results/kv_transfer_checksum.json" \
-            if args.out == parser.get_default("out") else args.out
+        out = REPO / "bench/results/kv_transfer_checksum.json" if args.out == parser.get_default("out") else args.out
         report = measure_checksum_cost(args)
         print(f"{'block ids':10} {'checksums':9} | {'send ms':>8} {'after copy ms':>13} {'handoff ms':>10}")
         for r in report["results"]:
-            print(f"{r['block_ids']:10} {'on' if r['checksums'] else 'off':9} | {r['send_seconds_median'] * 1e3:8.3f} "
-                  f"{r['receiver_after_copy_seconds_median'] * 1e3:13.3f} {r['handoff_seconds_median'] * 1e3:10.3f}")
+            print(
+                f"{r['block_ids']:10} {'on' if r['checksums'] else 'off':9} | {r['send_seconds_median'] * 1e3:8.3f} "
+                f"{r['receiver_after_copy_seconds_median'] * 1e3:13.3f} {r['handoff_seconds_median'] * 1e3:10.3f}"
+            )
         print("overhead:", {k: {m: f"{v:+.1%}" for m, v in o.items()} for k, o in report["overhead"].items()})
         print("hot 16 MiB, GB/s:", {k: round(v / 1e9, 2) for k, v in report["hot_buffer_costs_16MiB"].items()})
-        print("one process, ids moving, ms:", {p: {k.replace("_seconds_median", ""): round(v * 1e3, 3) for k, v in c.items()}
-                                               for p, c in report["one_process_16MiB"].items()})
+        print(
+            "one process, ids moving, ms:",
+            {
+                p: {k.replace("_seconds_median", ""): round(v * 1e3, 3) for k, v in c.items()}
+                for p, c in report["one_process_16MiB"].items()
+            },
+        )
         if out:
             pathlib.Path(out).write_text(json.dumps(report, indent=2) + "\n")
             print("wrote", out)
@@ -436,21 +520,32 @@ def main() -> None:
     rows, threads = measure_local(args) if args.local else ([], None)
 
     big = [r for r in rows if r["bytes"] >= 1 << 20]
-    mean_ratio = {k: {m: statistics.mean(r[f"{m}_ratio_to_memcpy"] for r in big
-                                         if r["backend"] == k) for m in MODES}
-                  for k in backends if any(r["backend"] == k for r in big)}
+    mean_ratio = {
+        k: {m: statistics.mean(r[f"{m}_ratio_to_memcpy"] for r in big if r["backend"] == k) for m in MODES}
+        for k in backends
+        if any(r["backend"] == k for r in big)
+    }
     default = max(mean_ratio, key=lambda k: mean_ratio[k]["isolated"]) if mean_ratio else None
     report = {
         "benchmark": "kv_transfer",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "torch": torch.__version__, "ray": ray.__version__,
-                    "torch_threads_in_actors": threads,
-                    "load_average_1_5_15": os.getloadavg(),
-                    "note": "2 cores shared with other developers' jobs: expect noise"},
-        "layout": {"num_layers": LAYOUT.num_layers, "num_kv_heads": LAYOUT.num_kv_heads,
-                   "head_dim": LAYOUT.head_dim, "block_size": LAYOUT.block_size,
-                   "dtype": LAYOUT.dtype, "block_bytes": LAYOUT.block_bytes},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "ray": ray.__version__,
+            "torch_threads_in_actors": threads,
+            "load_average_1_5_15": os.getloadavg(),
+            "note": "2 cores shared with other developers' jobs: expect noise",
+        },
+        "layout": {
+            "num_layers": LAYOUT.num_layers,
+            "num_kv_heads": LAYOUT.num_kv_heads,
+            "head_dim": LAYOUT.head_dim,
+            "block_size": LAYOUT.block_size,
+            "dtype": LAYOUT.dtype,
+            "block_bytes": LAYOUT.block_bytes,
+        },
         "reps": args.reps,
         "results": rows,
         "mean_ratio_1MiB_plus": mean_ratio,
@@ -458,7 +553,7 @@ def main() -> None:
         "auto_cpu_default": default,
         "pairwise": {
             "what": "PairwiseTransport between actors on two simulated Ray nodes on this machine: "
-                    "same node -> shm, different nodes -> gloo over 127.0.0.1",
+            "same node -> shm, different nodes -> gloo over 127.0.0.1",
             "results": pair_rows,
             "mean_ratio_1MiB_plus": pair_summary(pair_rows),
         },
@@ -469,25 +564,33 @@ def main() -> None:
         out.write_text(json.dumps(report, indent=2) + "\n")
 
     if rows:
-        print(f"{'backend':8} {'block ids':10} {'size':>5} {'memcpy':>7} | {'isolated':>8} "
-              f"{'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)")
+        print(
+            f"{'backend':8} {'block ids':10} {'size':>5} {'memcpy':>7} | {'isolated':>8} "
+            f"{'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)"
+        )
         for r in rows:
             size = size_label(r["bytes"])
-            print(f"{r['backend']:8} {r['block_ids']:10} {size:>5} "
-                  f"{r['memcpy_bytes_per_s'] / 1e9:7.2f} | "
-                  f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
-                  f"{r['back_to_back_bytes_per_s'] / 1e9:12.2f} "
-                  f"{r['back_to_back_ratio_to_memcpy']:5.2f}")
+            print(
+                f"{r['backend']:8} {r['block_ids']:10} {size:>5} "
+                f"{r['memcpy_bytes_per_s'] / 1e9:7.2f} | "
+                f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
+                f"{r['back_to_back_bytes_per_s'] / 1e9:12.2f} "
+                f"{r['back_to_back_ratio_to_memcpy']:5.2f}"
+            )
         summary = {k: {m: round(v, 2) for m, v in ratios.items()} for k, ratios in mean_ratio.items()}
         print("mean ratio for >= 1 MiB:", summary, "-> auto CPU default:", default)
     if pair_rows:
-        print(f"\ntransport per pair on two Ray nodes\n{'placement':10} {'chosen':6} {'block ids':10} {'size':>5} | "
-              f"{'isolated':>8} {'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)")
+        print(
+            f"\ntransport per pair on two Ray nodes\n{'placement':10} {'chosen':6} {'block ids':10} {'size':>5} | "
+            f"{'isolated':>8} {'ratio':>5} | {'back-to-back':>12} {'ratio':>5}   (GB/s)"
+        )
         for r in pair_rows:
             size = size_label(r["bytes"])
-            print(f"{r['placement']:10} {r['backend']:6} {r['block_ids']:10} {size:>5} | "
-                  f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
-                  f"{r['back_to_back_bytes_per_s'] / 1e9:12.2f} {r['back_to_back_ratio_to_memcpy']:5.2f}")
+            print(
+                f"{r['placement']:10} {r['backend']:6} {r['block_ids']:10} {size:>5} | "
+                f"{r['isolated_bytes_per_s'] / 1e9:8.2f} {r['isolated_ratio_to_memcpy']:5.2f} | "
+                f"{r['back_to_back_bytes_per_s'] / 1e9:12.2f} {r['back_to_back_ratio_to_memcpy']:5.2f}"
+            )
         print("mean ratio for >= 1 MiB:", pair_summary(pair_rows))
     if args.out:
         print("wrote", args.out)

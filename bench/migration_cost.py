@@ -37,8 +37,8 @@ import httpx
 from cluster.config import BatonConfig
 from cluster.harness import free_port, wait_until
 from cluster.testing import serving
+from common.envs import ensure_private_ray_env
 
-from common.envs import ensure_private_ray_env  # noqa: E402
 ensure_private_ray_env()
 
 
@@ -62,7 +62,9 @@ class Round:
                     stamps.append(time.perf_counter())
 
 
-async def one_round(base_url: str, prompts: list[list[int]], tokens: int, after: int, event) -> tuple[Round, float, set]:
+async def one_round(
+    base_url: str, prompts: list[list[int]], tokens: int, after: int, event
+) -> tuple[Round, float, set]:
     """Run the streams; when each has `after` tokens, call event() (returns the request ids it moves)."""
     r = Round()
     async with httpx.AsyncClient(base_url=base_url, timeout=900) as client:
@@ -85,18 +87,27 @@ def stalls(r: Round, at: float, which: set) -> list[dict]:
         after = [i for i, b in enumerate(stamps[1:]) if b > at]
         worst = max(after, key=lambda i: gaps[i])
         itl = statistics.median(g for i, g in enumerate(gaps) if i != worst)
-        out.append({"gap_ms": ms(gaps[worst]), "median_itl_ms": ms(itl), "extra_ms": ms(gaps[worst] - itl),
-                    "event_to_token_after_gap_ms": ms(stamps[worst + 1] - at), "tokens_before_gap": worst + 1})
+        out.append(
+            {
+                "gap_ms": ms(gaps[worst]),
+                "median_itl_ms": ms(itl),
+                "extra_ms": ms(gaps[worst] - itl),
+                "event_to_token_after_gap_ms": ms(stamps[worst + 1] - at),
+                "tokens_before_gap": worst + 1,
+            }
+        )
     return out
 
 
 def summary(rows: list[dict]) -> dict:
     if not rows:
         return {"streams": 0}
-    return {"streams": len(rows),
-            "extra_time_to_next_token_ms_p50": round(statistics.median(r["extra_ms"] for r in rows), 1),
-            "extra_time_to_next_token_ms_max": max(r["extra_ms"] for r in rows),
-            "median_itl_ms_p50": round(statistics.median(r["median_itl_ms"] for r in rows), 1)}
+    return {
+        "streams": len(rows),
+        "extra_time_to_next_token_ms_p50": round(statistics.median(r["extra_ms"] for r in rows), 1),
+        "extra_time_to_next_token_ms_max": max(r["extra_ms"] for r in rows),
+        "median_itl_ms_p50": round(statistics.median(r["median_itl_ms"] for r in rows), 1),
+    }
 
 
 def main() -> None:
@@ -111,8 +122,15 @@ def main() -> None:
     import ray
 
     port = free_port()
-    config = BatonConfig.from_options(port=port, prefill_workers=1, decode_workers=2, kv_cache_memory="256MiB",
-                                      routing_policy="round-robin", admin_endpoint=True, drain_timeout=0.0)
+    config = BatonConfig.from_options(
+        port=port,
+        prefill_workers=1,
+        decode_workers=2,
+        kv_cache_memory="256MiB",
+        routing_policy="round-robin",
+        admin_endpoint=True,
+        drain_timeout=0.0,
+    )
     results = []
     with serving(config, actor_name_prefix="migcost") as running:
         deployment, backend, url = running.deployment, running.deployment.backend, running.base_url
@@ -132,7 +150,8 @@ def main() -> None:
                 victim, handle = decode_workers()[0]
                 victim_pid = ray.get(handle.stats.remote(), timeout=60).pid
 
-                async def event():
+                # one_round awaits event within this iteration; the defaults bind its values explicitly.
+                async def event(kind=kind, victim_pid=victim_pid, victim=victim):
                     where = backend.pools.decode_worker_of_streams()
                     if kind == "crash":
                         os.kill(victim_pid, signal.SIGKILL)
@@ -148,10 +167,17 @@ def main() -> None:
                 r, at, moved = asyncio.run(one_round(url, prompts, args.tokens, args.after, event))
                 moved_rows, other_rows = stalls(r, at, moved), stalls(r, at, set(r.stamps) - moved)
                 router_gaps = [ms(g) for g in backend.migration_gaps]
-                results.append({"kind": kind, "prompt_tokens": length, "moved": summary(moved_rows),
-                                "not_moved": summary(other_rows),
-                                "router_loss_to_next_token_ms_p50": statistics.median(router_gaps) if router_gaps else None,
-                                "moved_streams": moved_rows, "other_streams": other_rows})
+                results.append(
+                    {
+                        "kind": kind,
+                        "prompt_tokens": length,
+                        "moved": summary(moved_rows),
+                        "not_moved": summary(other_rows),
+                        "router_loss_to_next_token_ms_p50": statistics.median(router_gaps) if router_gaps else None,
+                        "moved_streams": moved_rows,
+                        "other_streams": other_rows,
+                    }
+                )
                 print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_streams")}), flush=True)
                 if kind == "drain":
                     with httpx.Client(timeout=900) as admin:
@@ -159,10 +185,13 @@ def main() -> None:
     result = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cores": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)},
-        "concurrency": args.concurrency, "tokens": args.tokens, "moved_after_tokens": args.after,
-        "threads_per_worker": config.worker_threads(), "results": results,
+        "concurrency": args.concurrency,
+        "tokens": args.tokens,
+        "moved_after_tokens": args.after,
+        "threads_per_worker": config.worker_threads(),
+        "results": results,
         "command": f"python -m bench.migration_cost --concurrency {args.concurrency} --tokens {args.tokens} "
-                   f"--after {args.after} --prompt-lengths {' '.join(map(str, args.prompt_lengths))}",
+        f"--after {args.after} --prompt-lengths {' '.join(map(str, args.prompt_lengths))}",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -34,16 +34,20 @@ from collections import Counter
 from pathlib import Path
 
 from common.envs import ensure_private_ray_env
+
 ensure_private_ray_env()
 
-import httpx  # noqa: E402
+import httpx
 
-from cluster.harness import healthy, serve_app, wait_until  # noqa: E402
-from common.net import free_port  # noqa: E402
+from cluster.harness import healthy, serve_app, wait_until
+from common.net import free_port
 
 HEADER = "x-baton-router"
-BODY = {"messages": [{"role": "user", "content": "Route me somewhere with a cached prefix, please."}],
-        "max_tokens": 1, "temperature": 0}
+BODY = {
+    "messages": [{"role": "user", "content": "Route me somewhere with a cached prefix, please."}],
+    "max_tokens": 1,
+    "temperature": 0,
+}
 
 
 # ---- 1. throughput of N router processes over the fake backend -----------------------------------
@@ -65,9 +69,11 @@ def serve_fake_router(port: int, router_id: str) -> None:
 async def _load(url: str, connections: int, seconds: float, warmup_s: float) -> tuple[Counter, int]:
     done: Counter = Counter()
     errors = 0
-    async with httpx.AsyncClient(base_url=url, timeout=30,
-                                 limits=httpx.Limits(max_connections=connections,
-                                                     max_keepalive_connections=connections)) as client:
+    async with httpx.AsyncClient(
+        base_url=url,
+        timeout=30,
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    ) as client:
         start = time.monotonic()
         measure_from, until = start + warmup_s, start + warmup_s + seconds
 
@@ -96,17 +102,28 @@ def _client(url: str, connections: int, seconds: float, warmup_s: float, out) ->
 
 def throughput(routers: int, clients: int, connections: int, seconds: float, warmup_s: float) -> dict:
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.multi_router", "--serve-fake", str(port), f"router-{i}"])
-             for i in range(routers)]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "bench.multi_router", "--serve-fake", str(port), f"router-{i}"])
+        for i in range(routers)
+    ]
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: healthy(url), 120, "the fake routers")
         seen: set[str] = set()
-        wait_until(lambda: seen.add(httpx.get(url + "/health", headers={"connection": "close"}).headers[HEADER])
-                   or len(seen) == routers, 120, f"{routers} routers to listen", every_s=0.05)
+        wait_until(
+            lambda: (
+                seen.add(httpx.get(url + "/health", headers={"connection": "close"}).headers[HEADER])
+                or len(seen) == routers
+            ),
+            120,
+            f"{routers} routers to listen",
+            every_s=0.05,
+        )
         out = mp.get_context("spawn").Queue()
-        loaders = [mp.get_context("spawn").Process(target=_client, args=(url, connections, seconds, warmup_s, out))
-                   for _ in range(clients)]
+        loaders = [
+            mp.get_context("spawn").Process(target=_client, args=(url, connections, seconds, warmup_s, out))
+            for _ in range(clients)
+        ]
         for p in loaders:
             p.start()
         per_router: Counter = Counter()
@@ -123,10 +140,18 @@ def throughput(routers: int, clients: int, connections: int, seconds: float, war
         for p in procs:
             p.wait(timeout=30)
     total = sum(per_router.values())
-    result = {"routers": routers, "requests_per_s": total / seconds, "requests": total, "errors": errors,
-              "per_router_requests_per_s": {k: v / seconds for k, v in sorted(per_router.items())}}
-    print(f"{routers} router processes: {result['requests_per_s']:.0f} requests/s "
-          f"({', '.join(f'{k} {v:.0f}' for k, v in result['per_router_requests_per_s'].items())})", flush=True)
+    result = {
+        "routers": routers,
+        "requests_per_s": total / seconds,
+        "requests": total,
+        "errors": errors,
+        "per_router_requests_per_s": {k: v / seconds for k, v in sorted(per_router.items())},
+    }
+    print(
+        f"{routers} router processes: {result['requests_per_s']:.0f} requests/s "
+        f"({', '.join(f'{k} {v:.0f}' for k, v in result['per_router_requests_per_s'].items())})",
+        flush=True,
+    )
     return result
 
 
@@ -141,11 +166,13 @@ def hit_rates(conversations: int, turns: int, max_tokens: int, kv_cache_memory: 
     from router.ray_backend import RayBackend
 
     # api_server_count 2: the two routers' admission shares (the deployment starts no router process).
-    config = BatonConfig.from_options(prefill_workers=2, decode_workers=1, kv_cache_memory=kv_cache_memory,
-                                      max_num_seqs=16, api_server_count=2)
+    config = BatonConfig.from_options(
+        prefill_workers=2, decode_workers=1, kv_cache_memory=kv_cache_memory, max_num_seqs=16, api_server_count=2
+    )
     dep = deploy(config, actor_name_prefix="bench-multi-router")
-    second = RayBackend(WorkerPools(dep.workers, router=RouterClaim("router-1", config.placement.router_lease_s)),
-                        FlowLimits())
+    second = RayBackend(
+        WorkerPools(dep.workers, router=RouterClaim("router-1", config.placement.router_lease_s)), FlowLimits()
+    )
     try:
         apps = [build_app(dep, 0, "router-0"), build_app(_with_backend(dep, second), 1, "router-1")]
 
@@ -153,22 +180,34 @@ def hit_rates(conversations: int, turns: int, max_tokens: int, kv_cache_memory: 
             with serve_app(apps[0]) as a, serve_app(apps[1]) as b:
                 urls = [a.base_url, b.base_url][:routers]
                 system = system_prompt(tag)
-                convs = [[{"role": "system", "content": system},
-                          {"role": "user", "content": f"Explain {TOPICS[c % len(TOPICS)]}."}]
-                         for c in range(conversations)]
+                convs = [
+                    [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"Explain {TOPICS[c % len(TOPICS)]}."},
+                    ]
+                    for c in range(conversations)
+                ]
                 prompt = cached = 0
                 for turn in range(turns):
                     for c, messages in enumerate(convs):
-                        r = httpx.post(urls[turn % len(urls)] + "/v1/chat/completions", timeout=300,
-                                       json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+                        r = httpx.post(
+                            urls[turn % len(urls)] + "/v1/chat/completions",
+                            timeout=300,
+                            json={"messages": messages, "max_tokens": max_tokens, "temperature": 0},
+                        )
                         r.raise_for_status()
                         usage = r.json()["usage"]
                         prompt += usage["prompt_tokens"]
                         cached += usage["prompt_tokens_details"]["cached_tokens"]
                         messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
                         messages.append({"role": "user", "content": FOLLOW_UPS[(c + turn) % len(FOLLOW_UPS)]})
-                out = {"routers": routers, "requests": conversations * turns, "prompt_tokens": prompt,
-                       "cached_tokens": cached, "hit_rate": cached / prompt}
+                out = {
+                    "routers": routers,
+                    "requests": conversations * turns,
+                    "prompt_tokens": prompt,
+                    "cached_tokens": cached,
+                    "hit_rate": cached / prompt,
+                }
                 print(f"{routers} router(s): prefix-cache hit rate {out['hit_rate']:.1%}", flush=True)
                 return out
 
@@ -176,9 +215,19 @@ def hit_rates(conversations: int, turns: int, max_tokens: int, kv_cache_memory: 
         two = phase("two routers", 2)
     finally:
         dep.shutdown()
-    return {"workload": {"conversations": conversations, "turns": turns, "max_tokens": max_tokens,
-                         "prefill_workers": 2, "decode_workers": 1, "kv_cache_memory": kv_cache_memory},
-            "one_router": one, "two_routers": two, "ratio": two["hit_rate"] / one["hit_rate"]}
+    return {
+        "workload": {
+            "conversations": conversations,
+            "turns": turns,
+            "max_tokens": max_tokens,
+            "prefill_workers": 2,
+            "decode_workers": 1,
+            "kv_cache_memory": kv_cache_memory,
+        },
+        "one_router": one,
+        "two_routers": two,
+        "ratio": two["hit_rate"] / one["hit_rate"],
+    }
 
 
 def _with_backend(dep, backend):
@@ -204,13 +253,23 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="160MiB")
     ap.add_argument("--out", default="bench/results/multi_router.json")
     args = ap.parse_args()
-    result: dict = {"benchmark": "multi_router", "machine": platform.machine(), "cpus": os.cpu_count(),
-                    "load_average_1m_before": os.getloadavg()[0], "python": platform.python_version(),
-                    "command": "python -m bench.multi_router " + " ".join(sys.argv[1:]),
-                    "load": {"clients": args.clients, "connections_per_client": args.connections,
-                             "seconds": args.seconds, "request": "chat completion, max_tokens 1, fake backend"}}
-    runs = [throughput(int(n), args.clients, args.connections, args.seconds, args.warmup)
-            for n in args.routers.split(",")]
+    result: dict = {
+        "benchmark": "multi_router",
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_1m_before": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "command": "python -m bench.multi_router " + " ".join(sys.argv[1:]),
+        "load": {
+            "clients": args.clients,
+            "connections_per_client": args.connections,
+            "seconds": args.seconds,
+            "request": "chat completion, max_tokens 1, fake backend",
+        },
+    }
+    runs = [
+        throughput(int(n), args.clients, args.connections, args.seconds, args.warmup) for n in args.routers.split(",")
+    ]
     base = runs[0]["requests_per_s"]
     for run in runs:
         run["speedup_vs_first"] = run["requests_per_s"] / base

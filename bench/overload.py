@@ -42,8 +42,8 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import soak  # noqa: E402  (prompts, baton_server)
-from common.stats import percentile  # noqa: E402
+from bench import soak
+from common.stats import percentile
 
 
 @dataclass
@@ -55,8 +55,15 @@ class Sample:
 
 
 async def one(http: httpx.AsyncClient, model: str, rng: random.Random, max_tokens: int) -> Sample:
-    body = {"model": model, "messages": [{"role": "user", "content": soak.prompt_text(rng)}], "max_tokens": max_tokens,
-            "temperature": 0.7, "seed": rng.randrange(1 << 30), "stream": True, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": soak.prompt_text(rng)}],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "seed": rng.randrange(1 << 30),
+        "stream": True,
+        "ignore_eos": True,
+    }
     started = time.perf_counter()
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -65,18 +72,25 @@ async def one(http: httpx.AsyncClient, model: str, rng: random.Random, max_token
                 return Sample(r.status_code, time.perf_counter() - started, error=text[:200])
             first = None
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and first is None and '"content":"' in line and '"content":""' not in line:
+                if (
+                    line.startswith("data: {")
+                    and first is None
+                    and '"content":"' in line
+                    and '"content":""' not in line
+                ):
                     first = time.perf_counter() - started
                 if line.startswith('data: {"error"'):
                     return Sample(599, first or 0.0, error=line[:200])
-            return Sample(200, first if first is not None else time.perf_counter() - started,
-                          time.perf_counter() - started)
+            return Sample(
+                200, first if first is not None else time.perf_counter() - started, time.perf_counter() - started
+            )
     except httpx.HTTPError as exc:
         return Sample(0, time.perf_counter() - started, error=repr(exc)[:200])
 
 
-async def closed_loop(http, model, clients: int, seconds: float, max_tokens: int, seed: int,
-                      honour_retry_after: bool = True) -> tuple[list[Sample], float]:
+async def closed_loop(
+    http, model, clients: int, seconds: float, max_tokens: int, seed: int, honour_retry_after: bool = True
+) -> tuple[list[Sample], float]:
     stop_at = time.monotonic() + seconds
     samples: list[Sample] = []
 
@@ -106,6 +120,7 @@ def light_probe(base_url: str, model: str, seconds: float, every_s: float, out) 
     """A separate process sending one small request every `every_s` seconds (its own connection,
     its loop otherwise idle): the 429 latency a client sees that is not itself saturated. Puts
     (status, seconds) pairs on `out`."""
+
     async def run() -> list[tuple[int, float]]:
         results = []
         body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -140,8 +155,12 @@ def bucket_quantile(before: dict[float, float], after: dict[float, float], q: fl
 
 
 def pct(values: list[float]) -> dict:
-    return {"p50": soak.ms_at(values, 50), "p99": soak.ms_at(values, 99),
-            "max": soak._ms(max(values) if values else None), "count": len(values)}
+    return {
+        "p50": soak.ms_at(values, 50),
+        "p99": soak.ms_at(values, 99),
+        "max": soak._ms(max(values) if values else None),
+        "count": len(values),
+    }
 
 
 async def idle_latency(http, model, n: int, max_tokens: int) -> list[float]:
@@ -157,8 +176,14 @@ async def calibrate(base_url: str, step_s: float, max_tokens: int, limit: int, s
         while concurrency <= limit:
             samples, elapsed = await closed_loop(http, model, concurrency, step_s, max_tokens, seed=concurrency)
             ok = [s for s in samples if s.status == 200]
-            steps.append({"concurrency": concurrency, "throughput_rps": len(ok) / elapsed,
-                          "ttft_ms": pct([s.latency_s for s in ok]), "e2e_ms": pct([s.e2e_s for s in ok])})
+            steps.append(
+                {
+                    "concurrency": concurrency,
+                    "throughput_rps": len(ok) / elapsed,
+                    "ttft_ms": pct([s.latency_s for s in ok]),
+                    "e2e_ms": pct([s.e2e_s for s in ok]),
+                }
+            )
             concurrency *= 2
     within = [s["concurrency"] for s in steps if s["ttft_ms"]["p99"] is not None and s["ttft_ms"]["p99"] <= slo_ttft_ms]
     return {"steps": steps, "slo_ttft_ms": slo_ttft_ms, "sustainable_concurrency": max(within, default=1)}
@@ -166,8 +191,9 @@ async def calibrate(base_url: str, step_s: float, max_tokens: int, limit: int, s
 
 def processes(status: dict) -> dict[str, dict]:
     out = {}
-    pids = {"router": status["router"]["pid"]} | {w["worker_id"]: w["pid"] for pool in status["pools"].values()
-                                                  for w in pool if w.get("pid")}
+    pids = {"router": status["router"]["pid"]} | {
+        w["worker_id"]: w["pid"] for pool in status["pools"].values() for w in pool if w.get("pid")
+    }
     for name, pid in pids.items():
         try:
             out[name] = {"alive": True, "rss_mb": round(psutil.Process(pid).memory_info().rss / 2**20, 1)}
@@ -178,8 +204,9 @@ def processes(status: dict) -> dict[str, dict]:
 
 async def overload(base_url: str, args, sustainable: int) -> dict:
     clients = args.factor * sustainable
-    async with httpx.AsyncClient(base_url=base_url, timeout=300,
-                                 limits=httpx.Limits(max_connections=clients + 16)) as http:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=300, limits=httpx.Limits(max_connections=clients + 16)
+    ) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         baseline = await idle_latency(http, model, 5, args.max_tokens)
         before = processes((await http.get("/v1/status")).json())
@@ -189,7 +216,8 @@ async def overload(base_url: str, args, sustainable: int) -> dict:
         light_results: multiprocessing.Queue = multiprocessing.get_context("spawn").Queue()
         # Starts once the load is on (1 s in) and stops before it ends.
         light = multiprocessing.get_context("spawn").Process(
-            target=light_probe, args=(base_url, model, max(1.0, args.duration - 3.0), 0.1, light_results))
+            target=light_probe, args=(base_url, model, max(1.0, args.duration - 3.0), 0.1, light_results)
+        )
         load = asyncio.ensure_future(closed_loop(http, model, clients, args.duration, args.max_tokens, seed=1))
         await asyncio.sleep(1.0)
         light.start()
@@ -203,8 +231,13 @@ async def overload(base_url: str, args, sustainable: int) -> dict:
         probes = []
         while time.monotonic() - stopped < args.recovery_window:
             sample = await one(http, model, random.Random(len(probes)), args.max_tokens)
-            probes.append({"t": round(time.monotonic() - stopped, 2), "status": sample.status,
-                           "latency_ms": round(sample.latency_s * 1000, 1)})
+            probes.append(
+                {
+                    "t": round(time.monotonic() - stopped, 2),
+                    "status": sample.status,
+                    "latency_ms": round(sample.latency_s * 1000, 1),
+                }
+            )
             await asyncio.sleep(0.5)
         status = (await http.get("/v1/status")).json()
         after = processes(status)
@@ -231,16 +264,23 @@ async def overload(base_url: str, args, sustainable: int) -> dict:
         "latency_429_ms": pct([s.latency_s for s in refused]),
         # Where a refusal's time goes: the router's own event-loop lag during the load (its
         # /metrics histogram; p99 as the upper bound of its bucket, in ms), and this client's.
-        "router_event_loop_lag_p99_ms_at_most": None if router_lag_after == {} else
-        soak._ms(bucket_quantile(router_lag_before, router_lag_after, 0.99)),
+        "router_event_loop_lag_p99_ms_at_most": None
+        if router_lag_after == {}
+        else soak._ms(bucket_quantile(router_lag_before, router_lag_after, 0.99)),
         "client_event_loop_lag_ms": pct(client_lag),
         "light_client_429_ms": pct([t for status, t in light_samples if status == 429]),
-        "light_client_statuses": {str(k): v for k, v in sorted(collections.Counter(s for s, _ in light_samples).items())},
+        "light_client_statuses": {
+            str(k): v for k, v in sorted(collections.Counter(s for s, _ in light_samples).items())
+        },
         "admitted_ttft_ms": pct([s.latency_s for s in admitted]),
         "admitted_e2e_ms": pct([s.e2e_s for s in admitted]),
         "idle_ttft_ms": pct(baseline),
-        "recovery": {"normal_ttft_ms": soak._ms(normal), "threshold_ms": soak._ms(limit),
-                     "recovered_after_s": recovered_at, "probes": probes},
+        "recovery": {
+            "normal_ttft_ms": soak._ms(normal),
+            "threshold_ms": soak._ms(limit),
+            "recovered_after_s": recovered_at,
+            "probes": probes,
+        },
         "processes_before": before,
         "processes_after": after,
         "admission_after": status.get("admission"),
@@ -248,7 +288,8 @@ async def overload(base_url: str, args, sustainable: int) -> dict:
         "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
         "checks": {
             "429_within_50ms_p99": bool(refused) and percentile([s.latency_s for s in refused], 99) < 0.05,
-            "router_loop_lag_within_50ms_p99": (bucket_quantile(router_lag_before, router_lag_after, 0.99) or 1.0) <= 0.05,
+            "router_loop_lag_within_50ms_p99": (bucket_quantile(router_lag_before, router_lag_after, 0.99) or 1.0)
+            <= 0.05,
             "light_client_429_within_50ms_p99": any(s == 429 for s, _ in light_samples)
             and percentile([t for s, t in light_samples if s == 429], 99) < 0.05,
             "no_other_errors": not other,
@@ -281,8 +322,9 @@ def main(argv: list[str] | None = None) -> dict:
     sustainable = args.sustainable_concurrency
     if sustainable is None:
         with soak.baton_server(args.serve_flags, log_path=log) as url:
-            calibration = asyncio.run(calibrate(url, args.step, args.max_tokens, args.max_calibration_concurrency,
-                                                args.slo_ttft_ms))
+            calibration = asyncio.run(
+                calibrate(url, args.step, args.max_tokens, args.max_calibration_concurrency, args.slo_ttft_ms)
+            )
         sustainable = calibration["sustainable_concurrency"]
     gates = f"--max-running-requests {sustainable} --max-waiting-requests {sustainable}"
     if args.base_url:
@@ -290,15 +332,35 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         with soak.baton_server(f"{args.serve_flags} {gates}", log_path=log) as url:
             result = asyncio.run(overload(url, args, sustainable))
-    result = {"calibration": calibration, "sustainable_concurrency": sustainable,
-              "server_flags": None if args.base_url else f"{args.serve_flags} {gates}".strip(), **result,
-              "passed": all(result["checks"].values())}
+    result = {
+        "calibration": calibration,
+        "sustainable_concurrency": sustainable,
+        "server_flags": None if args.base_url else f"{args.serve_flags} {gates}".strip(),
+        **result,
+        "passed": all(result["checks"].values()),
+    }
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
-    print(json.dumps({k: result[k] for k in ("sustainable_concurrency", "clients", "admitted", "refused_429",
-                                             "latency_429_ms", "admitted_ttft_ms", "recovery", "checks")}, indent=2)[:3000])
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "sustainable_concurrency",
+                    "clients",
+                    "admitted",
+                    "refused_429",
+                    "latency_429_ms",
+                    "admitted_ttft_ms",
+                    "recovery",
+                    "checks",
+                )
+            },
+            indent=2,
+        )[:3000]
+    )
     return result
 
 

@@ -33,15 +33,13 @@ import sys
 import time
 from pathlib import Path
 
-
-
-from cluster.sim.costs import StepShape, fit_cost_model  # noqa: E402
-from cluster.sim.workload import Client, SimRequest, Workload  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
-from common.envs import ensure_private_ray_env  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from workers.worker import STEP_LOG_ENV  # noqa: E402
+from cluster.sim.costs import StepShape, fit_cost_model
+from cluster.sim.workload import Client, SimRequest, Workload
+from common.envs import ensure_private_ray_env
+from common.sampling_params import SamplingParams
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.worker import STEP_LOG_ENV
 
 
 class Recorder:
@@ -78,7 +76,10 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 def profile(engine: LLMEngine, rng: random.Random, quick: bool) -> list[dict]:
     rec = Recorder(engine)
-    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+
+    def greedy(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
     # Warm-up (first calls allocate and pack).
     engine.add_request(tokens(rng, 64), greedy(4))
     rec.run_all("warmup")
@@ -99,14 +100,17 @@ def profile(engine: LLMEngine, rng: random.Random, quick: bool) -> list[dict]:
     engine.add_request(tokens(rng, 1000 if quick else 2000), greedy(1))
     rec.run_all("long prompt chunks")
     # Decode batches.
-    grid = ((1, 32), (8, 256), (16, 32)) if quick else (
-        (1, 32), (1, 1024), (4, 256), (8, 32), (8, 256), (8, 1024), (16, 32), (16, 256), (32, 32), (32, 256))
+    grid = (
+        ((1, 32), (8, 256), (16, 32))
+        if quick
+        else ((1, 32), (1, 1024), (4, 256), (8, 32), (8, 256), (8, 1024), (16, 32), (16, 256), (32, 32), (32, 256))
+    )
     for b, ctx in grid:
         for _ in range(b):
             engine.add_request(tokens(rng, ctx), greedy(10))
         rec.run_all(f"decode {b} x {ctx}")
     # Mixed: a batch decoding while a prompt is prefilled.
-    for b in ((8,) if quick else (4, 16)):
+    for b in (8,) if quick else (4, 16):
         for _ in range(b):
             engine.add_request(tokens(rng, 64), greedy(24))
         for _ in range(6):
@@ -134,7 +138,10 @@ def served_workload(rng: random.Random) -> list[Workload]:
     sequences of 64-512 tokens; 8 streams beside three 1,500-token prompts. Not the validation
     workloads (cluster.sim.validation)."""
     n = iter(range(1_000_000))
-    req = lambda prompt, out, at=None: SimRequest(f"profile-{next(n)}", tuple(prompt), out, at)  # noqa: E731
+
+    def req(prompt, out, at=None):
+        return SimRequest(f"profile-{next(n)}", tuple(prompt), out, at)
+
     warm = Workload((Client.closed_loop("warm-up", [req(tokens(rng, 64), 8) for _ in range(4)], 2),))
     units = []
     for cached in (0, 512, 1536):
@@ -142,12 +149,24 @@ def served_workload(rng: random.Random) -> list[Workload]:
             prefix = tokens(rng, cached)
             units.append((req(prefix + tokens(rng, 16), 4), req(prefix + tokens(rng, new), 8)))
     # Prefills run beside decoding streams, as a prefill worker's mostly do.
-    prefixes = Workload((Client("prefixes", tuple(units), 1),
-                         Client.closed_loop("streams", [req(tokens(rng, 32), 96) for _ in range(12)], 4)))
-    decodes = Workload(tuple(Client.closed_loop(f"decode {c}", [req(tokens(rng, rng.randrange(64, 513)), 64)
-                                                               for _ in range(2 * c)], c) for c in (1, 4, 8, 16)))
-    mixed = Workload((Client.closed_loop("streams", [req(tokens(rng, 32), 192) for _ in range(8)], 8),
-                      Client.open_loop("long", [req(tokens(rng, 1500), 1, at) for at in (1.0, 4.0, 7.0)])))
+    prefixes = Workload(
+        (
+            Client("prefixes", tuple(units), 1),
+            Client.closed_loop("streams", [req(tokens(rng, 32), 96) for _ in range(12)], 4),
+        )
+    )
+    decodes = Workload(
+        tuple(
+            Client.closed_loop(f"decode {c}", [req(tokens(rng, rng.randrange(64, 513)), 64) for _ in range(2 * c)], c)
+            for c in (1, 4, 8, 16)
+        )
+    )
+    mixed = Workload(
+        (
+            Client.closed_loop("streams", [req(tokens(rng, 32), 192) for _ in range(8)], 8),
+            Client.open_loop("long", [req(tokens(rng, 1500), 1, at) for at in (1.0, 4.0, 7.0)]),
+        )
+    )
     return [warm, prefixes, decodes, mixed]
 
 
@@ -161,10 +180,14 @@ def served_samples(args) -> list[dict]:
 
     url = f"http://127.0.0.1:{args.port}"
     with tempfile.TemporaryDirectory() as log_dir:
-        logs = lambda: sorted(Path(log_dir).glob("*.jsonl"))  # noqa: E731
+
+        def logs():
+            return sorted(Path(log_dir).glob("*.jsonl"))
+
         # The server's workers inherit STEP_LOG_ENV.
-        with sim_validate.baton_server(args.port, Path("/tmp/profile_costs_serve.log"), ("--dtype", args.dtype),
-                                       env={STEP_LOG_ENV: log_dir}):
+        with sim_validate.baton_server(
+            args.port, Path("/tmp/profile_costs_serve.log"), ("--dtype", args.dtype), env={STEP_LOG_ENV: log_dir}
+        ):
             warm, *phases = served_workload(random.Random(args.seed))
             asyncio.run(sim_validate.run_real(warm, url, args.model))
             skip = {path: len(path.read_text().splitlines()) for path in logs()}
@@ -172,7 +195,7 @@ def served_samples(args) -> list[dict]:
                 asyncio.run(sim_validate.run_real(phase, url, args.model))
         samples = []
         for path in logs():
-            for line in path.read_text().splitlines()[skip.get(path, 0):]:
+            for line in path.read_text().splitlines()[skip.get(path, 0) :]:
                 step = json.loads(line)
                 samples.append(sample([tuple(c) for c in step["chunks"]], step["seconds"], f"served {step['role']}"))
     return samples
@@ -185,6 +208,7 @@ def measure_overheads() -> dict:
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
+
         @ray.remote(num_cpus=0)
         class Echo:
             def ping(self, x):
@@ -206,15 +230,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a default 1+1 `baton serve` here: 1)")
-    ap.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache per worker (serve's default)")
+    ap.add_argument(
+        "--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache per worker (serve's default)"
+    )
     ap.add_argument("--overheads", action="store_true", help="also measure the Ray call round trip")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a test's profile, ~20 s)")
-    ap.add_argument("--peer", action="store_true",
-                    help="keep a second engine process busy meanwhile, as the other worker of a 1 + 1 `baton serve` "
-                         "is some of the time (tried once: it over-predicted the served steps 2-4x)")
-    ap.add_argument("--served", action="store_true",
-                    help="fit the steps of a real `baton serve --threads-per-worker 1` (both workers, beside the "
-                         "router and the client) under a profiling workload, instead of an engine alone")
+    ap.add_argument(
+        "--peer",
+        action="store_true",
+        help="keep a second engine process busy meanwhile, as the other worker of a 1 + 1 `baton serve` "
+        "is some of the time (tried once: it over-predicted the served steps 2-4x)",
+    )
+    ap.add_argument(
+        "--served",
+        action="store_true",
+        help="fit the steps of a real `baton serve --threads-per-worker 1` (both workers, beside the "
+        "router and the client) under a profiling workload, instead of an engine alone",
+    )
     ap.add_argument("--port", type=int, default=8124, help="with --served: the server's port on 127.0.0.1")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct", help="with --served: the served model name")
     ap.add_argument("--seed", type=int, default=0)
@@ -245,15 +277,26 @@ def main() -> None:
     if args.overheads:
         overheads.update(measure_overheads())
     result = {
-        "cost_model": {"kind": "fitted", "coefficients": coefficients, "knee": knee, "kv_bytes_per_token": kv_bytes,
-                       "kv_capacity_tokens": bm.num_blocks * bm.block_size, "gpus_per_worker": 1},
+        "cost_model": {
+            "kind": "fitted",
+            "coefficients": coefficients,
+            "knee": knee,
+            "kv_bytes_per_token": kv_bytes,
+            "kv_capacity_tokens": bm.num_blocks * bm.block_size,
+            "gpus_per_worker": 1,
+        },
         "overheads": overheads,
         "link": "cpu-shm",
         "fit": quality,
         "peer_engine_busy": args.peer,
         "source": "a served `baton serve --threads-per-worker 1`'s steps" if args.served else "an engine alone",
-        "engine": {"dtype": args.dtype, "threads": args.threads, "block_size": bm.block_size,
-                   "max_num_batched_tokens": config.max_num_batched_tokens, "num_blocks": bm.num_blocks},
+        "engine": {
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "block_size": bm.block_size,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "num_blocks": bm.num_blocks,
+        },
         "profile_seconds": time.perf_counter() - started,
         "machine": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

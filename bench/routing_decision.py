@@ -17,11 +17,11 @@ import random
 import time
 from pathlib import Path
 
+from common.block_hash import hash_prefix_blocks
 from common.stats import percentile
 from router.backend import WorkerInfo
 from router.prefix_index import PrefixIndex
 from router.routing import KvAwarePolicy, RoutingConfig
-from common.block_hash import hash_prefix_blocks
 
 BS = 16
 
@@ -35,10 +35,14 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(0)
     n_prefill = args.workers // 2
-    workers = [WorkerInfo(f"prefill-{i}", "prefill", running=rng.randrange(8), queued_prefill_tokens=rng.randrange(4000))
-               for i in range(n_prefill)]
-    workers += [WorkerInfo(f"decode-{i}", "decode", running=rng.randrange(64), kv_usage=rng.random())
-                for i in range(args.workers - n_prefill)]
+    workers = [
+        WorkerInfo(f"prefill-{i}", "prefill", running=rng.randrange(8), queued_prefill_tokens=rng.randrange(4000))
+        for i in range(n_prefill)
+    ]
+    workers += [
+        WorkerInfo(f"decode-{i}", "decode", running=rng.randrange(64), kv_usage=rng.random())
+        for i in range(args.workers - n_prefill)
+    ]
     ids = [w.worker_id for w in workers]
 
     index = PrefixIndex()
@@ -54,8 +58,7 @@ def main() -> None:
     indexed = index.num_blocks()
 
     policy = KvAwarePolicy(index, BS, RoutingConfig(seed=1))
-    prompts = [rng.choice(systems) + [rng.randrange(32000) for _ in range(rng.randrange(0, 1792))]
-               for _ in range(200)]
+    prompts = [rng.choice(systems) + [rng.randrange(32000) for _ in range(rng.randrange(0, 1792))] for _ in range(200)]
     for p in prompts[:50]:  # warm-up
         policy.choose(p, workers)
     times = []
@@ -65,12 +68,25 @@ def main() -> None:
         policy.choose(p, workers)
         times.append(time.perf_counter() - t0)
     times.sort()
-    q = lambda f: percentile(times, f * 100) * 1e3  # noqa: E731  (common.stats, in ms)
+
+    def q(f):  # a quantile of times, in ms (common.stats)
+        return percentile(times, f * 100) * 1e3
+
     result = {
-        "benchmark": "routing_decision", "policy": "kv-aware", "workers": args.workers, "indexed_blocks": indexed,
-        "block_size": BS, "requests": args.requests, "prompt_tokens": [256, 2048],
-        "p50_ms": q(0.50), "p99_ms": q(0.99), "max_ms": times[-1] * 1e3, "target_p99_ms": 1.0,
-        "pass": q(0.99) < 1.0, "machine": platform.machine(), "python": platform.python_version(),
+        "benchmark": "routing_decision",
+        "policy": "kv-aware",
+        "workers": args.workers,
+        "indexed_blocks": indexed,
+        "block_size": BS,
+        "requests": args.requests,
+        "prompt_tokens": [256, 2048],
+        "p50_ms": q(0.50),
+        "p99_ms": q(0.99),
+        "max_ms": times[-1] * 1e3,
+        "target_p99_ms": 1.0,
+        "pass": q(0.99) < 1.0,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -28,23 +28,40 @@ import platform
 import time
 from pathlib import Path
 
-from common.envs import ensure_private_ray_env  # noqa: E402
+from common.envs import ensure_private_ray_env
+
 ensure_private_ray_env()
 
-import httpx  # noqa: E402
+import httpx
 
-from cluster.harness import serve_app  # noqa: E402
-from common.stats import percentile  # noqa: E402
+from cluster.harness import serve_app
+from common.stats import percentile
 
-TOPICS = ["the water cycle", "how bridges carry weight", "why the sky is blue", "how bees make honey",
-          "the history of paper", "how vaccines work", "what causes tides", "how a bicycle balances"]
-FOLLOW_UPS = ["Can you say more about that?", "Give me a simple example.", "What is a common mistake people make here?",
-              "Summarize it in one sentence.", "How would you explain it to a child?", "Why does that matter?"]
+TOPICS = [
+    "the water cycle",
+    "how bridges carry weight",
+    "why the sky is blue",
+    "how bees make honey",
+    "the history of paper",
+    "how vaccines work",
+    "what causes tides",
+    "how a bicycle balances",
+]
+FOLLOW_UPS = [
+    "Can you say more about that?",
+    "Give me a simple example.",
+    "What is a common mistake people make here?",
+    "Summarize it in one sentence.",
+    "How would you explain it to a child?",
+    "Why does that matter?",
+]
 
 
 def system_prompt(tag: str) -> str:
-    rules = [f"Rule {i}: be accurate, be brief, and prefer plain words over jargon when you explain item {i}."
-             for i in range(1, 15)]
+    rules = [
+        f"Rule {i}: be accurate, be brief, and prefer plain words over jargon when you explain item {i}."
+        for i in range(1, 15)
+    ]
     return f"[{tag}] You are Baton's demo assistant. " + " ".join(rules)
 
 
@@ -84,10 +101,21 @@ class Phase:
         reply = body["choices"][0]["message"]["content"]
         self.seen.append(prompt)
         self.seen.append(self.ids(messages + [{"role": "assistant", "content": reply}], False))
-        self.rows.append({"request_id": rid, "prompt_tokens": len(prompt), "cached_tokens": trace.cached_tokens,
-                          "ideal_cached_tokens": ideal, "ttft_s": trace.ttft_s, "decision": trace.decision,
-                          "reason": trace.reason, "prefill_worker": trace.prefill_worker,
-                          "queue_s": trace.queue_s, "prefill_s": trace.prefill_s, "transfer_s": trace.transfer_s})
+        self.rows.append(
+            {
+                "request_id": rid,
+                "prompt_tokens": len(prompt),
+                "cached_tokens": trace.cached_tokens,
+                "ideal_cached_tokens": ideal,
+                "ttft_s": trace.ttft_s,
+                "decision": trace.decision,
+                "reason": trace.reason,
+                "prefill_worker": trace.prefill_worker,
+                "queue_s": trace.queue_s,
+                "prefill_s": trace.prefill_s,
+                "transfer_s": trace.transfer_s,
+            }
+        )
         return reply
 
     def summary(self) -> dict:
@@ -98,11 +126,20 @@ class Phase:
         decisions: dict[str, int] = {}
         for r in self.rows:
             decisions[f"{r['decision']}:{r['reason']}"] = decisions.get(f"{r['decision']}:{r['reason']}", 0) + 1
-        return {"requests": len(self.rows), "prompt_tokens": prompt, "cached_tokens": cached, "ideal_cached_tokens": ideal,
-                "hit_rate": cached / prompt if prompt else None, "ideal_hit_rate": ideal / prompt if prompt else None,
-                "fraction_of_ideal": cached / ideal if ideal else None,
-                "ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9), "ttft_mean_s": sum(ttft) / len(ttft),
-                "decisions": decisions, "per_request": self.rows}
+        return {
+            "requests": len(self.rows),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "ideal_cached_tokens": ideal,
+            "hit_rate": cached / prompt if prompt else None,
+            "ideal_hit_rate": ideal / prompt if prompt else None,
+            "fraction_of_ideal": cached / ideal if ideal else None,
+            "ttft_p50_s": pct(ttft, 0.5),
+            "ttft_p90_s": pct(ttft, 0.9),
+            "ttft_mean_s": sum(ttft) / len(ttft),
+            "decisions": decisions,
+            "per_request": self.rows,
+        }
 
 
 def run_phase(name, policy, dep, tokenizer, work) -> dict:
@@ -120,28 +157,37 @@ def run_phase(name, policy, dep, tokenizer, work) -> dict:
         out["seconds"] = elapsed
         counters = dict(dep.backend.counters)
         out["backend_counters_after"] = counters
-        print(f"{name:>28}: hit rate {out['hit_rate']:.1%} (ideal {out['ideal_hit_rate']:.1%}), "
-              f"TTFT p50 {out['ttft_p50_s'] * 1000:.0f} ms, {out['decisions']}, {elapsed:.0f} s", flush=True)
+        print(
+            f"{name:>28}: hit rate {out['hit_rate']:.1%} (ideal {out['ideal_hit_rate']:.1%}), "
+            f"TTFT p50 {out['ttft_p50_s'] * 1000:.0f} ms, {out['decisions']}, {elapsed:.0f} s",
+            flush=True,
+        )
         return out
 
 
 def chat_workload(tag: str, conversations: int, turns: int, max_tokens: int):
     def work(phase: Phase, client: httpx.Client) -> None:
         system = system_prompt(tag)
-        convs = [[{"role": "system", "content": system},
-                  {"role": "user", "content": f"Explain {TOPICS[c % len(TOPICS)]}."}] for c in range(conversations)]
+        convs = [
+            [{"role": "system", "content": system}, {"role": "user", "content": f"Explain {TOPICS[c % len(TOPICS)]}."}]
+            for c in range(conversations)
+        ]
         for turn in range(turns):
             for c, messages in enumerate(convs):
                 reply = phase.request(client, messages, max_tokens)
                 messages.append({"role": "assistant", "content": reply})
                 messages.append({"role": "user", "content": FOLLOW_UPS[(c + turn) % len(FOLLOW_UPS)]})
+
     return work
 
 
 def short_workload(tag: str, n: int):
     def work(phase: Phase, client: httpx.Client) -> None:
         for i in range(n):
-            phase.request(client, [{"role": "user", "content": f"{tag} {i}: name one {TOPICS[i % len(TOPICS)]} fact."}], 4)
+            phase.request(
+                client, [{"role": "user", "content": f"{tag} {i}: name one {TOPICS[i % len(TOPICS)]} fact."}], 4
+            )
+
     return work
 
 
@@ -163,7 +209,9 @@ def main() -> None:
     from router.routing import KvAwarePolicy, RoundRobinPolicy, RoutingConfig
     from router.tokenizer import Tokenizer
 
-    config = BatonConfig.from_options(prefill_workers=2, decode_workers=1, kv_cache_memory=args.kv_cache_memory, max_num_seqs=16)
+    config = BatonConfig.from_options(
+        prefill_workers=2, decode_workers=1, kv_cache_memory=args.kv_cache_memory, max_num_seqs=16
+    )
     t0 = time.monotonic()
     dep = deploy(config, actor_name_prefix="bench-routing")
     print(f"deployment ready in {time.monotonic() - t0:.0f} s", flush=True)
@@ -172,35 +220,68 @@ def main() -> None:
         bs = config.engine.block_size
         index = dep.backend.prefix_index
         time.sleep(0.1)
-        chat = lambda tag: chat_workload(tag, args.conversations, args.turns, args.max_tokens)  # noqa: E731
+
+        def chat(tag):
+            return chat_workload(tag, args.conversations, args.turns, args.max_tokens)
+
         rr = run_phase("round-robin", RoundRobinPolicy(local_prefill_fallback=True), dep, tokenizer, chat("phase A"))
         kv = run_phase("kv-aware", KvAwarePolicy(index, bs, RoutingConfig(seed=0)), dep, tokenizer, chat("phase B"))
-        remote = run_phase("short, always remote", KvAwarePolicy(index, bs, RoutingConfig(seed=0, local_prefill_threshold=0)),
-                           dep, tokenizer, short_workload("Question set one", args.short_requests))
-        local = run_phase("short, kv-aware default", KvAwarePolicy(index, bs, RoutingConfig(seed=0)), dep, tokenizer,
-                          short_workload("Question set two", args.short_requests))
+        remote = run_phase(
+            "short, always remote",
+            KvAwarePolicy(index, bs, RoutingConfig(seed=0, local_prefill_threshold=0)),
+            dep,
+            tokenizer,
+            short_workload("Question set one", args.short_requests),
+        )
+        local = run_phase(
+            "short, kv-aware default",
+            KvAwarePolicy(index, bs, RoutingConfig(seed=0)),
+            dep,
+            tokenizer,
+            short_workload("Question set two", args.short_requests),
+        )
     finally:
         dep.shutdown()
 
-    machine = {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
-               "model": dep.model_name, "prefill_workers": 2, "decode_workers": 1,
-               "kv_cache_memory": config.engine.kv_cache_memory, "block_size": config.engine.block_size}
+    machine = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "model": dep.model_name,
+        "prefill_workers": 2,
+        "decode_workers": 1,
+        "kv_cache_memory": config.engine.kv_cache_memory,
+        "block_size": config.engine.block_size,
+    }
     result = {
-        "benchmark": "routing_prefix", **machine,
-        "workload": {"conversations": args.conversations, "turns": args.turns, "max_tokens": args.max_tokens,
-                     "concurrency": 1, "system_prompt_tokens": len(tokenizer.encode(system_prompt("phase A")))},
-        "round_robin": rr, "kv_aware": kv,
+        "benchmark": "routing_prefix",
+        **machine,
+        "workload": {
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "max_tokens": args.max_tokens,
+            "concurrency": 1,
+            "system_prompt_tokens": len(tokenizer.encode(system_prompt("phase A"))),
+        },
+        "round_robin": rr,
+        "kv_aware": kv,
         "kv_aware_fraction_of_ideal": kv["fraction_of_ideal"],
         "ttft_p50_speedup_vs_round_robin": rr["ttft_p50_s"] / kv["ttft_p50_s"],
-        "pass": {"hit_rate_at_least_80pct_of_ideal": kv["fraction_of_ideal"] >= 0.8,
-                 "ttft_p50_lower_than_round_robin": kv["ttft_p50_s"] < rr["ttft_p50_s"]},
+        "pass": {
+            "hit_rate_at_least_80pct_of_ideal": kv["fraction_of_ideal"] >= 0.8,
+            "ttft_p50_lower_than_round_robin": kv["ttft_p50_s"] < rr["ttft_p50_s"],
+        },
     }
     local_result = {
-        "benchmark": "routing_local_prefill", **machine,
-        "always_remote": remote, "conditional": local,
+        "benchmark": "routing_local_prefill",
+        **machine,
+        "always_remote": remote,
+        "conditional": local,
         "ttft_p50_speedup": remote["ttft_p50_s"] / local["ttft_p50_s"],
-        "pass": {"short_prompts_prefill_locally": all(r["decision"] == "local" for r in local["per_request"]),
-                 "ttft_p50_lower_than_always_remote": local["ttft_p50_s"] < remote["ttft_p50_s"]},
+        "pass": {
+            "short_prompts_prefill_locally": all(r["decision"] == "local" for r in local["per_request"]),
+            "ttft_p50_lower_than_always_remote": local["ttft_p50_s"] < remote["ttft_p50_s"],
+        },
     }
     for path, obj in ((args.out, result), (args.out_local, local_result)):
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -29,13 +29,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-import torch  # noqa: E402
+import torch
 
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
-from common.protocol import TokenLogprob  # noqa: E402
-from workers.sampler import SamplingRow, sample  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
+from common.protocol import TokenLogprob
+from common.sampling_params import SamplingParams
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.sampler import SamplingRow, sample
 
 SHAPES = {
     "greedy": dict(temperature=0.0),
@@ -46,8 +46,17 @@ SHAPES = {
     "penalties": dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
     "stop strings": dict(temperature=1.0, stop=["\n\nUser:", "<|im_end|> never"]),
     "logprobs (top 5)": dict(temperature=1.0, logprobs=5),
-    "all of them": dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5,
-                        frequency_penalty=0.5, repetition_penalty=1.1, stop=["\n\nUser:"], logprobs=5),
+    "all of them": dict(
+        temperature=0.8,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.1,
+        stop=["\n\nUser:"],
+        logprobs=5,
+    ),
 }
 
 
@@ -130,8 +139,12 @@ def step_ms(engine: LLMEngine, params: SamplingParams, prompts: list[list[int]],
 def sampler_ms(fn, vocab: int, batch: int, context: int, params: SamplingParams, reps: int = 20) -> float:
     g, rng = torch.Generator().manual_seed(0), random.Random(0)
     logits = torch.randn(batch, vocab, generator=g) * 3
-    rows = [SamplingRow(params, [rng.randrange(vocab) for _ in range(64)], [rng.randrange(vocab) for _ in range(context)],
-                        None) for _ in range(batch)]
+    rows = [
+        SamplingRow(
+            params, [rng.randrange(vocab) for _ in range(64)], [rng.randrange(vocab) for _ in range(context)], None
+        )
+        for _ in range(batch)
+    ]
     fn(logits, rows)
     times = []
     for _ in range(reps):
@@ -142,7 +155,9 @@ def sampler_ms(fn, vocab: int, batch: int, context: int, params: SamplingParams,
 
 
 def measure(dtype: str, args) -> dict:
-    engine = LLMEngine.from_model_dir(None, EngineConfig(dtype=dtype, max_num_seqs=args.batch, kv_cache_memory=512 << 20))
+    engine = LLMEngine.from_model_dir(
+        None, EngineConfig(dtype=dtype, max_num_seqs=args.batch, kv_cache_memory=512 << 20)
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.context)] for _ in range(args.batch)]
     new_sampler = engine.sampler
@@ -160,13 +175,25 @@ def measure(dtype: str, args) -> dict:
     for which in samplers:
         greedy = statistics.median(runs[which]["greedy"])
         out["steps"][which] = {
-            name: {"step_ms": statistics.median(v), "all_ms": v, "tokens_per_s": args.batch / statistics.median(v) * 1000,
-                   "cost_vs_greedy": statistics.median(v) / greedy - 1.0}
-            for name, v in runs[which].items()}
+            name: {
+                "step_ms": statistics.median(v),
+                "all_ms": v,
+                "tokens_per_s": args.batch / statistics.median(v) * 1000,
+                "cost_vs_greedy": statistics.median(v) / greedy - 1.0,
+            }
+            for name, v in runs[which].items()
+        }
     out["sampler_alone_ms"] = {
-        which: {name: sampler_ms(fn, vocab, args.batch, args.context, SamplingParams(**shape))
-                for name, shape in SHAPES.items() if "stop" not in shape}
-        for which, fn in (("after", lambda l, r: sample(l, r, None, new_sampler.race)), ("before", legacy_sample))}
+        which: {
+            name: sampler_ms(fn, vocab, args.batch, args.context, SamplingParams(**shape))
+            for name, shape in SHAPES.items()
+            if "stop" not in shape
+        }
+        for which, fn in (
+            ("after", lambda logits, rows: sample(logits, rows, None, new_sampler.race)),
+            ("before", legacy_sample),
+        )
+    }
     return out
 
 
@@ -191,12 +218,25 @@ def main() -> None:
             alone_b = r["sampler_alone_ms"]["before"].get(name)
             alone_a = r["sampler_alone_ms"]["after"].get(name)
             alone = f"{alone_b:.2f} / {alone_a:.2f}" if alone_b is not None else "-"
-            print(f"| {name} | {b['step_ms']:.1f} ({b['cost_vs_greedy']:+.1%}) | {a['step_ms']:.1f} "
-                  f"({a['cost_vs_greedy']:+.1%}) | {alone} |")
-    doc = {"benchmark": "sampling cost per request shape", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "command": " ".join([sys.executable, *sys.argv]), "batch": args.batch, "context": args.context,
-           "steps": args.steps, "reps": args.reps, "torch_threads": 1, "clock": "process CPU time", "n_supported": False,
-           "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()), "runs": results}
+            print(
+                f"| {name} | {b['step_ms']:.1f} ({b['cost_vs_greedy']:+.1%}) | {a['step_ms']:.1f} "
+                f"({a['cost_vs_greedy']:+.1%}) | {alone} |"
+            )
+    doc = {
+        "benchmark": "sampling cost per request shape",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "batch": args.batch,
+        "context": args.context,
+        "steps": args.steps,
+        "reps": args.reps,
+        "torch_threads": 1,
+        "clock": "process CPU time",
+        "n_supported": False,
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+        "runs": results,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 

@@ -24,26 +24,45 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-
-from cluster.autoscaler import attach_to_simulator  # noqa: E402
-from cluster.autoscaler_config import AutoscalerConfig  # noqa: E402
-from cluster.sim import SLO, ClusterSpec, LengthDist, Simulator, WorkloadSpec, load_cost_model  # noqa: E402
-from cluster.sim.metrics import pyplot  # noqa: E402
+from cluster.autoscaler import attach_to_simulator
+from cluster.autoscaler_config import AutoscalerConfig
+from cluster.sim import SLO, ClusterSpec, LengthDist, Simulator, WorkloadSpec, load_cost_model
+from cluster.sim.metrics import pyplot
 
 SLO_TARGET = SLO(ttft_s=3.0, tpot_s=0.25)
-CONFIG = AutoscalerConfig(enabled=True, interval_s=5.0, window_s=20.0, slo_ttft_s=3.0, slo_tpot_s=0.25,
-                          min_prefill_workers=1, max_prefill_workers=3, min_decode_workers=1, max_decode_workers=4,
-                          down_after=6, cooldown_s=30.0)
+CONFIG = AutoscalerConfig(
+    enabled=True,
+    interval_s=5.0,
+    window_s=20.0,
+    slo_ttft_s=3.0,
+    slo_tpot_s=0.25,
+    min_prefill_workers=1,
+    max_prefill_workers=3,
+    min_decode_workers=1,
+    max_decode_workers=4,
+    down_after=6,
+    cooldown_s=30.0,
+)
 STARTUP_S = 8.0
 
 
 def workloads(peak: float) -> dict[str, WorkloadSpec]:
-    base = WorkloadSpec(rate=peak, prompt_len=LengthDist("uniform", low=128, high=512),
-                        output_len=LengthDist("uniform", low=32, high=128), seed=3)
+    base = WorkloadSpec(
+        rate=peak,
+        prompt_len=LengthDist("uniform", low=128, high=512),
+        output_len=LengthDist("uniform", low=32, high=128),
+        seed=3,
+    )
     day = tuple((t, 0.6 - 0.4 * math.cos(2 * math.pi * t / 1800)) for t in range(0, 1801, 60))
-    return {"step": replace(base, name="step", duration_s=900, rate_points=((0, 0.2), (240, 0.2), (240.01, 1.0),
-                                                                               (540, 1.0), (540.01, 0.2))),
-            "diurnal": replace(base, name="diurnal", duration_s=1800, rate_points=day)}
+    return {
+        "step": replace(
+            base,
+            name="step",
+            duration_s=900,
+            rate_points=((0, 0.2), (240, 0.2), (240.01, 1.0), (540, 1.0), (540.01, 0.2)),
+        ),
+        "diurnal": replace(base, name="diurnal", duration_s=1800, rate_points=day),
+    }
 
 
 def reversals(actions: list[dict], cooldown_s: float) -> int:
@@ -66,12 +85,21 @@ def run(spec: WorkloadSpec, cost, overheads, link, split: tuple[int, int], autos
     result = sim.run(spec.generate())
     summary = result.summary(SLO_TARGET)
     worker_s = sum(p.gpu_seconds for p in result.pools.values())
-    return {"split": "autoscaled from 1P:1D" if autoscale else f"static {split[0]}P:{split[1]}D",
-            "slo_attainment": summary["slo_attainment"], "goodput": summary["goodput"],
-            "ttft_p90_ms": summary["ttft_ms"]["p90"], "tpot_p90_ms": summary["tpot_ms"]["p90"],
-            "requests": summary["requests"], "failed": summary["failed"], "worker_seconds": worker_s,
-            "scaling_actions": len(actions), "oscillations": reversals(actions, CONFIG.cooldown_s),
-            "actions": actions, "timeline": result.timeline, "simulation_wall_s": result.sim_wall_s}
+    return {
+        "split": "autoscaled from 1P:1D" if autoscale else f"static {split[0]}P:{split[1]}D",
+        "slo_attainment": summary["slo_attainment"],
+        "goodput": summary["goodput"],
+        "ttft_p90_ms": summary["ttft_ms"]["p90"],
+        "tpot_p90_ms": summary["tpot_ms"]["p90"],
+        "requests": summary["requests"],
+        "failed": summary["failed"],
+        "worker_seconds": worker_s,
+        "scaling_actions": len(actions),
+        "oscillations": reversals(actions, CONFIG.cooldown_s),
+        "actions": actions,
+        "timeline": result.timeline,
+        "simulation_wall_s": result.sim_wall_s,
+    }
 
 
 def plot(name: str, spec: WorkloadSpec, runs: list[dict], path: Path) -> None:
@@ -79,8 +107,12 @@ def plot(name: str, spec: WorkloadSpec, runs: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     for r in runs:
         t = [p["t"] for p in r["timeline"]]
-        ax.step(t, [p["prefill_workers"] + p["decode_workers"] for p in r["timeline"]], where="post",
-                label=f"{r['split']}: {r['slo_attainment']:.0%} SLO met, {r['worker_seconds']:.0f} worker-s")
+        ax.step(
+            t,
+            [p["prefill_workers"] + p["decode_workers"] for p in r["timeline"]],
+            where="post",
+            label=f"{r['split']}: {r['slo_attainment']:.0%} SLO met, {r['worker_seconds']:.0f} worker-s",
+        )
     ax.set_xlabel("time (s)")
     ax.set_ylabel("workers serving")
     ax2 = ax.twinx()
@@ -103,17 +135,30 @@ def main() -> None:
     cost, overheads, link = load_cost_model(args.profile)
     started = time.perf_counter()
     peak = args.peak or 5.0
-    report = {"benchmark": "sim_autoscale", "profile": args.profile, "slo": {"ttft_s": SLO_TARGET.ttft_s,
-              "tpot_s": SLO_TARGET.tpot_s}, "autoscaler": CONFIG.__dict__, "startup_s": STARTUP_S, "peak_rate": peak,
-              "command": " ".join(["python"] + sys.argv), "scenarios": {}}
+    report = {
+        "benchmark": "sim_autoscale",
+        "profile": args.profile,
+        "slo": {"ttft_s": SLO_TARGET.ttft_s, "tpot_s": SLO_TARGET.tpot_s},
+        "autoscaler": CONFIG.__dict__,
+        "startup_s": STARTUP_S,
+        "peak_rate": peak,
+        "command": " ".join(["python"] + sys.argv),
+        "scenarios": {},
+    }
     for name, spec in workloads(peak).items():
-        runs = [run(spec, cost, overheads, link, (1, 1), True), run(spec, cost, overheads, link, (1, 1), False),
-                run(spec, cost, overheads, link, (3, 4), False)]
+        runs = [
+            run(spec, cost, overheads, link, (1, 1), True),
+            run(spec, cost, overheads, link, (1, 1), False),
+            run(spec, cost, overheads, link, (3, 4), False),
+        ]
         plot(name, spec, runs, Path(args.out).with_name(f"sim_autoscale_{name}.png"))
         report["scenarios"][name] = {"workload": spec.to_dict(), "runs": runs}
         for r in runs:
-            print(f"{name:8} {r['split']:24} SLO met {r['slo_attainment']:6.1%}  worker-s {r['worker_seconds']:7.0f}  "
-                  f"actions {r['scaling_actions']:2}  oscillations {r['oscillations']}", flush=True)
+            print(
+                f"{name:8} {r['split']:24} SLO met {r['slo_attainment']:6.1%}  worker-s {r['worker_seconds']:7.0f}  "
+                f"actions {r['scaling_actions']:2}  oscillations {r['oscillations']}",
+                flush=True,
+            )
     report["wall_s"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

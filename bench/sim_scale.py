@@ -38,20 +38,29 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from cluster.planner import PlanProblem, capacity_estimate  # noqa: E402
-from cluster.sim import (  # noqa: E402
-    GPUS, LINKS, MODELS, SLO, ClusterSpec, EngineSettings, LengthDist, RooflineCostModel, ServingOverheads, Simulator,
+from cluster.planner import PlanProblem, capacity_estimate
+from cluster.sim import (
+    GPUS,
+    LINKS,
+    MODELS,
+    SLO,
+    ClusterSpec,
+    EngineSettings,
+    LengthDist,
+    RooflineCostModel,
+    ServingOverheads,
+    Simulator,
     WorkloadSpec,
 )
-from common.stats import summary as percentiles  # noqa: E402
-from router.app import build_app  # noqa: E402
-from router.backend import WorkerInfo  # noqa: E402
-from router.prefix_index import PrefixIndex  # noqa: E402
-from router.routing import KvAwarePolicy, RoutingConfig  # noqa: E402
-from router.tokenizer import Tokenizer  # noqa: E402
-from workers.model_files import resolve_model_dir  # noqa: E402
-from router.testing import FakeBackend  # noqa: E402  (the in-process backend the router tests use)
-from common.block_hash import hash_prefix_blocks  # noqa: E402
+from common.block_hash import hash_prefix_blocks
+from common.stats import summary as percentiles
+from router.app import build_app
+from router.backend import WorkerInfo
+from router.prefix_index import PrefixIndex
+from router.routing import KvAwarePolicy, RoutingConfig
+from router.testing import FakeBackend
+from router.tokenizer import Tokenizer
+from workers.model_files import resolve_model_dir
 
 GPUS_TOTAL = 1000
 RATE = 10_000.0
@@ -59,9 +68,16 @@ RATE = 10_000.0
 # and an H200 holds ~1.8M KV tokens of the 8B model (113k blocks of 16). Prefix hits then count in
 # whole 64-token blocks. The standalone decision timing below uses the default 16.
 ENGINE = EngineSettings(block_size=64, max_num_seqs=256, max_num_batched_tokens=8192)
-WORKLOAD = WorkloadSpec(rate=RATE, prompt_len=LengthDist("lognormal", low=64, high=8192, mean=600, sigma=0.8),
-                        output_len=LengthDist("lognormal", low=16, high=2048, mean=200, sigma=0.7),
-                        prefix_groups=64, prefix_len=512, prefix_fraction=0.7, seed=1, name="chat")
+WORKLOAD = WorkloadSpec(
+    rate=RATE,
+    prompt_len=LengthDist("lognormal", low=64, high=8192, mean=600, sigma=0.8),
+    output_len=LengthDist("lognormal", low=16, high=2048, mean=200, sigma=0.7),
+    prefix_groups=64,
+    prefix_len=512,
+    prefix_fraction=0.7,
+    seed=1,
+    name="chat",
+)
 MODELS_STUDIED = {  # name: (model, tensor-parallel size per worker, SLO)
     "8B FP8, TP1": ("llama-8b", 1, SLO(1.0, 0.05)),
     "70B FP8, TP2": ("llama-70b", 2, SLO(2.0, 0.06)),
@@ -75,10 +91,15 @@ def sizing(cost: RooflineCostModel, slo: SLO) -> dict:
     p_need, d_need = math.ceil(RATE / p_cap), math.ceil(RATE / d_cap)
     workers = GPUS_TOTAL // tp
     p = round(est["balanced_prefill_workers"])
-    return {**est, "gpus_per_worker": tp, "kv_tokens_per_worker": cost.kv_capacity_tokens(),
-            "workers_for_10k": {"prefill": p_need, "decode": d_need}, "gpus_for_10k": (p_need + d_need) * tp,
-            "split_on_1000_gpus": {"prefill": p, "decode": workers - p},
-            "max_rate_on_1000_gpus": min(p * p_cap, (workers - p) * d_cap)}
+    return {
+        **est,
+        "gpus_per_worker": tp,
+        "kv_tokens_per_worker": cost.kv_capacity_tokens(),
+        "workers_for_10k": {"prefill": p_need, "decode": d_need},
+        "gpus_for_10k": (p_need + d_need) * tp,
+        "split_on_1000_gpus": {"prefill": p, "decode": workers - p},
+        "max_rate_on_1000_gpus": min(p * p_cap, (workers - p) * d_cap),
+    }
 
 
 def queue_threshold(size: dict, slo: SLO) -> int:
@@ -87,43 +108,69 @@ def queue_threshold(size: dict, slo: SLO) -> int:
     return int(size["prefill_requests_per_s_per_worker"] * WORKLOAD.mean_prompt_len() * slo.ttft_s / 2)
 
 
-def simulate_slice(cost: RooflineCostModel, slo: SLO, split: dict, rate: float, seconds: float, fraction: float,
-                   threshold: int | None) -> dict:
+def simulate_slice(
+    cost: RooflineCostModel, slo: SLO, split: dict, rate: float, seconds: float, fraction: float, threshold: int | None
+) -> dict:
     workers = round(GPUS_TOTAL * fraction) // cost.tp
     p = max(1, round(split["prefill"] * fraction))
     routing = RoutingConfig(seed=0) if threshold is None else RoutingConfig(seed=0, prefill_queue_threshold=threshold)
     spec = ClusterSpec(p, workers - p, ENGINE, routing, drain_limit_s=30)
-    sim = Simulator(spec, cost, ServingOverheads(router_s=0.002, rpc_s=0.0005, stream_s=0.001), LINKS["infiniband"],
-                    record_itl=False)
+    sim = Simulator(
+        spec,
+        cost,
+        ServingOverheads(router_s=0.002, rpc_s=0.0005, stream_s=0.001),
+        LINKS["infiniband"],
+        record_itl=False,
+    )
     res = sim.run(replace(WORKLOAD, rate=rate * fraction, duration_s=seconds).generate())
     s = res.summary(slo)
-    return {"gpus": workers * cost.tp, "prefill_workers": p, "decode_workers": workers - p, "rate": rate * fraction,
-            "prefill_queue_threshold": routing.prefill_queue_threshold,
-            "simulated_s": seconds, "requests": s["requests"], "slo_attainment": s["slo_attainment"],
-            "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"], "cached_token_fraction": s["cached_token_fraction"],
-            "routes": s["routes"], "pool_utilisation": {k: v.busy_seconds / v.gpu_seconds * cost.tp
-                                                         for k, v in res.pools.items() if v.gpu_seconds},
-            "router_decision_ms": percentiles(res.decision_s), "simulation_wall_s": res.sim_wall_s}
+    return {
+        "gpus": workers * cost.tp,
+        "prefill_workers": p,
+        "decode_workers": workers - p,
+        "rate": rate * fraction,
+        "prefill_queue_threshold": routing.prefill_queue_threshold,
+        "simulated_s": seconds,
+        "requests": s["requests"],
+        "slo_attainment": s["slo_attainment"],
+        "ttft_ms": s["ttft_ms"],
+        "tpot_ms": s["tpot_ms"],
+        "cached_token_fraction": s["cached_token_fraction"],
+        "routes": s["routes"],
+        "pool_utilisation": {
+            k: v.busy_seconds / v.gpu_seconds * cost.tp for k, v in res.pools.items() if v.gpu_seconds
+        },
+        "router_decision_ms": percentiles(res.decision_s),
+        "simulation_wall_s": res.sim_wall_s,
+    }
 
 
 def full_scale_in_loop(cost: RooflineCostModel, split: dict, seconds: float) -> dict:
     """All 1,000 GPUs' workers at 10,000 req/s for a short window: the decision time in the loop."""
     # Decision timing only: each worker's cache capped at 2,048 blocks to fit 1,000 workers in memory.
-    spec = ClusterSpec(split["prefill"], split["decode"], replace(ENGINE, num_kv_blocks=2048), RoutingConfig(seed=0),
-                       drain_limit_s=0.0)
+    spec = ClusterSpec(
+        split["prefill"], split["decode"], replace(ENGINE, num_kv_blocks=2048), RoutingConfig(seed=0), drain_limit_s=0.0
+    )
     sim = Simulator(spec, cost, ServingOverheads(), LINKS["infiniband"], record_itl=False)
     res = sim.run(replace(WORKLOAD, duration_s=seconds).generate())
-    return {"workers": split["prefill"] + split["decode"], "requests_routed": len(res.decision_s),
-            "router_decision_ms": percentiles(res.decision_s), "simulation_wall_s": res.sim_wall_s}
+    return {
+        "workers": split["prefill"] + split["decode"],
+        "requests_routed": len(res.decision_s),
+        "router_decision_ms": percentiles(res.decision_s),
+        "simulation_wall_s": res.sim_wall_s,
+    }
 
 
 def decision_standalone(n_prefill: int, n_decode: int, tail_blocks_per_worker: int, requests: int) -> dict:
     """KvAwarePolicy.choose over 1,000 workers and a prefix index with system prompts on many workers."""
     rng = random.Random(0)
-    infos = [WorkerInfo(f"prefill-{i}", "prefill", running=rng.randrange(4), queued_prefill_tokens=rng.randrange(20000))
-             for i in range(n_prefill)]
-    infos += [WorkerInfo(f"decode-{i}", "decode", running=rng.randrange(256), kv_usage=rng.random())
-              for i in range(n_decode)]
+    infos = [
+        WorkerInfo(f"prefill-{i}", "prefill", running=rng.randrange(4), queued_prefill_tokens=rng.randrange(20000))
+        for i in range(n_prefill)
+    ]
+    infos += [
+        WorkerInfo(f"decode-{i}", "decode", running=rng.randrange(256), kv_usage=rng.random()) for i in range(n_decode)
+    ]
     ids = [w.worker_id for w in infos]
     index = PrefixIndex()
     systems = [[rng.randrange(1000, 40000) for _ in range(512)] for _ in range(64)]
@@ -156,9 +203,14 @@ def decision_standalone(n_prefill: int, n_decode: int, tail_blocks_per_worker: i
         t0 = time.perf_counter()
         hash_prefix_blocks(p, 16)
         hash_times.append(time.perf_counter() - t0)
-    return {"prefill_workers": n_prefill, "decode_workers": n_decode, "decision_ms": percentiles(times),
-            "of_which_hashing_ms": percentiles(hash_times), "decisions_per_s_one_core": 1 / statistics.fmean(times),
-            "index_bytes_per_cached_block": per_entry}
+    return {
+        "prefill_workers": n_prefill,
+        "decode_workers": n_decode,
+        "decision_ms": percentiles(times),
+        "of_which_hashing_ms": percentiles(hash_times),
+        "decisions_per_s_one_core": 1 / statistics.fmean(times),
+        "index_bytes_per_cached_block": per_entry,
+    }
 
 
 async def router_cpu_per_request(n: int, output_tokens: int) -> dict:
@@ -167,21 +219,33 @@ async def router_cpu_per_request(n: int, output_tokens: int) -> dict:
     tokenizer = Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
     backend = FakeBackend(tokenizer)
     app = build_app(backend, tokenizer, "m", 1 << 20)
-    body = {"model": "m", "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": output_tokens,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "word " * 600}],
+        "max_tokens": output_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+
         async def one():
             async with client.stream("POST", "/v1/chat/completions", json=body) as r:
                 async for _ in r.aiter_lines():
                     pass
+
         await one()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         for _ in range(n // 8):
             await asyncio.gather(*(one() for _ in range(8)))
         cpu = time.process_time() - cpu0
     per = cpu / (n // 8 * 8)
-    return {"requests": n // 8 * 8, "output_tokens": output_tokens, "cpu_ms_per_request": per * 1e3,
-            "cpu_ms_per_output_token": per * 1e3 / output_tokens, "wall_s": time.perf_counter() - wall0}
+    return {
+        "requests": n // 8 * 8,
+        "output_tokens": output_tokens,
+        "cpu_ms_per_request": per * 1e3,
+        "cpu_ms_per_output_token": per * 1e3 / output_tokens,
+        "wall_s": time.perf_counter() - wall0,
+    }
 
 
 def main() -> None:
@@ -193,11 +257,24 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/sim_scale.json")
     args = ap.parse_args()
     started = time.perf_counter()
-    report = {"benchmark": "sim_scale", "gpus": GPUS_TOTAL, "gpu": "H200", "rate": RATE, "workload": WORKLOAD.to_dict(),
-              "mean_prompt_tokens": WORKLOAD.mean_prompt_len(), "mean_output_tokens": WORKLOAD.output_len.expected(),
-              "engine": ENGINE.__dict__, "command": " ".join(["python"] + sys.argv),
-              "machine": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                          "load_average_1m": os.getloadavg()[0]}, "models": {}}
+    report = {
+        "benchmark": "sim_scale",
+        "gpus": GPUS_TOTAL,
+        "gpu": "H200",
+        "rate": RATE,
+        "workload": WORKLOAD.to_dict(),
+        "mean_prompt_tokens": WORKLOAD.mean_prompt_len(),
+        "mean_output_tokens": WORKLOAD.output_len.expected(),
+        "engine": ENGINE.__dict__,
+        "command": " ".join(["python"] + sys.argv),
+        "machine": {
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_1m": os.getloadavg()[0],
+        },
+        "models": {},
+    }
     for name, (model, tp, slo) in MODELS_STUDIED.items():
         cost = RooflineCostModel(GPUS["H200"], MODELS[model], "fp8", "fp8", tp)
         size = sizing(cost, slo)
@@ -205,23 +282,34 @@ def main() -> None:
         rate = min(RATE, size["max_rate_on_1000_gpus"])
         threshold = queue_threshold(size, slo)
         split = size["split_on_1000_gpus"]
-        entry["slice_at_10k"] = simulate_slice(cost, slo, split, RATE, args.slice_seconds, args.slice_fraction,
-                                               threshold)
-        entry["slice_at_10k_default_queue_threshold"] = simulate_slice(cost, slo, split, RATE, args.slice_seconds,
-                                                                       args.slice_fraction, None)
+        entry["slice_at_10k"] = simulate_slice(
+            cost, slo, split, RATE, args.slice_seconds, args.slice_fraction, threshold
+        )
+        entry["slice_at_10k_default_queue_threshold"] = simulate_slice(
+            cost, slo, split, RATE, args.slice_seconds, args.slice_fraction, None
+        )
         if rate < RATE:
-            entry["slice_at_estimated_max"] = simulate_slice(cost, slo, split, rate, args.slice_seconds,
-                                                             args.slice_fraction, threshold)
+            entry["slice_at_estimated_max"] = simulate_slice(
+                cost, slo, split, rate, args.slice_seconds, args.slice_fraction, threshold
+            )
             entry["slice_at_fraction_of_estimated_max"] = {
                 str(f): simulate_slice(cost, slo, split, rate * f, args.slice_seconds, args.slice_fraction, threshold)
-                for f in (0.8, 0.9)}
+                for f in (0.8, 0.9)
+            }
             # Splits with more decode workers than the estimate's balance, at 6,000 req/s.
             workers = round(GPUS_TOTAL * args.slice_fraction) // cost.tp
             entry["slice_other_splits_at_6000"] = {
                 f"{p}P:{workers - p}D": simulate_slice(
-                    cost, slo, {"prefill": round(p / args.slice_fraction), "decode": round((workers - p) / args.slice_fraction)},
-                    6000, args.slice_seconds, args.slice_fraction, threshold)
-                for p in (15, 12)}
+                    cost,
+                    slo,
+                    {"prefill": round(p / args.slice_fraction), "decode": round((workers - p) / args.slice_fraction)},
+                    6000,
+                    args.slice_seconds,
+                    args.slice_fraction,
+                    threshold,
+                )
+                for p in (15, 12)
+            }
         print(name, json.dumps({k: entry[k] for k in entry if k.startswith("slice")}, default=str)[:1500], flush=True)
         report["models"][name] = entry
     first = next(iter(MODELS_STUDIED.values()))
@@ -239,12 +327,14 @@ def main() -> None:
     other_ms = report["router_cpu"]["cpu_ms_per_request"] / 256 * WORKLOAD.output_len.expected()
     per_request_ms = decide_ms + other_ms
     report["router_saturation"] = {
-        "decision_ms_per_request": decide_ms, "other_cpu_ms_per_request": other_ms,
+        "decision_ms_per_request": decide_ms,
+        "other_cpu_ms_per_request": other_ms,
         "requests_per_s_one_process": 1000 / per_request_ms,
         "decision_only_requests_per_s": 1000 / decide_ms,
         "processes_for_10k_at_70pct": math.ceil(RATE * per_request_ms / 1000 / 0.7),
-        "index_gb_if_every_cached_block_indexed": d["index_bytes_per_cached_block"] * sum(
-            (GPUS_TOTAL // cost8.tp) * cost8.kv_capacity_tokens() / 16 for _ in [0]) / 1e9,
+        "index_gb_if_every_cached_block_indexed": d["index_bytes_per_cached_block"]
+        * sum((GPUS_TOTAL // cost8.tp) * cost8.kv_capacity_tokens() / 16 for _ in [0])
+        / 1e9,
     }
     report["wall_s"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

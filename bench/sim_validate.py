@@ -29,11 +29,11 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from cluster import loadgen as load  # noqa: E402  (the request code every benchmark here uses)
+from cluster import loadgen as load
+from cluster.harness import baton_serve
+from cluster.sim.validation import VALIDATION_WORKLOADS, compare, simulate, summarize, validation_workload
+from cluster.sim.workload import Workload
 
-from cluster.harness import baton_serve  # noqa: E402
-from cluster.sim.validation import VALIDATION_WORKLOADS, compare, simulate, summarize, validation_workload  # noqa: E402
-from cluster.sim.workload import Workload  # noqa: E402
 
 async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
     """Send a Workload to a server as the simulator does: units in order, `concurrency` units at once,
@@ -43,12 +43,21 @@ async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
         start = time.perf_counter()
 
         async def send(req) -> None:
-            args = load.parser().parse_args(["--model", model, "--token-ids", "--ignore-eos",
-                                             "--output-len", str(req.output_len)])
+            args = load.parser().parse_args(
+                ["--model", model, "--token-ids", "--ignore-eos", "--output-len", str(req.output_len)]
+            )
             args.endpoint = "/v1/completions"
             r = await load.one_request(client, args, list(req.prompt))
-            rows.append({"request_id": req.request_id, "ok": r.ok, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
-                         "tokens": r.output_tokens, "error": r.error})
+            rows.append(
+                {
+                    "request_id": req.request_id,
+                    "ok": r.ok,
+                    "ttft_s": r.ttft_s,
+                    "tpot_s": r.tpot_s,
+                    "tokens": r.output_tokens,
+                    "error": r.error,
+                }
+            )
 
         async def run_unit(unit) -> None:
             for req in unit:
@@ -83,9 +92,14 @@ def table(results: dict) -> str:
     lines = ["| workload | metric | real (ms) | simulated (ms) | error |", "|---|---|---:|---:|---:|"]
     for name, entry in results.items():
         for row in entry["comparison"]:
-            fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
-            lines.append(f"| {name} | {row['metric']} | {fmt(row['real_ms'], ',.0f')} | {fmt(row['sim_ms'], ',.0f')} | "
-                         f"{fmt(row['relative_error'], '+.1%')} |")
+
+            def fmt(v, spec):
+                return "n/a" if v is None else format(v, spec)
+
+            lines.append(
+                f"| {name} | {row['metric']} | {fmt(row['real_ms'], ',.0f')} | {fmt(row['sim_ms'], ',.0f')} | "
+                f"{fmt(row['relative_error'], '+.1%')} |"
+            )
     return "\n".join(lines)
 
 
@@ -107,8 +121,11 @@ def main() -> None:
         extra = {k: stored[k] for k in ("real_run", "machine") if k in stored}
     else:
         if args.profile is None:
-            subprocess.run([sys.executable, "-m", "bench.profile_costs", "--served", "--overheads",
-                            "--out", str(profile)], check=True, cwd=ROOT)
+            subprocess.run(
+                [sys.executable, "-m", "bench.profile_costs", "--served", "--overheads", "--out", str(profile)],
+                check=True,
+                cwd=ROOT,
+            )
         real, started = {}, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for name in names:
             # A fresh server per workload, as each simulation starts from an empty cluster (a server
@@ -116,21 +133,35 @@ def main() -> None:
             with baton_server(args.port, Path("/tmp/sim_validate_serve.log")):
                 t0 = time.perf_counter()
                 rows = asyncio.run(run_real(validation_workload(name), f"http://127.0.0.1:{args.port}", args.model))
-                real[name] = {**summarize(rows), "wall_s": time.perf_counter() - t0,
-                              "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5]}
+                real[name] = {
+                    **summarize(rows),
+                    "wall_s": time.perf_counter() - t0,
+                    "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5],
+                }
                 print(f"real {name}: {json.dumps(real[name])}", flush=True)
-        extra = {"real_run": {"started": started, "server": "baton serve --port PORT " + " ".join(SERVER_FLAGS) +
-                              " (otherwise defaults: 1 prefill + 1 decode worker, float32)"},
-                 "machine": {"machine": platform.machine(), "cpus": os.cpu_count(),
-                             "load_average_1m": os.getloadavg()[0]}}
+        extra = {
+            "real_run": {
+                "started": started,
+                "server": "baton serve --port PORT "
+                + " ".join(SERVER_FLAGS)
+                + " (otherwise defaults: 1 prefill + 1 decode worker, float32)",
+            },
+            "machine": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+        }
     results = {}
     for name in names:
         sim = simulate(name, profile)
         results[name] = {"real": real[name], "sim": sim, "comparison": compare(real[name], sim)}
-    report = {"benchmark": "sim_validate", "profile": str(profile), "tolerance": 0.2,
-              "all_within": all(r["within"] for e in results.values() for r in e["comparison"]),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(["python"] + sys.argv),
-              **extra, "results": results}
+    report = {
+        "benchmark": "sim_validate",
+        "profile": str(profile),
+        "tolerance": 0.2,
+        "all_within": all(r["within"] for e in results.values() for r in e["comparison"]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["python"] + sys.argv),
+        **extra,
+        "results": results,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(table(results))

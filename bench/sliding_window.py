@@ -43,16 +43,28 @@ def main() -> None:
     qp = torch.randn(CHUNK, HQ, D)
     qsl = torch.tensor([0, CHUNK], dtype=torch.int32)
     one = torch.tensor([CTX], dtype=torch.int32)
-    result = dict(batch=BATCH, context=CTX, window=WINDOW, prefill_chunk=CHUNK, num_q_heads=HQ, num_kv_heads=HK,
-                  head_dim=D, block_size=BS, threads=torch.get_num_threads())
+    result = dict(
+        batch=BATCH,
+        context=CTX,
+        window=WINDOW,
+        prefill_chunk=CHUNK,
+        num_q_heads=HQ,
+        num_kv_heads=HK,
+        head_dim=D,
+        block_size=BS,
+        threads=torch.get_num_threads(),
+    )
     result["decode_full_ms"] = median_ms(lambda: paged_decode_attention_cpu(q, k, v, bt, lens, 0.08), 30)
     result["decode_window_ms"] = median_ms(
-        lambda: paged_decode_attention_cpu(q, k, v, bt, lens, 0.08, window=WINDOW), 30)
+        lambda: paged_decode_attention_cpu(q, k, v, bt, lens, 0.08, window=WINDOW), 30
+    )
     result["decode_window_softcap_ms"] = median_ms(
-        lambda: paged_decode_attention_cpu(q, k, v, bt, lens, 0.08, window=WINDOW, softcap=50.0), 30)
+        lambda: paged_decode_attention_cpu(q, k, v, bt, lens, 0.08, window=WINDOW, softcap=50.0), 30
+    )
     result["prefill_full_ms"] = median_ms(lambda: paged_prefill_attention_cpu(qp, k, v, bt[:1], qsl, one, 0.08), 7)
     result["prefill_window_ms"] = median_ms(
-        lambda: paged_prefill_attention_cpu(qp, k, v, bt[:1], qsl, one, 0.08, window=WINDOW), 7)
+        lambda: paged_prefill_attention_cpu(qp, k, v, bt[:1], qsl, one, 0.08, window=WINDOW), 7
+    )
     out = Path(__file__).resolve().parent / "results" / "sliding_window_cpu.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -46,7 +46,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shapes = LAYER_SHAPES * LAYERS + [LM_HEAD]
-    weights = [torch.randn(n, k) * k ** -0.5 for n, k in shapes]
+    weights = [torch.randn(n, k) * k**-0.5 for n, k in shapes]
     onednn = [onednn_pack(w) for w in weights]
     native = [pack_weight(w) for w in weights]
     weight_bytes = sum(w.numel() * 4 for w in weights)
@@ -54,29 +54,42 @@ def main() -> None:
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
         worst = 0.0
-        for (n, k), w, wn in zip(shapes[:4] + shapes[-1:], weights[:4] + weights[-1:], native[:4] + native[-1:]):
+        for (_n, k), w, wn in zip(shapes[:4] + shapes[-1:], weights[:4] + weights[-1:], native[:4] + native[-1:]):
             exact = torch.nn.functional.linear(inputs[k].double(), w.double())
             got = small_m_linear_cpu(inputs[k], wn, None).double()
             worst = max(worst, ((got - exact).abs().max() / exact.abs().max()).item())
         times: dict[str, list[float]] = {"onednn_prepacked": [], "small_m_kernel": []}
         for _ in range(args.reps):  # the two take turns, so both meet the same machine
             started = time.perf_counter()
-            for (n, k), w in zip(shapes, onednn):
+            for (_n, k), w in zip(shapes, onednn):
                 packed_linear(inputs[k], w, None)
             times["onednn_prepacked"].append(time.perf_counter() - started)
             started = time.perf_counter()
-            for (n, k), w in zip(shapes, native):
+            for (_n, k), w in zip(shapes, native):
                 small_m_linear_cpu(inputs[k], w, None)
             times["small_m_kernel"].append(time.perf_counter() - started)
         ms = {name: round(1000 * percentile(t, 50), 2) for name, t in times.items()}
-        results.append({"rows": rows, "step_linear_ms_p50": ms,
-                        "ratio": round(ms["small_m_kernel"] / ms["onednn_prepacked"], 3),
-                        "small_m_kernel_gb_per_s": round(weight_bytes / ms["small_m_kernel"] / 1e6, 2),
-                        "max_error_relative_to_largest_output": worst})
-        print(f"rows {rows}: oneDNN {ms['onednn_prepacked']} ms, kernel {ms['small_m_kernel']} ms "
-              f"({results[-1]['ratio']}x), max relative error {worst:.1e}")
-    out = {"benchmark": "small_m_linear", "command": "python -m bench.small_m_linear " + " ".join(sys.argv[1:]),
-           "weight_bytes": weight_bytes, "threads": args.threads, "reps": args.reps, "results": results}
+        results.append(
+            {
+                "rows": rows,
+                "step_linear_ms_p50": ms,
+                "ratio": round(ms["small_m_kernel"] / ms["onednn_prepacked"], 3),
+                "small_m_kernel_gb_per_s": round(weight_bytes / ms["small_m_kernel"] / 1e6, 2),
+                "max_error_relative_to_largest_output": worst,
+            }
+        )
+        print(
+            f"rows {rows}: oneDNN {ms['onednn_prepacked']} ms, kernel {ms['small_m_kernel']} ms "
+            f"({results[-1]['ratio']}x), max relative error {worst:.1e}"
+        )
+    out = {
+        "benchmark": "small_m_linear",
+        "command": "python -m bench.small_m_linear " + " ".join(sys.argv[1:]),
+        "weight_bytes": weight_bytes,
+        "threads": args.threads,
+        "reps": args.reps,
+        "results": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

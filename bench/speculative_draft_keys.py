@@ -53,11 +53,20 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = resolve_model_dir(quiet=True)
     prompts = repeat_prompts(model_dir)
-    spec = json.dumps({"method": "draft_model", "model": str(model_dir), "dtype": "bfloat16",
-                       "num_speculative_tokens": args.num_speculative_tokens})
-    engines = {name: LLMEngine.from_model_dir(model_dir, EngineConfig(
-        kv_cache_memory=256 << 20, speculative_config=config, enable_prefix_caching=False))
-        for name, config in (("plain", None), ("draft_with_keys", spec), ("draft_argmax", spec))}
+    spec = json.dumps(
+        {
+            "method": "draft_model",
+            "model": str(model_dir),
+            "dtype": "bfloat16",
+            "num_speculative_tokens": args.num_speculative_tokens,
+        }
+    )
+    engines = {
+        name: LLMEngine.from_model_dir(
+            model_dir, EngineConfig(kv_cache_memory=256 << 20, speculative_config=config, enable_prefix_caching=False)
+        )
+        for name, config in (("plain", None), ("draft_with_keys", spec), ("draft_argmax", spec))
+    }
     engines["draft_argmax"].speculator.proposer = ArgmaxDrafts(engines["draft_argmax"].speculator.proposer)
     for engine in engines.values():  # warm-up: kernels, allocator
         engine.generate([prompts[0][:32]], SamplingParams(max_tokens=4, temperature=0.0))
@@ -67,15 +76,26 @@ def main() -> None:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=1000 * round_ + i)
             for name, engine in engines.items():
                 tokens, seconds, first, cpu, steps = timed(engine, prompt, params)
-                runs[name].append({"prompt": i, "seed": params.seed, "tokens": len(tokens), "seconds": seconds,
-                                   "steps": steps, "tokens_per_s": len(tokens) / seconds,
-                                   "tokens_per_cpu_s": len(tokens) / cpu})
+                runs[name].append(
+                    {
+                        "prompt": i,
+                        "seed": params.seed,
+                        "tokens": len(tokens),
+                        "seconds": seconds,
+                        "steps": steps,
+                        "tokens_per_s": len(tokens) / seconds,
+                        "tokens_per_cpu_s": len(tokens) / cpu,
+                    }
+                )
     result = {
         "benchmark": "engine alone, one stream, temperature 1 (seeded), 'repeat this passage' prompts: a bfloat16 "
-                     "self-draft drawing with the verification's keys against the same draft proposing its argmax",
+        "self-draft drawing with the verification's keys against the same draft proposing its argmax",
         "command": ".venv/bin/python -m bench.speculative_draft_keys",
-        "model": model_dir.name, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "speculative_config": json.loads(spec), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "model": model_dir.name,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "speculative_config": json.loads(spec),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "loadavg_at_end": list(os.getloadavg()),
         "engines": {},
         "runs": runs,
@@ -85,11 +105,14 @@ def main() -> None:
         s = engine.stats().spec_decode
         tps = statistics.median(r["tokens_per_s"] for r in runs[name])
         result["engines"][name] = {
-            "median_tokens_per_s": tps, "ratio_to_plain": tps / plain,
+            "median_tokens_per_s": tps,
+            "ratio_to_plain": tps / plain,
             "median_tokens_per_cpu_s": statistics.median(r["tokens_per_cpu_s"] for r in runs[name]),
             "tokens_per_step": sum(r["tokens"] for r in runs[name]) / sum(r["steps"] for r in runs[name]),
-            "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
-            "acceptance_rate": s.num_accepted_tokens / max(s.num_draft_tokens, 1)}
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "acceptance_rate": s.num_accepted_tokens / max(s.num_draft_tokens, 1),
+        }
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

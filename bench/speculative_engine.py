@@ -40,6 +40,7 @@ TOPICS = ("assert", "pass", "del")
 
 def repeat_prompts(model_dir: Path) -> list[list[int]]:
     from pydoc_data.topics import topics
+
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -47,7 +48,9 @@ def repeat_prompts(model_dir: Path) -> list[list[int]]:
     for key in TOPICS:
         passage = topics[key].strip()[:700]
         messages = [{"role": "user", "content": f"Repeat this passage exactly, word for word:\n\n{passage}"}]
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+        prompts.append(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        )
     return prompts
 
 
@@ -76,9 +79,12 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = resolve_model_dir(quiet=True)
     prompts = repeat_prompts(model_dir)
-    engines = {name: LLMEngine.from_model_dir(model_dir, EngineConfig(kv_cache_memory=256 << 20, speculative_config=spec,
-                                                                      enable_prefix_caching=False))
-               for name, spec in METHODS.items()}
+    engines = {
+        name: LLMEngine.from_model_dir(
+            model_dir, EngineConfig(kv_cache_memory=256 << 20, speculative_config=spec, enable_prefix_caching=False)
+        )
+        for name, spec in METHODS.items()
+    }
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for engine in engines.values():  # warm-up: kernels, allocator
         engine.generate([prompts[0][:32]], SamplingParams(max_tokens=4, temperature=0.0))
@@ -87,41 +93,76 @@ def main() -> None:
     # 1 + k: a verification of k drafts): what checking drafts costs beside a plain step.
     step_seconds: dict[str, dict[int, list[float]]] = {name: {} for name in engines}
     for name, engine in engines.items():
-        engine.observe_steps(lambda shape, seconds, name=name: step_seconds[name].setdefault(shape[0][1], []).append(
-            seconds) if len(shape) == 1 and shape[0][1] <= 8 and shape[0][0] > 0 else None)
+        engine.observe_steps(
+            lambda shape, seconds, name=name: (
+                step_seconds[name].setdefault(shape[0][1], []).append(seconds)
+                if len(shape) == 1 and shape[0][1] <= 8 and shape[0][0] > 0
+                else None
+            )
+        )
     tokens_of: dict[str, list[list[int]]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for i, prompt in enumerate(prompts):
             for name, engine in engines.items():
                 tokens, seconds, first, cpu, steps = timed(engine, prompt, params)
-                runs[name].append({"prompt": i, "tokens": len(tokens), "seconds": seconds, "ttft": first,
-                                   "cpu_seconds": cpu, "steps": steps, "tokens_per_s": len(tokens) / seconds,
-                                   "tokens_per_cpu_s": len(tokens) / cpu,
-                                   "decode_tokens_per_s": (len(tokens) - 1) / max(seconds - first, 1e-9)})
+                runs[name].append(
+                    {
+                        "prompt": i,
+                        "tokens": len(tokens),
+                        "seconds": seconds,
+                        "ttft": first,
+                        "cpu_seconds": cpu,
+                        "steps": steps,
+                        "tokens_per_s": len(tokens) / seconds,
+                        "tokens_per_cpu_s": len(tokens) / cpu,
+                        "decode_tokens_per_s": (len(tokens) - 1) / max(seconds - first, 1e-9),
+                    }
+                )
                 tokens_of[name].append(tokens)
     spec_of = {name: engine.stats().spec_decode for name, engine in engines.items() if name != "plain"}
     spec = spec_of["ngram"]
     result = {
-        "benchmark": "engine alone, one stream, greedy, 'repeat this passage' over pydoc_data.topics " + ",".join(TOPICS),
-        "model": model_dir.name, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "speculative_config": json.loads(SPECULATIVE_CONFIG), "machine": f"{platform.machine()}, {platform.node()}",
+        "benchmark": "engine alone, one stream, greedy, 'repeat this passage' over pydoc_data.topics "
+        + ",".join(TOPICS),
+        "model": model_dir.name,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "speculative_config": json.loads(SPECULATIVE_CONFIG),
+        "machine": f"{platform.machine()}, {platform.node()}",
         "speculative_configs": {name: json.loads(c) for name, c in METHODS.items() if c},
         "identical_tokens": all(tokens == tokens_of["plain"] for tokens in tokens_of.values()),
         "median_tokens_per_s": {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in runs.items()},
-        "median_decode_tokens_per_s": {n: statistics.median(r["decode_tokens_per_s"] for r in rs) for n, rs in runs.items()},
+        "median_decode_tokens_per_s": {
+            n: statistics.median(r["decode_tokens_per_s"] for r in rs) for n, rs in runs.items()
+        },
         "median_tokens_per_cpu_s": {n: statistics.median(r["tokens_per_cpu_s"] for r in rs) for n, rs in runs.items()},
         "tokens_per_step": {n: sum(r["tokens"] for r in rs) / sum(r["steps"] for r in rs) for n, rs in runs.items()},
         "loadavg_at_end": list(os.getloadavg()),
         "acceptance_rate": spec.num_accepted_tokens / max(spec.num_draft_tokens, 1),
         "mean_accepted_per_verification": spec.num_accepted_tokens / max(spec.num_drafts, 1),
-        "spec_decode": {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
-                        "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_pos": list(spec.accepted_per_pos)},
-        "methods": {name: {"acceptance_rate": s.num_accepted_tokens / max(s.num_draft_tokens, 1),
-                           "mean_accepted_per_verification": s.num_accepted_tokens / max(s.num_drafts, 1),
-                           "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
-                           "num_accepted_tokens": s.num_accepted_tokens} for name, s in spec_of.items()},
-        "step_ms": {name: {str(n): {"steps": len(v), "min": min(v) * 1e3, "median": statistics.median(v) * 1e3}
-                           for n, v in sorted(by_tokens.items())} for name, by_tokens in step_seconds.items()},
+        "spec_decode": {
+            "num_drafts": spec.num_drafts,
+            "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "accepted_per_pos": list(spec.accepted_per_pos),
+        },
+        "methods": {
+            name: {
+                "acceptance_rate": s.num_accepted_tokens / max(s.num_draft_tokens, 1),
+                "mean_accepted_per_verification": s.num_accepted_tokens / max(s.num_drafts, 1),
+                "num_drafts": s.num_drafts,
+                "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens,
+            }
+            for name, s in spec_of.items()
+        },
+        "step_ms": {
+            name: {
+                str(n): {"steps": len(v), "min": min(v) * 1e3, "median": statistics.median(v) * 1e3}
+                for n, v in sorted(by_tokens.items())
+            }
+            for name, by_tokens in step_seconds.items()
+        },
         "runs": runs,
     }
     plain, ngram = result["median_tokens_per_s"]["plain"], result["median_tokens_per_s"]["ngram"]
@@ -129,8 +170,9 @@ def main() -> None:
     result["speedup_cpu_time"] = result["median_tokens_per_cpu_s"]["ngram"] / result["median_tokens_per_cpu_s"]["plain"]
     for name in spec_of:
         result["methods"][name]["speedup"] = result["median_tokens_per_s"][name] / plain
-        result["methods"][name]["speedup_cpu_time"] = (result["median_tokens_per_cpu_s"][name]
-                                                       / result["median_tokens_per_cpu_s"]["plain"])
+        result["methods"][name]["speedup_cpu_time"] = (
+            result["median_tokens_per_cpu_s"][name] / result["median_tokens_per_cpu_s"]["plain"]
+        )
     text = json.dumps(result, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     if args.out is not None:

@@ -40,9 +40,15 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = resolve_model_dir(quiet=True)
     prompts = repeat_prompts(model_dir)
-    engines = {name: LLMEngine.from_model_dir(model_dir, EngineConfig(
-        kv_cache_memory=256 << 20, speculative_config=spec, enable_prefix_caching=False, num_threads=1))
-        for name, spec in (("plain", None), ("ngram", SPECULATIVE_CONFIG))}
+    engines = {
+        name: LLMEngine.from_model_dir(
+            model_dir,
+            EngineConfig(
+                kv_cache_memory=256 << 20, speculative_config=spec, enable_prefix_caching=False, num_threads=1
+            ),
+        )
+        for name, spec in (("plain", None), ("ngram", SPECULATIVE_CONFIG))
+    }
     steps: dict[str, dict[int, list[float]]] = {name: {} for name in engines}
     longest = 1 + json.loads(SPECULATIVE_CONFIG)["num_speculative_tokens"]
     for name, engine in engines.items():
@@ -51,13 +57,16 @@ def main() -> None:
         def keep(shape, seconds, name=name):
             if len(shape) == args.batch and all(sampled and n <= longest for _, n, sampled in shape):
                 steps[name].setdefault(sum(n for _, n, _ in shape), []).append(seconds)
+
         engine.observe_steps(keep)
     tokens_per_s: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.rounds):
         batch = [prompts[(r * args.batch + i) % len(prompts)] for i in range(args.batch)]
         for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
-            params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=7 + i,
-                                     ignore_eos=True) for i in range(args.batch)]
+            params = [
+                SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=7 + i, ignore_eos=True)
+                for i in range(args.batch)
+            ]
             started = time.perf_counter()
             outputs = engines[name].generate(batch, params)
             tokens_per_s[name].append(sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - started))
@@ -67,17 +76,28 @@ def main() -> None:
     speculator = engines["ngram"].speculator
     counters = speculator.counters
     result = {
-        "command": f".venv/bin/python -m bench.speculative_step_cost --batch {args.batch} --max-tokens {args.max_tokens} "
-                   f"--rounds {args.rounds} --temperature {args.temperature}",
+        "command": f".venv/bin/python -m bench.speculative_step_cost --batch {args.batch} "
+        f"--max-tokens {args.max_tokens} "
+        f"--rounds {args.rounds} --temperature {args.temperature}",
         "machine": f"{platform.machine()}, {platform.node()}",
         "speculative_config": json.loads(SPECULATIVE_CONFIG),
-        "step_ms_by_tokens": {name: {str(n): {"steps": len(v), "median": round(statistics.median(v) * 1e3, 2)}
-                                     for n, v in sorted(by.items())} for name, by in steps.items()},
-        "ols_over_ngram_steps": {"slope_ms": round(slope * 1e3, 3), "intercept_ms": round(intercept * 1e3, 3),
-                                 "rho": round(slope / intercept, 4)},
+        "step_ms_by_tokens": {
+            name: {
+                str(n): {"steps": len(v), "median": round(statistics.median(v) * 1e3, 2)} for n, v in sorted(by.items())
+            }
+            for name, by in steps.items()
+        },
+        "ols_over_ngram_steps": {
+            "slope_ms": round(slope * 1e3, 3),
+            "intercept_ms": round(intercept * 1e3, 3),
+            "rho": round(slope / intercept, 4),
+        },
         "engine_fit_rho": round(speculator.step_cost.token_cost(args.batch), 4),
-        "drafts": {"verified_steps": counters.num_drafts, "draft_tokens": counters.num_draft_tokens,
-                   "accepted_tokens": counters.num_accepted_tokens},
+        "drafts": {
+            "verified_steps": counters.num_drafts,
+            "draft_tokens": counters.num_draft_tokens,
+            "accepted_tokens": counters.num_accepted_tokens,
+        },
         "tokens_per_s": {name: [round(v, 1) for v in values] for name, values in tokens_per_s.items()},
         "ngram_over_plain": round(sum(tokens_per_s["ngram"]) / sum(tokens_per_s["plain"]), 3),
     }

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import httpx
 
-
-from router.app import build_app  # noqa: E402
-from router.tokenizer import Tokenizer  # noqa: E402
-from cluster.harness import serve_app  # noqa: E402
-from common.stats import percentile  # noqa: E402
-from router.testing import FakeBackend  # noqa: E402
-from workers.model_files import resolve_model_dir  # noqa: E402
+from cluster.harness import serve_app
+from common.stats import percentile
+from router.app import build_app
+from router.testing import FakeBackend
+from router.tokenizer import Tokenizer
+from workers.model_files import resolve_model_dir
 
 
 def pct(values: list[float], q: float) -> float:
@@ -68,8 +67,12 @@ def main() -> None:
             fn()
             times.append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
-        result[name].update(handler_p50_ms=pct(times, 0.5), handler_p99_ms=pct(times, 0.99),
-                            handler_cpu_p50_ms=pct(cpu, 0.5), handler_cpu_p99_ms=pct(cpu, 0.99))
+        result[name].update(
+            handler_p50_ms=pct(times, 0.5),
+            handler_p99_ms=pct(times, 0.99),
+            handler_cpu_p50_ms=pct(cpu, 0.5),
+            handler_cpu_p99_ms=pct(cpu, 0.99),
+        )
     result["load_average_1m"] = os.getloadavg()[0]
     result["cpus"] = os.cpu_count()
     result["pass"] = all(result[p]["http_p99_ms"] < 5.0 for p in ("/v1/status", "/metrics"))

@@ -35,10 +35,19 @@ def summarize(folder: Path) -> dict:
         start, end = step["end"] - step["seconds"], step["end"]
         beside_prefill = any(a < end and b > start for a, b in prefill)
         groups.setdefault((step.get("threads", 1), beside_prefill), []).append(step["seconds"])
-    return {"decode_steps": len(decode), "prefill_busy_s": round(sum(b - a for a, b in prefill), 2),
-            "groups": [{"threads": threads, "beside_prefill": beside, "steps": len(seconds),
-                        "step_p50_ms": round(1000 * percentile(seconds, 50), 1)}
-                       for (threads, beside), seconds in sorted(groups.items())]}
+    return {
+        "decode_steps": len(decode),
+        "prefill_busy_s": round(sum(b - a for a, b in prefill), 2),
+        "groups": [
+            {
+                "threads": threads,
+                "beside_prefill": beside,
+                "steps": len(seconds),
+                "step_p50_ms": round(1000 * percentile(seconds, 50), 1),
+            }
+            for (threads, beside), seconds in sorted(groups.items())
+        ],
+    }
 
 
 def main() -> None:

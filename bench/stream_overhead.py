@@ -25,9 +25,9 @@ import httpx
 from cluster.config import BatonConfig
 from cluster.harness import free_port
 from cluster.testing import serving
+from common.envs import ensure_private_ray_env
 from common.stats import percentile
 
-from common.envs import ensure_private_ray_env  # noqa: E402
 ensure_private_ray_env()
 
 
@@ -38,9 +38,16 @@ def pct(values, p):
 
 async def stream_all(base_url: str, concurrency: int, tokens: int) -> list[list[float]]:
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+
         async def one(i: int) -> list[float]:
-            body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Story number {i}: once upon a time",
-                    "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            body = {
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": f"Story number {i}: once upon a time",
+                "max_tokens": tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             stamps = []
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 async for line in response.aiter_lines():
@@ -54,9 +61,9 @@ async def stream_all(base_url: str, concurrency: int, tokens: int) -> list[list[
 def engine_alone_step_ms(concurrency: int, tokens: int, threads: int) -> float:
     import torch
 
+    from common.sampling_params import SamplingParams
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
-    from common.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     engine = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=256 << 20, num_threads=threads))
@@ -92,7 +99,9 @@ def main() -> None:
     result = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cores": os.cpu_count()},
-        "concurrency": args.concurrency, "tokens": args.tokens, "threads_per_worker": config.worker_threads(),
+        "concurrency": args.concurrency,
+        "tokens": args.tokens,
+        "threads_per_worker": config.worker_threads(),
         "delivery_delay_ms": {"p50": pct(delays, 0.5), "p99": pct(delays, 0.99), "samples": len(delays)},
         "client_itl_ms": {"p50": itl_p50, "p99": pct(itls, 0.99)},
         "engine_alone_step_ms_p50": step_ms,

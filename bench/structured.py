@@ -44,11 +44,20 @@ import time
 from pathlib import Path
 
 from cluster.harness import free_port, healthy
-from cluster.structured_load import (MODEL_NAME, SCHEMAS, SchemaRequest, aggregate, bench_command, check_reply,
-                                     matching_lengths, schema_requests)
+from cluster.structured_load import (
+    MODEL_NAME,
+    SCHEMAS,
+    SchemaRequest,
+    aggregate,
+    bench_command,
+    check_reply,
+    matching_lengths,
+    schema_requests,
+)
 from common.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
+
 
 def compile_times(repeats: int) -> dict:
     """Cold compile seconds per schema (workers.grammar, as a worker's first request compiles it)."""
@@ -67,30 +76,59 @@ def compile_times(repeats: int) -> dict:
             # A distinct spec each time (a title the grammar ignores): always a miss, never the cache.
             cache.compiled(StructuredOutput("json_schema", json.dumps({**schema, "title": f"run{i}"})))
             seconds.append(cache.stats.compile_seconds[-1])
-        out[name] = {"p50_ms": round(percentile(seconds, 50) * 1e3, 3), "p99_ms": round(percentile(seconds, 99) * 1e3, 3),
-                     "n": repeats}
+        out[name] = {
+            "p50_ms": round(percentile(seconds, 50) * 1e3, 3),
+            "p99_ms": round(percentile(seconds, 99) * 1e3, 3),
+            "n": repeats,
+        }
     return out
 
 
 def start_server(name: str, port: int, vllm: str, model_dir: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if name == "baton":
-        command = [str(REPO / ".venv" / "bin" / "baton"), "serve", "--port", str(port), "--dtype", "float32",
-                   "--kv-cache-memory", "512MiB"]
+        command = [
+            str(REPO / ".venv" / "bin" / "baton"),
+            "serve",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "512MiB",
+        ]
     else:  # as bench/run_comparison.sh starts it: a fixed 1 GiB KV cache on a machine shared with other jobs
-        command = [vllm, "serve", model_dir, "--dtype", "float32", "--max-model-len", "4096",
-                   "--gpu-memory-utilization", "0.15", "--kv-cache-memory-bytes", str(1 << 30),
-                   # Compact JSON as Baton's grammars are (vLLM's default lets the grammar take any
-                   # whitespace, which a small model fills until max_tokens).
-                   "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
-                   "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
+        command = [
+            vllm,
+            "serve",
+            model_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4096",
+            "--gpu-memory-utilization",
+            "0.15",
+            "--kv-cache-memory-bytes",
+            str(1 << 30),
+            # Compact JSON as Baton's grammars are (vLLM's default lets the grammar take any
+            # whitespace, which a small model fills until max_tokens).
+            "--structured-outputs-config",
+            json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def run_vllm_bench(command: list[str]) -> None:
     """Run one `vllm bench serve` offline; RuntimeError with its output's tail when it fails."""
-    done = subprocess.run(command, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    )
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
@@ -109,8 +147,17 @@ def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dic
         result: dict = {"base_url": base_url, "commands": [], "modes": {}}
         # One unmeasured run first: a server's first requests pay one-time costs (kernel and
         # allocator warm-up) that would otherwise fall on whichever mode runs first.
-        warmup = bench_command(args.vllm, base_url, args.tokenizer, 99, 2 * args.max_concurrency, args.max_concurrency,
-                               32, tmp / f"{name}_warmup.json", None)
+        warmup = bench_command(
+            args.vllm,
+            base_url,
+            args.tokenizer,
+            99,
+            2 * args.max_concurrency,
+            args.max_concurrency,
+            32,
+            tmp / f"{name}_warmup.json",
+            None,
+        )
         run_vllm_bench(warmup)
         result["warmup_command"] = " ".join(warmup)
         runs: dict[str, list[dict]] = {"json_schema": [], "unconstrained": []}
@@ -128,17 +175,28 @@ def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dic
                 # (ignore_eos): the ratio compares the same work with and without the grammar, not
                 # short JSON replies (more prefill per output token) against long free ones, nor
                 # replies of varied lengths (a batch that thins out as they end) against equal ones.
-                command = bench_command(args.vllm, base_url, args.tokenizer, seed, len(mine), args.max_concurrency,
-                                        reply_tokens, out, SCHEMAS[schema_name] if mode == "json_schema" else None,
-                                        spread)
+                command = bench_command(
+                    args.vllm,
+                    base_url,
+                    args.tokenizer,
+                    seed,
+                    len(mine),
+                    args.max_concurrency,
+                    reply_tokens,
+                    out,
+                    SCHEMAS[schema_name] if mode == "json_schema" else None,
+                    spread,
+                )
                 run_vllm_bench(command)
                 result["commands"].append(" ".join(command))
                 raw = json.loads(out.read_text())
                 runs[mode].append(raw)
                 if mode == "json_schema":
                     reply_tokens, spread = matching_lengths(raw.get("output_lens", []))
-                    result.setdefault("unconstrained_lengths", {})[schema_name] = {"mean": reply_tokens,
-                                                                                   "range_ratio": spread}
+                    result.setdefault("unconstrained_lengths", {})[schema_name] = {
+                        "mean": reply_tokens,
+                        "range_ratio": spread,
+                    }
                     for text in raw.get("generated_texts", []):
                         why = check_reply(text, SCHEMAS[schema_name], allow_trailing=True)
                         valid, invalid = valid + (why is None), invalid + (why is not None)
@@ -151,8 +209,11 @@ def run_server(name: str, args, requests: list[SchemaRequest], tmp: Path) -> dic
                 # valid: starts with a valid value; text_after_value: of those, how many went on after it.
                 summary.update(valid=valid, invalid=invalid, text_after_value=trailing, invalid_examples=reasons)
             result["modes"][mode] = summary
-            print(f"{name} {mode}: {summary['output_tokens_per_s']} tok/s"
-                  + (f", {valid}/{valid + invalid} valid" if mode == "json_schema" else ""), flush=True)
+            print(
+                f"{name} {mode}: {summary['output_tokens_per_s']} tok/s"
+                + (f", {valid}/{valid + invalid} valid" if mode == "json_schema" else ""),
+                flush=True,
+            )
         return result
     finally:
         # The server first, which shuts its workers down (they unlink their shared-memory KV
@@ -169,8 +230,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--max-concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128,
-                        help="constrained replies' limit; unconstrained ones run as long as those were (ignore_eos)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="constrained replies' limit; unconstrained ones run as long as those were (ignore_eos)",
+    )
     parser.add_argument("--servers", nargs="+", choices=("baton", "vllm"), default=["vllm", "baton"])
     parser.add_argument("--compile-repeats", type=int, default=50)
     parser.add_argument("--vllm", default=str(REPO / ".venv-vllm" / "bin" / "vllm"))
@@ -183,10 +248,15 @@ def main() -> None:
 
         args.tokenizer = str(resolve_model_dir(None, quiet=True))
     requests = schema_requests(args.num_prompts)
-    result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv),
-              "machine": {"cores": os.cpu_count(), "loadavg_before": list(os.getloadavg())},
-              "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
-              "compile_ms": compile_times(args.compile_repeats), "servers": {}}
+    result = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(sys.argv),
+        "machine": {"cores": os.cpu_count(), "loadavg_before": list(os.getloadavg())},
+        "num_prompts": args.num_prompts,
+        "max_concurrency": args.max_concurrency,
+        "compile_ms": compile_times(args.compile_repeats),
+        "servers": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.servers:
             result["servers"][name] = run_server(name, args, requests, Path(tmp))

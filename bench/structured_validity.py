@@ -32,22 +32,34 @@ from common.envs import ensure_private_ray_env
 
 ensure_private_ray_env()  # before Ray is imported (cluster.testing)
 
-from cluster.config import BatonConfig  # noqa: E402
-from cluster.harness import free_port, wait_until  # noqa: E402
-from cluster.structured_load import schema_load  # noqa: E402
-from cluster.testing import leave_ray, serving  # noqa: E402
+from cluster.config import BatonConfig
+from cluster.harness import free_port, wait_until
+from cluster.structured_load import schema_load
+from cluster.testing import leave_ray, serving
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_THRESHOLD = 60  # as tests/structured: the long system messages' requests go the remote way
 
 
 def _summary(name: str, replies, counters_before: dict, counters_after: dict, seconds: float) -> dict:
-    invalid = [{"schema": r.request.schema_name, "problem": r.problem, "text": r.text[:200]}
-               for r in replies if r.problem is not None]
-    delta = {k: counters_after.get(k, 0) - counters_before.get(k, 0)
-             for k in ("remote_prefill", "local_prefill", "migrations")}
-    return {"run": name, "requests": len(replies), "valid": len(replies) - len(invalid), "invalid": invalid,
-            "by_schema": dict(Counter(r.request.schema_name for r in replies)), **delta, "seconds": round(seconds, 2)}
+    invalid = [
+        {"schema": r.request.schema_name, "problem": r.problem, "text": r.text[:200]}
+        for r in replies
+        if r.problem is not None
+    ]
+    delta = {
+        k: counters_after.get(k, 0) - counters_before.get(k, 0)
+        for k in ("remote_prefill", "local_prefill", "migrations")
+    }
+    return {
+        "run": name,
+        "requests": len(replies),
+        "valid": len(replies) - len(invalid),
+        "invalid": invalid,
+        "by_schema": dict(Counter(r.request.schema_name for r in replies)),
+        **delta,
+        "seconds": round(seconds, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-prompts and --max-concurrency must be at least 1")
 
     config = BatonConfig.from_options(
-        port=free_port(), prefill_workers=1, decode_workers=2, kv_cache_memory="64MiB", max_num_seqs=32,
-        local_prefill_threshold=LOCAL_THRESHOLD, request_timeout=600.0, max_restarts=2)
+        port=free_port(),
+        prefill_workers=1,
+        decode_workers=2,
+        kv_cache_memory="64MiB",
+        max_num_seqs=32,
+        local_prefill_threshold=LOCAL_THRESHOLD,
+        request_timeout=600.0,
+        max_restarts=2,
+    )
     leave_ray()
     runs = []
     with serving(config, actor_name_prefix="structured-bench") as running:
@@ -70,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         url = running.base_url
 
         def load(during=None):
-            return asyncio.run(schema_load(url, args.num_prompts, args.max_concurrency, args.max_tokens, 600.0,
-                                           during))
+            return asyncio.run(schema_load(url, args.num_prompts, args.max_concurrency, args.max_tokens, 600.0, during))
 
         before, started = dict(backend.counters), time.monotonic()
         replies = load()
@@ -80,17 +98,26 @@ def main(argv: list[str] | None = None) -> int:
 
         before, started = dict(backend.counters), time.monotonic()
         replies = load(running.killer_mid_reply("decode-0"))
-        runs.append(_summary("decode-0 killed mid-reply", replies, before, dict(backend.counters),
-                             time.monotonic() - started))
+        runs.append(
+            _summary("decode-0 killed mid-reply", replies, before, dict(backend.counters), time.monotonic() - started)
+        )
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "invalid"}), flush=True)
         wait_until(lambda: all(w.alive for w in backend.workers()), 180, "Ray to restart decode-0")
 
-    result = {"benchmark": "structured_validity", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "command": "python -m bench.structured_validity " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "load_average_1_5_15": list(os.getloadavg())},
-              "deployment": {"prefill_workers": 1, "decode_workers": 2, "local_prefill_threshold": LOCAL_THRESHOLD},
-              "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency, "runs": runs}
+    result = {
+        "benchmark": "structured_validity",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python -m bench.structured_validity " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_1_5_15": list(os.getloadavg()),
+        },
+        "deployment": {"prefill_workers": 1, "decode_workers": 2, "local_prefill_threshold": LOCAL_THRESHOLD},
+        "num_prompts": args.num_prompts,
+        "max_concurrency": args.max_concurrency,
+        "runs": runs,
+    }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0 if all(not r["invalid"] for r in runs) and runs[1]["migrations"] > 0 else 1

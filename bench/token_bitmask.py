@@ -4,7 +4,8 @@
 
 The masks are real: the five JSON schemas of bench/structured.py compiled for the default model,
 each matcher walked along the tokens of a valid reply written by hand, one bitmask row taken at
-each position (strings, where most tokens are allowed, as well as punctuation, where few are); a batch of --rows such rows (different
+each position (strings, where most tokens are allowed, as well as punctuation, where few are); a
+batch of --rows such rows (different
 schemas and positions) is applied to float32 logits [rows, vocab] by each kernel in turn, the
 kernels interleaved, one torch thread, this process's CPU time, the median of --reps. The outputs
 are checked equal before timing.
@@ -38,9 +39,13 @@ def grammar_masks(model_dir: Path) -> tuple[torch.Tensor, int]:
     config = ModelConfig.from_model_dir(model_dir)
     cache = GrammarCache(model_dir, config.vocab_size, config.eos_token_ids)
     tok = Tokenizer.from_model_dir(model_dir)
-    replies = {"person": {"name": "Ada Lovelace", "age": 36}, "order": {"id": "ABC-1234", "status": "shipped", "total": 12.5},
-               "tags": {"tags": ["red", "blue"]}, "address": {"city": "Paris", "location": {"lat": 48.85, "lon": 2.35}},
-               "flag": {"ok": True, "code": 404}}
+    replies = {
+        "person": {"name": "Ada Lovelace", "age": 36},
+        "order": {"id": "ABC-1234", "status": "shipped", "total": 12.5},
+        "tags": {"tags": ["red", "blue"]},
+        "address": {"city": "Paris", "location": {"lat": 48.85, "lon": 2.35}},
+        "flag": {"ok": True, "code": 404},
+    }
     rows = []
     for name, schema in SCHEMAS.items():
         state = cache.state(StructuredOutput("json_schema", json.dumps(schema)))
@@ -72,8 +77,10 @@ def main() -> None:
     bitmask = masks[[pick.randrange(len(masks)) for _ in range(args.rows)]].contiguous()
     logits = torch.randn(args.rows, vocab, generator=torch.Generator().manual_seed(0))
     rows = list(range(args.rows))
-    kernels = {"xgrammar_cpu": lambda x, m, r: xgrammar.apply_token_bitmask_inplace(x, m, indices=r),
-               "baton_native": apply_token_bitmask_cpu}
+    kernels = {
+        "xgrammar_cpu": lambda x, m, r: xgrammar.apply_token_bitmask_inplace(x, m, indices=r),
+        "baton_native": apply_token_bitmask_cpu,
+    }
     outs = {}
     for name, fn in kernels.items():
         outs[name] = logits.clone()
@@ -85,10 +92,17 @@ def main() -> None:
             times[name].append(cpu_ms(fn, logits, bitmask, rows))
     medians = {name: round(statistics.median(t), 4) for name, t in times.items()}
     allowed = float(((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).float().mean())
-    result = {"benchmark": "token_bitmask", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "rows": args.rows, "vocab": vocab, "reps": args.reps, "masks_met": len(masks),
-              "allowed_fraction": round(allowed, 4), "cpu_ms_median": medians,
-              "speedup": round(medians["xgrammar_cpu"] / medians["baton_native"], 1)}
+    result = {
+        "benchmark": "token_bitmask",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": args.rows,
+        "vocab": vocab,
+        "reps": args.reps,
+        "masks_met": len(masks),
+        "allowed_fraction": round(allowed, 4),
+        "cpu_ms_median": medians,
+        "speedup": round(medians["xgrammar_cpu"] / medians["baton_native"], 1),
+    }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

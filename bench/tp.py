@@ -45,14 +45,28 @@ from workers.model_files import resolve_model_dir
 from workers.tp_testing import GroupJob, run_group
 
 # (KV shape, prefill TP, decode TP)
-HANDOFF_PAIRS = [("default", 1, 1), ("default", 3, 3), ("default", 3, 1), ("default", 1, 3),
-                 ("smollm2_shape_12_heads", 2, 2), ("smollm2_shape_12_heads", 2, 4), ("smollm2_shape_12_heads", 4, 2),
-                 ("smollm2_shape_12_heads", 2, 1), ("smollm2_shape_12_heads", 1, 2)]
+HANDOFF_PAIRS = [
+    ("default", 1, 1),
+    ("default", 3, 3),
+    ("default", 3, 1),
+    ("default", 1, 3),
+    ("smollm2_shape_12_heads", 2, 2),
+    ("smollm2_shape_12_heads", 2, 4),
+    ("smollm2_shape_12_heads", 4, 2),
+    ("smollm2_shape_12_heads", 2, 1),
+    ("smollm2_shape_12_heads", 1, 2),
+]
 KV_SHAPES = {"default": (30, 3, 64), "smollm2_shape_12_heads": (30, 4, 48)}  # layers, KV heads, head_dim
 
 # (model, tp size, torch threads per rank)
-CONFIGS = [("default", 1, 1), ("default", 3, 1), ("default", 1, 2),
-           ("smollm2_shape_12_heads", 1, 1), ("smollm2_shape_12_heads", 2, 1), ("smollm2_shape_12_heads", 1, 2)]
+CONFIGS = [
+    ("default", 1, 1),
+    ("default", 3, 1),
+    ("default", 1, 2),
+    ("smollm2_shape_12_heads", 1, 1),
+    ("smollm2_shape_12_heads", 2, 1),
+    ("smollm2_shape_12_heads", 1, 2),
+]
 
 
 def smollm2_shaped_model(folder: str) -> str:
@@ -60,9 +74,17 @@ def smollm2_shaped_model(folder: str) -> str:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                      num_attention_heads=12, num_key_value_heads=4, head_dim=48,
-                                      max_position_embeddings=2048, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=48,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return folder
@@ -113,8 +135,13 @@ def collective_costs(size: int, compute_s: float, iterations: int = 600) -> dict
     from common.net import free_port
 
     with tempfile.TemporaryDirectory(prefix="baton-bench-collectives-") as out_dir:
-        mp.start_processes(_collectives_rank, args=(size, f"tcp://127.0.0.1:{free_port()}", compute_s, iterations,
-                                                    out_dir), nprocs=size, join=True, start_method="spawn")
+        mp.start_processes(
+            _collectives_rank,
+            args=(size, f"tcp://127.0.0.1:{free_port()}", compute_s, iterations, out_dir),
+            nprocs=size,
+            join=True,
+            start_method="spawn",
+        )
         return json.loads(Path(out_dir, "collectives.json").read_text())
 
 
@@ -129,25 +156,46 @@ def simulated_tp_steps(results: list[dict]) -> list[dict]:
         if r["tensor_parallel_size"] == 1:
             continue
         tp = r["tensor_parallel_size"]
-        base = next(b["median_decode_step_ms"] for b in results if b["model"] == r["model"]
-                    and b["tensor_parallel_size"] == 1 and b["threads_per_rank"] == 1) / 1e3
+        base = (
+            next(
+                b["median_decode_step_ms"]
+                for b in results
+                if b["model"] == r["model"] and b["tensor_parallel_size"] == 1 and b["threads_per_rank"] == 1
+            )
+            / 1e3
+        )
         layer_share = base * shape.sharded_weight_fraction / tp / (2 * shape.layers)
         costs = collective_costs(tp, layer_share)
         # One rank's step as measured here: a fitted model whose every step costs that much.
-        measured_step = FittedCostModel({"c0": base, **dict.fromkeys(FittedCostModel.COEFFICIENTS[1:], 0.0)}, knee=1,
-                                        kv_bytes_per_token=1, kv_capacity_tokens=1)
-        model = TensorParallelCost(measured_step, tp, shape.layers, shape.sharded_weight_fraction,
-                                   costs["allreduce"], costs["broadcast"])
+        measured_step = FittedCostModel(
+            {"c0": base, **dict.fromkeys(FittedCostModel.COEFFICIENTS[1:], 0.0)},
+            knee=1,
+            kv_bytes_per_token=1,
+            kv_capacity_tokens=1,
+        )
+        model = TensorParallelCost(
+            measured_step, tp, shape.layers, shape.sharded_weight_fraction, costs["allreduce"], costs["broadcast"]
+        )
         predicted = model.step_time(StepShape.of([(64, 1, True)]))
         measured = r["median_decode_step_ms"] / 1e3
-        out.append({"model": r["model"], "tensor_parallel_size": tp, "tp1_step_ms": round(base * 1e3, 2),
-                    "sharded_fraction": round(shape.sharded_weight_fraction, 3),
-                    "allreduce_ms": round(costs["allreduce"] * 1e3, 3), "broadcast_ms": round(costs["broadcast"] * 1e3, 3),
-                    "simulated_step_ms": round(predicted * 1e3, 2), "measured_step_ms": r["median_decode_step_ms"],
-                    "simulated_vs_measured": round(predicted / measured, 3)})
-        print(f"{r['model']:24s} TP {tp}: simulated step {predicted * 1e3:7.2f} ms, measured {measured * 1e3:7.2f} ms "
-              f"(x{predicted / measured:.2f}; all-reduce {costs['allreduce'] * 1e3:.2f} ms, broadcast "
-              f"{costs['broadcast'] * 1e3:.2f} ms)")
+        out.append(
+            {
+                "model": r["model"],
+                "tensor_parallel_size": tp,
+                "tp1_step_ms": round(base * 1e3, 2),
+                "sharded_fraction": round(shape.sharded_weight_fraction, 3),
+                "allreduce_ms": round(costs["allreduce"] * 1e3, 3),
+                "broadcast_ms": round(costs["broadcast"] * 1e3, 3),
+                "simulated_step_ms": round(predicted * 1e3, 2),
+                "measured_step_ms": r["median_decode_step_ms"],
+                "simulated_vs_measured": round(predicted / measured, 3),
+            }
+        )
+        print(
+            f"{r['model']:24s} TP {tp}: simulated step {predicted * 1e3:7.2f} ms, measured {measured * 1e3:7.2f} ms "
+            f"(x{predicted / measured:.2f}; all-reduce {costs['allreduce'] * 1e3:.2f} ms, broadcast "
+            f"{costs['broadcast'] * 1e3:.2f} ms)"
+        )
     return out
 
 
@@ -160,8 +208,9 @@ def handoff_costs(tokens: int, repeats: int) -> list[dict]:
     num_blocks = tokens // block_size
     for shape, src_tp, dst_tp in HANDOFF_PAIRS:
         layers, heads, head_dim = KV_SHAPES[shape]
-        model = KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
-                         dtype="float32")
+        model = KVLayout(
+            num_layers=layers, num_kv_heads=heads, head_dim=head_dim, block_size=block_size, dtype="float32"
+        )
         prefill = rank_group("shm", model, src_tp, num_blocks + 1)
         decode = rank_group("shm", model, dst_tp, num_blocks + 1, src_tp)
         try:
@@ -178,14 +227,31 @@ def handoff_costs(tokens: int, repeats: int) -> list[dict]:
             for rank in prefill + decode:
                 rank.close()
         total = sum(x.result.nbytes for x in links)
-        results.append({"kv_shape": shape, "prefill_tp": src_tp, "decode_tp": dst_tp, "tokens": tokens,
-                        "transfers": len(links), "total_bytes": total,
-                        "bytes_vs_tp1": round(total / model.block_bytes / num_blocks, 3),
-                        "links": [{"prefill_rank": x.link.src_rank, "decode_rank": x.link.dst_rank,
-                                   "kv_heads": list(x.link.heads), "bytes": x.result.nbytes} for x in links],
-                        "median_handoff_ms": round(statistics.median(seconds) * 1e3, 2)})
-        print(f"{shape:24s} TP {src_tp} -> {dst_tp}: {len(links)} transfers, {total / 2**20:.1f} MiB, "
-              f"median {statistics.median(seconds) * 1e3:.2f} ms")
+        results.append(
+            {
+                "kv_shape": shape,
+                "prefill_tp": src_tp,
+                "decode_tp": dst_tp,
+                "tokens": tokens,
+                "transfers": len(links),
+                "total_bytes": total,
+                "bytes_vs_tp1": round(total / model.block_bytes / num_blocks, 3),
+                "links": [
+                    {
+                        "prefill_rank": x.link.src_rank,
+                        "decode_rank": x.link.dst_rank,
+                        "kv_heads": list(x.link.heads),
+                        "bytes": x.result.nbytes,
+                    }
+                    for x in links
+                ],
+                "median_handoff_ms": round(statistics.median(seconds) * 1e3, 2),
+            }
+        )
+        print(
+            f"{shape:24s} TP {src_tp} -> {dst_tp}: {len(links)} transfers, {total / 2**20:.1f} MiB, "
+            f"median {statistics.median(seconds) * 1e3:.2f} ms"
+        )
     return results
 
 
@@ -218,24 +284,37 @@ def main() -> None:
         timed = sorted(steps[config])
         median = statistics.median(timed)
         base = statistics.median(steps[(model, 1, 1)])
-        results.append({"model": model, "tensor_parallel_size": tp, "threads_per_rank": threads,
-                        "timed_steps": len(timed), "median_decode_step_ms": round(median * 1e3, 2),
-                        "p90_decode_step_ms": round(timed[int(0.9 * len(timed))] * 1e3, 2),
-                        "single_stream_tokens_per_s": round(1 / median, 1),
-                        "step_time_vs_tp1_1thread": round(median / base, 3),
-                        "greedy_tokens_equal_tp1": tokens[config] == tokens[(model, 1, 1)]})
-        print(f"{model:24s} TP {tp} x {threads} thread(s): median step {median * 1e3:7.2f} ms "
-              f"({1 / median:6.1f} tokens/s, {len(timed)} steps, x{median / base:.2f} of TP 1)")
+        results.append(
+            {
+                "model": model,
+                "tensor_parallel_size": tp,
+                "threads_per_rank": threads,
+                "timed_steps": len(timed),
+                "median_decode_step_ms": round(median * 1e3, 2),
+                "p90_decode_step_ms": round(timed[int(0.9 * len(timed))] * 1e3, 2),
+                "single_stream_tokens_per_s": round(1 / median, 1),
+                "step_time_vs_tp1_1thread": round(median / base, 3),
+                "greedy_tokens_equal_tp1": tokens[config] == tokens[(model, 1, 1)],
+            }
+        )
+        print(
+            f"{model:24s} TP {tp} x {threads} thread(s): median step {median * 1e3:7.2f} ms "
+            f"({1 / median:6.1f} tokens/s, {len(timed)} steps, x{median / base:.2f} of TP 1)"
+        )
     simulated = simulated_tp_steps(results)
     handoffs = handoff_costs(args.handoff_tokens, args.rounds * 5)
     out = {
-        "bench": "bench/tp.py", "command": f"python -m bench.tp --steps {args.steps} --prompt-tokens "
-                                           f"{args.prompt_tokens} --rounds {args.rounds} --handoff-tokens "
-                                           f"{args.handoff_tokens}",
-        "dtype": "float32", "device": "cpu", "cpu_count": os.cpu_count(),
-        "load_average_1m_at_start": round(load, 2), "wall_s": round(time.time() - started, 1),
+        "bench": "bench/tp.py",
+        "command": f"python -m bench.tp --steps {args.steps} --prompt-tokens "
+        f"{args.prompt_tokens} --rounds {args.rounds} --handoff-tokens "
+        f"{args.handoff_tokens}",
+        "dtype": "float32",
+        "device": "cpu",
+        "cpu_count": os.cpu_count(),
+        "load_average_1m_at_start": round(load, 2),
+        "wall_s": round(time.time() - started, 1),
         "note": "2-core machine: medians over interleaved rounds; TP > 1 here is a correctness target, not a speed "
-                "claim (each decode step is 2 gloo all-reduces per layer over loopback TCP plus the step broadcast)",
+        "claim (each decode step is 2 gloo all-reduces per layer over loopback TCP plus the step broadcast)",
         "results": results,
         "simulated": simulated,
         "handoffs": handoffs,

@@ -45,8 +45,17 @@ from router.app import run_during_lifespan
 if TYPE_CHECKING:  # annotations only: the serving path imports this module without the simulator
     from cluster.sim.simulator import Simulator
 
-__all__ = ["Autoscaler", "AutoscalerLoop", "Decision", "RouterSignals", "SignalSource", "Signals",
-           "SimulatorSignals", "attach_to_simulator", "install_autoscaler"]
+__all__ = [
+    "Autoscaler",
+    "AutoscalerLoop",
+    "Decision",
+    "RouterSignals",
+    "SignalSource",
+    "Signals",
+    "SimulatorSignals",
+    "attach_to_simulator",
+    "install_autoscaler",
+]
 
 log = logging.getLogger("baton.autoscaler")
 
@@ -111,8 +120,10 @@ class Autoscaler:
         c = self.config
         pp, dp = self.pressures(s)
         sizes = {"prefill": s.prefill_workers, "decode": s.decode_workers}
-        bounds = {"prefill": (c.min_prefill_workers, c.max_prefill_workers),
-                  "decode": (c.min_decode_workers, c.max_decode_workers)}
+        bounds = {
+            "prefill": (c.min_prefill_workers, c.max_prefill_workers),
+            "decode": (c.min_decode_workers, c.max_decode_workers),
+        }
         reasons = []
         for role, pressure in (("prefill", pp), ("decode", dp)):
             n = sizes[role]
@@ -124,11 +135,17 @@ class Autoscaler:
                     target = min(hi, n + min(step, max(1, n)))
                     reasons.append(f"{role} pressure {pressure:.2f} > {c.scale_up_at}")
                 if role == Role.PREFILL:
-                    low = (self.queue_pressure(s) < c.scale_down_at and pressure <= c.scale_up_at
-                           and s.prefill_busy_fraction * n / max(1, n - 1) < 0.5)
+                    low = (
+                        self.queue_pressure(s) < c.scale_down_at
+                        and pressure <= c.scale_up_at
+                        and s.prefill_busy_fraction * n / max(1, n - 1) < 0.5
+                    )
                 else:  # the TPOT one worker fewer would give (batches grow by n / (n - 1)), and no queue
-                    low = (pressure * n / max(1, n - 1) < c.scale_down_at and not s.decode_waiting
-                           and self.queue_pressure(s) < c.scale_down_at)
+                    low = (
+                        pressure * n / max(1, n - 1) < c.scale_down_at
+                        and not s.decode_waiting
+                        and self.queue_pressure(s) < c.scale_down_at
+                    )
                 self._low[role] = self._low[role] + 1 if low else 0
                 # A pool that grew shrinks no sooner than two cool-downs later (a stabilization window,
                 # as Kubernetes' HPA holds scale-downs): a burst's aftermath, e.g. the wave of prompts
@@ -151,8 +168,7 @@ class Autoscaler:
 class SignalSource(Protocol):
     """Where the autoscaler reads the last window from."""
 
-    def __call__(self) -> Signals:
-        ...
+    def __call__(self) -> Signals: ...
 
 
 def _p90(values: list[float]) -> float | None:
@@ -178,9 +194,19 @@ class SimulatorSignals:
         running, waiting = sim.decode_load()
         beats = [p for p in sim.timeline if p["t"] >= now - window_s]
         busy = sum(p["prefill_busy"] for p in beats) / max(1, sum(p["prefill_workers"] for p in beats))
-        return Signals(now, sim.pool_size("prefill"), sim.pool_size("decode"), ttft, tpot,
-                       sim.queued_prefill_tokens(), _p90(waits), now - min(sim.unstarted.values(), default=now),
-                       running, waiting, busy)
+        return Signals(
+            now,
+            sim.pool_size("prefill"),
+            sim.pool_size("decode"),
+            ttft,
+            tpot,
+            sim.queued_prefill_tokens(),
+            _p90(waits),
+            now - min(sim.unstarted.values(), default=now),
+            running,
+            waiting,
+            busy,
+        )
 
 
 def attach_to_simulator(sim: Simulator, config: AutoscalerConfig, startup_s: float = 30.0) -> Autoscaler:
@@ -193,8 +219,10 @@ def attach_to_simulator(sim: Simulator, config: AutoscalerConfig, startup_s: flo
     def tick(s: Simulator) -> None:
         signals = source()
         d = scaler.decide(signals)
-        for role, now_n, want in (("prefill", signals.prefill_workers, d.prefill_workers),
-                                  ("decode", signals.decode_workers, d.decode_workers)):
+        for role, now_n, want in (
+            ("prefill", signals.prefill_workers, d.prefill_workers),
+            ("decode", signals.decode_workers, d.decode_workers),
+        ):
             for _ in range(want - now_n):
                 s.add_worker(role, ready_in_s=startup_s)
             for _ in range(now_n - want):
@@ -213,8 +241,9 @@ class AutoscalerLoop:
     is `PoolManager.scale`. Runs on the router's event loop until `stop()`.
     """
 
-    def __init__(self, config: AutoscalerConfig, signals: SignalSource,
-                 scale: Callable[[int, int], Awaitable[object]]) -> None:
+    def __init__(
+        self, config: AutoscalerConfig, signals: SignalSource, scale: Callable[[int, int], Awaitable[object]]
+    ) -> None:
         self.config = config
         self.autoscaler = Autoscaler(config)
         self._signals = signals
@@ -229,10 +258,22 @@ class AutoscalerLoop:
                 s = self._signals()
                 d = self.autoscaler.decide(s)
                 if d.changes(s):
-                    log.info("autoscaler: prefill %d -> %d, decode %d -> %d (%s)", s.prefill_workers,
-                             d.prefill_workers, s.decode_workers, d.decode_workers, d.reason)
-                    self.actions.append({"t": s.now, "from": [s.prefill_workers, s.decode_workers],
-                                         "to": [d.prefill_workers, d.decode_workers], "reason": d.reason})
+                    log.info(
+                        "autoscaler: prefill %d -> %d, decode %d -> %d (%s)",
+                        s.prefill_workers,
+                        d.prefill_workers,
+                        s.decode_workers,
+                        d.decode_workers,
+                        d.reason,
+                    )
+                    self.actions.append(
+                        {
+                            "t": s.now,
+                            "from": [s.prefill_workers, s.decode_workers],
+                            "to": [d.prefill_workers, d.decode_workers],
+                            "reason": d.reason,
+                        }
+                    )
                     await self._scale(d.prefill_workers, d.decode_workers)
             except Exception:  # a failed scaling must not end the loop; the next interval retries
                 log.exception("autoscaler step failed")
@@ -262,8 +303,11 @@ class RouterSignals:
         since = now - self.window_s
         traces = [tr for t, tr in list(self.metrics.recent) if t >= since and tr.error is None]
         ttft = [tr.ttft_s for tr in traces if tr.ttft_s is not None]
-        tpot = [(tr.e2e_s - tr.ttft_s) / (tr.output_tokens - 1) for tr in traces
-                if tr.e2e_s is not None and tr.ttft_s is not None and tr.output_tokens > 1]
+        tpot = [
+            (tr.e2e_s - tr.ttft_s) / (tr.output_tokens - 1)
+            for tr in traces
+            if tr.e2e_s is not None and tr.ttft_s is not None and tr.output_tokens > 1
+        ]
         queue = [tr.queue_s for tr in traces]
         workers = [w for w in self.backend.workers() if w.alive]
         prefill = [w for w in workers if w.role == Role.PREFILL]
@@ -273,15 +317,27 @@ class RouterSignals:
             self._busy.popleft()
         busy = sum(b for _, b, _ in self._busy) / max(1, sum(n for _, _, n in self._busy))
         p, d = self.targets()
-        return Signals(now, p, d, _p90(ttft), _p90(tpot), sum(w.queued_prefill_tokens for w in workers), _p90(queue),
-                       0.0, sum(w.running for w in decode), sum(w.waiting for w in decode), busy)
+        return Signals(
+            now,
+            p,
+            d,
+            _p90(ttft),
+            _p90(tpot),
+            sum(w.queued_prefill_tokens for w in workers),
+            _p90(queue),
+            0.0,
+            sum(w.running for w in decode),
+            sum(w.waiting for w in decode),
+            busy,
+        )
 
 
 def install_autoscaler(app, pools, backend, config: AutoscalerConfig) -> AutoscalerLoop:
     """Run the autoscaler on the router's event loop from start-up: signals from the app's metrics
     and the backend, sizes to the pool manager (`cluster.pool_manager.PoolManager.scale`)."""
-    signals = RouterSignals(app.state.baton.metrics, backend, lambda: (pools.targets.prefill, pools.targets.decode),
-                            config.window_s)
+    signals = RouterSignals(
+        app.state.baton.metrics, backend, lambda: (pools.targets.prefill, pools.targets.decode), config.window_s
+    )
     loop = AutoscalerLoop(config, signals, lambda p, d: pools.scale(prefill=p, decode=d))
     run_during_lifespan(app, loop.start, lambda _: loop.stop())
     app.state.autoscaler = loop

@@ -20,11 +20,11 @@ from typing import Any
 
 import yaml
 
-from common import envs
 from cluster.config import BatonConfig, add_flags, json_schema
 from cluster.launcher import serve
 from cluster.plan_cli import add_plan_parser, run_plan
 from cluster.router_main import join_spec, run_router
+from common import envs
 from router.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER, API_KEY_ENV
 from workers.config import KERNEL_BACKENDS
 
@@ -45,47 +45,74 @@ def _parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     config_sub.add_parser("schema", help="print the JSON Schema of the --config file")
     _add_config_arguments(config_sub.add_parser("show", help="print the effective configuration as YAML"))
-    scale = sub.add_parser("scale", help="resize the pools of a running server (without sizes: show them)",
-                           description="Start or drain workers of a running `baton serve --admin-endpoint` until "
-                                       "each pool has the size given; removed workers finish or hand over their "
-                                       "requests first.")
+    scale = sub.add_parser(
+        "scale",
+        help="resize the pools of a running server (without sizes: show them)",
+        description="Start or drain workers of a running `baton serve --admin-endpoint` until "
+        "each pool has the size given; removed workers finish or hand over their "
+        "requests first.",
+    )
     scale.add_argument("--prefill", type=int, metavar="N", help="prefill workers wanted (0: decode workers prefill)")
     scale.add_argument("--decode", type=int, metavar="M", help="decode workers wanted (at least 1)")
     scale.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
-    scale.add_argument("--admin-token", default=None,
-                       help=f"the server's admin token (default: the {ADMIN_TOKEN_ENV} environment variable)")
+    scale.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"the server's admin token (default: the {ADMIN_TOKEN_ENV} environment variable)",
+    )
     scale.add_argument("--api-key", default=None, help=f"an API key of the server (default: {API_KEY_ENV})")
-    scale.add_argument("--timeout", type=float, default=900.0,
-                       help="seconds to wait for the pools to reach their size (default: 900)")
-    router = sub.add_parser("router", help="serve as one more router of a running `baton serve` (another pod)",
-                            description="Join the Ray cluster of a running `baton serve`, find its workers by name "
-                                        "and serve the same API with a router process of its own: its own prefix "
-                                        "index, long-polls and lease on every worker (see --router-lease), and its "
-                                        "share of the admission limits.")
+    scale.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds to wait for the pools to reach their size (default: 900)"
+    )
+    router = sub.add_parser(
+        "router",
+        help="serve as one more router of a running `baton serve` (another pod)",
+        description="Join the Ray cluster of a running `baton serve`, find its workers by name "
+        "and serve the same API with a router process of its own: its own prefix "
+        "index, long-polls and lease on every worker (see --router-lease), and its "
+        "share of the admission limits.",
+    )
     router.add_argument("--config", required=True, help="the YAML configuration of the running `baton serve`")
     router.add_argument("--address", default="auto", help="the Ray cluster (auto or HOST:PORT; default: auto)")
-    router.add_argument("--routers", type=int, default=1,
-                        help="router processes in all, this one included: each admits its share of the limits")
-    router.add_argument("--router-id", default=None,
-                        help="this router's name on the workers (default: router-<host>-<pid>); a restarted router "
-                             "must take a new one")
+    router.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router processes in all, this one included: each admits its share of the limits",
+    )
+    router.add_argument(
+        "--router-id",
+        default=None,
+        help="this router's name on the workers (default: router-<host>-<pid>); a restarted router must take a new one",
+    )
     add_plan_parser(sub)
-    env = sub.add_parser("env", help="print this machine's environment for bug reports (as `vllm collect-env`)",
-                         description="Versions (Python, torch, triton, CUDA, driver), GPUs with their compute "
-                                     "capability and memory, NCCL, which implementation each kernel op runs here "
-                                     "and why, FP8 support, and with --address the Ray cluster's nodes and custom "
-                                     "resources. Loads no model and never starts Ray.")
+    env = sub.add_parser(
+        "env",
+        help="print this machine's environment for bug reports (as `vllm collect-env`)",
+        description="Versions (Python, torch, triton, CUDA, driver), GPUs with their compute "
+        "capability and memory, NCCL, which implementation each kernel op runs here "
+        "and why, FP8 support, and with --address the Ray cluster's nodes and custom "
+        "resources. Loads no model and never starts Ray.",
+    )
     env.add_argument("--json", action="store_true", help="machine-readable JSON instead of text")
-    env.add_argument("--address", default=None,
-                     help="a running Ray cluster to describe (auto or HOST:PORT; default: none is queried)")
-    env.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
-                     help="the kernel_backend whose op resolution to show (default: auto)")
+    env.add_argument(
+        "--address",
+        default=None,
+        help="a running Ray cluster to describe (auto or HOST:PORT; default: none is queried)",
+    )
+    env.add_argument(
+        "--kernel-backend",
+        default="auto",
+        choices=KERNEL_BACKENDS,
+        help="the kernel_backend whose op resolution to show (default: auto)",
+    )
     return parser
 
 
 def _env(args: argparse.Namespace) -> int:
     # Here, not at the top: the report loads torch and the kernels (triton), which no other command needs.
     from cluster.env_report import collect, format_text
+
     report = collect(address=args.address, kernel_backend=args.kernel_backend)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_text(report), end="\n" if args.json else "")
     return 0
@@ -107,7 +134,9 @@ def _admin_call(args: argparse.Namespace, method: str, path: str, body: dict | N
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
-            raise RuntimeError(f"{args.url} has no admin endpoint (start it with `baton serve --admin-endpoint`)") from None
+            raise RuntimeError(
+                f"{args.url} has no admin endpoint (start it with `baton serve --admin-endpoint`)"
+            ) from None
         try:
             message = json.loads(exc.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
@@ -132,8 +161,10 @@ def _scale(args: argparse.Namespace) -> int:
         print(f"baton scale: {exc}", file=sys.stderr)
         return 1
     before, after = result["before"], result["after"]
-    print(f"prefill {before['prefill']} -> {after['prefill']}, decode {before['decode']} -> {after['decode']} "
-          f"in {result['seconds']:.1f} s")
+    print(
+        f"prefill {before['prefill']} -> {after['prefill']}, decode {before['decode']} -> {after['decode']} "
+        f"in {result['seconds']:.1f} s"
+    )
     if result["added"]:
         print("  started: " + ", ".join(result["added"]))
     if result["removed"]:
@@ -154,8 +185,9 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> BatonConfig:
-    options: dict[str, Any] = {k: v for k, v in vars(args).items()
-                               if k not in ("command", "config_command", "config", "model_arg")}
+    options: dict[str, Any] = {
+        k: v for k, v in vars(args).items() if k not in ("command", "config_command", "config", "model_arg")
+    }
     if args.model_arg is not None:
         if "model" in options:
             raise ValueError("give the model once, as MODEL or --model")

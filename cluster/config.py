@@ -31,16 +31,30 @@ from typing import Any
 
 import yaml
 
+from cluster.autoscaler_config import AutoscalerConfig
 from common import transports
 from common.roles import Role
-from cluster.autoscaler_config import AutoscalerConfig
 from router.config import AdminConfig, ServerConfig
 from router.routing import RoutingConfig
 from workers.config import EngineConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT]?[iI]?[bB]?)?\s*$"
 
 
@@ -59,18 +73,28 @@ def parse_size(value: str | int) -> int:
 class TransportConfig:
     """How prefill workers hand KV blocks to decode workers."""
 
-    kind: str = field(default="auto", metadata={
-        "flag": "transport", "choices": transports.CHOICES,
-        "help": "KV transport between prefill and decode workers; auto and cpu choose per pair of workers: "
-                "shared memory on one node, gloo between nodes (auto: nccl on GPUs); shm, gloo or nccl: "
-                "that one for every pair"})
-    transfer_timeout_s: float = field(default=30.0, metadata={
-        "flag": "kv_transfer_timeout", "help": "seconds a KV transfer may take before it fails"})
-    kv_load_failure_policy: str = field(default="recompute", metadata={
-        "choices": transports.KV_LOAD_FAILURE_POLICIES,
-        "help": "when the KV a decode worker received failed its checksum, came short or late: recompute "
-                "(the decode worker prefills the prompt itself; counted in baton:kv_transfer_failures_total) "
-                "or fail (the request ends with a retryable 503)"})
+    kind: str = field(
+        default="auto",
+        metadata={
+            "flag": "transport",
+            "choices": transports.CHOICES,
+            "help": "KV transport between prefill and decode workers; auto and cpu choose per pair of workers: "
+            "shared memory on one node, gloo between nodes (auto: nccl on GPUs); shm, gloo or nccl: "
+            "that one for every pair",
+        },
+    )
+    transfer_timeout_s: float = field(
+        default=30.0, metadata={"flag": "kv_transfer_timeout", "help": "seconds a KV transfer may take before it fails"}
+    )
+    kv_load_failure_policy: str = field(
+        default="recompute",
+        metadata={
+            "choices": transports.KV_LOAD_FAILURE_POLICIES,
+            "help": "when the KV a decode worker received failed its checksum, came short or late: recompute "
+            "(the decode worker prefills the prompt itself; counted in baton:kv_transfer_failures_total) "
+            "or fail (the request ends with a retryable 503)",
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.transfer_timeout_s > 0:
@@ -81,69 +105,135 @@ class TransportConfig:
 class PlacementConfig:
     """Where the pools run: the Ray cluster, pool sizes and resources per worker."""
 
-    address: str | None = field(default=None, metadata={
-        "help": "join this Ray cluster (auto or HOST:PORT) instead of starting a private one on 127.0.0.1",
-        "example": "auto"})
+    address: str | None = field(
+        default=None,
+        metadata={
+            "help": "join this Ray cluster (auto or HOST:PORT) instead of starting a private one on 127.0.0.1",
+            "example": "auto",
+        },
+    )
     prefill_workers: int = field(default=1, metadata={"help": "prefill pool size (0: decode workers prefill)"})
     decode_workers: int = field(default=1, metadata={"help": "decode pool size"})
-    threads_per_worker: int | None = field(default=None, metadata={
-        "help": "CPU threads per worker, also the CPUs each worker asks Ray for "
-                "(default: this machine's cores shared among the workers, and no CPUs asked from Ray; with one "
-                "prefill worker, it takes every core for prompts of 1,024+ tokens and decode workers run at idle "
-                "priority)"})
-    gpus_per_worker: float | None = field(default=None, metadata={
-        "help": "GPUs each rank of a worker asks Ray for (a worker of tensor-parallel size N asks N times as many; "
-                "default: 1 when the Ray cluster has GPUs, else 0)"})
-    tensor_parallel_size: int = field(default=1, metadata={
-        "alias": "-tp", "example": 2,
-        "help": "ranks of a worker (both pools): each holds a shard of every layer and its KV heads, all on one node "
-                "(a STRICT_PACK placement group); vLLM's flag"})
-    prefill_tensor_parallel_size: int | None = field(default=None, metadata={
-        "example": 1, "help": "tensor-parallel size of a prefill worker (default: --tensor-parallel-size); it and the "
-                              "decode size may differ when one is a multiple of the other"})
-    decode_tensor_parallel_size: int | None = field(default=None, metadata={
-        "example": 1, "help": "tensor-parallel size of a decode worker (default: --tensor-parallel-size)"})
-    prefill_resource: str | None = field(default="baton_prefill", metadata={
-        "help": "Ray custom resource a prefill worker needs, used when the cluster's nodes offer it"})
-    decode_resource: str | None = field(default="baton_decode", metadata={
-        "help": "Ray custom resource a decode worker needs, used when the cluster's nodes offer it"})
-    prefill_node_labels: str | None = field(default=None, metadata={
-        "help": "Ray node labels a prefill worker's node must carry, as key=value[,key=value] "
-                "(a Ray label selector; values may use Ray's !value and in(a,b) forms)",
-        "example": "baton-pool=prefill"})
-    decode_node_labels: str | None = field(default=None, metadata={
-        "help": "Ray node labels a decode worker's node must carry, as key=value[,key=value]",
-        "example": "baton-pool=decode"})
-    placement_timeout_s: float = field(default=120.0, metadata={
-        "flag": "placement_timeout",
-        "help": "seconds start-up waits for Ray to place each worker before it fails naming the resource "
-                "no node offers; raise it when an autoscaler launches nodes on demand"})
+    threads_per_worker: int | None = field(
+        default=None,
+        metadata={
+            "help": "CPU threads per worker, also the CPUs each worker asks Ray for "
+            "(default: this machine's cores shared among the workers, and no CPUs asked from Ray; with one "
+            "prefill worker, it takes every core for prompts of 1,024+ tokens and decode workers run at idle "
+            "priority)"
+        },
+    )
+    gpus_per_worker: float | None = field(
+        default=None,
+        metadata={
+            "help": "GPUs each rank of a worker asks Ray for (a worker of tensor-parallel size N asks N times as many; "
+            "default: 1 when the Ray cluster has GPUs, else 0)"
+        },
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "alias": "-tp",
+            "example": 2,
+            "help": "ranks of a worker (both pools): each holds a shard of every layer and its KV heads, "
+            "all on one node "
+            "(a STRICT_PACK placement group); vLLM's flag",
+        },
+    )
+    prefill_tensor_parallel_size: int | None = field(
+        default=None,
+        metadata={
+            "example": 1,
+            "help": "tensor-parallel size of a prefill worker (default: --tensor-parallel-size); it and the "
+            "decode size may differ when one is a multiple of the other",
+        },
+    )
+    decode_tensor_parallel_size: int | None = field(
+        default=None,
+        metadata={"example": 1, "help": "tensor-parallel size of a decode worker (default: --tensor-parallel-size)"},
+    )
+    prefill_resource: str | None = field(
+        default="baton_prefill",
+        metadata={"help": "Ray custom resource a prefill worker needs, used when the cluster's nodes offer it"},
+    )
+    decode_resource: str | None = field(
+        default="baton_decode",
+        metadata={"help": "Ray custom resource a decode worker needs, used when the cluster's nodes offer it"},
+    )
+    prefill_node_labels: str | None = field(
+        default=None,
+        metadata={
+            "help": "Ray node labels a prefill worker's node must carry, as key=value[,key=value] "
+            "(a Ray label selector; values may use Ray's !value and in(a,b) forms)",
+            "example": "baton-pool=prefill",
+        },
+    )
+    decode_node_labels: str | None = field(
+        default=None,
+        metadata={
+            "help": "Ray node labels a decode worker's node must carry, as key=value[,key=value]",
+            "example": "baton-pool=decode",
+        },
+    )
+    placement_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "flag": "placement_timeout",
+            "help": "seconds start-up waits for Ray to place each worker before it fails naming the resource "
+            "no node offers; raise it when an autoscaler launches nodes on demand",
+        },
+    )
     # -- healing and scaling (cluster.pool_manager, router.ray_backend)
-    max_restarts: int = field(default=3, metadata={
-        "help": "times Ray restarts a worker whose process died (it reloads the model and rejoins once it answers); "
-                "-1: without limit. A worker with no restart left is replaced by a new one"})
-    max_migrations: int = field(default=3, metadata={
-        "help": "times a request whose decode worker died moves to another decode worker (which re-prefills the "
-                "prompt and the tokens already streamed, and continues) before its stream ends with an error"})
-    migration_wait_s: float = field(default=30.0, metadata={
-        "flag": "migration_wait",
-        "help": "seconds a request whose decode worker died waits for a live decode worker to continue on "
-                "(a restarting one counts) before its stream ends with an error"})
-    drain_timeout_s: float = field(default=60.0, metadata={
-        "flag": "drain_timeout",
-        "help": "seconds a worker being removed (baton scale) lets its requests finish before they move to "
-                "other workers"})
+    max_restarts: int = field(
+        default=3,
+        metadata={
+            "help": "times Ray restarts a worker whose process died "
+            "(it reloads the model and rejoins once it answers); "
+            "-1: without limit. A worker with no restart left is replaced by a new one"
+        },
+    )
+    max_migrations: int = field(
+        default=3,
+        metadata={
+            "help": "times a request whose decode worker died moves to another decode worker (which re-prefills the "
+            "prompt and the tokens already streamed, and continues) before its stream ends with an error"
+        },
+    )
+    migration_wait_s: float = field(
+        default=30.0,
+        metadata={
+            "flag": "migration_wait",
+            "help": "seconds a request whose decode worker died waits for a live decode worker to continue on "
+            "(a restarting one counts) before its stream ends with an error",
+        },
+    )
+    drain_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "flag": "drain_timeout",
+            "help": "seconds a worker being removed (baton scale) lets its requests finish before they move to "
+            "other workers",
+        },
+    )
     # -- router processes (cluster.router_procs, workers.router_leases)
-    api_server_count: int = field(default=1, metadata={
-        "example": 2,
-        "help": "router processes sharing the HTTP port (SO_REUSEPORT, as vLLM's flag); each has its own prefix "
-                "index fed by every worker's KV events and its share of the admission limits, and a dead one is "
-                "restarted while the others serve on"})
-    router_lease_s: float = field(default=5.0, metadata={
-        "flag": "router_lease",
-        "help": "seconds a worker keeps a router's requests after its last call (its long-polls renew the lease "
-                "all the time); past it the router is taken for dead and its requests end, freeing their KV "
-                "blocks in both pools"})
+    api_server_count: int = field(
+        default=1,
+        metadata={
+            "example": 2,
+            "help": "router processes sharing the HTTP port (SO_REUSEPORT, as vLLM's flag); each has its own prefix "
+            "index fed by every worker's KV events and its share of the admission limits, and a dead one is "
+            "restarted while the others serve on",
+        },
+    )
+    router_lease_s: float = field(
+        default=5.0,
+        metadata={
+            "flag": "router_lease",
+            "help": "seconds a worker keeps a router's requests after its last call (its long-polls renew the lease "
+            "all the time); past it the router is taken for dead and its requests end, freeing their KV "
+            "blocks in both pools",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_restarts < -1:
@@ -171,9 +261,11 @@ class PlacementConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         prefill_tp, decode_tp = self.tp_size(Role.PREFILL), self.tp_size(Role.DECODE)
         if self.prefill_workers and max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
-            raise ValueError(f"prefill_tensor_parallel_size {prefill_tp} and decode_tensor_parallel_size {decode_tp}: "
-                             f"one must be a multiple of the other, so that each decode rank's KV heads come whole "
-                             f"from prefill ranks (kvtransfer.resharding)")
+            raise ValueError(
+                f"prefill_tensor_parallel_size {prefill_tp} and decode_tensor_parallel_size {decode_tp}: "
+                f"one must be a multiple of the other, so that each decode rank's KV heads come whole "
+                f"from prefill ranks (kvtransfer.resharding)"
+            )
         for name in ("prefill_node_labels", "decode_node_labels"):
             parse_labels(getattr(self, name), name)  # raises ValueError naming the field
         if not 0 < self.placement_timeout_s < float("inf"):
@@ -181,8 +273,9 @@ class PlacementConfig:
 
     def node_labels(self, role: str) -> dict[str, str]:
         """The label selector of a pool (`role` prefill or decode) as Ray takes it."""
-        return parse_labels(self.prefill_node_labels if role == Role.PREFILL else self.decode_node_labels,
-                            f"{role}_node_labels")
+        return parse_labels(
+            self.prefill_node_labels if role == Role.PREFILL else self.decode_node_labels, f"{role}_node_labels"
+        )
 
     def tp_size(self, role: str) -> int:
         """The tensor-parallel size of a pool's workers (`role` prefill or decode)."""
@@ -217,10 +310,16 @@ def parse_labels(text: str | None, name: str = "node_labels") -> dict[str, str]:
 class BatonConfig:
     """Everything `baton serve` needs: the model and one section per concern."""
 
-    model: str | None = field(default=None, metadata={
-        "help": "Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct)", "example": "/models/llama"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "model name in the API (default: the folder's name)"})
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct)",
+            "example": "/models/llama",
+        },
+    )
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model name in the API (default: the folder's name)"}
+    )
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -230,7 +329,7 @@ class BatonConfig:
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
 
     @classmethod
-    def load(cls, config_file: str | os.PathLike | None = None, options: dict[str, Any] | None = None) -> "BatonConfig":
+    def load(cls, config_file: str | os.PathLike | None = None, options: dict[str, Any] | None = None) -> BatonConfig:
         """Defaults, then the YAML file, then `options` (flat option names, as the flags: port=8001)."""
         values: dict[tuple[str, ...], Any] = {}
         if config_file is not None:
@@ -244,7 +343,7 @@ class BatonConfig:
         return build(values)
 
     @classmethod
-    def from_options(cls, **options: Any) -> "BatonConfig":
+    def from_options(cls, **options: Any) -> BatonConfig:
         """`BatonConfig.from_options(port=8001, kv_cache_memory="64MiB")`: defaults plus options."""
         return cls.load(None, options)
 
@@ -254,8 +353,9 @@ class BatonConfig:
         placement = self.placement
         if placement.threads_per_worker:
             return placement.threads_per_worker
-        ranks = (placement.prefill_workers * placement.tp_size(Role.PREFILL)
-                 + placement.decode_workers * placement.tp_size(Role.DECODE))
+        ranks = placement.prefill_workers * placement.tp_size(
+            Role.PREFILL
+        ) + placement.decode_workers * placement.tp_size(Role.DECODE)
         return max(1, (os.cpu_count() or 1) // ranks)
 
     def worker_engine_config(self) -> EngineConfig:
@@ -350,17 +450,27 @@ def _section_options(cls: type, prefix: tuple[str, ...]) -> list[Option]:
             continue
         base, optional = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        options.append(Option(
-            path=prefix + (f.name,), name=meta.get("flag", f.name), type=base, optional=optional, default=default,
-            help=meta.get("help", ""), choices=meta.get("choices"), size=bool(meta.get("size")),
-            example=meta.get("example"), alias=meta.get("alias"),
-        ))
+        options.append(
+            Option(
+                path=prefix + (f.name,),
+                name=meta.get("flag", f.name),
+                type=base,
+                optional=optional,
+                default=default,
+                help=meta.get("help", ""),
+                choices=meta.get("choices"),
+                size=bool(meta.get("size")),
+                example=meta.get("example"),
+                alias=meta.get("alias"),
+            )
+        )
     return options
 
 
 _HINTS = typing.get_type_hints(BatonConfig)
-SECTIONS: dict[str, type] = {f.name: _HINTS[f.name] for f in dataclasses.fields(BatonConfig)
-                             if dataclasses.is_dataclass(_HINTS[f.name])}
+SECTIONS: dict[str, type] = {
+    f.name: _HINTS[f.name] for f in dataclasses.fields(BatonConfig) if dataclasses.is_dataclass(_HINTS[f.name])
+}
 OPTIONS: list[Option] = _section_options(BatonConfig, ()) + [
     option for name, cls in SECTIONS.items() for option in _section_options(cls, (name,))
 ]
@@ -462,8 +572,11 @@ def json_schema() -> dict[str, Any]:
     def leaf(option: Option) -> dict[str, Any]:
         names = {int: "integer", float: "number", str: "string", bool: "boolean"}
         kinds = [names[option.type]] + (["string"] if option.size else []) + (["null"] if option.optional else [])
-        entry: dict[str, Any] = {"type": kinds if len(kinds) > 1 else kinds[0], "default": option.default,
-                                 "description": option.help}
+        entry: dict[str, Any] = {
+            "type": kinds if len(kinds) > 1 else kinds[0],
+            "default": option.default,
+            "description": option.help,
+        }
         if option.choices is not None:
             entry["enum"] = list(option.choices)
         if option.size:
@@ -475,7 +588,9 @@ def json_schema() -> dict[str, Any]:
 
     top = {o.path[0]: leaf(o) for o in OPTIONS if len(o.path) == 1}
     for name, cls in SECTIONS.items():
-        top[name] = node({o.path[1]: leaf(o) for o in OPTIONS if o.path[0] == name and len(o.path) == 2},
-                         (cls.__doc__ or name).strip().splitlines()[0])
+        top[name] = node(
+            {o.path[1]: leaf(o) for o in OPTIONS if o.path[0] == name and len(o.path) == 2},
+            (cls.__doc__ or name).strip().splitlines()[0],
+        )
     schema = node(top, "Baton configuration (`baton serve --config FILE`)")
     return {"$schema": "http://json-schema.org/draft-07/schema#", "title": "Baton configuration", **schema}

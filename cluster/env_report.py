@@ -101,6 +101,7 @@ def _version(module: str) -> str | None:
 
 def _baton_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("baton-serve")
     except PackageNotFoundError:
@@ -111,8 +112,9 @@ def _driver(torch) -> str | None:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
+            out = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+            )
             lines = out.stdout.strip().splitlines()
             if out.returncode == 0 and lines:
                 return lines[0].strip()
@@ -124,6 +126,7 @@ def _driver(torch) -> str | None:
 def _nccl(torch) -> str:
     try:
         import torch.distributed as dist
+
         if not (dist.is_available() and dist.is_nccl_available()):
             return NOT_AVAILABLE
         v = torch.cuda.nccl.version()
@@ -138,21 +141,34 @@ def _gpus(torch) -> list[GPUInfo]:
     out = []
     for i in range(torch.cuda.device_count()):
         d = DeviceSpec.of(f"cuda:{i}")
-        out.append(GPUInfo(i, d.name, f"{d.capability[0]}.{d.capability[1]}", d.arch, gpu_total_memory(f"cuda:{i}"),
-                           fp8_supported(d)))
+        out.append(
+            GPUInfo(
+                i,
+                d.name,
+                f"{d.capability[0]}.{d.capability[1]}",
+                d.arch,
+                gpu_total_memory(f"cuda:{i}"),
+                fp8_supported(d),
+            )
+        )
     return out
 
 
 # Each op's module, and the native C++ source it may run (kernels/csrc/<name>.cpp).
 _OP_MODULES = {
-    "rms_norm": ("rms_norm", "rms_norm"), "rotary_embedding": ("rotary", "rotary"),
-    "silu_and_mul": ("silu_mul", "silu_mul"), "store_kv": ("kv_store", "kv_store"),
+    "rms_norm": ("rms_norm", "rms_norm"),
+    "rotary_embedding": ("rotary", "rotary"),
+    "silu_and_mul": ("silu_mul", "silu_mul"),
+    "store_kv": ("kv_store", "kv_store"),
     "paged_decode_attention": ("decode_attention", "paged_decode_attention"),
     "paged_prefill_attention": ("prefill_attention", "paged_prefill_attention"),
-    "scaled_fp8_quant": ("fp8_quant", None), "fp8_gemm": ("fp8_gemm", None),
-    "pack_kv_blocks": ("block_copy", None), "unpack_kv_blocks": ("block_copy", None),
+    "scaled_fp8_quant": ("fp8_quant", None),
+    "fp8_gemm": ("fp8_gemm", None),
+    "pack_kv_blocks": ("block_copy", None),
+    "unpack_kv_blocks": ("block_copy", None),
     "exponential_race": ("sampling", "exponential_race"),
-    "gelu_tanh_and_mul": ("gelu_tanh_and_mul", "gelu_mul"), "fused_moe": ("fused_moe", None),
+    "gelu_tanh_and_mul": ("gelu_tanh_and_mul", "gelu_mul"),
+    "fused_moe": ("fused_moe", None),
     "apply_token_bitmask": ("token_bitmask", "token_bitmask"),
 }
 
@@ -170,15 +186,14 @@ def _implementation(fn) -> str:
 
 def _native_inputs(module) -> str:
     """What the native kernel handles, from its module's native_available docstring."""
-    doc = " ".join((getattr(module, "native_available").__doc__ or "").split())
+    doc = " ".join((module.native_available.__doc__ or "").split())
     start, end = doc.find("("), doc.rfind(")")
-    inputs = doc[start + 1:end] if 0 <= start < end else "some inputs"
+    inputs = doc[start + 1 : end] if 0 <= start < end else "some inputs"
     return inputs.replace(", built library", "").replace("built library", "").strip(" ,")
 
 
 def _ops(backend: str, device: str) -> tuple[str, list[OpImplementation]]:
     import importlib
-
 
     try:
         resolved = kops.resolve_backend(backend, device)
@@ -199,47 +214,80 @@ def _ops(backend: str, device: str) -> tuple[str, list[OpImplementation]]:
             reason = "CUDA device: the library's own GPU kernel (xgrammar's for a grammar's token mask)"
         elif impl == "native":
             source = f"kernels/csrc/{csrc}.cpp"
-            reason = (f"CPU, native library built: the C++ kernel for {_native_inputs(module)}; "
-                      "other inputs run the PyTorch reference")
+            reason = (
+                f"CPU, native library built: the C++ kernel for {_native_inputs(module)}; "
+                "other inputs run the PyTorch reference"
+            )
         elif resolved == "reference" and backend == "reference":
             reason = "kernel_backend reference asked: the PyTorch reference"
         elif resolved == "reference":
-            reason = (f"no Triton kernels for {device} tensors here (triton {'installed' if HAS_TRITON else 'missing'}): "
-                      "the PyTorch reference")
+            reason = (
+                f"no Triton kernels for {device} tensors here (triton {'installed' if HAS_TRITON else 'missing'}): "
+                "the PyTorch reference"
+            )
         elif resolved == "triton":
             reason = "the Triton table keeps the PyTorch reference for this op (one fused pass on CUDA already)"
         elif csrc is None:
             reason = "CPU: no native C++ kernel for this op: the PyTorch reference"
         else:
-            reason = (f"CPU: the native library kernels/csrc/{csrc}.cpp did not build or load (no C++ compiler, "
-                      "or an unwritable cache): the PyTorch reference")
+            reason = (
+                f"CPU: the native library kernels/csrc/{csrc}.cpp did not build or load (no C++ compiler, "
+                "or an unwritable cache): the PyTorch reference"
+            )
         out.append(OpImplementation(f.name, impl, source, reason))
     # Not a KernelOps entry: the shared-memory KV transport's cache-to-cache copy (CPU caches).
     if block_copy.native_built():
-        out.append(OpImplementation("copy_kv_blocks (shm transport)", "native", "kernels/csrc/kv_block_copy.cpp",
-                                    "CPU caches, native library built: the C++ copy"))
+        out.append(
+            OpImplementation(
+                "copy_kv_blocks (shm transport)",
+                "native",
+                "kernels/csrc/kv_block_copy.cpp",
+                "CPU caches, native library built: the C++ copy",
+            )
+        )
     else:
-        out.append(OpImplementation("copy_kv_blocks (shm transport)", "reference", "kernels/block_copy.py",
-                                    "the native library kernels/csrc/kv_block_copy.cpp did not build or load: "
-                                    "the PyTorch reference"))
+        out.append(
+            OpImplementation(
+                "copy_kv_blocks (shm transport)",
+                "reference",
+                "kernels/block_copy.py",
+                "the native library kernels/csrc/kv_block_copy.cpp did not build or load: the PyTorch reference",
+            )
+        )
     # Not a KernelOps entry either: how the one-call float32 layers project prompt tokens on the CPU.
     if device == "cpu" and amx_linear.ready():
-        out.append(OpImplementation("float32 prompt projections", "native", "kernels/csrc/amx_linear.cpp",
-                                    "CPU with AMX-BF16: three bfloat16 products each on the tile unit "
-                                    "(--float32-prompt-matmul ieee: float32 FMAs, as decode rows)"))
+        out.append(
+            OpImplementation(
+                "float32 prompt projections",
+                "native",
+                "kernels/csrc/amx_linear.cpp",
+                "CPU with AMX-BF16: three bfloat16 products each on the tile unit "
+                "(--float32-prompt-matmul ieee: float32 FMAs, as decode rows)",
+            )
+        )
     elif device == "cpu":
-        out.append(OpImplementation("float32 prompt projections", "native", "kernels/csrc/small_m_linear.cpp",
-                                    "no AMX-BF16 here (or the tiles were not granted): float32 FMAs, as decode rows"))
+        out.append(
+            OpImplementation(
+                "float32 prompt projections",
+                "native",
+                "kernels/csrc/small_m_linear.cpp",
+                "no AMX-BF16 here (or the tiles were not granted): float32 FMAs, as decode rows",
+            )
+        )
     return resolved, out
 
 
 def _fp8(gpus: list[GPUInfo], device: str) -> str:
     need = "8.9"  # kernels.plan.fp8_supported
     if device != "cuda":
-        return ("CPU: FP8 (--quantization fp8, --kv-cache-dtype fp8, FP8 checkpoints) runs on the PyTorch "
-                f"reference kernels; GPUs need compute capability {need}+ for it")
-    parts = [f"GPU {g.index} {g.name} ({g.sm}): {'native FP8' if g.fp8 else f'no native FP8 (needs {need}+): refused'}"
-             for g in gpus]
+        return (
+            "CPU: FP8 (--quantization fp8, --kv-cache-dtype fp8, FP8 checkpoints) runs on the PyTorch "
+            f"reference kernels; GPUs need compute capability {need}+ for it"
+        )
+    parts = [
+        f"GPU {g.index} {g.name} ({g.sm}): {'native FP8' if g.fp8 else f'no native FP8 (needs {need}+): refused'}"
+        for g in gpus
+    ]
     return "; ".join(parts)
 
 
@@ -256,8 +304,12 @@ def _ray(address: str | None, timeout_s: float = 30.0) -> RayInfo:
         except (OSError, ValueError) as exc:
             return RayInfo(address, False, f"cannot reach Ray at {address}: {exc}")
     try:
-        proc = subprocess.run([sys.executable, "-m", "cluster.env_report", "--ray-query", address],
-                              capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, "-m", "cluster.env_report", "--ray-query", address],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
         return RayInfo(address, False, f"cannot reach Ray at {address}: no answer within {timeout_s:g} s")
     try:
@@ -280,8 +332,15 @@ def _query_ray(address: str) -> RayInfo:
         custom: dict[str, float] = {}
         for n in ray.nodes():
             resources = {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")}
-            nodes.append({"node_id": n.get("NodeID"), "address": n.get("NodeManagerAddress"), "alive": n.get("Alive"),
-                          "resources": resources, "labels": n.get("Labels", {})})
+            nodes.append(
+                {
+                    "node_id": n.get("NodeID"),
+                    "address": n.get("NodeManagerAddress"),
+                    "alive": n.get("Alive"),
+                    "resources": resources,
+                    "labels": n.get("Labels", {}),
+                }
+            )
             if n.get("Alive"):
                 for k, v in resources.items():
                     if k not in _STANDARD_RESOURCES and not k.startswith("accelerator_type:"):
@@ -298,18 +357,31 @@ def _query_ray(address: str) -> RayInfo:
 def collect(address: str | None = None, kernel_backend: str = "auto") -> EnvReport:
     """The report for this machine (and the Ray cluster at `address`, if given)."""
 
-
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     gpus = _gpus(torch)
     resolved, ops = _ops(kernel_backend, device)
     return EnvReport(
-        baton=_baton_version(), python=sys.version.split()[0] + f" ({platform.python_implementation()})",
-        platform=platform.platform(), cpu=cpu_name(), cpu_count=os.cpu_count(),
-        torch=torch.__version__, torch_cuda=torch.version.cuda, cuda_available=cuda, driver=_driver(torch),
-        triton=_version("triton"), triton_interpret=envs.triton_interpret(), nccl=_nccl(torch),
-        cxx=cpu_native.compiler(), gpus=gpus, kernel_backend=kernel_backend, device=device,
-        resolved_backend=resolved, ops=ops, fp8=_fp8(gpus, device), ray=_ray(address),
+        baton=_baton_version(),
+        python=sys.version.split()[0] + f" ({platform.python_implementation()})",
+        platform=platform.platform(),
+        cpu=cpu_name(),
+        cpu_count=os.cpu_count(),
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        cuda_available=cuda,
+        driver=_driver(torch),
+        triton=_version("triton"),
+        triton_interpret=envs.triton_interpret(),
+        nccl=_nccl(torch),
+        cxx=cpu_native.compiler(),
+        gpus=gpus,
+        kernel_backend=kernel_backend,
+        device=device,
+        resolved_backend=resolved,
+        ops=ops,
+        fp8=_fp8(gpus, device),
+        ray=_ray(address),
     )
 
 
@@ -337,8 +409,10 @@ def format_text(report: EnvReport) -> str:
         f"GPUs: {len(report.gpus) or 'none visible'}",
     ]
     for g in report.gpus:
-        lines.append(f"  {g.index}: {g.name}, compute capability {g.capability} ({g.sm}), "
-                     f"{g.memory_bytes / 2**30:.1f} GiB, FP8 {'yes' if g.fp8 else 'no'}")
+        lines.append(
+            f"  {g.index}: {g.name}, compute capability {g.capability} ({g.sm}), "
+            f"{g.memory_bytes / 2**30:.1f} GiB, FP8 {'yes' if g.fp8 else 'no'}"
+        )
     lines += ["", f"Kernels: kernel_backend {report.kernel_backend} on {report.device} -> {report.resolved_backend}"]
     width = max((len(o.op) for o in report.ops), default=0)
     for o in report.ops:

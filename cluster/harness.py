@@ -90,9 +90,15 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def baton_serve(flags: Sequence[str] = (), *, port: int | None = None, ready_timeout_s: float = 300.0,
-                log_path: str | Path | None = None, env: dict[str, str] | None = None,
-                stop_timeout_s: float = 60.0) -> Iterator[BatonProcess]:
+def baton_serve(
+    flags: Sequence[str] = (),
+    *,
+    port: int | None = None,
+    ready_timeout_s: float = 300.0,
+    log_path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    stop_timeout_s: float = 60.0,
+) -> Iterator[BatonProcess]:
     """`baton serve --host 127.0.0.1 --port PORT FLAGS` (the venv's `baton`) in its own process
     group, yielded once /health answers 200; stopped with `stop_process` after the block. Output
     goes to `log_path` (default: a new file in the temporary directory, removed after a block that
@@ -102,7 +108,15 @@ def baton_serve(flags: Sequence[str] = (), *, port: int | None = None, ready_tim
     if log_path is None:
         log_path = tempfile.mkstemp(prefix="baton-serve-", suffix=".log")[1]
     log_path = Path(log_path)
-    command = [str(Path(sys.executable).with_name("baton")), "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+    command = [
+        str(Path(sys.executable).with_name("baton")),
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *flags,
+    ]
     full_env = dict(os.environ, **(env or {}))
     ensure_private_ray_env(full_env)
     with log_path.open("w") as log:
@@ -112,7 +126,9 @@ def baton_serve(flags: Sequence[str] = (), *, port: int | None = None, ready_tim
         try:
             while not healthy(server.base_url):
                 if process.poll() is not None:
-                    raise RuntimeError(f"baton serve exited with {process.returncode} (log {log_path}):\n{server.log_tail()}")
+                    raise RuntimeError(
+                        f"baton serve exited with {process.returncode} (log {log_path}):\n{server.log_tail()}"
+                    )
                 if time.monotonic() - started > ready_timeout_s:
                     raise RuntimeError(f"baton serve not healthy after {ready_timeout_s:.0f} s (log {log_path})")
                 time.sleep(0.25)
@@ -142,8 +158,14 @@ class ServedApp:
 
 
 @contextlib.contextmanager
-def serve_app(app, port: int | None = None, log_level: str = "warning", start_timeout_s: float = 30.0,
-              before_start: Callable[[Any], None] | None = None, **kwargs: Any) -> Iterator[ServedApp]:
+def serve_app(
+    app,
+    port: int | None = None,
+    log_level: str = "warning",
+    start_timeout_s: float = 30.0,
+    before_start: Callable[[Any], None] | None = None,
+    **kwargs: Any,
+) -> Iterator[ServedApp]:
     """Serve `app` (router.app.make_server) on 127.0.0.1:PORT (default: a free one) in a daemon
     thread for the block; `before_start(server)` runs once uvicorn's Config exists (it sets up its
     loggers), before the thread starts."""

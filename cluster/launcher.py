@@ -27,15 +27,25 @@ from pathlib import Path
 
 import ray
 
-from cluster.config import BatonConfig
-from cluster.placement import (
-    SpawnedWorker, actor_state, cluster_nodes, connect_pairs, private_ray_cpus, release_placement_group, resolve_pool,
-    spawn_worker, wait_placed,
-)
 from cluster.autoscaler import install_autoscaler
+from cluster.config import BatonConfig
 from cluster.membership import MembershipPublisher
+from cluster.placement import (
+    SpawnedWorker,
+    actor_state,
+    cluster_nodes,
+    connect_pairs,
+    private_ray_cpus,
+    release_placement_group,
+    resolve_pool,
+    spawn_worker,
+    wait_placed,
+)
 from cluster.pool_manager import PoolManager, PoolTargets
 from cluster.router_procs import RouterProcesses, RouterSpec
+from common.envs import ensure_private_ray_env
+from common.protocol import DEFAULT_ROUTER_ID, RouterClaim, WorkerReady
+from common.roles import Role
 from router.admin import install_admin
 from router.admission import share_of
 from router.app import bind_socket, install_router_metrics
@@ -47,9 +57,6 @@ from router.ray_backend import RayBackend
 from router.routing import make_policy
 from router.tokenizer import Tokenizer
 from workers.model_files import DEFAULT_MODEL_NAME, ModelNotFoundError, is_repo_id, resolve_model_dir
-from common.protocol import DEFAULT_ROUTER_ID, RouterClaim, WorkerReady
-from common.envs import ensure_private_ray_env
-from common.roles import Role
 
 log = logging.getLogger("baton")
 
@@ -121,8 +128,14 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
         ray.init(address=address, namespace="baton", log_to_driver=True)
         return False
     # address="local": never join a cluster found through /tmp/ray/ray_current_cluster by accident.
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False, namespace="baton",
-             log_to_driver=True, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus or os.cpu_count() or 1,
+        include_dashboard=False,
+        namespace="baton",
+        log_to_driver=True,
+        configure_logging=False,
+    )
     return True
 
 
@@ -137,10 +150,16 @@ def deploy(config: BatonConfig, ready_timeout_s: float = 300.0, actor_name_prefi
     try:
         model_dir = resolve_model_dir(config.model)
     except ModelNotFoundError as exc:
-        raise ModelNotFoundError(f"the router on this node ({socket.gethostname()}) needs the model's tokenizer "
-                                 f"files too: {exc}") from None
+        raise ModelNotFoundError(
+            f"the router on this node ({socket.gethostname()}) needs the model's tokenizer files too: {exc}"
+        ) from None
     model_name = config.served_model_name or (
-        DEFAULT_MODEL_NAME if config.model is None else config.model if is_repo_id(config.model) else Path(config.model).name)
+        DEFAULT_MODEL_NAME
+        if config.model is None
+        else config.model
+        if is_repo_id(config.model)
+        else Path(config.model).name
+    )
     placement = config.placement
     owns_ray = start_ray(placement.address, private_ray_cpus(config, os.cpu_count() or 1))
     deployment = Deployment(config, model_dir, model_name, 0, config.engine.block_size, [], None, owns_ray)
@@ -153,19 +172,24 @@ def deploy(config: BatonConfig, ready_timeout_s: float = 300.0, actor_name_prefi
             if role is Role.PREFILL:  # the routing's automatic queue threshold follows its device
                 config = deployment.config = dataclasses.replace(config, routing=config.routing.for_device(pool.device))
             for i in range(count):
-                spawned.append(spawn_worker(config, role, i, actor_name_prefix, pool, max_restarts=placement.max_restarts))
+                spawned.append(
+                    spawn_worker(config, role, i, actor_name_prefix, pool, max_restarts=placement.max_restarts)
+                )
                 deployment.workers.append(spawned[-1])
         deployment.nodes = wait_placed(spawned, placement.placement_timeout_s)
         _learn_limits(deployment, _wait_ready(deployment.workers, ready_timeout_s, deployment.nodes))
-        deployment.kv_links = connect_pairs([(w.worker_id, w.handle) for w in spawned if w.role is Role.PREFILL],
-                                            [(w.worker_id, w.handle) for w in spawned if w.role is Role.DECODE])
+        deployment.kv_links = connect_pairs(
+            [(w.worker_id, w.handle) for w in spawned if w.role is Role.PREFILL],
+            [(w.worker_id, w.handle) for w in spawned if w.role is Role.DECODE],
+        )
         log.info("KV transport per pair: %s", ", ".join(f"{p}->{d} {k}" for (p, d), k in deployment.kv_links.items()))
     except BaseException:
         deployment.shutdown()  # no actor, shared memory segment or private Ray outlives a failed start
         raise
     deployment.backend = RayBackend(
         WorkerPools(deployment.workers, router=RouterClaim(DEFAULT_ROUTER_ID, placement.router_lease_s)),
-        FlowLimits(placement.max_migrations, placement.migration_wait_s))
+        FlowLimits(placement.max_migrations, placement.migration_wait_s),
+    )
     deployment.pools = PoolManager(deployment, actor_name_prefix)
     # Routers other than this one follow the pools' changes through it (cluster.membership).
     deployment.membership = MembershipPublisher(actor_name_prefix, ray.get_runtime_context().namespace)
@@ -173,13 +197,16 @@ def deploy(config: BatonConfig, ready_timeout_s: float = 300.0, actor_name_prefi
     return deployment
 
 
-def _wait_ready(workers: list[SpawnedWorker], ready_timeout_s: float,
-                nodes: dict[str, str] | None = None) -> list[WorkerReady]:
+def _wait_ready(
+    workers: list[SpawnedWorker], ready_timeout_s: float, nodes: dict[str, str] | None = None
+) -> list[WorkerReady]:
     started = time.monotonic()
     pending = {w.handle.ready.remote(): w.worker_id for w in workers}
     reports = []
     while pending:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(1.0, ready_timeout_s - (time.monotonic() - started)))
+        done, _ = ray.wait(
+            list(pending), num_returns=1, timeout=max(1.0, ready_timeout_s - (time.monotonic() - started))
+        )
         if not done:
             raise RuntimeError(f"workers {sorted(pending.values())} not ready after {ready_timeout_s:.0f} s")
         wid = pending.pop(done[0])
@@ -212,12 +239,24 @@ def _learn_limits(deployment: Deployment, reports: list[WorkerReady]) -> None:
             raise ValueError(f"workers disagree on {name}: {sorted(map(str, seen))}")
     limiting = min(reports, key=lambda r: r.max_model_len)
     deployment.max_model_len, deployment.block_size = limiting.max_model_len, limiting.block_size
-    log.info("max_model_len %d (from %s: %d KV blocks of %d tokens, %s weights, %s KV cache)", limiting.max_model_len,
-             limiting.worker_id, limiting.num_blocks, limiting.block_size, limiting.dtype, limiting.kv_cache_dtype)
+    log.info(
+        "max_model_len %d (from %s: %d KV blocks of %d tokens, %s weights, %s KV cache)",
+        limiting.max_model_len,
+        limiting.worker_id,
+        limiting.num_blocks,
+        limiting.block_size,
+        limiting.dtype,
+        limiting.kv_cache_dtype,
+    )
 
 
-def build_app(deployment: Deployment, router_index: int = 0, router_id: str = DEFAULT_ROUTER_ID,
-              metrics_dir: str | None = None, routers: int | None = None):
+def build_app(
+    deployment: Deployment,
+    router_index: int = 0,
+    router_id: str = DEFAULT_ROUTER_ID,
+    metrics_dir: str | None = None,
+    routers: int | None = None,
+):
     """The router app over the deployment's pools. Admission gates left automatic get each pool's
     batch capacity (workers x max_num_seqs; decode workers prefill when there is no prefill pool),
     and API keys come from BATON_API_KEY when none were configured. With several router processes
@@ -236,13 +275,21 @@ def build_app(deployment: Deployment, router_index: int = 0, router_id: str = DE
     server = dataclasses.replace(
         config.server.with_api_key_from_env(),
         max_running_requests=share(config.server.max_running_requests or placement.decode_workers * seqs),
-        max_running_prefills=share(config.server.max_running_prefills
-                                   or (placement.prefill_workers or placement.decode_workers) * seqs),
+        max_running_prefills=share(
+            config.server.max_running_prefills or (placement.prefill_workers or placement.decode_workers) * seqs
+        ),
         max_waiting_requests=share(config.server.max_waiting_requests),
         max_waiting_prefills=share(config.server.max_waiting_prefills),
     )
-    app = build_router_app(deployment.backend, tokenizer, deployment.model_name, deployment.max_model_len, policy,
-                           server, router_id=router_id)
+    app = build_router_app(
+        deployment.backend,
+        tokenizer,
+        deployment.model_name,
+        deployment.max_model_len,
+        policy,
+        server,
+        router_id=router_id,
+    )
     install_router_metrics(app, router_id, metrics_dir)
     if deployment.pools is None:
         return app
@@ -272,13 +319,18 @@ def _start_router_processes(deployment: Deployment, folder: Path, admin_port: in
     config_file = folder / "config.yaml"
     config_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     spec = RouterSpec(
-        config_file=str(config_file), ray_address=ray.get_runtime_context().gcs_address,
+        config_file=str(config_file),
+        ray_address=ray.get_runtime_context().gcs_address,
         namespace=ray.get_runtime_context().namespace,
         workers=[(w.worker_id, Role(w.role).value, w.actor_name) for w in deployment.workers],
-        model_dir=str(deployment.model_dir), model_name=deployment.model_name,
-        max_model_len=deployment.max_model_len, block_size=deployment.block_size,
-        count=config.placement.api_server_count, metrics_dir=str(folder / "metrics"),
-        actor_name_prefix=deployment.pools.actor_name_prefix, admin_port=admin_port,
+        model_dir=str(deployment.model_dir),
+        model_name=deployment.model_name,
+        max_model_len=deployment.max_model_len,
+        block_size=deployment.block_size,
+        count=config.placement.api_server_count,
+        metrics_dir=str(folder / "metrics"),
+        actor_name_prefix=deployment.pools.actor_name_prefix,
+        admin_port=admin_port,
     )
     (folder / "metrics").mkdir(exist_ok=True)
     spec.write(folder / "routers.json")
@@ -308,17 +360,29 @@ def serve(config: BatonConfig) -> None:
         admin_sock = bind_socket("127.0.0.1", 0) if count > 1 and config.admin.enabled else None
         app = build_app(deployment, metrics_dir=str(Path(folder.name) / "metrics") if count > 1 else None)
         if count > 1:
-            routers = _start_router_processes(deployment, Path(folder.name),
-                                              admin_sock.getsockname()[1] if admin_sock is not None else None)
+            routers = _start_router_processes(
+                deployment, Path(folder.name), admin_sock.getsockname()[1] if admin_sock is not None else None
+            )
         # Everything built so far (tokenizer, Ray's state, the app) lives as long as the router:
         # keep it out of the collector's full passes, which otherwise pause the event loop for tens
         # of milliseconds now and then (a 429's or a token's p99).
         gc.collect()
         gc.freeze()
-        log.info("serving %s on http://%s:%d (start-up %.1f s)", deployment.model_name, server.host, server.port,
-                 time.monotonic() - started)
-        serve_http(app, host=server.host, port=server.port, log_level=server.log_level, sock=sock,
-                   also=[admin_sock] if admin_sock is not None else ())
+        log.info(
+            "serving %s on http://%s:%d (start-up %.1f s)",
+            deployment.model_name,
+            server.host,
+            server.port,
+            time.monotonic() - started,
+        )
+        serve_http(
+            app,
+            host=server.host,
+            port=server.port,
+            log_level=server.log_level,
+            sock=sock,
+            also=[admin_sock] if admin_sock is not None else (),
+        )
     except KeyboardInterrupt:
         pass
     finally:

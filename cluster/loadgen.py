@@ -26,12 +26,14 @@ import httpx
 
 from common.stats import summary as latency_summary
 
-WORDS = ("time year people way day man thing woman life child world school state family student group "
-         "country problem hand part place case week company system program question work government number "
-         "night point home water room mother area money story fact month lot right study book eye job word "
-         "business issue side kind head house service friend father power hour game line end member law car "
-         "city community name president team minute idea kid body information back parent face others level "
-         "office door health person art war history party result change morning reason research girl guy").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government number "
+    "night point home water room mother area money story fact month lot right study book eye job word "
+    "business issue side kind head house service friend father power hour game line end member law car "
+    "city community name president team minute idea kid body information back parent face others level "
+    "office door health person art war history party result change morning reason research girl guy"
+).split()
 
 
 @dataclass
@@ -61,8 +63,14 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str | list[int]) 
         body = {"model": args.model, "prompt": prompt}
     else:
         body = {"model": args.model, "messages": [{"role": "user", "content": prompt}]}
-    body.update({"max_tokens": args.output_len, "temperature": args.temperature, "stream": True,
-                 "stream_options": {"include_usage": True}})
+    body.update(
+        {
+            "max_tokens": args.output_len,
+            "temperature": args.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     if args.ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
@@ -80,7 +88,9 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str | list[int]) 
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     continue
                 choice = chunk["choices"][0] if chunk.get("choices") else None
-                piece = (choice.get("delta", {}).get("content") if "delta" in (choice or {}) else (choice or {}).get("text"))
+                piece = (
+                    choice.get("delta", {}).get("content") if "delta" in (choice or {}) else (choice or {}).get("text")
+                )
                 if not piece:
                     continue
                 now = time.perf_counter()
@@ -101,9 +111,12 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str | list[int]) 
 def summarize(results: list[RequestResult], duration_s: float, args) -> dict:
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
-    good = [r for r in done
-            if (args.slo_ttft_ms is None or r.ttft_s * 1000 <= args.slo_ttft_ms)
-            and (args.slo_tpot_ms is None or r.tpot_s is None or r.tpot_s * 1000 <= args.slo_tpot_ms)]
+    good = [
+        r
+        for r in done
+        if (args.slo_ttft_ms is None or r.ttft_s * 1000 <= args.slo_ttft_ms)
+        and (args.slo_tpot_ms is None or r.tpot_s is None or r.tpot_s * 1000 <= args.slo_tpot_ms)
+    ]
     return {
         "completed": len(done),
         "failed": len(results) - len(done),
@@ -128,7 +141,9 @@ async def run(args) -> dict:
         # Exact lengths: random ids from the middle of the vocabulary, sent to /v1/completions.
         args.endpoint = "/v1/completions"
         shared = [rng.randrange(1000, 40000) for _ in range(args.shared_prefix_len)]
-        prompts = [shared + [rng.randrange(1000, 40000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+        prompts = [
+            shared + [rng.randrange(1000, 40000) for _ in range(args.input_len)] for _ in range(args.num_prompts)
+        ]
     else:
         prompts = [make_prompt(rng, args.input_len, prefix) for _ in range(args.num_prompts)]
     limits = httpx.Limits(max_connections=max(args.max_concurrency or 0, 1) + 64)
@@ -159,8 +174,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--shared-prefix-len", type=int, default=0)
-    p.add_argument("--token-ids", action="store_true",
-                   help="send exact-length prompts as token ids to /v1/completions (input-len is then exact)")
+    p.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="send exact-length prompts as token ids to /v1/completions (input-len is then exact)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
     p.add_argument("--temperature", type=float, default=0.0)

@@ -33,8 +33,17 @@ from ray.exceptions import RayError
 from common.roles import Role
 from router.pools import WorkerPools
 
-__all__ = ["Member", "Membership", "MembershipChanges", "MembershipFollower", "MembershipPublisher",
-           "WorkerDirectory", "changes", "directory_name", "read_membership"]
+__all__ = [
+    "Member",
+    "Membership",
+    "MembershipChanges",
+    "MembershipFollower",
+    "MembershipPublisher",
+    "WorkerDirectory",
+    "changes",
+    "directory_name",
+    "read_membership",
+]
 
 log = logging.getLogger("baton.membership")
 
@@ -82,8 +91,9 @@ def changes(current: Mapping[str, bool], published: Membership) -> MembershipCha
     members = {m.worker_id: m for m in published.members}
     return MembershipChanges(
         add=tuple(m for m in published.members if m.worker_id not in current and not m.draining),
-        drain=tuple(wid for wid, draining in current.items()
-                    if wid in members and members[wid].draining and not draining),
+        drain=tuple(
+            wid for wid, draining in current.items() if wid in members and members[wid].draining and not draining
+        ),
         remove=tuple(wid for wid in current if wid not in members),
     )
 
@@ -162,10 +172,17 @@ class MembershipFollower:
     handle) default to Ray; tests pass stand-ins. `on_targets(prefill, decode)` hears of new
     target sizes (the app's automatic admission gates follow them)."""
 
-    def __init__(self, pools: WorkerPools, actor_name_prefix: str, namespace: str, drain_timeout_s: float,
-                 every_s: float = 1.0, on_targets: Callable[[int, int], None] | None = None,
-                 read: Callable[[int], Awaitable[Membership | None]] | None = None,
-                 resolve: Callable[[str], Awaitable[object]] | None = None) -> None:
+    def __init__(
+        self,
+        pools: WorkerPools,
+        actor_name_prefix: str,
+        namespace: str,
+        drain_timeout_s: float,
+        every_s: float = 1.0,
+        on_targets: Callable[[int, int], None] | None = None,
+        read: Callable[[int], Awaitable[Membership | None]] | None = None,
+        resolve: Callable[[str], Awaitable[object]] | None = None,
+    ) -> None:
         self.pools = pools
         self.actor_name_prefix = actor_name_prefix
         self.namespace = namespace
@@ -215,11 +232,13 @@ class MembershipFollower:
                 continue
             self.pools.add_worker(member.worker_id, member.role, handle)
             added.append(member)
-            log.info("worker %s joined the %s pool (directory version %d)", member.worker_id, member.role,
-                     membership.version)
+            log.info(
+                "worker %s joined the %s pool (directory version %d)", member.worker_id, member.role, membership.version
+            )
         for wid in todo.drain:
             self._drains[wid] = asyncio.get_running_loop().create_task(
-                self.pools.drain_worker(wid, self.drain_timeout_s))
+                self.pools.drain_worker(wid, self.drain_timeout_s)
+            )
             log.info("draining worker %s (directory version %d)", wid, membership.version)
         for wid in todo.remove:
             drain = self._drains.pop(wid, None)

@@ -67,7 +67,9 @@ class NodeOffer:
     labels: dict[str, str]
 
     def describe(self) -> str:
-        names = sorted(k for k in self.total if not k.startswith(("node:", "accelerator_type:")) and k not in _BOOKKEEPING)
+        names = sorted(
+            k for k in self.total if not k.startswith(("node:", "accelerator_type:")) and k not in _BOOKKEEPING
+        )
         offers = ", ".join(f"{k} {_num(self.available.get(k, 0.0))}/{_num(self.total[k])} free" for k in names)
         labels = {k: v for k, v in self.labels.items() if not k.startswith("ray.io/")}
         return f"{self.node_id[:12]} ({self.ip}): {offers or 'nothing'}" + (f", labels {labels}" if labels else "")
@@ -76,9 +78,17 @@ class NodeOffer:
 def cluster_nodes() -> list[NodeOffer]:
     """The alive nodes of the Ray cluster this process is connected to."""
     available = ray._private.state.available_resources_per_node()
-    return [NodeOffer(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]), dict(available.get(n["NodeID"], {})),
-                      dict(n.get("Labels") or {}))
-            for n in ray.nodes() if n["Alive"]]
+    return [
+        NodeOffer(
+            n["NodeID"],
+            n["NodeManagerAddress"],
+            dict(n["Resources"]),
+            dict(available.get(n["NodeID"], {})),
+            dict(n.get("Labels") or {}),
+        )
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
 
 
 @dataclass(frozen=True)
@@ -176,15 +186,27 @@ def worker_config(config: BatonConfig, role: str, worker_id: str, placement: Poo
     """The WorkerConfig of one worker. The model is passed as the user gave it, so each worker
     resolves it on its own node; the engine runs where the placement gives it GPUs."""
     engine = replace(config.worker_engine_config(), device=placement.device)
-    return WorkerConfig(worker_id, role, config.model, engine, transport=config.transport.kind,
-                        transfer_timeout_s=config.transport.transfer_timeout_s,
-                        kv_load_failure_policy=config.transport.kv_load_failure_policy,
-                        tp_size=config.placement.tp_size(role),
-                        peer_tp_size=config.placement.tp_size(Role.DECODE if role == Role.PREFILL else Role.PREFILL))
+    return WorkerConfig(
+        worker_id,
+        role,
+        config.model,
+        engine,
+        transport=config.transport.kind,
+        transfer_timeout_s=config.transport.transfer_timeout_s,
+        kv_load_failure_policy=config.transport.kv_load_failure_policy,
+        tp_size=config.placement.tp_size(role),
+        peer_tp_size=config.placement.tp_size(Role.DECODE if role == Role.PREFILL else Role.PREFILL),
+    )
 
 
-def spawn_worker(config: BatonConfig, role: str, index: int, name_prefix: str = "baton",
-                 placement: PoolPlacement | None = None, **actor_options: Any) -> SpawnedWorker:
+def spawn_worker(
+    config: BatonConfig,
+    role: str,
+    index: int,
+    name_prefix: str = "baton",
+    placement: PoolPlacement | None = None,
+    **actor_options: Any,
+) -> SpawnedWorker:
     """Start worker `<role>-<index>` as a Ray actor named `<name_prefix>-<role>-<index>`.
 
     `placement` defaults to the pool's placement on the cluster as it is now; `actor_options`
@@ -203,9 +225,14 @@ def spawn_worker(config: BatonConfig, role: str, index: int, name_prefix: str = 
         bundles = rank_bundles(placement, tp_size)
         selector = [dict(placement.label_selector)] * tp_size if placement.label_selector else None
         group = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
-        options = {"num_cpus": bundles[0].get("CPU", 0), "num_gpus": bundles[0].get("GPU", 0),
-                   "resources": {k: v for k, v in bundles[0].items() if k not in ("CPU", "GPU")}, "name": name,
-                   "scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0), **actor_options}
+        options = {
+            "num_cpus": bundles[0].get("CPU", 0),
+            "num_gpus": bundles[0].get("GPU", 0),
+            "resources": {k: v for k, v in bundles[0].items() if k not in ("CPU", "GPU")},
+            "name": name,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0),
+            **actor_options,
+        }
     handle = actor_class(role).options(**options).remote(worker_config(config, role, worker_id, placement))
     return SpawnedWorker(worker_id, Role(role), index, handle, placement, name, group)
 
@@ -239,8 +266,12 @@ def wait_placed(workers: list[SpawnedWorker], timeout_s: float) -> dict[str, str
         if now - started > timeout_s:
             raise PlacementError(unplaced_message(waiting, timeout_s, cluster_nodes()))
         if now >= next_report:
-            log.warning("waiting %.0f s for Ray to place %s (each needs %s)", now - started,
-                        ", ".join(w.worker_id for w in waiting), waiting[0].placement.describe())
+            log.warning(
+                "waiting %.0f s for Ray to place %s (each needs %s)",
+                now - started,
+                ", ".join(w.worker_id for w in waiting),
+                waiting[0].placement.describe(),
+            )
             next_report = now + _REPORT_EVERY_S
         time.sleep(_POLL_S)
 
@@ -249,8 +280,10 @@ def unplaced_message(waiting: list[SpawnedWorker], timeout_s: float, nodes: list
     """Why the first waiting worker's pool cannot be placed, and what every node offers."""
     pool = waiting[0].placement
     ids = [w.worker_id for w in waiting if w.role == pool.role]
-    head = (f"the {pool.role} pool cannot be placed: {', '.join(ids)} still not placed by Ray after "
-            f"{timeout_s:.0f} s; each needs {pool.describe()}")
+    head = (
+        f"the {pool.role} pool cannot be placed: {', '.join(ids)} still not placed by Ray after "
+        f"{timeout_s:.0f} s; each needs {pool.describe()}"
+    )
     offers = "; ".join(n.describe() for n in nodes) or "no alive nodes"
     return f"{head}. {lacking(pool, nodes)}. The cluster's nodes offer: {offers}"
 
@@ -262,16 +295,22 @@ def lacking(pool: PoolPlacement, nodes: list[NodeOffer]) -> str:
         labels = ",".join(f"{k}={v}" for k, v in pool.label_selector.items())
         return f"Lacking: no node carries the labels {labels}"
     demand = pool.demand()
-    missing = [f"{k} (needs {_num(v)}, the most any node offers is {_num(max(n.total.get(k, 0.0) for n in candidates))})"
-               for k, v in demand.items() if not any(n.total.get(k, 0.0) >= v for n in candidates)]
+    missing = [
+        f"{k} (needs {_num(v)}, the most any node offers is {_num(max(n.total.get(k, 0.0) for n in candidates))})"
+        for k, v in demand.items()
+        if not any(n.total.get(k, 0.0) >= v for n in candidates)
+    ]
     if missing:
         return "Lacking: " + "; ".join(missing)
     whole = [n for n in candidates if all(n.total.get(k, 0.0) >= v for k, v in demand.items())]
     if not whole:
         return f"Lacking: no single node offers all of {pool.describe()}"
     busy = [k for k, v in demand.items() if not any(n.available.get(k, 0.0) >= v for n in whole)]
-    return ("Lacking: " + ", ".join(busy) + " is all in use on the nodes that have it" if busy
-            else "Ray has not placed it yet (the resources looked free when the deadline passed)")
+    return (
+        "Lacking: " + ", ".join(busy) + " is all in use on the nodes that have it"
+        if busy
+        else "Ray has not placed it yet (the resources looked free when the deadline passed)"
+    )
 
 
 def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -289,8 +328,9 @@ def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return True
 
 
-def connect_pairs(prefill: list[tuple[str, Any]], decode: list[tuple[str, Any]],
-                  timeout_s: float = 60.0) -> dict[tuple[str, str], str]:
+def connect_pairs(
+    prefill: list[tuple[str, Any]], decode: list[tuple[str, Any]], timeout_s: float = 60.0
+) -> dict[tuple[str, str], str]:
     """Handshake every prefill worker with every decode worker (both as (worker id, handle));
     returns the KV backend of each (prefill id, decode id) pair. Workers whose KV layouts differ,
     or that no backend can join, are refused here, not mid-request."""

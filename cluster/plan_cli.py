@@ -41,8 +41,11 @@ def parse_duration(text: str) -> float:
 
 
 def add_plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="size the prefill and decode pools for TTFT/TPOT SLOs (simulated)",
-                       description=__doc__.split("\n")[0])
+    p = sub.add_parser(
+        "plan",
+        help="size the prefill and decode pools for TTFT/TPOT SLOs (simulated)",
+        description=__doc__.split("\n")[0],
+    )
     p.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU worker slots) to spend")
     p.add_argument("--model-profile", required=True, help="profile JSON, or roofline:GPU:MODEL[:fp8|bf16[:TP]]")
     p.add_argument("--slo-ttft", type=parse_duration, required=True, help="TTFT SLO, e.g. 2s")
@@ -63,11 +66,17 @@ def _cost(spec: str):
     if spec.startswith("roofline:"):
         parts = spec.split(":")[1:]
         if len(parts) < 2 or parts[0] not in GPUS or parts[1] not in MODELS:
-            raise ValueError(f"--model-profile {spec!r}: use roofline:GPU:MODEL[:fp8|bf16[:TP]] with GPU one of "
-                             f"{sorted(GPUS)} and MODEL one of {sorted(MODELS)}")
+            raise ValueError(
+                f"--model-profile {spec!r}: use roofline:GPU:MODEL[:fp8|bf16[:TP]] with GPU one of "
+                f"{sorted(GPUS)} and MODEL one of {sorted(MODELS)}"
+            )
         dtype = parts[2] if len(parts) > 2 else "fp8"
         tp = int(parts[3]) if len(parts) > 3 else 1
-        return RooflineCostModel(GPUS[parts[0]], MODELS[parts[1]], dtype, dtype, tp), ServingOverheads(), LINKS["nvlink"]
+        return (
+            RooflineCostModel(GPUS[parts[0]], MODELS[parts[1]], dtype, dtype, tp),
+            ServingOverheads(),
+            LINKS["nvlink"],
+        )
     return load_cost_model(spec)
 
 
@@ -79,10 +88,20 @@ def run_plan(args: argparse.Namespace) -> int:
         engine = EngineSettings(
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs or (256 if gpu_scale else 64),
-            max_num_batched_tokens=args.max_num_batched_tokens or (8192 if gpu_scale else 256))
-        problem = PlanProblem(args.gpus, workload, SLO(args.slo_ttft, args.slo_tpot), cost, None, overheads,
-                              LINKS[args.link] if args.link else link, engine, attainment=args.attainment,
-                              requests_per_probe=args.requests_per_probe)
+            max_num_batched_tokens=args.max_num_batched_tokens or (8192 if gpu_scale else 256),
+        )
+        problem = PlanProblem(
+            args.gpus,
+            workload,
+            SLO(args.slo_ttft, args.slo_tpot),
+            cost,
+            None,
+            overheads,
+            LINKS[args.link] if args.link else link,
+            engine,
+            attainment=args.attainment,
+            requests_per_probe=args.requests_per_probe,
+        )
     except ValueError as exc:
         print(f"baton plan: {exc}", file=sys.stderr)
         return 2
@@ -93,28 +112,49 @@ def run_plan(args: argparse.Namespace) -> int:
         plans.insert(0, exhaustive(problem, evaluations))
     best = chosen.best
     # The chosen split at the workload's own rate.
-    sim = Simulator(ClusterSpec(best.prefill_workers, best.decode_workers, engine), cost, overheads, problem.link,
-                    record_itl=False)
+    sim = Simulator(
+        ClusterSpec(best.prefill_workers, best.decode_workers, engine), cost, overheads, problem.link, record_itl=False
+    )
     at_rate = sim.run(workload.generate()).summary(problem.slo)
     g = cost.gpus_per_worker()
-    print(f"plan for {args.gpus} GPUs ({g} per worker): {best.prefill_workers} prefill + {best.decode_workers} decode "
-          f"workers" + (" (colocated: decode workers prefill)" if best.prefill_workers == 0 else ""))
-    print(f"  goodput {best.goodput:.3g} requests/s ({best.goodput_per_gpu:.3g} per GPU) with >= "
-          f"{args.attainment:.0%} of requests within TTFT {args.slo_ttft * 1e3:.0f} ms and TPOT {args.slo_tpot * 1e3:.0f} ms")
-    print(f"  at the workload's rate ({workload.rate:g}/s): SLO attainment {at_rate['slo_attainment']:.1%}, "
-          f"TTFT p99 {at_rate['ttft_ms']['p99'] or 0:.0f} ms, TPOT p99 {at_rate['tpot_ms']['p99'] or 0:.1f} ms")
-    print(f"  {chosen.simulations} simulations ({len(chosen.evaluated)} splits: "
-          + ", ".join(f"{r.label} {r.goodput:.3g}/s" for r in chosen.evaluated) + ")")
+    print(
+        f"plan for {args.gpus} GPUs ({g} per worker): {best.prefill_workers} prefill + {best.decode_workers} decode "
+        f"workers" + (" (colocated: decode workers prefill)" if best.prefill_workers == 0 else "")
+    )
+    print(
+        f"  goodput {best.goodput:.3g} requests/s ({best.goodput_per_gpu:.3g} per GPU) with >= "
+        f"{args.attainment:.0%} of requests within TTFT {args.slo_ttft * 1e3:.0f} ms "
+        f"and TPOT {args.slo_tpot * 1e3:.0f} ms"
+    )
+    print(
+        f"  at the workload's rate ({workload.rate:g}/s): SLO attainment {at_rate['slo_attainment']:.1%}, "
+        f"TTFT p99 {at_rate['ttft_ms']['p99'] or 0:.0f} ms, TPOT p99 {at_rate['tpot_ms']['p99'] or 0:.1f} ms"
+    )
+    print(
+        f"  {chosen.simulations} simulations ({len(chosen.evaluated)} splits: "
+        + ", ".join(f"{r.label} {r.goodput:.3g}/s" for r in chosen.evaluated)
+        + ")"
+    )
     if args.exhaustive:
         ex = plans[0]
-        print(f"  exhaustive search: best {ex.best.label} at {ex.best.goodput:.3g}/s ({ex.simulations} simulations); "
-              f"the plan reaches {best.goodput_per_gpu / ex.best.goodput_per_gpu:.1%} of it"
-              if ex.best.goodput_per_gpu else "  exhaustive search: no split meets the SLOs")
+        print(
+            f"  exhaustive search: best {ex.best.label} at {ex.best.goodput:.3g}/s ({ex.simulations} simulations); "
+            f"the plan reaches {best.goodput_per_gpu / ex.best.goodput_per_gpu:.1%} of it"
+            if ex.best.goodput_per_gpu
+            else "  exhaustive search: no split meets the SLOs"
+        )
     if args.plot:
-        plot_plan(plans, args.plot, f"{args.gpus} GPUs, TTFT {args.slo_ttft * 1e3:.0f} ms, TPOT {args.slo_tpot * 1e3:.0f} ms")
+        plot_plan(
+            plans, args.plot, f"{args.gpus} GPUs, TTFT {args.slo_ttft * 1e3:.0f} ms, TPOT {args.slo_tpot * 1e3:.0f} ms"
+        )
         print(f"  plot: {args.plot}")
     if args.json:
-        data = {"plan": chosen.to_dict(), "at_workload_rate": at_rate, "workload": workload.to_dict(),
-                "engine": dataclasses.asdict(engine), "exhaustive": plans[0].to_dict() if args.exhaustive else None}
+        data = {
+            "plan": chosen.to_dict(),
+            "at_workload_rate": at_rate,
+            "workload": workload.to_dict(),
+            "engine": dataclasses.asdict(engine),
+            "exhaustive": plans[0].to_dict() if args.exhaustive else None,
+        }
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
     return 0

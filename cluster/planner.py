@@ -21,7 +21,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from cluster.sim.costs import CostModel, LinkModel, ServingOverheads, StepShape
 from cluster.sim.engine import EngineSettings
 from cluster.sim.metrics import SLO, RequestRecord, pyplot
@@ -29,8 +28,19 @@ from cluster.sim.simulator import ClusterSpec, Simulator
 from cluster.sim.workload import WorkloadSpec
 from router.routing import RoutingConfig
 
-__all__ = ["Plan", "PlanProblem", "ProbeResult", "SplitEvaluations", "SplitResult", "capacity_estimate",
-           "evaluate_split", "exhaustive", "plan", "plot_plan", "probe"]
+__all__ = [
+    "Plan",
+    "PlanProblem",
+    "ProbeResult",
+    "SplitEvaluations",
+    "SplitResult",
+    "capacity_estimate",
+    "evaluate_split",
+    "exhaustive",
+    "plan",
+    "plot_plan",
+    "probe",
+]
 
 
 @dataclass(frozen=True)
@@ -110,9 +120,16 @@ class Plan:
     estimate: dict
 
     def to_dict(self) -> dict:
-        row = lambda r: {**dataclasses.asdict(r), "goodput_per_gpu": r.goodput_per_gpu, "split": r.label}  # noqa: E731
-        return {"method": self.method, "best": row(self.best), "simulations": self.simulations,
-                "estimate": self.estimate, "evaluated": [row(r) for r in self.evaluated]}
+        def row(r):
+            return {**dataclasses.asdict(r), "goodput_per_gpu": r.goodput_per_gpu, "split": r.label}
+
+        return {
+            "method": self.method,
+            "best": row(self.best),
+            "simulations": self.simulations,
+            "estimate": self.estimate,
+            "evaluated": [row(r) for r in self.evaluated],
+        }
 
 
 def _prefill_seconds(cost: CostModel, engine: EngineSettings, uncached: int, cached: int) -> float:
@@ -149,9 +166,13 @@ def capacity_estimate(problem: PlanProblem) -> dict:
     pg, dg = problem.pcost.gpus_per_worker(), problem.decode_gpus
     # maximise min(p * prefill_cap, d * decode_cap) subject to p * pg + d * dg = gpus
     p_star = problem.gpus * decode_cap / (decode_cap * pg + prefill_cap * dg)
-    return {"prefill_requests_per_s_per_worker": prefill_cap, "decode_requests_per_s_per_worker": decode_cap,
-            "decode_batch_within_tpot": best_batch, "balanced_prefill_workers": p_star,
-            "rate_upper_bound": min(p_star * prefill_cap, (problem.gpus - p_star * pg) / dg * decode_cap) * 1.5}
+    return {
+        "prefill_requests_per_s_per_worker": prefill_cap,
+        "decode_requests_per_s_per_worker": decode_cap,
+        "decode_batch_within_tpot": best_batch,
+        "balanced_prefill_workers": p_star,
+        "rate_upper_bound": min(p_star * prefill_cap, (problem.gpus - p_star * pg) / dg * decode_cap) * 1.5,
+    }
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,19 @@ from typing import Protocol
 
 import ray
 
+from cluster.config import BatonConfig
 from cluster.membership import Member, Membership
-from cluster.placement import (SpawnedWorker, actor_state, connect_pairs, release_placement_group, spawn_worker,
-                               wait_placed)
-from router.admin import PoolsView, ScaleResult
+from cluster.placement import (
+    SpawnedWorker,
+    actor_state,
+    connect_pairs,
+    release_placement_group,
+    spawn_worker,
+    wait_placed,
+)
 from common.protocol import WorkerReady
 from common.roles import ROLES, Role
-
-from cluster.config import BatonConfig
+from router.admin import PoolsView, ScaleResult
 from router.ray_backend import RayBackend
 
 log = logging.getLogger("baton.pools")
@@ -51,8 +56,9 @@ class PoolTargets:
 
     def __post_init__(self) -> None:
         if self.prefill < 0:
-            raise ValueError(f"the prefill pool cannot have {self.prefill} workers (0 or more: 0 makes the "
-                             "decode workers prefill)")
+            raise ValueError(
+                f"the prefill pool cannot have {self.prefill} workers (0 or more: 0 makes the decode workers prefill)"
+            )
         if self.decode < 1:
             raise ValueError(f"the decode pool needs at least 1 worker, got {self.decode}")
 
@@ -77,7 +83,9 @@ class DeploymentState(Protocol):
 class PoolManager:
     """Scales and heals the pools of one running deployment (its backend must be built)."""
 
-    def __init__(self, deployment: DeploymentState, actor_name_prefix: str = "baton", ready_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, deployment: DeploymentState, actor_name_prefix: str = "baton", ready_timeout_s: float = 300.0
+    ) -> None:
         if deployment.backend is None:
             raise ValueError("the deployment has no backend yet")
         self.deployment = deployment
@@ -116,8 +124,11 @@ class PoolManager:
         if not self._on_membership:
             return
         names = {w.worker_id: w.actor_name for w in self.deployment.workers}
-        members = tuple(Member(w.worker_id, Role(w.role).value, names[w.worker_id], w.draining or w.worker_id in draining)
-                        for w in self.workers.workers() if w.worker_id in names)
+        members = tuple(
+            Member(w.worker_id, Role(w.role).value, names[w.worker_id], w.draining or w.worker_id in draining)
+            for w in self.workers.workers()
+            if w.worker_id in names
+        )
         self._membership_version += 1
         membership = Membership(self._membership_version, self.targets.prefill, self.targets.decode, members)
         for callback in self._on_membership:
@@ -136,8 +147,9 @@ class PoolManager:
         """Start or drain workers until each pool has its new size (None: leave that pool)."""
         async with self._lock:
             started = time.monotonic()
-            targets = PoolTargets(self.targets.prefill if prefill is None else prefill,
-                                  self.targets.decode if decode is None else decode)
+            targets = PoolTargets(
+                self.targets.prefill if prefill is None else prefill, self.targets.decode if decode is None else decode
+            )
             before = {role: len(self._serving(role)) for role in ROLES}
             self.targets = targets
             added: list[str] = []
@@ -149,15 +161,22 @@ class PoolManager:
                 added = await self._add_workers(grow)
             for role in ROLES:
                 extra = len(self._serving(role)) - targets.of(role)
-                for wid in self._removal_order(role)[:max(0, extra)]:
+                for wid in self._removal_order(role)[: max(0, extra)]:
                     moved += await self._remove(wid)
                     removed.append(wid)
             for callback in self._on_resize:
                 callback(targets)
             self._publish()  # the new targets, also when no worker changed
             after = {role: len(self._serving(role)) for role in ROLES}
-            log.info("pools scaled from %s to %s (added %s, removed %s, %d requests moved) in %.1f s", before, after,
-                     added, removed, moved, time.monotonic() - started)
+            log.info(
+                "pools scaled from %s to %s (added %s, removed %s, %d requests moved) in %.1f s",
+                before,
+                after,
+                added,
+                removed,
+                moved,
+                time.monotonic() - started,
+            )
             return ScaleResult(before, after, added, removed, moved, round(time.monotonic() - started, 3))
 
     def _removal_order(self, role: str) -> list[str]:
@@ -174,9 +193,17 @@ class PoolManager:
         spawned: list[SpawnedWorker] = []
         try:
             for role in roles:
-                spawned.append(await asyncio.to_thread(
-                    spawn_worker, config, role, next(self._next[role]), self.actor_name_prefix, None,
-                    max_restarts=restarts))
+                spawned.append(
+                    await asyncio.to_thread(
+                        spawn_worker,
+                        config,
+                        role,
+                        next(self._next[role]),
+                        self.actor_name_prefix,
+                        None,
+                        max_restarts=restarts,
+                    )
+                )
                 # Listed at once, so a shutdown while it starts stops it too (the router uses it only later).
                 self.deployment.workers.append(spawned[-1])
             nodes = await asyncio.to_thread(wait_placed, spawned, config.placement.placement_timeout_s)
@@ -209,8 +236,9 @@ class PoolManager:
         if report.block_size != d.block_size:
             raise RuntimeError(f"{report.worker_id} has block size {report.block_size}, the pools {d.block_size}")
         if report.max_model_len < d.max_model_len:
-            raise RuntimeError(f"{report.worker_id} holds {report.max_model_len} tokens, the router serves "
-                               f"{d.max_model_len}")
+            raise RuntimeError(
+                f"{report.worker_id} holds {report.max_model_len} tokens, the router serves {d.max_model_len}"
+            )
 
     def _connect_new(self, spawned: list[SpawnedWorker]) -> None:
         """The start-up handshake for every pair the new workers are in (KV layout and transport)."""

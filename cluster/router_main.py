@@ -28,22 +28,22 @@ from common.envs import ensure_private_ray_env
 
 ensure_private_ray_env()  # before Ray is imported: a private Ray's driver talks to 127.0.0.1
 
-import ray  # noqa: E402
+import ray  # noqa: E402 (Ray reads its RAY_* variables at import: set them first)
 
-from cluster.config import BatonConfig  # noqa: E402
-from cluster.launcher import Deployment, build_app, resize_gates  # noqa: E402
-from cluster.membership import Membership, MembershipFollower, read_membership  # noqa: E402
-from cluster.pool_manager import PoolTargets  # noqa: E402
-from cluster.router_procs import RouterSpec  # noqa: E402
-from common.protocol import RouterClaim  # noqa: E402
-from common.roles import Role  # noqa: E402
-from router.admin import install_admin_forwarding  # noqa: E402
-from router.app import bind_socket, run_during_lifespan  # noqa: E402
-from router.app import serve as serve_http  # noqa: E402
-from router.flow import FlowLimits  # noqa: E402
-from router.pools import WorkerPools  # noqa: E402
-from router.ray_backend import RayBackend  # noqa: E402
-from workers.model_files import DEFAULT_MODEL_NAME, is_repo_id, resolve_model_dir  # noqa: E402
+from cluster.config import BatonConfig  # noqa: E402 (may import Ray: env set first)
+from cluster.launcher import Deployment, build_app, resize_gates  # noqa: E402 (may import Ray: env set first)
+from cluster.membership import Membership, MembershipFollower, read_membership  # noqa: E402 (may import Ray: env set first)
+from cluster.pool_manager import PoolTargets  # noqa: E402 (may import Ray: env set first)
+from cluster.router_procs import RouterSpec  # noqa: E402 (may import Ray: env set first)
+from common.protocol import RouterClaim  # noqa: E402 (may import Ray: env set first)
+from common.roles import Role  # noqa: E402 (may import Ray: env set first)
+from router.admin import install_admin_forwarding  # noqa: E402 (may import Ray: env set first)
+from router.app import bind_socket, run_during_lifespan  # noqa: E402 (may import Ray: env set first)
+from router.app import serve as serve_http  # noqa: E402 (may import Ray: env set first)
+from router.flow import FlowLimits  # noqa: E402 (may import Ray: env set first)
+from router.pools import WorkerPools  # noqa: E402 (may import Ray: env set first)
+from router.ray_backend import RayBackend  # noqa: E402 (may import Ray: env set first)
+from workers.model_files import DEFAULT_MODEL_NAME, is_repo_id, resolve_model_dir  # noqa: E402 (may import Ray: env set first)
 
 __all__ = ["join_spec", "main", "run_router"]
 
@@ -66,26 +66,45 @@ def _exit_with_parent(parent_pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop
 
 
-def join_spec(config_file: str, address: str, count: int, actor_name_prefix: str = "baton",
-              namespace: str = "baton") -> RouterSpec:
+def join_spec(
+    config_file: str, address: str, count: int, actor_name_prefix: str = "baton", namespace: str = "baton"
+) -> RouterSpec:
     """The RouterSpec of a router joining a running `baton serve` from elsewhere (another pod:
     the Helm chart's router Deployment): the workers by the names the launcher gave them, the
     limits from their own start-up reports. Connects this process to Ray (kept for serving)."""
     config = BatonConfig.load(config_file)
     ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
     published = read_membership(actor_name_prefix, namespace)
-    workers = _serving(published) if published is not None else [
-        (f"{role}-{i}", role, f"{actor_name_prefix}-{role}-{i}")
-        for role, n in (("prefill", config.placement.prefill_workers), ("decode", config.placement.decode_workers))
-        for i in range(n)]
+    workers = (
+        _serving(published)
+        if published is not None
+        else [
+            (f"{role}-{i}", role, f"{actor_name_prefix}-{role}-{i}")
+            for role, n in (("prefill", config.placement.prefill_workers), ("decode", config.placement.decode_workers))
+            for i in range(n)
+        ]
+    )
     ready = [ray.get(ray.get_actor(name, namespace=namespace).ready.remote()) for _, _, name in workers]
     limiting = min(ready, key=lambda r: r.max_model_len)
-    model_name = config.served_model_name or (DEFAULT_MODEL_NAME if config.model is None else
-                                              config.model if is_repo_id(config.model) else Path(config.model).name)
-    return RouterSpec(config_file=config_file, ray_address=address, namespace=namespace, workers=workers,
-                      model_dir=str(resolve_model_dir(config.model)), model_name=model_name,
-                      max_model_len=limiting.max_model_len, block_size=limiting.block_size, count=count,
-                      actor_name_prefix=actor_name_prefix)
+    model_name = config.served_model_name or (
+        DEFAULT_MODEL_NAME
+        if config.model is None
+        else config.model
+        if is_repo_id(config.model)
+        else Path(config.model).name
+    )
+    return RouterSpec(
+        config_file=config_file,
+        ray_address=address,
+        namespace=namespace,
+        workers=workers,
+        model_dir=str(resolve_model_dir(config.model)),
+        model_name=model_name,
+        max_model_len=limiting.max_model_len,
+        block_size=limiting.block_size,
+        count=count,
+        actor_name_prefix=actor_name_prefix,
+    )
 
 
 def _serving(membership: Membership) -> list[tuple[str, str, str]]:
@@ -94,8 +113,9 @@ def _serving(membership: Membership) -> list[tuple[str, str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.router_main",
-                                     description="One router process of `baton serve --api-server-count N`.")
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.router_main", description="One router process of `baton serve --api-server-count N`."
+    )
     parser.add_argument("--spec", required=True, help="the launcher's RouterSpec JSON")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--router-id", required=True)
@@ -108,8 +128,9 @@ def run_router(spec: RouterSpec, index: int, router_id: str, parent_pid: int | N
     """Serve as router `index` of `spec.count` over the spec's workers until SIGTERM."""
     config = BatonConfig.load(spec.config_file)
     server, placement = config.server, config.placement
-    logging.basicConfig(level=server.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s {router_id} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=server.log_level.upper(), format=f"%(asctime)s %(levelname)s {router_id} %(name)s: %(message)s"
+    )
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if not ray.is_initialized():
@@ -118,17 +139,24 @@ def run_router(spec: RouterSpec, index: int, router_id: str, parent_pid: int | N
     # router must not look for a worker stopped meanwhile).
     published = read_membership(spec.actor_name_prefix, spec.namespace)
     listed = _serving(published) if published is not None else spec.workers
-    workers = [_JoinedWorker(wid, Role(role), ray.get_actor(name, namespace=spec.namespace))
-               for wid, role, name in listed]
+    workers = [
+        _JoinedWorker(wid, Role(role), ray.get_actor(name, namespace=spec.namespace)) for wid, role, name in listed
+    ]
     pools = WorkerPools(workers, router=RouterClaim(router_id, placement.router_lease_s))
     backend = RayBackend(pools, FlowLimits(placement.max_migrations, placement.migration_wait_s))
-    deployment = Deployment(config, Path(spec.model_dir), spec.model_name, spec.max_model_len, spec.block_size, [],
-                            backend, owns_ray=False)
-    app = build_app(deployment, router_index=index, router_id=router_id, metrics_dir=spec.metrics_dir,
-                    routers=spec.count)
+    deployment = Deployment(
+        config, Path(spec.model_dir), spec.model_name, spec.max_model_len, spec.block_size, [], backend, owns_ray=False
+    )
+    app = build_app(
+        deployment, router_index=index, router_id=router_id, metrics_dir=spec.metrics_dir, routers=spec.count
+    )
     follower = MembershipFollower(
-        pools, spec.actor_name_prefix, spec.namespace, placement.drain_timeout_s,
-        on_targets=lambda prefill, decode: resize_gates(app, config, PoolTargets(prefill, decode), spec.count, index))
+        pools,
+        spec.actor_name_prefix,
+        spec.namespace,
+        placement.drain_timeout_s,
+        on_targets=lambda prefill, decode: resize_gates(app, config, PoolTargets(prefill, decode), spec.count, index),
+    )
     run_during_lifespan(app, lambda: asyncio.get_running_loop().create_task(follower.run()), asyncio.Task.cancel)
     if spec.admin_port is not None:
         install_admin_forwarding(app, config.admin.with_token_from_env(), f"http://127.0.0.1:{spec.admin_port}")

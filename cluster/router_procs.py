@@ -67,7 +67,7 @@ class RouterSpec:
         path.write_text(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
-    def read(cls, path: str | os.PathLike) -> "RouterSpec":
+    def read(cls, path: str | os.PathLike) -> RouterSpec:
         data = json.loads(Path(path).read_text())
         data["workers"] = [tuple(w) for w in data["workers"]]
         return cls(**data)
@@ -102,8 +102,19 @@ class RouterProcesses:
         incarnation = self._incarnation.get(index, -1) + 1
         self._incarnation[index] = incarnation
         router_id = child_router_id(index, incarnation)
-        command = [sys.executable, "-m", "cluster.router_main", "--spec", str(self.spec_file),
-                   "--index", str(index), "--router-id", router_id, "--parent-pid", str(os.getpid())]
+        command = [
+            sys.executable,
+            "-m",
+            "cluster.router_main",
+            "--spec",
+            str(self.spec_file),
+            "--index",
+            str(index),
+            "--router-id",
+            router_id,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         self._procs[index] = subprocess.Popen(command)
         log.info("router %s started (pid %d)", router_id, self._procs[index].pid)
 
@@ -112,8 +123,11 @@ class RouterProcesses:
             with self._lock:
                 for index, proc in list(self._procs.items()):
                     if proc.poll() is not None and not self._stopping.is_set():
-                        log.warning("router %s exited with %s; restarting it",
-                                    child_router_id(index, self._incarnation[index]), proc.returncode)
+                        log.warning(
+                            "router %s exited with %s; restarting it",
+                            child_router_id(index, self._incarnation[index]),
+                            proc.returncode,
+                        )
                         self.restarts += 1
                         self._launch(index)
 

@@ -26,7 +26,8 @@ SCHEMAS: dict[str, dict] = {
             "name": {"type": "string", "minLength": 1, "maxLength": 24},
             "age": {"type": "integer", "minimum": 0, "maximum": 120},
         },
-        "required": ["name", "age"], "additionalProperties": False,
+        "required": ["name", "age"],
+        "additionalProperties": False,
     },
     "order": {
         "type": "object",
@@ -35,29 +36,44 @@ SCHEMAS: dict[str, dict] = {
             "status": {"type": "string", "enum": ["pending", "shipped", "delivered"]},
             "total": {"type": "number", "minimum": 0, "maximum": 1000},
         },
-        "required": ["id", "status", "total"], "additionalProperties": False,
+        "required": ["id", "status", "total"],
+        "additionalProperties": False,
     },
     "tags": {
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
-                                "minItems": 1, "maxItems": 3}},
-        "required": ["tags"], "additionalProperties": False,
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        "required": ["tags"],
+        "additionalProperties": False,
     },
     "address": {
         "type": "object",
         "properties": {
             "city": {"type": "string", "maxLength": 20},
-            "location": {"type": "object", "properties": {
-                "lat": {"type": "number", "minimum": -90, "maximum": 90},
-                "lon": {"type": "number", "minimum": -180, "maximum": 180}},
-                "required": ["lat", "lon"], "additionalProperties": False},
+            "location": {
+                "type": "object",
+                "properties": {
+                    "lat": {"type": "number", "minimum": -90, "maximum": 90},
+                    "lon": {"type": "number", "minimum": -180, "maximum": 180},
+                },
+                "required": ["lat", "lon"],
+                "additionalProperties": False,
+            },
         },
-        "required": ["city", "location"], "additionalProperties": False,
+        "required": ["city", "location"],
+        "additionalProperties": False,
     },
     "flag": {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}, "code": {"type": "integer", "enum": [200, 404, 500]}},
-        "required": ["ok", "code"], "additionalProperties": False,
+        "required": ["ok", "code"],
+        "additionalProperties": False,
     },
 }
 PROMPTS: dict[str, str] = {
@@ -83,8 +99,15 @@ class SchemaRequest:
 def schema_requests(n: int) -> list[SchemaRequest]:
     """n prompts, round-robin over the schemas, with varied wording (distinct prompts)."""
     names = list(SCHEMAS)
-    return [SchemaRequest(names[i % len(names)], PROMPTS[names[i % len(names)]] + VARIANTS[(i // len(names)) % len(VARIANTS)]
-                          + (f" (case {i})" if i >= len(names) * len(VARIANTS) else "")) for i in range(n)]
+    return [
+        SchemaRequest(
+            names[i % len(names)],
+            PROMPTS[names[i % len(names)]]
+            + VARIANTS[(i // len(names)) % len(VARIANTS)]
+            + (f" (case {i})" if i >= len(names) * len(VARIANTS) else ""),
+        )
+        for i in range(n)
+    ]
 
 
 def check_reply(text: str, schema: dict, allow_trailing: bool = False) -> str | None:
@@ -132,13 +155,19 @@ class SchemaReply:
         return why
 
 
-async def _schema_request(client: httpx.AsyncClient, i: int, request: SchemaRequest, max_tokens: int,
-                          timeout_s: float) -> SchemaReply:
+async def _schema_request(
+    client: httpx.AsyncClient, i: int, request: SchemaRequest, max_tokens: int, timeout_s: float
+) -> SchemaReply:
     """Request i: streamed when i is even, greedy except every third (sampled at 0.7, seeded)."""
     stream = i % 2 == 0
-    body = {"messages": schema_messages(i, request.prompt), "max_tokens": max_tokens,
-            "temperature": 0.0 if i % 3 else 0.7, "seed": i, "response_format": response_format(request.schema_name),
-            "stream": stream}
+    body = {
+        "messages": schema_messages(i, request.prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0 if i % 3 else 0.7,
+        "seed": i,
+        "response_format": response_format(request.schema_name),
+        "stream": stream,
+    }
     if not stream:
         r = await client.post("/v1/chat/completions", json=body, timeout=timeout_s)
         r.raise_for_status()
@@ -157,35 +186,85 @@ async def _schema_request(client: httpx.AsyncClient, i: int, request: SchemaRequ
     return SchemaReply(request, text, reason)
 
 
-async def schema_load(base_url: str, n: int, concurrency: int = 16, max_tokens: int = 120, timeout_s: float = 300.0,
-                      during: Callable[[], Awaitable[None]] | None = None) -> list[SchemaReply]:
+async def schema_load(
+    base_url: str,
+    n: int,
+    concurrency: int = 16,
+    max_tokens: int = 120,
+    timeout_s: float = 300.0,
+    during: Callable[[], Awaitable[None]] | None = None,
+) -> list[SchemaReply]:
     """`schema_requests(n)` over HTTP at `concurrency`; `during()` runs once the requests are sent
     (e.g. a worker killed mid-reply)."""
     requests = schema_requests(n)
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as client:
+
         async def gated(i: int) -> SchemaReply:
             async with gate:
                 return await _schema_request(client, i, requests[i], max_tokens, timeout_s)
+
         tasks = [asyncio.create_task(gated(i)) for i in range(n)]
         if during is not None:
             await during()
         return list(await asyncio.gather(*tasks))
 
 
-def bench_command(vllm: str, base_url: str, tokenizer: str, seed: int, num_prompts: int, concurrency: int,
-                  max_tokens: int, out: Path, schema: dict | None, output_range_ratio: float = 0.0) -> list[str]:
+def bench_command(
+    vllm: str,
+    base_url: str,
+    tokenizer: str,
+    seed: int,
+    num_prompts: int,
+    concurrency: int,
+    max_tokens: int,
+    out: Path,
+    schema: dict | None,
+    output_range_ratio: float = 0.0,
+) -> list[str]:
     """One `vllm bench serve` over vLLM's random prompts (`seed`), sampling as its defaults do;
     constrained by `schema` when given. Unconstrained, every reply runs to its drawn length:
     `max_tokens`, or uniform within `output_range_ratio` of it."""
-    command = [vllm, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-               "--base-url", base_url, "--model", MODEL_NAME, "--tokenizer", tokenizer,
-               "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", str(max_tokens),
-               "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-               "--seed", str(seed), "--disable-tqdm", "--save-result", "--save-detailed",
-               "--result-dir", str(out.parent), "--result-filename", out.name]
+    command = [
+        vllm,
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        base_url,
+        "--model",
+        MODEL_NAME,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "64",
+        "--random-output-len",
+        str(max_tokens),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--seed",
+        str(seed),
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
     if schema is None:
-        spread = ["--random-range-ratio", json.dumps({"input": 0.0, "output": output_range_ratio})] if output_range_ratio else []
+        spread = (
+            ["--random-range-ratio", json.dumps({"input": 0.0, "output": output_range_ratio})]
+            if output_range_ratio
+            else []
+        )
         return command + spread + ["--ignore-eos"]
     # `vllm bench serve` sets ignore_eos on every request of its random dataset; a structured reply
     # ends with its value (the grammar's stop token), so the constrained runs turn it off again.
@@ -201,7 +280,7 @@ def matching_lengths(output_lens: list[int]) -> tuple[int, float]:
     mean = statistics.fmean(output_lens)
     if len(output_lens) < 2:
         return max(1, round(mean)), 0.0
-    return max(1, round(mean)), round(min(0.95, 3 ** 0.5 * statistics.stdev(output_lens) / mean), 3)
+    return max(1, round(mean)), round(min(0.95, 3**0.5 * statistics.stdev(output_lens) / mean), 3)
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -216,7 +295,12 @@ def aggregate(runs: list[dict]) -> dict:
         total = sum(n for _, n in weighted)
         return round(sum(v * n for v, n in weighted) / total, 2) if total else None
 
-    return {"completed": completed, "failed": sum(r.get("failed", 0) for r in runs),
-            "output_tokens": tokens, "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(tokens / seconds, 2) if seconds else None,
-            "mean_ttft_ms": mean_of("mean_ttft_ms"), "mean_tpot_ms": mean_of("mean_tpot_ms")}
+    return {
+        "completed": completed,
+        "failed": sum(r.get("failed", 0) for r in runs),
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+        "mean_ttft_ms": mean_of("mean_ttft_ms"),
+        "mean_tpot_ms": mean_of("mean_tpot_ms"),
+    }

@@ -29,17 +29,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from common.envs import ensure_private_ray_env
 
 # Ray reads this when it is imported: its drivers then talk to 127.0.0.1, not the machine's
 # interface address (which no simulated node listens on).
 ensure_private_ray_env()
 
-import ray  # noqa: E402
-import yaml  # noqa: E402
+import ray  # noqa: E402 (Ray reads its RAY_* variables at import: set them first)
 
-from cluster.harness import ServedApp, ServerDidNotStart, free_port, serve_app  # noqa: E402
-from cluster.launcher import build_app, deploy  # noqa: E402
+from cluster.harness import ServedApp, ServerDidNotStart, free_port, serve_app  # noqa: E402 (may import Ray: env set first)
+from cluster.launcher import build_app, deploy  # noqa: E402 (may import Ray: env set first)
 
 REPO = Path(__file__).resolve().parents[1]
 # Ray caps each simulated node's object store; they share /dev/shm with everything else here.
@@ -48,8 +49,11 @@ OBJECT_STORE_BYTES = 128 << 20
 # less: the autoscaler launches the nodes after 1 s instead of 5 s, and the GCS takes a node whose
 # raylet stopped answering for dead after 3 failed checks 1 s apart (default 5, 3 s apart: 15 s).
 # A check still waits Ray's default 10 s for an answer, so a slow but live node is not taken for dead.
-FAST_RAY_ENV = {"AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_health_check_period_ms": "1000",
-                "RAY_health_check_failure_threshold": "3"}
+FAST_RAY_ENV = {
+    "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
 
 
 def leave_ray() -> bool:
@@ -94,8 +98,13 @@ class RunningServer:
         deadline = time.monotonic() + timeout_s
         while True:
             stats = self.stats()
-            if all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
-                   for s in stats.values()) or time.monotonic() > deadline:
+            if (
+                all(
+                    s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
+                    for s in stats.values()
+                )
+                or time.monotonic() > deadline
+            ):
                 return stats
             time.sleep(0.2)
 
@@ -173,19 +182,38 @@ def cluster_yaml(node_types: list[NodeType], gcs_port: int, head_cpus: float) ->
     """The fake provider's cluster file (the recipe in DESIGN.md)."""
     types = {"ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0}}
     for t in node_types:
-        types[t.name] = {"resources": {**t.resources, "object_store_memory": OBJECT_STORE_BYTES},
-                         "node_config": {}, "min_workers": t.count, "max_workers": t.count}
+        types[t.name] = {
+            "resources": {**t.resources, "object_store_memory": OBJECT_STORE_BYTES},
+            "node_config": {},
+            "min_workers": t.count,
+            "max_workers": t.count,
+        }
         if t.labels:
             types[t.name]["labels"] = dict(t.labels)
     return {
-        "cluster_name": "baton-fake", "max_workers": sum(t.count for t in node_types), "upscaling_speed": 10.0,
+        "cluster_name": "baton-fake",
+        "max_workers": sum(t.count for t in node_types),
+        "upscaling_speed": 10.0,
         "idle_timeout_minutes": 60,
-        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                     "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{gcs_port}"},
-        "auth": {"ssh_user": "ubuntu"}, "available_node_types": types, "head_node_type": "ray.head.default",
-        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
-        "initialization_commands": [], "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
-        "head_start_ray_commands": [], "worker_start_ray_commands": [],
+        "provider": {
+            "type": "fake_multinode",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+            "gcs_address": f"127.0.0.1:{gcs_port}",
+        },
+        "auth": {"ssh_user": "ubuntu"},
+        "available_node_types": types,
+        "head_node_type": "ray.head.default",
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
     }
 
 
@@ -204,20 +232,42 @@ class FakeCluster:
         self._log = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, timeout_s: float = 120.0) -> "FakeCluster":
+    def start(self, timeout_s: float = 120.0) -> FakeCluster:
         config = self.workdir / "cluster.yaml"
         config.write_text(yaml.safe_dump(cluster_yaml(self.node_types, self.port, self.head_cpus)))
-        env = dict(os.environ, RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled",
-                   RAY_TMPDIR=str(self.workdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                   RAY_SCHEDULER_EVENTS="0", **{**FAST_RAY_ENV, **self.env})
+        env = dict(
+            os.environ,
+            RAY_FAKE_CLUSTER="1",
+            RAY_AUTH_MODE="disabled",
+            RAY_TMPDIR=str(self.workdir),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            RAY_SCHEDULER_EVENTS="0",
+            **{**FAST_RAY_ENV, **self.env},
+        )
         ensure_private_ray_env(env)
         ray_bin = Path(sys.executable).with_name("ray")
         self._log = (self.workdir / "ray-start.log").open("w")
         self._proc = subprocess.Popen(
-            [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}",
-             f"--dashboard-agent-listen-port={free_port()}", "--include-dashboard=false", f"--num-cpus={self.head_cpus}", "--num-gpus=0",
-             f"--object-store-memory={OBJECT_STORE_BYTES}", f"--autoscaling-config={config}", "--block"],
-            env=env, cwd=str(self.workdir), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(ray_bin),
+                "start",
+                "--head",
+                "--node-ip-address=127.0.0.1",
+                f"--port={self.port}",
+                f"--dashboard-agent-listen-port={free_port()}",
+                "--include-dashboard=false",
+                f"--num-cpus={self.head_cpus}",
+                "--num-gpus=0",
+                f"--object-store-memory={OBJECT_STORE_BYTES}",
+                f"--autoscaling-config={config}",
+                "--block",
+            ],
+            env=env,
+            cwd=str(self.workdir),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             self._connect(timeout_s)
         except BaseException:
@@ -227,8 +277,10 @@ class FakeCluster:
 
     def _connect(self, timeout_s: float) -> None:
         if ray._private.ray_constants.ENABLE_RAY_CLUSTER:
-            raise RuntimeError("Ray was imported without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: this driver would look "
-                               "for the cluster on the machine's interface address; set it before importing ray")
+            raise RuntimeError(
+                "Ray was imported without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: this driver would look "
+                "for the cluster on the machine's interface address; set it before importing ray"
+            )
         os.environ["RAY_AUTH_MODE"] = "disabled"  # as the cluster runs
         deadline = time.monotonic() + timeout_s
         # ray.init on an address where no GCS answers yet retries for minutes: first wait for
@@ -243,8 +295,10 @@ class FakeCluster:
         want = 1 + sum(t.count for t in self.node_types)
         while len(self.alive_nodes()) < want:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(self.alive_nodes())} of {want} Ray nodes came up in {timeout_s:.0f} s; "
-                                   f"{self.log_tail()}")
+                raise TimeoutError(
+                    f"only {len(self.alive_nodes())} of {want} Ray nodes came up in {timeout_s:.0f} s; "
+                    f"{self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def stop(self) -> None:
@@ -263,7 +317,7 @@ class FakeCluster:
             time.sleep(0.5)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "FakeCluster":
+    def __enter__(self) -> FakeCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -281,10 +335,13 @@ class FakeCluster:
         kind = next(t for t in self.node_types if t.name == node_type)
         marker = {k for k in kind.resources if k not in ("CPU", "GPU", "memory")}
         labels = kind.labels
-        return {n["NodeID"] for n in self.alive_nodes()
-                if "node:__internal_head__" not in n["Resources"]
-                and all(k in n["Resources"] for k in marker)
-                and all((n.get("Labels") or {}).get(k) == v for k, v in labels.items())}
+        return {
+            n["NodeID"]
+            for n in self.alive_nodes()
+            if "node:__internal_head__" not in n["Resources"]
+            and all(k in n["Resources"] for k in marker)
+            and all((n.get("Labels") or {}).get(k) == v for k, v in labels.items())
+        }
 
     def node_pids(self, node_id: str) -> list[int]:
         """Processes of one simulated node: its raylet and what it started (found by the node id

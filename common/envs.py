@@ -14,9 +14,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "BATON_ADMIN_TOKEN", "BATON_API_KEY", "BATON_CACHE_DIR", "BATON_STEP_LOG_DIR", "CXX", "ENV_VARS", "EnvVar",
-    "HF_HOME", "HF_HUB_CACHE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "TRITON_INTERPRET", "admin_token", "api_key",
-    "cache_dir", "cxx", "ensure_private_ray_env", "hf_hub_cache", "step_log_dir", "triton_interpret",
+    "BATON_ADMIN_TOKEN",
+    "BATON_API_KEY",
+    "BATON_CACHE_DIR",
+    "BATON_STEP_LOG_DIR",
+    "CXX",
+    "ENV_VARS",
+    "EnvVar",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    "TRITON_INTERPRET",
+    "admin_token",
+    "api_key",
+    "cache_dir",
+    "cxx",
+    "ensure_private_ray_env",
+    "hf_hub_cache",
+    "step_log_dir",
+    "triton_interpret",
 ]
 
 
@@ -38,28 +54,52 @@ def _home(*parts: str) -> str:
     return str(Path("~", *parts))
 
 
-BATON_CACHE_DIR = EnvVar("BATON_CACHE_DIR", _home(".cache", "baton"),
-                         "Baton's cache: imported GGUF models (models/) and compiled CPU kernels (kernels/)")
-BATON_API_KEY = EnvVar("BATON_API_KEY", None,
-                       "the router's API keys, comma-separated, when --api-key is not given (no key: no auth)")
-BATON_ADMIN_TOKEN = EnvVar("BATON_ADMIN_TOKEN", None,
-                           "the admin endpoint's token when --admin-token is not given (none: loopback only)")
-BATON_STEP_LOG_DIR = EnvVar("BATON_STEP_LOG_DIR", None,
-                            "a folder where every worker appends each engine step's shape and time to <worker>.jsonl")
+BATON_CACHE_DIR = EnvVar(
+    "BATON_CACHE_DIR",
+    _home(".cache", "baton"),
+    "Baton's cache: imported GGUF models (models/) and compiled CPU kernels (kernels/)",
+)
+BATON_API_KEY = EnvVar(
+    "BATON_API_KEY", None, "the router's API keys, comma-separated, when --api-key is not given (no key: no auth)"
+)
+BATON_ADMIN_TOKEN = EnvVar(
+    "BATON_ADMIN_TOKEN", None, "the admin endpoint's token when --admin-token is not given (none: loopback only)"
+)
+BATON_STEP_LOG_DIR = EnvVar(
+    "BATON_STEP_LOG_DIR",
+    None,
+    "a folder where every worker appends each engine step's shape and time to <worker>.jsonl",
+)
 HF_HUB_CACHE = EnvVar("HF_HUB_CACHE", None, "Hugging Face's hub cache folder (wins over HF_HOME)")
 HF_HOME = EnvVar("HF_HOME", _home(".cache", "huggingface"), "Hugging Face's home; the hub cache is HF_HOME/hub")
 CXX = EnvVar("CXX", "c++", "the C++ compiler that builds the native CPU kernels (else g++, else clang++)")
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "1/true/on/yes: run Triton kernels in Triton's interpreter")
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = EnvVar(
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0",
-    "set (not read) by Baton before Ray starts: 0 makes a private Ray bind and talk to 127.0.0.1 only")
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    "0",
+    "set (not read) by Baton before Ray starts: 0 makes a private Ray bind and talk to 127.0.0.1 only",
+)
 RAY_WORKER_NICENESS = EnvVar(
-    "RAY_worker_niceness", "0",
-    "set (not read) by Baton before Ray starts: 0 starts Ray's worker processes at normal priority, not Ray's 15")
+    "RAY_worker_niceness",
+    "0",
+    "set (not read) by Baton before Ray starts: 0 starts Ray's worker processes at normal priority, not Ray's 15",
+)
 
-ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
-    BATON_CACHE_DIR, BATON_API_KEY, BATON_ADMIN_TOKEN, BATON_STEP_LOG_DIR, HF_HUB_CACHE, HF_HOME, CXX,
-    TRITON_INTERPRET, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER, RAY_WORKER_NICENESS)}
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        BATON_CACHE_DIR,
+        BATON_API_KEY,
+        BATON_ADMIN_TOKEN,
+        BATON_STEP_LOG_DIR,
+        HF_HUB_CACHE,
+        HF_HOME,
+        CXX,
+        TRITON_INTERPRET,
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER,
+        RAY_WORKER_NICENESS,
+    )
+}
 
 
 def cache_dir() -> Path:

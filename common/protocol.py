@@ -63,7 +63,6 @@ class KVReservation:
     num_cached_tokens: int
 
 
-
 @dataclass(frozen=True)
 class ResumeState:
     """Where a migrated request stands: its first decode worker died after producing
@@ -133,14 +132,11 @@ class KVLayout:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in KV_DTYPE_ITEMSIZE:
-            raise ValueError(
-                f"KVLayout.dtype {self.dtype!r} is not one of {sorted(KV_DTYPE_ITEMSIZE)}"
-            )
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(KV_DTYPE_ITEMSIZE)}")
         scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
         if scales and len(scales) != self.num_layers:
             raise ValueError(
-                f"KVLayout.kv_scales has {len(scales)} entries, expected one (k, v) pair per "
-                f"layer ({self.num_layers})"
+                f"KVLayout.kv_scales has {len(scales)} entries, expected one (k, v) pair per layer ({self.num_layers})"
             )
         for i, (k, v) in enumerate(scales):
             if not (math.isfinite(k) and math.isfinite(v) and k > 0 and v > 0):
@@ -150,16 +146,18 @@ class KVLayout:
         object.__setattr__(self, "kv_scales", scales)
         windows = tuple(None if w is None else int(w) for w in self.layer_windows)
         if windows and len(windows) != self.num_layers:
-            raise ValueError(f"KVLayout.layer_windows has {len(windows)} entries, expected one per layer "
-                             f"({self.num_layers})")
+            raise ValueError(
+                f"KVLayout.layer_windows has {len(windows)} entries, expected one per layer ({self.num_layers})"
+            )
         if any(w is not None and w < 1 for w in windows):
             raise ValueError(f"KVLayout.layer_windows {windows} must hold None or windows >= 1")
         object.__setattr__(self, "layer_windows", windows if any(w is not None for w in windows) else ())
         if self.kv_heads is not None:
             start, stop = (int(h) for h in self.kv_heads)
             if not 0 <= start < stop or stop - start != self.num_kv_heads:
-                raise ValueError(f"KVLayout.kv_heads {self.kv_heads} must be a range of num_kv_heads "
-                                 f"({self.num_kv_heads}) heads")
+                raise ValueError(
+                    f"KVLayout.kv_heads {self.kv_heads} must be a range of num_kv_heads ({self.num_kv_heads}) heads"
+                )
             # Heads 0..n-1 of n are what a layout that names no heads holds: one meaning, one value.
             object.__setattr__(self, "kv_heads", None if start == 0 else (start, stop))
 
@@ -170,15 +168,12 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes one block occupies across all layers, K and V."""
-        return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-            * self.element_size
-        )
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def check_compatible(self, peer: "KVLayout") -> None:
+    def check_compatible(self, peer: KVLayout) -> None:
         """Raise KVLayoutMismatch naming the first field that differs (ours vs the peer's)."""
         if not isinstance(peer, KVLayout):
             raise KVLayoutMismatch(f"peer layout is {type(peer).__name__}, not KVLayout")
@@ -222,13 +217,13 @@ class KVEndpoint:
     address: dict = field(default_factory=dict, compare=False)
     # A tensor-parallel worker: the endpoints of its ranks 1..N-1 (this one is rank 0's); each
     # prefill rank pushes its heads into the ranks that hold them (kvtransfer.resharding).
-    ranks: tuple["KVEndpoint", ...] = field(default=(), compare=False)
+    ranks: tuple[KVEndpoint, ...] = field(default=(), compare=False)
     # A rank fed by a prefill group of finer ranks: the caches that receive a part of its heads
     # (one per prefill rank's heads; kvtransfer.resharding).
-    inlets: tuple["KVEndpoint", ...] = field(default=(), compare=False)
+    inlets: tuple[KVEndpoint, ...] = field(default=(), compare=False)
     # A worker with a draft model (speculative decoding's draft_model): the draft's own cache, into
     # which a prefill worker pushes the draft's KV of the prompt beside the target's (kvtransfer.resharding).
-    draft: "KVEndpoint | None" = field(default=None, compare=False)
+    draft: KVEndpoint | None = field(default=None, compare=False)
 
     @property
     def peer_key(self) -> tuple[str, str]:
@@ -296,8 +291,23 @@ class GrammarCompileError(ValueError):
     worker raises it before it holds anything of the request; the router answers 400."""
 
 
-# Upper bounds (seconds) of the grammar compile-time histogram the workers keep (baton:structured_output_compile_seconds).
-COMPILE_SECONDS_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Upper bounds (seconds) of the grammar compile-time histogram the workers keep
+# (baton:structured_output_compile_seconds).
+COMPILE_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 @dataclass(frozen=True)

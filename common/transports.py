@@ -17,8 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BACKENDS", "CHOICES", "DEVICES", "FIXED_CHOICES", "KV_LOAD_FAILURE_POLICIES", "KVLoadFailed", "Place",
-           "offered_kinds"]
+__all__ = [
+    "BACKENDS",
+    "CHOICES",
+    "DEVICES",
+    "FIXED_CHOICES",
+    "KV_LOAD_FAILURE_POLICIES",
+    "KVLoadFailed",
+    "Place",
+    "offered_kinds",
+]
 
 CHOICES = ("auto", "cpu", "shm", "gloo", "nccl")
 # The choices that name one backend for every pair (the others choose per pair).
@@ -71,7 +79,9 @@ def offered_kinds(choice: str, place: Place) -> tuple[str, ...]:
         return (choice,)
     if place.device == "cuda":
         if choice == "cpu":
-            raise ValueError("transport 'cpu' (shm/gloo) needs the workers' KV caches on the CPU; "
-                             "GPU workers use nccl (transport auto or nccl)")
+            raise ValueError(
+                "transport 'cpu' (shm/gloo) needs the workers' KV caches on the CPU; "
+                "GPU workers use nccl (transport auto or nccl)"
+            )
         return ("nccl",)
     return ("shm", "gloo")

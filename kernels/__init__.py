@@ -10,5 +10,6 @@ One kernel per module: rms_norm, rotary (and the RoPE cache), silu_mul, kv_store
 (split-K) with decode_attention_reduce (its merge), prefill_attention, sampling (the exponential
 race that draws every sampled row's token in one pass), fp8_quant, fp8_gemm,
 block_copy (KV pack/unpack for network transfers, and the native cache-to-cache copy that
-kvtransfer's shared-memory backend calls directly). Modules starting with `_` hold shared checks and helpers, no kernels.
+kvtransfer's shared-memory backend calls directly). Modules starting with `_` hold shared checks
+and helpers, no kernels.
 """

@@ -70,9 +70,14 @@ def native_cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: flo
     """The cache part of a native attention kernel's arguments: (k ptr, v ptr, dtype code,
     num_blocks, k FP8 table ptr, v FP8 table ptr). The tables are memoised, so they outlive the call."""
     fp8 = is_fp8(k_cache.dtype)
-    return (k_cache.data_ptr(), v_cache.data_ptr(), cpu_native.DTYPE_CODES[k_cache.dtype], k_cache.shape[0],
-            scaled_fp8_table(k_scale).data_ptr() if fp8 else None,
-            scaled_fp8_table(v_scale).data_ptr() if fp8 else None)
+    return (
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        cpu_native.DTYPE_CODES[k_cache.dtype],
+        k_cache.shape[0],
+        scaled_fp8_table(k_scale).data_ptr() if fp8 else None,
+        scaled_fp8_table(v_scale).data_ptr() if fp8 else None,
+    )
 
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, scale: float) -> torch.Tensor:

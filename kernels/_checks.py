@@ -18,6 +18,7 @@ def require(cond: bool, msg: str) -> None:
 # The checks below run on every kernel call (hundreds per decode step), so each builds its
 # message only once a check has failed.
 
+
 def check_tensor(t, name: str, ndim: int | None = None, dtypes=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -44,8 +45,9 @@ def check_kv_cache(k_cache, v_cache) -> None:
         if not c.is_contiguous():
             raise ValueError(f"{name} must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
-                         f"{v_cache.dtype} differ")
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} {v_cache.dtype} differ"
+        )
 
 
 def check_scale(value, name: str) -> float:

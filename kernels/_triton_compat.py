@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from common import envs
 
-
 try:
     import triton
     import triton.language as tl
@@ -25,7 +24,7 @@ except ImportError:  # macOS or a minimal install: references only
         def __getattr__(self, name):
             raise RuntimeError("triton is not installed; use kernel_backend='reference'")
 
-    triton = tl = _MissingTriton()  # type: ignore[assignment]
+    triton = tl = _MissingTriton()  # type: ignore[assignment]  # a stand-in that fails on use, not a module
 
 
 def interpreting() -> bool:

@@ -24,8 +24,17 @@ import torch
 from kernels import cpu_native
 from kernels._checks import check_last_dim_contiguous, check_tensor, require
 
-_LINEAR_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.PTR, cpu_native.PTR, cpu_native.I64,
-                cpu_native.I64, cpu_native.I64, cpu_native.I32)
+_LINEAR_ARGS = (
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I32,
+)
 TILE_K = 32
 
 
@@ -44,8 +53,10 @@ def pack_weight(packed: torch.Tensor) -> torch.Tensor:
     """small_m_linear's [N / 16, K, 16] float32 packing -> the kernel's bfloat16 tiles, as int16
     [N / 16, Kp / 32, 2, 16, 32] (Kp: K rounded up to 32; hi then lo part)."""
     check_tensor(packed, "packed", 3, (torch.float32,))
-    require(packed.is_contiguous() and packed.shape[2] == 16,
-            f"packed must be a contiguous [N / 16, K, 16] float32 weight, got {tuple(packed.shape)}")
+    require(
+        packed.is_contiguous() and packed.shape[2] == 16,
+        f"packed must be a contiguous [N / 16, K, 16] float32 weight, got {tuple(packed.shape)}",
+    )
     blocks, k, _ = packed.shape
     kp = -(-k // TILE_K) * TILE_K
     out = torch.empty(blocks, kp // TILE_K, 2, 16, 32, dtype=torch.int16)
@@ -75,24 +86,34 @@ def bf16x3_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def amx_linear_cpu(x: torch.Tensor, amx_packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel on a weight from pack_weight; x is [..., K] float32 on CPU."""
     check_tensor(amx_packed, "amx_packed", 5, (torch.int16,))
-    require(amx_packed.is_contiguous() and tuple(amx_packed.shape[2:]) == (2, 16, 32),
-            f"amx_packed must be a contiguous [N / 16, Kp / 32, 2, 16, 32] from pack_weight, got {tuple(amx_packed.shape)}")
+    require(
+        amx_packed.is_contiguous() and tuple(amx_packed.shape[2:]) == (2, 16, 32),
+        f"amx_packed must be a contiguous [N / 16, Kp / 32, 2, 16, 32] from pack_weight, got {tuple(amx_packed.shape)}",
+    )
     n, kp = amx_packed.shape[0] * 16, amx_packed.shape[1] * TILE_K
     check_tensor(x, "x", None, (torch.float32,))
     k = x.shape[-1]
-    require(x.device.type == "cpu" and -(-k // TILE_K) * TILE_K == kp,
-            f"x must be a CPU tensor [..., K] with K rounded up to 32 = {kp}, got {tuple(x.shape)} on {x.device}")
-    require(bias is None or (bias.dtype == torch.float32 and tuple(bias.shape) == (n,)),
-            f"bias must be float32 [{n}]")
+    require(
+        x.device.type == "cpu" and -(-k // TILE_K) * TILE_K == kp,
+        f"x must be a CPU tensor [..., K] with K rounded up to 32 = {kp}, got {tuple(x.shape)} on {x.device}",
+    )
+    require(bias is None or (bias.dtype == torch.float32 and tuple(bias.shape) == (n,)), f"bias must be float32 [{n}]")
     require(ready(), "the AMX linear kernel does not run here (no AMX-BF16, or the tiles were not granted)")
     rows = x.reshape(-1, k)
     check_last_dim_contiguous(rows, "x")
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    err = _fn("baton_amx_linear", _LINEAR_ARGS)(rows.data_ptr(), rows.stride(0), rows.shape[0], amx_packed.data_ptr(),
-                                                 out.data_ptr(), out.stride(0), k, n, torch.get_num_threads())
+    err = _fn("baton_amx_linear", _LINEAR_ARGS)(
+        rows.data_ptr(),
+        rows.stride(0),
+        rows.shape[0],
+        amx_packed.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        k,
+        n,
+        torch.get_num_threads(),
+    )
     require(err == 0, f"native amx_linear failed with status {err}")
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], n)
-
-

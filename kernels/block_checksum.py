@@ -32,7 +32,7 @@ make the receiver's pass cheaper; only its overlap with the copy can.
 from __future__ import annotations
 
 from array import array
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -47,8 +47,9 @@ _U64 = np.dtype("<u8")
 
 def _check_cache(kv_cache, block_ids) -> None:
     check_tensor(kv_cache, "kv_cache", 6)
-    require(kv_cache.is_contiguous(),
-            "kv_cache must be contiguous [L, 2, num_blocks, block_size, num_kv_heads, head_dim]")
+    require(
+        kv_cache.is_contiguous(), "kv_cache must be contiguous [L, 2, num_blocks, block_size, num_kv_heads, head_dim]"
+    )
     check_tensor(block_ids, "block_ids", 1, (torch.int64, torch.int32))
     check_same_device(kv_cache=kv_cache, block_ids=block_ids)
 
@@ -102,14 +103,22 @@ def _follow_fn():
 
 
 def _check_word(a: np.ndarray, what: str, writeable: bool = False) -> None:
-    require(isinstance(a, np.ndarray) and a.dtype == np.int64 and a.shape == (1,) and a.ctypes.data % 8 == 0
-            and (a.flags.writeable or not writeable), f"{what} must be an 8-byte aligned int64 array of one element")
+    require(
+        isinstance(a, np.ndarray)
+        and a.dtype == np.int64
+        and a.shape == (1,)
+        and a.ctypes.data % 8 == 0
+        and (a.flags.writeable or not writeable),
+        f"{what} must be an 8-byte aligned int64 array of one element",
+    )
 
 
 def native_available(*tensors: torch.Tensor) -> bool:
     """Whether the native sums (kernels/csrc/kv_block_checksum.cpp) serve these tensors."""
-    return (all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-            and _sums_fn() is not None)
+    return (
+        all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and _sums_fn() is not None
+    )
 
 
 def _geometry(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -137,8 +146,16 @@ class BlockSummer:
             raise ValueError(f"block ids must lie in [0, {self._num_blocks})")
         return out
 
-    def follow(self, ids: array, out: np.ndarray, done: np.ndarray, landed: np.ndarray, state: np.ndarray,
-               busy_state: int, max_wait_s: float) -> int:
+    def follow(
+        self,
+        ids: array,
+        out: np.ndarray,
+        done: np.ndarray,
+        landed: np.ndarray,
+        state: np.ndarray,
+        busy_state: int,
+        max_wait_s: float,
+    ) -> int:
         """Sum blocks `ids[done[0]:]` into `out` as a copy in another process lands them (the
         counter of SummingCopier's `landed`); return how many blocks, from the first, are summed.
         `done` (a one-element int64 array) is kept current as it goes, each count stored after
@@ -150,8 +167,14 @@ class BlockSummer:
         yield) instead of sleeping."""
         require(ids.typecode == "q", "block ids must be array('q')")
         n = len(ids)
-        require(isinstance(out, np.ndarray) and out.dtype == np.uint64 and out.shape == (n, 2)
-                and out.flags.c_contiguous and out.flags.writeable, f"out must be a writeable uint64 [{n}, 2] array")
+        require(
+            isinstance(out, np.ndarray)
+            and out.dtype == np.uint64
+            and out.shape == (n, 2)
+            and out.flags.c_contiguous
+            and out.flags.writeable,
+            f"out must be a writeable uint64 [{n}, 2] array",
+        )
         _check_word(done, "done", writeable=True)
         _check_word(landed, "landed")
         _check_word(state, "state")
@@ -161,8 +184,20 @@ class BlockSummer:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         fn = _follow_fn()
         require(fn is not None, "the native block sums are not available")
-        if fn(*self._prefix, ids.buffer_info()[0], n, out.ctypes.data, done.ctypes.data, landed.ctypes.data,
-              state.ctypes.data, int(busy_state), int(max_wait_s * 1e9)) != 0:
+        if (
+            fn(
+                *self._prefix,
+                ids.buffer_info()[0],
+                n,
+                out.ctypes.data,
+                done.ctypes.data,
+                landed.ctypes.data,
+                state.ctypes.data,
+                int(busy_state),
+                int(max_wait_s * 1e9),
+            )
+            != 0
+        ):
             raise ValueError(f"block ids must lie in [0, {self._num_blocks})")
         return int(done[0])
 
@@ -180,11 +215,20 @@ class SummingCopier:
         if (rows, piece) != (s_rows, s_piece) or dst.dtype != src.dtype:
             raise ValueError(f"dst {tuple(dst.shape)} and src {tuple(src.shape)} differ in more than num_blocks")
         self._dst, self._src, self._fn, self._streaming = dst, src, _copy_sums_fn(), int(streaming)
-        self._prefix = (dst.data_ptr(), d_stride, self._dst_blocks, src.data_ptr(), s_stride, self._src_blocks,
-                        rows, piece)
+        self._prefix = (
+            dst.data_ptr(),
+            d_stride,
+            self._dst_blocks,
+            src.data_ptr(),
+            s_stride,
+            self._src_blocks,
+            rows,
+            piece,
+        )
 
-    def __call__(self, dst_ids: array, src_ids: array, landed: Optional[np.ndarray] = None,
-                 chunk_blocks: int = 0, sums: bool = True) -> Optional[np.ndarray]:
+    def __call__(
+        self, dst_ids: array, src_ids: array, landed: np.ndarray | None = None, chunk_blocks: int = 0, sums: bool = True
+    ) -> np.ndarray | None:
         """Copy pairs (dst_ids[i], src_ids[i]); uint64 `[n, 2]` sums of the bytes copied per pair.
         `sums` False: the same copy without the sums (returns None), for a sender with checksums
         off, so that the two differ by the sums alone.
@@ -198,22 +242,42 @@ class SummingCopier:
             raise ValueError(f"dst_ids has {len(dst_ids)} ids but src_ids has {len(src_ids)}")
         counter = 0
         if landed is not None:
-            require(isinstance(landed, np.ndarray) and landed.dtype == np.int64 and landed.shape == (1,)
-                    and landed.flags.writeable and landed.ctypes.data % 8 == 0,
-                    "landed must be a writeable, 8-byte aligned int64 array of one element")
-            require(isinstance(chunk_blocks, int) and chunk_blocks > 0,
-                    f"chunk_blocks must be a positive int with a landed counter, got {chunk_blocks!r}")
+            require(
+                isinstance(landed, np.ndarray)
+                and landed.dtype == np.int64
+                and landed.shape == (1,)
+                and landed.flags.writeable
+                and landed.ctypes.data % 8 == 0,
+                "landed must be a writeable, 8-byte aligned int64 array of one element",
+            )
+            require(
+                isinstance(chunk_blocks, int) and chunk_blocks > 0,
+                f"chunk_blocks must be a positive int with a landed counter, got {chunk_blocks!r}",
+            )
             counter = landed.ctypes.data
         out = np.empty((len(dst_ids), 2), dtype=np.uint64) if sums else None
-        if self._fn(*self._prefix, dst_ids.buffer_info()[0], src_ids.buffer_info()[0], len(dst_ids),
-                    None if out is None else out.ctypes.data, self._streaming, counter or None,
-                    chunk_blocks if counter else 0) != 0:
-            raise ValueError(f"block ids out of range: dst_ids must lie in [0, {self._dst_blocks}), "
-                             f"src_ids in [0, {self._src_blocks})")
+        if (
+            self._fn(
+                *self._prefix,
+                dst_ids.buffer_info()[0],
+                src_ids.buffer_info()[0],
+                len(dst_ids),
+                None if out is None else out.ctypes.data,
+                self._streaming,
+                counter or None,
+                chunk_blocks if counter else 0,
+            )
+            != 0
+        ):
+            raise ValueError(
+                f"block ids out of range: dst_ids must lie in [0, {self._dst_blocks}), "
+                f"src_ids in [0, {self._src_blocks})"
+            )
         return out
 
 
 # -- Triton (GPU caches) ------------------------------------------------------------------------
+
 
 @lazy_jit
 def _block_sums_kernel(words_ptr, ids_ptr, out_ptr, n_blocks, rows, piece_words, BLOCK: tl.constexpr):
@@ -246,8 +310,9 @@ def block_sums_triton(kv_cache: torch.Tensor, block_ids: torch.Tensor, block: in
     n = block_ids.shape[0]
     out = torch.zeros((n, 2), dtype=torch.int64, device=kv_cache.device)
     if n and L:
-        words = kv_cache.view(torch.uint8).view(torch.int64) if kv_cache.element_size() == 1 \
-            else kv_cache.view(torch.int64)
+        words = (
+            kv_cache.view(torch.uint8).view(torch.int64) if kv_cache.element_size() == 1 else kv_cache.view(torch.int64)
+        )
         plan = block_sums_plan(DeviceSpec.of(kv_cache.device))
         launch = dict(plan.launch_kwargs(), **({"BLOCK": block} if block else {}))
         _block_sums_kernel[(n,)](words, block_ids.contiguous(), out, n_blocks, L * two, piece // 8, **launch)

@@ -5,7 +5,7 @@ workers sharing memory on one node: kernels/csrc/kv_block_copy.cpp)."""
 from __future__ import annotations
 
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -17,8 +17,9 @@ from kernels.plan import DeviceSpec, block_copy_plan
 
 def _check(kv_cache, block_ids) -> None:
     check_tensor(kv_cache, "kv_cache", 6, KV_DTYPES)
-    require(kv_cache.is_contiguous(),
-            "kv_cache must be contiguous [L, 2, num_blocks, block_size, num_kv_heads, head_dim]")
+    require(
+        kv_cache.is_contiguous(), "kv_cache must be contiguous [L, 2, num_blocks, block_size, num_kv_heads, head_dim]"
+    )
     check_tensor(block_ids, "block_ids", 1, (torch.int64, torch.int32))
     check_same_device(kv_cache=kv_cache, block_ids=block_ids)
 
@@ -52,8 +53,14 @@ def unpack_kv_blocks_reference(kv_cache, block_ids, packed) -> None:
 
 @lazy_jit
 def _block_copy_kernel(
-    src_ptr, dst_ptr, ids_ptr, n_ids, n_blocks, block_elems,
-    SCATTER: tl.constexpr, BLOCK: tl.constexpr,
+    src_ptr,
+    dst_ptr,
+    ids_ptr,
+    n_ids,
+    n_blocks,
+    block_elems,
+    SCATTER: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # Grid: (L * 2 * n_ids, chunks of one block). SCATTER picks which side block_ids indexes.
     pid = tl.program_id(0).to(tl.int64)
@@ -95,7 +102,13 @@ def _launch(cache, packed, block_ids, scatter: bool) -> None:
     plan = block_copy_plan(DeviceSpec.of(cache.device), scatter=scatter)
     src, dst = (packed_w, cache_w) if scatter else (cache_w, packed_w)
     _block_copy_kernel[(L * two * n, cdiv(block_elems, plan.meta["BLOCK"]))](
-        src, dst, block_ids.contiguous(), n, n_blocks, block_elems, **plan.launch_kwargs(),
+        src,
+        dst,
+        block_ids.contiguous(),
+        n,
+        n_blocks,
+        block_elems,
+        **plan.launch_kwargs(),
     )
 
 
@@ -131,6 +144,7 @@ def unpack_kv_blocks(kv_cache, block_ids, packed) -> None:
 
 # -- cache to cache ------------------------------------------------------------------------------
 
+
 def _check_caches(dst, src) -> None:
     for name, t in (("dst", dst), ("src", src)):
         check_tensor(t, name, 6)
@@ -139,8 +153,7 @@ def _check_caches(dst, src) -> None:
     if dst.dtype != src.dtype:
         raise ValueError(f"dst dtype {dst.dtype} != src dtype {src.dtype}")
     if not (dst.shape[:2] == src.shape[:2] and dst.shape[3:] == src.shape[3:]):
-        raise ValueError(f"dst {tuple(dst.shape)} and src {tuple(src.shape)} differ in more than num_blocks "
-                         "(dim 2)")
+        raise ValueError(f"dst {tuple(dst.shape)} and src {tuple(src.shape)} differ in more than num_blocks (dim 2)")
 
 
 def _check_ids(dst_ids: Sequence[int], dst_blocks: int, src_ids: Sequence[int], src_blocks: int) -> None:
@@ -156,12 +169,24 @@ def copy_kv_blocks_reference(dst, dst_ids: Sequence[int], src, src_ids: Sequence
     _check_caches(dst, src)
     _check_ids(dst_ids, dst.shape[2], src_ids, src.shape[2])
     if len(dst_ids):
-        _bytes(dst)[:, :, torch.tensor(list(dst_ids), device=dst.device)] = \
-            _bytes(src)[:, :, torch.tensor(list(src_ids), device=src.device)]
+        _bytes(dst)[:, :, torch.tensor(list(dst_ids), device=dst.device)] = _bytes(src)[
+            :, :, torch.tensor(list(src_ids), device=src.device)
+        ]
 
 
-_COPY_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.I64,
-              cpu_native.I64, cpu_native.I64, cpu_native.PTR, cpu_native.PTR, cpu_native.I64)
+_COPY_ARGS = (
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.I64,
+)
 
 
 def _copy_fn():
@@ -175,8 +200,10 @@ def native_built() -> bool:
 
 def copy_native_available(dst, src) -> bool:
     """Whether KVBlockCopier handles this pair (both contiguous CPU tensors, built library)."""
-    return (all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() for t in (dst, src))
-            and _copy_fn() is not None)
+    return (
+        all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() for t in (dst, src))
+        and _copy_fn() is not None
+    )
 
 
 class KVBlockCopier:
@@ -191,9 +218,16 @@ class KVBlockCopier:
         self._dst, self._src, self._fn = dst, src, _copy_fn()
         block_bytes = src[0, 0, 0].numel() * src.element_size()
         # [L, 2, N, ...] contiguous is [L * 2 rows, N blocks, block_bytes] in memory.
-        self._call_prefix = (dst.data_ptr(), dst.shape[2] * block_bytes, dst.shape[2],
-                             src.data_ptr(), src.shape[2] * block_bytes, src.shape[2],
-                             src.shape[0] * src.shape[1], block_bytes)
+        self._call_prefix = (
+            dst.data_ptr(),
+            dst.shape[2] * block_bytes,
+            dst.shape[2],
+            src.data_ptr(),
+            src.shape[2] * block_bytes,
+            src.shape[2],
+            src.shape[0] * src.shape[1],
+            block_bytes,
+        )
 
     def __call__(self, dst_ids: array, src_ids: array) -> None:
         """Copy src block src_ids[i] to dst block dst_ids[i]; ids as array('q')."""
@@ -202,8 +236,10 @@ class KVBlockCopier:
             raise ValueError(f"dst_ids has {len(dst_ids)} ids but src_ids has {len(src_ids)}")
         status = self._fn(*self._call_prefix, dst_ids.buffer_info()[0], src_ids.buffer_info()[0], len(dst_ids))
         if status != 0:
-            raise ValueError(f"block ids out of range: dst_ids must lie in [0, {self._dst.shape[2]}), "
-                             f"src_ids in [0, {self._src.shape[2]})")
+            raise ValueError(
+                f"block ids out of range: dst_ids must lie in [0, {self._dst.shape[2]}), "
+                f"src_ids in [0, {self._src.shape[2]})"
+            )
 
 
 def copy_kv_blocks_cpu(dst, dst_ids: Sequence[int], src, src_ids: Sequence[int]) -> None:

@@ -21,8 +21,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -36,8 +36,19 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # link crtfastmath.o into a shared library, which turns on flush-to-zero for the whole process when
 # the library loads, so torch and Python would lose subnormal floats. -ffinite-math-only stays off:
 # masked attention scores rely on -inf.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-freciprocal-math",
-         "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+)
 
 
 def cache_dir() -> Path:
@@ -75,7 +86,9 @@ def build(name: str, directory: Path | None = None) -> ctypes.CDLL | None:
         version = _compiler_version(compiler_path)
         headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
         parts = [source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity()]
-        target = (directory or cache_dir()) / f"{name}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
+        target = (
+            directory or cache_dir()
+        ) / f"{name}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
         if not target.exists():
             _compile(compiler_path, source, target)
         return ctypes.CDLL(str(target))
@@ -99,7 +112,7 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled library for kernels/csrc/{name}.cpp, or None when it cannot be built; built
     (or found in the cache) once per process."""
@@ -111,7 +124,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 I32, I64, F32, PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def function(name: str, symbol: str, argtypes: tuple) -> Callable[..., int] | None:
     """`symbol` from kernels/csrc/{name}.cpp with its ctypes signature (it returns an int status),
     or None when the library cannot be built."""

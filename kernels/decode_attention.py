@@ -15,12 +15,18 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_native
-from kernels._attn_common import (check_attention, check_window_softcap, gather_kv, native_cache_args, native_int32,
-                                  softcap_scores)
+from kernels._attn_common import (
+    check_attention,
+    check_window_softcap,
+    gather_kv,
+    native_cache_args,
+    native_int32,
+    softcap_scores,
+)
 from kernels._checks import check_last_dim_contiguous, is_fp8, require
 from kernels._triton_compat import cdiv, lazy_jit, tl
-from kernels.plan import DeviceSpec, decode_attention_plan
 from kernels.decode_attention_reduce import merge_splits_triton
+from kernels.plan import DeviceSpec, decode_attention_plan
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale):
@@ -30,9 +36,19 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_sc
     return out
 
 
-def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                                     k_scale: float = 1.0, v_scale: float = 1.0, *, window: int | None = None,
-                                     softcap: float | None = None):
+def paged_decode_attention_reference(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+):
     """`window`: the query (at position context_len - 1) sees its last `window` tokens only, and the
     blocks before them are never read (they may have been freed); `softcap`: Gemma 2's logit cap."""
     scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
@@ -51,8 +67,9 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_
     out = torch.empty_like(q)
     for bucket in buckets.unique().tolist():
         rows = torch.nonzero(buckets == bucket).flatten()
-        out[rows] = _attend_padded(q[rows], k_cache, v_cache, block_tables[rows], lens[rows], scale, k_scale, v_scale,
-                                   window, softcap)
+        out[rows] = _attend_padded(
+            q[rows], k_cache, v_cache, block_tables[rows], lens[rows], scale, k_scale, v_scale, window, softcap
+        )
     return out
 
 
@@ -93,8 +110,34 @@ def _attend_padded(q, k_cache, v_cache, block_tables, lens, scale, k_scale, v_sc
 
 _NATIVE_ERRORS = {1: "bad head or block geometry", 2: "context_lens must be >= 1"}
 _I64, _I32, _PTR = cpu_native.I64, cpu_native.I32, cpu_native.PTR
-_NATIVE_ARGS = (_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64,
-                _I64, _I32, _I32, _I32, _I32, cpu_native.F32, _I64, cpu_native.F32, _I32)
+_NATIVE_ARGS = (
+    _PTR,
+    _I64,
+    _I64,
+    _I32,
+    _PTR,
+    _PTR,
+    _I32,
+    _I64,
+    _PTR,
+    _PTR,
+    _PTR,
+    _I64,
+    _I64,
+    _PTR,
+    _PTR,
+    _I64,
+    _I64,
+    _I64,
+    _I32,
+    _I32,
+    _I32,
+    _I32,
+    cpu_native.F32,
+    _I64,
+    cpu_native.F32,
+    _I32,
+)
 
 
 def _native_fn():
@@ -108,20 +151,37 @@ def native_built() -> bool:
 
 def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention_cpu handles these tensors (CPU, float32/bfloat16 q, built library)."""
-    return (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and _native_fn() is not None)
+    return (
+        isinstance(q, torch.Tensor)
+        and isinstance(k_cache, torch.Tensor)
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+        and _native_fn() is not None
+    )
 
 
-def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                               k_scale: float = 1.0, v_scale: float = 1.0, *, window: int | None = None,
-                               softcap: float | None = None):
+def paged_decode_attention_cpu(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+):
     """The native CPU kernel; same contract as the reference. Needs native_available(q, k_cache)."""
     scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     window, softcap = check_window_softcap(window, softcap)
     if not native_available(q, k_cache):
-        raise ValueError(f"no native CPU decode attention for q {q.dtype} on {q.device}, "
-                         f"cache {k_cache.dtype} (or the library could not be built)")
+        raise ValueError(
+            f"no native CPU decode attention for q {q.dtype} on {q.device}, "
+            f"cache {k_cache.dtype} (or the library could not be built)"
+        )
     check_last_dim_contiguous(q, "q")
     block_tables = native_int32(block_tables)
     context_lens = native_int32(context_lens)
@@ -131,11 +191,27 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
         return out
     _, bs, hk, _ = k_cache.shape
     err = _native_fn()(
-        q.data_ptr(), q.stride(0), q.stride(1), cpu_native.DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        cpu_native.DTYPE_CODES[q.dtype],
         *native_cache_args(k_cache, v_cache, k_scale, v_scale),
-        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
-        out.data_ptr(), out.stride(0), out.stride(1),
-        B, hq, hk, d, bs, scale, window or 0, softcap or 0.0, torch.get_num_threads(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        B,
+        hq,
+        hk,
+        d,
+        bs,
+        scale,
+        window or 0,
+        softcap or 0.0,
+        torch.get_num_threads(),
     )
     if err != 0:
         raise ValueError(f"native decode attention: {_NATIVE_ERRORS.get(err, f'error {err}')}")
@@ -147,17 +223,45 @@ _LOG2E = 1.4426950408889634
 
 def _optional_constexprs(window, softcap) -> dict:
     """The window / soft-cap switches, passed only when set: the plain path compiles as before."""
-    return {**({"HAS_WINDOW": True} if window is not None else {}), **({"SOFTCAP": True} if softcap is not None else {})}
+    return {
+        **({"HAS_WINDOW": True} if window is not None else {}),
+        **({"SOFTCAP": True} if softcap is not None else {}),
+    }
 
 
 @lazy_jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale, v_scale, split_len, max_ctx, window, softcap_log2e,
-    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
-    G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    lens_ptr,
+    out_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    qk_scale,
+    v_scale,
+    split_len,
+    max_ctx,
+    window,
+    softcap_log2e,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
     FP8_VIA_F32: tl.constexpr = False,
 ):
     # One program per (sequence, kv head, context split). All G query heads sharing the kv head
@@ -179,8 +283,9 @@ def _decode_split_kernel(
     heads = kvh * G + g
     gmask = g < G
     dmask = d < D
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0
+    )
     if DOT_F32:
         q = q.to(tl.float32)
 
@@ -218,8 +323,11 @@ def _decode_split_kernel(
     o = acc / safe_l[:, None] * v_scale
     omask = gmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=omask,
+        )
     else:
         # mid_o is [B, Hq, NUM_SPLITS, D] and mid_lse [B, Hq, NUM_SPLITS], both contiguous; lse in base 2.
         row = (b * (HK * G) + heads) * NUM_SPLITS + sp
@@ -228,9 +336,20 @@ def _decode_split_kernel(
         tl.store(mid_lse_ptr + row, lse, mask=gmask)
 
 
-def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                                  k_scale: float = 1.0, v_scale: float = 1.0, *, window: int | None = None,
-                                  softcap: float | None = None, num_splits: int | None = None):
+def paged_decode_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+):
     """Triton paged decode attention. `num_splits` overrides the split-K heuristic (tests use it)."""
     scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     window, softcap = check_window_softcap(window, softcap)
@@ -247,10 +366,18 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     # Bound the context by the block table width, so choosing the grid needs no device sync.
     max_ctx = block_tables.shape[1] * bs
     # Tiles, split-K and dot precision: kernels/plan.py (the compile check compiles the same choices).
-    plan = decode_attention_plan(DeviceSpec.of(q.device), batch=B, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
-                                 block_size=bs, max_ctx=max_ctx if window is None else min(max_ctx, window),
-                                 dtype=q.dtype, kv_dtype=k_cache.dtype,
-                                 num_splits=num_splits)
+    plan = decode_attention_plan(
+        DeviceSpec.of(q.device),
+        batch=B,
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        head_dim=d,
+        block_size=bs,
+        max_ctx=max_ctx if window is None else min(max_ctx, window),
+        dtype=q.dtype,
+        kv_dtype=k_cache.dtype,
+        num_splits=num_splits,
+    )
     num_splits, split_len = plan.num_splits, plan.split_len
     if num_splits > 1:
         mid_o = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
@@ -258,11 +385,27 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     else:
         mid_o = mid_lse = out
     _decode_split_kernel[(B, hk, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse,
-        scale * k_scale * (_LOG2E if softcap is None else 1.0 / softcap), v_scale, split_len, max_ctx,
-        window or 0, (softcap or 0.0) * _LOG2E,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        **plan.split.launch_kwargs(), **_optional_constexprs(window, softcap),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        mid_o,
+        mid_lse,
+        scale * k_scale * (_LOG2E if softcap is None else 1.0 / softcap),
+        v_scale,
+        split_len,
+        max_ctx,
+        window or 0,
+        (softcap or 0.0) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        **plan.split.launch_kwargs(),
+        **_optional_constexprs(window, softcap),
     )
     if num_splits > 1:
         merge_splits_triton(mid_o, mid_lse, out, plan=plan.merge)

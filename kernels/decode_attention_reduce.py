@@ -23,8 +23,18 @@ def merge_splits_reference(mid_o, mid_lse, out_dtype=torch.float32):
 
 
 @lazy_jit
-def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, H,
-                  S: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    H,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = b * H + h

@@ -17,10 +17,14 @@ def _check(a, b, scale_a, scale_b, out_dtype, bias):
     require(b.shape[1] == K, f"a is [M={M}, K={K}] but b is {tuple(b.shape)}; b must be [N, K] (nn.Linear layout)")
     check_tensor(scale_a, "scale_a", None, (torch.float32,))
     check_tensor(scale_b, "scale_b", None, (torch.float32,))
-    require(scale_a.numel() == 1 or tuple(scale_a.shape) == (M, 1),
-            f"scale_a must be [1] or [{M}, 1], got {tuple(scale_a.shape)}")
-    require(scale_b.numel() == 1 or tuple(scale_b.shape) == (N, 1),
-            f"scale_b must be [1] or [{N}, 1], got {tuple(scale_b.shape)}")
+    require(
+        scale_a.numel() == 1 or tuple(scale_a.shape) == (M, 1),
+        f"scale_a must be [1] or [{M}, 1], got {tuple(scale_a.shape)}",
+    )
+    require(
+        scale_b.numel() == 1 or tuple(scale_b.shape) == (N, 1),
+        f"scale_b must be [1] or [{N}, 1], got {tuple(scale_b.shape)}",
+    )
     require(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of float32/float16/bfloat16, got {out_dtype}")
     if bias is not None:
         check_tensor(bias, "bias", 1, FLOAT_DTYPES)
@@ -40,10 +44,25 @@ def fp8_gemm_reference(a, b, scale_a, scale_b, out_dtype, bias=None):
 
 @lazy_jit
 def _fp8_gemm_kernel(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, K,
-    stride_am, stride_bn, stride_cm,
-    SA_PER_ROW: tl.constexpr, SB_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    SA_PER_ROW: tl.constexpr,
+    SB_PER_COL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     # Grouped tile order: GROUP_M row tiles sweep the N tiles together, so B tiles stay in L2.
     pid = tl.program_id(0)
@@ -83,8 +102,11 @@ def _fp8_gemm_kernel(
         acc = acc * tl.load(sb_ptr)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    tl.store(
+        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=mmask[:, None] & nmask[None, :],
+    )
 
 
 def fp8_gemm_triton(a, b, scale_a, scale_b, out_dtype, bias=None, *, config: dict | None = None):
@@ -100,8 +122,15 @@ def fp8_gemm_triton(a, b, scale_a, scale_b, out_dtype, bias=None, *, config: dic
     sb = scale_b.contiguous()
     bias_arg = bias.contiguous() if bias is not None else sa
     # Tiles, warps and stages: kernels/plan.py (the compile check compiles the same choices).
-    cfg = fp8_gemm_plan(DeviceSpec.of(a.device), M=M, N=N, K=K, has_bias=bias is not None,
-                        sa_per_row=sa.numel() > 1, sb_per_col=sb.numel() > 1).launch_kwargs()
+    cfg = fp8_gemm_plan(
+        DeviceSpec.of(a.device),
+        M=M,
+        N=N,
+        K=K,
+        has_bias=bias is not None,
+        sa_per_row=sa.numel() > 1,
+        sb_per_col=sb.numel() > 1,
+    ).launch_kwargs()
     cfg.update(config or {})
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     _fp8_gemm_kernel[grid](a, b, sa, sb, bias_arg, out, M, N, K, a.stride(0), b.stride(0), out.stride(0), **cfg)

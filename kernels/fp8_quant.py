@@ -45,8 +45,16 @@ def scaled_fp8_quant_reference(x, scale=None, per_token: bool = False):
 
 @lazy_jit
 def _fp8_quant_kernel(
-    x_ptr, out_ptr, scale_ptr, N, stride_x, stride_out,
-    DYNAMIC_ROW: tl.constexpr, SCALE_PER_ROW: tl.constexpr, MIN_S: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    N,
+    stride_x,
+    stride_out,
+    DYNAMIC_ROW: tl.constexpr,
+    SCALE_PER_ROW: tl.constexpr,
+    MIN_S: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # One program per row; DYNAMIC_ROW computes the row's amax first and writes the scale it used.
     row = tl.program_id(0).to(tl.int64)
@@ -72,8 +80,11 @@ def _fp8_quant_kernel(
         # fp8 cast loses the mantissa carry, and this keeps GPU and CPU results bit-equal.
         qb = q.to(tl.uint32, bitcast=True)
         qa = (qb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        qr = tl.where(qa < 0.015625, ((qa + 24576.0) - 24576.0).to(tl.uint32, bitcast=True),
-                      ((qb & 0x7FFFFFFF) + 0x7FFFF + ((qb >> 20) & 1)) & 0x7FF00000)
+        qr = tl.where(
+            qa < 0.015625,
+            ((qa + 24576.0) - 24576.0).to(tl.uint32, bitcast=True),
+            ((qb & 0x7FFFFFFF) + 0x7FFFF + ((qb >> 20) & 1)) & 0x7FF00000,
+        )
         q = (qr | (qb & 0x80000000)).to(tl.float32, bitcast=True)
         tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -85,14 +96,23 @@ def scaled_fp8_quant_triton(x, scale=None, per_token: bool = False):
     out = torch.empty((T, N), dtype=FP8_DTYPE, device=x.device)
     dynamic_row = scale is None and per_token
     if scale is None:
-        scale = (torch.empty((T, 1), dtype=torch.float32, device=x.device) if per_token
-                 else _dynamic_scale(x, False))
+        scale = torch.empty((T, 1), dtype=torch.float32, device=x.device) if per_token else _dynamic_scale(x, False)
     scale = scale.contiguous()
     if T > 0 and N > 0:
         _fp8_quant_kernel[(T,)](
-            x, out, scale, N, x.stride(0), out.stride(0),
-            **fp8_quant_plan(DeviceSpec.of(x.device), N=N, dynamic_row=dynamic_row, scale_per_row=scale.dim() == 2,
-                             min_scale=MIN_SCALE).launch_kwargs(),
+            x,
+            out,
+            scale,
+            N,
+            x.stride(0),
+            out.stride(0),
+            **fp8_quant_plan(
+                DeviceSpec.of(x.device),
+                N=N,
+                dynamic_row=dynamic_row,
+                scale_per_row=scale.dim() == 2,
+                min_scale=MIN_SCALE,
+            ).launch_kwargs(),
         )
     elif dynamic_row:
         scale.fill_(MIN_SCALE)

@@ -50,13 +50,19 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> MoeShape:
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
-    require(tuple(w13.shape) == (E, 2 * inter, H),
-            f"w13 must be [experts, 2 * inter, hidden={H}] (gate rows then up rows), got {tuple(w13.shape)}")
-    require(tuple(w2.shape) == (E, H, inter),
-            f"w2 must be [experts={E}, hidden={H}, inter={inter}] to match w13, got {tuple(w2.shape)}")
-    require(topk_ids.shape[0] == T and tuple(topk_weights.shape) == tuple(topk_ids.shape),
-            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
-            f"[tokens={T}, top_k]")
+    require(
+        tuple(w13.shape) == (E, 2 * inter, H),
+        f"w13 must be [experts, 2 * inter, hidden={H}] (gate rows then up rows), got {tuple(w13.shape)}",
+    )
+    require(
+        tuple(w2.shape) == (E, H, inter),
+        f"w2 must be [experts={E}, hidden={H}, inter={inter}] to match w13, got {tuple(w2.shape)}",
+    )
+    require(
+        topk_ids.shape[0] == T and tuple(topk_weights.shape) == tuple(topk_ids.shape),
+        f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
+        f"[tokens={T}, top_k]",
+    )
     K = topk_ids.shape[1]
     require(1 <= K <= E, f"top_k must be in [1, experts={E}], got {K}")
     check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
@@ -114,12 +120,29 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 @lazy_jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, pairs_ptr, block_expert_ptr,
-    num_pairs, N, K, num_experts,
-    stride_am, stride_be, stride_bn, stride_cm,
-    TOP_K: tl.constexpr, GATED: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weights_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    N,
+    K,
+    num_experts,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # One BLOCK_M x BLOCK_N tile of C = A[rows] @ B[expert].T for the block's pairs, all of one expert.
     # GATED: B's rows [0, N) are the gate, [N, 2N) the up projection; C = silu(gate) * up.
@@ -161,8 +184,11 @@ def _moe_gemm_kernel(
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-    tl.store(c_ptr + pairs[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=valid[:, None] & nmask[None, :])
+    tl.store(
+        c_ptr + pairs[:, None] * stride_cm + offs_n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=valid[:, None] & nmask[None, :],
+    )
 
 
 def fused_moe_triton(x, w13, w2, topk_weights, topk_ids):
@@ -170,24 +196,61 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids):
     s = _check(x, w13, w2, topk_weights, topk_ids)
     for t, name in ((x, "x"), (w13, "w13"), (w2, "w2")):
         check_last_dim_contiguous(t, name)
-    require(w13.stride(1) == s.hidden and w2.stride(1) == s.inter,
-            "w13 and w2 must be contiguous per expert ([experts, rows, cols] with unit column stride)")
+    require(
+        w13.stride(1) == s.hidden and w2.stride(1) == s.inter,
+        "w13 and w2 must be contiguous per expert ([experts, rows, cols] with unit column stride)",
+    )
     if s.tokens == 0:
         return torch.zeros_like(x)
     P = s.tokens * s.top_k
-    plan = fused_moe_plan(DeviceSpec.of(x.device), num_pairs=P, num_experts=s.experts, hidden=s.hidden,
-                          inter=s.inter, dtype=x.dtype, top_k=s.top_k)
+    plan = fused_moe_plan(
+        DeviceSpec.of(x.device),
+        num_pairs=P,
+        num_experts=s.experts,
+        hidden=s.hidden,
+        inter=s.inter,
+        dtype=x.dtype,
+        top_k=s.top_k,
+    )
     pairs, block_expert = align_pairs(topk_ids, s.experts, plan.block_m)
     num_blocks = block_expert.shape[0]
     weights = topk_weights.reshape(-1).contiguous()
     inter = torch.empty((P, s.inter), dtype=x.dtype, device=x.device)
     gu = plan.gate_up.launch_kwargs()
     _moe_gemm_kernel[(num_blocks, cdiv(s.inter, gu["BLOCK_N"]))](
-        x, w13, inter, weights, pairs, block_expert, P, s.inter, s.hidden, s.experts,
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), **gu)
+        x,
+        w13,
+        inter,
+        weights,
+        pairs,
+        block_expert,
+        P,
+        s.inter,
+        s.hidden,
+        s.experts,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        inter.stride(0),
+        **gu,
+    )
     per_pair = torch.empty((P, s.hidden), dtype=torch.float32, device=x.device)
     dn = plan.down.launch_kwargs()
     _moe_gemm_kernel[(num_blocks, cdiv(s.hidden, dn["BLOCK_N"]))](
-        inter, w2, per_pair, weights, pairs, block_expert, P, s.hidden, s.inter, s.experts,
-        inter.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), **dn)
+        inter,
+        w2,
+        per_pair,
+        weights,
+        pairs,
+        block_expert,
+        P,
+        s.hidden,
+        s.inter,
+        s.experts,
+        inter.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        per_pair.stride(0),
+        **dn,
+    )
     return per_pair.view(s.tokens, s.top_k, s.hidden).sum(1).to(x.dtype)

@@ -15,6 +15,7 @@ from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tenso
 from kernels._triton_compat import cdiv, lazy_jit, tl
 from kernels.plan import DeviceSpec, silu_mul_plan
 
+
 def _check_gate_up(x) -> int:
     check_tensor(x, "x", 2, FLOAT_DTYPES)
     if x.shape[1] % 2 != 0:
@@ -29,8 +30,16 @@ def gelu_tanh_and_mul_reference(x):
     return gate.mul_(x[:, inter:]).to(x.dtype)
 
 
-_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I64,
-                cpu_native.I32, cpu_native.I32)
+_NATIVE_ARGS = (
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I32,
+    cpu_native.I32,
+)
 
 
 def _native_fn():
@@ -44,8 +53,12 @@ def native_built() -> bool:
 
 def native_available(x) -> bool:
     """Whether gelu_tanh_and_mul_cpu handles x (CPU float32/bfloat16, built library)."""
-    return (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and _native_fn() is not None)
+    return (
+        isinstance(x, torch.Tensor)
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and _native_fn() is not None
+    )
 
 
 def gelu_tanh_and_mul_cpu(x):
@@ -55,20 +68,28 @@ def gelu_tanh_and_mul_cpu(x):
         raise ValueError(f"no native CPU gelu_tanh_and_mul for {x.dtype} on {x.device}")
     check_last_dim_contiguous(x, "x")
     out = torch.empty((x.shape[0], inter), dtype=x.dtype)
-    err = _native_fn()(x.data_ptr(), x.stride(0), out.data_ptr(), inter, x.shape[0], inter,
-                       cpu_native.DTYPE_CODES[x.dtype], torch.get_num_threads())
+    err = _native_fn()(
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        inter,
+        x.shape[0],
+        inter,
+        cpu_native.DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
     if err != 0:
         raise ValueError(f"native gelu_tanh_and_mul failed with status {err}")
     return out
 
 
 @lazy_jit
-def _gelu_tanh_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr):
+def _gelu_tanh_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
+    mask = cols < inter
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi): a kernel reads no Python globals
     tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 without overflow trouble
     y = 0.5 * g * (1.0 + tanh) * u
@@ -82,6 +103,7 @@ def gelu_tanh_and_mul_triton(x):
     out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
     if T > 0 and inter > 0:
         plan = silu_mul_plan(DeviceSpec.of(x.device))  # the same elementwise tiling as silu_and_mul
-        _gelu_tanh_mul_kernel[(T, cdiv(inter, plan.meta["BLOCK"]))](x, out, inter, x.stride(0), out.stride(0),
-                                                                    **plan.launch_kwargs())
+        _gelu_tanh_mul_kernel[(T, cdiv(inter, plan.meta["BLOCK"]))](
+            x, out, inter, x.stride(0), out.stride(0), **plan.launch_kwargs()
+        )
     return out

@@ -5,8 +5,17 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_native
-from kernels._checks import (FLOAT_DTYPES, FP8_MAX, check_kv_cache, check_last_dim_contiguous, check_same_device,
-                             check_scale, check_tensor, is_fp8, require)
+from kernels._checks import (
+    FLOAT_DTYPES,
+    FP8_MAX,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_scale,
+    check_tensor,
+    is_fp8,
+    require,
+)
 from kernels._triton_compat import lazy_jit, tl
 from kernels.plan import DeviceSpec, store_kv_plan
 
@@ -52,9 +61,22 @@ def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale: floa
             flat[slots] = rows
 
 
-_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.I64,
-                cpu_native.PTR, cpu_native.PTR, cpu_native.PTR, cpu_native.I64, cpu_native.I32, cpu_native.I32,
-                cpu_native.I64, cpu_native.I32)
+_NATIVE_ARGS = (
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I32,
+    cpu_native.I32,
+    cpu_native.I64,
+    cpu_native.I32,
+)
 
 
 def _native_fn():
@@ -69,9 +91,14 @@ def native_built() -> bool:
 def native_available(key, k_cache) -> bool:
     """Whether store_kv_cpu handles these tensors (CPU, cache of key's float dtype, built library);
     FP8 caches need quantizing and stay on the reference."""
-    return (isinstance(key, torch.Tensor) and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu"
-            and not is_fp8(k_cache.dtype) and k_cache.dtype == key.dtype
-            and _native_fn() is not None)
+    return (
+        isinstance(key, torch.Tensor)
+        and isinstance(k_cache, torch.Tensor)
+        and k_cache.device.type == "cpu"
+        and not is_fp8(k_cache.dtype)
+        and k_cache.dtype == key.dtype
+        and _native_fn() is not None
+    )
 
 
 def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -84,19 +111,47 @@ def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.
     slots = slot_mapping.to(torch.int64).contiguous()
     nb, bs, hk, d = k_cache.shape
     err = _native_fn()(
-        key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0], hk, d, nb * bs, key.element_size(),
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        key.shape[0],
+        hk,
+        d,
+        nb * bs,
+        key.element_size(),
     )
     if err != 0:
-        raise ValueError(f"slot_mapping has a slot past the cache's {nb * bs} slots" if err == 2
-                         else f"native store_kv failed with status {err}")
+        raise ValueError(
+            f"slot_mapping has a slot past the cache's {nb * bs} slots"
+            if err == 2
+            else f"native store_kv failed with status {err}"
+        )
 
 
 @lazy_jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    H, D, stride_kt, stride_kh, stride_vt, stride_vh, k_scale, v_scale,
-    QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    H,
+    D,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    k_scale,
+    v_scale,
+    QUANT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -114,14 +169,20 @@ def _store_kv_kernel(
             k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -448.0, 448.0)
             kb = k.to(tl.uint32, bitcast=True)
             ka = (kb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-            kr = tl.where(ka < 0.015625, ((ka + 24576.0) - 24576.0).to(tl.uint32, bitcast=True),
-                          ((kb & 0x7FFFFFFF) + 0x7FFFF + ((kb >> 20) & 1)) & 0x7FF00000)
+            kr = tl.where(
+                ka < 0.015625,
+                ((ka + 24576.0) - 24576.0).to(tl.uint32, bitcast=True),
+                ((kb & 0x7FFFFFFF) + 0x7FFFF + ((kb >> 20) & 1)) & 0x7FF00000,
+            )
             k = (kr | (kb & 0x80000000)).to(tl.float32, bitcast=True)
             v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -448.0, 448.0)
             vb = v.to(tl.uint32, bitcast=True)
             va = (vb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-            vr = tl.where(va < 0.015625, ((va + 24576.0) - 24576.0).to(tl.uint32, bitcast=True),
-                          ((vb & 0x7FFFFFFF) + 0x7FFFF + ((vb >> 20) & 1)) & 0x7FF00000)
+            vr = tl.where(
+                va < 0.015625,
+                ((va + 24576.0) - 24576.0).to(tl.uint32, bitcast=True),
+                ((vb & 0x7FFFFFFF) + 0x7FFFF + ((vb >> 20) & 1)) & 0x7FF00000,
+            )
             v = (vr | (vb & 0x80000000)).to(tl.float32, bitcast=True)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -138,7 +199,18 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale: float =
     plan = store_kv_plan(DeviceSpec.of(key.device), num_heads=H, head_dim=D, kv_dtype=k_cache.dtype)
     block_h = plan.meta["BLOCK_H"]
     _store_kv_kernel[(T, (H + block_h - 1) // block_h)](
-        key, value, k_cache, v_cache, slot_mapping, H, D,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_scale, v_scale,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        H,
+        D,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_scale,
+        v_scale,
         **plan.launch_kwargs(),
     )

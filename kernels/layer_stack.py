@@ -43,14 +43,29 @@ _FP = ctypes.c_void_p
 _I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 # The kernels the layers call: (field, library, symbol), in StackKernels' field order.
-KERNELS = (("rms_norm", "rms_norm", "baton_rms_norm"), ("linear", "small_m_linear", "baton_small_m_linear"),
-           ("rotary", "rotary", "baton_rotary"), ("store_kv", "kv_store", "baton_store_kv"),
-           ("decode_attention", "paged_decode_attention", "baton_paged_decode_attention"),
-           ("prefill_attention", "paged_prefill_attention", "baton_paged_prefill_attention"),
-           ("silu_and_mul", "silu_mul", "baton_silu_and_mul"))
+KERNELS = (
+    ("rms_norm", "rms_norm", "baton_rms_norm"),
+    ("linear", "small_m_linear", "baton_small_m_linear"),
+    ("rotary", "rotary", "baton_rotary"),
+    ("store_kv", "kv_store", "baton_store_kv"),
+    ("decode_attention", "paged_decode_attention", "baton_paged_decode_attention"),
+    ("prefill_attention", "paged_prefill_attention", "baton_paged_prefill_attention"),
+    ("silu_and_mul", "silu_mul", "baton_silu_and_mul"),
+)
 
-_STAGES = ("input norm", "qkv projection", "rotary embedding", "KV store", "decode attention", "prefill attention",
-           "o projection", "post-attention norm", "gate/up projection", "SiLU-and-mul", "down projection")
+_STAGES = (
+    "input norm",
+    "qkv projection",
+    "rotary embedding",
+    "KV store",
+    "decode attention",
+    "prefill attention",
+    "o projection",
+    "post-attention norm",
+    "gate/up projection",
+    "SiLU-and-mul",
+    "down projection",
+)
 
 
 _TILED = ("qkv", "o", "gate_up", "down")
@@ -61,23 +76,49 @@ class _Kernels(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _FP) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")] \
-        + [("window", _I64)] + [(f"{name}_tiles", _FP) for name in _TILED]
+    _fields_ = (
+        [(name, _FP) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")]
+        + [("window", _I64)]
+        + [(f"{name}_tiles", _FP) for name in _TILED]
+    )
 
 
 class _Shapes(ctypes.Structure):
-    _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_heads", _I32), ("num_kv_heads", _I32),
-                ("head_dim", _I32), ("block_size", _I32), ("num_blocks", _I64), ("cos_sin", _FP),
-                ("max_position", _I64), ("eps", _F32), ("scale", _F32), ("softcap", _F32)]
+    _fields_ = [
+        ("hidden", _I64),
+        ("intermediate", _I64),
+        ("num_heads", _I32),
+        ("num_kv_heads", _I32),
+        ("head_dim", _I32),
+        ("block_size", _I32),
+        ("num_blocks", _I64),
+        ("cos_sin", _FP),
+        ("max_position", _I64),
+        ("eps", _F32),
+        ("scale", _F32),
+        ("softcap", _F32),
+    ]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("T", _I64), ("positions", _FP), ("slots", _FP), ("num_decode", _I64), ("decode_block_tables", _FP),
-                ("decode_width", _I64), ("decode_context_lens", _FP), ("num_prefill", _I64),
-                ("prefill_block_tables", _FP), ("prefill_width", _I64), ("prefill_query_start", _FP),
-                ("prefill_context_lens", _FP)] + [(name, _FP) for name in (
-                    "hidden", "residual", "normed", "qkv", "attn", "gate_up", "act")] + [
-                ("prompt_runs", _FP), ("num_prompt_runs", _I64)]
+    _fields_ = (
+        [
+            ("T", _I64),
+            ("positions", _FP),
+            ("slots", _FP),
+            ("num_decode", _I64),
+            ("decode_block_tables", _FP),
+            ("decode_width", _I64),
+            ("decode_context_lens", _FP),
+            ("num_prefill", _I64),
+            ("prefill_block_tables", _FP),
+            ("prefill_width", _I64),
+            ("prefill_query_start", _FP),
+            ("prefill_context_lens", _FP),
+        ]
+        + [(name, _FP) for name in ("hidden", "residual", "normed", "qkv", "attn", "gate_up", "act")]
+        + [("prompt_runs", _FP), ("num_prompt_runs", _I64)]
+    )
 
 
 @dataclass(frozen=True)
@@ -102,29 +143,43 @@ class StackBatch:
 
     def check(self) -> tuple[int, int]:
         """(num_decode, num_prefill), or ValueError naming what is wrong."""
-        for name, dtype, ndim in (("positions", torch.int64, 1), ("slot_mapping", torch.int64, 1),
-                                  ("decode_block_tables", torch.int32, 2), ("decode_context_lens", torch.int32, 1),
-                                  ("prefill_block_tables", torch.int32, 2), ("prefill_query_start", torch.int32, 1),
-                                  ("prefill_context_lens", torch.int32, 1)):
+        for name, dtype, ndim in (
+            ("positions", torch.int64, 1),
+            ("slot_mapping", torch.int64, 1),
+            ("decode_block_tables", torch.int32, 2),
+            ("decode_context_lens", torch.int32, 1),
+            ("prefill_block_tables", torch.int32, 2),
+            ("prefill_query_start", torch.int32, 1),
+            ("prefill_context_lens", torch.int32, 1),
+        ):
             value = getattr(self, name)
             check_tensor(value, name, ndim, (dtype,))
             require(value.is_contiguous() and value.device.type == "cpu", f"{name} must be a contiguous CPU tensor")
         t, nd, npf = self.positions.shape[0], self.decode_block_tables.shape[0], self.prefill_block_tables.shape[0]
         require(self.slot_mapping.shape[0] == t, f"slot_mapping has {self.slot_mapping.shape[0]} tokens, positions {t}")
         require(self.decode_context_lens.shape[0] == nd, f"decode_context_lens must have {nd} rows")
-        require(self.prefill_context_lens.shape[0] == npf and self.prefill_query_start.shape[0] == npf + 1,
-                f"prefill_context_lens must have {npf} rows and prefill_query_start {npf + 1}")
+        require(
+            self.prefill_context_lens.shape[0] == npf and self.prefill_query_start.shape[0] == npf + 1,
+            f"prefill_context_lens must have {npf} rows and prefill_query_start {npf + 1}",
+        )
         chunks = self.prefill_query_start.tolist()
-        require(chunks[0] == 0 and all(a < b for a, b in zip(chunks, chunks[1:])) and nd + chunks[-1] == t,
-                f"prefill_query_start {chunks} must rise from 0 to the {t - nd} prefill tokens")
+        require(
+            chunks[0] == 0 and all(a < b for a, b in zip(chunks, chunks[1:])) and nd + chunks[-1] == t,
+            f"prefill_query_start {chunks} must rise from 0 to the {t - nd} prefill tokens",
+        )
         if self.prompt_runs is not None:
             check_tensor(self.prompt_runs, "prompt_runs", 2, (torch.int64,))
-            require(self.prompt_runs.is_contiguous() and self.prompt_runs.shape[1] == 2,
-                    f"prompt_runs must be a contiguous [runs, 2], got {tuple(self.prompt_runs.shape)}")
+            require(
+                self.prompt_runs.is_contiguous() and self.prompt_runs.shape[1] == 2,
+                f"prompt_runs must be a contiguous [runs, 2], got {tuple(self.prompt_runs.shape)}",
+            )
             bounds = self.prompt_runs.flatten().tolist()
-            require(all(a < b for a, b in zip(bounds[::2], bounds[1::2])) and all(a <= b for a, b in zip(bounds, bounds[1:]))
-                    and (not bounds or (bounds[0] >= 0 and bounds[-1] <= t)),
-                    f"prompt_runs {bounds} must be non-empty [start, end) ranges rising within the {t} tokens")
+            require(
+                all(a < b for a, b in zip(bounds[::2], bounds[1::2]))
+                and all(a <= b for a, b in zip(bounds, bounds[1:]))
+                and (not bounds or (bounds[0] >= 0 and bounds[-1] <= t)),
+                f"prompt_runs {bounds} must be non-empty [start, end) ranges rising within the {t} tokens",
+            )
         return nd, npf
 
 
@@ -183,8 +238,10 @@ def _native_fn():
 
 def _packed(t: torch.Tensor, name: str, n: int, k: int) -> None:
     check_tensor(t, name, 3, (torch.float32,))
-    require(tuple(t.shape) == (n // 16, k, 16) and t.is_contiguous(),
-            f"{name} must be a contiguous packed [{n // 16}, {k}, 16] float32 weight, got {tuple(t.shape)}")
+    require(
+        tuple(t.shape) == (n // 16, k, 16) and t.is_contiguous(),
+        f"{name} must be a contiguous packed [{n // 16}, {k}, 16] float32 weight, got {tuple(t.shape)}",
+    )
 
 
 class LayerStack:
@@ -199,23 +256,31 @@ class LayerStack:
         require(g.hidden_size <= 8192, f"hidden size {g.hidden_size} is past the native RMSNorm's 8192")
         q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
         check_tensor(cos_sin_cache, "cos_sin_cache", 2, (torch.float32,))
-        require(cos_sin_cache.shape[1] == g.head_dim and cos_sin_cache.is_contiguous(),
-                f"cos_sin_cache must be contiguous [positions, {g.head_dim}], got {tuple(cos_sin_cache.shape)}")
+        require(
+            cos_sin_cache.shape[1] == g.head_dim and cos_sin_cache.is_contiguous(),
+            f"cos_sin_cache must be contiguous [positions, {g.head_dim}], got {tuple(cos_sin_cache.shape)}",
+        )
         cache_shape = tuple(layers[0].k_cache.shape)
-        require(len(cache_shape) == 4 and cache_shape[2:] == (g.num_kv_heads, g.head_dim),
-                f"KV cache pages must be [blocks, block_size, {g.num_kv_heads}, {g.head_dim}], got {cache_shape}")
+        require(
+            len(cache_shape) == 4 and cache_shape[2:] == (g.num_kv_heads, g.head_dim),
+            f"KV cache pages must be [blocks, block_size, {g.num_kv_heads}, {g.head_dim}], got {cache_shape}",
+        )
         for i, w in enumerate(layers):
             for name, t in (("input_norm", w.input_norm), ("post_norm", w.post_norm)):
                 check_tensor(t, f"layer {i} {name}", 1, (torch.float32,))
-                require(t.shape[0] == g.hidden_size and t.is_contiguous(), f"layer {i} {name} must be [{g.hidden_size}]")
+                require(
+                    t.shape[0] == g.hidden_size and t.is_contiguous(), f"layer {i} {name} must be [{g.hidden_size}]"
+                )
             _packed(w.qkv, f"layer {i} qkv", q + 2 * kv, g.hidden_size)
             _packed(w.o, f"layer {i} o", g.hidden_size, q)
             _packed(w.gate_up, f"layer {i} gate_up", 2 * g.intermediate_size, g.hidden_size)
             _packed(w.down, f"layer {i} down", g.hidden_size, g.intermediate_size)
             for name, c in (("k_cache", w.k_cache), ("v_cache", w.v_cache)):
                 check_tensor(c, f"layer {i} {name}", 4, (torch.float32,))
-                require(tuple(c.shape) == cache_shape and c.is_contiguous(),
-                        f"layer {i} {name} must be contiguous {cache_shape}, got {tuple(c.shape)}")
+                require(
+                    tuple(c.shape) == cache_shape and c.is_contiguous(),
+                    f"layer {i} {name} must be contiguous {cache_shape}, got {tuple(c.shape)}",
+                )
             require(w.window is None or w.window >= 1, f"layer {i} window must be >= 1, got {w.window}")
             _check_tiles(w, i)
         self.geometry, self.block_size = g, cache_shape[1]
@@ -226,16 +291,39 @@ class LayerStack:
         self._kernels = kernels
         self._weights = layers  # the structs below point into these tensors
         self._cos_sin = cos_sin_cache
-        self._layers = (_Layer * len(layers))(*[
-            _Layer(w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(), w.post_norm.data_ptr(),
-                   w.gate_up.data_ptr(), w.down.data_ptr(), w.k_cache.data_ptr(), w.v_cache.data_ptr(), w.window or 0,
-                   *(None if t is None else t.data_ptr() for t in w.tiles()))
-            for w in layers])
+        self._layers = (_Layer * len(layers))(
+            *[
+                _Layer(
+                    w.input_norm.data_ptr(),
+                    w.qkv.data_ptr(),
+                    w.o.data_ptr(),
+                    w.post_norm.data_ptr(),
+                    w.gate_up.data_ptr(),
+                    w.down.data_ptr(),
+                    w.k_cache.data_ptr(),
+                    w.v_cache.data_ptr(),
+                    w.window or 0,
+                    *(None if t is None else t.data_ptr() for t in w.tiles()),
+                )
+                for w in layers
+            ]
+        )
         # Prompt rows go to amx_linear only where every layer has its tiles and the kernel runs here.
         self.tiled = kernels.amx_linear is not None and all(t is not None for w in layers for t in w.tiles())
-        self._shapes = _Shapes(g.hidden_size, g.intermediate_size, g.num_heads, g.num_kv_heads, g.head_dim,
-                               self.block_size, cache_shape[0], cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
-                               g.eps, g.scale, g.softcap or 0.0)
+        self._shapes = _Shapes(
+            g.hidden_size,
+            g.intermediate_size,
+            g.num_heads,
+            g.num_kv_heads,
+            g.head_dim,
+            self.block_size,
+            cache_shape[0],
+            cos_sin_cache.data_ptr(),
+            cos_sin_cache.shape[0],
+            g.eps,
+            g.scale,
+            g.softcap or 0.0,
+        )
 
     def run(self, hidden: torch.Tensor, batch: StackBatch, num_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over the batch's T tokens: (the last layer's output, the residual stream),
@@ -244,36 +332,71 @@ class LayerStack:
         g = self.geometry
         check_tensor(hidden, "hidden", 2, (torch.float32,))
         T = hidden.shape[0]
-        require(hidden.shape[1] == g.hidden_size and hidden.is_contiguous(),
-                f"hidden must be contiguous [T, {g.hidden_size}], got {tuple(hidden.shape)}")
+        require(
+            hidden.shape[1] == g.hidden_size and hidden.is_contiguous(),
+            f"hidden must be contiguous [T, {g.hidden_size}], got {tuple(hidden.shape)}",
+        )
         nd, npf = batch.check()
         require(batch.positions.shape[0] == T, f"the batch has {batch.positions.shape[0]} tokens, hidden {T}")
-        require(npf == 0 or self.takes_prefill, f"no native prefill attention for block size {self.block_size} and "
-                                                f"head dim {g.head_dim}: this stack runs decode-only steps")
-        require(nd == 0 or int(batch.decode_context_lens.max()) <= batch.decode_block_tables.shape[1] * self.block_size,
-                "a decode row's context is longer than its block table holds")
+        require(
+            npf == 0 or self.takes_prefill,
+            f"no native prefill attention for block size {self.block_size} and "
+            f"head dim {g.head_dim}: this stack runs decode-only steps",
+        )
+        require(
+            nd == 0 or int(batch.decode_context_lens.max()) <= batch.decode_block_tables.shape[1] * self.block_size,
+            "a decode row's context is longer than its block table holds",
+        )
         require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
         hidden = hidden.clone()  # the layers write their output over their input
         q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
-        buffers = {name: torch.empty(T, width) for name, width in (
-            ("residual", g.hidden_size), ("normed", g.hidden_size), ("qkv", q + 2 * kv), ("attn", q),
-            ("gate_up", 2 * g.intermediate_size), ("act", g.intermediate_size))}
+        buffers = {
+            name: torch.empty(T, width)
+            for name, width in (
+                ("residual", g.hidden_size),
+                ("normed", g.hidden_size),
+                ("qkv", q + 2 * kv),
+                ("attn", q),
+                ("gate_up", 2 * g.intermediate_size),
+                ("act", g.intermediate_size),
+            )
+        }
         b = batch
         runs = b.prompt_runs if b.prompt_runs is not None and self.tiled else None
-        step = _Step(T, b.positions.data_ptr(), b.slot_mapping.data_ptr(), nd, b.decode_block_tables.data_ptr(),
-                     b.decode_block_tables.shape[1], b.decode_context_lens.data_ptr(), npf,
-                     b.prefill_block_tables.data_ptr(), b.prefill_block_tables.shape[1],
-                     b.prefill_query_start.data_ptr(), b.prefill_context_lens.data_ptr(), hidden.data_ptr(),
-                     *(buf.data_ptr() for buf in buffers.values()),
-                     None if runs is None else runs.data_ptr(), 0 if runs is None else runs.shape[0])
+        step = _Step(
+            T,
+            b.positions.data_ptr(),
+            b.slot_mapping.data_ptr(),
+            nd,
+            b.decode_block_tables.data_ptr(),
+            b.decode_block_tables.shape[1],
+            b.decode_context_lens.data_ptr(),
+            npf,
+            b.prefill_block_tables.data_ptr(),
+            b.prefill_block_tables.shape[1],
+            b.prefill_query_start.data_ptr(),
+            b.prefill_context_lens.data_ptr(),
+            hidden.data_ptr(),
+            *(buf.data_ptr() for buf in buffers.values()),
+            None if runs is None else runs.data_ptr(),
+            0 if runs is None else runs.shape[0],
+        )
         if T:
-            err = _native_fn()(ctypes.byref(self._kernels), self._layers, len(self._weights), ctypes.byref(self._shapes),
-                               ctypes.byref(step), num_threads)
+            err = _native_fn()(
+                ctypes.byref(self._kernels),
+                self._layers,
+                len(self._weights),
+                ctypes.byref(self._shapes),
+                ctypes.byref(step),
+                num_threads,
+            )
             if err:
                 layer, stage, status = err // 1000 - 1, err % 1000 // 10, err % 10
-                raise ValueError(f"native layer stack: layer {layer}'s {_STAGES[stage - 1]} kernel refused the batch "
-                                 f"(status {status}: positions past the rope cache, slots past the KV cache, "
-                                 f"a context shorter than its chunk, or a context length below 1)")
+                raise ValueError(
+                    f"native layer stack: layer {layer}'s {_STAGES[stage - 1]} kernel refused the batch "
+                    f"(status {status}: positions past the rope cache, slots past the KV cache, "
+                    f"a context shorter than its chunk, or a context length below 1)"
+                )
         return hidden, buffers["residual"]
 
 
@@ -288,13 +411,20 @@ def _check_tiles(w: LayerWeights, layer: int) -> None:
         blocks, k, _ = getattr(w, name).shape
         shape = (blocks, -(-k // amx_linear.TILE_K), 2, 16, 32)
         check_tensor(t, f"layer {layer} {name}_tiles", 5, (torch.int16,))
-        require(tuple(t.shape) == shape and t.is_contiguous(),
-                f"layer {layer} {name}_tiles must be contiguous {shape} (kernels.amx_linear.pack_weight), "
-                f"got {tuple(t.shape)}")
+        require(
+            tuple(t.shape) == shape and t.is_contiguous(),
+            f"layer {layer} {name}_tiles must be contiguous {shape} (kernels.amx_linear.pack_weight), "
+            f"got {tuple(t.shape)}",
+        )
 
 
-def layer_stack_reference(geometry: LayerGeometry, layers: list[LayerWeights], cos_sin_cache: torch.Tensor,
-                          hidden: torch.Tensor, batch: StackBatch):
+def layer_stack_reference(
+    geometry: LayerGeometry,
+    layers: list[LayerWeights],
+    cos_sin_cache: torch.Tensor,
+    hidden: torch.Tensor,
+    batch: StackBatch,
+):
     """The same layers from the kernels' PyTorch references (KV written into the caches too); the
     prompt runs of layers with tiles through the bf16x3 reference."""
     g, b = geometry, batch
@@ -324,14 +454,28 @@ def layer_stack_reference(geometry: LayerGeometry, layers: list[LayerWeights], c
         store_kv_reference(k, v, w.k_cache, w.v_cache, b.slot_mapping)
         attn = torch.empty_like(qh)
         if nd:
-            attn[:nd] = paged_decode_attention_reference(qh[:nd], w.k_cache, w.v_cache, b.decode_block_tables,
-                                                         b.decode_context_lens, g.scale, window=w.window,
-                                                         softcap=g.softcap)
+            attn[:nd] = paged_decode_attention_reference(
+                qh[:nd],
+                w.k_cache,
+                w.v_cache,
+                b.decode_block_tables,
+                b.decode_context_lens,
+                g.scale,
+                window=w.window,
+                softcap=g.softcap,
+            )
         if nd < T:
-            attn[nd:] = paged_prefill_attention_reference(qh[nd:], w.k_cache, w.v_cache, b.prefill_block_tables,
-                                                          b.prefill_query_start, b.prefill_context_lens, g.scale,
-                                                          window=w.window, softcap=g.softcap)
-        x, residual = rms_norm_reference(linear(attn.reshape(T, q_size), w.o, w.o_tiles), w.post_norm, g.eps,
-                                         residual)
+            attn[nd:] = paged_prefill_attention_reference(
+                qh[nd:],
+                w.k_cache,
+                w.v_cache,
+                b.prefill_block_tables,
+                b.prefill_query_start,
+                b.prefill_context_lens,
+                g.scale,
+                window=w.window,
+                softcap=g.softcap,
+            )
+        x, residual = rms_norm_reference(linear(attn.reshape(T, q_size), w.o, w.o_tiles), w.post_norm, g.eps, residual)
         hidden = linear(silu_and_mul_reference(linear(x, w.gate_up, w.gate_up_tiles)), w.down, w.down_tiles)
     return hidden, residual

@@ -17,15 +17,29 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from kernels import (block_copy, decode_attention, fp8_gemm as _fp8_gemm, fp8_quant, fused_moe as _fused_moe,
-                     gelu_tanh_and_mul as gelu_mul, kv_store, prefill_attention, rms_norm as _rms_norm, rotary, sampling,
-                     silu_mul, token_bitmask)
+from kernels import (
+    block_copy,
+    decode_attention,
+    fp8_quant,
+    kv_store,
+    prefill_attention,
+    rotary,
+    sampling,
+    silu_mul,
+    token_bitmask,
+)
+from kernels import fp8_gemm as _fp8_gemm
+from kernels import fused_moe as _fused_moe
+from kernels import gelu_tanh_and_mul as gelu_mul
+from kernels import rms_norm as _rms_norm
 from kernels._triton_compat import HAS_TRITON, interpreting
+
 # Module-level pack/unpack for callers without a KernelOps (the KV transports): Triton on CUDA tensors.
 from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks
 
@@ -64,7 +78,7 @@ class KernelOps:
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """"triton", "native" or "reference" for `backend` on `device`; ValueError when it cannot run there."""
+    """ "triton", "native" or "reference" for `backend` on `device`; ValueError when it cannot run there."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {backend!r}")
     device_type = torch.device(device).type
@@ -74,8 +88,9 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         if not HAS_TRITON:
             raise ValueError("kernel_backend 'triton' needs triton, which is not installed")
         if device_type != "cuda" and not interpreting():
-            raise ValueError(f"kernel_backend 'triton' on {device_type} tensors needs TRITON_INTERPRET=1 "
-                             "(the Triton interpreter)")
+            raise ValueError(
+                f"kernel_backend 'triton' on {device_type} tensors needs TRITON_INTERPRET=1 (the Triton interpreter)"
+            )
         return backend
     if device_type == "cpu":
         return "native"
@@ -105,22 +120,36 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
     resolved = resolve_backend(backend, device)
     if resolved == "triton":
         return KernelOps(
-            "triton", _rms_norm.rms_norm_triton, rotary.rotary_embedding_triton, silu_mul.silu_and_mul_triton,
-            kv_store.store_kv_triton, decode_attention.paged_decode_attention_triton,
-            prefill_attention.paged_prefill_attention_triton, fp8_quant.scaled_fp8_quant_triton,
-            _fp8_gemm.fp8_gemm_triton, block_copy.pack_kv_blocks_triton, block_copy.unpack_kv_blocks_triton,
+            "triton",
+            _rms_norm.rms_norm_triton,
+            rotary.rotary_embedding_triton,
+            silu_mul.silu_and_mul_triton,
+            kv_store.store_kv_triton,
+            decode_attention.paged_decode_attention_triton,
+            prefill_attention.paged_prefill_attention_triton,
+            fp8_quant.scaled_fp8_quant_triton,
+            _fp8_gemm.fp8_gemm_triton,
+            block_copy.pack_kv_blocks_triton,
+            block_copy.unpack_kv_blocks_triton,
             # One pass of elementwise ops and an argmax: the PyTorch reference is already fused enough on CUDA.
-            sampling.exponential_race_reference, _fused_moe.fused_moe_triton, gelu_mul.gelu_tanh_and_mul_triton,
+            sampling.exponential_race_reference,
+            _fused_moe.fused_moe_triton,
+            gelu_mul.gelu_tanh_and_mul_triton,
             token_bitmask.apply_token_bitmask_gpu,
         )
     references = dict(
-        rms_norm=_rms_norm.rms_norm_reference, rotary_embedding=rotary.rotary_embedding_reference,
-        silu_and_mul=silu_mul.silu_and_mul_reference, store_kv=kv_store.store_kv_reference,
+        rms_norm=_rms_norm.rms_norm_reference,
+        rotary_embedding=rotary.rotary_embedding_reference,
+        silu_and_mul=silu_mul.silu_and_mul_reference,
+        store_kv=kv_store.store_kv_reference,
         paged_decode_attention=decode_attention.paged_decode_attention_reference,
         paged_prefill_attention=prefill_attention.paged_prefill_attention_reference,
-        scaled_fp8_quant=fp8_quant.scaled_fp8_quant_reference, fp8_gemm=_fp8_gemm.fp8_gemm_reference,
-        pack_kv_blocks=block_copy.pack_kv_blocks_reference, unpack_kv_blocks=block_copy.unpack_kv_blocks_reference,
-        exponential_race=sampling.exponential_race_reference, fused_moe=_fused_moe.fused_moe_reference,
+        scaled_fp8_quant=fp8_quant.scaled_fp8_quant_reference,
+        fp8_gemm=_fp8_gemm.fp8_gemm_reference,
+        pack_kv_blocks=block_copy.pack_kv_blocks_reference,
+        unpack_kv_blocks=block_copy.unpack_kv_blocks_reference,
+        exponential_race=sampling.exponential_race_reference,
+        fused_moe=_fused_moe.fused_moe_reference,
         gelu_tanh_and_mul=gelu_mul.gelu_tanh_and_mul_reference,
         apply_token_bitmask=token_bitmask.apply_token_bitmask_reference,
     )
@@ -128,38 +157,65 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
         return KernelOps("reference", **references)
     native = dict(
         rms_norm=_native_or_reference(
-            _rms_norm.native_built(), _rms_norm.rms_norm_cpu, references["rms_norm"],
-            lambda x, weight, eps, residual=None: _rms_norm.native_available(x, weight)),
+            _rms_norm.native_built(),
+            _rms_norm.rms_norm_cpu,
+            references["rms_norm"],
+            lambda x, weight, eps, residual=None: _rms_norm.native_available(x, weight),
+        ),
         rotary_embedding=_native_or_reference(
-            rotary.native_built(), rotary.rotary_embedding_cpu, references["rotary_embedding"],
-            lambda positions, q, k, cos_sin_cache: rotary.native_available(q)),
+            rotary.native_built(),
+            rotary.rotary_embedding_cpu,
+            references["rotary_embedding"],
+            lambda positions, q, k, cos_sin_cache: rotary.native_available(q),
+        ),
         silu_and_mul=_native_or_reference(
-            silu_mul.native_built(), silu_mul.silu_and_mul_cpu, references["silu_and_mul"],
-            silu_mul.native_available),
+            silu_mul.native_built(), silu_mul.silu_and_mul_cpu, references["silu_and_mul"], silu_mul.native_available
+        ),
         store_kv=_native_or_reference(
-            kv_store.native_built(), kv_store.store_kv_cpu, references["store_kv"],
-            lambda key, value, k_cache, *rest, **kw: kv_store.native_available(key, k_cache)),
+            kv_store.native_built(),
+            kv_store.store_kv_cpu,
+            references["store_kv"],
+            lambda key, value, k_cache, *rest, **kw: kv_store.native_available(key, k_cache),
+        ),
         paged_decode_attention=_native_or_reference(
-            decode_attention.native_built(), decode_attention.paged_decode_attention_cpu,
+            decode_attention.native_built(),
+            decode_attention.paged_decode_attention_cpu,
             references["paged_decode_attention"],
-            lambda q, k_cache, *rest, **kw: decode_attention.native_available(q, k_cache)),
+            lambda q, k_cache, *rest, **kw: decode_attention.native_available(q, k_cache),
+        ),
         paged_prefill_attention=_native_or_reference(
-            prefill_attention.native_built(), prefill_attention.paged_prefill_attention_cpu,
+            prefill_attention.native_built(),
+            prefill_attention.paged_prefill_attention_cpu,
             references["paged_prefill_attention"],
-            lambda q, k_cache, *rest, **kw: prefill_attention.native_available(q, k_cache)),
+            lambda q, k_cache, *rest, **kw: prefill_attention.native_available(q, k_cache),
+        ),
         exponential_race=_native_or_reference(
-            sampling.native_built(), sampling.exponential_race_cpu, references["exponential_race"],
-            sampling.native_available),
+            sampling.native_built(),
+            sampling.exponential_race_cpu,
+            references["exponential_race"],
+            sampling.native_available,
+        ),
         gelu_tanh_and_mul=_native_or_reference(
-            gelu_mul.native_built(), gelu_mul.gelu_tanh_and_mul_cpu, references["gelu_tanh_and_mul"],
-            gelu_mul.native_available),
+            gelu_mul.native_built(),
+            gelu_mul.gelu_tanh_and_mul_cpu,
+            references["gelu_tanh_and_mul"],
+            gelu_mul.native_available,
+        ),
         apply_token_bitmask=_native_or_reference(
-            token_bitmask.native_built(), token_bitmask.apply_token_bitmask_cpu, references["apply_token_bitmask"],
-            token_bitmask.native_available),
+            token_bitmask.native_built(),
+            token_bitmask.apply_token_bitmask_cpu,
+            references["apply_token_bitmask"],
+            token_bitmask.native_available,
+        ),
         # The reference's per-expert matmuls with the native SiLU-and-mul between them (the plain
         # reference when the native library is not built).
-        fused_moe=functools.partial(_fused_moe.fused_moe_reference, silu_and_mul=_native_or_reference(
-            True, silu_mul.silu_and_mul_cpu, references["silu_and_mul"], silu_mul.native_available))
-        if silu_mul.native_built() else references["fused_moe"],
+        fused_moe=functools.partial(
+            _fused_moe.fused_moe_reference,
+            silu_and_mul=_native_or_reference(
+                True, silu_mul.silu_and_mul_cpu, references["silu_and_mul"], silu_mul.native_available
+            ),
+        )
+        if silu_mul.native_built()
+        else references["fused_moe"],
     )
     return KernelOps("native", **{**references, **native})

@@ -24,17 +24,36 @@ Accuracy contract (what the CUDA choices keep):
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from kernels._triton_compat import cdiv, interpreting, next_pow2
 
-__all__ = ["DeviceSpec", "LaunchPlan", "DecodePlan", "TARGETS", "check_fp8_supported", "fp8_supported",
-           "decode_attention_plan", "merge_splits_plan", "prefill_attention_plan", "fp8_gemm_plan", "fp8_quant_plan",
-           "store_kv_plan", "rms_norm_plan", "rotary_plan", "silu_mul_plan", "block_copy_plan", "block_sums_plan", "MoePlan",
-           "fused_moe_plan", "plan_table"]
+__all__ = [
+    "DeviceSpec",
+    "LaunchPlan",
+    "DecodePlan",
+    "TARGETS",
+    "check_fp8_supported",
+    "fp8_supported",
+    "decode_attention_plan",
+    "merge_splits_plan",
+    "prefill_attention_plan",
+    "fp8_gemm_plan",
+    "fp8_quant_plan",
+    "store_kv_plan",
+    "rms_norm_plan",
+    "rotary_plan",
+    "silu_mul_plan",
+    "block_copy_plan",
+    "block_sums_plan",
+    "MoePlan",
+    "fused_moe_plan",
+    "plan_table",
+]
 
 FP8 = torch.float8_e4m3fn
 
@@ -53,7 +72,7 @@ class DeviceSpec:
     interpreted: bool = False
 
     @classmethod
-    def of(cls, device: torch.device | str) -> "DeviceSpec":
+    def of(cls, device: torch.device | str) -> DeviceSpec:
         """The spec of a real device; queries CUDA only for a CUDA device."""
         return _spec_of(torch.device(device), interpreting())
 
@@ -63,7 +82,7 @@ class DeviceSpec:
 
     @property
     def arch(self) -> str:
-        """"sm_90", "sm_100", ... or "cpu"."""
+        """ "sm_90", "sm_100", ... or "cpu"."""
         return f"sm_{self.capability[0]}{self.capability[1]}" if self.is_cuda else "cpu"
 
     def describe(self) -> str:
@@ -80,8 +99,15 @@ def _spec_of(device: torch.device, interp: bool) -> DeviceSpec:
     index = device.index if device.index is not None else torch.cuda.current_device()
     p = torch.cuda.get_device_properties(index)
     smem = int(getattr(p, "shared_memory_per_block_optin", 0) or getattr(p, "shared_memory_per_block", 0) or 0)
-    return DeviceSpec("cuda", (int(p.major), int(p.minor)), int(p.multi_processor_count), smem,
-                      int(getattr(p, "max_threads_per_block", 1024) or 1024), str(p.name), interp)
+    return DeviceSpec(
+        "cuda",
+        (int(p.major), int(p.minor)),
+        int(p.multi_processor_count),
+        smem,
+        int(getattr(p, "max_threads_per_block", 1024) or 1024),
+        str(p.name),
+        interp,
+    )
 
 
 KIB = 1024
@@ -116,6 +142,7 @@ class LaunchPlan:
 
 # -- FP8 -------------------------------------------------------------------------------------------
 
+
 def fp8_supported(device: DeviceSpec) -> bool:
     """Native FP8 (e4m3) conversions and MMA: compute capability >= 8.9, or the CPU."""
     return not device.is_cuda or tuple(device.capability) >= (8, 9)
@@ -129,7 +156,8 @@ def check_fp8_supported(device: DeviceSpec, what: str = "FP8") -> None:
         raise ValueError(
             f"{what} needs native FP8, compute capability >= 8.9 (Ada, Hopper, Blackwell); "
             f"{device.describe()} has none: use kv_cache_dtype 'auto' (the model's bfloat16/float16 KV "
-            f"cache) and no quantization (quantization=None) on this GPU")
+            f"cache) and no quantization (quantization=None) on this GPU"
+        )
 
 
 def _dtype(d) -> torch.dtype:
@@ -137,6 +165,7 @@ def _dtype(d) -> torch.dtype:
 
 
 # -- attention ---------------------------------------------------------------------------------------
+
 
 def _dot_precision(device: DeviceSpec, dtype: torch.dtype) -> tuple[bool, str]:
     """(DOT_F32, PRECISION) for attention dots on `dtype` activations.
@@ -167,8 +196,19 @@ class DecodePlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def decode_attention_plan(device: DeviceSpec, *, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                          block_size: int, max_ctx: int, dtype, kv_dtype, num_splits: int | None = None) -> DecodePlan:
+def decode_attention_plan(
+    device: DeviceSpec,
+    *,
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_ctx: int,
+    dtype,
+    kv_dtype,
+    num_splits: int | None = None,
+) -> DecodePlan:
     """Split-K decode attention. `max_ctx` bounds the context (block table width * block size)."""
     dtype, kv_dtype = _dtype(dtype), _dtype(kv_dtype)
     if kv_dtype == FP8:
@@ -185,23 +225,50 @@ def decode_attention_plan(device: DeviceSpec, *, batch: int, num_q_heads: int, n
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     split_len = cdiv(cdiv(max_ctx, num_splits), block_n) * block_n
     num_splits = cdiv(max_ctx, split_len)
-    split = LaunchPlan("kernels.decode_attention:_decode_split_kernel", dict(
-        G=group, HK=num_kv_heads, D=head_dim, BS=block_size, NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(head_dim)),
-        DOT_F32=dot_f32, PRECISION=precision, **_fp8_via_float32(device, dtype, kv_dtype)), num_warps, num_stages)
+    split = LaunchPlan(
+        "kernels.decode_attention:_decode_split_kernel",
+        dict(
+            G=group,
+            HK=num_kv_heads,
+            D=head_dim,
+            BS=block_size,
+            NUM_SPLITS=num_splits,
+            BLOCK_G=max(16, next_pow2(group)),
+            BLOCK_N=block_n,
+            BLOCK_D=max(16, next_pow2(head_dim)),
+            DOT_F32=dot_f32,
+            PRECISION=precision,
+            **_fp8_via_float32(device, dtype, kv_dtype),
+        ),
+        num_warps,
+        num_stages,
+    )
     merge = merge_splits_plan(device, num_splits=num_splits, head_dim=head_dim) if num_splits > 1 else None
     return DecodePlan(split, merge, num_splits, split_len)
 
 
 @functools.lru_cache(maxsize=256)
 def merge_splits_plan(device: DeviceSpec, *, num_splits: int, head_dim: int) -> LaunchPlan:
-    return LaunchPlan("kernels.decode_attention_reduce:_merge_kernel", dict(
-        S=num_splits, D=head_dim, BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=next_pow2(head_dim)), 4)
+    return LaunchPlan(
+        "kernels.decode_attention_reduce:_merge_kernel",
+        dict(S=num_splits, D=head_dim, BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=next_pow2(head_dim)),
+        4,
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def prefill_attention_plan(device: DeviceSpec, *, max_q: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                           block_size: int, dtype, kv_dtype, windowed: bool = False) -> LaunchPlan:
+def prefill_attention_plan(
+    device: DeviceSpec,
+    *,
+    max_q: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype,
+    kv_dtype,
+    windowed: bool = False,
+) -> LaunchPlan:
     """Paged prefill attention; `max_q` is the longest sequence's count of new tokens; `windowed`:
     a sliding window masks keys (the query tile may then be no taller than the key tile)."""
     dtype, kv_dtype = _dtype(dtype), _dtype(kv_dtype)
@@ -230,24 +297,56 @@ def prefill_attention_plan(device: DeviceSpec, *, max_q: int, num_q_heads: int, 
         # loop at its first row's first visible key, so every row must find a key in the first key
         # tile (else a row is all masked and its softmax is NaN).
         block_m, num_warps = block_n, 4
-    return LaunchPlan("kernels.prefill_attention:_prefill_kernel", dict(
-        G=num_q_heads // num_kv_heads, HK=num_kv_heads, D=head_dim, BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, next_pow2(head_dim)), DOT_F32=dot_f32, PRECISION=precision,
-        **_fp8_via_float32(device, dtype, kv_dtype)), num_warps, 2)
+    return LaunchPlan(
+        "kernels.prefill_attention:_prefill_kernel",
+        dict(
+            G=num_q_heads // num_kv_heads,
+            HK=num_kv_heads,
+            D=head_dim,
+            BS=block_size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=max(16, next_pow2(head_dim)),
+            DOT_F32=dot_f32,
+            PRECISION=precision,
+            **_fp8_via_float32(device, dtype, kv_dtype),
+        ),
+        num_warps,
+        2,
+    )
 
 
 # -- FP8 GEMM and quantization -----------------------------------------------------------------------
 
+
 @functools.lru_cache(maxsize=1024)
-def fp8_gemm_plan(device: DeviceSpec, *, M: int, N: int, K: int, has_bias: bool = False,
-                  sa_per_row: bool = False, sb_per_col: bool = False) -> LaunchPlan:
+def fp8_gemm_plan(
+    device: DeviceSpec,
+    *,
+    M: int,
+    N: int,
+    K: int,
+    has_bias: bool = False,
+    sa_per_row: bool = False,
+    sb_per_col: bool = False,
+) -> LaunchPlan:
     check_fp8_supported(device, "the FP8 GEMM")
     flags = dict(SA_PER_ROW=sa_per_row, SB_PER_COL=sb_per_col, HAS_BIAS=has_bias)
     name = "kernels.fp8_gemm:_fp8_gemm_kernel"
     if not device.is_cuda:
         # Interpreter: small tiles keep numpy fast; 16 is tl.dot's minimum.
-        return LaunchPlan(name, dict(flags, BLOCK_M=max(16, min(next_pow2(M), 32)), BLOCK_N=max(16, min(next_pow2(N), 32)),
-                                     BLOCK_K=max(16, min(next_pow2(K), 64)), GROUP_M=4), 4, 1)
+        return LaunchPlan(
+            name,
+            dict(
+                flags,
+                BLOCK_M=max(16, min(next_pow2(M), 32)),
+                BLOCK_N=max(16, min(next_pow2(N), 32)),
+                BLOCK_K=max(16, min(next_pow2(K), 64)),
+                GROUP_M=4,
+            ),
+            4,
+            1,
+        )
     # BLOCK_M stays >= 64 so Hopper's warp-group MMA applies even to decode-sized M.
     if M <= 64:
         return LaunchPlan(name, dict(flags, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 4, 4)
@@ -262,13 +361,19 @@ def fp8_gemm_plan(device: DeviceSpec, *, M: int, N: int, K: int, has_bias: bool 
 
 
 @functools.lru_cache(maxsize=256)
-def fp8_quant_plan(device: DeviceSpec, *, N: int, dynamic_row: bool, scale_per_row: bool, min_scale: float) -> LaunchPlan:
+def fp8_quant_plan(
+    device: DeviceSpec, *, N: int, dynamic_row: bool, scale_per_row: bool, min_scale: float
+) -> LaunchPlan:
     check_fp8_supported(device, "FP8 quantization")
-    return LaunchPlan("kernels.fp8_quant:_fp8_quant_kernel", dict(
-        DYNAMIC_ROW=dynamic_row, SCALE_PER_ROW=scale_per_row, MIN_S=min_scale, BLOCK=min(next_pow2(N), 1024)), 4)
+    return LaunchPlan(
+        "kernels.fp8_quant:_fp8_quant_kernel",
+        dict(DYNAMIC_ROW=dynamic_row, SCALE_PER_ROW=scale_per_row, MIN_S=min_scale, BLOCK=min(next_pow2(N), 1024)),
+        4,
+    )
 
 
 # -- fused mixture of experts ------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class MoePlan:
@@ -280,8 +385,9 @@ class MoePlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def fused_moe_plan(device: DeviceSpec, *, num_pairs: int, num_experts: int, hidden: int, inter: int, dtype,
-                   top_k: int) -> MoePlan:
+def fused_moe_plan(
+    device: DeviceSpec, *, num_pairs: int, num_experts: int, hidden: int, inter: int, dtype, top_k: int
+) -> MoePlan:
     """`num_pairs` = tokens * top_k; `inter` is one expert's intermediate size. float32 dots follow
     the attention contract above (TF32 on CUDA, IEEE on the CPU)."""
     dtype = _dtype(dtype)
@@ -293,43 +399,75 @@ def fused_moe_plan(device: DeviceSpec, *, num_pairs: int, num_experts: int, hidd
     if not device.is_cuda:
         # Interpreter: small tiles keep numpy fast; 16 is tl.dot's minimum.
         bm = 16
-        return MoePlan(bm, LaunchPlan(name, dict(gated, BLOCK_M=bm, BLOCK_N=max(16, min(next_pow2(inter), 32)),
-                                                 BLOCK_K=max(16, min(next_pow2(hidden), 64))), 4, 1),
-                       LaunchPlan(name, dict(weighted, BLOCK_M=bm, BLOCK_N=max(16, min(next_pow2(hidden), 32)),
-                                             BLOCK_K=max(16, min(next_pow2(inter), 64))), 4, 1))
+        return MoePlan(
+            bm,
+            LaunchPlan(
+                name,
+                dict(
+                    gated,
+                    BLOCK_M=bm,
+                    BLOCK_N=max(16, min(next_pow2(inter), 32)),
+                    BLOCK_K=max(16, min(next_pow2(hidden), 64)),
+                ),
+                4,
+                1,
+            ),
+            LaunchPlan(
+                name,
+                dict(
+                    weighted,
+                    BLOCK_M=bm,
+                    BLOCK_N=max(16, min(next_pow2(hidden), 32)),
+                    BLOCK_K=max(16, min(next_pow2(inter), 64)),
+                ),
+                4,
+                1,
+            ),
+        )
     # Rows per expert decide the tile height: decode batches give each expert a handful of rows,
     # and padding each run to a tall tile would waste the tensor cores on zeros.
     per_expert = cdiv(num_pairs, num_experts)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
     # float32 (TF32) tiles are twice the bytes: half the K depth keeps the stages in shared memory.
     bk = 32 if dtype == torch.float32 else 64
-    return MoePlan(bm, LaunchPlan(name, dict(gated, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk), 4, 3),
-                   LaunchPlan(name, dict(weighted, BLOCK_M=bm, BLOCK_N=64 if bm <= 32 else 128, BLOCK_K=bk), 4, 3))
+    return MoePlan(
+        bm,
+        LaunchPlan(name, dict(gated, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk), 4, 3),
+        LaunchPlan(name, dict(weighted, BLOCK_M=bm, BLOCK_N=64 if bm <= 32 else 128, BLOCK_K=bk), 4, 3),
+    )
 
 
 # -- the elementwise kernels -------------------------------------------------------------------------
+
 
 @functools.lru_cache(maxsize=256)
 def store_kv_plan(device: DeviceSpec, *, num_heads: int, head_dim: int, kv_dtype) -> LaunchPlan:
     quant = _dtype(kv_dtype) == FP8
     if quant:
         check_fp8_supported(device, "an FP8 KV cache")
-    return LaunchPlan("kernels.kv_store:_store_kv_kernel", dict(
-        QUANT=quant, BLOCK_H=min(next_pow2(num_heads), 8), BLOCK_D=next_pow2(head_dim)), 4)
+    return LaunchPlan(
+        "kernels.kv_store:_store_kv_kernel",
+        dict(QUANT=quant, BLOCK_H=min(next_pow2(num_heads), 8), BLOCK_D=next_pow2(head_dim)),
+        4,
+    )
 
 
 @functools.lru_cache(maxsize=256)
 def rms_norm_plan(device: DeviceSpec, *, hidden: int, has_residual: bool) -> LaunchPlan:
     block = next_pow2(hidden)
-    return LaunchPlan("kernels.rms_norm:_rms_norm_kernel", dict(HAS_RESIDUAL=has_residual, BLOCK=block),
-                      min(max(block // 256, 1), 16))
+    return LaunchPlan(
+        "kernels.rms_norm:_rms_norm_kernel", dict(HAS_RESIDUAL=has_residual, BLOCK=block), min(max(block // 256, 1), 16)
+    )
 
 
 @functools.lru_cache(maxsize=256)
 def rotary_plan(device: DeviceSpec, *, num_heads: int, head_dim: int) -> LaunchPlan:
     half = head_dim // 2
-    return LaunchPlan("kernels.rotary:_rotary_kernel", dict(
-        HALF=half, BLOCK_H=min(next_pow2(num_heads), 16), BLOCK_HALF=next_pow2(half)), 4)
+    return LaunchPlan(
+        "kernels.rotary:_rotary_kernel",
+        dict(HALF=half, BLOCK_H=min(next_pow2(num_heads), 16), BLOCK_HALF=next_pow2(half)),
+        4,
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -350,6 +488,7 @@ def block_sums_plan(device: DeviceSpec) -> LaunchPlan:
 
 # -- the documented table ----------------------------------------------------------------------------
 
+
 def _cell(fn, *args, **kwargs) -> str:
     try:
         p = fn(*args, **kwargs)
@@ -357,42 +496,67 @@ def _cell(fn, *args, **kwargs) -> str:
         return "refused"
     if isinstance(p, DecodePlan):
         m = p.split.meta
-        return (f"N{m['BLOCK_N']} w{p.split.num_warps} s{p.split.num_stages} splits {p.num_splits}"
-                + (f" {m['PRECISION']}" if m["DOT_F32"] else ""))
+        return f"N{m['BLOCK_N']} w{p.split.num_warps} s{p.split.num_stages} splits {p.num_splits}" + (
+            f" {m['PRECISION']}" if m["DOT_F32"] else ""
+        )
     m = p.meta
     if "BLOCK_K" in m:
         return f"{m['BLOCK_M']}x{m['BLOCK_N']}x{m['BLOCK_K']} w{p.num_warps} s{p.num_stages}"
-    return (f"M{m['BLOCK_M']} N{m['BLOCK_N']} w{p.num_warps} s{p.num_stages}"
-            + (f" {m['PRECISION']}" if m["DOT_F32"] else ""))
+    return f"M{m['BLOCK_M']} N{m['BLOCK_N']} w{p.num_warps} s{p.num_stages}" + (
+        f" {m['PRECISION']}" if m["DOT_F32"] else ""
+    )
 
 
 def plan_table() -> str:
     """The Markdown table docs/development.md shows under "Kernel plans" (Llama-3-8B's shapes:
-    32 q / 8 kv heads, head_dim 128, block size 16; Mixtral 8x7B's for the fused MoE). Cells: tiles (M/N/K), w warps, s stages,
+    32 q / 8 kv heads, head_dim 128, block size 16; Mixtral 8x7B's for the fused MoE). Cells: tiles
+    (M/N/K), w warps, s stages,
     splits for decode, the dot precision when dots run on float32 operands; "refused": the plan
     raises (FP8 below sm_89)."""
     attn = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
     mixtral = dict(num_experts=8, hidden=4096, inter=14336, dtype="bfloat16", top_k=2)
     moe_decode, moe_prefill = dict(mixtral, num_pairs=16), dict(mixtral, num_pairs=4096)
     rows = [
-        ("decode bf16, batch 8, 4k context",
-         lambda d: _cell(decode_attention_plan, d, batch=8, max_ctx=4096, dtype="bfloat16", kv_dtype="bfloat16", **attn)),
-        ("decode fp32, batch 8, 4k context",
-         lambda d: _cell(decode_attention_plan, d, batch=8, max_ctx=4096, dtype="float32", kv_dtype="float32", **attn)),
-        ("decode bf16, FP8 KV, batch 8, 4k context",
-         lambda d: _cell(decode_attention_plan, d, batch=8, max_ctx=4096, dtype="bfloat16", kv_dtype=FP8, **attn)),
-        ("prefill bf16, 2k-token prompt",
-         lambda d: _cell(prefill_attention_plan, d, max_q=2048, dtype="bfloat16", kv_dtype="bfloat16", **attn)),
-        ("prefill fp32, 2k-token prompt",
-         lambda d: _cell(prefill_attention_plan, d, max_q=2048, dtype="float32", kv_dtype="float32", **attn)),
+        (
+            "decode bf16, batch 8, 4k context",
+            lambda d: _cell(
+                decode_attention_plan, d, batch=8, max_ctx=4096, dtype="bfloat16", kv_dtype="bfloat16", **attn
+            ),
+        ),
+        (
+            "decode fp32, batch 8, 4k context",
+            lambda d: _cell(
+                decode_attention_plan, d, batch=8, max_ctx=4096, dtype="float32", kv_dtype="float32", **attn
+            ),
+        ),
+        (
+            "decode bf16, FP8 KV, batch 8, 4k context",
+            lambda d: _cell(decode_attention_plan, d, batch=8, max_ctx=4096, dtype="bfloat16", kv_dtype=FP8, **attn),
+        ),
+        (
+            "prefill bf16, 2k-token prompt",
+            lambda d: _cell(prefill_attention_plan, d, max_q=2048, dtype="bfloat16", kv_dtype="bfloat16", **attn),
+        ),
+        (
+            "prefill fp32, 2k-token prompt",
+            lambda d: _cell(prefill_attention_plan, d, max_q=2048, dtype="float32", kv_dtype="float32", **attn),
+        ),
         ("FP8 GEMM, M=8 (decode)", lambda d: _cell(fp8_gemm_plan, d, M=8, N=4096, K=4096)),
         ("FP8 GEMM, M=2048, bias", lambda d: _cell(fp8_gemm_plan, d, M=2048, N=4096, K=4096, has_bias=True)),
-        ("fused MoE bf16 gate_up / down, Mixtral 8x7B, 8 decode tokens",
-         lambda d: " / ".join(_cell(lambda *a, **k: getattr(fused_moe_plan(*a, **k), step), d, **moe_decode)
-                              for step in ("gate_up", "down"))),
-        ("fused MoE bf16 gate_up / down, Mixtral 8x7B, 2k-token prefill",
-         lambda d: " / ".join(_cell(lambda *a, **k: getattr(fused_moe_plan(*a, **k), step), d, **moe_prefill)
-                              for step in ("gate_up", "down"))),
+        (
+            "fused MoE bf16 gate_up / down, Mixtral 8x7B, 8 decode tokens",
+            lambda d: " / ".join(
+                _cell(lambda *a, step=step, **k: getattr(fused_moe_plan(*a, **k), step), d, **moe_decode)
+                for step in ("gate_up", "down")
+            ),
+        ),
+        (
+            "fused MoE bf16 gate_up / down, Mixtral 8x7B, 2k-token prefill",
+            lambda d: " / ".join(
+                _cell(lambda *a, step=step, **k: getattr(fused_moe_plan(*a, **k), step), d, **moe_prefill)
+                for step in ("gate_up", "down")
+            ),
+        ),
     ]
     names = list(TARGETS)
     lines = ["| launch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]

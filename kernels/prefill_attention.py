@@ -14,8 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
-from kernels._attn_common import (check_attention, check_window_softcap, gather_kv, native_cache_args, native_int32,
-                                  softcap_scores)
+from kernels._attn_common import (
+    check_attention,
+    check_window_softcap,
+    gather_kv,
+    native_cache_args,
+    native_int32,
+    softcap_scores,
+)
 from kernels._checks import check_last_dim_contiguous, check_tensor, is_fp8, require
 from kernels._triton_compat import cdiv, lazy_jit, tl
 from kernels.plan import DeviceSpec, prefill_attention_plan
@@ -24,19 +30,33 @@ from kernels.plan import DeviceSpec, prefill_attention_plan
 def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale):
     out = check_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     check_tensor(query_start_loc, "query_start_loc", 1, (torch.int32, torch.int64))
-    require(query_start_loc.shape[0] == context_lens.shape[0] + 1,
-            f"query_start_loc needs B+1 = {context_lens.shape[0] + 1} entries, got {query_start_loc.shape[0]}")
+    require(
+        query_start_loc.shape[0] == context_lens.shape[0] + 1,
+        f"query_start_loc needs B+1 = {context_lens.shape[0] + 1} entries, got {query_start_loc.shape[0]}",
+    )
     require(query_start_loc.device == q.device, "query_start_loc must be on q's device")
     return out
 
 
-def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                                      k_scale: float = 1.0, v_scale: float = 1.0, *, window: int | None = None,
-                                      softcap: float | None = None):
+def paged_prefill_attention_reference(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    context_lens,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+):
     """`window`: a query at position p sees keys at positions > p - window (transformers' sliding
     window); blocks wholly before the first query's window are never read. `softcap`: Gemma 2's cap."""
-    scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                     scale, k_scale, v_scale)
+    scale, k_scale, v_scale = _check(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale
+    )
     window, softcap = check_window_softcap(window, softcap)
     T, hq, d = q.shape
     out = q.new_empty((T, hq, d))
@@ -46,8 +66,9 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_s
     bs = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
-    require(starts[0] == 0 and starts[-1] == T,
-            f"query_start_loc must run from 0 to {T}, got {starts[0]}..{starts[-1]}")
+    require(
+        starts[0] == 0 and starts[-1] == T, f"query_start_loc must run from 0 to {T}, got {starts[0]}..{starts[-1]}"
+    )
     for i in range(B):
         s, e, ctx = starts[i], starts[i + 1], lens[i]
         ql = e - s
@@ -55,8 +76,9 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_s
             continue
         require(0 < ql <= ctx, f"sequence {i}: {ql} new tokens but context_len {ctx}")
         nb = cdiv(ctx, bs)
-        require(nb <= block_tables.shape[1],
-                f"sequence {i} needs {nb} blocks, block_tables has {block_tables.shape[1]}")
+        require(
+            nb <= block_tables.shape[1], f"sequence {i} needs {nb} blocks, block_tables has {block_tables.shape[1]}"
+        )
         # The first block any query of the chunk may see: with a window, earlier ones are skipped.
         first = 0 if window is None else max(0, ctx - ql - window + 1) // bs
         ids = block_tables[i, first:nb].long()
@@ -85,12 +107,41 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_s
     return out
 
 
-_NATIVE_ERRORS = {1: "bad head geometry or dtype",
-                  2: "a sequence has more new tokens than context, or more context than its block table holds",
-                  3: "no specialisation for this block size / head dim"}
+_NATIVE_ERRORS = {
+    1: "bad head geometry or dtype",
+    2: "a sequence has more new tokens than context, or more context than its block table holds",
+    3: "no specialisation for this block size / head dim",
+}
 _I64, _I32, _PTR = cpu_native.I64, cpu_native.I32, cpu_native.PTR
-_NATIVE_ARGS = (_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64,
-                _I64, _I32, _I32, _I32, _I32, cpu_native.F32, _I64, cpu_native.F32, _I32)
+_NATIVE_ARGS = (
+    _PTR,
+    _I64,
+    _I64,
+    _I32,
+    _PTR,
+    _PTR,
+    _I32,
+    _I64,
+    _PTR,
+    _PTR,
+    _PTR,
+    _I64,
+    _I64,
+    _PTR,
+    _PTR,
+    _PTR,
+    _I64,
+    _I64,
+    _I64,
+    _I32,
+    _I32,
+    _I32,
+    _I32,
+    cpu_native.F32,
+    _I64,
+    cpu_native.F32,
+    _I32,
+)
 # (block_size, head_dim) pairs the kernel is compiled for; others use the reference.
 _NATIVE_SHAPES = {(16, 64), (16, 128)}
 
@@ -112,21 +163,42 @@ def native_shape(block_size: int, head_dim: int) -> bool:
 def native_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_prefill_attention_cpu handles these tensors (CPU, float32/bfloat16 q, a compiled
     block size / head dim, built library)."""
-    return (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and k_cache.dim() == 4
-            and native_shape(k_cache.shape[1], k_cache.shape[3]) and _native_fn() is not None)
+    return (
+        isinstance(q, torch.Tensor)
+        and isinstance(k_cache, torch.Tensor)
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+        and k_cache.dim() == 4
+        and native_shape(k_cache.shape[1], k_cache.shape[3])
+        and _native_fn() is not None
+    )
 
 
-def paged_prefill_attention_cpu(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                                k_scale: float = 1.0, v_scale: float = 1.0, *, window: int | None = None,
-                                softcap: float | None = None):
+def paged_prefill_attention_cpu(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    context_lens,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+):
     """The native CPU kernel; same contract as the reference. Needs native_available(q, k_cache)."""
-    scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                     scale, k_scale, v_scale)
+    scale, k_scale, v_scale = _check(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale
+    )
     window, softcap = check_window_softcap(window, softcap)
-    require(native_available(q, k_cache), f"no native CPU prefill attention for q {q.dtype}, cache {k_cache.dtype} "
-                                          f"{tuple(k_cache.shape)} (or the library could not be built)")
+    require(
+        native_available(q, k_cache),
+        f"no native CPU prefill attention for q {q.dtype}, cache {k_cache.dtype} "
+        f"{tuple(k_cache.shape)} (or the library could not be built)",
+    )
     check_last_dim_contiguous(q, "q")
     block_tables = native_int32(block_tables)
     query_start_loc = native_int32(query_start_loc)
@@ -137,14 +209,32 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, block_tables, query_start_l
     if T == 0 or B == 0:
         return out
     starts = query_start_loc.tolist()
-    require(starts[0] == 0 and starts[-1] == T, f"query_start_loc must run from 0 to {T}, got {starts[0]}..{starts[-1]}")
+    require(
+        starts[0] == 0 and starts[-1] == T, f"query_start_loc must run from 0 to {T}, got {starts[0]}..{starts[-1]}"
+    )
     _, bs, hk, _ = k_cache.shape
     err = _native_fn()(
-        q.data_ptr(), q.stride(0), q.stride(1), cpu_native.DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        cpu_native.DTYPE_CODES[q.dtype],
         *native_cache_args(k_cache, v_cache, k_scale, v_scale),
-        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
-        query_start_loc.data_ptr(), context_lens.data_ptr(),
-        out.data_ptr(), out.stride(0), out.stride(1), B, hq, hk, d, bs, scale, window or 0, softcap or 0.0,
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        query_start_loc.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        B,
+        hq,
+        hk,
+        d,
+        bs,
+        scale,
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     require(err == 0, f"native prefill attention: {_NATIVE_ERRORS.get(err, f'error {err}')}")
@@ -156,12 +246,34 @@ _LOG2E = 1.4426950408889634
 
 @lazy_jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr,
-    qk_scale, v_scale, max_ctx, window, softcap_log2e,
-    stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
-    G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    qsl_ptr,
+    lens_ptr,
+    out_ptr,
+    qk_scale,
+    v_scale,
+    max_ctx,
+    window,
+    softcap_log2e,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
     FP8_VIA_F32: tl.constexpr = False,
 ):
     # One program per (tile of BLOCK_M new tokens, query head, sequence); the grid is sized for the
@@ -182,8 +294,11 @@ def _prefill_kernel(
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         tok = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
-                    mask=mmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
+            mask=mmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
         if DOT_F32:
             q = q.to(tl.float32)
         qpos = prefix + offs_m
@@ -227,20 +342,37 @@ def _prefill_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             m_i = m_new
         o = acc / l_i[:, None] * v_scale
-        tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=mmask[:, None] & dmask[None, :],
+        )
 
 
-def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                                   k_scale: float = 1.0, v_scale: float = 1.0, *, window: int | None = None,
-                                   softcap: float | None = None):
-    scale, k_scale, v_scale = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                     scale, k_scale, v_scale)
+def paged_prefill_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    context_lens,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+):
+    scale, k_scale, v_scale = _check(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale
+    )
     window, softcap = check_window_softcap(window, softcap)
     check_last_dim_contiguous(q, "q")
     require(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim")
-    require(context_lens.is_contiguous() and query_start_loc.is_contiguous(),
-            "context_lens and query_start_loc must be contiguous")
+    require(
+        context_lens.is_contiguous() and query_start_loc.is_contiguous(),
+        "context_lens and query_start_loc must be contiguous",
+    )
     T, hq, d = q.shape
     out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
     B = context_lens.shape[0]
@@ -252,16 +384,39 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
     # One host sync to size the grid; prefill is compute-bound, so it is cheap here.
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     # Tiles and dot precision: kernels/plan.py (the compile check compiles the same choices).
-    plan = prefill_attention_plan(DeviceSpec.of(q.device), max_q=max_q, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
-                                  block_size=bs, dtype=q.dtype, kv_dtype=k_cache.dtype, windowed=window is not None)
+    plan = prefill_attention_plan(
+        DeviceSpec.of(q.device),
+        max_q=max_q,
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        head_dim=d,
+        block_size=bs,
+        dtype=q.dtype,
+        kv_dtype=k_cache.dtype,
+        windowed=window is not None,
+    )
     # With a window, each row's first visible key must fall in its tile's first key block (no NaN row).
     assert window is None or plan.meta["BLOCK_M"] <= plan.meta["BLOCK_N"], plan.meta
     _prefill_kernel[(cdiv(max_q, plan.meta["BLOCK_M"]), hq, B)](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        scale * k_scale * (_LOG2E if softcap is None else 1.0 / softcap), v_scale, block_tables.shape[1] * bs,
-        window or 0, (softcap or 0.0) * _LOG2E,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        **plan.launch_kwargs(), **({"HAS_WINDOW": True} if window is not None else {}),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        out,
+        scale * k_scale * (_LOG2E if softcap is None else 1.0 / softcap),
+        v_scale,
+        block_tables.shape[1] * bs,
+        window or 0,
+        (softcap or 0.0) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        **plan.launch_kwargs(),
+        **({"HAS_WINDOW": True} if window is not None else {}),
         **({"SOFTCAP": True} if softcap is not None else {}),
     )
     return out

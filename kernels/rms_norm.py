@@ -38,9 +38,23 @@ def rms_norm_reference(x, weight, eps: float, residual=None):
     return _norm(s, weight, eps), s
 
 
-_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I32,
-                cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I64,
-                cpu_native.F32, cpu_native.I32, cpu_native.I32)
+_NATIVE_ARGS = (
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.I32,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.F32,
+    cpu_native.I32,
+    cpu_native.I32,
+)
 _NATIVE_MAX_HIDDEN = 8192  # the kernel keeps one row on its stack
 
 
@@ -56,9 +70,15 @@ def native_built() -> bool:
 def native_available(x, weight) -> bool:
     """Whether rms_norm_cpu handles these tensors (CPU float32/bfloat16, hidden size <= 8192, built library)."""
     native = (torch.float32, torch.bfloat16)
-    return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.device.type == "cpu"
-            and x.dtype in native and weight.dtype in native
-            and x.shape[-1] <= _NATIVE_MAX_HIDDEN and _native_fn() is not None)
+    return (
+        isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and x.device.type == "cpu"
+        and x.dtype in native
+        and weight.dtype in native
+        and x.shape[-1] <= _NATIVE_MAX_HIDDEN
+        and _native_fn() is not None
+    )
 
 
 def rms_norm_cpu(x, weight, eps: float, residual=None):
@@ -75,10 +95,21 @@ def rms_norm_cpu(x, weight, eps: float, residual=None):
         check_last_dim_contiguous(residual, "residual")
         summed = torch.empty((T, H), dtype=x.dtype)
     err = _native_fn()(
-        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0), weight.data_ptr(), cpu_native.DTYPE_CODES[weight.dtype],
-        out.data_ptr(), out.stride(0), None if summed is None else summed.data_ptr(), H, T, H, float(eps),
-        cpu_native.DTYPE_CODES[x.dtype], torch.get_num_threads(),
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        weight.data_ptr(),
+        cpu_native.DTYPE_CODES[weight.dtype],
+        out.data_ptr(),
+        out.stride(0),
+        None if summed is None else summed.data_ptr(),
+        H,
+        T,
+        H,
+        float(eps),
+        cpu_native.DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
     )
     if err != 0:
         raise ValueError(f"native rms_norm failed with status {err}")
@@ -87,9 +118,19 @@ def rms_norm_cpu(x, weight, eps: float, residual=None):
 
 @lazy_jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
-    H, stride_x, stride_r, stride_out, stride_sum, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    H,
+    stride_x,
+    stride_r,
+    stride_out,
+    stride_sum,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -121,7 +162,17 @@ def rms_norm_triton(x, weight, eps: float, residual=None):
         ss = s if s is not None else out
         plan = rms_norm_plan(DeviceSpec.of(x.device), hidden=H, has_residual=residual is not None)
         _rms_norm_kernel[(T,)](
-            x, r, weight, out, ss, H, x.stride(0), r.stride(0), out.stride(0), ss.stride(0), float(eps),
+            x,
+            r,
+            weight,
+            out,
+            ss,
+            H,
+            x.stride(0),
+            r.stride(0),
+            out.stride(0),
+            ss.stride(0),
+            float(eps),
             **plan.launch_kwargs(),
         )
     return out if residual is None else (out, s)

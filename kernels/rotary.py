@@ -86,8 +86,9 @@ def _check(positions, q, k, cos_sin_cache) -> None:
     check_tensor(cos_sin_cache, "cos_sin_cache", 2, (torch.float32,))
     T, _, D = q.shape
     if not (positions.shape[0] == T and k.shape[0] == T):
-        raise ValueError(f"positions {tuple(positions.shape)}, q {tuple(q.shape)} and k {tuple(k.shape)} "
-                         "disagree on token count")
+        raise ValueError(
+            f"positions {tuple(positions.shape)}, q {tuple(q.shape)} and k {tuple(k.shape)} disagree on token count"
+        )
     if not (k.shape[2] == D and D % 2 == 0):
         raise ValueError(f"q and k need the same even head_dim, got {D} and {k.shape[2]}")
     if cos_sin_cache.shape[1] != D:
@@ -112,9 +113,23 @@ def rotary_embedding_reference(positions, q, k, cos_sin_cache) -> None:
         t[..., half:] = o2.to(t.dtype)
 
 
-_NATIVE_ARGS = (cpu_native.PTR, cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I32,
-                cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I32, cpu_native.I32,
-                cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I32, cpu_native.I32)
+_NATIVE_ARGS = (
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I32,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I32,
+    cpu_native.I32,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I32,
+    cpu_native.I32,
+)
 
 
 def _native_fn():
@@ -128,8 +143,12 @@ def native_built() -> bool:
 
 def native_available(q) -> bool:
     """Whether rotary_embedding_cpu handles q (CPU float32/bfloat16, built library)."""
-    return (isinstance(q, torch.Tensor) and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and _native_fn() is not None)
+    return (
+        isinstance(q, torch.Tensor)
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and _native_fn() is not None
+    )
 
 
 def rotary_embedding_cpu(positions, q, k, cos_sin_cache) -> None:
@@ -143,19 +162,42 @@ def rotary_embedding_cpu(positions, q, k, cos_sin_cache) -> None:
     cos_sin_cache = cos_sin_cache.contiguous()
     T, hq, d = q.shape
     err = _native_fn()(
-        positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), hq, k.data_ptr(), k.stride(0), k.stride(1),
-        k.shape[1], d, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], T, cpu_native.DTYPE_CODES[q.dtype],
+        positions.data_ptr(),
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        hq,
+        k.data_ptr(),
+        k.stride(0),
+        k.stride(1),
+        k.shape[1],
+        d,
+        cos_sin_cache.data_ptr(),
+        cos_sin_cache.shape[0],
+        T,
+        cpu_native.DTYPE_CODES[q.dtype],
         torch.get_num_threads(),
     )
     if err != 0:
-        raise ValueError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache length)" if err == 2
-                         else f"native rotary failed with status {err}")
+        raise ValueError(
+            f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache length)"
+            if err == 2
+            else f"native rotary failed with status {err}"
+        )
 
 
 @lazy_jit
 def _rotary_kernel(
-    pos_ptr, x_ptr, cache_ptr, H, stride_xt, stride_xh, stride_cache,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    pos_ptr,
+    x_ptr,
+    cache_ptr,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_cache,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -188,6 +230,12 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache) -> None:
             continue
         plan = rotary_plan(DeviceSpec.of(x.device), num_heads=H, head_dim=D)
         _rotary_kernel[(T, cdiv(H, plan.meta["BLOCK_H"]))](
-            positions, x, cos_sin_cache, H, x.stride(0), x.stride(1), cos_sin_cache.stride(0),
+            positions,
+            x,
+            cos_sin_cache,
+            H,
+            x.stride(0),
+            x.stride(1),
+            cos_sin_cache.stride(0),
             **plan.launch_kwargs(),
         )

@@ -57,7 +57,7 @@ def race_uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     z = (z ^ _lsr(z, 30)) * _signed(MIX1)
     z = (z ^ _lsr(z, 27)) * _signed(MIX2)
     z = z ^ _lsr(z, 31)
-    return (_lsr(z, 32).double() + 0.5) * 2.0 ** -32
+    return (_lsr(z, 32).double() + 0.5) * 2.0**-32
 
 
 def _check(logits, inv_temperature, keys, cuts) -> None:
@@ -65,8 +65,10 @@ def _check(logits, inv_temperature, keys, cuts) -> None:
     check_tensor(inv_temperature, "inv_temperature", 1, (torch.float32,))
     check_tensor(keys, "keys", 1, (torch.int64,))
     rows = logits.shape[0]
-    require(inv_temperature.shape[0] == rows and keys.shape[0] == rows,
-            f"inv_temperature ({inv_temperature.shape[0]}) and keys ({keys.shape[0]}) need one entry per row ({rows})")
+    require(
+        inv_temperature.shape[0] == rows and keys.shape[0] == rows,
+        f"inv_temperature ({inv_temperature.shape[0]}) and keys ({keys.shape[0]}) need one entry per row ({rows})",
+    )
     for name, cut in cuts.items():
         if cut is not None:
             check_tensor(cut, name, 1, (torch.float32,))
@@ -74,9 +76,15 @@ def _check(logits, inv_temperature, keys, cuts) -> None:
     require(logits.shape[1] > 0, "logits must have at least one column")
 
 
-def exponential_race_reference(logits: torch.Tensor, inv_temperature: torch.Tensor, keys: torch.Tensor,
-                               top_k_floor: torch.Tensor | None = None, min_p_offset: torch.Tensor | None = None,
-                               top_p: torch.Tensor | None = None, attempts: int = 1) -> torch.Tensor:
+def exponential_race_reference(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    keys: torch.Tensor,
+    top_k_floor: torch.Tensor | None = None,
+    min_p_offset: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    attempts: int = 1,
+) -> torch.Tensor:
     """int64 [rows]: per row, the token drawn from softmax(logits * inv_temperature) after the cuts,
     -1 for a top-p row none of whose `attempts` races landed in its nucleus.
 
@@ -118,8 +126,20 @@ def exponential_race_reference(logits: torch.Tensor, inv_temperature: torch.Tens
     return torch.where(pending, torch.full_like(out, -1), out)
 
 
-_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I64, cpu_native.PTR, cpu_native.PTR,
-                cpu_native.PTR, cpu_native.PTR, cpu_native.PTR, cpu_native.I32, cpu_native.PTR, cpu_native.I32)
+_NATIVE_ARGS = (
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.I32,
+    cpu_native.PTR,
+    cpu_native.I32,
+)
 
 
 def _native_fn():
@@ -133,13 +153,23 @@ def native_built() -> bool:
 
 def native_available(logits, *rest, **kwargs) -> bool:
     """Whether exponential_race_cpu handles these logits (CPU float32, built library)."""
-    return (isinstance(logits, torch.Tensor) and logits.device.type == "cpu" and logits.dtype == torch.float32
-            and _native_fn() is not None)
+    return (
+        isinstance(logits, torch.Tensor)
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and _native_fn() is not None
+    )
 
 
-def exponential_race_cpu(logits: torch.Tensor, inv_temperature: torch.Tensor, keys: torch.Tensor,
-                         top_k_floor: torch.Tensor | None = None, min_p_offset: torch.Tensor | None = None,
-                         top_p: torch.Tensor | None = None, attempts: int = 1) -> torch.Tensor:
+def exponential_race_cpu(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    keys: torch.Tensor,
+    top_k_floor: torch.Tensor | None = None,
+    min_p_offset: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    attempts: int = 1,
+) -> torch.Tensor:
     """The native CPU kernel; same contract and the same tokens as the reference (its top-p sums
     run in float lanes: a token whose mass above sits within ~1e-6 of top_p may be judged apart)."""
     cuts = {"top_k_floor": top_k_floor, "min_p_offset": min_p_offset, "top_p": top_p}
@@ -150,10 +180,13 @@ def exponential_race_cpu(logits: torch.Tensor, inv_temperature: torch.Tensor, ke
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
-        args = [t.contiguous() if t is not None else None for t in (inv_temperature, keys, top_k_floor, min_p_offset, top_p)]
+        args = [
+            t.contiguous() if t is not None else None for t in (inv_temperature, keys, top_k_floor, min_p_offset, top_p)
+        ]
         ptrs = [t.data_ptr() if t is not None else None for t in args]
         stride = logits.stride(0) if rows > 1 else vocab  # a single row's stride is arbitrary
-        err = _native_fn()(logits.data_ptr(), stride, rows, vocab, *ptrs, attempts, out.data_ptr(),
-                           torch.get_num_threads())
+        err = _native_fn()(
+            logits.data_ptr(), stride, rows, vocab, *ptrs, attempts, out.data_ptr(), torch.get_num_threads()
+        )
         require(err == 0, f"native exponential race failed with status {err}")
     return out

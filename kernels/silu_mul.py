@@ -24,8 +24,16 @@ def silu_and_mul_reference(x):
     return gate.mul_(x[:, inter:]).to(x.dtype)
 
 
-_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.I64,
-                cpu_native.I32, cpu_native.I32)
+_NATIVE_ARGS = (
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I32,
+    cpu_native.I32,
+)
 
 
 def _native_fn():
@@ -39,8 +47,12 @@ def native_built() -> bool:
 
 def native_available(x) -> bool:
     """Whether silu_and_mul_cpu handles x (CPU float32/bfloat16, built library)."""
-    return (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and _native_fn() is not None)
+    return (
+        isinstance(x, torch.Tensor)
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and _native_fn() is not None
+    )
 
 
 def silu_and_mul_cpu(x):
@@ -50,20 +62,28 @@ def silu_and_mul_cpu(x):
         raise ValueError(f"no native CPU silu_and_mul for {x.dtype} on {x.device}")
     check_last_dim_contiguous(x, "x")
     out = torch.empty((x.shape[0], inter), dtype=x.dtype)
-    err = _native_fn()(x.data_ptr(), x.stride(0), out.data_ptr(), inter, x.shape[0], inter,
-                       cpu_native.DTYPE_CODES[x.dtype], torch.get_num_threads())
+    err = _native_fn()(
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        inter,
+        x.shape[0],
+        inter,
+        cpu_native.DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
     if err != 0:
         raise ValueError(f"native silu_and_mul failed with status {err}")
     return out
 
 
 @lazy_jit
-def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
+    mask = cols < inter
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -75,7 +95,7 @@ def silu_and_mul_triton(x):
     out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
     if T > 0 and inter > 0:
         plan = silu_mul_plan(DeviceSpec.of(x.device))
-        _silu_mul_kernel[(T, cdiv(inter, plan.meta["BLOCK"]))](x, out, inter, x.stride(0), out.stride(0),
-                                                               **plan.launch_kwargs())
+        _silu_mul_kernel[(T, cdiv(inter, plan.meta["BLOCK"]))](
+            x, out, inter, x.stride(0), out.stride(0), **plan.launch_kwargs()
+        )
     return out
-

@@ -14,8 +14,17 @@ import torch
 from kernels import cpu_native
 from kernels._checks import check_last_dim_contiguous, check_tensor
 
-_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.I64, cpu_native.PTR, cpu_native.PTR, cpu_native.I64,
-                cpu_native.I64, cpu_native.I64, cpu_native.I32)
+_NATIVE_ARGS = (
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I32,
+)
 
 
 def _native_fn():
@@ -29,8 +38,13 @@ def native_built() -> bool:
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether the native kernel takes this weight: a CPU float32 [N, K] with N a multiple of 16."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.shape[0] % 16 == 0 and native_built())
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.shape[0] % 16 == 0
+        and native_built()
+    )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -70,8 +84,17 @@ def small_m_linear_cpu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     rows = x.reshape(-1, k)
     check_last_dim_contiguous(rows, "x")
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    err = fn(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), out.data_ptr(), out.stride(0), k, n,
-             torch.get_num_threads())
+    err = fn(
+        rows.data_ptr(),
+        rows.stride(0),
+        rows.shape[0],
+        packed.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        k,
+        n,
+        torch.get_num_threads(),
+    )
     if err != 0:
         raise ValueError(f"native small_m_linear failed with status {err}")
     if bias is not None:

@@ -20,11 +20,15 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None
     check_last_dim_contiguous(logits, "logits")
     check_last_dim_contiguous(bitmask, "bitmask")
     vocab = logits.shape[1]
-    require(bitmask.shape == (logits.shape[0], (vocab + 31) // 32),
-            f"bitmask must be [{logits.shape[0]}, {(vocab + 31) // 32}] for logits {tuple(logits.shape)}, "
-            f"got {tuple(bitmask.shape)}")
+    require(
+        bitmask.shape == (logits.shape[0], (vocab + 31) // 32),
+        f"bitmask must be [{logits.shape[0]}, {(vocab + 31) // 32}] for logits {tuple(logits.shape)}, "
+        f"got {tuple(bitmask.shape)}",
+    )
     require(bitmask.device == logits.device, f"bitmask on {bitmask.device}, logits on {logits.device}")
-    require(all(0 <= r < logits.shape[0] for r in rows), f"rows must index the logits' {logits.shape[0]} rows, got {rows}")
+    require(
+        all(0 <= r < logits.shape[0] for r in rows), f"rows must index the logits' {logits.shape[0]} rows, got {rows}"
+    )
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -45,8 +49,16 @@ def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, r
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
-_NATIVE_ARGS = (cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I64, cpu_native.PTR, cpu_native.I64,
-                cpu_native.I64, cpu_native.I32)
+_NATIVE_ARGS = (
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.PTR,
+    cpu_native.I64,
+    cpu_native.I64,
+    cpu_native.I32,
+)
 
 
 def _native_fn():
@@ -60,8 +72,12 @@ def native_built() -> bool:
 
 def native_available(logits, *rest, **kwargs) -> bool:
     """Whether apply_token_bitmask_cpu handles these logits (CPU float32, built library)."""
-    return (isinstance(logits, torch.Tensor) and logits.device.type == "cpu" and logits.dtype == torch.float32
-            and _native_fn() is not None)
+    return (
+        isinstance(logits, torch.Tensor)
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and _native_fn() is not None
+    )
 
 
 def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -73,8 +89,16 @@ def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: l
     # A single row's stride is arbitrary (a view of one row): the kernel only multiplies row indices by it.
     logits_stride = logits.stride(0) if logits.shape[0] > 1 else logits.shape[1]
     bitmask_stride = bitmask.stride(0) if bitmask.shape[0] > 1 else bitmask.shape[1]
-    err = _native_fn()(logits.data_ptr(), logits_stride, bitmask.data_ptr(), bitmask_stride, index.data_ptr(),
-                       len(rows), logits.shape[1], torch.get_num_threads())
+    err = _native_fn()(
+        logits.data_ptr(),
+        logits_stride,
+        bitmask.data_ptr(),
+        bitmask_stride,
+        index.data_ptr(),
+        len(rows),
+        logits.shape[1],
+        torch.get_num_threads(),
+    )
     require(err == 0, f"native token bitmask failed with status {err}")
 
 

@@ -50,8 +50,8 @@ from .base import (
     torch_dtype,
 )
 from .gloo import GlooTransport
-from .integrity import FailureReason, Fault, FaultKind, FaultPlan
 from .inprocess import InProcessTransport
+from .integrity import FailureReason, Fault, FaultKind, FaultPlan
 from .nccl import NcclTransport
 from .pairwise import PairwiseTransport, PeerLink, Place, offered_kinds, pair_kind
 from .shm import ShmTransport

@@ -8,19 +8,17 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from common.protocol import KVLayout
 from kernels.block_checksum import BlockSummer, block_sums
 from kernels.block_checksum import native_available as native_sums_available
 from kernels.block_copy import copy_kv_blocks_cpu, copy_native_available
 
-from common.protocol import KVLayout
-
-from .integrity import FailureReason, Fault, FaultPlan, Manifest, Verdict, layout_tag, verify
 from .base import (
     KVTransport,
     Role,
@@ -30,6 +28,7 @@ from .base import (
     check_cache,
     torch_dtype,
 )
+from .integrity import FailureReason, Fault, FaultPlan, Manifest, Verdict, layout_tag, verify
 
 # Terminal records kept for late poll()/wait() calls before the oldest are dropped.
 MAX_FINISHED_RECORDS = 4096
@@ -126,23 +125,21 @@ def copy_runs(dst: np.ndarray, src: np.ndarray, runs: Sequence[tuple[int, int, i
     are all slower). It copies one piece at a time, though, so scattered blocks run slower
     than a contiguous copy; the native copy keeps several pieces in flight."""
     for s, d, n in runs:
-        dst[:, d:d + n] = src[:, s:s + n]
+        dst[:, d : d + n] = src[:, s : s + n]
 
 
-def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
-                src_ids: Sequence[int]) -> None:
+def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
     """Copy block bytes src[:, :, src_ids] -> dst[:, :, dst_ids] (byte views): the native
     copy on the CPU when it is built, else numpy or torch per run of consecutive ids."""
     if copy_native_available(dst, src):
         copy_kv_blocks_cpu(dst, dst_ids, src, src_ids)
         return
     runs = coalesce(src_ids, dst_ids)
-    if dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous() \
-            and src.is_contiguous():
+    if dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
         copy_runs(block_rows(dst), block_rows(src), runs)
         return
     for s, d, n in runs:
-        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+        dst[:, :, d : d + n].copy_(src[:, :, s : s + n])
 
 
 def pack_blocks(src: torch.Tensor, ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
@@ -170,9 +167,9 @@ class Record:
     t_start: float
     block_ids: list[int] = field(default_factory=list)
     status: TransferStatus = TransferStatus.PENDING
-    error: Optional[str] = None
-    reason: Optional[str] = None  # a FailureReason value once FAILED or ABORTED
-    t_end: Optional[float] = None
+    error: str | None = None
+    reason: str | None = None  # a FailureReason value once FAILED or ABORTED
+    t_end: float | None = None
     # Held while this transfer reads or writes cache memory, so that expiry and abort wait
     # for an in-progress copy instead of racing it.
     mem_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -180,47 +177,47 @@ class Record:
     # starts. A flag, and `done` an Event made only when someone has to sleep on it: most
     # shm transfers are terminal before anyone waits, and an Event costs a small transfer.
     cancelled: bool = False
-    done: Optional[threading.Event] = None
+    done: threading.Event | None = None
     extra: dict = field(default_factory=dict)
 
     def handle(self) -> TransferHandle:
-        return TransferHandle(self.transfer_id, self.role, self.num_blocks, self.nbytes,
-                              self.deadline)
+        return TransferHandle(self.transfer_id, self.role, self.num_blocks, self.nbytes, self.deadline)
 
     def result(self) -> TransferResult:
         end = self.t_end if self.t_end is not None else time.monotonic()
-        return TransferResult(self.transfer_id, self.role, self.status, self.nbytes,
-                              end - self.t_start, self.error, self.reason)
+        return TransferResult(
+            self.transfer_id, self.role, self.status, self.nbytes, end - self.t_start, self.error, self.reason
+        )
 
 
 class TransportCore(KVTransport):
     """Record management, deadlines, poll/wait/abort; backends add the data path."""
 
-    def __init__(self, checksums: bool = True, fault_plan: Optional[FaultPlan] = None) -> None:
+    def __init__(self, checksums: bool = True, fault_plan: FaultPlan | None = None) -> None:
         """`checksums`: seal what this side sends (kvtransfer.integrity); a receiver verifies
         whatever arrives sealed. `fault_plan`: faults to inject into this side's sends (tests)."""
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._records: "OrderedDict[tuple[Role, str], Record]" = OrderedDict()
-        self._cache: Optional[torch.Tensor] = None
-        self._bytes: Optional[torch.Tensor] = None
-        self._layout: Optional[KVLayout] = None
+        self._records: OrderedDict[tuple[Role, str], Record] = OrderedDict()
+        self._cache: torch.Tensor | None = None
+        self._bytes: torch.Tensor | None = None
+        self._layout: KVLayout | None = None
         self._num_blocks = 0
         self._closed = False
         self.checksums = bool(checksums)
         self._faults = FaultPlan()
         self._tag = 0
-        self._summer: Optional[BlockSummer] = None
+        self._summer: BlockSummer | None = None
         self.set_fault_plan(fault_plan)
 
     # -- integrity -----------------------------------------------------------------------
-    def set_fault_plan(self, plan: Optional[FaultPlan]) -> None:
+    def set_fault_plan(self, plan: FaultPlan | None) -> None:
         """Faults to inject into this side's sends from now on (None: none)."""
         if plan is not None and not isinstance(plan, FaultPlan):
             raise ValueError(f"fault_plan must be a kvtransfer.integrity.FaultPlan, got {type(plan).__name__}")
         self._faults = plan or FaultPlan()
 
-    def _planned_fault(self, transfer_id: str) -> Optional[Fault]:
+    def _planned_fault(self, transfer_id: str) -> Fault | None:
         return self._faults.fault_for(transfer_id)
 
     def _block_sums(self, ids: Sequence[int]) -> np.ndarray:
@@ -230,15 +227,19 @@ class TransportCore(KVTransport):
         assert self._bytes is not None
         return block_sums(self._bytes, torch.tensor(list(ids), dtype=torch.int64, device=self._bytes.device))
 
-    def _verify(self, rec: Record, manifest: Optional[Manifest],
-                sums: Optional[np.ndarray] = None) -> Optional[Verdict]:
+    def _verify(self, rec: Record, manifest: Manifest | None, sums: np.ndarray | None = None) -> Verdict | None:
         """Receiver: check the blocks of `rec`, landed in this cache, against `manifest`
         (None: the sender did not seal them; nothing to check). `sums`: the blocks' sums when
         taken already (kvtransfer.shm sums them while they land), else summed here."""
         if manifest is None:
             return None
-        return verify(manifest, transfer_key(rec.transfer_id), self._tag, rec.num_blocks,
-                      self._block_sums(rec.block_ids) if sums is None else sums)
+        return verify(
+            manifest,
+            transfer_key(rec.transfer_id),
+            self._tag,
+            rec.num_blocks,
+            self._block_sums(rec.block_ids) if sums is None else sums,
+        )
 
     def pending_transfers(self) -> list[str]:
         """Ids of this side's transfers that are not terminal yet (tests check none leak)."""
@@ -269,17 +270,16 @@ class TransportCore(KVTransport):
         if self._closed:
             raise ValueError(f"{self.kind} transport is closed")
         if self._bytes is None or self._layout is None:
-            raise ValueError(f"{self.kind} transport has no cache: call allocate_cache() or "
-                             "register_cache() first")
+            raise ValueError(f"{self.kind} transport has no cache: call allocate_cache() or register_cache() first")
         return self._bytes, self._layout
 
     # -- records -----------------------------------------------------------------------
-    def _new_record(self, transfer_id: str, role: Role, block_ids: list[int],
-                    timeout_s: float) -> Record:
+    def _new_record(self, transfer_id: str, role: Role, block_ids: list[int], timeout_s: float) -> Record:
         _, layout = self._require_cache()
         now = time.monotonic()
-        rec = Record(transfer_id, role, len(block_ids), len(block_ids) * layout.block_bytes,
-                     now + timeout_s, now, block_ids)
+        rec = Record(
+            transfer_id, role, len(block_ids), len(block_ids) * layout.block_bytes, now + timeout_s, now, block_ids
+        )
         with self._cond:
             key = (role, transfer_id)
             old = self._records.get(key)
@@ -298,15 +298,16 @@ class TransportCore(KVTransport):
             self._finish(rec, TransferStatus.SUCCESS)
         return rec
 
-    def _get(self, transfer_id: str, role: Role) -> Optional[Record]:
+    def _get(self, transfer_id: str, role: Role) -> Record | None:
         with self._lock:
             return self._records.get((role, transfer_id))
 
     def _record(self, handle: TransferHandle) -> Record:
         rec = self._get(handle.transfer_id, handle.role)
         if rec is None:
-            raise ValueError(f"unknown transfer {handle.transfer_id!r} ({handle.role.value}) "
-                             f"on this {self.kind} transport")
+            raise ValueError(
+                f"unknown transfer {handle.transfer_id!r} ({handle.role.value}) on this {self.kind} transport"
+            )
         return rec
 
     def handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
@@ -315,8 +316,9 @@ class TransportCore(KVTransport):
             raise ValueError(f"unknown transfer {transfer_id!r} ({role.value})")
         return rec.handle()
 
-    def _finish(self, rec: Record, status: TransferStatus, error: Optional[str] = None,
-                reason: Optional[FailureReason] = None) -> bool:
+    def _finish(
+        self, rec: Record, status: TransferStatus, error: str | None = None, reason: FailureReason | None = None
+    ) -> bool:
         """Move `rec` to a terminal status once; later attempts are ignored. A failure without
         a `reason` counts as the sender's (or the link's) failure, an abort as ABORTED."""
         assert status.is_terminal
@@ -339,8 +341,7 @@ class TransportCore(KVTransport):
             if rec.status == TransferStatus.PENDING:
                 rec.status = TransferStatus.TRANSFERRING
 
-    def _terminate(self, rec: Record, status: TransferStatus, error: str,
-                   reason: Optional[FailureReason] = None) -> None:
+    def _terminate(self, rec: Record, status: TransferStatus, error: str, reason: FailureReason | None = None) -> None:
         """Fail/abort from outside the data path; waits for an in-progress memory copy."""
         self._cancel(rec)
         with rec.mem_lock:
@@ -361,10 +362,13 @@ class TransportCore(KVTransport):
     def _expire_if_due(self, rec: Record) -> None:
         if not rec.status.is_terminal and time.monotonic() > rec.deadline:
             detail = self._late_detail(rec)
-            self._terminate(rec, TransferStatus.FAILED,
-                            f"transfer {rec.transfer_id!r} ({rec.role.value}) exceeded its "
-                            f"deadline of {rec.deadline - rec.t_start:.3f}s{'; ' + detail if detail else ''}",
-                            FailureReason.DEADLINE)
+            self._terminate(
+                rec,
+                TransferStatus.FAILED,
+                f"transfer {rec.transfer_id!r} ({rec.role.value}) exceeded its "
+                f"deadline of {rec.deadline - rec.t_start:.3f}s{'; ' + detail if detail else ''}",
+                FailureReason.DEADLINE,
+            )
 
     # -- KVTransport -------------------------------------------------------------------
     def poll(self, handle: TransferHandle) -> TransferStatus:
@@ -373,7 +377,7 @@ class TransportCore(KVTransport):
         self._expire_if_due(rec)
         return rec.status
 
-    def wait(self, handle: TransferHandle, timeout_s: Optional[float] = None) -> TransferResult:
+    def wait(self, handle: TransferHandle, timeout_s: float | None = None) -> TransferResult:
         rec = self._record(handle)
         if rec.status.is_terminal:  # e.g. an shm send that copied inline: nothing to refresh
             return rec.result()
@@ -403,8 +407,7 @@ class TransportCore(KVTransport):
         for role in (Role.SEND, Role.RECV):
             rec = self._get(transfer_id, role)
             if rec is not None and not rec.status.is_terminal:
-                self._terminate(rec, TransferStatus.ABORTED,
-                                f"transfer {transfer_id!r} aborted ({role.value} side)")
+                self._terminate(rec, TransferStatus.ABORTED, f"transfer {transfer_id!r} aborted ({role.value} side)")
 
     def _abort_all(self, reason: str) -> None:
         with self._lock:
@@ -412,9 +415,14 @@ class TransportCore(KVTransport):
         for rec in recs:
             self._terminate(rec, TransferStatus.ABORTED, reason)
 
-    def _prepare_send(self, peer_num_blocks: int, src_block_ids: Sequence[int],
-                      dst_block_ids: Sequence[int], transfer_id: str,
-                      timeout_s: float) -> tuple[list[int], list[int], float]:
+    def _prepare_send(
+        self,
+        peer_num_blocks: int,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> tuple[list[int], list[int], float]:
         check_transfer_id(transfer_id)
         timeout_s = check_timeout(timeout_s)
         src = check_block_ids(src_block_ids, self._num_blocks, "src_block_ids", unique=False)
@@ -423,8 +431,9 @@ class TransportCore(KVTransport):
             raise ValueError(f"src_block_ids has {len(src)} ids but dst_block_ids has {len(dst)}")
         return src, dst, timeout_s
 
-    def _prepare_expect(self, transfer_id: str, dst_block_ids: Sequence[int],
-                        timeout_s: float) -> tuple[list[int], float]:
+    def _prepare_expect(
+        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float
+    ) -> tuple[list[int], float]:
         check_transfer_id(transfer_id)
         self._require_cache()
         timeout_s = check_timeout(timeout_s)

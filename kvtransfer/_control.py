@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -59,8 +59,7 @@ class ControlServer:
         self._cond = threading.Condition()
         self._conns: list[Connection] = []
         self._closed = False
-        self._accept = threading.Thread(target=self._accept_loop, daemon=True,
-                                        name="kv-control-accept")
+        self._accept = threading.Thread(target=self._accept_loop, daemon=True, name="kv-control-accept")
         self._accept.start()
 
     def _accept_loop(self) -> None:
@@ -76,8 +75,7 @@ class ControlServer:
                     conn.close()
                     return
                 self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name="kv-control-conn").start()
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kv-control-conn").start()
 
     def _serve(self, conn: Connection) -> None:
         try:
@@ -129,8 +127,7 @@ class ControlServer:
                 return "ok", expected if current is None else current
             if op in ("get", "wait", "take"):
                 keys, timeout = args
-                ready = self._cond.wait_for(
-                    lambda: self._closed or all(k in data for k in keys), timeout)
+                ready = self._cond.wait_for(lambda: self._closed or all(k in data for k in keys), timeout)
                 if self._closed:
                     return "closed", None
                 if not ready:
@@ -177,13 +174,12 @@ class ControlClient:
                     raise
                 time.sleep(0.05)
 
-    def _call(self, op: str, *args: Any, wait_s: Optional[float] = None) -> Any:
+    def _call(self, op: str, *args: Any, wait_s: float | None = None) -> Any:
         try:
             self._conn.send((op, args))
             # Bound the reply: a server that vanished without closing the socket must not
             # block this thread forever.
-            bound = None if wait_s is None and op in ("get", "wait", "take") \
-                else (wait_s or 0) + self._timeout
+            bound = None if wait_s is None and op in ("get", "wait", "take") else (wait_s or 0) + self._timeout
             if bound is not None and not self._conn.poll(bound):
                 raise ControlTimeout(f"control server did not answer {op} within {bound:.1f}s")
             status, value = self._conn.recv()
@@ -203,14 +199,14 @@ class ControlClient:
     def add(self, key: str, amount: int) -> int:
         return self._call("add", key, amount)
 
-    def get(self, key: str, timeout_s: Optional[float] = None) -> Any:
+    def get(self, key: str, timeout_s: float | None = None) -> Any:
         return self._call("get", [key], timeout_s, wait_s=timeout_s)
 
-    def take(self, key: str, timeout_s: Optional[float] = None) -> Any:
+    def take(self, key: str, timeout_s: float | None = None) -> Any:
         """Wait for `key`, return its value and delete it."""
         return self._call("take", [key], timeout_s, wait_s=timeout_s)
 
-    def wait(self, keys: list[str], timeout_s: Optional[float] = None) -> None:
+    def wait(self, keys: list[str], timeout_s: float | None = None) -> None:
         self._call("wait", list(keys), timeout_s, wait_s=timeout_s)
 
     def delete(self, key: str) -> bool:
@@ -249,8 +245,7 @@ class StoreAdapter(dist.Store):
 
     def set(self, key, value) -> None:
         with self._lock:
-            self._client.set(self._k(key), bytes(value) if not isinstance(value, str)
-                             else value.encode())
+            self._client.set(self._k(key), bytes(value) if not isinstance(value, str) else value.encode())
 
     def get(self, key) -> bytes:
         with self._lock:

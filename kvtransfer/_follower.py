@@ -9,7 +9,8 @@ kvtransfer.shm) follows it to its end in one native call (kernels.block_checksum
 that waits between chunks on its core instead of sleeping: on a loaded machine each wake-up can
 take longer than the copy has left (with a Python look and a sleep per chunk, a 16 MiB handoff's
 check ended 0.3-1.4 ms after its copy on the busy development VM; in one call, 0.1 ms when the
-thread has a core: bench/results/kv_transfer_checksum*.json, docs/performance.md). The comparison still happens only at SUCCESS, over
+thread has a core: bench/results/kv_transfer_checksum*.json, docs/performance.md). The comparison
+still happens only at SUCCESS, over
 every block (those not summed yet are summed then), so nothing is SUCCESS on the receiver before
 all its blocks were read and matched. This relies on a sender writing each destination block
 once, before counting it as landed (the ids are unique; the copy is one pass). Injected faults
@@ -27,7 +28,7 @@ import os
 import select
 import threading
 import time
-from typing import Callable, Hashable, Optional
+from collections.abc import Callable, Hashable
 
 # Between looks at a copy in progress that had nothing new; how long without news before looking
 # less often (a sender that died mid-copy is not polled at full speed); the longest sleep with
@@ -51,7 +52,7 @@ class Progress(enum.Enum):
     SUMMED = "summed"  # being copied, and the thread summed newly landed blocks
 
 
-def wake(fd: Optional[int]) -> None:
+def wake(fd: int | None) -> None:
     """Write a byte into a FIFO (our write end of a peer's, or our own), ignoring a full one
     (its reader is awake anyway) and a reader that is gone."""
     if fd is not None:
@@ -65,12 +66,11 @@ class Follower:
     """One thread per receiving transport, started with its first receive. `look(item)` is the
     transport's step for one followed receive; `closed()` says when the thread should end."""
 
-    def __init__(self, wake_fd: Optional[int], look: Callable[[Hashable], Progress],
-                 closed: Callable[[], bool]) -> None:
+    def __init__(self, wake_fd: int | None, look: Callable[[Hashable], Progress], closed: Callable[[], bool]) -> None:
         self._wake_fd, self._look, self._closed = wake_fd, look, closed
         self._lock = threading.Lock()
         self._items: set = set()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def follow(self, item: Hashable) -> None:
         with self._lock:

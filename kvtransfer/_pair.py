@@ -8,7 +8,6 @@ import datetime
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -73,10 +72,10 @@ class OutPair:
     store: ControlClient  # used by the send thread only
     group: object
     peer_num_blocks: int
-    jobs: "queue.Queue[Optional[Record]]" = field(default_factory=queue.Queue)
+    jobs: queue.Queue[Record | None] = field(default_factory=queue.Queue)
     in_flight: dict = field(default_factory=dict)  # seq -> Record awaiting a verdict
     threads: list = field(default_factory=list)
-    broken: Optional[str] = None
+    broken: str | None = None
 
 
 @dataclass

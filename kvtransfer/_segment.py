@@ -11,7 +11,6 @@ import struct
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -39,8 +38,12 @@ REASONS = {  # the slot's reason codes
     4: "receiver deadline passed",
 }
 # The FailureReason behind each reason code.
-REASON_KINDS = {1: FailureReason.IDS_MISMATCH, 2: FailureReason.ABORTED, 3: FailureReason.ABORTED,
-                4: FailureReason.DEADLINE}
+REASON_KINDS = {
+    1: FailureReason.IDS_MISMATCH,
+    2: FailureReason.ABORTED,
+    3: FailureReason.ABORTED,
+    4: FailureReason.DEADLINE,
+}
 PAGE = 4096
 FAULT_IN_PAGES = 1024  # pages touched per call by fault_in_background (4 MiB)
 
@@ -58,7 +61,7 @@ def wake_path(segment_path: str) -> str:
     return segment_path + WAKE_SUFFIX
 
 
-def make_wake_fifo(segment_path: str) -> Optional[int]:
+def make_wake_fifo(segment_path: str) -> int | None:
     """Create the owner's FIFO and open it for reading without blocking (O_RDWR: opening does not
     wait for a writer, and writers never get EPIPE while the owner lives); None where FIFOs are
     not available (the verifier thread then polls)."""
@@ -70,7 +73,7 @@ def make_wake_fifo(segment_path: str) -> Optional[int]:
         return None
 
 
-def open_waker(segment_path: str) -> Optional[int]:
+def open_waker(segment_path: str) -> int | None:
     """A sender's write end of a peer's FIFO, or None (no FIFO, or nobody reading it)."""
     try:
         return os.open(wake_path(segment_path), os.O_WRONLY | os.O_NONBLOCK)
@@ -78,7 +81,7 @@ def open_waker(segment_path: str) -> Optional[int]:
         return None
 
 
-def process_start(pid: int) -> Optional[int]:
+def process_start(pid: int) -> int | None:
     """Start time (clock ticks since boot) of a live process, None if it does not exist;
     with the pid it identifies a process even after pid reuse."""
     try:
@@ -95,7 +98,7 @@ def owner_running(pid: int, start: int) -> bool:
     return pid <= 0 or not os.path.isdir("/proc") or process_start(pid) == start
 
 
-def sweep_stale_segments(directory: Optional[str] = None) -> list[str]:
+def sweep_stale_segments(directory: str | None = None) -> list[str]:
     """Unlink this user's Baton KV segments whose owning process is gone; returns them."""
     directory = directory or shm_dir()
     removed: list[str] = []
@@ -108,7 +111,7 @@ def sweep_stale_segments(directory: Optional[str] = None) -> list[str]:
         path = os.path.join(directory, name)
         if name.endswith(WAKE_SUFFIX):
             # Never open a FIFO here (reading one without a writer blocks): it goes with its segment.
-            if name[:-len(WAKE_SUFFIX)] not in names:
+            if name[: -len(WAKE_SUFFIX)] not in names:
                 try:
                     os.unlink(path)
                 except OSError:  # gone already, or another user's
@@ -152,12 +155,12 @@ class Segment:
     owner: bool
     thread_lock: threading.Lock
 
-    def locked(self) -> "Segment":
+    def locked(self) -> Segment:
         """`with seg.locked():` holds the segment lock (a plain context manager, not a
         generator one: this is on every transfer's path)."""
         return self
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Segment:
         # flock excludes other processes (and other open()s); the thread lock excludes
         # threads sharing this fd, which flock does not.
         self.thread_lock.acquire()
@@ -222,8 +225,9 @@ def open_peer_segment(path: str, layout: KVLayout, num_blocks: int, num_slots: i
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        raise KVTransferError(f"shared memory segment {path} of peer {peer_name} does "
-                              "not exist (peer closed, or on another node?)") from None
+        raise KVTransferError(
+            f"shared memory segment {path} of peer {peer_name} does not exist (peer closed, or on another node?)"
+        ) from None
     offset, nbytes = layout_bytes(layout, num_blocks, num_slots)
     size = os.fstat(fd).st_size
     if size != offset + nbytes:
@@ -237,20 +241,19 @@ def open_peer_segment(path: str, layout: KVLayout, num_blocks: int, num_slots: i
     return seg
 
 
-def map_segment(path: str, fd: int, size: int, layout: KVLayout, num_blocks: int, num_slots: int,
-         owner: bool) -> Segment:
+def map_segment(
+    path: str, fd: int, size: int, layout: KVLayout, num_blocks: int, num_slots: int, owner: bool
+) -> Segment:
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     offset, nbytes = layout_bytes(layout, num_blocks, num_slots)
     raw = torch.frombuffer(mm, dtype=torch.uint8)
     fault_in_background(raw)
     shape = layout.cache_shape(num_blocks)
-    cache = raw[offset:offset + nbytes].view(torch_dtype(layout)).view(shape)
+    cache = raw[offset : offset + nbytes].view(torch_dtype(layout)).view(shape)
     slots = np.ndarray((num_slots, SLOT_COLS), dtype=np.int64, buffer=mm, offset=HEADER_INTS * 8)
-    seals = np.ndarray((num_blocks,), dtype=np.uint64, buffer=mm,
-                       offset=HEADER_INTS * 8 + num_slots * SLOT_COLS * 8)
+    seals = np.ndarray((num_blocks,), dtype=np.uint64, buffer=mm, offset=HEADER_INTS * 8 + num_slots * SLOT_COLS * 8)
     cache_bytes = byte_view(cache)
-    return Segment(path, fd, mm, slots, seals, cache_bytes, block_rows(cache_bytes), owner,
-                    threading.Lock())
+    return Segment(path, fd, mm, slots, seals, cache_bytes, block_rows(cache_bytes), owner, threading.Lock())
 
 
 def fault_in_background(mapping: torch.Tensor) -> threading.Thread:
@@ -264,6 +267,7 @@ def fault_in_background(mapping: torch.Tensor) -> threading.Thread:
     writable), so it never changes what the engine or a peer wrote, and a page fault holds no
     lock that the engine's own mmap calls wait for, as madvise(MADV_POPULATE_WRITE) would while
     this thread waits for a core."""
+
     def fault_in() -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -273,7 +277,7 @@ def fault_in_background(mapping: torch.Tensor) -> threading.Thread:
         # aborts it ("terminate called without an active exception").
         pages = mapping.numpy()[::PAGE]
         for start in range(0, len(pages), FAULT_IN_PAGES):
-            pages[start:start + FAULT_IN_PAGES].max()  # numpy drops the GIL for loops this long
+            pages[start : start + FAULT_IN_PAGES].max()  # numpy drops the GIL for loops this long
 
     thread = threading.Thread(target=fault_in, name="kv-fault-in", daemon=True)
     thread.start()

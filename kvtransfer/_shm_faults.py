@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import torch
 
@@ -13,8 +11,16 @@ from ._segment import LANDED, Segment
 from .integrity import Fault, FaultKind, clamp_block, faulty_pairs, flip_bit
 
 
-def faulty_copy(seg: Segment, row: np.ndarray, fault: Fault, src: list[int], dst: list[int],
-                own_bytes: torch.Tensor, checksums: bool, waker: Optional[int]) -> bool:
+def faulty_copy(
+    seg: Segment,
+    row: np.ndarray,
+    fault: Fault,
+    src: list[int],
+    dst: list[int],
+    own_bytes: torch.Tensor,
+    checksums: bool,
+    waker: int | None,
+) -> bool:
     """Copy blocks `src` of `own_bytes` into `dst` of the segment as `fault` spoils them; False when
     the sender "died" mid-copy. A sealing sender counts the spoiled blocks as landed, as a real
     fault in transit would leave them, so the receiver's verifier thread reads them while the

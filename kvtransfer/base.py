@@ -21,8 +21,8 @@ import dataclasses
 import enum
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -55,9 +55,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def layout_from_cache(
     kv_cache: torch.Tensor,
-    block_size: Optional[int] = None,
-    scales: Optional[Sequence[tuple[float, float]]] = None,
-    layer_windows: Sequence[Optional[int]] = (),
+    block_size: int | None = None,
+    scales: Sequence[tuple[float, float]] | None = None,
+    layer_windows: Sequence[int | None] = (),
 ) -> KVLayout:
     """Layout of an engine cache tensor `[L, 2, num_blocks, block_size, Hk, D]`."""
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
@@ -66,9 +66,7 @@ def layout_from_cache(
             f"num_kv_heads, head_dim], got {tuple(kv_cache.shape)}"
         )
     if block_size is not None and block_size != kv_cache.shape[3]:
-        raise ValueError(
-            f"block_size={block_size} disagrees with kv_cache.shape[3]={kv_cache.shape[3]}"
-        )
+        raise ValueError(f"block_size={block_size} disagrees with kv_cache.shape[3]={kv_cache.shape[3]}")
     return KVLayout(
         num_layers=int(kv_cache.shape[0]),
         num_kv_heads=int(kv_cache.shape[4]),
@@ -138,10 +136,10 @@ class TransferResult:
     status: TransferStatus
     nbytes: int
     seconds: float
-    error: Optional[str] = None
+    error: str | None = None
     # Why it failed, as a kvtransfer.integrity.FailureReason value (None on success or when the
     # backend could not tell): the label of baton:kv_transfer_failures_total.
-    reason: Optional[str] = None
+    reason: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -191,9 +189,7 @@ class KVTransport(ABC):
         handle is terminal."""
 
     @abstractmethod
-    def expect(
-        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float
-    ) -> TransferHandle:
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> TransferHandle:
         """Receiver side: announce that `transfer_id` will fill `dst_block_ids`."""
 
     @abstractmethod
@@ -201,7 +197,7 @@ class KVTransport(ABC):
         """Current status; marks the transfer FAILED once its deadline has passed."""
 
     @abstractmethod
-    def wait(self, handle: TransferHandle, timeout_s: Optional[float] = None) -> TransferResult:
+    def wait(self, handle: TransferHandle, timeout_s: float | None = None) -> TransferResult:
         """Block until the transfer is terminal, its deadline passes (-> FAILED), or
         `timeout_s` elapses (-> the current, possibly non-terminal status)."""
 
@@ -231,7 +227,7 @@ class KVTransport(ABC):
     def close(self) -> None:
         """Release resources (segments are unlinked, threads stopped); pending -> ABORTED."""
 
-    def __enter__(self) -> "KVTransport":
+    def __enter__(self) -> KVTransport:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,14 +28,13 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from common.protocol import KVEndpoint, KVLayoutMismatch
-
-import numpy as np
 
 from ._common import GRACE_S, Record, TransportCore, ids_hash, pack_blocks, transfer_key, unpack_blocks
 from ._control import ControlClient, ControlServer, StoreAdapter
@@ -50,17 +49,23 @@ from ._pair import (
     as_timedelta,
     chunk_spans,
 )
-from .base import KVTransferError, Role, TransferHandle, TransferStatus
 from ._staged import spoil_staged, staged_sums, take_manifest
+from .base import KVTransferError, Role, TransferHandle, TransferStatus
 from .integrity import FailureReason, FaultKind, FaultPlan, Manifest, faulty_manifest, verify
 
 
 class GlooTransport(TransportCore):
     kind = "gloo"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 connect_timeout_s: float = 30.0, chunk_bytes: int = CHUNK_BYTES, checksums: bool = True,
-                 fault_plan: Optional[FaultPlan] = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connect_timeout_s: float = 30.0,
+        chunk_bytes: int = CHUNK_BYTES,
+        checksums: bool = True,
+        fault_plan: FaultPlan | None = None,
+    ) -> None:
         """`host`: the address this worker's control server and pair sockets bind to and
         advertise; loopback by default, a node IP for multi-node deployments. `chunk_bytes`:
         payload chunk size for pipelining (rounded to whole blocks)."""
@@ -72,8 +77,8 @@ class GlooTransport(TransportCore):
         self._port = port
         self._connect_timeout = as_timedelta(connect_timeout_s)
         self._worker_id = f"{self.kind}-{uuid.uuid4().hex[:12]}"
-        self._server: Optional[ControlServer] = None
-        self._service: Optional[threading.Thread] = None
+        self._server: ControlServer | None = None
+        self._service: threading.Thread | None = None
         self._out: dict[str, OutPair] = {}
         self._in: dict[str, InPair] = {}
         self._threads: list[threading.Thread] = []
@@ -101,8 +106,9 @@ class GlooTransport(TransportCore):
 
     # -- helpers ---------------------------------------------------------------------------
     def _client(self, address: dict) -> ControlClient:
-        return ControlClient((address["host"], int(address["port"])), address["authkey"],
-                             self._connect_timeout.total_seconds())
+        return ControlClient(
+            (address["host"], int(address["port"])), address["authkey"], self._connect_timeout.total_seconds()
+        )
 
     def _own_address(self) -> dict:
         assert self._server is not None
@@ -123,8 +129,7 @@ class GlooTransport(TransportCore):
             if self._server is None:
                 self._server = ControlServer(self._host, self._port)
                 self._service = self._spawn(self._serve, name=f"kv-{self.kind}-service")
-        return KVEndpoint(self.kind, self._worker_id, layout, self._num_blocks,
-                          self._own_address())
+        return KVEndpoint(self.kind, self._worker_id, layout, self._num_blocks, self._own_address())
 
     def _serve(self) -> None:
         try:
@@ -153,8 +158,9 @@ class GlooTransport(TransportCore):
         try:
             store = self._client(address)
             inp = InPair(req.pair, self._client(address))
-            group = self._make_group(StoreAdapter(self._client(address), f"{req.pair}/pg",
-                                                  self._connect_timeout.total_seconds()), 1)
+            group = self._make_group(
+                StoreAdapter(self._client(address), f"{req.pair}/pg", self._connect_timeout.total_seconds()), 1
+            )
         except Exception:
             return  # the sender's connect() reports the failure
         with self._lock:
@@ -180,21 +186,18 @@ class GlooTransport(TransportCore):
         for p in parked:
             p.timer.cancel()
 
-    def _receive(self, inp: InPair, group, staging: Staging, msg: XferMsg,
-                 seq: int, store: ControlClient) -> bool:
+    def _receive(self, inp: InPair, group, staging: Staging, msg: XferMsg, seq: int, store: ControlClient) -> bool:
         """Receive one announced payload, unpacking each chunk as it lands (or park the
         whole payload if expect() has not come yet). False if the pair broke."""
         deadline = time.monotonic() + msg.remaining_s
         rec = self._get(msg.transfer_id, Role.RECV)
         live = rec is not None and not rec.status.is_terminal
         # A payload that may have to wait for its expect() gets its own buffer.
-        buf = staging.get(msg.nbytes) if live else \
-            torch.empty(msg.nbytes, dtype=torch.uint8, device=self._device())
+        buf = staging.get(msg.nbytes) if live else torch.empty(msg.nbytes, dtype=torch.uint8, device=self._device())
         chunks = chunk_spans(msg.nblocks, msg.chunk_blocks)
         block_bytes = msg.nbytes // msg.nblocks
-        works = [group.recv([buf[a * block_bytes:(a + c) * block_bytes]], 0, i)
-                 for i, (a, c) in enumerate(chunks)]
-        failure: Optional[tuple[TransferStatus, Optional[str]]] = None
+        works = [group.recv([buf[a * block_bytes : (a + c) * block_bytes]], 0, i) for i, (a, c) in enumerate(chunks)]
+        failure: tuple[TransferStatus, str | None] | None = None
         sums: list[np.ndarray] = []
         if live:
             self._set_transferring(rec)
@@ -225,8 +228,9 @@ class GlooTransport(TransportCore):
         with self._cond:
             rec = self._get(msg.transfer_id, Role.RECV)
             if rec is None:
-                timer = threading.Timer(max(0.0, deadline - time.monotonic()),
-                                        self._expire_parked, (inp, msg.transfer_id))
+                timer = threading.Timer(
+                    max(0.0, deadline - time.monotonic()), self._expire_parked, (inp, msg.transfer_id)
+                )
                 timer.daemon = True
                 inp.parked[msg.transfer_id] = Parked(msg, seq, buf, timer, manifest)
                 timer.start()
@@ -234,8 +238,9 @@ class GlooTransport(TransportCore):
         self._settle(inp, rec, msg, seq, buf, manifest)
         return True
 
-    def _check_manifest(self, rec: Record, msg: XferMsg, manifest: Optional[Manifest],
-                        sums: np.ndarray) -> Optional[tuple[TransferStatus, str]]:
+    def _check_manifest(
+        self, rec: Record, msg: XferMsg, manifest: Manifest | None, sums: np.ndarray
+    ) -> tuple[TransferStatus, str] | None:
         if manifest is None:
             verdict_reason, message = FailureReason.INCOMPLETE, "the sender's manifest never arrived"
         else:
@@ -247,21 +252,23 @@ class GlooTransport(TransportCore):
         self._finish(rec, TransferStatus.FAILED, message, verdict_reason)
         return rec.status, rec.error
 
-    def _check_ids(self, rec: Record, msg: XferMsg) -> Optional[tuple[TransferStatus, str]]:
+    def _check_ids(self, rec: Record, msg: XferMsg) -> tuple[TransferStatus, str] | None:
         if msg.nbytes != rec.nbytes:
-            error = (f"transfer {msg.transfer_id!r}: {msg.nbytes} bytes announced for {msg.nblocks} blocks, "
-                     f"this layout needs {rec.nbytes}")
+            error = (
+                f"transfer {msg.transfer_id!r}: {msg.nbytes} bytes announced for {msg.nblocks} blocks, "
+                f"this layout needs {rec.nbytes}"
+            )
             self._finish(rec, TransferStatus.FAILED, error, FailureReason.FOREIGN_LAYOUT)
             return TransferStatus.FAILED, error
         if ids_hash(rec.block_ids) == msg.dst_hash and len(rec.block_ids) == msg.nblocks:
             return None
-        error = (f"transfer {msg.transfer_id!r}: sender's dst_block_ids differ from the "
-                 f"receiver's {rec.block_ids}")
+        error = f"transfer {msg.transfer_id!r}: sender's dst_block_ids differ from the receiver's {rec.block_ids}"
         self._finish(rec, TransferStatus.FAILED, error, FailureReason.IDS_MISMATCH)
         return TransferStatus.FAILED, error
 
-    def _unpack(self, rec: Record, buf: torch.Tensor, start: int,
-                count: int) -> Optional[tuple[TransferStatus, Optional[str]]]:
+    def _unpack(
+        self, rec: Record, buf: torch.Tensor, start: int, count: int
+    ) -> tuple[TransferStatus, str | None] | None:
         """Unpack blocks [start, start + count) of the payload unless the transfer was
         aborted or expired; returns the terminal (status, error) that stopped it."""
         self._expire_if_due(rec)
@@ -271,13 +278,15 @@ class GlooTransport(TransportCore):
                 return rec.status, rec.error
             block_bytes = rec.nbytes // rec.num_blocks
             # The sender packs each chunk separately: [L, 2, count, ...] per chunk.
-            self._unpack_chunk(rec.block_ids[start:start + count],
-                               buf[start * block_bytes:(start + count) * block_bytes])
+            self._unpack_chunk(
+                rec.block_ids[start : start + count], buf[start * block_bytes : (start + count) * block_bytes]
+            )
             self._sync()
         return None
 
-    def _settle(self, inp: InPair, rec: Record, msg: XferMsg, seq: int,
-                buf: torch.Tensor, manifest: Optional[Manifest]) -> None:
+    def _settle(
+        self, inp: InPair, rec: Record, msg: XferMsg, seq: int, buf: torch.Tensor, manifest: Manifest | None
+    ) -> None:
         """Verify and unpack a fully received (parked) payload."""
         failure = None if rec.status.is_terminal else self._check_ids(rec, msg)
         if rec.status.is_terminal:
@@ -300,11 +309,17 @@ class GlooTransport(TransportCore):
         with self._cond:
             parked = inp.parked.pop(transfer_id, None)
         if parked is not None:
-            self._verdict(inp, parked.seq, TransferStatus.FAILED,
-                          f"receiver never expected transfer {transfer_id!r}", FailureReason.DEADLINE)
+            self._verdict(
+                inp,
+                parked.seq,
+                TransferStatus.FAILED,
+                f"receiver never expected transfer {transfer_id!r}",
+                FailureReason.DEADLINE,
+            )
 
-    def _verdict(self, inp: InPair, seq: int, status: TransferStatus,
-                 error: Optional[str], reason: Optional[str] = None) -> None:
+    def _verdict(
+        self, inp: InPair, seq: int, status: TransferStatus, error: str | None, reason: str | None = None
+    ) -> None:
         reason = None if reason is None else FailureReason(reason).value
         try:
             with inp.reply_lock:
@@ -312,8 +327,7 @@ class GlooTransport(TransportCore):
         except Exception:
             pass  # sender gone: its records run into their deadlines
 
-    def expect(self, transfer_id: str, dst_block_ids: Sequence[int],
-               timeout_s: float) -> TransferHandle:
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> TransferHandle:
         dst, timeout_s = self._prepare_expect(transfer_id, dst_block_ids, timeout_s)
         with self._cond:
             rec = self._new_record(transfer_id, Role.RECV, dst, timeout_s)
@@ -345,34 +359,43 @@ class GlooTransport(TransportCore):
         try:
             store = self._client(peer.address)
         except Exception as exc:
-            raise KVTransferError(f"cannot reach {peer.kind} peer {peer.worker_id} at "
-                                  f"{peer.address['host']}:{peer.address['port']}: "
-                                  f"{exc}") from None
+            raise KVTransferError(
+                f"cannot reach {peer.kind} peer {peer.worker_id} at "
+                f"{peer.address['host']}:{peer.address['port']}: "
+                f"{exc}"
+            ) from None
         pair = f"{self._worker_id}-{uuid.uuid4().hex[:8]}"
         assert self._layout is not None
         store.append("conn", ConnRequest(pair, self._worker_id, self._layout, self._num_blocks))
         try:
             reply = store.take(f"conn/{pair}/reply", self._connect_timeout.total_seconds())
         except Exception:
-            raise KVTransferError(f"{peer.kind} peer {peer.worker_id} did not answer the "
-                                  f"handshake within {self._connect_timeout}") from None
+            raise KVTransferError(
+                f"{peer.kind} peer {peer.worker_id} did not answer the handshake within {self._connect_timeout}"
+            ) from None
         if reply.startswith("layout:"):
             raise KVLayoutMismatch(f"peer refused: {reply[7:]}")
         assert reply == "ok", reply
-        group = self._make_group(StoreAdapter(self._client(peer.address), f"{pair}/pg",
-                                              self._connect_timeout.total_seconds()), 0)
+        group = self._make_group(
+            StoreAdapter(self._client(peer.address), f"{pair}/pg", self._connect_timeout.total_seconds()), 0
+        )
         out = OutPair(peer.worker_id, pair, store, group, peer.num_blocks)
         with self._lock:
             self._out[peer.worker_id] = out
         out.threads = [
             self._spawn(self._send_loop, out, name=f"kv-{self.kind}-send-{pair}"),
-            self._spawn(self._watch_verdicts, out, self._client(peer.address),
-                        name=f"kv-{self.kind}-verdicts-{pair}"),
+            self._spawn(self._watch_verdicts, out, self._client(peer.address), name=f"kv-{self.kind}-verdicts-{pair}"),
         ]
         return peer.worker_id
 
-    def send(self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-             transfer_id: str, timeout_s: float) -> TransferHandle:
+    def send(
+        self,
+        peer_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> TransferHandle:
         self._require_cache()
         with self._lock:
             out = self._out.get(peer_id)
@@ -380,8 +403,9 @@ class GlooTransport(TransportCore):
             raise ValueError(f"unknown peer {peer_id!r}: call connect() with its endpoint first")
         if out.broken is not None:
             raise KVTransferError(f"pair with {peer_id} is broken ({out.broken}); reconnect")
-        src, dst, timeout_s = self._prepare_send(out.peer_num_blocks, src_block_ids,
-                                                 dst_block_ids, transfer_id, timeout_s)
+        src, dst, timeout_s = self._prepare_send(
+            out.peer_num_blocks, src_block_ids, dst_block_ids, transfer_id, timeout_s
+        )
         rec = self._new_record(transfer_id, Role.SEND, src, timeout_s)
         rec.extra["dst"] = dst
         if not rec.status.is_terminal:
@@ -417,23 +441,34 @@ class GlooTransport(TransportCore):
                     self._set_transferring(rec)
                     with self._lock:
                         out.in_flight[seq] = rec
-                    out.store.set(f"{out.pair}/msg/{seq}", XferMsg(
-                        "xfer", rec.transfer_id, len(dst), rec.nbytes, ids_hash(dst),
-                        rec.deadline - time.monotonic(), chunk_blocks, sealed))
+                    out.store.set(
+                        f"{out.pair}/msg/{seq}",
+                        XferMsg(
+                            "xfer",
+                            rec.transfer_id,
+                            len(dst),
+                            rec.nbytes,
+                            ids_hash(dst),
+                            rec.deadline - time.monotonic(),
+                            chunk_blocks,
+                            sealed,
+                        ),
+                    )
                     buf = staging.get(rec.nbytes)
                     block_bytes = rec.nbytes // rec.num_blocks
                     spans = chunk_spans(len(dst), chunk_blocks)
                     works, sums = [], []
                     for i, (a, c) in enumerate(spans):
-                        region = buf[a * block_bytes:(a + c) * block_bytes]
-                        self._pack_chunk(rec.block_ids[a:a + c], region)
+                        region = buf[a * block_bytes : (a + c) * block_bytes]
+                        self._pack_chunk(rec.block_ids[a : a + c], region)
                         self._sync()
                         if sealed:
                             sums.append(staged_sums(self._bytes, buf, a, c, block_bytes))
                         if fault is None:
                             works.append(out.group.send([region], 1, i))
-                    manifest = Manifest.of(np.concatenate(sums), transfer_key(rec.transfer_id), self._tag) \
-                        if sealed else None
+                    manifest = (
+                        Manifest.of(np.concatenate(sums), transfer_key(rec.transfer_id), self._tag) if sealed else None
+                    )
                 if fault is not None and fault.kind == FaultKind.KILL:  # dies after the announcement: as a
                     out.broken, out.group = "injected fault: sender killed mid-transfer", None  # dead process's,
                     with self._lock:  # its sockets close and the receiver sees the pair break
@@ -446,8 +481,10 @@ class GlooTransport(TransportCore):
                 if manifest is not None:
                     out.store.set(f"{out.pair}/manifest/{seq}", manifest)
                 if fault is not None:
-                    works = [out.group.send([buf[a * block_bytes:(a + c) * block_bytes]], 1, i)
-                             for i, (a, c) in enumerate(spans)]
+                    works = [
+                        out.group.send([buf[a * block_bytes : (a + c) * block_bytes]], 1, i)
+                        for i, (a, c) in enumerate(spans)
+                    ]
                 for work in works:
                     work.wait(as_timedelta(rec.deadline - time.monotonic() + GRACE_S))
             except Exception as exc:
@@ -471,8 +508,9 @@ class GlooTransport(TransportCore):
                 rec = out.in_flight.pop(seq, None)
             if rec is not None:
                 status = TransferStatus(status)
-                self._finish(rec, status, None if status == TransferStatus.SUCCESS
-                             else f"receiver side: {error}", reason)
+                self._finish(
+                    rec, status, None if status == TransferStatus.SUCCESS else f"receiver side: {error}", reason
+                )
 
     # -- teardown ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -484,7 +522,6 @@ class GlooTransport(TransportCore):
             self._cond.notify_all()
             outs = list(self._out.values())
             self._out.clear()
-            ins = list(self._in.values())
         for out in outs:
             out.jobs.put(None)
         for out in outs:

@@ -12,19 +12,27 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from common.protocol import KVEndpoint
 
 from ._common import Record, TransportCore, block_rows, copy_blocks, ids_hash, transfer_key
 from .base import Role, TransferHandle, TransferStatus
-from .integrity import (FailureReason, FaultKind, FaultPlan, Manifest, clamp_block, faulty_manifest, faulty_pairs,
-                        flip_bit)
+from .integrity import (
+    FailureReason,
+    FaultKind,
+    FaultPlan,
+    Manifest,
+    clamp_block,
+    faulty_manifest,
+    faulty_pairs,
+    flip_bit,
+)
 
 FAULTS = ("drop", "delay", "fail")
 
 
-def parse_fault(spec: Optional[str], delay_s: float) -> tuple[Optional[str], float]:
+def parse_fault(spec: str | None, delay_s: float) -> tuple[str | None, float]:
     if not spec:
         return None, delay_s
     name, _, arg = spec.partition(":")
@@ -41,21 +49,26 @@ def parse_fault(spec: Optional[str], delay_s: float) -> tuple[Optional[str], flo
 class InProcessTransport(TransportCore):
     kind = "inprocess"
 
-    def __init__(self, fault: Optional[str] = None, fault_delay_s: float = 0.5, checksums: bool = True,
-                 fault_plan: Optional[FaultPlan] = None) -> None:
+    def __init__(
+        self,
+        fault: str | None = None,
+        fault_delay_s: float = 0.5,
+        checksums: bool = True,
+        fault_plan: FaultPlan | None = None,
+    ) -> None:
         super().__init__(checksums, fault_plan)
         self._worker_id = f"inproc-{uuid.uuid4().hex[:12]}"
         self._fault, self._fault_delay_s = parse_fault(fault, fault_delay_s)
-        self._peers: dict[str, "InProcessTransport"] = {}
+        self._peers: dict[str, InProcessTransport] = {}
 
-    def __reduce__(self):  # noqa: D105 - endpoints carry a live reference
-        raise TypeError("an in-process KV endpoint only works inside its own process; use the "
-                        "shm or gloo backend between processes")
+    def __reduce__(self):
+        raise TypeError(
+            "an in-process KV endpoint only works inside its own process; use the shm or gloo backend between processes"
+        )
 
     def endpoint(self) -> KVEndpoint:
         _, layout = self._require_cache()
-        return KVEndpoint(self.kind, self._worker_id, layout, self._num_blocks,
-                          {"transport": self})
+        return KVEndpoint(self.kind, self._worker_id, layout, self._num_blocks, {"transport": self})
 
     def connect(self, peer: KVEndpoint) -> str:
         _, layout = self._require_cache()
@@ -65,27 +78,32 @@ class InProcessTransport(TransportCore):
         self._peers[peer.worker_id] = peer.address["transport"]
         return peer.worker_id
 
-    def expect(self, transfer_id: str, dst_block_ids: Sequence[int],
-               timeout_s: float) -> TransferHandle:
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> TransferHandle:
         dst, timeout_s = self._prepare_expect(transfer_id, dst_block_ids, timeout_s)
         return self._new_record(transfer_id, Role.RECV, dst, timeout_s).handle()
 
-    def send(self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-             transfer_id: str, timeout_s: float) -> TransferHandle:
+    def send(
+        self,
+        peer_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> TransferHandle:
         self._require_cache()
-        peer: Optional["InProcessTransport"] = self._peers.get(peer_id)
+        peer: InProcessTransport | None = self._peers.get(peer_id)
         if peer is None:
             raise ValueError(f"unknown peer {peer_id!r}: call connect() with its endpoint first")
-        src, dst, timeout_s = self._prepare_send(peer._num_blocks, src_block_ids, dst_block_ids,
-                                                 transfer_id, timeout_s)
+        src, dst, timeout_s = self._prepare_send(peer._num_blocks, src_block_ids, dst_block_ids, transfer_id, timeout_s)
         rec = self._new_record(transfer_id, Role.SEND, src, timeout_s)
         rec.extra["dst"] = dst
         if not rec.status.is_terminal:
-            threading.Thread(target=self._run_send, args=(rec, peer), daemon=True,
-                             name=f"kv-inproc-send-{transfer_id}").start()
+            threading.Thread(
+                target=self._run_send, args=(rec, peer), daemon=True, name=f"kv-inproc-send-{transfer_id}"
+            ).start()
         return rec.handle()
 
-    def _run_send(self, rec: Record, peer: "InProcessTransport") -> None:
+    def _run_send(self, rec: Record, peer: InProcessTransport) -> None:
         if self._fault == "drop":
             return  # never delivered: both sides run into their deadlines
         if self._fault == "fail":
@@ -98,26 +116,32 @@ class InProcessTransport(TransportCore):
         fault = self._planned_fault(rec.transfer_id)
         if fault is not None and fault.kind == FaultKind.STALL:
             with self._cond:  # the data leaves only after the deadline
-                if self._cond.wait_for(lambda: rec.cancelled,
-                                       timeout=max(0.0, rec.deadline - time.monotonic()) + fault.stall_s):
+                if self._cond.wait_for(
+                    lambda: rec.cancelled, timeout=max(0.0, rec.deadline - time.monotonic()) + fault.stall_s
+                ):
                     return
         dst = rec.extra["dst"]
         with peer._cond:
             peer._cond.wait_for(
-                lambda: peer._get(rec.transfer_id, Role.RECV) is not None or rec.cancelled
-                or peer._closed,
+                lambda: peer._get(rec.transfer_id, Role.RECV) is not None or rec.cancelled or peer._closed,
                 timeout=max(0.0, rec.deadline - time.monotonic()),
             )
             target = peer._get(rec.transfer_id, Role.RECV)
         if rec.cancelled:
             return
         if target is None:
-            self._finish(rec, TransferStatus.FAILED,
-                         f"receiver never expected transfer {rec.transfer_id!r}", FailureReason.DEADLINE)
+            self._finish(
+                rec,
+                TransferStatus.FAILED,
+                f"receiver never expected transfer {rec.transfer_id!r}",
+                FailureReason.DEADLINE,
+            )
             return
         if ids_hash(target.block_ids) != ids_hash(dst):
-            msg = (f"transfer {rec.transfer_id!r}: sender's dst_block_ids {dst} differ from the "
-                   f"receiver's {target.block_ids}")
+            msg = (
+                f"transfer {rec.transfer_id!r}: sender's dst_block_ids {dst} differ from the "
+                f"receiver's {target.block_ids}"
+            )
             peer._finish(target, TransferStatus.FAILED, msg, FailureReason.IDS_MISMATCH)
             self._finish(rec, TransferStatus.FAILED, msg, FailureReason.IDS_MISMATCH)
             return
@@ -139,11 +163,18 @@ class InProcessTransport(TransportCore):
                 flip_bit(block_rows(peer._bytes), dst[clamp_block(fault, len(dst))], fault.bit)
             if fault is not None and fault.kind == FaultKind.KILL:
                 # Dead mid-copy: the receiver never hears of it again and runs into its deadline.
-                self._finish(rec, TransferStatus.FAILED, "injected fault: sender killed mid-transfer",
-                             FailureReason.SENDER_FAILED)
+                self._finish(
+                    rec,
+                    TransferStatus.FAILED,
+                    "injected fault: sender killed mid-transfer",
+                    FailureReason.SENDER_FAILED,
+                )
                 return
-            manifest = None if sums is None else \
-                faulty_manifest(fault, Manifest.of(sums, transfer_key(rec.transfer_id), self._tag))
+            manifest = (
+                None
+                if sums is None
+                else faulty_manifest(fault, Manifest.of(sums, transfer_key(rec.transfer_id), self._tag))
+            )
             verdict = peer._verify(target, manifest)
             if verdict is not None:
                 peer._finish(target, TransferStatus.FAILED, verdict.message, verdict.reason)

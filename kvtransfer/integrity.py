@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
 
 import numpy as np
 
@@ -90,14 +90,20 @@ class FaultPlan:
 
     faults: Mapping[str, Fault] = field(default_factory=dict)
 
-    def fault_for(self, transfer_id: str) -> Optional[Fault]:
+    def fault_for(self, transfer_id: str) -> Fault | None:
         return self.faults.get(transfer_id)
 
 
 def layout_tag(layout: KVLayout) -> int:
     """63-bit tag of everything that decides how a block's bytes are read."""
-    fields = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype,
-              tuple(layout.kv_scales))
+    fields = (
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.block_size,
+        layout.dtype,
+        tuple(layout.kv_scales),
+    )
     if layout.kv_heads is not None:  # a tensor-parallel rank's heads: another rank's bytes read wrong
         fields += (layout.kv_heads,)
     text = repr(fields)
@@ -134,7 +140,7 @@ class Manifest:
     seals: bytes  # little-endian uint64 per block, in transfer order
 
     @classmethod
-    def of(cls, sums: np.ndarray, key: int, tag: int) -> "Manifest":
+    def of(cls, sums: np.ndarray, key: int, tag: int) -> Manifest:
         return cls(key, tag, int(sums.shape[0]), seal(sums, key, tag).astype("<u8").tobytes())
 
     def seal_array(self) -> np.ndarray:
@@ -147,7 +153,7 @@ class Verdict:
     message: str
 
 
-def verify(manifest: Manifest, key: int, tag: int, nblocks: int, received: np.ndarray) -> Optional[Verdict]:
+def verify(manifest: Manifest, key: int, tag: int, nblocks: int, received: np.ndarray) -> Verdict | None:
     """None when the `received` sums `[nblocks, 2]` are what `manifest` vouches for."""
     if manifest.key != key:
         return Verdict(FailureReason.FOREIGN_REQUEST, "the manifest belongs to another transfer")
@@ -157,8 +163,10 @@ def verify(manifest: Manifest, key: int, tag: int, nblocks: int, received: np.nd
         return Verdict(FailureReason.INCOMPLETE, f"the sender vouches for {manifest.nblocks} of {nblocks} blocks")
     bad = np.flatnonzero(seal(received, key, tag) != manifest.seal_array())
     if len(bad):
-        return Verdict(FailureReason.CHECKSUM, f"checksum mismatch in {len(bad)} of {nblocks} blocks "
-                                               f"(first at position {int(bad[0])})")
+        return Verdict(
+            FailureReason.CHECKSUM,
+            f"checksum mismatch in {len(bad)} of {nblocks} blocks (first at position {int(bad[0])})",
+        )
     return None
 
 
@@ -166,13 +174,13 @@ def clamp_block(fault: Fault, n: int) -> int:
     return min(fault.block, max(0, n - 1))
 
 
-def faulty_pairs(fault: Optional[Fault], src: list[int], dst: list[int]) -> tuple[list[int], list[int]]:
+def faulty_pairs(fault: Fault | None, src: list[int], dst: list[int]) -> tuple[list[int], list[int]]:
     """The (src, dst) block pairs that a delivery suffering `fault` actually writes."""
     if fault is None or len(src) < 1:
         return src, dst
     b = clamp_block(fault, len(src))
     if fault.kind == FaultKind.DROP:
-        return src[:b] + src[b + 1:], dst[:b] + dst[b + 1:]
+        return src[:b] + src[b + 1 :], dst[:b] + dst[b + 1 :]
     if fault.kind == FaultKind.TRUNCATE:
         return src[:-1], dst[:-1]
     if fault.kind == FaultKind.KILL:
@@ -189,7 +197,7 @@ def faulty_pairs(fault: Optional[Fault], src: list[int], dst: list[int]) -> tupl
     return src, dst
 
 
-def faulty_manifest(fault: Optional[Fault], manifest: Manifest) -> Manifest:
+def faulty_manifest(fault: Fault | None, manifest: Manifest) -> Manifest:
     """The manifest as a receiver suffering `fault` gets it."""
     if fault is None:
         return manifest
@@ -210,6 +218,6 @@ def flip_bit(rows: np.ndarray, block: int, bit: int) -> None:
     rows[0, block, bit // 8] ^= np.uint8(1 << (bit % 8))
 
 
-def unplanned_fault(fault: Optional[Fault], n: int) -> bool:
+def unplanned_fault(fault: Fault | None, n: int) -> bool:
     """Whether `fault` cannot act on a transfer of n blocks (reorder/duplicate need two)."""
     return fault is not None and n < 2 and fault.kind in (FaultKind.REORDER, FaultKind.DUPLICATE)

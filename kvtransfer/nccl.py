@@ -3,13 +3,11 @@ payload; the cache and staging buffers live on the GPU."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
-from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks
 from common.protocol import KVLayout
+from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks
 
 from ._pair import CHUNK_BYTES, as_timedelta
 from .base import KVTransferError, torch_dtype
@@ -23,16 +21,22 @@ class NcclTransport(GlooTransport):
 
     kind = "nccl"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout_s: float = 30.0,
-                 chunk_bytes: int = CHUNK_BYTES, device: Optional[torch.device] = None, checksums: bool = True,
-                 fault_plan: Optional[FaultPlan] = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connect_timeout_s: float = 30.0,
+        chunk_bytes: int = CHUNK_BYTES,
+        device: torch.device | None = None,
+        checksums: bool = True,
+        fault_plan: FaultPlan | None = None,
+    ) -> None:
         """Checksums are taken by the Triton block-sums kernel on the GPU staging buffers
         (kernels.block_checksum), as gloo takes them on the CPU."""
         if not torch.cuda.is_available() or not dist.is_nccl_available():
             raise KVTransferError("the nccl KV transport needs CUDA and an NCCL build of torch")
         super().__init__(host, port, connect_timeout_s, chunk_bytes, checksums, fault_plan)
-        self._dev = torch.device(device) if device is not None else \
-            torch.device("cuda", torch.cuda.current_device())
+        self._dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
 
     def _device(self) -> torch.device:
         return self._dev
@@ -53,13 +57,11 @@ class NcclTransport(GlooTransport):
     def _unpack_chunk(self, ids: list[int], region: torch.Tensor) -> None:
         assert self._cache is not None
         shape = (self._cache.shape[0], 2, len(ids)) + tuple(self._cache.shape[3:])
-        unpack_kv_blocks(self._cache, torch.tensor(ids, device=self._dev),
-                         region.view(self._cache.dtype).view(shape))
+        unpack_kv_blocks(self._cache, torch.tensor(ids, device=self._dev), region.view(self._cache.dtype).view(shape))
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
         self._check_num_blocks(num_blocks)
-        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout),
-                            device=self._dev)
+        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout), device=self._dev)
         self.register_cache(cache, layout)
         return cache
 

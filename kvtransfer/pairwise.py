@@ -27,8 +27,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -37,12 +37,13 @@ from common.transports import FIXED_CHOICES, Place, offered_kinds
 
 from ._common import MAX_FINISHED_RECORDS, check_transfer_id
 from .base import KVTransferError, KVTransport, Role, TransferHandle, TransferResult, TransferStatus
-from .integrity import FaultPlan
 from .gloo import GlooTransport
+from .integrity import FaultPlan
 from .nccl import NcclTransport
 from .shm import ShmTransport
 
 KIND = "pairwise"
+LOCAL_PLACE = Place()  # the default place (Place is frozen, so one instance serves every transport)
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,17 @@ class PeerLink:
 def pair_kind(choice: str, sender: Place, receiver: Place) -> str:
     """The backend for one sender -> receiver pair; KVTransferError when none can serve it."""
     if sender.device != receiver.device:
-        raise KVTransferError(f"cannot move KV between a {sender.device} cache ({sender.short()}) and a "
-                              f"{receiver.device} cache ({receiver.short()}): give both pools the same device")
+        raise KVTransferError(
+            f"cannot move KV between a {sender.device} cache ({sender.short()}) and a "
+            f"{receiver.device} cache ({receiver.short()}): give both pools the same device"
+        )
     same_node = sender.node_id == receiver.node_id
     if choice in FIXED_CHOICES:
         if choice == "shm" and not same_node:
-            raise KVTransferError(f"transport shm works inside one node, but the sender is on {sender.short()} "
-                                  f"and the receiver on {receiver.short()}; use transport auto or gloo")
+            raise KVTransferError(
+                f"transport shm works inside one node, but the sender is on {sender.short()} "
+                f"and the receiver on {receiver.short()}; use transport auto or gloo"
+            )
         return choice
     return offered_kinds(choice, sender)[0] if same_node else offered_kinds(choice, sender)[-1]
 
@@ -84,7 +89,7 @@ class _Recv:
     handles: dict[str, TransferHandle]  # kind -> that backend's handle
     handle: TransferHandle  # the one the caller holds
     started: float  # time.monotonic() at expect()
-    final: Optional[TransferResult] = None
+    final: TransferResult | None = None
 
 
 @dataclass
@@ -102,8 +107,14 @@ class PairwiseTransport(KVTransport):
 
     kind = KIND
 
-    def __init__(self, choice: str = "auto", place: Place = Place(), name: str = "", checksums: bool = True,
-                 fault_plan: Optional[FaultPlan] = None) -> None:
+    def __init__(
+        self,
+        choice: str = "auto",
+        place: Place = LOCAL_PLACE,
+        name: str = "",
+        checksums: bool = True,
+        fault_plan: FaultPlan | None = None,
+    ) -> None:
         """`name` is how peers' `links()` call this worker (its worker id in serving).
         `checksums` and `fault_plan` go to every backend (kvtransfer.integrity)."""
         self.place = place
@@ -116,7 +127,7 @@ class PairwiseTransport(KVTransport):
         # Held through a whole connect: the first requests to a restarted peer arrive together on
         # several call threads, and two pairs built at once to one peer left transfers hanging.
         self._connecting = threading.Lock()
-        self._layout: Optional[KVLayout] = None
+        self._layout: KVLayout | None = None
         self._num_blocks = 0
         self._links: dict[str, _Link] = {}  # our peer id -> link
         self._sends: OrderedDict[str, str] = OrderedDict()  # transfer id -> our peer id
@@ -126,7 +137,7 @@ class PairwiseTransport(KVTransport):
     def kinds(self) -> tuple[str, ...]:
         return tuple(self._subs)
 
-    def set_fault_plan(self, plan: Optional[FaultPlan]) -> None:
+    def set_fault_plan(self, plan: FaultPlan | None) -> None:
         """Faults to inject into this worker's sends, on every backend (tests)."""
         for sub in self._subs.values():
             sub.set_fault_plan(plan)
@@ -154,8 +165,13 @@ class PairwiseTransport(KVTransport):
         if self._layout is None:
             raise ValueError("pairwise transport has no cache: call allocate_cache() first")
         offers = {kind: sub.endpoint() for kind, sub in self._subs.items()}
-        address = {"name": self.name, "node_id": self.place.node_id, "host": self.place.host,
-                   "device": self.place.device, "offers": offers}
+        address = {
+            "name": self.name,
+            "node_id": self.place.node_id,
+            "host": self.place.host,
+            "device": self.place.device,
+            "offers": offers,
+        }
         return KVEndpoint(KIND, self._id, self._layout, self._num_blocks, address)
 
     def peer_place(self, peer: KVEndpoint) -> Place:
@@ -190,8 +206,10 @@ class PairwiseTransport(KVTransport):
         sub = self._subs.get(kind)
         if sub is None or sub_endpoint is None:
             offered = sorted(peer.address.get("offers", {})) if peer.kind == KIND else [peer.kind]
-            raise KVTransferError(f"{self.name} ({self.place.short()}) needs {kind} to reach {name}, "
-                                  f"which offers {offered}; this side has {list(self._subs)}")
+            raise KVTransferError(
+                f"{self.name} ({self.place.short()}) needs {kind} to reach {name}, "
+                f"which offers {offered}; this side has {list(self._subs)}"
+            )
         sub_peer = sub.connect(sub_endpoint)
         with self._lock:
             self._links[peer_id] = _Link(name, node_id, kind, sub_peer)
@@ -202,8 +220,14 @@ class PairwiseTransport(KVTransport):
             return [PeerLink(k.peer, k.peer_node_id, k.kind, k.blocks, k.nbytes) for k in self._links.values()]
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-             transfer_id: str, timeout_s: float) -> TransferHandle:
+    def send(
+        self,
+        peer_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> TransferHandle:
         with self._lock:
             link = self._links.get(peer_id)
         if link is None:
@@ -214,7 +238,7 @@ class PairwiseTransport(KVTransport):
             _bound(self._sends)
         return handle
 
-    def _sent(self, handle: TransferHandle) -> tuple[KVTransport, Optional[_Link]]:
+    def _sent(self, handle: TransferHandle) -> tuple[KVTransport, _Link | None]:
         with self._lock:
             peer_id = self._sends.get(handle.transfer_id)
             link = self._links.get(peer_id) if peer_id is not None else None
@@ -260,8 +284,9 @@ class PairwiseTransport(KVTransport):
         if recv.final is not None:
             return recv.final.status
         statuses = {kind: self._subs[kind].poll(h) for kind, h in recv.handles.items()}
-        done = [k for k, s in statuses.items() if s == TransferStatus.SUCCESS] or \
-            [k for k, s in statuses.items() if s.is_terminal]
+        done = [k for k, s in statuses.items() if s == TransferStatus.SUCCESS] or [
+            k for k, s in statuses.items() if s.is_terminal
+        ]
         if not done:
             return max(statuses.values())
         kind = done[0]
@@ -269,8 +294,15 @@ class PairwiseTransport(KVTransport):
         for other in recv.handles:
             if other != kind:
                 self._subs[other].abort(recv.handle.transfer_id)  # nothing late lands in the blocks
-        recv.final = TransferResult(result.transfer_id, Role.RECV, result.status, result.nbytes, result.seconds,
-                                    result.error if result.ok else f"{kind}: {result.error}", result.reason)
+        recv.final = TransferResult(
+            result.transfer_id,
+            Role.RECV,
+            result.status,
+            result.nbytes,
+            result.seconds,
+            result.error if result.ok else f"{kind}: {result.error}",
+            result.reason,
+        )
         return result.status
 
     # -- both sides --------------------------------------------------------------------------
@@ -283,7 +315,7 @@ class PairwiseTransport(KVTransport):
             return status
         return self._settle(self._recv(handle.transfer_id))
 
-    def wait(self, handle: TransferHandle, timeout_s: Optional[float] = None) -> TransferResult:
+    def wait(self, handle: TransferHandle, timeout_s: float | None = None) -> TransferResult:
         if handle.role == Role.SEND:
             sub, link = self._sent(handle)
             result = sub.wait(handle, timeout_s)
@@ -291,7 +323,7 @@ class PairwiseTransport(KVTransport):
             return result
         recv = self._recv(handle.transfer_id)
         if len(recv.handles) == 1:  # one backend: its own wait, no polling here
-            (kind, h), = recv.handles.items()
+            ((kind, h),) = recv.handles.items()
             self._subs[kind].wait(h, timeout_s)
         give_up = None if timeout_s is None else time.monotonic() + max(0.0, float(timeout_s))
         pause = 0.0002

@@ -31,8 +31,8 @@ is refused: its decode worker would otherwise run every prompt through the draft
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -87,7 +87,8 @@ def handoff_links(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[HeadLink]
                 raise KVLayoutMismatch(
                     f"KV layout mismatch: tp_size prefill={src_tp} decode={dst_tp} split the model's {num_kv_heads} "
                     f"KV heads along different lines (decode rank {dst} holds heads {lo}..{hi - 1}); choose "
-                    f"tensor-parallel sizes where one is a multiple of the other")
+                    f"tensor-parallel sizes where one is a multiple of the other"
+                )
             links.append(HeadLink(exact[0], dst, sources[exact[0]]))
             start = sources[exact[0]][1]
     return links
@@ -126,11 +127,13 @@ def words(cache: torch.Tensor) -> torch.Tensor:
     return raw
 
 
-def copy_heads(dst: torch.Tensor, dst_heads: slice, src: torch.Tensor, src_heads: slice, block_ids: Sequence[int]) -> None:
+def copy_heads(
+    dst: torch.Tensor, dst_heads: slice, src: torch.Tensor, src_heads: slice, block_ids: Sequence[int]
+) -> None:
     """dst[:, :, b, :, dst_heads] = src[:, :, b, :, src_heads] for every block b of block_ids: one
     strided copy per run of consecutive ids (a request's blocks mostly are one run)."""
     for start, _, count in coalesce(block_ids, block_ids):
-        dst[:, :, start:start + count, :, dst_heads].copy_(src[:, :, start:start + count, :, src_heads])
+        dst[:, :, start : start + count, :, dst_heads].copy_(src[:, :, start : start + count, :, src_heads])
 
 
 @dataclass
@@ -153,13 +156,13 @@ class _Route:
     id_suffix: str  # link_id_suffix
     transport: KVTransport  # the rank's own, or a staging cache's
     peer_id: str
-    staging: Optional[_HeadCache]
+    staging: _HeadCache | None
 
 
 @dataclass
 class _Receiving:
     block_ids: list[int]
-    handles: list[tuple[KVTransport, TransferHandle, Optional[_HeadCache]]]
+    handles: list[tuple[KVTransport, TransferHandle, _HeadCache | None]]
 
 
 class RankKV:
@@ -168,9 +171,16 @@ class RankKV:
     caches its receives from a finer prefill group need (made here: the router passes the
     endpoint, inlets included, to every prefill worker). Thread-safe."""
 
-    def __init__(self, transport: KVTransport, cache: torch.Tensor, layout: KVLayout, rank: int,
-                 model_kv_heads: int, new_transport: Callable[[str], KVTransport],
-                 peer_tp_size: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        transport: KVTransport,
+        cache: torch.Tensor,
+        layout: KVLayout,
+        rank: int,
+        model_kv_heads: int,
+        new_transport: Callable[[str], KVTransport],
+        peer_tp_size: int | None = None,
+    ) -> None:
         """`new_transport(name)`: a transport of the same kind for a staging or inlet cache.
         `peer_tp_size`: the prefill group's size, when this rank receives (None: its own)."""
         self.transport, self.cache, self.layout, self.rank = transport, cache, layout, rank
@@ -178,8 +188,10 @@ class RankKV:
         self.model_kv_heads, self.tp_size = model_kv_heads, layout.tp_size
         self.heads = head_range(layout)
         if self.heads != kv_head_range(model_kv_heads, self.tp_size, rank):
-            raise ValueError(f"rank {rank} of {self.tp_size} holds KV heads {self.heads}, not "
-                             f"{kv_head_range(model_kv_heads, self.tp_size, rank)}")
+            raise ValueError(
+                f"rank {rank} of {self.tp_size} holds KV heads {self.heads}, not "
+                f"{kv_head_range(model_kv_heads, self.tp_size, rank)}"
+            )
         self._new_transport = new_transport
         self._fault_plan = None
         self._lock = threading.Lock()
@@ -189,11 +201,13 @@ class RankKV:
         src_tp = peer_tp_size or self.tp_size
         links = handoff_links(model_kv_heads, src_tp, self.tp_size)
         # What this rank receives: through its own transport, or an inlet, and under which id (link_id_suffix).
-        self._inbound: list[tuple[Optional[_HeadCache], str]] = [
+        self._inbound: list[tuple[_HeadCache | None, str]] = [
             (None if link.heads == self.heads else self._head_cache(link.heads, "inlet"), link_id_suffix(link, links))
-            for link in links if link.dst_rank == rank]
+            for link in links
+            if link.dst_rank == rank
+        ]
         self._inlets = [inlet for inlet, _ in self._inbound if inlet is not None]
-        self.draft: Optional[KVTransport] = None  # the draft model's cache's transport (allocate_draft)
+        self.draft: KVTransport | None = None  # the draft model's cache's transport (allocate_draft)
 
     def allocate_draft(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
         """The draft model's KV cache, allocated through a transport of its own (in shared memory
@@ -217,13 +231,20 @@ class RankKV:
     def endpoint(self) -> KVEndpoint:
         """The rank's endpoint, with those of its inlets (a prefill rank sends a part of this rank's
         heads to the inlet of exactly those heads)."""
-        return replace(self.transport.endpoint(), inlets=tuple(i.transport.endpoint() for i in self._inlets),
-                       draft=self.draft.endpoint() if self.draft is not None else None)
+        return replace(
+            self.transport.endpoint(),
+            inlets=tuple(i.transport.endpoint() for i in self._inlets),
+            draft=self.draft.endpoint() if self.draft is not None else None,
+        )
 
     def transports(self) -> list[KVTransport]:
         with self._lock:
-            return [self.transport, *(c.transport for c in self._staging.values()), *(i.transport for i in self._inlets),
-                    *([self.draft] if self.draft is not None else [])]
+            return [
+                self.transport,
+                *(c.transport for c in self._staging.values()),
+                *(i.transport for i in self._inlets),
+                *([self.draft] if self.draft is not None else []),
+            ]
 
     # ---- sender ---------------------------------------------------------------------------
     def connect(self, peers: Sequence[KVEndpoint]) -> list[HeadLink]:
@@ -248,7 +269,8 @@ class RankKV:
                     raise KVLayoutMismatch(
                         f"KV layout mismatch: kv_heads: decode rank {link.dst_rank} holds {head_range(target.layout)} "
                         f"and offers no inlet for heads {link.heads} (its prefill tensor-parallel size is not this "
-                        f"group's {self.tp_size})")
+                        f"group's {self.tp_size})"
+                    )
                 target = inlet[0]
             staging = None
             if link.heads != self.heads:
@@ -267,12 +289,16 @@ class RankKV:
         """The route of the draft model's KV to a decode worker's rank 0 (none without a draft);
         KVLayoutMismatch when only one side has a draft or their drafts' layouts differ."""
         if (self.draft is None) != (peer.draft is None):
-            which = "this prefill worker runs a draft model and" if self.draft is not None else \
-                "this prefill worker runs no draft model but"
+            which = (
+                "this prefill worker runs a draft model and"
+                if self.draft is not None
+                else "this prefill worker runs no draft model but"
+            )
             raise KVLayoutMismatch(
                 f"KV layout mismatch: speculative_config: {which} the decode worker it connects to "
                 f"{'does not' if peer.draft is None else 'does'} (the draft's KV travels with every handoff); give "
-                f"both pools the same --speculative-config")
+                f"both pools the same --speculative-config"
+            )
         if self.draft is None:
             return []
         try:
@@ -282,8 +308,14 @@ class RankKV:
         link = HeadLink(0, 0, head_range(peer.draft.layout))
         return [_Route(link, DRAFT_SUFFIX, self.draft, peer_id, None)]
 
-    def send(self, peers: Sequence[KVEndpoint], src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-             transfer_id: str, timeout_s: float) -> list[tuple[_Route, TransferHandle]]:
+    def send(
+        self,
+        peers: Sequence[KVEndpoint],
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> list[tuple[_Route, TransferHandle]]:
         """Start this rank's links of one request's handoff; `wait_sent` ends them."""
         routes = self._routes_to(peers)
         staged: set[tuple[int, int]] = set()
@@ -293,8 +325,14 @@ class RankKV:
             if staging is not None and staging.heads not in staged:
                 copy_heads(staging.words, slice(None), self._words, staging.head_slice, src_block_ids)
                 staged.add(staging.heads)
-            sends.append((route, route.transport.send(route.peer_id, src_block_ids, dst_block_ids,
-                                                      transfer_id + route.id_suffix, timeout_s)))
+            sends.append(
+                (
+                    route,
+                    route.transport.send(
+                        route.peer_id, src_block_ids, dst_block_ids, transfer_id + route.id_suffix, timeout_s
+                    ),
+                )
+            )
         return sends
 
     @staticmethod
@@ -310,7 +348,9 @@ class RankKV:
                 transport = self.transport if inlet is None else inlet.transport
                 handles.append((transport, transport.expect(transfer_id + id_suffix, dst_block_ids, timeout_s), inlet))
             if self.draft is not None:
-                handles.append((self.draft, self.draft.expect(transfer_id + DRAFT_SUFFIX, dst_block_ids, timeout_s), None))
+                handles.append(
+                    (self.draft, self.draft.expect(transfer_id + DRAFT_SUFFIX, dst_block_ids, timeout_s), None)
+                )
         except BaseException:  # the parts announced already must not land in blocks the caller frees
             for transport, handle, _ in handles:
                 transport.abort(handle.transfer_id)
@@ -324,8 +364,14 @@ class RankKV:
         with self._lock:
             receiving = self._receiving.pop(transfer_id, None)
         if receiving is None:
-            return TransferResult(transfer_id, Role.RECV, TransferStatus.FAILED, 0, 0.0,
-                                  f"rank {self.rank} expected no KV for {transfer_id}")
+            return TransferResult(
+                transfer_id,
+                Role.RECV,
+                TransferStatus.FAILED,
+                0,
+                0.0,
+                f"rank {self.rank} expected no KV for {transfer_id}",
+            )
         result = combined([transport.wait(handle) for transport, handle, _ in receiving.handles])
         if result.ok:  # a failed handoff's good parts stay in the inlets: nothing of it reaches the cache
             for inlet in (inlet for _, _, inlet in receiving.handles if inlet is not None):
@@ -336,7 +382,7 @@ class RankKV:
         """End a request's transfers into this rank; once this returns no more bytes land."""
         with self._lock:
             receiving = self._receiving.pop(transfer_id, None)
-        for transport, handle, _ in (receiving.handles if receiving else []):
+        for transport, handle, _ in receiving.handles if receiving else []:
             transport.abort(handle.transfer_id)
 
     def set_fault_plan(self, plan) -> None:

@@ -40,16 +40,16 @@ import threading
 import time
 import uuid
 from array import array
+from collections.abc import Sequence
 from multiprocessing import resource_tracker
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from common.protocol import KVEndpoint, KVLayout
 from kernels.block_checksum import SummingCopier
 from kernels.block_checksum import native_available as native_sums_available
 from kernels.block_copy import KVBlockCopier, copy_native_available
-from common.protocol import KVEndpoint, KVLayout
 
 from ._common import (
     Record,
@@ -62,14 +62,28 @@ from ._common import (
     transfer_key,
 )
 from ._follower import FOLLOW_WAIT_S, STALLED_S, Follower, Progress, wake
-from ._segment import HEADER_INTS as _HEADER_INTS, MAGIC as _MAGIC, REASON_KINDS as _REASON_KINDS, REASONS as _REASONS
-from ._segment import Segment as _Segment, layout_bytes as _layout_bytes, map_segment as _map
-from ._segment import make_wake_fifo, open_peer_segment, open_waker, process_start as _process_start, shm_dir as _shm_dir
-from ._segment import sweep_stale_segments, wake_path
+from ._segment import DEADLINE as _DEADLINE
+from ._segment import HASH as _HASH
+from ._segment import HEADER_INTS as _HEADER_INTS
+from ._segment import KEY as _KEY
+from ._segment import LANDED as _LANDED
+from ._segment import MAGIC as _MAGIC
+from ._segment import NBLOCKS as _NBLOCKS
+from ._segment import REASON as _REASON
+from ._segment import REASON_KINDS as _REASON_KINDS
+from ._segment import REASONS as _REASONS
+from ._segment import SENT_BLOCKS as _SENT_BLOCKS
+from ._segment import SENT_KEY as _SENT_KEY
+from ._segment import SENT_TAG as _SENT_TAG
+from ._segment import STATE as _STATE
+from ._segment import UNSEALED as _UNSEALED
+from ._segment import Segment as _Segment
+from ._segment import layout_bytes as _layout_bytes
+from ._segment import make_wake_fifo, open_peer_segment, open_waker, sweep_stale_segments, wake_path
+from ._segment import map_segment as _map
+from ._segment import process_start as _process_start
+from ._segment import shm_dir as _shm_dir
 from ._shm_faults import faulty_copy
-from ._segment import (DEADLINE as _DEADLINE, HASH as _HASH, KEY as _KEY, LANDED as _LANDED, NBLOCKS as _NBLOCKS,
-                       REASON as _REASON, SENT_BLOCKS as _SENT_BLOCKS, SENT_KEY as _SENT_KEY, SENT_TAG as _SENT_TAG,
-                       STATE as _STATE, UNSEALED as _UNSEALED)
 from .base import Role, TransferHandle, TransferStatus, torch_dtype
 from .integrity import FailureReason, Fault, FaultKind, FaultPlan, Manifest, faulty_manifest
 
@@ -85,8 +99,13 @@ _ABORTED = int(TransferStatus.ABORTED)
 class ShmTransport(TransportCore):
     kind = "shm"
 
-    def __init__(self, num_slots: int = 1024, checksums: bool = True,
-                 fault_plan: Optional[FaultPlan] = None, verify_chunk_bytes: int = 256 << 10) -> None:
+    def __init__(
+        self,
+        num_slots: int = 1024,
+        checksums: bool = True,
+        fault_plan: FaultPlan | None = None,
+        verify_chunk_bytes: int = 256 << 10,
+    ) -> None:
         """`verify_chunk_bytes`: how much a sealing send copies (whole blocks, at least one)
         before it tells the receiver, who verifies that much while the next is copied."""
         super().__init__(checksums, fault_plan)
@@ -97,18 +116,18 @@ class ShmTransport(TransportCore):
         self._num_slots = num_slots
         self._verify_chunk_bytes, self._chunk_blocks = verify_chunk_bytes, 1  # blocks: set with the layout
         self._worker_id = f"shm-{uuid.uuid4().hex[:12]}"
-        self._own: Optional[_Segment] = None
+        self._own: _Segment | None = None
         self._peers: dict[str, _Segment] = {}
-        self._jobs: "queue.Queue[Optional[Record]]" = queue.Queue()
-        self._worker: Optional[threading.Thread] = None
-        self._rows: Optional[np.ndarray] = None  # block_rows() of our cache, when on the CPU
+        self._jobs: queue.Queue[Record | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._rows: np.ndarray | None = None  # block_rows() of our cache, when on the CPU
         # Per peer: the native copy from our cache into its segment, when our cache is on the CPU.
-        self._copiers: dict[str, Optional[KVBlockCopier]] = {}
-        self._summing: dict[str, Optional[SummingCopier]] = {}  # the same, summing as it copies
-        self._wakers: dict[str, Optional[int]] = {}  # per peer: the write end of its FIFO
+        self._copiers: dict[str, KVBlockCopier | None] = {}
+        self._summing: dict[str, SummingCopier | None] = {}  # the same, summing as it copies
+        self._wakers: dict[str, int | None] = {}  # per peer: the write end of its FIFO
         # Receiver: the read end of our FIFO, and the verifier thread (kvtransfer._follower).
-        self._wake_fd: Optional[int] = None
-        self._follower: Optional[Follower] = None
+        self._wake_fd: int | None = None
+        self._follower: Follower | None = None
 
     # -- cache ---------------------------------------------------------------------------
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
@@ -147,8 +166,7 @@ class ShmTransport(TransportCore):
 
     def endpoint(self) -> KVEndpoint:
         _, layout = self._require_cache()
-        address = {"path": None if self._own is None else self._own.path,
-                   "num_slots": self._num_slots}
+        address = {"path": None if self._own is None else self._own.path, "num_slots": self._num_slots}
         return KVEndpoint(self.kind, self._worker_id, layout, self._num_blocks, address)
 
     def connect(self, peer: KVEndpoint) -> str:
@@ -160,15 +178,19 @@ class ShmTransport(TransportCore):
             return peer.worker_id
         path = peer.address.get("path")
         if path is None:
-            raise ValueError(f"peer {peer.worker_id} registered a private cache; only caches made "
-                             "by ShmTransport.allocate_cache() can receive over shm")
+            raise ValueError(
+                f"peer {peer.worker_id} registered a private cache; only caches made "
+                "by ShmTransport.allocate_cache() can receive over shm"
+            )
         self._forget_exited_peers()
         seg = open_peer_segment(path, peer.layout, peer.num_blocks, int(peer.address["num_slots"]), peer.worker_id)
         self._peers[peer.worker_id] = seg
-        self._copiers[peer.worker_id] = KVBlockCopier(seg.cache_bytes, self._bytes) \
-            if copy_native_available(seg.cache_bytes, self._bytes) else None
-        self._summing[peer.worker_id] = SummingCopier(seg.cache_bytes, self._bytes) \
-            if native_sums_available(seg.cache_bytes, self._bytes) else None
+        self._copiers[peer.worker_id] = (
+            KVBlockCopier(seg.cache_bytes, self._bytes) if copy_native_available(seg.cache_bytes, self._bytes) else None
+        )
+        self._summing[peer.worker_id] = (
+            SummingCopier(seg.cache_bytes, self._bytes) if native_sums_available(seg.cache_bytes, self._bytes) else None
+        )
         self._wakers[peer.worker_id] = open_waker(path)
         return peer.worker_id
 
@@ -199,13 +221,13 @@ class ShmTransport(TransportCore):
         return list(self._peers)
 
     # -- receiver --------------------------------------------------------------------------
-    def expect(self, transfer_id: str, dst_block_ids: Sequence[int],
-               timeout_s: float) -> TransferHandle:
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> TransferHandle:
         dst, timeout_s = self._prepare_expect(transfer_id, dst_block_ids, timeout_s)
         seg = self._own
         if seg is None:
-            raise ValueError("this shm transport's cache was registered, not allocated in shared "
-                             "memory, so it cannot receive")
+            raise ValueError(
+                "this shm transport's cache was registered, not allocated in shared memory, so it cannot receive"
+            )
         rec = self._new_record(transfer_id, Role.RECV, dst, timeout_s)
         if rec.status.is_terminal:
             return rec.handle()
@@ -214,24 +236,36 @@ class ShmTransport(TransportCore):
             slot = self._free_slot(seg, key)
             row = seg.slots[slot]
             row[[_HASH, _NBLOCKS, _REASON, _DEADLINE, _SENT_BLOCKS, _LANDED, _STATE]] = (
-                ids_hash(dst), len(dst), 0, int(rec.deadline * 1e9), _UNSEALED, 0, _PENDING)
+                ids_hash(dst),
+                len(dst),
+                0,
+                int(rec.deadline * 1e9),
+                _UNSEALED,
+                0,
+                _PENDING,
+            )
             row[_KEY] = key  # last: senders look slots up by key
         # Sums the verifier thread took: blocks [0, summed[0]), kept current (a lander sums the rest).
-        rec.extra.update(slot=slot, sums=np.empty((len(dst), 2), np.uint64), summed=np.zeros(1, np.int64),
-                         ids=array("q", dst))
+        rec.extra.update(
+            slot=slot, sums=np.empty((len(dst), 2), np.uint64), summed=np.zeros(1, np.int64), ids=array("q", dst)
+        )
         self._follower.follow(rec)
         return rec.handle()
 
     def _free_slot(self, seg: _Segment, key: int) -> int:
         with self._lock:  # slots left terminal that no live local record owns may be reclaimed
-            live = {r.extra.get("slot") for r in self._records.values()
-                    if r.role == Role.RECV and not r.status.is_terminal}
+            live = {
+                r.extra.get("slot") for r in self._records.values() if r.role == Role.RECV and not r.status.is_terminal
+            }
         return seg.free_slot(key, live)
 
     def _late_detail(self, rec: Record) -> str:
         seg = rec.extra.get("seg") if rec.role == Role.SEND else None
-        return "" if seg is None else (f"the receiver's slot {'is' if seg.find(rec.extra['key']) >= 0 else 'never was'}"
-                                       f" in {seg.path}")
+        return (
+            ""
+            if seg is None
+            else (f"the receiver's slot {'is' if seg.find(rec.extra['key']) >= 0 else 'never was'} in {seg.path}")
+        )
 
     def _refresh(self, rec: Record) -> None:
         if rec.role != Role.RECV or rec.status.is_terminal or "slot" not in rec.extra:
@@ -247,12 +281,10 @@ class ShmTransport(TransportCore):
                 code = int(seg.slots[slot, _REASON])
                 self._finish(rec, state, _REASONS.get(code, "") or state.name.lower(), _REASON_KINDS.get(code))
             with seg.locked():
-                if seg.slots[slot, _KEY] == transfer_key(rec.transfer_id) and state == \
-                        TransferStatus.SUCCESS:
+                if seg.slots[slot, _KEY] == transfer_key(rec.transfer_id) and state == TransferStatus.SUCCESS:
                     seg.slots[slot, _KEY] = 0
 
-    def _terminate(self, rec: Record, status: TransferStatus, error: str,
-                   reason: Optional[FailureReason] = None) -> None:
+    def _terminate(self, rec: Record, status: TransferStatus, error: str, reason: FailureReason | None = None) -> None:
         if rec.role != Role.RECV or "slot" not in rec.extra or self._own is None:
             super()._terminate(rec, status, error, reason)
             return
@@ -277,7 +309,7 @@ class ShmTransport(TransportCore):
         thread, which may not be getting a core right now."""
         if rec.status.is_terminal:
             return
-        sent_key, sent_tag, sent_blocks = (int(v) for v in seg.slots[slot, _SENT_KEY:_SENT_BLOCKS + 1])
+        sent_key, sent_tag, sent_blocks = (int(v) for v in seg.slots[slot, _SENT_KEY : _SENT_BLOCKS + 1])
         manifest = sums = None
         if sent_blocks != _UNSEALED:
             n = max(0, min(sent_blocks, rec.num_blocks))
@@ -305,8 +337,15 @@ class ShmTransport(TransportCore):
         done = upto = int(extra["summed"][0])
         if self._summer is not None:
             wait_s = FOLLOW_WAIT_S if now - extra.setdefault("moved_at", now) < STALLED_S else 0.0
-            upto = self._summer.follow(extra["ids"], extra["sums"], extra["summed"], row[_LANDED:_LANDED + 1],
-                                       row[_STATE:_STATE + 1], _TRANSFERRING, wait_s)
+            upto = self._summer.follow(
+                extra["ids"],
+                extra["sums"],
+                extra["summed"],
+                row[_LANDED : _LANDED + 1],
+                row[_STATE : _STATE + 1],
+                _TRANSFERRING,
+                wait_s,
+            )
         elif (landed := min(max(int(row[_LANDED]), 0), rec.num_blocks)) > done:  # the sender's word
             extra["sums"][done:landed] = self._block_sums(rec.block_ids[done:landed])
             extra["summed"][0] = upto = landed
@@ -316,8 +355,14 @@ class ShmTransport(TransportCore):
         return Progress.SUMMED
 
     # -- sender ----------------------------------------------------------------------------
-    def send(self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-             transfer_id: str, timeout_s: float) -> TransferHandle:
+    def send(
+        self,
+        peer_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> TransferHandle:
         """If the receiver has already called expect(), the copy happens before this
         returns (the handle is then terminal); otherwise a worker thread does it once the
         receiver's slot appears."""
@@ -327,19 +372,24 @@ class ShmTransport(TransportCore):
             raise ValueError(f"unknown peer {peer_id!r}: call connect() with its endpoint first")
         if self.checksums:  # the receiver's verifier thread gets ready while we prepare
             wake(self._wakers.get(peer_id))
-        src, dst, timeout_s = self._prepare_send(len(seg.seals), src_block_ids,
-                                                 dst_block_ids, transfer_id, timeout_s)
+        src, dst, timeout_s = self._prepare_send(len(seg.seals), src_block_ids, dst_block_ids, transfer_id, timeout_s)
         rec = self._new_record(transfer_id, Role.SEND, src, timeout_s)
         if rec.status.is_terminal:
             return rec.handle()
         # Everything the copy needs is worked out before the segment lock is taken.
         fault = self._planned_fault(transfer_id)
-        rec.extra.update(seg=seg, copier=self._copiers[peer_id], key=transfer_key(transfer_id),
-                         waker=self._wakers.get(peer_id),
-                         nblocks=len(dst), dst_hash=ids_hash(dst), dst=dst, fault=fault,
-                         summing=self._summing[peer_id],
-                         not_before=rec.deadline + fault.stall_s
-                         if fault is not None and fault.kind == FaultKind.STALL else 0.0)
+        rec.extra.update(
+            seg=seg,
+            copier=self._copiers[peer_id],
+            key=transfer_key(transfer_id),
+            waker=self._wakers.get(peer_id),
+            nblocks=len(dst),
+            dst_hash=ids_hash(dst),
+            dst=dst,
+            fault=fault,
+            summing=self._summing[peer_id],
+            not_before=rec.deadline + fault.stall_s if fault is not None and fault.kind == FaultKind.STALL else 0.0,
+        )
         # Common case: the receiver reserved and expect()ed first. Copy right here: one
         # memcpy, no thread hand-off.
         if rec.extra["not_before"] or not self._try_send(rec):
@@ -348,8 +398,7 @@ class ShmTransport(TransportCore):
                 return rec.handle()
             with self._lock:
                 if self._worker is None:
-                    self._worker = threading.Thread(target=self._send_worker, daemon=True,
-                                                    name="kv-shm-send")
+                    self._worker = threading.Thread(target=self._send_worker, daemon=True, name="kv-shm-send")
                     self._worker.start()
             self._jobs.put(rec)
         return rec.handle()
@@ -361,7 +410,7 @@ class ShmTransport(TransportCore):
         pending: list[Record] = []
         pause = 2e-5
         while True:
-            jobs: list[Optional[Record]] = []
+            jobs: list[Record | None] = []
             try:
                 jobs.append(self._jobs.get(timeout=pause if pending else None))
                 while True:
@@ -388,8 +437,12 @@ class ShmTransport(TransportCore):
         if slot < 0:
             # The receiver's expect() normally precedes send(); until it comes, wait.
             if time.monotonic() > rec.deadline:
-                self._finish(rec, TransferStatus.FAILED,
-                             f"receiver never expected transfer {rec.transfer_id!r}", FailureReason.DEADLINE)
+                self._finish(
+                    rec,
+                    TransferStatus.FAILED,
+                    f"receiver never expected transfer {rec.transfer_id!r}",
+                    FailureReason.DEADLINE,
+                )
                 return True
             return False
         with seg.locked(), rec.mem_lock:
@@ -399,8 +452,7 @@ class ShmTransport(TransportCore):
                 return False  # reclaimed meanwhile; look again
             if state != _PENDING:
                 why = _REASONS.get(reason, "") or TransferStatus(state).name.lower()
-                status = TransferStatus(state) if state in (_ABORTED, _FAILED) \
-                    else TransferStatus.FAILED
+                status = TransferStatus(state) if state in (_ABORTED, _FAILED) else TransferStatus.FAILED
                 self._finish(rec, status, f"receiver side: {why}", _REASON_KINDS.get(reason))
                 return True
             if time.monotonic_ns() > deadline:
@@ -409,8 +461,12 @@ class ShmTransport(TransportCore):
                 return True
             if dst_hash != extra["dst_hash"] or nblocks != extra["nblocks"]:
                 row[_STATE], row[_REASON] = _FAILED, 1
-                self._finish(rec, TransferStatus.FAILED,
-                             f"transfer {rec.transfer_id!r}: {_REASONS[1]}", FailureReason.IDS_MISMATCH)
+                self._finish(
+                    rec,
+                    TransferStatus.FAILED,
+                    f"transfer {rec.transfer_id!r}: {_REASONS[1]}",
+                    FailureReason.IDS_MISMATCH,
+                )
                 return True
             if rec.status.is_terminal:  # aborted/expired on this side before the copy
                 row[_STATE], row[_REASON] = _ABORTED, 2
@@ -419,7 +475,7 @@ class ShmTransport(TransportCore):
             # Only a holder of rec.mem_lock moves a send record on (abort and expiry take it
             # too), so no need for the transport lock here.
             rec.status = TransferStatus.TRANSFERRING
-            fault: Optional[Fault] = extra["fault"]
+            fault: Fault | None = extra["fault"]
             dst, src = extra["dst"], rec.block_ids
             summing = extra["summing"]
             sums = None
@@ -428,12 +484,16 @@ class ShmTransport(TransportCore):
                 if not faulty_copy(seg, row, fault, src, dst, self._bytes, self.checksums, extra["waker"]):
                     # The slot stays TRANSFERRING, as a dead process leaves it (its flock goes with it):
                     # the receiver runs into its deadline.
-                    self._finish(rec, TransferStatus.FAILED, "injected fault: sender killed mid-transfer",
-                                 FailureReason.SENDER_FAILED)
+                    self._finish(
+                        rec,
+                        TransferStatus.FAILED,
+                        "injected fault: sender killed mid-transfer",
+                        FailureReason.SENDER_FAILED,
+                    )
                     return True
             elif summing is not None and self.checksums:  # the common case: one native call copies and sums
                 wake(extra["waker"])  # the receiver's verifier thread follows the chunks as they land
-                sums = summing(array("q", dst), array("q", src), row[_LANDED:_LANDED + 1], self._chunk_blocks)
+                sums = summing(array("q", dst), array("q", src), row[_LANDED : _LANDED + 1], self._chunk_blocks)
             elif summing is not None:  # checksums off: the same copy without the sums
                 summing(array("q", dst), array("q", src), sums=False)
             else:
@@ -443,7 +503,7 @@ class ShmTransport(TransportCore):
                 row[_SENT_BLOCKS] = _UNSEALED
             else:
                 manifest = faulty_manifest(fault, Manifest.of(sums, key, self._tag))
-                seg.seals[np.asarray(dst[:manifest.nblocks], dtype=np.int64)] = manifest.seal_array()
+                seg.seals[np.asarray(dst[: manifest.nblocks], dtype=np.int64)] = manifest.seal_array()
                 row[_SENT_KEY], row[_SENT_TAG], row[_SENT_BLOCKS] = manifest.key, manifest.tag, manifest.nblocks
             row[_STATE] = _SUCCESS
             self._finish(rec, TransferStatus.SUCCESS)

@@ -35,8 +35,7 @@ from router.backend import WorkerInfo
 from router.config import ADMIN_TOKEN_HEADER, AdminConfig
 from router.protocol import APIError
 
-__all__ = ["FORWARD_TIMEOUT_S", "PoolScaler", "PoolsView", "ScaleResult",
-           "install_admin", "install_admin_forwarding"]
+__all__ = ["FORWARD_TIMEOUT_S", "PoolScaler", "PoolsView", "ScaleResult", "install_admin", "install_admin_forwarding"]
 
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 # A scaling waits for new workers to load (the pool manager's ready timeout, 300 s) and for drains.
@@ -69,8 +68,7 @@ class ScaleResult:
 
 
 class PoolScaler(Protocol):
-    def pools(self) -> PoolsView:
-        ...
+    def pools(self) -> PoolsView: ...
 
     async def scale(self, prefill: int | None, decode: int | None) -> ScaleResult:
         """Start or drain workers until the pools have these sizes (None: leave that pool);
@@ -82,8 +80,12 @@ def _authorize(request: Request, token: str | None) -> None:
     if token is None:
         host = request.client.host if request.client else ""
         if host not in _LOOPBACK:
-            raise APIError("the admin endpoint answers loopback clients only (set an admin token to allow others)",
-                           403, None, "PermissionDeniedError")
+            raise APIError(
+                "the admin endpoint answers loopback clients only (set an admin token to allow others)",
+                403,
+                None,
+                "PermissionDeniedError",
+            )
         return
     sent = request.headers.get(ADMIN_TOKEN_HEADER)
     if sent is None or not hmac.compare_digest(sent.encode(), token.encode()):
@@ -136,8 +138,9 @@ def install_admin(app: FastAPI, scaler: PoolScaler, config: AdminConfig) -> None
         app.include_router(make_admin_routes(scaler, config))
 
 
-def _forward(url: str, method: str, body: bytes | None, headers: dict[str, str],
-             timeout_s: float) -> tuple[int, str | None, bytes]:
+def _forward(
+    url: str, method: str, body: bytes | None, headers: dict[str, str], timeout_s: float
+) -> tuple[int, str | None, bytes]:
     """(status, content type, body) of router 0's answer (blocking: run in a thread)."""
     request = urllib.request.Request(url, data=body, headers=headers, method=method)
     try:
@@ -146,12 +149,17 @@ def _forward(url: str, method: str, body: bytes | None, headers: dict[str, str],
     except urllib.error.HTTPError as exc:  # router 0's own refusal (401, 409, ...): passed on as it is
         return exc.code, exc.headers.get("content-type"), exc.read()
     except (urllib.error.URLError, OSError) as exc:
-        raise APIError(f"router 0, which runs the admin endpoint, did not answer: {getattr(exc, 'reason', exc)}",
-                       502, None, "BadGatewayError") from None
+        raise APIError(
+            f"router 0, which runs the admin endpoint, did not answer: {getattr(exc, 'reason', exc)}",
+            502,
+            None,
+            "BadGatewayError",
+        ) from None
 
 
-def install_admin_forwarding(app: FastAPI, config: AdminConfig, router0_url: str,
-                             timeout_s: float = FORWARD_TIMEOUT_S) -> None:
+def install_admin_forwarding(
+    app: FastAPI, config: AdminConfig, router0_url: str, timeout_s: float = FORWARD_TIMEOUT_S
+) -> None:
     """Answer `/admin/...` on a router that does not own the pools by forwarding it to router 0
     at `router0_url` (its private loopback port), when the endpoint is enabled (else nothing: 404
     as on router 0). The admin checks run here first, on the client that sent it."""
@@ -166,7 +174,8 @@ def install_admin_forwarding(app: FastAPI, config: AdminConfig, router0_url: str
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         url = f"{router0_url.rstrip('/')}/admin/{path}" + (f"?{request.url.query}" if request.url.query else "")
         status, content_type, content = await asyncio.to_thread(
-            _forward, url, request.method, body or None, headers, timeout_s)
+            _forward, url, request.method, body or None, headers, timeout_s
+        )
         return Response(content, status_code=status, media_type=content_type)
 
     app.include_router(routes)

@@ -27,8 +27,16 @@ from router.config import ServerConfig
 from router.errors import RETRY_AFTER_S
 from router.protocol import APIError
 
-__all__ = ["AdmissionControl", "Deadline", "Gate", "LoadShedding", "Ticket", "deadline_error", "request_deadline",
-           "share_of"]
+__all__ = [
+    "AdmissionControl",
+    "Deadline",
+    "Gate",
+    "LoadShedding",
+    "Ticket",
+    "deadline_error",
+    "request_deadline",
+    "share_of",
+]
 
 CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"  # sent by the OpenAI Python and Node SDKs
 
@@ -71,10 +79,20 @@ def request_deadline(config: ServerConfig, headers, arrival: float) -> Deadline 
 
 def deadline_error(timeout_s: float, running: bool) -> APIError:
     if running:
-        return APIError(f"the request ran past its deadline of {timeout_s:.1f} s (request_timeout, or the client's "
-                        f"timeout) and was stopped", 504, None, "TimeoutError")
-    return APIError(f"the request waited for a free slot until its deadline ({timeout_s:.1f} s after arrival): the "
-                    f"server is saturated", 503, None, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return APIError(
+            f"the request ran past its deadline of {timeout_s:.1f} s (request_timeout, or the client's "
+            f"timeout) and was stopped",
+            504,
+            None,
+            "TimeoutError",
+        )
+    return APIError(
+        f"the request waited for a free slot until its deadline ({timeout_s:.1f} s after arrival): the "
+        f"server is saturated",
+        503,
+        None,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 @dataclass
@@ -120,7 +138,11 @@ class Gate:
         return APIError(
             f"the {self.pool} pool is saturated: {self.running} requests running and {len(self._waiters)} waiting "
             f"(max_waiting_{'requests' if self.pool == Role.DECODE else 'prefills'}={self.max_waiting}); retry later",
-            429, None, "RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)})
+            429,
+            None,
+            "RateLimitError",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
     async def acquire(self, deadline: Deadline | None) -> float:
         """Take a slot, waiting in line until `deadline`; returns the seconds waited."""
@@ -165,7 +187,7 @@ class Gate:
 class Ticket:
     """One admitted request's slots; each release is idempotent."""
 
-    def __init__(self, admission: "AdmissionControl", waited_s: float) -> None:
+    def __init__(self, admission: AdmissionControl, waited_s: float) -> None:
         self._admission = admission
         self.waited_s = waited_s
         self._prefill = True
@@ -216,8 +238,11 @@ class AdmissionControl:
         return Ticket(self, waited)
 
     def state(self) -> dict:
-        return {"decode": vars(self.decode.state()), "prefill": vars(self.prefill.state()),
-                "rejected": dict(self.rejected)}
+        return {
+            "decode": vars(self.decode.state()),
+            "prefill": vars(self.prefill.state()),
+            "rejected": dict(self.rejected),
+        }
 
 
 class LoadShedding:

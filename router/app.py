@@ -36,8 +36,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Sequence
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -55,9 +55,17 @@ from router.routing import RoundRobinPolicy, RoutingPolicy
 from router.serving import COMPLETIONS_DEFAULT_MAX_TOKENS, Serving
 from router.tokenizer import Tokenizer
 
-__all__ = ["ROUTER_HEADER", "bind_socket", "build_app", "install_router_metrics", "make_server", "run_during_lifespan",
-           "serve",
-           "COMPLETIONS_DEFAULT_MAX_TOKENS", "RETRY_AFTER_S"]
+__all__ = [
+    "ROUTER_HEADER",
+    "bind_socket",
+    "build_app",
+    "install_router_metrics",
+    "make_server",
+    "run_during_lifespan",
+    "serve",
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "RETRY_AFTER_S",
+]
 
 ROUTER_HEADER = "x-baton-router"  # on every response: the router process that served it
 
@@ -84,14 +92,16 @@ def build_app(
     app.include_router(make_routes(serving))
     install_openapi(app, authenticated=bool(server.api_keys()))
     # Added first, so it runs inside the key check: a client without a key learns nothing of the load.
-    app.add_middleware(LoadShedding, admission=serving.admission,
-                       paths=frozenset({"/v1/chat/completions", "/v1/completions"}))
+    app.add_middleware(
+        LoadShedding, admission=serving.admission, paths=frozenset({"/v1/chat/completions", "/v1/completions"})
+    )
     if server.api_keys():
         app.add_middleware(APIKeyMiddleware, keys=server.api_keys())
     if router_id is not None:
         app.add_middleware(RouterIdentity, router_id=router_id)  # outermost: refusals carry it too
-    run_during_lifespan(app, lambda: asyncio.get_running_loop().create_task(serving.metrics.watch_event_loop()),
-                        asyncio.Task.cancel)
+    run_during_lifespan(
+        app, lambda: asyncio.get_running_loop().create_task(serving.metrics.watch_event_loop()), asyncio.Task.cancel
+    )
     return app
 
 
@@ -103,8 +113,11 @@ def install_router_metrics(app: FastAPI, router_id: str, folder: str | None) -> 
         return
     metrics = app.state.baton.metrics
     metrics.exposition = RouterExposition(router_id, folder)
-    run_during_lifespan(app, lambda: asyncio.get_running_loop().create_task(
-        metrics.exposition.publish_every(metrics.registry)), asyncio.Task.cancel)
+    run_during_lifespan(
+        app,
+        lambda: asyncio.get_running_loop().create_task(metrics.exposition.publish_every(metrics.registry)),
+        asyncio.Task.cancel,
+    )
 
 
 def run_during_lifespan(app: FastAPI, start: Callable[[], T], stop: Callable[[T], Any]) -> None:
@@ -170,8 +183,15 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_lev
     return uvicorn.Server(config)
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          sock: socket.socket | None = None, also: Sequence[socket.socket] = (), **kwargs: Any) -> None:
+def serve(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    sock: socket.socket | None = None,
+    also: Sequence[socket.socket] = (),
+    **kwargs: Any,
+) -> None:
     """Run `app` with uvicorn until interrupted (binds 127.0.0.1 unless told otherwise; on `sock`,
     a socket bound already, e.g. by `bind_socket(..., reuse_port=True)`, when given). `also`: more
     bound sockets the same app answers on (router 0's private loopback port for the admin requests

@@ -61,11 +61,23 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         reason = "no API key was sent" if authorization is None else "the API key is not valid"
-        error = APIError(f"{reason}: send `Authorization: Bearer <key>` with one of this server's API keys", 401,
-                         None, "AuthenticationError")
+        error = APIError(
+            f"{reason}: send `Authorization: Bearer <key>` with one of this server's API keys",
+            401,
+            None,
+            "AuthenticationError",
+        )
         challenge = b'Basic realm="baton", charset="UTF-8"' if scope["path"] in BROWSER_PAGES else b"Bearer"
         body = json.dumps(error.body()).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", challenge)]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", challenge),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

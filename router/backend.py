@@ -7,15 +7,15 @@ without Ray.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from collections.abc import Mapping
-from typing import AsyncIterator, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from common.protocol import GrammarCounts, RequestOutput, SpecDecodeStats
 from common.roles import Role
+from common.sampling_params import SamplingParams
 from router.prefix_index import PrefixIndex
 from router.trace import RequestTrace
-from common.protocol import GrammarCounts, RequestOutput, SpecDecodeStats
-from common.sampling_params import SamplingParams
 
 __all__ = [
     "BackendError",

@@ -32,61 +32,120 @@ class ServerConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address the router binds", "example": "0.0.0.0"})
     port: int = field(default=8000, metadata={"help": "port the router listens on"})
-    log_level: str = field(default="info", metadata={"help": "log level of the router and the CLI", "choices": LOG_LEVELS})
+    log_level: str = field(
+        default="info", metadata={"help": "log level of the router and the CLI", "choices": LOG_LEVELS}
+    )
 
     # -- API keys and logging
     # repr=False: the configuration may be printed or logged; the keys must not be.
-    api_key: str | None = field(default=None, repr=False, metadata={
-        "help": "API keys (comma-separated) that clients must send as `Authorization: Bearer KEY` on /v1/*, "
-                "/tokenize, /detokenize and the dashboard; /health, /metrics and /version stay open "
-                f"(default: the {API_KEY_ENV} environment variable, else no key)",
-        "example": "key-one,key-two"})
-    log_prompts: bool = field(default=False, metadata={
-        "help": "log every request's prompt and completion text (level info, logger baton.router.requests); "
-                "off, prompts and completions appear in no log and not on the dashboard"})
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "API keys (comma-separated) that clients must send as `Authorization: Bearer KEY` on /v1/*, "
+            "/tokenize, /detokenize and the dashboard; /health, /metrics and /version stay open "
+            f"(default: the {API_KEY_ENV} environment variable, else no key)",
+            "example": "key-one,key-two",
+        },
+    )
+    log_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "log every request's prompt and completion text (level info, logger baton.router.requests); "
+            "off, prompts and completions appear in no log and not on the dashboard"
+        },
+    )
 
     # -- request limits (each refused with 400 naming the field and the limit)
-    max_request_body: int = field(default=8 << 20, metadata={
-        "size": True, "example": "1MiB", "help": "largest request body accepted (bytes, or with a unit: 8MiB)"})
-    max_json_depth: int = field(default=64, metadata={
-        "help": "deepest nesting of JSON objects and arrays accepted in a request body"})
-    max_stop_sequences: int = field(default=16, metadata={
-        "help": "most stop strings, and most stop_token_ids, in one request (OpenAI allows 4)"})
+    max_request_body: int = field(
+        default=8 << 20,
+        metadata={
+            "size": True,
+            "example": "1MiB",
+            "help": "largest request body accepted (bytes, or with a unit: 8MiB)",
+        },
+    )
+    max_json_depth: int = field(
+        default=64, metadata={"help": "deepest nesting of JSON objects and arrays accepted in a request body"}
+    )
+    max_stop_sequences: int = field(
+        default=16, metadata={"help": "most stop strings, and most stop_token_ids, in one request (OpenAI allows 4)"}
+    )
     max_stop_length: int = field(default=256, metadata={"help": "longest stop string, in characters"})
-    max_choices: int = field(default=16, metadata={
-        "help": "most choices one request may ask for: n, times the prompts of a batched /v1/completions request"})
-    max_logprobs: int = field(default=MAX_LOGPROBS, metadata={
-        "help": f"most top logprobs per token a request may ask for (at most {MAX_LOGPROBS})", "example": 5})
+    max_choices: int = field(
+        default=16,
+        metadata={
+            "help": "most choices one request may ask for: n, times the prompts of a batched /v1/completions request"
+        },
+    )
+    max_logprobs: int = field(
+        default=MAX_LOGPROBS,
+        metadata={"help": f"most top logprobs per token a request may ask for (at most {MAX_LOGPROBS})", "example": 5},
+    )
 
     # -- tool calls and reasoning (vLLM's flags; docs/structured-outputs.md)
-    tool_call_parser: str | None = field(default=None, metadata={
-        "choices": (None, *TOOL_CALL_PARSERS), "example": "hermes",
-        "help": "how the model writes tool calls, for tool_choice auto (default: guessed from the chat template)"})
-    enable_auto_tool_choice: bool = field(default=False, metadata={
-        "help": "parse tool calls out of replies when a request offers tools with tool_choice auto (the default "
-                "choice then); required and named choices work without it"})
-    reasoning_parser: str | None = field(default=None, metadata={
-        "choices": (None, *REASONING_PARSERS), "example": "deepseek_r1",
-        "help": "split a thinking model's <think>...</think> into message.reasoning_content"})
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata={
+            "choices": (None, *TOOL_CALL_PARSERS),
+            "example": "hermes",
+            "help": "how the model writes tool calls, for tool_choice auto (default: guessed from the chat template)",
+        },
+    )
+    enable_auto_tool_choice: bool = field(
+        default=False,
+        metadata={
+            "help": "parse tool calls out of replies when a request offers tools with tool_choice auto (the default "
+            "choice then); required and named choices work without it"
+        },
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={
+            "choices": (None, *REASONING_PARSERS),
+            "example": "deepseek_r1",
+            "help": "split a thinking model's <think>...</think> into message.reasoning_content",
+        },
+    )
 
     # -- admission control: FIFO gates per pool, bounded waiting queues, 429 beyond them
-    max_running_requests: int | None = field(default=None, metadata={
-        "example": 16,
-        "help": "requests in the decode pool at once (each holds a decode slot from start to finish); more wait "
-                "in the router's queue (default: decode workers x max_num_seqs)"})
-    max_waiting_requests: int = field(default=128, metadata={
-        "help": "requests waiting for a decode slot; beyond that the router answers 429 with Retry-After at once"})
-    max_running_prefills: int | None = field(default=None, metadata={
-        "example": 4,
-        "help": "requests between admission and their first token at once (prefill); more wait in the router's "
-                "queue (default: prefill workers x max_num_seqs, decode workers' when the prefill pool is empty)"})
-    max_waiting_prefills: int = field(default=128, metadata={
-        "help": "requests waiting for a prefill slot; beyond that the router answers 429 with Retry-After at once"})
-    request_timeout: float | None = field(default=600.0, metadata={
-        "example": 30.0,
-        "help": "seconds a request may wait and run before it is ended with an error and its KV blocks are freed "
-                "(a client's x-stainless-read-timeout header, which OpenAI SDKs send, can only shorten it; "
-                "null: no deadline)"})
+    max_running_requests: int | None = field(
+        default=None,
+        metadata={
+            "example": 16,
+            "help": "requests in the decode pool at once (each holds a decode slot from start to finish); more wait "
+            "in the router's queue (default: decode workers x max_num_seqs)",
+        },
+    )
+    max_waiting_requests: int = field(
+        default=128,
+        metadata={
+            "help": "requests waiting for a decode slot; beyond that the router answers 429 with Retry-After at once"
+        },
+    )
+    max_running_prefills: int | None = field(
+        default=None,
+        metadata={
+            "example": 4,
+            "help": "requests between admission and their first token at once (prefill); more wait in the router's "
+            "queue (default: prefill workers x max_num_seqs, decode workers' when the prefill pool is empty)",
+        },
+    )
+    max_waiting_prefills: int = field(
+        default=128,
+        metadata={
+            "help": "requests waiting for a prefill slot; beyond that the router answers 429 with Retry-After at once"
+        },
+    )
+    request_timeout: float | None = field(
+        default=600.0,
+        metadata={
+            "example": 30.0,
+            "help": "seconds a request may wait and run before it is ended with an error and its KV blocks are freed "
+            "(a client's x-stainless-read-timeout header, which OpenAI SDKs send, can only shorten it; "
+            "null: no deadline)",
+        },
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -112,7 +171,7 @@ class ServerConfig:
         """The accepted keys (empty: no authentication)."""
         return tuple(k.strip() for k in (self.api_key or "").split(",") if k.strip())
 
-    def with_api_key_from_env(self, environ: Mapping[str, str] | None = None) -> "ServerConfig":
+    def with_api_key_from_env(self, environ: Mapping[str, str] | None = None) -> ServerConfig:
         """This configuration, its keys read from BATON_API_KEY when none were configured."""
         key = envs.api_key(environ)
         if self.api_key is not None or key is None:
@@ -124,21 +183,30 @@ class ServerConfig:
 class AdminConfig:
     """The admin endpoint (`baton scale`): off by default, loopback only unless a token is set."""
 
-    enabled: bool = field(default=False, metadata={
-        "flag": "admin_endpoint",
-        "help": "serve GET /admin/pools and POST /admin/scale (`baton scale`); answers loopback clients only, "
-                "unless admin_token is set"})
+    enabled: bool = field(
+        default=False,
+        metadata={
+            "flag": "admin_endpoint",
+            "help": "serve GET /admin/pools and POST /admin/scale (`baton scale`); answers loopback clients only, "
+            "unless admin_token is set",
+        },
+    )
     # repr=False: the configuration may be printed or logged; the token must not be.
-    token: str | None = field(default=None, repr=False, metadata={
-        "flag": "admin_token",
-        "help": f"token every /admin request must carry as `{ADMIN_TOKEN_HEADER}: TOKEN`; with it, clients on any "
-                f"address may scale (default: the {ADMIN_TOKEN_ENV} environment variable, else loopback only)"})
+    token: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "flag": "admin_token",
+            "help": f"token every /admin request must carry as `{ADMIN_TOKEN_HEADER}: TOKEN`; with it, clients on any "
+            f"address may scale (default: the {ADMIN_TOKEN_ENV} environment variable, else loopback only)",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.token is not None and not self.token.strip():
             raise ValueError("admin_token must not be empty")
 
-    def with_token_from_env(self, environ: Mapping[str, str] | None = None) -> "AdminConfig":
+    def with_token_from_env(self, environ: Mapping[str, str] | None = None) -> AdminConfig:
         token = envs.admin_token(environ)
         if self.token is not None or token is None:
             return self

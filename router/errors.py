@@ -67,6 +67,13 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    for exc_class in (APIError, ClientDisconnect, NoWorkerAvailable, BackendError, RequestValidationError,
-                      StarletteHTTPException, Exception):
+    for exc_class in (
+        APIError,
+        ClientDisconnect,
+        NoWorkerAvailable,
+        BackendError,
+        RequestValidationError,
+        StarletteHTTPException,
+        Exception,
+    ):
         app.add_exception_handler(exc_class, _handle)

@@ -38,9 +38,25 @@ from router.backend import RouteDecision
 from router.trace import RequestTrace
 
 __all__ = [
-    "Abort", "Command", "Count", "Emit", "Fail", "FlowLimits", "FlowState", "Follow", "IllegalTransition",
-    "MigrationGap", "Prefill", "QueueTokens", "Reserve", "RequestFlow", "StartDecode", "Submit", "TRANSITIONS",
-    "WaitForDecode", "WorkerPicker",
+    "Abort",
+    "Command",
+    "Count",
+    "Emit",
+    "Fail",
+    "FlowLimits",
+    "FlowState",
+    "Follow",
+    "IllegalTransition",
+    "MigrationGap",
+    "Prefill",
+    "QueueTokens",
+    "Reserve",
+    "RequestFlow",
+    "StartDecode",
+    "Submit",
+    "TRANSITIONS",
+    "WaitForDecode",
+    "WorkerPicker",
 ]
 
 
@@ -81,6 +97,7 @@ class Follow:
     only those of this attempt: the creation calls that follow carry it, the worker stamps it on
     the request's outputs, and whatever an earlier attempt on the same worker left queued (a
     worker that was given up and came back, or restarted) is told apart and dropped."""
+
     worker_id: str
     attempt: int = 0
 
@@ -88,12 +105,14 @@ class Follow:
 @dataclass(frozen=True)
 class Reserve:
     """Ask decode worker D to set blocks aside for the prompt; answer with `on_reserved`."""
+
     worker_id: str
 
 
 @dataclass(frozen=True)
 class Prefill:
     """Prefill on P into D's reserved blocks; answer with `on_prefill_done` or `on_prefill_failed`."""
+
     worker_id: str
     decode_worker: str
     reservation: KVReservation
@@ -103,6 +122,7 @@ class Prefill:
 class StartDecode:
     """The KV is on D: let it decode on from the first token (sent with the first token, not awaited
     before the client has it)."""
+
     worker_id: str
     first_token: int
 
@@ -111,6 +131,7 @@ class StartDecode:
 class Submit:
     """D runs the request itself: from the prompt, or from `resume` after a migration. A refusal is
     answered with `on_submit_refused`."""
+
     worker_id: str
     resume: ResumeState | None = None
 
@@ -122,6 +143,7 @@ class Abort:
     waiting is answered with `on_worker_lost`); otherwise it runs beside the rest, errors ignored.
     A command that fails with the loss of D drops the rest of its batch: the handler of that loss
     says what comes next."""
+
     worker_id: str
     final: bool
     wait: bool = False
@@ -130,12 +152,14 @@ class Abort:
 @dataclass(frozen=True)
 class Emit:
     """Pass an output on to the client."""
+
     output: RequestOutput
 
 
 @dataclass(frozen=True)
 class Fail:
     """End the request with an error (the router answers 500, or 503 when retryable)."""
+
     message: str
     retryable: bool
 
@@ -143,6 +167,7 @@ class Fail:
 @dataclass(frozen=True)
 class WaitForDecode:
     """No decode worker to continue on: call `on_wait` again a moment later."""
+
     until: float
 
 
@@ -150,6 +175,7 @@ class WaitForDecode:
 class QueueTokens:
     """Change the prompt tokens counted as queued prefill work on a worker (the routing policy's
     queue term) by `delta`."""
+
     worker_id: str
     delta: int
 
@@ -157,6 +183,7 @@ class QueueTokens:
 @dataclass(frozen=True)
 class Count:
     """Add `n` to one of the backend's counters."""
+
     name: str
     n: int = 1
 
@@ -164,14 +191,35 @@ class Count:
 @dataclass(frozen=True)
 class MigrationGap:
     """Seconds from losing the decode worker to the next token on the new one."""
+
     seconds: float
 
 
-Command = (Follow | Reserve | Prefill | StartDecode | Submit | Abort | Emit | Fail | WaitForDecode | QueueTokens
-           | Count | MigrationGap)
+Command = (
+    Follow
+    | Reserve
+    | Prefill
+    | StartDecode
+    | Submit
+    | Abort
+    | Emit
+    | Fail
+    | WaitForDecode
+    | QueueTokens
+    | Count
+    | MigrationGap
+)
 
-COUNTERS = ("remote_prefill", "local_prefill", "prefill_fallbacks", "prefill_retries", "kv_blocks_transferred",
-            "kv_bytes_transferred", "migrations", "migrations_failed")
+COUNTERS = (
+    "remote_prefill",
+    "local_prefill",
+    "prefill_fallbacks",
+    "prefill_retries",
+    "kv_blocks_transferred",
+    "kv_bytes_transferred",
+    "migrations",
+    "migrations_failed",
+)
 
 
 class WorkerPicker(Protocol):
@@ -242,8 +290,10 @@ class RequestFlow:
 
     def _expect(self, handler: str, *states: FlowState) -> None:
         if self.state not in states:
-            raise IllegalTransition(f"request {self.request_id}: {handler} in state {self.state.name} "
-                                    f"(expected {' or '.join(s.name for s in states)})")
+            raise IllegalTransition(
+                f"request {self.request_id}: {handler} in state {self.state.name} "
+                f"(expected {' or '.join(s.name for s in states)})"
+            )
 
     def resume_state(self) -> ResumeState | None:
         """What the next decode worker continues from (None: nothing streamed yet, start afresh)."""
@@ -257,7 +307,11 @@ class RequestFlow:
         self._expect("start", FlowState.ROUTED)
         self._started_at = now
         picker = self.picker
-        decode = self.route.decode_worker if picker.usable(self.route.decode_worker) else picker.pick(Role.DECODE, frozenset())
+        decode = (
+            self.route.decode_worker
+            if picker.usable(self.route.decode_worker)
+            else picker.pick(Role.DECODE, frozenset())
+        )
         if decode is None:
             return self._fail("no live decode worker", retryable=True)
         self.decode_worker = decode
@@ -266,8 +320,11 @@ class RequestFlow:
         commands: list[Command] = [Follow(decode), QueueTokens(self.queued_on, self.queued)]
         if self.route.prefill_worker is None:
             return commands + self._submit_locally(now)
-        prefill = self.route.prefill_worker if picker.usable(self.route.prefill_worker) else picker.pick(
-            Role.PREFILL, frozenset())
+        prefill = (
+            self.route.prefill_worker
+            if picker.usable(self.route.prefill_worker)
+            else picker.pick(Role.PREFILL, frozenset())
+        )
         if prefill is None:
             self.trace.fell_back_to_local = True
             self.trace.prefill_worker = None
@@ -289,14 +346,19 @@ class RequestFlow:
         first = result.output
         trace = self.trace
         trace.queue_s = (self._sent_at - self._started_at) + max(
-            0.0, (now - self._sent_at) - result.prefill_seconds - result.transfer_seconds)
+            0.0, (now - self._sent_at) - result.prefill_seconds - result.transfer_seconds
+        )
         trace.prefill_s, trace.transfer_s = result.prefill_seconds, result.transfer_seconds
         trace.kv_bytes, trace.kv_blocks = result.bytes_sent, result.num_blocks_sent
         trace.kv_rank_pairs = result.rank_pairs
         trace.cached_tokens = first.num_cached_tokens
         self.prefill_worker = None
-        commands: list[Command] = [Count("remote_prefill"), Count("kv_blocks_transferred", result.num_blocks_sent),
-                                   Count("kv_bytes_transferred", result.bytes_sent), *self._unqueue()]
+        commands: list[Command] = [
+            Count("remote_prefill"),
+            Count("kv_blocks_transferred", result.num_blocks_sent),
+            Count("kv_bytes_transferred", result.bytes_sent),
+            *self._unqueue(),
+        ]
         self._record(first)
         if first.finished:
             # Nothing to decode: free the reservation beside the answer, not before it.
@@ -343,7 +405,9 @@ class RequestFlow:
             if self.migrations > self.limits.max_migrations:
                 return [Count("migrations_failed")] + self._fail(
                     f"request {self.request_id} lost its decode worker {self.migrations} times (last {worker_id}); "
-                    f"giving up after {self.limits.max_migrations} migrations", retryable=True)
+                    f"giving up after {self.limits.max_migrations} migrations",
+                    retryable=True,
+                )
         self._move(FlowState.MIGRATING)
         self._lost_at = self._lost_at if self._lost_at is not None else now
         self._lost_worker = worker_id
@@ -370,7 +434,9 @@ class RequestFlow:
             if now > self._wait_until:
                 return [Count("migrations_failed")] + self._fail(
                     f"request {self.request_id}: decode worker {self._lost_worker} was lost and no decode worker was "
-                    f"live within {self.limits.migration_wait_s:.0f} s to continue it", retryable=True)
+                    f"live within {self.limits.migration_wait_s:.0f} s to continue it",
+                    retryable=True,
+                )
             return [WaitForDecode(self._wait_until)]
         commands: list[Command] = []
         if target == self._lost_worker:
@@ -383,8 +449,9 @@ class RequestFlow:
             return []
         self._expect("on_submit_refused", FlowState.DECODING)
         commands: list[Command] = [Count("migrations_failed")] if self.moves else []
-        return commands + self._fail(f"request {self.request_id} could not run on {worker_id}: {message}",
-                                     retryable=False)
+        return commands + self._fail(
+            f"request {self.request_id} could not run on {worker_id}: {message}", retryable=False
+        )
 
     def on_client_gone(self, now: float) -> list[Command]:
         """The consumer went away (a client disconnect, or the stream closed on an error)."""

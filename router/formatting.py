@@ -15,13 +15,21 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.protocol import RequestOutput, TokenLogprob
 from router.reasoning import ReasoningSplitter, split_reasoning
 from router.tokenizer import Tokenizer
 from router.tool_parsers import ToolCall, ToolCallParser, forced_calls, parse_calls
-from common.protocol import RequestOutput, TokenLogprob
 
-__all__ = ["Accumulator", "ChatFormat", "Choices", "CompletionFormat", "ReplyShape", "ResponseFormat", "ShapedReply",
-           "dumps"]
+__all__ = [
+    "Accumulator",
+    "ChatFormat",
+    "Choices",
+    "CompletionFormat",
+    "ReplyShape",
+    "ResponseFormat",
+    "ShapedReply",
+    "dumps",
+]
 
 
 def dumps(obj: Any) -> str:
@@ -167,8 +175,16 @@ class ResponseFormat:
     object_full: str
     object_chunk: str
 
-    def __init__(self, tokenizer: Tokenizer, request_id: str, model: str, created: int, include_usage: bool,
-                 continuous_usage: bool, logprobs: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        request_id: str,
+        model: str,
+        created: int,
+        include_usage: bool,
+        continuous_usage: bool,
+        logprobs: bool,
+    ) -> None:
         self.tok = tokenizer
         self.request_id = request_id
         self.model = model
@@ -230,8 +246,14 @@ class ResponseFormat:
         answers = []
         for index, acc in enumerate(choices.accs):
             key, value = self._message("".join(acc.text_parts))
-            answers.append({"index": index, key: value, "logprobs": self._logprobs(acc.logprobs, index),
-                            "finish_reason": acc.finish_reason})
+            answers.append(
+                {
+                    "index": index,
+                    key: value,
+                    "logprobs": self._logprobs(acc.logprobs, index),
+                    "finish_reason": acc.finish_reason,
+                }
+            )
         return {
             "id": self.request_id,
             "object": self.object_full,
@@ -247,7 +269,7 @@ class ChatFormat(ResponseFormat):
     object_chunk = "chat.completion.chunk"
     shape: ReplyShape = ReplyShape()
 
-    def shaped(self, shape: ReplyShape) -> "ChatFormat":
+    def shaped(self, shape: ReplyShape) -> ChatFormat:
         """This format reading replies with `shape` (reasoning, tool calls)."""
         self.shape = shape
         self._replies: dict[int, ShapedReply] = {}
@@ -264,8 +286,12 @@ class ChatFormat(ResponseFormat):
         if out.finished:
             reason = out.finish_reason or "stop"
             reason = "tool_calls" if reply.num_calls and reason == "stop" else reason
-        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(out.logprobs, index) if out.logprobs else None,
-                  "finish_reason": reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": self._logprobs(out.logprobs, index) if out.logprobs else None,
+            "finish_reason": reason,
+        }
         return self._frame(choice, choices)
 
     def full(self, choices: Choices) -> dict:
@@ -284,15 +310,31 @@ class ChatFormat(ResponseFormat):
         return "message", {"role": "assistant", "content": text}
 
     def first_frame(self, index: int, choices: Choices) -> str:
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return self._frame(choice, choices)
 
     def _entry(self, token_id: int, logprob: float) -> dict:
-        return {"token": self.tok.token_text(token_id), "logprob": logprob, "bytes": list(self.tok.token_bytes(token_id))}
+        return {
+            "token": self.tok.token_text(token_id),
+            "logprob": logprob,
+            "bytes": list(self.tok.token_bytes(token_id)),
+        }
 
     def _logprobs_body(self, lps: list[TokenLogprob], index: int) -> dict:
-        return {"content": [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, l) for t, l in lp.top]}
-                            for lp in lps]}
+        return {
+            "content": [
+                {
+                    **self._entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._entry(t, logprob) for t, logprob in lp.top],
+                }
+                for lp in lps
+            ]
+        }
 
 
 class CompletionFormat(ResponseFormat):
@@ -313,8 +355,13 @@ class CompletionFormat(ResponseFormat):
             text = tok.token_text(lp.token_id)
             tokens.append(text)
             token_logprobs.append(lp.logprob)
-            top_logprobs.append({tok.token_text(t): l for t, l in lp.top})
+            top_logprobs.append({tok.token_text(t): logprob for t, logprob in lp.top})
             text_offset.append(offset)
             offset += len(text)
         self._text_offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
+        }

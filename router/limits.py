@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import Request
 
@@ -86,8 +87,12 @@ def _walk(value: Any, max_depth: int, check_strings: bool) -> None:
         if isinstance(node, (dict, list)):
             if depth > max_depth:
                 where = _path(path)
-                raise APIError(f"the request body nests JSON objects and arrays deeper than {max_depth} levels "
-                               f"(max_json_depth){' at ' + where if where else ''}", 400, where)
+                raise APIError(
+                    f"the request body nests JSON objects and arrays deeper than {max_depth} levels "
+                    f"(max_json_depth){' at ' + where if where else ''}",
+                    400,
+                    where,
+                )
             items = node.items() if isinstance(node, dict) else enumerate(node)
             for key, item in items:
                 if check_strings and isinstance(key, str):
@@ -106,8 +111,12 @@ def _check_string(text: str, path: tuple) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         where = _path(path)
-        raise APIError(f"{where or 'the request body'}: the string holds an unpaired surrogate escape "
-                       f"(\\u{ord(text[e.start]):04x}), which is not valid Unicode", 400, where) from None
+        raise APIError(
+            f"{where or 'the request body'}: the string holds an unpaired surrogate escape "
+            f"(\\u{ord(text[e.start]):04x}), which is not valid Unicode",
+            400,
+            where,
+        ) from None
 
 
 def parse_json(body: bytes, max_depth: int) -> Any:
@@ -118,8 +127,9 @@ def parse_json(body: bytes, max_depth: int) -> Any:
     try:
         value = json.loads(text, parse_constant=_NonFinite, parse_float=_parse_float)
     except RecursionError:
-        raise APIError(f"the request body nests JSON objects and arrays deeper than {max_depth} levels "
-                       f"(max_json_depth)", 400, None) from None
+        raise APIError(
+            f"the request body nests JSON objects and arrays deeper than {max_depth} levels (max_json_depth)", 400, None
+        ) from None
     except json.JSONDecodeError as e:
         raise APIError(f"request body is not valid JSON: {e}", 400, None) from None
     except ValueError:  # an integer literal longer than Python converts (4,300 digits)
@@ -184,16 +194,18 @@ def check_logit_bias(bias: Any, vocab_size: int) -> None:
     if not isinstance(bias, dict):
         raise APIError("logit_bias must be an object mapping token ids to biases", 400, "logit_bias")
     if len(bias) > LOGIT_BIAS_MAX_ENTRIES:
-        raise APIError(f"logit_bias has {len(bias)} entries; at most {LOGIT_BIAS_MAX_ENTRIES} are allowed", 400,
-                       "logit_bias")
+        raise APIError(
+            f"logit_bias has {len(bias)} entries; at most {LOGIT_BIAS_MAX_ENTRIES} are allowed", 400, "logit_bias"
+        )
     low, high = LOGIT_BIAS_RANGE
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
         if token is None or not 0 <= token < vocab_size:
             raise APIError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", 400, "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise APIError(f"logit_bias[{key!r}] must be a number in [{low:g}, {high:g}], got {value!r}", 400,
-                           "logit_bias")
+            raise APIError(
+                f"logit_bias[{key!r}] must be a number in [{low:g}, {high:g}], got {value!r}", 400, "logit_bias"
+            )
 
 
 def check_limits(req: ChatCompletionRequest | CompletionRequest, config: ServerConfig, vocab_size: int) -> None:
@@ -201,20 +213,34 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, config: ServerC
     prompts = len(req.prompts()) if isinstance(req, CompletionRequest) else 1
     if req.n * prompts > config.max_choices:
         field_name, what = ("n", f"n={req.n}") if prompts == 1 else ("prompt", f"{prompts} prompts x n={req.n}")
-        raise APIError(f"{what} asks for {req.n * prompts} choices; at most {config.max_choices} are allowed per "
-                       f"request (max_choices)", 400, field_name)
+        raise APIError(
+            f"{what} asks for {req.n * prompts} choices; at most {config.max_choices} are allowed per "
+            f"request (max_choices)",
+            400,
+            field_name,
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > config.max_stop_sequences:
-        raise APIError(f"stop has {len(stop)} sequences; at most {config.max_stop_sequences} are allowed "
-                       f"(max_stop_sequences)", 400, "stop")
+        raise APIError(
+            f"stop has {len(stop)} sequences; at most {config.max_stop_sequences} are allowed (max_stop_sequences)",
+            400,
+            "stop",
+        )
     for s in stop:
         if len(s) > config.max_stop_length:
-            raise APIError(f"a stop sequence has {len(s)} characters; at most {config.max_stop_length} are allowed "
-                           f"(max_stop_length)", 400, "stop")
+            raise APIError(
+                f"a stop sequence has {len(s)} characters; at most {config.max_stop_length} are allowed "
+                f"(max_stop_length)",
+                400,
+                "stop",
+            )
     ids = req.stop_token_ids or []
     if len(ids) > config.max_stop_sequences:
-        raise APIError(f"stop_token_ids has {len(ids)} ids; at most {config.max_stop_sequences} are allowed "
-                       f"(max_stop_sequences)", 400, "stop_token_ids")
+        raise APIError(
+            f"stop_token_ids has {len(ids)} ids; at most {config.max_stop_sequences} are allowed (max_stop_sequences)",
+            400,
+            "stop_token_ids",
+        )
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise APIError(f"stop_token_ids: token id {bad} is out of range [0, {vocab_size})", 400, "stop_token_ids")

@@ -54,7 +54,7 @@ STATUS_WINDOW_S = 60.0
 class _WorkerCollector:
     """Per-worker gauges and counters, read from the backend's snapshot at scrape time."""
 
-    def __init__(self, owner: "RouterMetrics") -> None:
+    def __init__(self, owner: RouterMetrics) -> None:
         self.owner = owner
 
     def describe(self):  # no describe-time collection (the registry would call collect otherwise)
@@ -66,36 +66,56 @@ class _WorkerCollector:
         running = GaugeMetricFamily("baton:num_requests_running", "Requests running on the worker.", labels=labels)
         waiting = GaugeMetricFamily("baton:num_requests_waiting", "Requests waiting on the worker.", labels=labels)
         kv = GaugeMetricFamily("baton:kv_cache_usage_perc", "KV cache usage, 0 to 1 (1 = full).", labels=labels)
-        queued = GaugeMetricFamily("baton:queued_prefill_tokens", "Prompt tokens routed to the worker and not yet prefilled.",
-                                   labels=labels)
+        queued = GaugeMetricFamily(
+            "baton:queued_prefill_tokens", "Prompt tokens routed to the worker and not yet prefilled.", labels=labels
+        )
         up = GaugeMetricFamily("baton:worker_up", "1 when the worker answers its health checks, else 0.", labels=labels)
         pool = GaugeMetricFamily("baton:workers_up", "Live workers per pool.", labels=["model_name", "role"])
-        queries = CounterMetricFamily("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=labels)
+        queries = CounterMetricFamily(
+            "baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=labels
+        )
         hits = CounterMetricFamily("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=labels)
         kv_failures = CounterMetricFamily(
-            "baton:kv_transfer_failures", "Received KV transfers that failed (checksum, incomplete, deadline, ...), "
+            "baton:kv_transfer_failures",
+            "Received KV transfers that failed (checksum, incomplete, deadline, ...), "
             "by reason; the decode worker recomputed or failed the request (--kv-load-failure-policy).",
-            labels=labels + ["reason"])
-        grammar_hits = CounterMetricFamily("baton:structured_output_cache_hits",
-                                           "Structured-output grammar lookups found compiled in the worker's cache.",
-                                           labels=labels)
-        grammar_misses = CounterMetricFamily("baton:structured_output_cache_misses",
-                                             "Structured-output grammar lookups that had to compile (or failed to).",
-                                             labels=labels)
-        compile_seconds = HistogramMetricFamily("baton:structured_output_compile_seconds",
-                                                "Seconds the worker took to compile a structured output's grammar.",
-                                                labels=labels)
+            labels=labels + ["reason"],
+        )
+        grammar_hits = CounterMetricFamily(
+            "baton:structured_output_cache_hits",
+            "Structured-output grammar lookups found compiled in the worker's cache.",
+            labels=labels,
+        )
+        grammar_misses = CounterMetricFamily(
+            "baton:structured_output_cache_misses",
+            "Structured-output grammar lookups that had to compile (or failed to).",
+            labels=labels,
+        )
+        compile_seconds = HistogramMetricFamily(
+            "baton:structured_output_compile_seconds",
+            "Seconds the worker took to compile a structured output's grammar.",
+            labels=labels,
+        )
         # Speculative decoding, with vLLM's names (zeros on a worker without it).
-        drafts = CounterMetricFamily("baton:spec_decode_num_drafts",
-                                     "Speculative verifications: sequences that had draft tokens in a step.", labels=labels)
-        draft_tokens = CounterMetricFamily("baton:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels=labels)
-        accepted_tokens = CounterMetricFamily("baton:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                              labels=labels)
-        accepted_per_pos = CounterMetricFamily("baton:spec_decode_num_accepted_tokens_per_pos",
-                                               "Draft tokens accepted, by draft position (0: the first draft).",
-                                               labels=labels + ["position"])
-        indexed = GaugeMetricFamily("baton:prefix_index_blocks", "KV blocks the router's prefix index holds for the worker.",
-                                    labels=labels)
+        drafts = CounterMetricFamily(
+            "baton:spec_decode_num_drafts",
+            "Speculative verifications: sequences that had draft tokens in a step.",
+            labels=labels,
+        )
+        draft_tokens = CounterMetricFamily(
+            "baton:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels=labels
+        )
+        accepted_tokens = CounterMetricFamily(
+            "baton:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels=labels
+        )
+        accepted_per_pos = CounterMetricFamily(
+            "baton:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position (0: the first draft).",
+            labels=labels + ["position"],
+        )
+        indexed = GaugeMetricFamily(
+            "baton:prefix_index_blocks", "KV blocks the router's prefix index holds for the worker.", labels=labels
+        )
         live = {Role.PREFILL: 0, Role.DECODE: 0}
         index = self.owner.backend.prefix_index
         for w in self.owner.backend.workers():
@@ -113,8 +133,12 @@ class _WorkerCollector:
             grammar_hits.add_metric(lv, g.cache_hits)
             grammar_misses.add_metric(lv, g.cache_misses)
             if g.compile_buckets:  # a worker without a grammar cache (or an old one) reports none
-                compile_seconds.add_metric(lv, [(f"{b:g}", n) for b, n in zip(COMPILE_SECONDS_BUCKETS, g.compile_buckets)]
-                                           + [("+Inf", g.compiles)], g.compile_seconds_sum)
+                compile_seconds.add_metric(
+                    lv,
+                    [(f"{b:g}", n) for b, n in zip(COMPILE_SECONDS_BUCKETS, g.compile_buckets)]
+                    + [("+Inf", g.compiles)],
+                    g.compile_seconds_sum,
+                )
             spec = w.spec_decode
             drafts.add_metric(lv, spec.num_drafts)
             draft_tokens.add_metric(lv, spec.num_draft_tokens)
@@ -126,8 +150,24 @@ class _WorkerCollector:
             live[w.role] = live.get(w.role, 0) + (1 if w.alive else 0)
         for role, n in live.items():
             pool.add_metric([m, role], n)
-        yield from (running, waiting, kv, queued, up, pool, queries, hits, kv_failures, grammar_hits, grammar_misses,
-                    compile_seconds, drafts, draft_tokens, accepted_tokens, accepted_per_pos)
+        yield from (
+            running,
+            waiting,
+            kv,
+            queued,
+            up,
+            pool,
+            queries,
+            hits,
+            kv_failures,
+            grammar_hits,
+            grammar_misses,
+            compile_seconds,
+            drafts,
+            draft_tokens,
+            accepted_tokens,
+            accepted_per_pos,
+        )
         if index is not None:
             yield indexed
         admission = self.owner.admission
@@ -140,8 +180,11 @@ HEALING_EVENTS = ("migrations", "migrations_failed", "prefill_retries", "prefill
 
 
 def _healing_metrics(model_name: str, counters: dict[str, int]) -> CounterMetricFamily:
-    events = CounterMetricFamily("baton:healing_events", "Requests moved or retried after a worker failed, by event.",
-                                 labels=["model_name", "event"])
+    events = CounterMetricFamily(
+        "baton:healing_events",
+        "Requests moved or retried after a worker failed, by event.",
+        labels=["model_name", "event"],
+    )
     for event in HEALING_EVENTS:
         events.add_metric([model_name, event], counters.get(event, 0))
     return events
@@ -149,12 +192,17 @@ def _healing_metrics(model_name: str, counters: dict[str, int]) -> CounterMetric
 
 def _admission_metrics(model_name: str, admission: Any):
     gate_labels = ["model_name", "pool"]
-    running = GaugeMetricFamily("baton:router_requests_admitted", "Requests holding a slot of the pool's gate.",
-                                labels=gate_labels)
-    waiting = GaugeMetricFamily("baton:router_requests_queued", "Requests waiting in the router for a slot of the pool.",
-                                labels=gate_labels)
-    rejected = CounterMetricFamily("baton:router_requests_rejected", "Requests refused by admission control, by reason.",
-                                   labels=["model_name", "reason"])
+    running = GaugeMetricFamily(
+        "baton:router_requests_admitted", "Requests holding a slot of the pool's gate.", labels=gate_labels
+    )
+    waiting = GaugeMetricFamily(
+        "baton:router_requests_queued", "Requests waiting in the router for a slot of the pool.", labels=gate_labels
+    )
+    rejected = CounterMetricFamily(
+        "baton:router_requests_rejected",
+        "Requests refused by admission control, by reason.",
+        labels=["model_name", "reason"],
+    )
     for gate in (admission.decode, admission.prefill):
         state = gate.state()
         running.add_metric([model_name, gate.pool], state.running)
@@ -183,17 +231,29 @@ class RouterMetrics:
         self.exposition = None  # a router.metrics_merge.RouterExposition with several router processes
         r, ml = self.registry, ["model_name"]
         self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens of finished requests.", ml, registry=r)
-        self.generation_tokens = Counter("baton:generation_tokens", "Generated tokens of finished requests.", ml, registry=r)
-        self.success = Counter("baton:request_success", "Requests that finished, by finish reason.",
-                               ml + ["finished_reason"], registry=r)
+        self.generation_tokens = Counter(
+            "baton:generation_tokens", "Generated tokens of finished requests.", ml, registry=r
+        )
+        self.success = Counter(
+            "baton:request_success", "Requests that finished, by finish reason.", ml + ["finished_reason"], registry=r
+        )
         self.failures = Counter("baton:request_failure", "Requests that failed in the worker pools.", ml, registry=r)
-        self.routing = Counter("baton:routing_decisions", "Routing decisions: remote or local prefill, and why.",
-                               ml + ["decision", "reason"], registry=r)
-        self.kv_bytes_total = Counter("baton:kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers.",
-                                      ml, registry=r)
-        self.structured = Counter("baton:structured_output_requests",
-                                  "Generation requests by structured-output kind (none, json_schema, json_object, "
-                                  "regex, choice, grammar, tool_required, tool_named).", ml + ["kind"], registry=r)
+        self.routing = Counter(
+            "baton:routing_decisions",
+            "Routing decisions: remote or local prefill, and why.",
+            ml + ["decision", "reason"],
+            registry=r,
+        )
+        self.kv_bytes_total = Counter(
+            "baton:kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers.", ml, registry=r
+        )
+        self.structured = Counter(
+            "baton:structured_output_requests",
+            "Generation requests by structured-output kind (none, json_schema, json_object, "
+            "regex, choice, grammar, tool_required, tool_named).",
+            ml + ["kind"],
+            registry=r,
+        )
 
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, ml, buckets=buckets, registry=r)
@@ -201,17 +261,29 @@ class RouterMetrics:
         self.ttft = hist("baton:time_to_first_token_seconds", "Arrival at the router to the first token.", TTFT_BUCKETS)
         self.itl = hist("baton:inter_token_latency_seconds", "Gap between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = hist("baton:e2e_request_latency_seconds", "Arrival to the last token.", REQUEST_BUCKETS)
-        self.queue = hist("baton:request_queue_time_seconds", "Arrival to the start of prefill (routing, reservation, RPC).",
-                          REQUEST_BUCKETS)
-        self.prefill = hist("baton:request_prefill_time_seconds", "Prefill to the first token (the prefilling worker's queue included).",
-                            REQUEST_BUCKETS)
+        self.queue = hist(
+            "baton:request_queue_time_seconds",
+            "Arrival to the start of prefill (routing, reservation, RPC).",
+            REQUEST_BUCKETS,
+        )
+        self.prefill = hist(
+            "baton:request_prefill_time_seconds",
+            "Prefill to the first token (the prefilling worker's queue included).",
+            REQUEST_BUCKETS,
+        )
         self.decode = hist("baton:request_decode_time_seconds", "First token to the last token.", REQUEST_BUCKETS)
-        self.kv_bytes = hist("baton:kv_transfer_bytes_per_request", "KV bytes moved per remotely prefilled request.",
-                             BYTES_BUCKETS)
-        self.kv_seconds = hist("baton:kv_transfer_seconds", "KV transfer time per remotely prefilled request.", ITL_BUCKETS)
-        self.loop_lag = hist("baton:router_event_loop_lag_seconds",
-                             "How late the router's event loop ran a timer that was due (sampled every 50 ms): what "
-                             "any request, a 429 included, waits before the router looks at it.", LOOP_LAG_BUCKETS)
+        self.kv_bytes = hist(
+            "baton:kv_transfer_bytes_per_request", "KV bytes moved per remotely prefilled request.", BYTES_BUCKETS
+        )
+        self.kv_seconds = hist(
+            "baton:kv_transfer_seconds", "KV transfer time per remotely prefilled request.", ITL_BUCKETS
+        )
+        self.loop_lag = hist(
+            "baton:router_event_loop_lag_seconds",
+            "How late the router's event loop ran a timer that was due (sampled every 50 ms): what "
+            "any request, a 429 included, waits before the router looks at it.",
+            LOOP_LAG_BUCKETS,
+        )
         self.registry.register(_WorkerCollector(self))
         # Create the unlabelled-by-outcome series now, so they read 0 (not "no data") before traffic.
         for c in (self.prompt_tokens, self.generation_tokens, self.failures, self.kv_bytes_total):
@@ -221,8 +293,14 @@ class RouterMetrics:
         self.recent: deque[tuple[float, RequestTrace]] = deque(maxlen=recent)
         self._itl_samples: deque[tuple[float, float]] = deque(maxlen=1024)
         self.routing_counts: Tally = Tally()
-        self.totals = {"requests": 0, "failed": 0, "prompt_tokens": 0, "generation_tokens": 0, "kv_bytes": 0,
-                       "cached_tokens": 0}
+        self.totals = {
+            "requests": 0,
+            "failed": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "kv_bytes": 0,
+            "cached_tokens": 0,
+        }
 
     # ---- recording -----------------------------------------------------------------------
     def count_structured(self, kind: str) -> None:
@@ -290,16 +368,27 @@ class RouterMetrics:
         pools: dict[str, list[dict]] = {Role.PREFILL: [], Role.DECODE: []}
         for w in self.backend.workers():
             q, h = w.prefix_cache_queries, w.prefix_cache_hits
-            pools.setdefault(w.role, []).append({
-                "worker_id": w.worker_id, "role": w.role, "alive": w.alive, "running": w.running, "waiting": w.waiting,
-                "kv_usage": w.kv_usage, "queued_prefill_tokens": w.queued_prefill_tokens,
-                "prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_hit_rate": (h / q) if q else None,
-                "last_heartbeat_age_s": max(0.0, now - w.last_heartbeat) if w.last_heartbeat is not None else None,
-                "indexed_blocks": index.num_blocks(w.worker_id) if index is not None else None,
-                "pid": w.pid, "tp_size": w.tp_size, "rank_pids": list(w.rank_pids),
-                "spec_draft_tokens": w.spec_decode.num_draft_tokens,
-                "spec_accepted_tokens": w.spec_decode.num_accepted_tokens,
-            })
+            pools.setdefault(w.role, []).append(
+                {
+                    "worker_id": w.worker_id,
+                    "role": w.role,
+                    "alive": w.alive,
+                    "running": w.running,
+                    "waiting": w.waiting,
+                    "kv_usage": w.kv_usage,
+                    "queued_prefill_tokens": w.queued_prefill_tokens,
+                    "prefix_cache_queries": q,
+                    "prefix_cache_hits": h,
+                    "prefix_hit_rate": (h / q) if q else None,
+                    "last_heartbeat_age_s": max(0.0, now - w.last_heartbeat) if w.last_heartbeat is not None else None,
+                    "indexed_blocks": index.num_blocks(w.worker_id) if index is not None else None,
+                    "pid": w.pid,
+                    "tp_size": w.tp_size,
+                    "rank_pids": list(w.rank_pids),
+                    "spec_draft_tokens": w.spec_decode.num_draft_tokens,
+                    "spec_accepted_tokens": w.spec_decode.num_accepted_tokens,
+                }
+            )
         in_window = [(t, tr) for t, tr in self.recent if t >= since]
         ttfts = [tr.ttft_s for _, tr in in_window if tr.ttft_s is not None]
         itls = [g for t, g in self._itl_samples if t >= since]
@@ -312,11 +401,15 @@ class RouterMetrics:
         for (decision, reason), n in self.routing_counts.items():
             routing[decision] = routing.get(decision, 0) + n
             routing["by_reason"][f"{decision}:{reason}"] = n
-        series = [{"t": t, "ttft_s": tr.ttft_s, "itl_s": tr.itl_mean_s, "decision": tr.decision}
-                  for t, tr in list(self.recent)[-120:]]
+        series = [
+            {"t": t, "ttft_s": tr.ttft_s, "itl_s": tr.itl_mean_s, "decision": tr.decision}
+            for t, tr in list(self.recent)[-120:]
+        ]
         recent = [dict(tr.to_dict(), finished_at=t) for t, tr in list(self.recent)[-max_recent:]][::-1]
         return {
-            "model": self.model_name, "time": now, "uptime_s": now - self.started,
+            "model": self.model_name,
+            "time": now,
+            "uptime_s": now - self.started,
             "router": {"pid": os.getpid(), "rss_bytes": _resident_bytes()},
             "admission": self.admission.state() if self.admission is not None else None,
             # The router processes holding leases on the workers (RayBackend; None for other backends).
@@ -325,9 +418,14 @@ class RouterMetrics:
             "totals": dict(self.totals),
             "routing": routing,
             "window": {
-                "seconds": window, "requests": len(in_window),
-                "ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99, "itl_p50_s": itl_p50, "itl_p99_s": itl_p99,
-                "tokens_per_s": gen / window, "kv_bytes_per_s": kvb / window,
+                "seconds": window,
+                "requests": len(in_window),
+                "ttft_p50_s": ttft_p50,
+                "ttft_p99_s": ttft_p99,
+                "itl_p50_s": itl_p50,
+                "itl_p99_s": itl_p99,
+                "tokens_per_s": gen / window,
+                "kv_bytes_per_s": kvb / window,
             },
             "series": series,
             "recent": recent,

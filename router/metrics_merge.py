@@ -81,8 +81,11 @@ class RouterExposition:
         def add(family: Metric, skip_workers: bool) -> None:
             # No *_created series: generate_latest writes them as families of their own, which the
             # parser then reads back as gauges that would clash with the counters they belong to.
-            samples = [s for s in family.samples
-                       if not s.name.endswith("_created") and not (skip_workers and "worker" in s.labels)]
+            samples = [
+                s
+                for s in family.samples
+                if not s.name.endswith("_created") and not (skip_workers and "worker" in s.labels)
+            ]
             if family.name not in merged:
                 if not samples:
                     return

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode
 
 from router.protocol import (
     ChatCompletionChunk,
@@ -62,7 +63,7 @@ class HealthResponse(BaseModel):
 
 _ERROR_MEANINGS = {
     400: "Invalid request: malformed or oversized body, a field out of range or unsupported (param names it), "
-         "prompt plus max_tokens over the context",
+    "prompt plus max_tokens over the context",
     401: "Missing or invalid API key (only when the server has keys)",
     404: "Unknown model",
     429: "Overloaded: the pool's waiting queue is full (Retry-After says when to retry)",
@@ -81,15 +82,15 @@ def install_openapi(app: FastAPI, authenticated: bool) -> None:
             app.openapi_schema = build_schema(app, authenticated)
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the schema
 
 
 def build_schema(app: FastAPI, authenticated: bool) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components: dict[str, Any] = schema.setdefault("components", {}).setdefault("schemas", {})
 
-    def ref(model: type[BaseModel], mode: str = "serialization") -> dict[str, Any]:
-        js = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)  # type: ignore[arg-type]
+    def ref(model: type[BaseModel], mode: JsonSchemaMode = "serialization") -> dict[str, Any]:
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)
         components.update(js.pop("$defs", {}))
         components[model.__name__] = js
         return {"$ref": f"#/components/schemas/{model.__name__}"}
@@ -112,43 +113,81 @@ def build_schema(app: FastAPI, authenticated: bool) -> dict[str, Any]:
         # `data` holds a chunk (or an in-band error) as JSON, and the last event holds `[DONE]`.
         chunk_or_error = {"anyOf": [ref(chunk), ref(ErrorResponse)]}
         json_data = {"properties": {"data": {"contentMediaType": "application/json", "contentSchema": chunk_or_error}}}
-        return {"text/event-stream": {"schema": {
-            "type": "object", "required": ["data"],
-            "description": "`data: <chunk JSON>` events (an error event if generation fails), then `data: [DONE]`",
-            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-            "if": {"properties": {"data": {"const": "[DONE]"}}}, "then": {}, "else": json_data}}}
+        return {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "description": "`data: <chunk JSON>` events (an error event if generation fails), "
+                    "then `data: [DONE]`",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "if": {"properties": {"data": {"const": "[DONE]"}}},
+                    "then": {},
+                    "else": json_data,
+                }
+            }
+        }
 
     open_errors = (500,)
     keyed = (401,) if authenticated else ()
     operations: dict[tuple[str, str], dict[str, Any]] = {
         ("/v1/chat/completions", "post"): {
             "requestBody": json_body(ChatCompletionRequest),
-            "responses": {"200": answer("The completion, or its event stream when stream is true",
-                                        {**json(ChatCompletionResponse), **event_stream(ChatCompletionChunk)}),
-                          **errors(*_GENERATION_ERRORS)}},
+            "responses": {
+                "200": answer(
+                    "The completion, or its event stream when stream is true",
+                    {**json(ChatCompletionResponse), **event_stream(ChatCompletionChunk)},
+                ),
+                **errors(*_GENERATION_ERRORS),
+            },
+        },
         ("/v1/completions", "post"): {
             "requestBody": json_body(CompletionRequest),
-            "responses": {"200": answer("The completion, or its event stream when stream is true",
-                                        {**json(CompletionResponse), **event_stream(CompletionResponse)}),
-                          **errors(*_GENERATION_ERRORS)}},
-        ("/v1/models", "get"): {"responses": {"200": answer("The served model", json(ModelList)),
-                                              **errors(*keyed, 500)}},
-        ("/tokenize", "post"): {"requestBody": json_body(TokenizeRequest),
-                                "responses": {"200": answer("Token ids", json(TokenizeResponse)),
-                                              **errors(400, *keyed, 404, 500)}},
-        ("/detokenize", "post"): {"requestBody": json_body(DetokenizeRequest),
-                                  "responses": {"200": answer("Text", json(DetokenizeResponse)),
-                                                **errors(400, *keyed, 404, 500)}},
-        ("/health", "get"): {"responses": {"200": answer("Every pool has a live worker", json(HealthResponse)),
-                                           "503": answer("A pool has no live worker", json(None)),
-                                           **errors(*open_errors)}},
+            "responses": {
+                "200": answer(
+                    "The completion, or its event stream when stream is true",
+                    {**json(CompletionResponse), **event_stream(CompletionResponse)},
+                ),
+                **errors(*_GENERATION_ERRORS),
+            },
+        },
+        ("/v1/models", "get"): {
+            "responses": {"200": answer("The served model", json(ModelList)), **errors(*keyed, 500)}
+        },
+        ("/tokenize", "post"): {
+            "requestBody": json_body(TokenizeRequest),
+            "responses": {"200": answer("Token ids", json(TokenizeResponse)), **errors(400, *keyed, 404, 500)},
+        },
+        ("/detokenize", "post"): {
+            "requestBody": json_body(DetokenizeRequest),
+            "responses": {"200": answer("Text", json(DetokenizeResponse)), **errors(400, *keyed, 404, 500)},
+        },
+        ("/health", "get"): {
+            "responses": {
+                "200": answer("Every pool has a live worker", json(HealthResponse)),
+                "503": answer("A pool has no live worker", json(None)),
+                **errors(*open_errors),
+            }
+        },
         ("/version", "get"): {"responses": {"200": answer("The router's version", json(VersionResponse))}},
-        ("/metrics", "get"): {"responses": {"200": answer("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
-                                            **errors(*open_errors)}},
-        ("/v1/status", "get"): {"responses": {"200": answer("Pools, admission, latency window and recent requests",
-                                                            json(None)), **errors(*keyed, 500)}},
-        ("/dashboard", "get"): {"responses": {"200": answer("The operator page", {"text/html": {"schema": {"type": "string"}}}),
-                                              **errors(*keyed)}},
+        ("/metrics", "get"): {
+            "responses": {
+                "200": answer("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
+                **errors(*open_errors),
+            }
+        },
+        ("/v1/status", "get"): {
+            "responses": {
+                "200": answer("Pools, admission, latency window and recent requests", json(None)),
+                **errors(*keyed, 500),
+            }
+        },
+        ("/dashboard", "get"): {
+            "responses": {
+                "200": answer("The operator page", {"text/html": {"schema": {"type": "string"}}}),
+                **errors(*keyed),
+            }
+        },
     }
     for (path, method), spec in operations.items():
         operation = schema["paths"][path][method]

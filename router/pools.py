@@ -88,9 +88,15 @@ class Stream:
 
 
 class WorkerPools:
-    def __init__(self, workers: list[WorkerEntry], health_interval_s: float = 2.0,
-                 health_timeout_s: float = 10.0, poll_timeout_s: float = 0.5,
-                 prefix_index: PrefixIndex | None = None, router: RouterClaim | None = None) -> None:
+    def __init__(
+        self,
+        workers: list[WorkerEntry],
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 10.0,
+        poll_timeout_s: float = 0.5,
+        prefix_index: PrefixIndex | None = None,
+        router: RouterClaim | None = None,
+    ) -> None:
         self._workers: dict[str, PoolWorker] = {}
         self.router = router or RouterClaim(DEFAULT_ROUTER_ID, DEFAULT_LEASE_S)
         self.health_interval_s = health_interval_s
@@ -217,9 +223,16 @@ class WorkerPools:
         seen: dict[str, dict] = {}
         for w in list(self._workers.values()):
             for lease in w.routers:
-                entry = seen.setdefault(lease.router_id, {"router_id": lease.router_id, "workers": [], "requests": 0,
-                                                          "idle_s": 0.0,
-                                                          "lease_s": lease.lease_s if lease.lease_s < float("inf") else None})
+                entry = seen.setdefault(
+                    lease.router_id,
+                    {
+                        "router_id": lease.router_id,
+                        "workers": [],
+                        "requests": 0,
+                        "idle_s": 0.0,
+                        "lease_s": lease.lease_s if lease.lease_s < float("inf") else None,
+                    },
+                )
                 entry["workers"].append(w.worker_id)
                 entry["requests"] += lease.requests
                 entry["idle_s"] = max(entry["idle_s"], lease.idle_s)
@@ -239,23 +252,34 @@ class WorkerPools:
         infos = []
         for w in list(self._workers.values()):
             s = w.stats
-            infos.append(WorkerInfo(
-                worker_id=w.worker_id, role=w.role, alive=w.alive,
-                running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
-                kv_usage=s.kv_usage if s else 0.0, queued_prefill_tokens=queued.get(w.worker_id, 0),
-                prefix_cache_queries=s.prefix_cache_queries if s else 0, prefix_cache_hits=s.prefix_cache_hits if s else 0,
-                last_heartbeat=w.last_heartbeat, draining=w.draining, pid=s.pid if s else None,
-                in_flight=in_flight.get(w.worker_id, 0),
-                kv_transfer_failures=dict(s.kv_transfer_failures) if s else {},
-                grammar=s.grammar if s else GrammarCounts(),
-                spec_decode=s.spec_decode if s else SpecDecodeStats(),
-                tp_size=s.tp_size if s else 1, rank_pids=s.rank_pids if s else (),
-            ))
+            infos.append(
+                WorkerInfo(
+                    worker_id=w.worker_id,
+                    role=w.role,
+                    alive=w.alive,
+                    running=s.num_running if s else 0,
+                    waiting=s.num_waiting if s else 0,
+                    kv_usage=s.kv_usage if s else 0.0,
+                    queued_prefill_tokens=queued.get(w.worker_id, 0),
+                    prefix_cache_queries=s.prefix_cache_queries if s else 0,
+                    prefix_cache_hits=s.prefix_cache_hits if s else 0,
+                    last_heartbeat=w.last_heartbeat,
+                    draining=w.draining,
+                    pid=s.pid if s else None,
+                    in_flight=in_flight.get(w.worker_id, 0),
+                    kv_transfer_failures=dict(s.kv_transfer_failures) if s else {},
+                    grammar=s.grammar if s else GrammarCounts(),
+                    spec_decode=s.spec_decode if s else SpecDecodeStats(),
+                    tp_size=s.tp_size if s else 1,
+                    rank_pids=s.rank_pids if s else (),
+                )
+            )
         return infos
 
     # ---- health --------------------------------------------------------------------------------
     async def refresh_stats(self) -> None:
         """Ask every worker for its stats and KV events now; a worker that does not answer is marked dead."""
+
         async def one(w: PoolWorker) -> None:
             try:
                 beat = await asyncio.wait_for(w.handle.heartbeat.remote(self.router), self.health_timeout_s)
@@ -325,11 +349,13 @@ class WorkerPools:
     async def _lease_loop(self) -> None:
         """Renew this router's lease on every live worker four times per term: a worker's lease
         must outlast a heartbeat delayed by a slow worker, and prefill workers have no long-poll."""
+
         async def renew(w: PoolWorker) -> None:
             try:
                 await asyncio.wait_for(w.handle.renew_lease.remote(self.router), self.router.lease_s)
             except (RayError, asyncio.TimeoutError):
                 pass  # the health loop decides about the worker
+
         while True:
             await asyncio.gather(*(renew(w) for w in list(self._workers.values()) if w.alive))
             await asyncio.sleep(self.router.lease_s / 4)

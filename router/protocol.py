@@ -9,7 +9,7 @@ with code = HTTP status.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
@@ -98,7 +98,7 @@ class StreamOptions(_Request):
 class ChatMessage(_Request):
     # Any other role is rejected with 400 (param messages[i].role), as OpenAI does.
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -114,7 +114,7 @@ class _SamplingFields(_Request):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -129,10 +129,12 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[TokenId] | None = None
     # Structured output (router.structured reads and checks these; Any, so its messages name the field).
-    response_format: Any = Field(None, description="OpenAI: {type: text | json_object | json_schema, json_schema: "
-                                                    "{name, schema, strict}}")
-    structured_outputs: Any = Field(None, description="vLLM: exactly one of json, regex, choice, grammar (EBNF), "
-                                                      "json_object")
+    response_format: Any = Field(
+        None, description="OpenAI: {type: text | json_object | json_schema, json_schema: {name, schema, strict}}"
+    )
+    structured_outputs: Any = Field(
+        None, description="vLLM: exactly one of json, regex, choice, grammar (EBNF), json_object"
+    )
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -168,9 +170,11 @@ class ChatCompletionRequest(_SamplingFields):
                 for j, part in enumerate(m.content):
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
                         kind = part.get("type")
-                        why = (f"{kind} parts are not supported: this is a text-only model"
-                               if kind in ("image_url", "input_image", "input_audio", "file", "video_url") else
-                               f"got type {kind!r}")
+                        why = (
+                            f"{kind} parts are not supported: this is a text-only model"
+                            if kind in ("image_url", "input_image", "input_audio", "file", "video_url")
+                            else f"got type {kind!r}"
+                        )
                         raise APIError(
                             f"messages[{i}].content[{j}]: only text content parts ({{'type': 'text', 'text': ...}}) "
                             f"are supported; {why}",
@@ -188,7 +192,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     best_of: int | None = Field(None, ge=1)
@@ -366,7 +370,9 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
             raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400, "top_logprobs")
 
 
-def to_sampling_params(req: _SamplingFields, max_tokens: int, *, max_tokens_field: str = "max_tokens") -> SamplingParams:
+def to_sampling_params(
+    req: _SamplingFields, max_tokens: int, *, max_tokens_field: str = "max_tokens"
+) -> SamplingParams:
     """Build SamplingParams; its ValueError("<field> ...") becomes a 400 naming the request field."""
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -404,4 +410,6 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int, *, max_tokens_fiel
             field = max_tokens_field
         elif field == "logprobs":
             field = logprobs_field
-        raise APIError(message if field is None or field == message.split(" ", 1)[0] else f"{field}: {message}", 400, field) from e
+        raise APIError(
+            message if field is None or field == message.split(" ", 1)[0] else f"{field}: {message}", 400, field
+        ) from e

@@ -32,8 +32,23 @@ from common.roles import Role
 from common.transports import KVLoadFailed
 from router.backend import BackendError, GenerateRequest, WorkerInfo
 from router.flow import (
-    COUNTERS, Abort, Command, Count, Emit, Fail, FlowLimits, FlowState, Follow, MigrationGap, Prefill, QueueTokens,
-    RequestFlow, Reserve, StartDecode, Submit, WaitForDecode,
+    COUNTERS,
+    Abort,
+    Command,
+    Count,
+    Emit,
+    Fail,
+    FlowLimits,
+    FlowState,
+    Follow,
+    MigrationGap,
+    Prefill,
+    QueueTokens,
+    RequestFlow,
+    Reserve,
+    StartDecode,
+    Submit,
+    WaitForDecode,
 )
 from router.migration import WorkerLost
 from router.pools import PoolWorker, Stream, WorkerPools
@@ -84,8 +99,12 @@ class RayBackend:
         # The prompt counts as queued on its worker from now, not from the first iteration: a burst
         # of requests is routed before any of them starts (WorkerPools.routed).
         route = request.route
-        self.pools.routed(request.request_id, route.prefill_worker or route.decode_worker,
-                          len(request.prompt_token_ids), time.monotonic())
+        self.pools.routed(
+            request.request_id,
+            route.prefill_worker or route.decode_worker,
+            len(request.prompt_token_ids),
+            time.monotonic(),
+        )
         return self._run(request)
 
     async def _run(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -143,16 +162,18 @@ class RayBackend:
             except RayError as exc:
                 failed = getattr(exc, "cause", None)
                 if isinstance(failed, KVLoadFailed):  # --kv-load-failure-policy fail: D freed it; retryable
-                    raise BackendError(f"the KV transfer of this request failed ({failed.reason}); retry it",
-                                       retryable=True) from exc
+                    raise BackendError(
+                        f"the KV transfer of this request failed ({failed.reason}); retry it", retryable=True
+                    ) from exc
                 raise
         item = await stream.queue.get()
         if isinstance(item, Exception) and not isinstance(item, WorkerLost):
             raise item
         return item
 
-    async def _execute(self, flow: RequestFlow, request: GenerateRequest, stream: Stream,
-                       command: Command) -> list[Command]:
+    async def _execute(
+        self, flow: RequestFlow, request: GenerateRequest, stream: Stream, command: Command
+    ) -> list[Command]:
         """Carry out one command; returns the flow's answer to its outcome (or nothing)."""
         rid = flow.request_id
         if isinstance(command, Count):
@@ -163,13 +184,20 @@ class RayBackend:
             self.migration_gaps.append(command.seconds)
         elif isinstance(command, Follow):
             if flow.moves:
-                log.warning("request %s moves to %s after %d tokens", rid, command.worker_id, len(flow.output_token_ids))
+                log.warning(
+                    "request %s moves to %s after %d tokens", rid, command.worker_id, len(flow.output_token_ids)
+                )
             self.pools.follow(stream, command.worker_id, command.attempt)
         elif isinstance(command, Reserve):
             decode = self._worker(command.worker_id)
             try:
-                reservation = await self._create_on(decode, rid, decode.handle.reserve.remote(
-                    rid, request.prompt_token_ids, request.sampling_params, self.pools.router, stream.attempt))
+                reservation = await self._create_on(
+                    decode,
+                    rid,
+                    decode.handle.reserve.remote(
+                        rid, request.prompt_token_ids, request.sampling_params, self.pools.router, stream.attempt
+                    ),
+                )
             except RayError as exc:
                 bad = _bad_input(exc)
                 if bad is not None:
@@ -184,9 +212,18 @@ class RayBackend:
         elif isinstance(command, Submit):
             decode = self._worker(command.worker_id)
             try:
-                await self._create_on(decode, rid, decode.handle.submit.remote(
-                    rid, request.prompt_token_ids, request.sampling_params, command.resume, self.pools.router,
-                    stream.attempt))
+                await self._create_on(
+                    decode,
+                    rid,
+                    decode.handle.submit.remote(
+                        rid,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        command.resume,
+                        self.pools.router,
+                        stream.attempt,
+                    ),
+                )
             except RayError as exc:  # refused (a bug, or a worker that cannot hold the context)
                 bad = _bad_input(exc)
                 if bad is not None:
@@ -211,8 +248,9 @@ class RayBackend:
             raise AssertionError(f"no executor for {command!r}")
         return []
 
-    async def _prefill(self, flow: RequestFlow, request: GenerateRequest, stream: Stream,
-                       command: Prefill) -> list[Command]:
+    async def _prefill(
+        self, flow: RequestFlow, request: GenerateRequest, stream: Stream, command: Prefill
+    ) -> list[Command]:
         rid = flow.request_id
         decode, prefill = self._worker(command.decode_worker), self.pools.get(command.worker_id)
         if prefill is None:  # removed from its pool since the route was chosen
@@ -220,10 +258,20 @@ class RayBackend:
         endpoint = await self._call(decode, self.pools.endpoint(decode))
         stream.prefill_worker = prefill.worker_id
         try:
-            result = await self.pools.unless_down(prefill, prefill.handle.prefill.remote(PrefillRequest(
-                rid, request.prompt_token_ids, request.sampling_params, endpoint,
-                command.reservation.block_ids, command.reservation.num_cached_tokens, self.pools.router,
-            )))
+            result = await self.pools.unless_down(
+                prefill,
+                prefill.handle.prefill.remote(
+                    PrefillRequest(
+                        rid,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        endpoint,
+                        command.reservation.block_ids,
+                        command.reservation.num_cached_tokens,
+                        self.pools.router,
+                    )
+                ),
+            )
         except RayActorError as exc:
             self.pools.mark_down(prefill, exc)
             log.warning("prefill worker %s died during %s", prefill.worker_id, rid)

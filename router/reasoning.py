@@ -56,16 +56,16 @@ class ReasoningSplitter:
                 self._held = text  # too short to tell whether it opens with <think>
                 return "", ""
             if stripped.startswith(OPEN):
-                text, self._state = stripped[len(OPEN):], "reasoning"
+                text, self._state = stripped[len(OPEN) :], "reasoning"
             else:
                 self._state = "reasoning" if self.parser == "deepseek_r1" else "content"
         if self._state == "reasoning":
             end = text.find(CLOSE)
             if end < 0:
                 keep = 0 if final else _held_prefix(text, CLOSE)
-                self._held = text[len(text) - keep:] if keep else ""
-                return text[:len(text) - keep], ""
-            reasoning, text = text[:end], text[end + len(CLOSE):]
+                self._held = text[len(text) - keep :] if keep else ""
+                return text[: len(text) - keep], ""
+            reasoning, text = text[:end], text[end + len(CLOSE) :]
             self._state, self._after_close = "content", True
         if self._after_close:
             text = text.lstrip("\n")

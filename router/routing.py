@@ -41,17 +41,26 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Protocol, Sequence
+from typing import Protocol
 
-from router.backend import RouteDecision, WorkerInfo
-from router.prefix_index import PrefixIndex
 from common.block_hash import hash_prefix_blocks
 from common.roles import Role
+from router.backend import RouteDecision, WorkerInfo
+from router.prefix_index import PrefixIndex
 
 __all__ = [
-    "POLICIES", "KvAwarePolicy", "LeastLoadedPolicy", "NoWorkerAvailable", "RandomPolicy", "RoundRobinPolicy",
-    "RoutingConfig", "RoutingPolicy", "live_workers", "make_policy",
+    "POLICIES",
+    "KvAwarePolicy",
+    "LeastLoadedPolicy",
+    "NoWorkerAvailable",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "RoutingConfig",
+    "RoutingPolicy",
+    "live_workers",
+    "make_policy",
 ]
 
 POLICIES = ("kv-aware", "round-robin", "random", "least-loaded")
@@ -122,28 +131,60 @@ GPU_PREFILL_QUEUE_THRESHOLD = 8192
 class RoutingConfig:
     """Knobs of the routing policies; each field's metadata names its `baton serve` flag."""
 
-    policy: str = field(default="kv-aware", metadata={
-        "flag": "routing_policy", "choices": POLICIES,
-        "help": "how the router picks workers; kv-aware: prefix overlap + load"})
-    weight_uncached: float = field(default=1.0, metadata={
-        "flag": "routing_weight_uncached", "help": "kv-aware cost per uncached prompt token"})
-    weight_queue: float = field(default=1.0, metadata={
-        "flag": "routing_weight_queue", "help": "kv-aware cost per prompt token queued for prefill on the worker"})
-    weight_kv: float = field(default=512.0, metadata={
-        "flag": "routing_weight_kv", "help": "kv-aware cost of a full KV cache on a decode worker (scaled by usage)"})
-    weight_running: float = field(default=16.0, metadata={
-        "flag": "routing_weight_running", "help": "kv-aware cost per sequence running or waiting on a decode worker"})
-    temperature: float = field(default=0.1, metadata={
-        "flag": "routing_temperature",
-        "help": "softmax temperature of the kv-aware draw, relative to the prompt length; 0: argmin"})
-    local_prefill_threshold: int = field(default=64, metadata={
-        "help": "uncached prompt tokens at or below which the decode worker prefills itself"})
-    prefill_queue_threshold: int | None = field(default=None, metadata={
-        "help": "queued prefill tokens per prefill worker beyond which decode workers prefill locally "
-                f"(default: {CPU_PREFILL_QUEUE_THRESHOLD} when the prefill pool runs on CPUs, "
-                f"{GPU_PREFILL_QUEUE_THRESHOLD} on GPUs)"})
-    seed: int | None = field(default=None, metadata={
-        "flag": "routing_seed", "help": "seed of the kv-aware and random policies' draws (default: random)"})
+    policy: str = field(
+        default="kv-aware",
+        metadata={
+            "flag": "routing_policy",
+            "choices": POLICIES,
+            "help": "how the router picks workers; kv-aware: prefix overlap + load",
+        },
+    )
+    weight_uncached: float = field(
+        default=1.0, metadata={"flag": "routing_weight_uncached", "help": "kv-aware cost per uncached prompt token"}
+    )
+    weight_queue: float = field(
+        default=1.0,
+        metadata={
+            "flag": "routing_weight_queue",
+            "help": "kv-aware cost per prompt token queued for prefill on the worker",
+        },
+    )
+    weight_kv: float = field(
+        default=512.0,
+        metadata={
+            "flag": "routing_weight_kv",
+            "help": "kv-aware cost of a full KV cache on a decode worker (scaled by usage)",
+        },
+    )
+    weight_running: float = field(
+        default=16.0,
+        metadata={
+            "flag": "routing_weight_running",
+            "help": "kv-aware cost per sequence running or waiting on a decode worker",
+        },
+    )
+    temperature: float = field(
+        default=0.1,
+        metadata={
+            "flag": "routing_temperature",
+            "help": "softmax temperature of the kv-aware draw, relative to the prompt length; 0: argmin",
+        },
+    )
+    local_prefill_threshold: int = field(
+        default=64, metadata={"help": "uncached prompt tokens at or below which the decode worker prefills itself"}
+    )
+    prefill_queue_threshold: int | None = field(
+        default=None,
+        metadata={
+            "help": "queued prefill tokens per prefill worker beyond which decode workers prefill locally "
+            f"(default: {CPU_PREFILL_QUEUE_THRESHOLD} when the prefill pool runs on CPUs, "
+            f"{GPU_PREFILL_QUEUE_THRESHOLD} on GPUs)"
+        },
+    )
+    seed: int | None = field(
+        default=None,
+        metadata={"flag": "routing_seed", "help": "seed of the kv-aware and random policies' draws (default: random)"},
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -154,19 +195,23 @@ class RoutingConfig:
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or math.isnan(value):
                     raise ValueError(f"routing option {f.name} must be a number >= 0, got {value!r}")
         if not isinstance(self.local_prefill_threshold, int):
-            raise ValueError(f"routing option local_prefill_threshold must be an integer, got "
-                             f"{self.local_prefill_threshold!r}")
+            raise ValueError(
+                f"routing option local_prefill_threshold must be an integer, got {self.local_prefill_threshold!r}"
+            )
         if self.prefill_queue_threshold is not None and not isinstance(self.prefill_queue_threshold, int):
-            raise ValueError(f"routing option prefill_queue_threshold must be an integer, got "
-                             f"{self.prefill_queue_threshold!r}")
+            raise ValueError(
+                f"routing option prefill_queue_threshold must be an integer, got {self.prefill_queue_threshold!r}"
+            )
 
-    def for_device(self, device: str) -> "RoutingConfig":
+    def for_device(self, device: str) -> RoutingConfig:
         """This configuration with an automatic prefill_queue_threshold set for a prefill pool on
         `device` ("cpu" or "cuda")."""
         if self.prefill_queue_threshold is not None:
             return self
-        return replace(self, prefill_queue_threshold=CPU_PREFILL_QUEUE_THRESHOLD if device == "cpu"
-                       else GPU_PREFILL_QUEUE_THRESHOLD)
+        return replace(
+            self,
+            prefill_queue_threshold=CPU_PREFILL_QUEUE_THRESHOLD if device == "cpu" else GPU_PREFILL_QUEUE_THRESHOLD,
+        )
 
     @property
     def queue_threshold(self) -> int:
@@ -280,8 +325,9 @@ class KvAwarePolicy:
         return RouteDecision(d.worker_id, p.worker_id, "remote_prefill", matched.get(p.worker_id, 0))
 
 
-def make_policy(config: RoutingConfig | str = "kv-aware", index: PrefixIndex | None = None,
-                block_size: int = 16) -> RoutingPolicy:
+def make_policy(
+    config: RoutingConfig | str = "kv-aware", index: PrefixIndex | None = None, block_size: int = 16
+) -> RoutingPolicy:
     """The policy named by `config.policy` (kv-aware needs the backend's prefix index)."""
     if isinstance(config, str):
         config = RoutingConfig(policy=config)

@@ -17,14 +17,18 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from common.protocol import GrammarCompileError, RequestOutput
+from common.roles import ROLES
+from common.sampling_params import SamplingParams
 from router.admission import AdmissionControl, Deadline, Ticket, deadline_error, request_deadline
 from router.backend import GenerateRequest, ServingBackend
 from router.config import ServerConfig
@@ -43,15 +47,12 @@ from router.protocol import (
     to_sampling_params,
     validation_error_to_api,
 )
-from router.routing import RoutingPolicy, live_workers
 from router.reasoning import grammar_start_token_ids
-from router.structured import Constraints, request_constraints
+from router.routing import RoutingPolicy, live_workers
 from router.streaming import ClientGone, DeadlineExceeded, await_unless_disconnected, ended, sse_response
+from router.structured import Constraints, request_constraints
 from router.tokenizer import ChatTemplateError, Tokenizer
 from router.trace import RequestTrace
-from common.protocol import GrammarCompileError, RequestOutput
-from common.roles import ROLES
-from common.sampling_params import SamplingParams
 
 __all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Serving"]
 
@@ -139,8 +140,15 @@ async def merge_choices(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
 class Serving:
     """The model's endpoints over one backend; `metrics` records every request's trace."""
 
-    def __init__(self, backend: ServingBackend, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 policy: RoutingPolicy, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        backend: ServingBackend,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_model_len: int,
+        policy: RoutingPolicy,
+        config: ServerConfig,
+    ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -150,10 +158,24 @@ class Serving:
         self.created = int(time.time())
         self.admission = AdmissionControl(config)
         self.metrics = RouterMetrics(model_name, backend, self.admission)
-        self.chat_endpoint = Endpoint(ChatCompletionRequest, check_chat_extras, lambda req: [self.chat_prompt_ids(req)],
-                                      "messages", None, ChatFormat, "chatcmpl")
-        self.completion_endpoint = Endpoint(CompletionRequest, check_completion_extras, self.completion_prompts,
-                                            "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionFormat, "cmpl")
+        self.chat_endpoint = Endpoint(
+            ChatCompletionRequest,
+            check_chat_extras,
+            lambda req: [self.chat_prompt_ids(req)],
+            "messages",
+            None,
+            ChatFormat,
+            "chatcmpl",
+        )
+        self.completion_endpoint = Endpoint(
+            CompletionRequest,
+            check_completion_extras,
+            self.completion_prompts,
+            "prompt",
+            COMPLETIONS_DEFAULT_MAX_TOKENS,
+            CompletionFormat,
+            "cmpl",
+        )
 
     # -- the generation endpoints: each supplies its checks, prompt, max_tokens default and format
     async def chat(self, request: Request, started: float) -> Response:
@@ -173,8 +195,9 @@ class Serving:
         if ticket is None:
             return Response(status_code=499)
         try:
-            return await self._complete(request, started, req, endpoint.prompts(req), endpoint, ticket, deadline,
-                                        constraints)
+            return await self._complete(
+                request, started, req, endpoint.prompts(req), endpoint, ticket, deadline, constraints
+            )
         except BaseException:
             ticket.release()
             raise
@@ -186,8 +209,9 @@ class Serving:
         except ClientGone:
             return None
 
-    async def _request(self, request: Request,
-                       schema: type[ChatCompletionRequest | CompletionRequest]) -> tuple[Any, Constraints]:
+    async def _request(
+        self, request: Request, schema: type[ChatCompletionRequest | CompletionRequest]
+    ) -> tuple[Any, Constraints]:
         body = await read_json(request, self.config)
         if not isinstance(body, dict):
             raise APIError("request body must be a JSON object", 400, None)
@@ -197,31 +221,52 @@ class Serving:
         check_common(req)
         check_limits(req, self.config, self.tokenizer.vocab_size)
         # Structured output, tools and reasoning: checked here, before any slot is taken.
-        constraints = request_constraints(body, schema is ChatCompletionRequest, self.config,
-                                          self.tokenizer.chat_template)
+        constraints = request_constraints(
+            body, schema is ChatCompletionRequest, self.config, self.tokenizer.chat_template
+        )
         return req, constraints
 
-    async def _complete(self, request: Request, started: float, req: ChatCompletionRequest | CompletionRequest,
-                        prompts: list[list[int]], endpoint: Endpoint, ticket: Ticket, deadline: Deadline | None,
-                        constraints: Constraints) -> Response:
+    async def _complete(
+        self,
+        request: Request,
+        started: float,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        endpoint: Endpoint,
+        ticket: Ticket,
+        deadline: Deadline | None,
+        constraints: Constraints,
+    ) -> Response:
         requested, field_name = req.requested_max_tokens()
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         choices: list[Choice] = []
         for prompt_ids in prompts:  # each prompt n times, in OpenAI's order of choice indexes
-            max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, field_name, endpoint.prompt_param,
-                                                 endpoint.default_max_tokens)
+            max_tokens = self.resolve_max_tokens(
+                len(prompt_ids), requested, field_name, endpoint.prompt_param, endpoint.default_max_tokens
+            )
             params = to_sampling_params(req, max_tokens, max_tokens_field=field_name)
             if constraints.structured is not None:
-                params = replace(params, structured_output=constraints.structured, reasoning_end_token_ids=(
-                    grammar_start_token_ids(self.tokenizer, prompt_ids) if constraints.after_reasoning else ()))
+                params = replace(
+                    params,
+                    structured_output=constraints.structured,
+                    reasoning_end_token_ids=(
+                        grammar_start_token_ids(self.tokenizer, prompt_ids) if constraints.after_reasoning else ()
+                    ),
+                )
             for sample in range(req.n):
                 # A seeded request stays reproducible, and its n samples differ from each other.
                 seeded = params if sample == 0 or params.seed is None else replace(params, seed=params.seed + sample)
                 choices.append(Choice(prompt_ids, seeded, shares_prompt=sample > 0))
         opts = req.stream_options
-        fmt = endpoint.format(self.tokenizer, request_id, req.model or self.model_name, int(time.time()),
-                              include_usage=bool(req.stream and opts and opts.include_usage),
-                              continuous_usage=bool(opts and opts.continuous_usage_stats), logprobs=req.wants_logprobs())
+        fmt = endpoint.format(
+            self.tokenizer,
+            request_id,
+            req.model or self.model_name,
+            int(time.time()),
+            include_usage=bool(req.stream and opts and opts.include_usage),
+            continuous_usage=bool(opts and opts.continuous_usage_stats),
+            logprobs=req.wants_logprobs(),
+        )
         if isinstance(fmt, ChatFormat):
             fmt.shaped(constraints.shape)
         self.metrics.count_structured(constraints.kind)
@@ -234,11 +279,15 @@ class Serving:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(
-                f"The model `{name}` does not exist. This server serves `{self.model_name}`.", 404, "model", "NotFoundError"
+                f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                404,
+                "model",
+                "NotFoundError",
             )
 
-    def resolve_max_tokens(self, num_prompt: int, requested: int | None, field_name: str, prompt_param: str,
-                           default: int | None = None) -> int:
+    def resolve_max_tokens(
+        self, num_prompt: int, requested: int | None, field_name: str, prompt_param: str, default: int | None = None
+    ) -> int:
         limit = self.max_model_len
         if num_prompt >= limit:
             raise APIError(
@@ -276,7 +325,9 @@ class Serving:
             raise APIError("prompt must not be empty", 400, "prompt")
         return ids
 
-    def chat_prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = False) -> list[int]:
+    def chat_prompt_ids(
+        self, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = False
+    ) -> list[int]:
         if isinstance(req, ChatCompletionRequest):
             messages = req.template_messages()
         else:
@@ -290,9 +341,17 @@ class Serving:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # -- running a request
-    async def generate(self, request: Request, request_id: str, choices: list[Choice], stream: bool,
-                       fmt: ResponseFormat, started: float | None = None, ticket: Ticket | None = None,
-                       deadline: Deadline | None = None) -> Response:
+    async def generate(
+        self,
+        request: Request,
+        request_id: str,
+        choices: list[Choice],
+        stream: bool,
+        fmt: ResponseFormat,
+        started: float | None = None,
+        ticket: Ticket | None = None,
+        deadline: Deadline | None = None,
+    ) -> Response:
         """Run an admitted request's choices (each its own request in the pools, all at once);
         its `ticket` is released however it ends, and past its `deadline` it is aborted (504)."""
         backend_ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
@@ -332,11 +391,14 @@ class Serving:
         if started is not None:
             trace.started = started  # arrival at the router, before parsing, admission and tokenizing
         if self.config.log_prompts:
-            request_logger.info("%s prompt (%d tokens): %r", backend_id, len(prompt_ids), self.tokenizer.decode(prompt_ids))
+            request_logger.info(
+                "%s prompt (%d tokens): %r", backend_id, len(prompt_ids), self.tokenizer.decode(prompt_ids)
+            )
         route = self.policy.choose(prompt_ids, self.backend.workers())
         trace.set_route(route)
-        return self._traced(self.backend.generate(GenerateRequest(backend_id, prompt_ids, choice.params, route, trace)),
-                            trace)
+        return self._traced(
+            self.backend.generate(GenerateRequest(backend_id, prompt_ids, choice.params, route, trace)), trace
+        )
 
     async def _traced(self, outputs: AsyncIterator[RequestOutput], trace: RequestTrace) -> AsyncIterator[RequestOutput]:
         """Pass outputs through, timing tokens; record the trace however the request ends."""
@@ -365,8 +427,9 @@ class Serving:
                     request_logger.info("%s completion (%s): %r", trace.request_id, trace.finish_reason, "".join(texts))
 
     @staticmethod
-    async def _ticketed(outputs: AsyncIterator[tuple[int, RequestOutput]],
-                        ticket: Ticket | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _ticketed(
+        outputs: AsyncIterator[tuple[int, RequestOutput]], ticket: Ticket | None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Free the ticket's prefill slot at the first output and its decode slot at the end."""
         try:
             async for item in outputs:
@@ -413,8 +476,13 @@ class Serving:
 
     # -- the other endpoints' answers
     def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "baton",
-                "max_model_len": self.max_model_len}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "baton",
+            "max_model_len": self.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     def health(self) -> tuple[int, dict]:
@@ -448,4 +516,3 @@ class Serving:
         if bad is not None:
             raise APIError(f"token id {bad} is out of range [0, {self.tokenizer.vocab_size})", 400, "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
-

@@ -12,18 +12,27 @@ event once the headers are gone.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from common.protocol import RequestOutput
 from router.admission import Deadline, deadline_error
 from router.errors import to_api_error
 from router.formatting import Choices, ResponseFormat, dumps
-from common.protocol import RequestOutput
 
-__all__ = ["DONE", "SSE_HEADERS", "ClientGone", "DeadlineExceeded", "await_unless_disconnected", "ended",
-           "remaining", "sse_response"]
+__all__ = [
+    "DONE",
+    "SSE_HEADERS",
+    "ClientGone",
+    "DeadlineExceeded",
+    "await_unless_disconnected",
+    "ended",
+    "remaining",
+    "sse_response",
+]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
@@ -51,7 +60,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def await_unless_disconnected(request: Request, awaitable: Awaitable[Any], deadline: Deadline | None = None) -> Any:
+async def await_unless_disconnected(
+    request: Request, awaitable: Awaitable[Any], deadline: Deadline | None = None
+) -> Any:
     """Await `awaitable`; raise ClientGone if the client disconnects first, DeadlineExceeded if the
     `deadline` passes first (after cancelling it, either way)."""
     task = asyncio.ensure_future(awaitable)
@@ -78,9 +89,15 @@ def ended(request_id: str) -> RequestOutput:
     return RequestOutput(request_id, [], finished=True, finish_reason="abort")
 
 
-async def _frames(request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
-                  fmt: ResponseFormat, choices: Choices, abort: Callable[[], Awaitable[None]],
-                  deadline: Deadline | None) -> AsyncIterator[str]:
+async def _frames(
+    request_id: str,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    first: tuple[int, RequestOutput],
+    fmt: ResponseFormat,
+    choices: Choices,
+    abort: Callable[[], Awaitable[None]],
+    deadline: Deadline | None,
+) -> AsyncIterator[str]:
     finished = False
     unfinished = set(range(len(choices.accs)))
     try:
@@ -118,10 +135,20 @@ async def _frames(request_id: str, outputs: AsyncIterator[tuple[int, RequestOutp
             await abort()
 
 
-def sse_response(request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
-                 fmt: ResponseFormat, choices: Choices, abort: Callable[[], Awaitable[None]], headers: dict[str, str],
-                 deadline: Deadline | None = None) -> StreamingResponse:
+def sse_response(
+    request_id: str,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    first: tuple[int, RequestOutput],
+    fmt: ResponseFormat,
+    choices: Choices,
+    abort: Callable[[], Awaitable[None]],
+    headers: dict[str, str],
+    deadline: Deadline | None = None,
+) -> StreamingResponse:
     """The event stream of a request whose first output (`first`, with its choice's index)
     already arrived; past its `deadline` it ends with a 504 error event and the request is aborted."""
-    return StreamingResponse(_frames(request_id, outputs, first, fmt, choices, abort, deadline),
-                             media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return StreamingResponse(
+        _frames(request_id, outputs, first, fmt, choices, abort, deadline),
+        media_type="text/event-stream",
+        headers={**SSE_HEADERS, **headers},
+    )

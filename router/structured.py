@@ -30,8 +30,15 @@ from router.formatting import ReplyShape
 from router.protocol import APIError
 from router.tool_parsers import default_parser
 
-__all__ = ["MAX_SPEC_CHARS", "Constraints", "ToolSpec", "check_tools", "forced_tool_schema", "request_constraints",
-           "structured_output"]
+__all__ = [
+    "MAX_SPEC_CHARS",
+    "Constraints",
+    "ToolSpec",
+    "check_tools",
+    "forced_tool_schema",
+    "request_constraints",
+    "structured_output",
+]
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused
 MAX_CHOICES = 1024
@@ -81,8 +88,11 @@ def _metaschema_problem(canonical: str) -> str | None:
     return None
 
 
-_UNSUPPORTED_REGEX = [(re.compile(r"\(\?<?[=!]"), "lookaround"), (re.compile(r"\\[1-9]"), "backreferences"),
-                      (re.compile(r"\(\?P=|\\k<"), "backreferences")]
+_UNSUPPORTED_REGEX = [
+    (re.compile(r"\(\?<?[=!]"), "lookaround"),
+    (re.compile(r"\\[1-9]"), "backreferences"),
+    (re.compile(r"\(\?P=|\\k<"), "backreferences"),
+]
 
 
 def check_regex(pattern: Any, param: str) -> str:
@@ -141,7 +151,9 @@ def check_grammar(grammar: Any, param: str) -> str:
 
 def _from_response_format(value: Any) -> StructuredOutput | None:
     if not isinstance(value, dict) or "type" not in value:
-        raise _bad("response_format must be an object with a type (text, json_object or json_schema)", "response_format")
+        raise _bad(
+            "response_format must be an object with a type (text, json_object or json_schema)", "response_format"
+        )
     kind = value["type"]
     if kind == "text":
         return None
@@ -153,15 +165,23 @@ def _from_response_format(value: Any) -> StructuredOutput | None:
             raise _bad("response_format.json_schema must be an object with a schema", "response_format.json_schema")
         name = inner.get("name")
         if name is not None and (not isinstance(name, str) or not TOOL_NAME.match(name)):
-            raise _bad("response_format.json_schema.name must be 1 to 64 letters, digits, _ or -",
-                       "response_format.json_schema.name")
+            raise _bad(
+                "response_format.json_schema.name must be 1 to 64 letters, digits, _ or -",
+                "response_format.json_schema.name",
+            )
         schema = inner.get("schema", inner.get("json_schema"))
         return StructuredOutput("json_schema", check_json_schema(schema, "response_format.json_schema.schema"))
     raise _bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format.type")
 
 
 # vLLM's extra body: structured_outputs keys, and the older guided_* fields.
-_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+_KEYS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -196,8 +216,9 @@ def _structured_field(body: dict) -> tuple[str, StructuredOutput] | None:
             raise _bad("structured_outputs must be an object", "structured_outputs")
         keys = [k for k in _KEYS if so.get(k) is not None and so.get(k) is not False]
         if len(keys) != 1:
-            raise _bad(f"structured_outputs must set exactly one of {sorted(_KEYS)}, got {sorted(keys)}",
-                       "structured_outputs")
+            raise _bad(
+                f"structured_outputs must set exactly one of {sorted(_KEYS)}, got {sorted(keys)}", "structured_outputs"
+            )
         found.append(("structured_outputs", _checked(_KEYS[keys[0]], so[keys[0]], f"structured_outputs.{keys[0]}")))
     for name, key in _GUIDED.items():
         if body.get(name) is not None:
@@ -233,21 +254,26 @@ def check_tools(body: dict, auto_enabled: bool) -> ToolSpec | None:
     functions: dict[str, dict] = {}
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
-                tool.get("function"), dict):
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
             raise _bad(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
         fn = tool["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise _bad(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {name!r}",
-                       f"{where}.function.name")
+            raise _bad(
+                f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {name!r}", f"{where}.function.name"
+            )
         if name in functions:
             raise _bad(f"{where}.function.name {name!r} is given twice", f"{where}.function.name")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         check_json_schema(params, f"{where}.function.parameters")
         if params.get("type", "object") != "object":
-            raise _bad(f"{where}.function.parameters must describe an object (type object)",
-                       f"{where}.function.parameters")
+            raise _bad(
+                f"{where}.function.parameters must describe an object (type object)", f"{where}.function.parameters"
+            )
         functions[name] = params
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
@@ -258,16 +284,19 @@ def check_tools(body: dict, auto_enabled: bool) -> ToolSpec | None:
         return ToolSpec(functions, choice, parallel=parallel)
     if choice == "auto":
         if not auto_enabled:
-            raise _bad('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
-                       '--tool-call-parser', "tool_choice")
+            raise _bad(
+                'tool_choice "auto" needs the server started with --enable-auto-tool-choice and --tool-call-parser',
+                "tool_choice",
+            )
         return ToolSpec(functions, "auto", parallel=parallel)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in functions:
             raise _bad(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
         return ToolSpec(functions, "named", named=name, parallel=parallel)
-    raise _bad("tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
-               "tool_choice")
+    raise _bad(
+        "tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}", "tool_choice"
+    )
 
 
 def forced_tool_schema(tools: ToolSpec) -> StructuredOutput:
@@ -275,10 +304,17 @@ def forced_tool_schema(tools: ToolSpec) -> StructuredOutput:
     {name, parameters} calls of the offered functions (one when parallel calls are off)."""
     if tools.choice == "named":
         return StructuredOutput("json_schema", _canonical(tools.functions[tools.named], "tools"))
-    calls = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                         "parameters": params},
-                        "required": ["name", "parameters"], "additionalProperties": False}
-                       for name, params in tools.functions.items()]}
+    calls = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, params in tools.functions.items()
+        ]
+    }
     schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
     if not tools.parallel:
         schema["maxItems"] = 1
@@ -320,8 +356,11 @@ def request_constraints(body: dict, chat: bool, config: ServerConfig, chat_templ
     elif tools is not None and tools.choice == "auto":
         parser = config.tool_call_parser or default_parser(chat_template)
         if parser is None:
-            raise _bad("tool_choice auto: this model's chat template shows no tool-call syntax; start the server "
-                       "with --tool-call-parser", "tool_choice")
+            raise _bad(
+                "tool_choice auto: this model's chat template shows no tool-call syntax; start the server "
+                "with --tool-call-parser",
+                "tool_choice",
+            )
         shape = ReplyShape(reasoning_parser=reasoning, tool_parser=parser)
     # With a reasoning parser the workers hold the grammar back until `</think>` (Constraints.after_reasoning).
     return Constraints(structured, shape, kind, param)

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-from router.backend import BackendError, GenerateRequest, RouteDecision, WorkerInfo
-from router.prefix_index import PrefixIndex
-from router.tokenizer import Tokenizer
 from common.block_hash import hash_prefix_blocks
 from common.detokenizer import IncrementalDetokenizer
 from common.protocol import RequestOutput, TokenLogprob
 from common.sampling_params import SamplingParams
+from router.backend import BackendError, GenerateRequest, RouteDecision, WorkerInfo
+from router.prefix_index import PrefixIndex
+from router.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_REPLY", "FakeBackend"]
 
@@ -71,8 +71,16 @@ class FakeBackend:
                 wid = f"{role}-{i}"
                 # Made-up but consistent load: each running request holds 5% of a decode worker's KV.
                 r = running.get(wid, 0)
-                out.append(WorkerInfo(wid, role, alive=wid not in self.dead, running=r, kv_usage=min(1.0, 0.05 * r),
-                                      last_heartbeat=time.time()))
+                out.append(
+                    WorkerInfo(
+                        wid,
+                        role,
+                        alive=wid not in self.dead,
+                        running=r,
+                        kv_usage=min(1.0, 0.05 * r),
+                        last_heartbeat=time.time(),
+                    )
+                )
         return out
 
     async def abort(self, request_id: str) -> None:
@@ -132,7 +140,9 @@ class FakeBackend:
         top = [((token + k) % self.tokenizer.vocab_size, chosen - k) for k in range(sp.logprobs)]
         return [TokenLogprob(token_id=token, logprob=chosen, top=top)]
 
-    async def _decode(self, request: GenerateRequest, cached: int, aborted: asyncio.Event) -> AsyncIterator[RequestOutput]:
+    async def _decode(
+        self, request: GenerateRequest, cached: int, aborted: asyncio.Event
+    ) -> AsyncIterator[RequestOutput]:
         """One token per step, finishing as LLMEngine._advance does."""
         sp = request.sampling_params
         eos_ids = set(self.tokenizer.eos_token_ids)

@@ -10,10 +10,11 @@ without adding special tokens, so the ids equal `AutoTokenizer.apply_chat_templa
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -33,7 +34,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # Like transformers: jinja's own tojson escapes HTML characters, which changes the prompt.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -118,7 +121,7 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_model_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         config: dict = {}

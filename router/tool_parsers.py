@@ -38,8 +38,10 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
     def deltas(self, index: int) -> list[dict]:
-        return [{"index": index, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": ""}},
-                {"index": index, "function": {"arguments": self.arguments}}]
+        return [
+            {"index": index, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": ""}},
+            {"index": index, "function": {"arguments": self.arguments}},
+        ]
 
 
 def default_parser(chat_template: str | None) -> str | None:
@@ -80,7 +82,7 @@ def parse_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
         start = text.find("[TOOL_CALLS]")
         if start < 0:
             return text, []
-        found = _loads(text[start + len("[TOOL_CALLS]"):].strip())
+        found = _loads(text[start + len("[TOOL_CALLS]") :].strip())
         found = found if isinstance(found, list) else [found]
         calls = [_call(c, "arguments") for c in found]
         return (text[:start].strip(), calls) if calls and all(calls) else (text, [])
@@ -133,8 +135,10 @@ class ToolCallParser:
         text = self._text + text
         at = self._start(text)
         self._text = text[at:]
-        self._calling = bool(self._text) and (self._text.startswith(_MARKERS[self.parser])
-                                              or (self.parser == "llama3_json" and self._text.lstrip().startswith("{")))
+        self._calling = bool(self._text) and (
+            self._text.startswith(_MARKERS[self.parser])
+            or (self.parser == "llama3_json" and self._text.lstrip().startswith("{"))
+        )
         return text[:at]
 
     def finish(self) -> tuple[str, list[ToolCall]]:

@@ -110,10 +110,31 @@ class RequestTrace:
         return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
 
     _FIELDS: ClassVar[tuple[str, ...]] = (
-        "request_id", "prompt_tokens", "structured_output", "arrival", "decode_worker", "prefill_worker", "policy_reason",
-        "cached_blocks_found", "fell_back_to_local", "cached_tokens", "queue_s", "prefill_s", "transfer_s", "kv_bytes",
-        "kv_blocks", "kv_rank_pairs", "ttft_s", "decode_s", "e2e_s", "output_tokens", "spec_draft_tokens",
-        "spec_accepted_tokens", "finish_reason", "error")
+        "request_id",
+        "prompt_tokens",
+        "structured_output",
+        "arrival",
+        "decode_worker",
+        "prefill_worker",
+        "policy_reason",
+        "cached_blocks_found",
+        "fell_back_to_local",
+        "cached_tokens",
+        "queue_s",
+        "prefill_s",
+        "transfer_s",
+        "kv_bytes",
+        "kv_blocks",
+        "kv_rank_pairs",
+        "ttft_s",
+        "decode_s",
+        "e2e_s",
+        "output_tokens",
+        "spec_draft_tokens",
+        "spec_accepted_tokens",
+        "finish_reason",
+        "error",
+    )
 
     def to_dict(self) -> dict:
         # By hand, not dataclasses.asdict: that deep-copies itl_s, and /v1/status calls this often.
@@ -124,9 +145,13 @@ class RequestTrace:
         return d
 
     def summary(self) -> str:
-        ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"  # noqa: E731
-        return (f"{self.request_id} {self.decision} prefill ({self.reason}) P={self.prefill_worker} D={self.decode_worker} "
-                f"cached_blocks={self.cached_blocks_found} cached_tokens={self.cached_tokens}/{self.prompt_tokens} "
-                f"queue={ms(self.queue_s)} prefill={ms(self.prefill_s)} transfer={ms(self.transfer_s)} "
-                f"decode={ms(self.decode_s)} ttft={ms(self.ttft_s)} e2e={ms(self.e2e_s)} ms "
-                f"tokens={self.output_tokens} finish={self.finish_reason}")
+        def ms(v):
+            return "-" if v is None else f"{v * 1000:.1f}"
+
+        return (
+            f"{self.request_id} {self.decision} prefill ({self.reason}) P={self.prefill_worker} D={self.decode_worker} "
+            f"cached_blocks={self.cached_blocks_found} cached_tokens={self.cached_tokens}/{self.prompt_tokens} "
+            f"queue={ms(self.queue_s)} prefill={ms(self.prefill_s)} transfer={ms(self.transfer_s)} "
+            f"decode={ms(self.decode_s)} ttft={ms(self.ttft_s)} e2e={ms(self.e2e_s)} ms "
+            f"tokens={self.output_tokens} finish={self.finish_reason}"
+        )

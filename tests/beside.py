@@ -96,8 +96,9 @@ class Beside:
             return
         # Tests marked idle_host go last, and the child has ended before they start (below).
         kept = [item for item in session.items if not runs_beside(item.nodeid)]
-        session.items[:] = [item for item in kept if not item.get_closest_marker("idle_host")] + \
-                           [item for item in kept if item.get_closest_marker("idle_host")]
+        session.items[:] = [item for item in kept if not item.get_closest_marker("idle_host")] + [
+            item for item in kept if item.get_closest_marker("idle_host")
+        ]
         self._start(beside)
 
     def _start(self, items: list[pytest.Item]) -> None:
@@ -112,12 +113,20 @@ class Beside:
             args.append(f"--junitxml={_junit_beside(self.config.option.xmlpath)}")
         self.report, self.count = folder / "report.txt", len(items)
         with self.report.open("w") as out:
-            self.child = popen_at_lowest_priority(args, cwd=self.config.rootpath, env={**os.environ, IDS_ENV: str(ids)},
-                                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.child = popen_at_lowest_priority(
+                args,
+                cwd=self.config.rootpath,
+                env={**os.environ, IDS_ENV: str(ids)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         terminal = self.config.pluginmanager.get_plugin("terminalreporter")
         if terminal is not None:
-            terminal.write_line(f"{self.count} tests run beside the others at idle priority (tests/beside.py); "
-                                "their report follows at the end")
+            terminal.write_line(
+                f"{self.count} tests run beside the others at idle priority (tests/beside.py); "
+                "their report follows at the end"
+            )
 
     def _stop_child(self) -> None:
         """As Ctrl-C would: the child's session end stops its own background work; then SIGKILL."""

@@ -23,12 +23,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # `make test-fast` (-m "not slow and not gpu") never starts Ray or loads the model. Tests that do
 # either in their own body carry the mark themselves (pytestmark or @pytest.mark.slow); those of
 # tests/kvtransfer that need Ray through a parameter are marked in its conftest.
-SLOW_FIXTURES = frozenset({
-    "fake_cluster", "spare_cluster",  # tests/cluster: a FakeCluster (`ray start` and its nodes)
-    "ray_sides",  # tests/kvtransfer: a private Ray with two actors
-    "hardened",  # tests/hardening: a deployment on a private Ray
-    "reference_engine", "hf_model", "hf_references",  # the default model in this process
-})
+SLOW_FIXTURES = frozenset(
+    {
+        "fake_cluster",
+        "spare_cluster",  # tests/cluster: a FakeCluster (`ray start` and its nodes)
+        "ray_sides",  # tests/kvtransfer: a private Ray with two actors
+        "hardened",  # tests/hardening: a deployment on a private Ray
+        "reference_engine",
+        "hf_model",
+        "hf_references",  # the default model in this process
+    }
+)
 
 
 def pytest_configure(config):
@@ -47,8 +52,11 @@ def pytest_collection_finish(session):
     # transformers' answers that tests/engine compares with take about a minute of CPU when pytest's
     # cache does not keep them: computed meanwhile at idle priority (tests/engine/references.py).
     cache = getattr(session.config, "cache", None)
-    if cache is None or session.config.option.collectonly or not any(
-            "hf_references" in getattr(item, "fixturenames", ()) for item in session.items):
+    if (
+        cache is None
+        or session.config.option.collectonly
+        or not any("hf_references" in getattr(item, "fixturenames", ()) for item in session.items)
+    ):
         return
     from tests.engine import references
 

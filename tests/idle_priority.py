@@ -55,14 +55,17 @@ def cpu_beside_a_spinner(preexec, new_session: bool, seconds: float = 2.0) -> tu
     end = str(time.time() + seconds + 0.5)  # both spin until the same moment, whenever each started
     command = ["taskset", "-c", core, sys.executable, "-c", _SPIN, end]
     normal = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    other = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=new_session,
-                             preexec_fn=preexec)
+    other = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, start_new_session=new_session, preexec_fn=preexec
+    )
     return float(normal.communicate()[0]), float(other.communicate()[0])
 
 
 if __name__ == "__main__":  # the measurement docs/development.md quotes
-    for what, preexec, new_session in (("SCHED_IDLE, same session", sched_idle_only, False),
-                                       ("SCHED_IDLE, a session of its own", sched_idle_only, True),
-                                       ("lowest_priority, a session of its own", lowest_priority, True)):
+    for what, preexec, new_session in (
+        ("SCHED_IDLE, same session", sched_idle_only, False),
+        ("SCHED_IDLE, a session of its own", sched_idle_only, True),
+        ("lowest_priority, a session of its own", lowest_priority, True),
+    ):
         mine, other = cpu_beside_a_spinner(preexec, new_session, 4.0)
         print(f"{what}: {other:.2f} CPU-seconds beside {mine:.2f} at normal priority")

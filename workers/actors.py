@@ -16,16 +16,25 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.net import free_port
 from common.protocol import (
-    KVEndpoint, KVReservation, PrefillRequest, PrefillResult, RequestOutput, ResumeState, RouterClaim, WorkerHeartbeat,
-    WorkerReady, WorkerStats,
+    KVEndpoint,
+    KVReservation,
+    PrefillRequest,
+    PrefillResult,
+    RequestOutput,
+    ResumeState,
+    RouterClaim,
+    WorkerHeartbeat,
+    WorkerReady,
+    WorkerStats,
 )
 from common.roles import Role
 from common.sampling_params import SamplingParams
@@ -57,9 +66,11 @@ def normal_priority() -> int:
         except ProcessLookupError:  # the thread ended meanwhile
             continue
         except PermissionError:
-            log.warning("this worker runs at niceness %d (Ray's worker_niceness) and may not lower it: start the "
-                        "Ray nodes with RAY_worker_niceness=0 so other processes on the host cannot stall its steps",
-                        os.getpriority(os.PRIO_PROCESS, tid))
+            log.warning(
+                "this worker runs at niceness %d (Ray's worker_niceness) and may not lower it: start the "
+                "Ray nodes with RAY_worker_niceness=0 so other processes on the host cannot stall its steps",
+                os.getpriority(os.PRIO_PROCESS, tid),
+            )
             break
     return raised
 
@@ -84,6 +95,7 @@ class WorkerActor:
         # Here, not at the top: the engine loads torch, transformers, xgrammar and triton, which
         # only the actor's process needs (the driver holds this class and stays without them).
         from workers.worker import EngineWorker
+
         config = placed(config)
         if config.tp_size == 1:
             self.worker = EngineWorker(config)
@@ -99,8 +111,15 @@ class WorkerActor:
     def endpoint(self) -> KVEndpoint:
         return self.worker.endpoint()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               resume: ResumeState | None = None, router: RouterClaim | None = None, attempt: int = 0) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume: ResumeState | None = None,
+        router: RouterClaim | None = None,
+        attempt: int = 0,
+    ) -> None:
         return self.worker.submit(request_id, prompt_token_ids, params, resume, router, attempt)
 
     def compile_grammar(self, params: SamplingParams) -> None:
@@ -115,8 +134,14 @@ class WorkerActor:
     def kv_links(self) -> list[PeerLink]:
         return self.worker.kv_links()
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                router: RouterClaim | None = None, attempt: int = 0) -> KVReservation | None:
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        router: RouterClaim | None = None,
+        attempt: int = 0,
+    ) -> KVReservation | None:
         return self.worker.reserve(request_id, prompt_token_ids, params, router, attempt)
 
     def start_decode(self, request_id: str, first_token: int) -> None:
@@ -147,6 +172,7 @@ class TPRankActor:
     def __init__(self, config: WorkerConfig, rank: int) -> None:
         normal_priority()
         from workers.tp_rank import TPRankWorker  # in the actor's process only, as EngineWorker above
+
         self.rank = TPRankWorker(config, rank)
 
     def endpoint(self) -> KVEndpoint:
@@ -161,11 +187,17 @@ class TPRankActor:
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
         return self.rank.expect(request_id, block_ids, timeout_s)
 
-    def wait(self, request_id: str) -> "TransferResult":
+    def wait(self, request_id: str) -> TransferResult:
         return self.rank.wait(request_id)
 
-    def send(self, peers: list[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int], request_id: str,
-             timeout_s: float) -> list:
+    def send(
+        self,
+        peers: list[KVEndpoint],
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        request_id: str,
+        timeout_s: float,
+    ) -> list:
         return self.rank.send(peers, src_block_ids, dst_block_ids, request_id, timeout_s)
 
     def abort(self, request_id: str) -> None:
@@ -189,15 +221,18 @@ class RayRankFollowers:
         self._pids: list[int] | None = None
 
     @classmethod
-    def start(cls, config: WorkerConfig) -> "RayRankFollowers":
+    def start(cls, config: WorkerConfig) -> RayRankFollowers:
         group = ray.util.get_current_placement_group()
         remote = ray.remote(max_concurrency=ACTOR_MAX_CONCURRENCY)(TPRankActor)
         handles = []
         for rank in range(1, config.tp_size):
             if group is not None and rank < len(group.bundle_specs):
                 bundle = group.bundle_specs[rank]
-                options = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0),
-                           "scheduling_strategy": PlacementGroupSchedulingStrategy(group, rank)}
+                options = {
+                    "num_cpus": bundle.get("CPU", 0),
+                    "num_gpus": bundle.get("GPU", 0),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(group, rank),
+                }
             else:  # not placed by Baton's launcher (tests): beside it, without resources
                 options = {"num_cpus": 0}
             handles.append(remote.options(**options).remote(config, rank))
@@ -207,6 +242,7 @@ class RayRankFollowers:
         """End this process when a rank's steps end or its actor dies, unless this worker is
         shutting down: the group cannot step without it, and Ray restarts the whole worker (its
         requests migrate meanwhile)."""
+
         def wait_for_a_loss() -> None:
             refs = [h.wait_stopped.remote() for h in self.handles]
             ray.wait(refs, num_returns=1, timeout=None)
@@ -235,11 +271,17 @@ class RayRankFollowers:
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
         ray.get([h.expect.remote(request_id, block_ids, timeout_s) for h in self.handles])
 
-    def wait(self, request_id: str) -> list["TransferResult"]:
+    def wait(self, request_id: str) -> list[TransferResult]:
         return ray.get([h.wait.remote(request_id) for h in self.handles])
 
-    def send(self, peers: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int],
-             request_id: str, timeout_s: float):
+    def send(
+        self,
+        peers: Sequence[KVEndpoint],
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        request_id: str,
+        timeout_s: float,
+    ):
         refs = [h.send.remote(list(peers), src_block_ids, dst_block_ids, request_id, timeout_s) for h in self.handles]
         return lambda: [link for links in ray.get(refs) for link in links]
 

@@ -41,8 +41,9 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -273,4 +274,3 @@ class BlockManager:
                 assert block.token_ids is not None
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash
-

@@ -62,24 +62,37 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method in SPECULATIVE_METHODS_LATER:
-            raise ValueError(f"speculative_config.method {self.method!r} is not yet supported; "
-                             f"supported: {', '.join(SPECULATIVE_METHODS)}")
+            raise ValueError(
+                f"speculative_config.method {self.method!r} is not yet supported; "
+                f"supported: {', '.join(SPECULATIVE_METHODS)}"
+            )
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                             f"got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "suffix_decoding_max_tree_depth"):
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "suffix_decoding_max_tree_depth",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if (not isinstance(self.suffix_decoding_max_cached_requests, int)
-                or isinstance(self.suffix_decoding_max_cached_requests, bool)
-                or self.suffix_decoding_max_cached_requests < 0):
-            raise ValueError(f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, "
-                             f"got {self.suffix_decoding_max_cached_requests!r}")
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if (
+            not isinstance(self.suffix_decoding_max_cached_requests, int)
+            or isinstance(self.suffix_decoding_max_cached_requests, bool)
+            or self.suffix_decoding_max_cached_requests < 0
+        ):
+            raise ValueError(
+                f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, "
+                f"got {self.suffix_decoding_max_cached_requests!r}"
+            )
         factor = self.suffix_decoding_max_spec_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
             raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
@@ -93,18 +106,24 @@ class SpeculativeConfig:
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"speculative_config.dtype must be one of {', '.join(DTYPES)} or null, got {self.dtype!r}")
         if self.method != "draft_model" and (self.dtype, self.quantization) != (None, None):
-            raise ValueError(f"speculative_config.dtype and quantization are for method 'draft_model', not {self.method!r}")
+            raise ValueError(
+                f"speculative_config.dtype and quantization are for method 'draft_model', not {self.method!r}"
+            )
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"speculative_config.quantization must be null or 'fp8', got {self.quantization!r}")
         if self.draft_tensor_parallel_size not in (None, 1):
-            raise ValueError(f"speculative_config.draft_tensor_parallel_size {self.draft_tensor_parallel_size!r} is not "
-                             "yet supported: the draft runs whole on the decode worker (1)")
+            raise ValueError(
+                f"speculative_config.draft_tensor_parallel_size {self.draft_tensor_parallel_size!r} is not "
+                "yet supported: the draft runs whole on the decode worker (1)"
+            )
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-            raise ValueError(f"speculative_config.disable_by_batch_size must be a positive integer or null, got {size!r}")
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size must be a positive integer or null, got {size!r}"
+            )
 
     @classmethod
-    def from_json(cls, text: str) -> "SpeculativeConfig":
+    def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse `--speculative-config`; ValueError naming the key for bad JSON, keys or values."""
         try:
             raw = json.loads(text)
@@ -127,48 +146,99 @@ class EngineConfig:
     """Knobs named as in vLLM where the same knob exists."""
 
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
-    kv_cache_memory: int | None = field(default=None, metadata={
-        "help": "KV cache per worker, in bytes or with a unit such as 512MiB or 2GB (default: 1GiB on the CPU; "
-                "on a GPU, what --gpu-memory-utilization leaves)", "size": True, "example": "16GiB"})
-    gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "on a GPU without --kv-cache-memory: the fraction of the device's memory the worker uses; the KV "
-                "cache gets it less the weights and the profiled activation peak (vLLM's flag)", "example": 0.8})
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata={
+            "help": "KV cache per worker, in bytes or with a unit such as 512MiB or 2GB (default: 1GiB on the CPU; "
+            "on a GPU, what --gpu-memory-utilization leaves)",
+            "size": True,
+            "example": "16GiB",
+        },
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={
+            "help": "on a GPU without --kv-cache-memory: the fraction of the device's memory the worker uses; the KV "
+            "cache gets it less the weights and the profiled activation peak (vLLM's flag)",
+            "example": 0.8,
+        },
+    )
     num_kv_blocks: int | None = field(default=None, metadata={"internal": True})  # wins over kv_cache_memory
     max_num_seqs: int = field(default=64, metadata={"help": "sequences in one worker's batch at most"})
     # Serving wants prompts to finish one at a time so decoding starts sooner; offline benchmarks
     # that want whole batches of prompts per step pass a larger budget.
-    max_num_batched_tokens: int = field(default=256, metadata={
-        "help": "tokens per engine step, shared by decodes and prefill chunks (chunked prefill)"})
-    max_model_len: int | None = field(default=None, metadata={
-        "help": "context length limit (default: the model's, capped by what the KV cache holds)"})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of shared prompt prefixes"})
+    max_num_batched_tokens: int = field(
+        default=256, metadata={"help": "tokens per engine step, shared by decodes and prefill chunks (chunked prefill)"}
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "context length limit (default: the model's, capped by what the KV cache holds)"},
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse cached KV blocks of shared prompt prefixes"}
+    )
     dtype: str = field(default="float32", metadata={"help": "weights and activations dtype", "choices": DTYPES})
-    kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "KV cache dtype; auto: the model dtype; fp8: e4m3 with per-layer scales calibrated at start-up",
-        "choices": KV_CACHE_DTYPES})
-    quantization: str | None = field(default=None, metadata={
-        "help": "fp8: quantize every linear layer to FP8 (e4m3, per-channel scales) at load time; "
-                "FP8 checkpoints load as FP8 without it", "choices": QUANTIZATIONS})
-    kernel_backend: str = field(default="auto", metadata={
-        "help": "auto: Triton on CUDA, native C++ kernels on the CPU (PyTorch reference where an op has none or no "
-                "compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1", "choices": KERNEL_BACKENDS})
-    packed_linear: bool = field(default=True, metadata={
-        "help": "CPU linear layers on weights packed at load time (float32: the native small-M kernel, else oneDNN)"})
-    float32_prompt_matmul: str = field(default="bf16x3", metadata={
-        "help": "a float32 model's projections of prompt tokens on CPUs with AMX-BF16: bf16x3 takes each product "
-                "as three bfloat16 ones on the tile unit (about 16 significant bits, 2x faster), ieee in float32 "
-                "as elsewhere; decode tokens always run in float32", "choices": FLOAT32_PROMPT_MATMULS})
-    speculative_config: str | None = field(default=None, metadata={
-        "help": "speculative decoding on the decode pool, as JSON with vLLM's keys: method (ngram, suffix or "
-                "draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, suffix_decoding_*, model, "
-                "disable_by_batch_size",
-        "example": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}'})
-    enable_expert_parallel: bool = field(default=False, metadata={
-        "help": "mixture-of-experts models with --tensor-parallel-size N: each rank holds 1/N of the experts "
-                "whole (vLLM's flag); without it every rank holds 1/N of every expert's intermediate channels"})
-    enforce_eager: bool = field(default=False, metadata={
-        "help": "run every step layer by layer (vLLM's flag): no CUDA graphs for decode steps on a GPU, "
-                "and on the CPU no float32 step's decoder layers in one native call"})
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "KV cache dtype; auto: the model dtype; fp8: e4m3 with per-layer scales calibrated at start-up",
+            "choices": KV_CACHE_DTYPES,
+        },
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "fp8: quantize every linear layer to FP8 (e4m3, per-channel scales) at load time; "
+            "FP8 checkpoints load as FP8 without it",
+            "choices": QUANTIZATIONS,
+        },
+    )
+    kernel_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: Triton on CUDA, native C++ kernels on the CPU (PyTorch reference where an op has none or no "
+            "compiler is found); triton on CPU tensors needs TRITON_INTERPRET=1",
+            "choices": KERNEL_BACKENDS,
+        },
+    )
+    packed_linear: bool = field(
+        default=True,
+        metadata={
+            "help": "CPU linear layers on weights packed at load time (float32: the native small-M kernel, else oneDNN)"
+        },
+    )
+    float32_prompt_matmul: str = field(
+        default="bf16x3",
+        metadata={
+            "help": "a float32 model's projections of prompt tokens on CPUs with AMX-BF16: bf16x3 takes each product "
+            "as three bfloat16 ones on the tile unit (about 16 significant bits, 2x faster), ieee in float32 "
+            "as elsewhere; decode tokens always run in float32",
+            "choices": FLOAT32_PROMPT_MATMULS,
+        },
+    )
+    speculative_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding on the decode pool, as JSON with vLLM's keys: method (ngram, suffix or "
+            "draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, suffix_decoding_*, model, "
+            "disable_by_batch_size",
+            "example": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}',
+        },
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "mixture-of-experts models with --tensor-parallel-size N: each rank holds 1/N of the experts "
+            "whole (vLLM's flag); without it every rank holds 1/N of every expert's intermediate channels"
+        },
+    )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "run every step layer by layer (vLLM's flag): no CUDA graphs for decode steps on a GPU, "
+            "and on the CPU no float32 step's decoder layers in one native call"
+        },
+    )
     device: str = field(default="cpu", metadata={"internal": True})
     num_threads: int | None = field(default=None, metadata={"internal": True})
     # A CPU decode worker may run a step on up to this many threads while the host's other cores
@@ -177,8 +247,9 @@ class EngineConfig:
     # One (k_scale, v_scale) per layer for an FP8 KV cache; calibrated at load time when None.
     kv_scales: tuple[tuple[float, float], ...] | None = field(default=None, metadata={"internal": True})
     # speculative_config parsed (set from it on construction; None: no speculative decoding).
-    speculative: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False,
-                                                  metadata={"internal": True})
+    speculative: SpeculativeConfig | None = field(
+        init=False, default=None, repr=False, compare=False, metadata={"internal": True}
+    )
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -191,13 +262,21 @@ class EngineConfig:
         for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads", "max_threads"):
             if getattr(self, name) is not None:
                 positive(name)
-        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
-                or not 0 < self.gpu_memory_utilization <= 1:
+        if (
+            isinstance(self.gpu_memory_utilization, bool)
+            or not isinstance(self.gpu_memory_utilization, (int, float))
+            or not 0 < self.gpu_memory_utilization <= 1
+        ):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        for name, allowed in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES), ("quantization", QUANTIZATIONS),
-                              ("kernel_backend", KERNEL_BACKENDS), ("float32_prompt_matmul", FLOAT32_PROMPT_MATMULS)):
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("quantization", QUANTIZATIONS),
+            ("kernel_backend", KERNEL_BACKENDS),
+            ("float32_prompt_matmul", FLOAT32_PROMPT_MATMULS),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.packed_linear, bool):
@@ -207,8 +286,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, str):
             raise ValueError(f"speculative_config must be a JSON string, got {self.speculative_config!r}")
-        self.speculative = (SpeculativeConfig.from_json(self.speculative_config)
-                            if self.speculative_config is not None else None)
+        self.speculative = (
+            SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config is not None else None
+        )
         if self.kv_scales is not None:
             scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
             if not all(k > 0 and v > 0 and k < float("inf") and v < float("inf") for k, v in scales):

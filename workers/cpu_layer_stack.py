@@ -59,27 +59,57 @@ def cpu_layer_stack(model, kv_cache: torch.Tensor, tp_group=None, prompt_matmul:
     tiled = prompt_matmul == "bf16x3" and amx_linear.ready()
     first = model.layers[0]
     geometry = LayerGeometry(
-        hidden_size=model.config.hidden_size, intermediate_size=model.config.intermediate_size,
-        num_heads=first.self_attn.num_heads, num_kv_heads=first.self_attn.num_kv_heads,
-        head_dim=first.self_attn.head_dim, eps=first.eps, scale=first.self_attn.scale, softcap=first.self_attn.softcap)
+        hidden_size=model.config.hidden_size,
+        intermediate_size=model.config.intermediate_size,
+        num_heads=first.self_attn.num_heads,
+        num_kv_heads=first.self_attn.num_kv_heads,
+        head_dim=first.self_attn.head_dim,
+        eps=first.eps,
+        scale=first.self_attn.scale,
+        softcap=first.self_attn.softcap,
+    )
     layers = []
     for i, layer in enumerate(model.layers):
-        projections = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
-                       "down": layer.mlp.down_proj}
-        layers.append(LayerWeights(
-            input_norm=layer.input_layernorm.data, post_norm=layer.post_attention_layernorm.data,
-            k_cache=kv_cache[i, 0], v_cache=kv_cache[i, 1], window=layer.self_attn.window,
-            **{name: _packed(p) for name, p in projections.items()},
-            **{f"{name}_tiles": amx_linear.pack_weight(_packed(p)) for name, p in projections.items() if tiled}))
+        projections = {
+            "qkv": layer.self_attn.qkv_proj,
+            "o": layer.self_attn.o_proj,
+            "gate_up": layer.mlp.gate_up_proj,
+            "down": layer.mlp.down_proj,
+        }
+        layers.append(
+            LayerWeights(
+                input_norm=layer.input_layernorm.data,
+                post_norm=layer.post_attention_layernorm.data,
+                k_cache=kv_cache[i, 0],
+                v_cache=kv_cache[i, 1],
+                window=layer.self_attn.window,
+                **{name: _packed(p) for name, p in projections.items()},
+                **{f"{name}_tiles": amx_linear.pack_weight(_packed(p)) for name, p in projections.items() if tiled},
+            )
+        )
     return LayerStack(geometry, layers, model.cos_sin_cache)
 
 
-def stack_hidden(model, stack: LayerStack, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata, prompt_runs: torch.Tensor | None = None) -> torch.Tensor:
+def stack_hidden(
+    model,
+    stack: LayerStack,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    prompt_runs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The model's final hidden states [tokens, hidden] (normed), as model.forward returns them
     (prompt_runs: see StackBatch)."""
-    batch = StackBatch(positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                       meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens, prompt_runs)
+    batch = StackBatch(
+        positions,
+        meta.slot_mapping,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        meta.prefill_block_tables,
+        meta.prefill_query_start_loc,
+        meta.prefill_context_lens,
+        prompt_runs,
+    )
     hidden, residual = stack.run(model.embed_tokens(input_ids), batch, torch.get_num_threads())
     hidden, _ = model.ops.rms_norm(hidden, model.norm, model.config.rms_norm_eps, residual)
     return hidden

@@ -92,8 +92,17 @@ class DecodeGraphs:
     new_graph: makes one Graph per bucket (cuda_graph_factory() on CUDA).
     """
 
-    def __init__(self, buckets: GraphBuckets, decode: DecodeFn, *, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device | str, new_graph: Callable[[], Graph]) -> None:
+    def __init__(
+        self,
+        buckets: GraphBuckets,
+        decode: DecodeFn,
+        *,
+        max_blocks_per_seq: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        new_graph: Callable[[], Graph],
+    ) -> None:
         if max_blocks_per_seq < 1:
             raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
         self.buckets = buckets
@@ -124,15 +133,22 @@ class DecodeGraphs:
 
     def _step_fn(self, size: int) -> Callable[[], None]:
         def step() -> None:
-            hidden = self.decode(self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
-                                 self.block_tables[:size], self.context_lens[:size])
+            hidden = self.decode(
+                self.input_ids[:size],
+                self.positions[:size],
+                self.slot_mapping[:size],
+                self.block_tables[:size],
+                self.context_lens[:size],
+            )
             self.output[:size].copy_(hidden)
+
         return step
 
     def fits(self, block_rows: Sequence[Sequence[int]]) -> bool:
         """Whether a decode batch with these block tables can replay a graph."""
-        return (self.buckets.bucket_for(len(block_rows)) is not None
-                and all(len(r) <= self.max_blocks_per_seq for r in block_rows))
+        return self.buckets.bucket_for(len(block_rows)) is not None and all(
+            len(r) <= self.max_blocks_per_seq for r in block_rows
+        )
 
     def reset_padding(self, start: int, end: int | None = None) -> None:
         """Rows [start, end) become padding: token 0, position 0, no KV slot, one token of context in block 0."""
@@ -143,8 +159,14 @@ class DecodeGraphs:
         self.block_tables[rows] = 0
         self.context_lens[rows] = 1
 
-    def prepare(self, input_ids: Sequence[int], positions: Sequence[int], slot_mapping: Sequence[int],
-                block_rows: Sequence[Sequence[int]], context_lens: Sequence[int]) -> int:
+    def prepare(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slot_mapping: Sequence[int],
+        block_rows: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+    ) -> int:
         """Copy one decode step's inputs into the static buffers (rows [0, n)), padding into rows
         [n, bucket); the bucket to replay.
 
@@ -154,18 +176,27 @@ class DecodeGraphs:
         n = len(block_rows)
         bucket = self.buckets.bucket_for(n)
         if bucket is None or not (len(input_ids) == len(positions) == len(slot_mapping) == len(context_lens) == n):
-            raise ValueError(f"a decode batch of {n} sequences ({len(input_ids)} tokens) has no graph bucket "
-                             f"(largest {self.buckets.largest})")
+            raise ValueError(
+                f"a decode batch of {n} sequences ({len(input_ids)} tokens) has no graph bucket "
+                f"(largest {self.buckets.largest})"
+            )
         width = max(1, max(len(r) for r in block_rows))
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {width} blocks is wider than the graphs' {self.max_blocks_per_seq}")
         pad = bucket - n
         # One host tensor per buffer, one copy each, covering the padding rows too.
-        host = torch.tensor([list(input_ids) + [0] * pad, list(positions) + [0] * pad,
-                             list(slot_mapping) + [PAD_SLOT] * pad, list(context_lens) + [1] * pad],
-                            dtype=torch.int64)
-        table = torch.tensor([list(r) + [0] * (width - len(r)) for r in block_rows] + [[0] * width] * pad,
-                             dtype=torch.int32)
+        host = torch.tensor(
+            [
+                list(input_ids) + [0] * pad,
+                list(positions) + [0] * pad,
+                list(slot_mapping) + [PAD_SLOT] * pad,
+                list(context_lens) + [1] * pad,
+            ],
+            dtype=torch.int64,
+        )
+        table = torch.tensor(
+            [list(r) + [0] * (width - len(r)) for r in block_rows] + [[0] * width] * pad, dtype=torch.int32
+        )
         self.input_ids[:bucket].copy_(host[0], non_blocking=True)
         self.positions[:bucket].copy_(host[1], non_blocking=True)
         self.slot_mapping[:bucket].copy_(host[2], non_blocking=True)
@@ -173,8 +204,14 @@ class DecodeGraphs:
         self.block_tables[:bucket, :width].copy_(table, non_blocking=True)
         return bucket
 
-    def run(self, input_ids: Sequence[int], positions: Sequence[int], slot_mapping: Sequence[int],
-            block_rows: Sequence[Sequence[int]], context_lens: Sequence[int]) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slot_mapping: Sequence[int],
+        block_rows: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+    ) -> torch.Tensor:
         """Run one decode step by replay: hidden states [n, hidden_size] of the n real rows only.
         The result is a view of the static output buffer, valid until the next replay."""
         if not self.graphs:

@@ -39,8 +39,9 @@ def fp8_uses(quantization: str | None, kv_cache_dtype: str, fp8_checkpoint: bool
     return uses
 
 
-def check_fp8_config(device: DeviceSpec, quantization: str | None = None, kv_cache_dtype: str = "auto",
-                     fp8_checkpoint: bool = False) -> None:
+def check_fp8_config(
+    device: DeviceSpec, quantization: str | None = None, kv_cache_dtype: str = "auto", fp8_checkpoint: bool = False
+) -> None:
     """ValueError when the configuration needs FP8 and `device` lacks it (kernels.plan.fp8_supported:
     a GPU below compute capability 8.9). The CPU runs FP8 on its reference kernels: allowed."""
     uses = fp8_uses(quantization, kv_cache_dtype, fp8_checkpoint)
@@ -56,11 +57,13 @@ def check_fp8_config(device: DeviceSpec, quantization: str | None = None, kv_cac
     raise ValueError(
         f"{' and '.join(uses)} needs a GPU with native FP8 (compute capability 8.9 or later: Ada, Hopper, "
         f"Blackwell); this worker's GPU is {device.describe()}. On it, {' and '.join(alternatives)} "
-        "(--dtype bfloat16 keeps the memory low)")
+        "(--dtype bfloat16 keeps the memory low)"
+    )
 
 
-def gpu_kv_cache_blocks(total_bytes: int, utilization: float, weight_bytes: int, activation_peak_bytes: int,
-                        block_bytes: int) -> int:
+def gpu_kv_cache_blocks(
+    total_bytes: int, utilization: float, weight_bytes: int, activation_peak_bytes: int, block_bytes: int
+) -> int:
     """KV blocks that fit in `utilization` of a device's `total_bytes` once the weights and the
     activation peak are taken out: floor((total * utilization - weights - activations) / block).
 
@@ -68,15 +71,19 @@ def gpu_kv_cache_blocks(total_bytes: int, utilization: float, weight_bytes: int,
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     if block_bytes < 1 or total_bytes < 1 or weight_bytes < 0 or activation_peak_bytes < 0:
-        raise ValueError(f"invalid sizes: total {total_bytes}, weights {weight_bytes}, "
-                         f"activations {activation_peak_bytes}, block {block_bytes} bytes")
+        raise ValueError(
+            f"invalid sizes: total {total_bytes}, weights {weight_bytes}, "
+            f"activations {activation_peak_bytes}, block {block_bytes} bytes"
+        )
     budget = int(total_bytes * utilization)
     left = budget - weight_bytes - activation_peak_bytes
     if left < block_bytes:
         raise ValueError(
-            f"no GPU memory left for the KV cache: --gpu-memory-utilization {utilization} of {total_bytes / GIB:.2f} GiB "
+            f"no GPU memory left for the KV cache: --gpu-memory-utilization {utilization} "
+            f"of {total_bytes / GIB:.2f} GiB "
             f"is {budget / GIB:.2f} GiB, the weights take {weight_bytes / GIB:.2f} GiB and the activation peak "
             f"{activation_peak_bytes / GIB:.2f} GiB, leaving {max(left, 0) / GIB:.2f} GiB, less than one KV block "
             f"({block_bytes} bytes); raise --gpu-memory-utilization, lower --max-num-batched-tokens, use a "
-            "smaller --dtype or --quantization fp8, or give --kv-cache-memory")
+            "smaller --dtype or --quantization fp8, or give --kv-cache-memory"
+        )
     return left // block_bytes

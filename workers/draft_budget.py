@@ -162,8 +162,10 @@ class StepCostFit:
             return MAX_TOKEN_COST
         # A pass drafts for the batch and costs at least what one over fewer sequences did: the
         # seconds of a draft measured at m < n sequences, times m, over n (else the bytes' prior).
-        floor = max((s / d * m / num_decoding for m, (s, d) in self._proposals.items() if m < num_decoding and d > 0),
-                    default=0.0)
+        floor = max(
+            (s / d * m / num_decoding for m, (s, d) in self._proposals.items() if m < num_decoding and d > 0),
+            default=0.0,
+        )
         prior = max(self.draft_prior / max(num_decoding, 1), floor / fixed)
         seconds, drafts = self._proposals.get(num_decoding, (0.0, 0.0))
         return (seconds / fixed + prior * DRAFT_COST_PRIOR_WEIGHT) / (drafts + DRAFT_COST_PRIOR_WEIGHT)
@@ -211,8 +213,9 @@ def most_that_could_pay(acceptance: float, bound: float, limit: int, probe: bool
     return max(most, 1 if probe and limit > 0 else 0)
 
 
-def draft_counts(available: list[int], acceptance: list[float], token_cost: float, probes: list[bool],
-                 budget: int) -> list[int]:
+def draft_counts(
+    available: list[int], acceptance: list[float], token_cost: float, probes: list[bool], budget: int
+) -> list[int]:
     """How many of its available drafts each decoding sequence verifies this step (see the module's
     docstring): probes take one draft first, then drafts in falling order of chance while each
     raises the expected tokens per second, at most budget drafts in all."""
@@ -224,8 +227,11 @@ def draft_counts(available: list[int], acceptance: list[float], token_cost: floa
             counts[i], over = 0, over - 1
     expected = len(available) + sum(a for a, c in zip(acceptance, counts) if c)
     tokens = len(available) + sum(counts)
-    heap = [(-acceptance[i] ** (counts[i] + 1), i) for i in range(len(available))
-            if counts[i] < available[i] and acceptance[i] > 0]
+    heap = [
+        (-(acceptance[i] ** (counts[i] + 1)), i)
+        for i in range(len(available))
+        if counts[i] < available[i] and acceptance[i] > 0
+    ]
     heapq.heapify(heap)
     while heap and tokens - len(available) < budget:
         gain = -heap[0][0]
@@ -236,5 +242,5 @@ def draft_counts(available: list[int], acceptance: list[float], token_cost: floa
         expected += gain
         tokens += 1
         if counts[i] < available[i]:
-            heapq.heappush(heap, (-acceptance[i] ** (counts[i] + 1), i))
+            heapq.heappush(heap, (-(acceptance[i] ** (counts[i] + 1)), i))
     return counts

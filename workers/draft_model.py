@@ -54,8 +54,8 @@ import torch
 
 from common.block_hash import ROOT_PARENT_HASH, hash_prefix_blocks
 from common.protocol import KVLayout
-from kvtransfer.base import dtype_name
 from common.sampling_params import SamplingParams
+from kvtransfer.base import dtype_name
 from workers.config import EngineConfig, SpeculativeConfig
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner, iter_safetensors, kv_cache_torch_dtype, model_bytes
@@ -91,7 +91,11 @@ class DraftCacheState:
                 break
             n += 1
         blocks = 0
-        while blocks < len(self.block_ids) and blocks < len(seq.block_ids) and self.block_ids[blocks] == seq.block_ids[blocks]:
+        while (
+            blocks < len(self.block_ids)
+            and blocks < len(seq.block_ids)
+            and self.block_ids[blocks] == seq.block_ids[blocks]
+        ):
             blocks += 1
         return min(n, blocks * block_size)
 
@@ -111,8 +115,8 @@ def chained_hashes(seq: Sequence, start: int, stop: int, block_size: int) -> lis
     if len(known) >= stop:
         return known[start:stop]
     parent = known[-1] if known else ROOT_PARENT_HASH
-    more = hash_prefix_blocks(seq.token_ids[len(known) * block_size: stop * block_size], block_size, parent)
-    return known[start:] + more if start <= len(known) else more[start - len(known):]
+    more = hash_prefix_blocks(seq.token_ids[len(known) * block_size : stop * block_size], block_size, parent)
+    return known[start:] + more if start <= len(known) else more[start - len(known) :]
 
 
 def keys_ahead(seq: Sequence, generator: torch.Generator | None) -> tuple[SamplingParams, torch.Generator] | None:
@@ -134,8 +138,10 @@ def load_draft(config: SpeculativeConfig, target: ModelConfig) -> tuple[ModelCon
         raise ValueError(f"speculative_config.model {config.model!r} is not a model folder (no config.json)")
     draft = ModelConfig.from_model_dir(path)
     if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative_config.model has a vocabulary of {draft.vocab_size} tokens, the served model "
-                         f"{target.vocab_size}: the draft must share the target's tokenizer")
+        raise ValueError(
+            f"speculative_config.model has a vocabulary of {draft.vocab_size} tokens, the served model "
+            f"{target.vocab_size}: the draft must share the target's tokenizer"
+        )
     return draft, path
 
 
@@ -144,9 +150,16 @@ class DraftModelProposer:
 
     draws_with_keys = True
 
-    def __init__(self, config: SpeculativeConfig, target: ModelConfig, engine_config: EngineConfig,
-                 num_blocks: int, max_model_len: int, target_bytes: int,
-                 allocate_kv: AllocateKV | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target: ModelConfig,
+        engine_config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        target_bytes: int,
+        allocate_kv: AllocateKV | None = None,
+    ) -> None:
         """`allocate_kv(layout, num_blocks)`: where the draft's cache lives (a worker's KV transport,
         so that handoffs carry it); None: a tensor of its own."""
         draft_config, path = load_draft(config, target)
@@ -156,16 +169,29 @@ class DraftModelProposer:
         self.first_scratch = num_blocks
         total = num_blocks + self.scratch_per_seq * engine_config.max_num_seqs
         # The draft runs in its own dtype (default: the target's), its KV unquantized and its steps eager.
-        draft_engine = dataclasses.replace(engine_config, speculative_config=None, kv_cache_dtype="auto",
-                                           dtype=config.dtype or engine_config.dtype,
-                                           quantization=config.quantization, enforce_eager=True,
-                                           max_model_len=max_model_len)
+        draft_engine = dataclasses.replace(
+            engine_config,
+            speculative_config=None,
+            kv_cache_dtype="auto",
+            dtype=config.dtype or engine_config.dtype,
+            quantization=config.quantization,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+        )
         kv_dtype = kv_cache_torch_dtype(draft_engine)
-        self.layout = KVLayout(num_layers=draft_config.num_layers, num_kv_heads=draft_config.num_kv_heads,
-                               head_dim=draft_config.head_dim, block_size=self.block_size, dtype=dtype_name(kv_dtype),
-                               layer_windows=draft_config.layer_windows)
-        kv_cache = (allocate_kv(self.layout, total) if allocate_kv is not None else
-                    torch.zeros(self.layout.cache_shape(total), dtype=kv_dtype, device=torch.device(engine_config.device)))
+        self.layout = KVLayout(
+            num_layers=draft_config.num_layers,
+            num_kv_heads=draft_config.num_kv_heads,
+            head_dim=draft_config.head_dim,
+            block_size=self.block_size,
+            dtype=dtype_name(kv_dtype),
+            layer_windows=draft_config.layer_windows,
+        )
+        kv_cache = (
+            allocate_kv(self.layout, total)
+            if allocate_kv is not None
+            else torch.zeros(self.layout.cache_shape(total), dtype=kv_dtype, device=torch.device(engine_config.device))
+        )
         self.runner = ModelRunner(draft_config, draft_engine, iter_safetensors(path), kv_cache=kv_cache)
         # A draft step streams the draft's weights as a target step streams the target's.
         self.relative_cost = model_bytes(self.runner.model) / max(target_bytes, 1)
@@ -186,15 +212,21 @@ class DraftModelProposer:
         if not run:
             return
         ran = {id(c) for c in run}
-        views = [ScheduledChunk(DraftView(c.seq.token_ids, c.seq.block_ids, c.seq.num_computed_tokens,
-                                          c.seq.num_prompt_tokens), c.num_tokens)
-                 for c in sorted(run, key=lambda c: c.num_tokens != 1)]  # single-token chunks first
+        views = [
+            ScheduledChunk(
+                DraftView(c.seq.token_ids, c.seq.block_ids, c.seq.num_computed_tokens, c.seq.num_prompt_tokens),
+                c.num_tokens,
+            )
+            for c in sorted(run, key=lambda c: c.num_tokens != 1)
+        ]  # single-token chunks first
         self.runner.execute(views, [False] * len(views))
         self.num_computed_tokens += sum(c.num_tokens for c in run)
         for c, for_peer in chunks:
             if not for_peer and id(c) in ran:
                 seq, end = c.seq, c.seq.num_computed_tokens + c.num_tokens
-                self._cached[seq.request_id] = DraftCacheState(seq.token_ids[:end], list(seq.block_ids), seq.num_preemptions)
+                self._cached[seq.request_id] = DraftCacheState(
+                    seq.token_ids[:end], list(seq.block_ids), seq.num_preemptions
+                )
                 self._refill(seq, seq.num_computed_tokens, end)
 
     def _extends(self, chunk: ScheduledChunk) -> bool:
@@ -224,10 +256,11 @@ class DraftModelProposer:
         for the same tokens, it has KV for the whole prompt and catches up from its end (True);
         otherwise it runs the prompt again at its first proposal."""
         if not self._holds(seq, num_cached_tokens // self.block_size):
-            self._forget_filled(seq.block_ids[num_cached_tokens // self.block_size:])  # the transfer wrote them
+            self._forget_filled(seq.block_ids[num_cached_tokens // self.block_size :])  # the transfer wrote them
             return False
-        self._cached[seq.request_id] = DraftCacheState(list(seq.prompt_token_ids), list(seq.block_ids),
-                                                       seq.num_preemptions)
+        self._cached[seq.request_id] = DraftCacheState(
+            list(seq.prompt_token_ids), list(seq.block_ids), seq.num_preemptions
+        )
         self._refill(seq, num_cached_tokens, seq.num_prompt_tokens)
         return True
 
@@ -236,8 +269,9 @@ class DraftModelProposer:
             self._filled.pop(block_id, None)
 
     @torch.inference_mode()
-    def propose_many(self, seqs: list[Sequence], limits: list[int],
-                     generators: list[torch.Generator | None] | None = None) -> list[list[int]]:
+    def propose_many(
+        self, seqs: list[Sequence], limits: list[int], generators: list[torch.Generator | None] | None = None
+    ) -> list[list[int]]:
         active = [i for i, limit in enumerate(limits) if limit > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not active:
@@ -246,15 +280,24 @@ class DraftModelProposer:
 
         def rows(order: list[int]) -> list[SamplingRow | None]:
             """The sampler's row of each sequence's next draft (None: the draft's argmax)."""
-            return [None if keys.get(i) is None else SamplingRow(keys[i][0], seqs[i].output_token_ids + drafts[i],
-                                                                seqs[i].prompt_token_ids, keys[i][1]) for i in order]
+            return [
+                None
+                if keys.get(i) is None
+                else SamplingRow(keys[i][0], seqs[i].output_token_ids + drafts[i], seqs[i].prompt_token_ids, keys[i][1])
+                for i in order
+            ]
+
         views, done_before = {}, {}
         for slot, i in enumerate(active):
             seq = seqs[i]
             state = self._cached.setdefault(seq.request_id, DraftCacheState())
             done = min(state.valid_prefix(seq, self.block_size), seq.num_tokens - 1)
-            scratch = list(range(self.first_scratch + slot * self.scratch_per_seq,
-                                 self.first_scratch + (slot + 1) * self.scratch_per_seq))
+            scratch = list(
+                range(
+                    self.first_scratch + slot * self.scratch_per_seq,
+                    self.first_scratch + (slot + 1) * self.scratch_per_seq,
+                )
+            )
             views[i] = DraftView(list(seq.token_ids), list(seq.block_ids) + scratch, done, seq.num_prompt_tokens)
             done_before[i] = done
         # Step 1: every sequence's uncomputed tokens (single-token chunks first, as StepInputs wants).
@@ -280,7 +323,9 @@ class DraftModelProposer:
             seq, view = seqs[i], views[i]
             # KV was written for the view's computed tokens; only those in the sequence's own blocks stay.
             kept = min(view.num_computed_tokens, len(seq.block_ids) * self.block_size)
-            self._cached[seq.request_id] = DraftCacheState(view.token_ids[:kept], list(seq.block_ids), seq.num_preemptions)
+            self._cached[seq.request_id] = DraftCacheState(
+                view.token_ids[:kept], list(seq.block_ids), seq.num_preemptions
+            )
             # Written from `done` on: for the sequence's tokens up to its last, and past it for drafts.
             self._refill(seq, done_before[i], seq.num_tokens)
         return drafts
@@ -311,4 +356,4 @@ class DraftModelProposer:
         if self._cached.pop(seq.request_id, None) is None:
             # It left before the draft ran for it or took its prompt's KV (e.g. a failed KV transfer):
             # what a transfer may have written into its blocks is not known.
-            self._forget_filled(seq.block_ids[seq.num_cached_tokens // self.block_size:])
+            self._forget_filled(seq.block_ids[seq.num_cached_tokens // self.block_size :])

@@ -147,8 +147,14 @@ class NoSharing:
 class ElasticThreads(NoSharing):
     """Threads for the next step: `share` at least, `most` at most (see the module docstring)."""
 
-    def __init__(self, share: int, most: int, claims: CoreClaims, sample: Callable[[], CpuSample] = sample_now,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+    def __init__(
+        self,
+        share: int,
+        most: int,
+        claims: CoreClaims,
+        sample: Callable[[], CpuSample] = sample_now,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+    ) -> None:
         if share < 1 or most < share:
             raise ValueError(f"elastic threads need 1 <= share ({share}) <= most ({most})")
         self.share, self.most, self.claims = share, most, claims

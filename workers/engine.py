@@ -22,19 +22,19 @@ from pathlib import Path
 
 import torch
 
-from workers.block_manager import BlockManager
-from workers.grammar import GrammarCache
-from workers.config import EngineConfig
 from common.detokenizer import Decode, IncrementalDetokenizer
+from common.protocol import KVReservation, RequestOutput, ResumeState, SpecDecodeStats, TokenLogprob
+from common.sampling_params import SamplingParams
+from workers.block_manager import BlockManager
+from workers.config import EngineConfig
+from workers.grammar import GrammarCache
 from workers.model_config import ModelConfig
 from workers.model_files import resolve_model_dir
 from workers.model_runner import ModelRunner, iter_safetensors
-from common.protocol import KVReservation, RequestOutput, ResumeState, SpecDecodeStats, TokenLogprob
+from workers.request_state import RequestState
 from workers.sampler import Sampler, draw_keys
-from common.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import ScheduledChunk, Sequence
-from workers.request_state import RequestState
 from workers.speculative import DraftHistory, Speculator
 
 # Called after every engine step: (its chunks as (computed before, this step, sampled), wall seconds).
@@ -87,7 +87,8 @@ class LLMEngine:
         weights,
         decode: Decode | None = None,
         kv_cache: torch.Tensor | None = None,
-        grammars: GrammarCache | None = None, tp_group=None,  # rank 0 of a workers.tensor_parallel.TPGroup: weights are its shard
+        grammars: GrammarCache | None = None,
+        tp_group=None,  # rank 0 of a workers.tensor_parallel.TPGroup: weights are its shard
         draft_kv=None,  # workers.draft_model.AllocateKV: where a draft model's KV cache lives (default: its own tensor)
     ) -> None:
         if config.num_threads:
@@ -98,11 +99,16 @@ class LLMEngine:
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(self.runner.max_model_len, capacity)
         # With every layer windowed, blocks that fall out of the window are released as sequences advance.
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          window=model_config.kv_window)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, window=model_config.kv_window
+        )
         self.speculator = Speculator.for_engine(config, model_config, self.runner, self.max_model_len, draft_kv)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self._drafts if self.speculator is not None else None)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self._drafts if self.speculator is not None else None,
+        )
         self.decode = decode
         self.eos_token_ids = set(model_config.eos_token_ids)
         # Compiled grammars for structured output (None: an engine without a tokenizer refuses them).
@@ -111,9 +117,11 @@ class LLMEngine:
         # the scheduler (scheduler.held) until released.
         self._requests: dict[str, RequestState] = {}
         # Unseeded requests draw their noise from this engine's own generator, seeded from the OS.
-        self.sampler = Sampler(self.runner.ops.exponential_race,
-                               torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1),
-                               self.runner.ops.apply_token_bitmask)
+        self.sampler = Sampler(
+            self.runner.ops.exponential_race,
+            torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1),
+            self.runner.ops.apply_token_bitmask,
+        )
         self._ids = itertools.count()
         self.num_computed_tokens = 0
         self._step_observers: list[StepObserver] = []
@@ -128,6 +136,7 @@ class LLMEngine:
         def stop() -> None:
             if observer in self._step_observers:
                 self._step_observers.remove(observer)
+
         return stop
 
     @property
@@ -136,23 +145,37 @@ class LLMEngine:
         return str(self.runner.kv_dtype).removeprefix("torch.")
 
     @classmethod
-    def from_model_dir(cls, model: str | os.PathLike | None = None, config: EngineConfig | None = None, **kwargs) -> "LLMEngine":
+    def from_model_dir(
+        cls, model: str | os.PathLike | None = None, config: EngineConfig | None = None, **kwargs
+    ) -> LLMEngine:
         model_dir = resolve_model_dir(model)
         model_config = ModelConfig.from_model_dir(model_dir)
         kwargs.setdefault("grammars", GrammarCache(model_dir, model_config.vocab_size, model_config.eos_token_ids))
-        return cls(model_config, config or EngineConfig(), iter_safetensors(model_dir), load_tokenizer_decode(model_dir), **kwargs)
+        return cls(
+            model_config,
+            config or EngineConfig(),
+            iter_safetensors(model_dir),
+            load_tokenizer_decode(model_dir),
+            **kwargs,
+        )
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prefill_only: bool = False) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> str:
         """Queue a request. With prefill_only, it ends here after its first token and keeps its KV
         blocks (see held_block_ids / release) so they can be sent to a decode worker."""
         seq = self._new_sequence(prompt_token_ids, params, request_id, prefill_only)
         self.scheduler.add(seq)
         return seq.request_id
 
-    def resume_request(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str,
-                       resume: ResumeState) -> str:
+    def resume_request(
+        self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str, resume: ResumeState
+    ) -> str:
         """Continue a request another worker started and lost (migration after it died).
 
         Prompt + the tokens already produced are prefilled here (through the prefix cache), then
@@ -170,23 +193,31 @@ class LLMEngine:
             if bad is not None:
                 raise ValueError(f"resumed output_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
             if len(outputs) >= seq.sampling_params.max_tokens:
-                raise ValueError(f"request {request_id!r} already produced {len(outputs)} of its "
-                                 f"{seq.sampling_params.max_tokens} max_tokens: nothing to resume")
+                raise ValueError(
+                    f"request {request_id!r} already produced {len(outputs)} of its "
+                    f"{seq.sampling_params.max_tokens} max_tokens: nothing to resume"
+                )
             if seq.num_prompt_tokens + len(outputs) >= self.max_model_len:
-                raise ValueError(f"prompt ({seq.num_prompt_tokens}) + output so far ({len(outputs)}) tokens leave no "
-                                 f"room in this engine's context of {self.max_model_len} tokens")
+                raise ValueError(
+                    f"prompt ({seq.num_prompt_tokens}) + output so far ({len(outputs)}) tokens leave no "
+                    f"room in this engine's context of {self.max_model_len} tokens"
+                )
             replayed = 0
             for position, token in enumerate(outputs):
                 if state.grammar is not None and not state.grammar.accept(token):
-                    raise ValueError(f"request {request_id!r}: resumed token {position} ({token}) is not allowed by its "
-                                     f"structured output's grammar")
+                    raise ValueError(
+                        f"request {request_id!r}: resumed token {position} ({token}) is not allowed by its "
+                        f"structured output's grammar"
+                    )
                 seq.append_token(token)
                 if state.detokenizer is not None:
                     state.detokenizer.add(seq.output_token_ids)
                     replayed += len(state.detokenizer.take(final=False))
             if state.detokenizer is not None and replayed != resume.text_chars:
-                raise ValueError(f"request {request_id!r}: replaying {len(outputs)} tokens gives {replayed} characters "
-                                 f"of text, the client has {resume.text_chars}")
+                raise ValueError(
+                    f"request {request_id!r}: replaying {len(outputs)} tokens gives {replayed} characters "
+                    f"of text, the client has {resume.text_chars}"
+                )
         except ValueError:
             del self._requests[seq.request_id]
             raise
@@ -244,7 +275,9 @@ class LLMEngine:
         return self.scheduler.release_held(request_id)
 
     # ---- disaggregation: decode side -------------------------------------------------------
-    def reserve_for_kv(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> KVReservation | None:
+    def reserve_for_kv(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> KVReservation | None:
         """Set aside blocks for a prompt another worker prefills; None when there is no room now.
 
         Blocks already in this worker's prefix cache are reused and need not be sent.
@@ -256,7 +289,8 @@ class LLMEngine:
         return KVReservation(request_id, list(seq.block_ids), seq.num_cached_tokens)
 
     def start_decoding(self, request_id: str, first_token: int, with_draft_kv: bool = False) -> None:
-        """The prompt's KV (`with_draft_kv`: and a draft model's) arrived, its first token sampled elsewhere: decode on."""
+        """The prompt's KV (`with_draft_kv`: and a draft model's) arrived, its first token sampled
+        elsewhere: decode on."""
         state = self._requests.get(request_id)
         if state is None:
             raise ValueError(f"request {request_id!r} is not waiting for KV here")
@@ -292,7 +326,8 @@ class LLMEngine:
         return True
 
     def _leave(self, seq: Sequence, finished: bool) -> None:
-        """seq's request leaves: the speculator's proposer drops what it kept of it, its blocks go back (prefix cache)."""
+        """seq's request leaves: the speculator's proposer drops what it kept of it, its blocks go
+        back (prefix cache)."""
         if self.speculator is not None:  # before its blocks go: a draft model's proposer looks at them
             self.speculator.forget(seq, finished)
         self.scheduler.finish(seq)
@@ -323,8 +358,9 @@ class LLMEngine:
         if not sched.chunks:
             return []
         chunks = sched.chunks
-        sample_mask = [c.seq.num_computed_tokens + c.num_tokens - len(c.draft_token_ids) == c.seq.num_tokens
-                       for c in chunks]
+        sample_mask = [
+            c.seq.num_computed_tokens + c.num_tokens - len(c.draft_token_ids) == c.seq.num_tokens for c in chunks
+        ]
         shape = None
         if self._step_observers:
             shape = [(c.seq.num_computed_tokens, c.num_tokens, s) for c, s in zip(chunks, sample_mask)]
@@ -338,8 +374,13 @@ class LLMEngine:
     def _run(self, num_tokens: int, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> list[RequestOutput]:
         logits = self.runner.execute(chunks, sample_mask)
         if self.speculator is not None:  # prompts: a draft model's KV of them (a peer's travels too)
-            self.speculator.prefill_kv([(c, self._requests[c.seq.request_id].prefill_only) for c in chunks
-                                        if c.seq.num_computed_tokens < c.seq.num_prompt_tokens])
+            self.speculator.prefill_kv(
+                [
+                    (c, self._requests[c.seq.request_id].prefill_only)
+                    for c in chunks
+                    if c.seq.num_computed_tokens < c.seq.num_prompt_tokens
+                ]
+            )
         self.num_computed_tokens += num_tokens
         sampled: list[ScheduledChunk] = []
         for chunk, sampling in zip(chunks, sample_mask):
@@ -355,8 +396,10 @@ class LLMEngine:
         states = [self._requests[c.seq.request_id] for c in sampled]
         rows = [row for c, s in zip(sampled, states) for row in s.sampling_rows(c.draft_token_ids, self.eos_token_ids)]
         # A seeded row's generator gives one key per emitted token, as without drafts (Speculator.verdict).
-        before = [s.generator.get_state() if c.draft_token_ids and s.generator is not None else None
-                  for c, s in zip(sampled, states)]
+        before = [
+            s.generator.get_state() if c.draft_token_ids and s.generator is not None else None
+            for c, s in zip(sampled, states)
+        ]
         tokens, logprobs = self.sampler(logits, rows)
         outputs = []
         at = 0
@@ -386,8 +429,12 @@ class LLMEngine:
             self.block_manager.release_out_of_window(seq)
 
     def _drafts(self, decoding: list[Sequence], budget: int) -> list[list[int]]:
-        return self.speculator.drafts(decoding, budget, self._draft_history,  # the scheduler's drafter
-                                      lambda seq: self._requests[seq.request_id].generator)
+        return self.speculator.drafts(
+            decoding,
+            budget,
+            self._draft_history,  # the scheduler's drafter
+            lambda seq: self._requests[seq.request_id].generator,
+        )
 
     def _draft_history(self, seq: Sequence) -> DraftHistory | None:
         """None where seq may not draft: structured output (its grammar moves token by token), a peer's prefill."""
@@ -415,7 +462,8 @@ class LLMEngine:
             logprobs=state.pending_logprobs if logprobs[0] is not None else None,
             finished=finished,
             finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=state.drafting.drafted,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_draft_tokens=state.drafting.drafted,
             num_accepted_tokens=state.drafting.accepted,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
@@ -435,15 +483,21 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), kv_usage=bm.usage,
-            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_queries,
-            prefix_cache_hits=bm.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
             num_computed_tokens=self.num_computed_tokens,
             spec_decode=self.speculator.counters.snapshot() if self.speculator is not None else SpecDecodeStats(),
         )
 
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Completion]:
         """Run a batch of prompts to completion (continuous batching inside) and return them in order."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -487,7 +541,9 @@ class LLMEngine:
         del self._requests[seq.request_id]  # never scheduled: only its blocks are used
         bm = self.block_manager
         if not bm.can_allocate(seq, len(ids)):
-            raise ValueError(f"score needs {bm.blocks_needed(seq, len(ids))} free KV blocks, {bm.num_free_blocks} are free")
+            raise ValueError(
+                f"score needs {bm.blocks_needed(seq, len(ids))} free KV blocks, {bm.num_free_blocks} are free"
+            )
         bm.allocate(seq, len(ids))
         out = []
         try:

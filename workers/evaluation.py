@@ -43,5 +43,9 @@ def eval_windows(tokenizer, windows: int) -> list[list[int]]:
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          return_dict=True)["input_ids"] for q in PROMPTS]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True)[
+            "input_ids"
+        ]
+        for q in PROMPTS
+    ]

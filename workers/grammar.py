@@ -2,7 +2,8 @@
 (xgrammar), and follow each request's position in it with a matcher.
 
 `GrammarCache` owns the model's xgrammar tokenizer info (built on first use: it reads the
-tokenizer and walks the vocabulary once; `tokenizer_info` keeps it in Baton's cache directory) and a bounded LRU of compiled grammars keyed by the spec;
+tokenizer and walks the vocabulary once; `tokenizer_info` keeps it in Baton's cache directory) and a
+bounded LRU of compiled grammars keyed by the spec;
 a compile that takes longer than `compile_timeout_s` is refused with ValueError (it finishes in the
 background and is kept, so a retry finds it). `GrammarState` is one request's matcher: the engine
 advances it with every token the request emits, here or elsewhere (the prefill worker's first
@@ -33,7 +34,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,8 +97,9 @@ class GrammarStats:
         for n in self.compile_bucket_counts:
             total += n
             cumulative.append(total)
-        return GrammarCounts(self.cache_hits, self.cache_misses, self.compiles, self.compile_seconds_sum,
-                             tuple(cumulative))
+        return GrammarCounts(
+            self.cache_hits, self.cache_misses, self.compiles, self.compile_seconds_sum, tuple(cumulative)
+        )
 
 
 class GrammarPhase(enum.Enum):
@@ -108,8 +111,9 @@ class GrammarPhase(enum.Enum):
 class GrammarState:
     """One request's position in its grammar, and its phase (REASONING -> CONSTRAINED -> DONE)."""
 
-    def __init__(self, compiled: "xgr.CompiledGrammar", stop_token_ids: list[int],
-                 reasoning_end: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int], reasoning_end: tuple[int, ...] = ()
+    ) -> None:
         self.matcher = _xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
         self.reasoning_end = tuple(reasoning_end)
         self.phase = GrammarPhase.REASONING if self.reasoning_end else GrammarPhase.CONSTRAINED
@@ -123,7 +127,7 @@ class GrammarState:
     def accept(self, token_id: int) -> bool:
         """Advance by a token the request emitted; False when the grammar does not allow it."""
         if self.phase is GrammarPhase.REASONING:
-            self._tail = (self._tail + [token_id])[-len(self.reasoning_end):]
+            self._tail = (self._tail + [token_id])[-len(self.reasoning_end) :]
             if tuple(self._tail) == self.reasoning_end:
                 self.phase, self._tail = GrammarPhase.CONSTRAINED, []
             return True
@@ -145,16 +149,25 @@ class GrammarState:
 
 
 # What xgrammar's tokenizer info is built from, besides the arguments.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
 
 
-def tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: list[int]) -> "xgr.TokenizerInfo":
+def tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """xgrammar's view of the model's tokenizer. Building it reads the tokenizer through
     transformers (about 2 s of CPU here, which every starting worker paid), so it is kept as JSON in
     Baton's cache directory, keyed by the tokenizer files' bytes, the arguments and xgrammar's
     version; a cache that cannot be read or written is rebuilt or skipped."""
-    key = hashlib.sha256(json.dumps([vocab_size, sorted(stop_token_ids), importlib.metadata.version("xgrammar")]).encode())
+    key = hashlib.sha256(
+        json.dumps([vocab_size, sorted(stop_token_ids), importlib.metadata.version("xgrammar")]).encode()
+    )
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             key.update(name.encode() + b"\0" + (model_dir / name).read_bytes())
@@ -165,8 +178,9 @@ def tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: list[int]) 
         pass
     from transformers import AutoTokenizer  # heavy, and needed only when the cache has no entry
 
-    info = _xgrammar().TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(model_dir)), vocab_size=vocab_size,
-                                              stop_token_ids=stop_token_ids)
+    info = _xgrammar().TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(str(model_dir)), vocab_size=vocab_size, stop_token_ids=stop_token_ids
+    )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
@@ -180,8 +194,14 @@ def tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: list[int]) 
 class GrammarCache:
     """Compiled grammars of one model, by spec (bounded LRU); thread-safe."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, stop_token_ids: list[int],
-                 capacity: int = DEFAULT_CACHE_SIZE, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        capacity: int = DEFAULT_CACHE_SIZE,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+    ) -> None:
         self.model_dir = Path(model_dir)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -194,7 +214,7 @@ class GrammarCache:
         self._times: list[float] = []
         self.stats = GrammarStats()
 
-    def _get_compiler(self) -> "xgr.GrammarCompiler":
+    def _get_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
             info = tokenizer_info(self.model_dir, self.vocab_size, self.stop_token_ids)
             self._compiler = _xgrammar().GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -235,14 +255,17 @@ class GrammarCache:
                 self.stats.cache_hits += 1
                 return found
             self.stats.cache_misses += 1
-        if self._compiler is None:  # the first imports xgrammar and reads the tokenizer (seconds): not counted in the limit
+        if (
+            self._compiler is None
+        ):  # the first imports xgrammar and reads the tokenizer (seconds): not counted in the limit
             self._pool.submit(self._get_compiler).result()
         future = self._pool.submit(self._compile, spec)
         try:
             return future.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
-            raise GrammarCompileError(f"structured output ({spec.kind}) did not compile within "
-                                      f"{self.compile_timeout_s:g} s") from None
+            raise GrammarCompileError(
+                f"structured output ({spec.kind}) did not compile within {self.compile_timeout_s:g} s"
+            ) from None
 
     def counts(self) -> GrammarCounts:
         """The stats as the worker reports them (taken under the lock: compiles run on their own thread)."""

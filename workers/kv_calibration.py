@@ -63,8 +63,9 @@ def calibration_token_ids(model_dir: str | Path | None, vocab_size: int) -> list
 
 
 @torch.inference_mode()
-def calibrate_kv_scales(model: nn.Module, token_ids: list[int], dtype: torch.dtype,
-                        block_size: int = 16) -> tuple[tuple[float, float], ...]:
+def calibrate_kv_scales(
+    model: nn.Module, token_ids: list[int], dtype: torch.dtype, block_size: int = 16
+) -> tuple[tuple[float, float], ...]:
     """(k_scale, v_scale) per layer: amax / 448 of K and V over one float forward of token_ids.
 
     Runs on one thread so the result does not depend on the caller's thread count.
@@ -75,8 +76,9 @@ def calibrate_kv_scales(model: nn.Module, token_ids: list[int], dtype: torch.dty
     n = len(token_ids)
     num_blocks = -(-n // block_size)
     device = model.embed_tokens.weight.device
-    cache = torch.zeros((cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
-                        dtype=dtype, device=device)
+    cache = torch.zeros(
+        (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device
+    )
     i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
@@ -87,7 +89,7 @@ def calibrate_kv_scales(model: nn.Module, token_ids: list[int], dtype: torch.dty
         prefill_query_start_loc=torch.tensor([0, n], **i32),
         prefill_context_lens=torch.tensor([n], **i32),
     )
-    views = [KVCacheView(cache[l, 0], cache[l, 1]) for l in range(cfg.num_layers)]
+    views = [KVCacheView(cache[layer, 0], cache[layer, 1]) for layer in range(cfg.num_layers)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -95,5 +97,7 @@ def calibrate_kv_scales(model: nn.Module, token_ids: list[int], dtype: torch.dty
     finally:
         torch.set_num_threads(threads)
     amax = cache.float().abs().amax(dim=(2, 3, 4, 5))  # [L, 2]
-    return tuple((round_scale_up(max(float(k), 1e-6) / FP8_MAX), round_scale_up(max(float(v), 1e-6) / FP8_MAX))
-                 for k, v in amax.tolist())
+    return tuple(
+        (round_scale_up(max(float(k), 1e-6) / FP8_MAX), round_scale_up(max(float(v), 1e-6) / FP8_MAX))
+        for k, v in amax.tolist()
+    )

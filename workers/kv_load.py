@@ -72,10 +72,18 @@ class KVLoadFailures:
         with self._lock:
             self._counts[reason] += 1
             self.recomputed += self.policy == "recompute"
-        log.warning("worker %s: KV for %s failed (%s: %s %s); policy %s", self.worker_id, request_id, reason,
-                    result.status.name, result.error or "", self.policy)
+        log.warning(
+            "worker %s: KV for %s failed (%s: %s %s); policy %s",
+            self.worker_id,
+            request_id,
+            reason,
+            result.status.name,
+            result.error or "",
+            self.policy,
+        )
         return reason
 
     def error(self, request_id: str, reason: str, result: TransferResult) -> KVLoadFailed:
-        return KVLoadFailed(f"KV for {request_id} could not be used ({reason}): {result.status.name} "
-                            f"{result.error or ''}", reason)
+        return KVLoadFailed(
+            f"KV for {request_id} could not be used ({reason}): {result.status.name} {result.error or ''}", reason
+        )

@@ -64,11 +64,13 @@ class ModelConfig:
         return max(self.layer_windows)
 
     @classmethod
-    def from_dict(cls, config: dict, generation_config: dict | None = None) -> "ModelConfig":
+    def from_dict(cls, config: dict, generation_config: dict | None = None) -> ModelConfig:
         architectures = config.get("architectures") or []
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"architectures {architectures} not supported; Baton supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"architectures {architectures} not supported; Baton supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         activation = config.get("hidden_activation") or config.get("hidden_act", "silu")
         if arch in GEMMA_ARCHITECTURES:
             if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -85,7 +87,9 @@ class ModelConfig:
         scaling = dict(config.get("rope_scaling") or rope or {}) or None
         max_positions = config.get("max_position_embeddings", 4096)
         if float((scaling or {}).pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise ValueError(f"{arch} with partial_rotary_factor != 1 is not supported (rotary over the whole head only)")
+            raise ValueError(
+                f"{arch} with partial_rotary_factor != 1 is not supported (rotary over the whole head only)"
+            )
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
@@ -93,8 +97,9 @@ class ModelConfig:
             elif kind not in ("llama3", "linear", "longrope"):
                 raise ValueError(f"rope scaling type {kind!r} not supported (default, linear, llama3, longrope)")
             elif kind == "longrope":  # Phi-3: the factors switch at the pretrained context (kernels.rotary)
-                scaling.setdefault("original_max_position_embeddings",
-                                   config.get("original_max_position_embeddings", max_positions))
+                scaling.setdefault(
+                    "original_max_position_embeddings", config.get("original_max_position_embeddings", max_positions)
+                )
                 scaling.setdefault("max_position_embeddings", max_positions)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(config.get("attention_bias", False))
@@ -126,7 +131,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_model_dir(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
         gen_file = path / "generation_config.json"
@@ -229,8 +234,10 @@ def moe_fields(arch: str, config: dict) -> dict:
     experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
     top_k = int(config.get("num_experts_per_tok") or 0)
     if experts < 1 or not 1 <= top_k <= experts:
-        raise ValueError(f"{arch} needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, "
-                         f"got {experts} experts and top-k {top_k}")
+        raise ValueError(
+            f"{arch} needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, "
+            f"got {experts} experts and top-k {top_k}"
+        )
     layers = config["num_hidden_layers"]
     dense: tuple[int, ...] = ()
     if arch == "MixtralForCausalLM":
@@ -242,5 +249,10 @@ def moe_fields(arch: str, config: dict) -> dict:
         dense = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
     if config.get("shared_expert_intermediate_size"):
         raise ValueError(f"{arch} with shared experts (shared_expert_intermediate_size) is not supported")
-    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(inter),
-                norm_topk_prob=renormalise, dense_mlp_layers=dense)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(inter),
+        norm_topk_prob=renormalise,
+        dense_mlp_layers=dense,
+    )

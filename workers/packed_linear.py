@@ -37,8 +37,13 @@ _ROWS_HINT = 16
 
 
 def available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in PACKED_DTYPES
+        and weight.dim() == 2
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization / --quantization
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # quantization_config.quant_method we read
 
+
 # ---- FP8 arithmetic -------------------------------------------------------------------------
 def fp8_to_float(w: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn -> float32, divided by 256 (callers fold the 256 into their scale).
@@ -75,7 +76,9 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int
         return w * scale
     size = group_size or k
     if groups != -(-k // size):
-        raise ValueError(f"weight_scale has {groups} column groups; {k} columns in groups of {size} need {-(-k // size)}")
+        raise ValueError(
+            f"weight_scale has {groups} column groups; {k} columns in groups of {size} need {-(-k // size)}"
+        )
     if k % size == 0:
         return (w.view(n, groups, size) * scale[:, :, None]).view(n, k)
     return w * scale.repeat_interleave(size, dim=1)[:, :k]
@@ -88,25 +91,45 @@ class Fp8Linear(nn.Module):
     ops: the model's kernels; with Triton ones, per-channel layers quantize the activations and
     run the W8A8 GEMM, otherwise (and without ops) the weight is dequantized at each call."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int | None = None,
-                 device=None, bias_dtype: torch.dtype = torch.float32, ops: KernelOps | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group_size: int | None = None,
+        device=None,
+        bias_dtype: torch.dtype = torch.float32,
+        ops: KernelOps | None = None,
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.in_features = in_features
         self.out_features = out_features
         self.group_size = group_size or in_features
         groups = -(-in_features // self.group_size)
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device),
-                                   requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.ones(out_features, groups, dtype=torch.float32, device=device),
-                                         requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
-                     if bias else None)
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.ones(out_features, groups, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, ops: KernelOps | None = None) -> "Fp8Linear":
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, None,
-                    device=linear.weight.device, bias_dtype=linear.weight.dtype, ops=ops)
+    def from_linear(cls, linear: nn.Linear, ops: KernelOps | None = None) -> Fp8Linear:
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            None,
+            device=linear.weight.device,
+            bias_dtype=linear.weight.dtype,
+            ops=ops,
+        )
         q, scale = quantize_per_channel(linear.weight)
         layer.weight.data.copy_(q)
         layer.weight_scale.data.copy_(scale)
@@ -207,8 +230,10 @@ class CheckpointQuantization:
             return scale.reshape(rows, 1)
         want = (-(-rows // self.block_rows), groups)
         if tuple(scale.shape) != want:
-            raise ValueError(f"{name}: block scale has shape {tuple(scale.shape)}, expected {list(want)} for a "
-                             f"[{rows}, {in_features}] weight with {self.block_rows}x{self.block_cols} blocks")
+            raise ValueError(
+                f"{name}: block scale has shape {tuple(scale.shape)}, expected {list(want)} for a "
+                f"[{rows}, {in_features}] weight with {self.block_rows}x{self.block_cols} blocks"
+            )
         return scale.repeat_interleave(self.block_rows, dim=0)[:rows].contiguous()
 
 
@@ -246,8 +271,9 @@ def parse_quantization_config(config: dict | None) -> CheckpointQuantization | N
             block = weights.get("block_structure") or [128, 128]
             return CheckpointQuantization("compressed-tensors", "block", int(block[0]), int(block[1]))
         raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported (channel, tensor, block)")
-    raise ValueError(f"quantization_config.quant_method {method!r} is not supported; "
-                     f"supported: {', '.join(CHECKPOINT_METHODS)}")
+    raise ValueError(
+        f"quantization_config.quant_method {method!r} is not supported; supported: {', '.join(CHECKPOINT_METHODS)}"
+    )
 
 
 def prepare_for_checkpoint(model: nn.Module, quant: CheckpointQuantization, ops: KernelOps | None = None) -> int:
@@ -261,9 +287,15 @@ def prepare_for_checkpoint(model: nn.Module, quant: CheckpointQuantization, ops:
         device = linear.weight.device
         if device.type == "meta":
             device = None
-        return Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                         quant.group_size(linear.in_features), device=device, bias_dtype=linear.weight.dtype,
-                         ops=ops)
+        return Fp8Linear(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            quant.group_size(linear.in_features),
+            device=device,
+            bias_dtype=linear.weight.dtype,
+            ops=ops,
+        )
 
     return _replace_linears(model, make)
 

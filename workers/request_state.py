@@ -10,10 +10,10 @@ import torch
 
 from common.detokenizer import IncrementalDetokenizer
 from common.protocol import TokenLogprob
+from workers.draft_budget import DraftHistory
 from workers.grammar import GrammarState
 from workers.sampler import SamplingRow
 from workers.sequence import Sequence
-from workers.draft_budget import DraftHistory
 
 
 @dataclass
@@ -47,8 +47,9 @@ class RequestState:
             if seq.num_output_tokens + j < p.min_tokens and p.structured_output is None:
                 banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))
             output = seq.output_token_ids if j == 0 else seq.output_token_ids + list(draft_token_ids[:j])
-            rows.append(SamplingRow(p, output, seq.prompt_token_ids, self.generator, banned, self.prompt_tensor,
-                                    self.grammar))
+            rows.append(
+                SamplingRow(p, output, seq.prompt_token_ids, self.generator, banned, self.prompt_tensor, self.grammar)
+            )
         return rows
 
     def stop_reason(self, token: int, eos_token_ids: set[int], max_model_len: int) -> str | None:

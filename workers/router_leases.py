@@ -53,8 +53,9 @@ class RouterLease:
 class RouterLeases:
     """The routers a worker serves, their requests, outboxes and KV-event queues."""
 
-    def __init__(self, max_kv_event_hashes: int, clock: Callable[[], float] = time.monotonic,
-                 confirm_s: float = 0.5) -> None:
+    def __init__(
+        self, max_kv_event_hashes: int, clock: Callable[[], float] = time.monotonic, confirm_s: float = 0.5
+    ) -> None:
         if max_kv_event_hashes < 1:
             raise ValueError(f"max_kv_event_hashes must be >= 1, got {max_kv_event_hashes}")
         self.max_kv_event_hashes = max_kv_event_hashes
@@ -63,7 +64,8 @@ class RouterLeases:
         self._ready = threading.Condition()  # guards everything below; notified when an outbox fills
         # The default router has seen every event since the worker started (its cache was empty).
         self._leases: dict[str, RouterLease] = {
-            DEFAULT_ROUTER_ID: RouterLease(DEFAULT_ROUTER_ID, math.inf, clock(), kv_events_lost=False)}
+            DEFAULT_ROUTER_ID: RouterLease(DEFAULT_ROUTER_ID, math.inf, clock(), kv_events_lost=False)
+        }
         self._owner: dict[str, str] = {}  # request id -> router id
         self._attempt: dict[str, int] = {}  # request id -> the router's attempt (stamped on its outputs)
 
@@ -134,7 +136,8 @@ class RouterLeases:
             return tuple(
                 RouterLeaseInfo(lease.router_id, len(lease.request_ids), now - lease.renewed_at, lease.term_s)
                 for lease in self._leases.values()
-                if lease.router_id != DEFAULT_ROUTER_ID or lease.request_ids or math.isfinite(lease.term_s))
+                if lease.router_id != DEFAULT_ROUTER_ID or lease.request_ids or math.isfinite(lease.term_s)
+            )
 
     def owner(self, request_id: str) -> str | None:
         with self._ready:
@@ -184,8 +187,9 @@ class RouterLeases:
                 if lease.kv_event_hashes > self.max_kv_event_hashes:
                     lease.kv_events, lease.kv_event_hashes, lease.kv_events_lost = [], 0, True
 
-    def take_kv_events(self, claim: RouterClaim | None, cached_hashes: Callable[[], Iterable[int]],
-                       block_size: int) -> KVEventBatch:
+    def take_kv_events(
+        self, claim: RouterClaim | None, cached_hashes: Callable[[], Iterable[int]], block_size: int
+    ) -> KVEventBatch:
         """Engine thread: the router's events since its last collection, or a snapshot of the
         cache (`cached_hashes()`) when it is new here or its queue overflowed."""
         with self._ready:

@@ -27,15 +27,15 @@ distribution (raw logits), as OpenAI reports them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from kernels.sampling import exponential_race_reference, retry_keys
-from kernels.token_bitmask import allocate_token_bitmask, apply_token_bitmask_reference
 from common.protocol import TokenLogprob
 from common.sampling_params import SamplingParams
+from kernels.sampling import exponential_race_reference, retry_keys
+from kernels.token_bitmask import allocate_token_bitmask, apply_token_bitmask_reference
 
 # Rejection rounds for top-p before the sorted fallback; a round is accepted with probability at
 # least max(top_p, largest probability), so with the usual top_p >= 0.5 eight rounds almost never run out.
@@ -80,7 +80,11 @@ def _flat_ids(rows: list[SamplingRow], which: list[int], vocab: int, prompt: boo
         row = rows[i]
         ids = torch.tensor(row.output_token_ids, dtype=torch.long)
         if prompt:
-            given = row.prompt_tensor if row.prompt_tensor is not None else torch.tensor(row.prompt_token_ids, dtype=torch.long)
+            given = (
+                row.prompt_tensor
+                if row.prompt_tensor is not None
+                else torch.tensor(row.prompt_token_ids, dtype=torch.long)
+            )
             ids = torch.cat([given, ids])
         parts.append(ids + i * vocab)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
@@ -98,8 +102,11 @@ def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:
         penalty = torch.tensor([r.params.repetition_penalty for r in rows])[ids // vocab]
         vals = flat[ids]
         flat[ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    pf = [i for i, r in enumerate(rows)
-          if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+    pf = [
+        i
+        for i, r in enumerate(rows)
+        if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids
+    ]
     if pf:
         ids, counts = _flat_ids(rows, pf, vocab, prompt=False).unique(return_counts=True)
         row_of = ids // vocab
@@ -137,8 +144,11 @@ def _sample_rows(x: torch.Tensor, rows: list[SamplingRow], keys: torch.Tensor, r
         ks = torch.tensor([params[i].top_k for i in top_k])
         top_k_floor = torch.full((len(rows),), float("-inf"))
         top_k_floor[index] = x[index].topk(int(ks.max())).values.gather(1, (ks - 1)[:, None])[:, 0]
-    min_p_offset = _cut([p.min_p > 0.0 for p in params],
-                        [p.temperature * math.log(p.min_p) if p.min_p > 0.0 else 0.0 for p in params], float("-inf"))
+    min_p_offset = _cut(
+        [p.min_p > 0.0 for p in params],
+        [p.temperature * math.log(p.min_p) if p.min_p > 0.0 else 0.0 for p in params],
+        float("-inf"),
+    )
     top_p = _cut([p.top_p < 1.0 for p in params], [p.top_p for p in params], 1.0)
     tokens = race(x, inv_t, keys, top_k_floor, min_p_offset, top_p, RACE_ATTEMPTS)
     missed = (tokens < 0).nonzero()[:, 0]
@@ -172,7 +182,9 @@ def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> 
     return out
 
 
-def _apply_grammars(work: torch.Tensor, rows: list[SamplingRow], constrained: list[int], apply_bitmask: ApplyBitmask) -> None:
+def _apply_grammars(
+    work: torch.Tensor, rows: list[SamplingRow], constrained: list[int], apply_bitmask: ApplyBitmask
+) -> None:
     """Tokens the grammar of each constrained row does not allow -> -inf, in place. Each matcher
     writes its own row of one bitmask; one masked pass then covers every constrained row."""
     bitmask = allocate_token_bitmask(len(rows), work.shape[1])

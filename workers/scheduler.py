@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from workers.block_manager import BlockManager
 from workers.sequence import TRANSITIONS, ScheduledChunk, Sequence, SequenceStatus
 
-
 # Speculative decoding: (this step's decoding sequences, tokens of budget left after their one token
 # each) -> draft tokens for each of them (empty: none), at most that many in all.
 Drafter = Callable[[list[Sequence], int], list[list[int]]]
@@ -47,8 +46,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 drafter: Drafter | None = None) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        drafter: Drafter | None = None,
+    ) -> None:
         self.block_manager = block_manager
         self.drafter = drafter
         self.max_num_seqs = max_num_seqs
@@ -109,8 +113,11 @@ class Scheduler:
             while i < len(self.running) and budget > 0:
                 seq = self.running[i]
                 # Not RUNNING: waiting for KV from another worker, holds blocks, computes nothing.
-                if (seq.status is not SequenceStatus.RUNNING or id(seq) in computing
-                        or (seq.num_uncomputed_tokens == 1) != decode_pass):
+                if (
+                    seq.status is not SequenceStatus.RUNNING
+                    or id(seq) in computing
+                    or (seq.num_uncomputed_tokens == 1) != decode_pass
+                ):
                     i += 1
                     continue
                 n = min(seq.num_uncomputed_tokens, budget)
@@ -228,8 +235,10 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and release its blocks."""
         if seq.status is SequenceStatus.FINISHED or seq.request_id in self.held:
-            raise ValueError(f"request {seq.request_id!r} is {seq.status.value}; finish only waiting or running "
-                             "sequences (held ones: release_held)")
+            raise ValueError(
+                f"request {seq.request_id!r} is {seq.status.value}; finish only waiting or running "
+                "sequences (held ones: release_held)"
+            )
         queue = self.running if seq.status in (SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_KV) else self.waiting
         if seq not in queue:
             raise ValueError(f"request {seq.request_id!r} ({seq.status.value}) is not scheduled here")
@@ -240,8 +249,10 @@ class Scheduler:
     # ---- state ---------------------------------------------------------------------------
     def _check_new(self, seq: Sequence) -> None:
         if seq.status is not SequenceStatus.WAITING or seq.block_ids:
-            raise ValueError(f"request {seq.request_id!r} is {seq.status.value} with {len(seq.block_ids)} blocks; "
-                             "only a new waiting sequence without blocks can be added")
+            raise ValueError(
+                f"request {seq.request_id!r} is {seq.status.value} with {len(seq.block_ids)} blocks; "
+                "only a new waiting sequence without blocks can be added"
+            )
 
     def _held(self, request_id: str) -> Sequence:
         seq = self.held.get(request_id)
@@ -265,6 +276,8 @@ class Scheduler:
         for seq in self.running:
             assert seq.status in (SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_KV), seq
         for rid, seq in self.held.items():
-            assert seq.request_id == rid and seq.status in (SequenceStatus.HELD_FOR_PEER, SequenceStatus.SENDING_KV), seq
+            assert seq.request_id == rid and seq.status in (SequenceStatus.HELD_FOR_PEER, SequenceStatus.SENDING_KV), (
+                seq
+            )
         refs = Counter(b for seq in [*self.running, *self.held.values()] for b in seq.block_ids)
         self.block_manager.check_invariants(refs)

@@ -55,16 +55,29 @@ def build_rank_shard(config: WorkerConfig, group: TPGroup) -> RankShard:
         num_blocks = max(1, num_blocks // 2)  # the staging or inlet caches take as much again at most
     num_blocks = group.all_min(num_blocks)
     layout = KVLayout(
-        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-        block_size=ec.block_size, dtype=dtype_name(kv_dtype), kv_scales=kv_scales,
-        layer_windows=model_config.layer_windows, tp_size=group.size, kv_heads=kv_heads)
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        block_size=ec.block_size,
+        dtype=dtype_name(kv_dtype),
+        kv_scales=kv_scales,
+        layer_windows=model_config.layer_windows,
+        tp_size=group.size,
+        kv_heads=kv_heads,
+    )
     place = Place(config.node_id, config.host, "cuda" if ec.device.startswith("cuda") else "cpu")
     name = config.worker_id if group.rank == 0 else f"{config.worker_id}.tp{group.rank}"
     transport = PairwiseTransport(config.transport, place, name)
     kv_cache = transport.allocate_cache(layout, num_blocks)
-    kv = RankKV(transport, kv_cache, layout, group.rank, plan.model_kv_heads,
-                lambda part: PairwiseTransport(config.transport, place, f"{name}.{part}"),
-                config.peer_tp_size if config.role == Role.DECODE else None)
+    kv = RankKV(
+        transport,
+        kv_cache,
+        layout,
+        group.rank,
+        plan.model_kv_heads,
+        lambda part: PairwiseTransport(config.transport, place, f"{name}.{part}"),
+        config.peer_tp_size if config.role == Role.DECODE else None,
+    )
     return RankShard(model_dir, model_config, ec, model, kv, kv_cache)
 
 

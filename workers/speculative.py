@@ -34,9 +34,21 @@ import torch
 
 from common.protocol import SpecDecodeStats
 from workers.config import EngineConfig, SpeculativeConfig
+from workers.draft_budget import (
+    POOL_DECAY,
+    POOL_PRIOR_WEIGHT,
+    PRIOR_ACCEPTANCE,
+    PRIOR_TOKEN_COST,
+    PRIOR_WEIGHT,
+    PROBE_STEPS,
+    Acceptance,
+    DraftHistory,
+    StepCostFit,
+    draft_counts,
+    entry_bound,
+    most_that_could_pay,
+)
 from workers.draft_model import AllocateKV, DraftModelProposer
-from workers.draft_budget import (POOL_DECAY, POOL_PRIOR_WEIGHT, PRIOR_ACCEPTANCE, PRIOR_TOKEN_COST, PRIOR_WEIGHT, PROBE_STEPS,
-                                  Acceptance, DraftHistory, StepCostFit, draft_counts, entry_bound, most_that_could_pay)
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner, model_bytes
 from workers.sampler import draw_keys
@@ -66,8 +78,9 @@ class Proposer(Protocol):
         answers whether its KV covers the whole prompt)."""
         ...
 
-    def propose_many(self, seqs: list[Sequence], limits: list[int],
-                     generators: list[torch.Generator | None] | None = None) -> list[list[int]]:
+    def propose_many(
+        self, seqs: list[Sequence], limits: list[int], generators: list[torch.Generator | None] | None = None
+    ) -> list[list[int]]:
         """For each of seqs, at most its limit of draft tokens to follow its token_ids (possibly none).
         `generators`: for each, the generator whose next draws key its next sampled positions (None:
         greedy, or not known); a proposer with a distribution may draw its drafts with those keys."""
@@ -95,8 +108,9 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose_many(self, seqs: list[Sequence], limits: list[int],
-                     generators: list[torch.Generator | None] | None = None) -> list[list[int]]:
+    def propose_many(
+        self, seqs: list[Sequence], limits: list[int], generators: list[torch.Generator | None] | None = None
+    ) -> list[list[int]]:
         return [ngram_drafts(seq.token_ids, self.min_n, self.max_n, limit) for seq, limit in zip(seqs, limits)]
 
     def forget(self, seq: Sequence, finished: bool) -> None:
@@ -119,7 +133,7 @@ def ngram_drafts(token_ids: list[int], min_n: int, max_n: int, max_drafts: int) 
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
+        suffix = tokens[length - n :]
         # Windows starting at 0 .. length - n - 1: each has at least one token after it, and the
         # suffix itself (starting at length - n) is not among them.
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
@@ -130,9 +144,14 @@ def ngram_drafts(token_ids: list[int], min_n: int, max_n: int, max_drafts: int) 
     return []
 
 
-def make_proposer(config: SpeculativeConfig, target: ModelConfig | None = None, engine_config: EngineConfig | None = None,
-                  runner: ModelRunner | None = None, max_model_len: int = 0,
-                  allocate_kv: AllocateKV | None = None) -> Proposer:
+def make_proposer(
+    config: SpeculativeConfig,
+    target: ModelConfig | None = None,
+    engine_config: EngineConfig | None = None,
+    runner: ModelRunner | None = None,
+    max_model_len: int = 0,
+    allocate_kv: AllocateKV | None = None,
+) -> Proposer:
     """The config's proposer; draft_model needs the target's model and engine configs and its runner
     (and takes `allocate_kv`, where its cache lives: DraftModelProposer)."""
     if config.method == "ngram":
@@ -142,8 +161,9 @@ def make_proposer(config: SpeculativeConfig, target: ModelConfig | None = None, 
     if config.method == "draft_model":
         if target is None or engine_config is None or runner is None:
             raise ValueError("speculative_config.method 'draft_model' needs the engine's model (LLMEngine builds it)")
-        return DraftModelProposer(config, target, engine_config, runner.num_blocks, max_model_len,
-                                  model_bytes(runner.model), allocate_kv)
+        return DraftModelProposer(
+            config, target, engine_config, runner.num_blocks, max_model_len, model_bytes(runner.model), allocate_kv
+        )
     raise ValueError(f"speculative_config.method {config.method!r} is not yet supported")  # config refuses it first
 
 
@@ -179,8 +199,9 @@ class SpecDecodeCounters:
             self.accepted_per_pos[j] += 1
 
     def snapshot(self) -> SpecDecodeStats:
-        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               tuple(self.accepted_per_pos))
+        return SpecDecodeStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, tuple(self.accepted_per_pos)
+        )
 
 
 class Speculator:
@@ -198,13 +219,21 @@ class Speculator:
         self._steps_since_trial = 0  # drafts() calls since a probe was given only to learn the acceptance
 
     @classmethod
-    def for_engine(cls, engine_config: EngineConfig, target: ModelConfig, runner: ModelRunner,
-                   max_model_len: int, allocate_kv: AllocateKV | None = None) -> Speculator | None:
+    def for_engine(
+        cls,
+        engine_config: EngineConfig,
+        target: ModelConfig,
+        runner: ModelRunner,
+        max_model_len: int,
+        allocate_kv: AllocateKV | None = None,
+    ) -> Speculator | None:
         """The engine's speculator (None: no --speculative-config); `allocate_kv`: see make_proposer."""
         config = engine_config.speculative
         if config is None:
             return None
-        return cls(config, max_model_len, make_proposer(config, target, engine_config, runner, max_model_len, allocate_kv))
+        return cls(
+            config, max_model_len, make_proposer(config, target, engine_config, runner, max_model_len, allocate_kv)
+        )
 
     def prefill_kv(self, chunks: list[tuple[ScheduledChunk, bool]]) -> None:
         """A step's prompt chunks, each with whether it is a peer's (Proposer.prefill_kv)."""
@@ -220,8 +249,13 @@ class Speculator:
         """seq's prompt KV arrived from a prefill worker (Proposer.adopt_prompt)."""
         self.proposer.adopt_prompt(seq, seq.num_cached_tokens)
 
-    def drafts(self, decoding: list[Sequence], budget: int, history_of: Callable[[Sequence], DraftHistory | None],
-               generator_of: Callable[[Sequence], torch.Generator | None] = lambda seq: None) -> list[list[int]]:
+    def drafts(
+        self,
+        decoding: list[Sequence],
+        budget: int,
+        history_of: Callable[[Sequence], DraftHistory | None],
+        generator_of: Callable[[Sequence], torch.Generator | None] = lambda seq: None,
+    ) -> list[list[int]]:
         """Drafts for each of decoding, at most budget in all, as many as pay (workers.draft_budget):
         none past disable_by_batch_size sequences, none where history_of(seq) is None (it may not
         draft), never past max_tokens or the context. The proposer is asked only for sequences
@@ -236,13 +270,19 @@ class Speculator:
         # whatever the bound: a proposer whose cost puts the prior acceptance under it would otherwise
         # never be tried (a draft model's probe may have to run the sequence's tokens first).
         self._steps_since_trial += 1
-        trial = self.pooled.accepted + self.pooled.rejections < POOL_PRIOR_WEIGHT and self._steps_since_trial > PROBE_STEPS
+        trial = (
+            self.pooled.accepted + self.pooled.rejections < POOL_PRIOR_WEIGHT and self._steps_since_trial > PROBE_STEPS
+        )
         limits, rates, probes, histories = [], [], [], []
         for seq in decoding:
             history = history_of(seq)
             # At most max_tokens - 1 drafts more: the step's own token comes with them.
-            limit = min(self.config.num_speculative_tokens, budget,
-                        seq.sampling_params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+            limit = min(
+                self.config.num_speculative_tokens,
+                budget,
+                seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens,
+            )
             rate = history.recent.rate(prior, PRIOR_WEIGHT) if history is not None else 0.0
             # Probing is worth it while a fresh sequence (at the pooled rate) would draft, or as the trial above.
             probe = history is not None and history.due_a_probe and (prior > bound or trial)
@@ -257,8 +297,9 @@ class Speculator:
         proposals: list[list[int]] = [[] for _ in decoding]
         if asked:
             started = time.perf_counter()
-            made = self.proposer.propose_many([seq for _, seq in asked], [limits[i] for i, _ in asked],
-                                              [generator_of(seq) for _, seq in asked])
+            made = self.proposer.propose_many(
+                [seq for _, seq in asked], [limits[i] for i, _ in asked], [generator_of(seq) for _, seq in asked]
+            )
             self._proposal_seconds = time.perf_counter() - started
             for (i, _), drafts in zip(asked, made):
                 proposals[i] = drafts[: limits[i]]
@@ -283,8 +324,14 @@ class Speculator:
         """The request left the engine: the proposer drops what it kept of it (workers.suffix_decoding)."""
         self.proposer.forget(seq, finished)
 
-    def verdict(self, chunk: ScheduledChunk, tokens: list[int], history: DraftHistory,
-                generator: torch.Generator | None, generator_state: torch.Tensor | None) -> int:
+    def verdict(
+        self,
+        chunk: ScheduledChunk,
+        tokens: list[int],
+        history: DraftHistory,
+        generator: torch.Generator | None,
+        generator_state: torch.Tensor | None,
+    ) -> int:
         """How many of chunk's drafts the step's tokens (one per verified position) accept; counts
         them. A seeded row's generator, at generator_state before the step's draws, is moved on
         by one key per emitted token, as it would be without drafts."""

@@ -30,7 +30,7 @@ from workers.sequence import ScheduledChunk, Sequence
 @dataclass(eq=False)
 class _Node:
     count: int = 0  # occurrences of the run of tokens from the root to here
-    children: dict[int, "_Node"] = field(default_factory=dict)
+    children: dict[int, _Node] = field(default_factory=dict)
 
 
 class SuffixIndex:
@@ -51,7 +51,7 @@ class SuffixIndex:
     def _walk_runs(self, tokens: list[int], delta: int) -> None:
         for start in range(len(tokens)):
             node = self.root
-            for token in tokens[start:start + self.depth]:
+            for token in tokens[start : start + self.depth]:
                 child = node.children.get(token)
                 if child is None:
                     child = node.children[token] = _Node()
@@ -79,7 +79,7 @@ class SuffixIndex:
         seen followed by something, and its length; (None, 0) when none."""
         for length in range(min(longest, len(context)), 0, -1):
             node = self.root
-            for token in context[len(context) - length:]:
+            for token in context[len(context) - length :]:
                 node = node.children.get(token)
                 if node is None:
                     break
@@ -147,7 +147,7 @@ class SuffixProposer:
         tokens = seq.token_ids
         # The runs ending at the newest token have no next token yet, so a match found in the
         # sequence's own index is an earlier occurrence, with the token that followed it.
-        for token in tokens[own.indexed:]:
+        for token in tokens[own.indexed :]:
             own.open_runs = own.index.extend(own.open_runs, token)
         own.indexed = len(tokens)
         best: list[int] = []

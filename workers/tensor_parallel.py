@@ -84,18 +84,18 @@ class TPGroup:
         self._control = control  # the gloo group steps are broadcast on
 
     @classmethod
-    def single(cls) -> "TPGroup":
+    def single(cls) -> TPGroup:
         return cls(0, 1)
 
     @classmethod
-    def connect(cls, rank: int, size: int, init_method: str, device: str = "cpu",
-                timeout_s: float = 120.0) -> "TPGroup":
+    def connect(cls, rank: int, size: int, init_method: str, device: str = "cpu", timeout_s: float = 120.0) -> TPGroup:
         """Join the group every rank names with the same init_method (e.g. tcp://127.0.0.1:PORT)."""
         if size == 1:
             return cls.single()
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+        )
         control = dist.new_group(backend="gloo", timeout=STEP_WAIT)  # every rank makes it, in the same order
         return cls(rank, size, backend, control)
 
@@ -168,12 +168,20 @@ class ShardPlan:
         return self.model_config.local_experts is not None
 
     @classmethod
-    def of(cls, config: ModelConfig, tp_size: int, rank: int, expert_parallel: bool = False) -> "ShardPlan":
+    def of(cls, config: ModelConfig, tp_size: int, rank: int, expert_parallel: bool = False) -> ShardPlan:
         if tp_size < 1 or not 0 <= rank < tp_size:
             raise ValueError(f"need tensor_parallel_size >= 1 and 0 <= rank < it, got size {tp_size}, rank {rank}")
         heads, kv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
-        check_tp_split(tp_size, heads, kv, inter, config.num_experts, config.moe_intermediate_size, expert_parallel,
-                       dense_mlps=not config.num_experts or bool(config.dense_mlp_layers))
+        check_tp_split(
+            tp_size,
+            heads,
+            kv,
+            inter,
+            config.num_experts,
+            config.moe_intermediate_size,
+            expert_parallel,
+            dense_mlps=not config.num_experts or bool(config.dense_mlp_layers),
+        )
         experts, moe_inter = (0, config.num_experts), (0, config.moe_intermediate_size)
         if config.num_experts and expert_parallel:
             per = config.num_experts // tp_size
@@ -184,11 +192,26 @@ class ShardPlan:
         kv_heads = kv_head_range(kv, tp_size, rank)
         q_per_rank, i_per_rank = heads // tp_size, inter // tp_size
         shard = dataclasses.replace(
-            config, num_heads=q_per_rank, num_kv_heads=kv_heads[1] - kv_heads[0], intermediate_size=i_per_rank,
+            config,
+            num_heads=q_per_rank,
+            num_kv_heads=kv_heads[1] - kv_heads[0],
+            intermediate_size=i_per_rank,
             moe_intermediate_size=moe_inter[1] - moe_inter[0],
-            local_experts=experts if config.num_experts and expert_parallel and tp_size > 1 else None)
-        return cls(rank, tp_size, config.head_dim, (rank * q_per_rank, (rank + 1) * q_per_rank), kv_heads,
-                   (rank * i_per_rank, (rank + 1) * i_per_rank), tp_size > kv, shard, experts, moe_inter, kv)
+            local_experts=experts if config.num_experts and expert_parallel and tp_size > 1 else None,
+        )
+        return cls(
+            rank,
+            tp_size,
+            config.head_dim,
+            (rank * q_per_rank, (rank + 1) * q_per_rank),
+            kv_heads,
+            (rank * i_per_rank, (rank + 1) * i_per_rank),
+            tp_size > kv,
+            shard,
+            experts,
+            moe_inter,
+            kv,
+        )
 
     @property
     def q_rows(self) -> slice:
@@ -220,8 +243,10 @@ class ShardedCheckpoint:
         self.quantization_config = getattr(weights, "quantization_config", None)
         block = (self.quantization_config or {}).get("weight_block_size")
         if block and plan.tp_size > 1:
-            raise ValueError(f"FP8 checkpoints with block scales (weight_block_size {block}) are not supported with "
-                             f"tensor parallelism yet; per-channel and per-tensor scales are")
+            raise ValueError(
+                f"FP8 checkpoints with block scales (weight_block_size {block}) are not supported with "
+                f"tensor parallelism yet; per-channel and per-tensor scales are"
+            )
 
     def __iter__(self):
         for name, tensor in self.weights:
@@ -269,7 +294,9 @@ class ShardedCheckpoint:
         if not per_row:
             return tensor  # norms, per-tensor scales, static activation scales, an MoE router
         if proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            rows = {"q_proj": plan.q_rows, "k_proj": plan.kv_rows, "v_proj": plan.kv_rows}.get(proj, plan.intermediate_rows)
+            rows = {"q_proj": plan.q_rows, "k_proj": plan.kv_rows, "v_proj": plan.kv_rows}.get(
+                proj, plan.intermediate_rows
+            )
             return tensor[rows].contiguous()
         if proj == "qkv_proj":  # Phi-3's fused checkpoint: [q; k; v]
             q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -277,7 +304,9 @@ class ShardedCheckpoint:
             return torch.cat(pieces).contiguous()
         if proj == "gate_up_proj":  # Phi-3's fused checkpoint: [gate; up]
             inter = cfg.intermediate_size
-            return torch.cat((tensor[:inter][plan.intermediate_rows], tensor[inter:][plan.intermediate_rows])).contiguous()
+            return torch.cat(
+                (tensor[:inter][plan.intermediate_rows], tensor[inter:][plan.intermediate_rows])
+            ).contiguous()
         if proj in ROW_PARALLEL:
             if kind == "bias":  # added once, on rank 0, to the summed output
                 return tensor if plan.rank == 0 else torch.zeros_like(tensor)
@@ -288,8 +317,9 @@ class ShardedCheckpoint:
         return tensor
 
 
-def load_sharded_model(model_dir: str | os.PathLike, engine_config: EngineConfig,
-                       group: TPGroup) -> tuple[torch.nn.Module, ShardPlan, EngineConfig]:
+def load_sharded_model(
+    model_dir: str | os.PathLike, engine_config: EngineConfig, group: TPGroup
+) -> tuple[torch.nn.Module, ShardPlan, EngineConfig]:
     """The rank's shard of the model in model_dir, its ShardPlan and the engine config to run it
     with (an FP8 KV cache's scales calibrated over every rank's heads: the largest of the ranks',
     so that they are those of the whole model whatever the group's size, and FP8 blocks pair
@@ -298,8 +328,9 @@ def load_sharded_model(model_dir: str | os.PathLike, engine_config: EngineConfig
     plan = ShardPlan.of(config, group.size, group.rank, engine_config.enable_expert_parallel)
     weights = ShardedCheckpoint(model_runner.iter_safetensors(Path(model_dir)), config, plan)
     max_len = engine_config.max_model_len or config.max_position_embeddings
-    model = model_runner.load_model(plan.model_config, engine_config, weights, max_len,
-                                    tp_group=group if group.size > 1 else None)
+    model = model_runner.load_model(
+        plan.model_config, engine_config, weights, max_len, tp_group=group if group.size > 1 else None
+    )
     if engine_config.kv_cache_dtype == "fp8" and engine_config.kv_scales is None:
         scales = model_runner.kv_cache_scales(model, engine_config, weights)
         flat = group.all_max([s for pair in scales for s in pair])
@@ -314,12 +345,20 @@ def build_engine(model_dir: str | os.PathLike, engine_config: EngineConfig, grou
     model, plan, engine_config = load_sharded_model(model_dir, engine_config, group)
     cfg = plan.model_config
     kv_cache = _shared_size_cache(model, cfg, engine_config, group)
-    return LLMEngine(cfg, engine_config, model, load_tokenizer_decode(Path(model_dir)), kv_cache=kv_cache,
-                     grammars=GrammarCache(Path(model_dir), cfg.vocab_size, cfg.eos_token_ids), tp_group=group)
+    return LLMEngine(
+        cfg,
+        engine_config,
+        model,
+        load_tokenizer_decode(Path(model_dir)),
+        kv_cache=kv_cache,
+        grammars=GrammarCache(Path(model_dir), cfg.vocab_size, cfg.eos_token_ids),
+        tp_group=group,
+    )
 
 
-def build_follower(model_dir: str | os.PathLike, engine_config: EngineConfig,
-                   group: TPGroup) -> model_runner.ModelRunner:
+def build_follower(
+    model_dir: str | os.PathLike, engine_config: EngineConfig, group: TPGroup
+) -> model_runner.ModelRunner:
     """A non-zero rank: the ModelRunner of its shard, to `follow()` rank 0's steps."""
     model, plan, engine_config = load_sharded_model(model_dir, engine_config, group)
     kv_cache = _shared_size_cache(model, plan.model_config, engine_config, group)
@@ -331,7 +370,6 @@ def _shared_size_cache(model, config: ModelConfig, engine_config: EngineConfig, 
     max_len = engine_config.max_model_len or config.max_position_embeddings
     num_blocks = group.all_min(model_runner.kv_cache_num_blocks(model, config, engine_config, max_len))
     shape = (config.num_layers, 2, num_blocks, engine_config.block_size, config.num_kv_heads, config.head_dim)
-    return torch.zeros(shape, dtype=model_runner.kv_cache_torch_dtype(engine_config),
-                       device=torch.device(engine_config.device))
-
-
+    return torch.zeros(
+        shape, dtype=model_runner.kv_cache_torch_dtype(engine_config), device=torch.device(engine_config.device)
+    )

@@ -11,14 +11,15 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from common.protocol import KVEndpoint
 from kvtransfer import TransferResult, TransferStatus
-from kvtransfer.resharding import HeadLink, LinkResult
 from kvtransfer.base import Role as TransferRole
+from kvtransfer.resharding import HeadLink, LinkResult
 from workers.config import WorkerConfig
 from workers.model_runner import ModelRunner
 from workers.shard import build_rank_shard
@@ -44,8 +45,14 @@ class RankFollowers(Protocol):
 
     def wait(self, request_id: str) -> list[TransferResult]: ...
 
-    def send(self, peers: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int],
-             request_id: str, timeout_s: float) -> Callable[[], list[LinkResult]]:
+    def send(
+        self,
+        peers: Sequence[KVEndpoint],
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        request_id: str,
+        timeout_s: float,
+    ) -> Callable[[], list[LinkResult]]:
         """Start every follower's sends; returns the function that waits for their links' results."""
 
     def abort(self, request_id: str) -> None: ...
@@ -63,15 +70,18 @@ class RankFollowers(Protocol):
 class TPRankWorker:
     def __init__(self, config: WorkerConfig, rank: int) -> None:
         if not 0 < rank < config.tp_size or not config.tp_init_method:
-            raise ValueError(f"worker {config.worker_id}: rank {rank} needs 0 < rank < tp_size ({config.tp_size}) "
-                             f"and the group's tp_init_method")
+            raise ValueError(
+                f"worker {config.worker_id}: rank {rank} needs 0 < rank < tp_size ({config.tp_size}) "
+                f"and the group's tp_init_method"
+            )
         self.name = f"{config.worker_id}.tp{rank}"
         if config.engine.num_threads:
             torch.set_num_threads(config.engine.num_threads)
         group = TPGroup.connect(rank, config.tp_size, config.tp_init_method, config.engine.device)
         shard = build_rank_shard(config, group)
-        self.runner = ModelRunner(shard.model_config, shard.engine_config, shard.model, kv_cache=shard.kv_cache,
-                                  tp_group=group)
+        self.runner = ModelRunner(
+            shard.model_config, shard.engine_config, shard.model, kv_cache=shard.kv_cache, tp_group=group
+        )
         self.rank = rank
         self.kv = shard.kv
         self._stopped = threading.Event()
@@ -107,15 +117,27 @@ class TPRankWorker:
         """The end of the transfers into this rank's blocks that expect() announced."""
         return self.kv.wait_received(request_id)
 
-    def send(self, peers: Sequence[KVEndpoint], src_block_ids: list[int], dst_block_ids: list[int], request_id: str,
-             timeout_s: float) -> list[LinkResult]:
+    def send(
+        self,
+        peers: Sequence[KVEndpoint],
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        request_id: str,
+        timeout_s: float,
+    ) -> list[LinkResult]:
         """Push this rank's heads of src_block_ids into the peer ranks' dst_block_ids; waits for the end."""
         started = time.perf_counter()
         try:
             return self.kv.wait_sent(self.kv.send(peers, src_block_ids, dst_block_ids, request_id, timeout_s))
         except Exception as exc:  # a failed rank fails the request's transfer, which the policy handles
-            failed = TransferResult(request_id, TransferRole.SEND, TransferStatus.FAILED, 0,
-                                    time.perf_counter() - started, f"{self.name}: {exc!r}")
+            failed = TransferResult(
+                request_id,
+                TransferRole.SEND,
+                TransferStatus.FAILED,
+                0,
+                time.perf_counter() - started,
+                f"{self.name}: {exc!r}",
+            )
             return [LinkResult(HeadLink(self.rank, -1, self.kv.heads), failed)]
 
     def abort(self, request_id: str) -> None:

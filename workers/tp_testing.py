@@ -42,8 +42,9 @@ class GroupResult:
     steps_run: list[int]  # per rank: the forward passes it ran (every rank runs each of rank 0's steps)
 
 
-def _run_rank(rank: int, size: int, init_method: str, jobs: list[GroupJob], engine_config: EngineConfig,
-              out_dir: str) -> None:
+def _run_rank(
+    rank: int, size: int, init_method: str, jobs: list[GroupJob], engine_config: EngineConfig, out_dir: str
+) -> None:
     """One rank's process: join the group, run every job (rank 0 schedules, the others follow)."""
     torch.set_num_threads(1)  # an EngineConfig.num_threads overrides it
     group = TPGroup.connect(rank, size, init_method, engine_config.device)
@@ -82,8 +83,12 @@ def _lead(job: GroupJob, engine) -> dict:
         engine.generate(job.prompts[:1], dataclasses.replace(greedy, max_tokens=job.decode_steps_to_time + 1))
         stop()
     engine.runner.stop_followers()
-    return {"token_ids": tokens, "decode_step_seconds": seconds, "steps": steps[0],
-            "logits": [torch.stack(logits[tuple(p)]) for p in job.prompts] if job.record_logits else None}
+    return {
+        "token_ids": tokens,
+        "decode_step_seconds": seconds,
+        "steps": steps[0],
+        "logits": [torch.stack(logits[tuple(p)]) for p in job.prompts] if job.record_logits else None,
+    }
 
 
 def _resumed(engine, job: GroupJob, greedy: SamplingParams) -> list[list[int]]:
@@ -103,10 +108,12 @@ def _resumed(engine, job: GroupJob, greedy: SamplingParams) -> list[list[int]]:
 
 def _recording(sampler, logits: dict[tuple[int, ...], list[torch.Tensor]]):
     """sampler, also appending each row's logits to logits[its prompt]."""
+
     def sample(step_logits: torch.Tensor, rows):
         for row_logits, row in zip(step_logits, rows):
             logits[tuple(row.prompt_token_ids)].append(row_logits.detach().clone())
         return sampler(step_logits, rows)
+
     return sample
 
 
@@ -114,9 +121,21 @@ def run_group(jobs: list[GroupJob], tp_size: int, engine_config: EngineConfig) -
     """Run the jobs on a group of tp_size rank processes (gloo on 127.0.0.1); one result per job."""
     with tempfile.TemporaryDirectory(prefix="baton-tp-") as out_dir:
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        mp.start_processes(_run_rank, args=(tp_size, init_method, jobs, engine_config, out_dir), nprocs=tp_size,
-                           join=True, start_method="spawn")
+        mp.start_processes(
+            _run_rank,
+            args=(tp_size, init_method, jobs, engine_config, out_dir),
+            nprocs=tp_size,
+            join=True,
+            start_method="spawn",
+        )
         per_rank = [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(tp_size)]
     lead = per_rank[0]
-    return [GroupResult(lead[j]["token_ids"], lead[j]["decode_step_seconds"], lead[j]["logits"],
-                        [per_rank[r][j]["steps"] for r in range(tp_size)]) for j in range(len(jobs))]
+    return [
+        GroupResult(
+            lead[j]["token_ids"],
+            lead[j]["decode_step_seconds"],
+            lead[j]["logits"],
+            [per_rank[r][j]["steps"] for r in range(tp_size)],
+        )
+        for j in range(len(jobs))
+    ]

@@ -8,7 +8,8 @@ whole requests itself (local prefill). The class runs without Ray (tests use it 
 
 Threading: the engine is not thread-safe, so only the engine thread touches it. Calls from other
 threads (Ray runs actor methods on a thread pool) queue closures to the engine thread and wait for
-their result; the counters, added to from both, take a lock. Outputs go to an outbox that `poll_outputs` drains in batches: one call carries every
+their result; the counters, added to from both, take a lock. Outputs go to an outbox that
+`poll_outputs` drains in batches: one call carries every
 request's new tokens, so streaming costs one RPC per step, not one per token.
 """
 
@@ -27,22 +28,31 @@ from dataclasses import dataclass, replace
 import torch
 
 from common import envs
+from common.protocol import (
+    GrammarCounts,
+    KVEndpoint,
+    KVEventBatch,
+    PrefillRequest,
+    PrefillResult,
+    RequestOutput,
+    ResumeState,
+    RouterClaim,
+    WorkerHeartbeat,
+    WorkerReady,
+    WorkerStats,
+)
+from common.sampling_params import SamplingParams
 from kvtransfer import KVTransferError, PeerLink
 from kvtransfer.resharding import RankKV, combined
-from workers.kv_load import KVLoadFailures, PendingLoad, recompute
 from workers.config import WorkerConfig
 from workers.elastic_threads import core_sharing_for
 from workers.engine import LLMEngine, load_tokenizer_decode
 from workers.grammar import GrammarCache
-from common.protocol import (
-    GrammarCounts, KVEndpoint, KVEventBatch, PrefillRequest, PrefillResult, RequestOutput, ResumeState,
-    RouterClaim, WorkerHeartbeat, WorkerReady, WorkerStats,
-)
+from workers.kv_load import KVLoadFailures, PendingLoad, recompute
 from workers.router_leases import RouterLeases
 from workers.shard import build_rank_shard
 from workers.tensor_parallel import TPGroup, TPGroupBroken
 from workers.tp_rank import RankFollowers
-from common.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +117,9 @@ class Counters:
 
 
 class EngineWorker:
-    def __init__(self, config: WorkerConfig, engine=None, kv: RankKV | None = None,
-                 followers: RankFollowers | None = None) -> None:
+    def __init__(
+        self, config: WorkerConfig, engine=None, kv: RankKV | None = None, followers: RankFollowers | None = None
+    ) -> None:
         """Without `engine`, the worker loads its own (and its KV transports); with one, `kv` gives
         the transports (None: the worker moves no KV). `followers`: the other ranks of a
         tensor-parallel worker (config.tp_size > 1), whose constructors are joining the group at
@@ -121,8 +132,10 @@ class EngineWorker:
             group = None
             if config.tp_size > 1:
                 if followers is None or not config.tp_init_method:
-                    raise ValueError(f"worker {config.worker_id}: tensor-parallel size {config.tp_size} needs its "
-                                     f"other ranks and the group's tp_init_method")
+                    raise ValueError(
+                        f"worker {config.worker_id}: tensor-parallel size {config.tp_size} needs its "
+                        f"other ranks and the group's tp_init_method"
+                    )
                 group = TPGroup.connect(0, config.tp_size, config.tp_init_method, config.engine.device)
             engine, kv = _build_engine_and_kv(config, group)
         self.engine = engine
@@ -138,8 +151,9 @@ class EngineWorker:
         self._prefills: dict[str, PendingPrefill] = {}
         self._aborted = AbortedIds()
         self._recv_handles: dict[str, object] = {}
-        self.counters = Counters("kv_blocks_sent", "kv_bytes_sent", "kv_blocks_received", "prompt_tokens",
-                                 "generation_tokens")
+        self.counters = Counters(
+            "kv_blocks_sent", "kv_bytes_sent", "kv_blocks_received", "prompt_tokens", "generation_tokens"
+        )
         self.kv_failures = KVLoadFailures(self.worker_id, config.kv_load_failure_policy)  # workers.kv_load
         # Per router (workers.router_leases): its requests, outbox, lease and KV events drained from
         # the engine after every step (bounded: past the bound that router gets a snapshot instead).
@@ -193,8 +207,13 @@ class EngineWorker:
     def _end_expired_leases(self) -> None:
         """Engine thread: a router whose lease ran out is gone; end its requests and free their blocks."""
         for lease in self.leases.take_expired():
-            log.warning("worker %s: router %s renewed no lease for %.1f s; aborting its %d requests",
-                        self.worker_id, lease.router_id, lease.term_s, len(lease.request_ids))
+            log.warning(
+                "worker %s: router %s renewed no lease for %.1f s; aborting its %d requests",
+                self.worker_id,
+                lease.router_id,
+                lease.term_s,
+                len(lease.request_ids),
+            )
             for request_id in lease.request_ids:
                 if self._recv_handles.pop(request_id, None) is not None:
                     self._abort_transfer(request_id)
@@ -242,6 +261,7 @@ class EngineWorker:
 
     def _post(self, fn) -> None:
         """Queue fn for the engine thread without waiting for it (a failure is logged)."""
+
         def report(fut: Future) -> None:
             if fut.exception() is not None:
                 log.error("worker %s: a queued engine call failed: %r", self.worker_id, fut.exception())
@@ -255,9 +275,13 @@ class EngineWorker:
         """The start-up report: this worker's real limits (the engine's, fixed once it is built)."""
         engine = self.engine
         return WorkerReady(
-            worker_id=self.worker_id, role=self.role, max_model_len=engine.max_model_len,
-            block_size=engine.block_manager.block_size, num_blocks=engine.block_manager.num_blocks,
-            dtype=engine.config.dtype, kv_cache_dtype=engine.kv_cache_dtype,
+            worker_id=self.worker_id,
+            role=self.role,
+            max_model_len=engine.max_model_len,
+            block_size=engine.block_manager.block_size,
+            num_blocks=engine.block_manager.num_blocks,
+            dtype=engine.config.dtype,
+            kv_cache_dtype=engine.kv_cache_dtype,
         )
 
     def endpoint(self) -> KVEndpoint:
@@ -270,11 +294,19 @@ class EngineWorker:
             endpoint = replace(endpoint, ranks=tuple(self.followers.endpoints()))
         return endpoint
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               resume: ResumeState | None = None, router: RouterClaim | None = None, attempt: int = 0) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume: ResumeState | None = None,
+        router: RouterClaim | None = None,
+        attempt: int = 0,
+    ) -> None:
         """Run a whole request here (local prefill, then decode); outputs go to `router`'s poll_outputs,
         stamped with the router's `attempt`. With `resume`, continue a request whose first decode
         worker died (engine.resume_request)."""
+
         def add():
             self._aborted.refuse(request_id)
             self.leases.own(request_id, router, attempt)
@@ -329,13 +361,18 @@ class EngineWorker:
         try:
             if src is not None:
                 if len(src) != len(request.dst_block_ids):
-                    raise ValueError(f"request {rid}: {len(src)} KV blocks here, {len(request.dst_block_ids)} reserved on the decode worker")
+                    raise ValueError(
+                        f"request {rid}: {len(src)} KV blocks here, "
+                        f"{len(request.dst_block_ids)} reserved on the decode worker"
+                    )
                 skip = request.dst_num_cached_tokens // self.engine.block_manager.block_size
                 peers = [request.peer_endpoint, *request.peer_endpoint.ranks]
                 src_ids, dst_ids, timeout_s = src[skip:], request.dst_block_ids[skip:], self.config.transfer_timeout_s
                 # Every rank pushes its heads into the decode ranks that hold them (kvtransfer.resharding).
                 sends = self.kv.send(peers, src_ids, dst_ids, rid, timeout_s)
-                others = None if self.followers is None else self.followers.send(peers, src_ids, dst_ids, rid, timeout_s)
+                others = (
+                    None if self.followers is None else self.followers.send(peers, src_ids, dst_ids, rid, timeout_s)
+                )
                 links = self.kv.wait_sent(sends) + (others() if others is not None else [])
                 result = combined([link.result for link in links])
                 if self.config.tp_size > 1 or len(peers) > 1:
@@ -366,8 +403,14 @@ class EngineWorker:
         blocks it carried."""
         return [link for transport in self.kv.transports() for link in transport.links()]
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                router: RouterClaim | None = None, attempt: int = 0):
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        router: RouterClaim | None = None,
+        attempt: int = 0,
+    ):
         """Set aside blocks for a prompt a prefill worker will push; None when full right now.
         The decode's outputs go to `router`, stamped with its `attempt`."""
         self.compile_grammar(params)
@@ -450,15 +493,26 @@ class EngineWorker:
     def _make_stats(self, s) -> WorkerStats:
         c = self.counters.snapshot()
         return WorkerStats(
-            worker_id=self.worker_id, role=self.role, num_running=s.num_running, num_waiting=s.num_waiting,
-            kv_usage=s.kv_usage, num_blocks=s.num_blocks, num_free_blocks=s.num_free_blocks,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, kv_blocks_sent=c["kv_blocks_sent"], kv_bytes_sent=c["kv_bytes_sent"],
-            kv_blocks_received=c["kv_blocks_received"], prompt_tokens=c["prompt_tokens"],
-            generation_tokens=c["generation_tokens"], pid=os.getpid(),
+            worker_id=self.worker_id,
+            role=self.role,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_usage=s.kv_usage,
+            num_blocks=s.num_blocks,
+            num_free_blocks=s.num_free_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            kv_blocks_sent=c["kv_blocks_sent"],
+            kv_bytes_sent=c["kv_bytes_sent"],
+            kv_blocks_received=c["kv_blocks_received"],
+            prompt_tokens=c["prompt_tokens"],
+            generation_tokens=c["generation_tokens"],
+            pid=os.getpid(),
             kv_transfer_failures=self.kv_failures.snapshot(),
             grammar=self.engine.grammars.counts() if self.engine.grammars is not None else GrammarCounts(),
-            spec_decode=s.spec_decode, tp_size=self.config.tp_size,
+            spec_decode=s.spec_decode,
+            tp_size=self.config.tp_size,
             rank_pids=tuple(self.followers.pids()) if self.followers is not None else (),
         )
 
@@ -484,8 +538,18 @@ class EngineWorker:
         if not self._step_log.closed:  # an engine thread that outlived shutdown's join logs nothing more
             # `end` on the monotonic clock, which every process of the host shares: steps of two
             # workers can be laid side by side (tests/e2e/test_streams_beside_a_long_prompt.py).
-            self._step_log.write(json.dumps({"role": self.role, "seconds": seconds, "end": time.monotonic(),
-                                             "threads": torch.get_num_threads(), "chunks": chunks}) + "\n")
+            self._step_log.write(
+                json.dumps(
+                    {
+                        "role": self.role,
+                        "seconds": seconds,
+                        "end": time.monotonic(),
+                        "threads": torch.get_num_threads(),
+                        "chunks": chunks,
+                    }
+                )
+                + "\n"
+            )
 
 
 def _build_engine_and_kv(config: WorkerConfig, group: TPGroup | None = None):
@@ -494,6 +558,14 @@ def _build_engine_and_kv(config: WorkerConfig, group: TPGroup | None = None):
     shard = build_rank_shard(config, group)
     cfg = shard.model_config
     grammars = GrammarCache(shard.model_dir, cfg.vocab_size, cfg.eos_token_ids)
-    engine = LLMEngine(cfg, shard.engine_config, shard.model, load_tokenizer_decode(shard.model_dir),
-                       kv_cache=shard.kv_cache, grammars=grammars, tp_group=group, draft_kv=shard.kv.allocate_draft)
+    engine = LLMEngine(
+        cfg,
+        shard.engine_config,
+        shard.model,
+        load_tokenizer_decode(shard.model_dir),
+        kv_cache=shard.kv_cache,
+        grammars=grammars,
+        tp_group=group,
+        draft_kv=shard.kv.allocate_draft,
+    )
     return engine, shard.kv

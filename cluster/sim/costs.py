@@ -27,8 +27,20 @@ from common.stats import percentile
 from common.tp_split import check_tp_split
 
 __all__ = [
-    "GPUS", "LINKS", "MODELS", "CostModel", "FittedCostModel", "GpuSpec", "LinkModel", "ModelShape",
-    "RooflineCostModel", "ServingOverheads", "StepShape", "TensorParallelCost", "fit_cost_model", "load_cost_model",
+    "GPUS",
+    "LINKS",
+    "MODELS",
+    "CostModel",
+    "FittedCostModel",
+    "GpuSpec",
+    "LinkModel",
+    "ModelShape",
+    "RooflineCostModel",
+    "ServingOverheads",
+    "StepShape",
+    "TensorParallelCost",
+    "fit_cost_model",
+    "load_cost_model",
 ]
 
 
@@ -54,7 +66,7 @@ class StepShape:
     prefill_context: int = 0
 
     @classmethod
-    def of(cls, chunks: list[tuple[int, int, bool]]) -> "StepShape":
+    def of(cls, chunks: list[tuple[int, int, bool]]) -> StepShape:
         """From (tokens computed before, tokens this step, sampled) per scheduled chunk."""
         tokens = sampled = dseqs = dctx = ptok = ppairs = pctx = 0
         for before, n, sample in chunks:
@@ -142,8 +154,14 @@ class FittedCostModel:
 
     COEFFICIENTS = ("c0", "c_token", "c_sampled", "c_decode_ctx", "c_prefill_pairs", "c_decode_seq")
 
-    def __init__(self, coefficients: dict[str, float], knee: float, kv_bytes_per_token: int,
-                 kv_capacity_tokens: int, gpus_per_worker: int = 1) -> None:
+    def __init__(
+        self,
+        coefficients: dict[str, float],
+        knee: float,
+        kv_bytes_per_token: int,
+        kv_capacity_tokens: int,
+        gpus_per_worker: int = 1,
+    ) -> None:
         missing = [c for c in self.COEFFICIENTS if c not in coefficients]
         if missing:
             raise ValueError(f"fitted cost model lacks coefficients {missing}")
@@ -159,13 +177,25 @@ class FittedCostModel:
 
     @staticmethod
     def features(shape: StepShape, knee: float) -> list[float]:
-        return [1.0, max(float(shape.tokens), knee), float(shape.sampled), float(shape.decode_context),
-                float(shape.prefill_pairs), float(shape.decode_seqs)]
+        return [
+            1.0,
+            max(float(shape.tokens), knee),
+            float(shape.sampled),
+            float(shape.decode_context),
+            float(shape.prefill_pairs),
+            float(shape.decode_seqs),
+        ]
 
     def step_time(self, shape: StepShape) -> float:
         c0, ct, cs, cd, cp, cq = self._c
-        return (c0 + ct * max(shape.tokens, self.knee) + cs * shape.sampled + cd * shape.decode_context
-                + cp * shape.prefill_pairs + cq * shape.decode_seqs)
+        return (
+            c0
+            + ct * max(shape.tokens, self.knee)
+            + cs * shape.sampled
+            + cd * shape.decode_context
+            + cp * shape.prefill_pairs
+            + cq * shape.decode_seqs
+        )
 
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes
@@ -177,9 +207,14 @@ class FittedCostModel:
         return self._gpus
 
     def to_dict(self) -> dict:
-        return {"kind": "fitted", "coefficients": self.coefficients, "knee": self.knee,
-                "kv_bytes_per_token": self._kv_bytes, "kv_capacity_tokens": self._kv_tokens,
-                "gpus_per_worker": self._gpus}
+        return {
+            "kind": "fitted",
+            "coefficients": self.coefficients,
+            "knee": self.knee,
+            "kv_bytes_per_token": self._kv_bytes,
+            "kv_capacity_tokens": self._kv_tokens,
+            "gpus_per_worker": self._gpus,
+        }
 
 
 @dataclass(frozen=True)
@@ -241,8 +276,9 @@ class ModelShape:
         """Weights one token multiplies (FLOPs per token = 2 x this): for an MoE its k experts only."""
         if not self.experts:
             return self.layer_params
-        return self.layers * (self._attention_params + self.hidden * self.experts
-                              + self.experts_per_tok * self._expert_params)
+        return self.layers * (
+            self._attention_params + self.hidden * self.experts + self.experts_per_tok * self._expert_params
+        )
 
     def layer_params_read(self, tokens: int) -> float:
         """Weights a step of `tokens` tokens streams from memory: all of a dense model; for an MoE the
@@ -301,8 +337,9 @@ class RooflineCostModel:
             raise ValueError(f"tensor-parallel size must be 1, 2, 4 or 8, got {self.tp}")
         m = self.model
         try:  # a size the engine cannot shard this model at is no plan
-            check_tp_split(self.tp, m.heads, m.kv_heads, m.intermediate, m.experts, m.expert_intermediate,
-                           dense_mlps=not m.experts)
+            check_tp_split(
+                self.tp, m.heads, m.kv_heads, m.intermediate, m.experts, m.expert_intermediate, dense_mlps=not m.experts
+            )
         except ValueError as exc:
             raise ValueError(f"{m.name} at TP {self.tp}: {exc}") from None
         if self.kv_capacity_tokens() < 1:
@@ -333,8 +370,11 @@ class RooflineCostModel:
     def step_time(self, shape: StepShape) -> float:
         m = self.model
         attn_pairs = shape.prefill_pairs + shape.decode_context
-        flops = (2 * m.active_layer_params * shape.tokens + 2 * m.lm_head_params * shape.sampled
-                 + 4 * m.layers * m.heads * m.head_dim * attn_pairs)
+        flops = (
+            2 * m.active_layer_params * shape.tokens
+            + 2 * m.lm_head_params * shape.sampled
+            + 4 * m.layers * m.heads * m.head_dim * attn_pairs
+        )
         kv = self.kv_bytes_per_token()
         per = 1 if self.weight_dtype == "fp8" else 2
         weights_read = (m.layer_params_read(shape.tokens) + m.lm_head_params) * per  # = weight_bytes when dense
@@ -347,10 +387,18 @@ class RooflineCostModel:
         return t + self.step_overhead_s if shape.tokens else 0.0
 
     def to_dict(self) -> dict:
-        return {"kind": "roofline", "gpu": self.gpu.name, "model": self.model.name, "weight_dtype": self.weight_dtype,
-                "kv_dtype": self.kv_dtype, "tp": self.tp, "compute_eff": self.compute_eff,
-                "bandwidth_eff": self.bandwidth_eff, "memory_util": self.memory_util,
-                "step_overhead_s": self.step_overhead_s}
+        return {
+            "kind": "roofline",
+            "gpu": self.gpu.name,
+            "model": self.model.name,
+            "weight_dtype": self.weight_dtype,
+            "kv_dtype": self.kv_dtype,
+            "tp": self.tp,
+            "compute_eff": self.compute_eff,
+            "bandwidth_eff": self.bandwidth_eff,
+            "memory_util": self.memory_util,
+            "step_overhead_s": self.step_overhead_s,
+        }
 
 
 @dataclass(frozen=True)
@@ -394,16 +442,32 @@ def cost_model_from_dict(spec: dict) -> CostModel:
     """A cost model from its JSON form (a profile written by bench/profile_costs.py, or a roofline spec)."""
     kind = spec.get("kind")
     if kind == "fitted":
-        return FittedCostModel(spec["coefficients"], spec["knee"], spec["kv_bytes_per_token"],
-                               spec["kv_capacity_tokens"], spec.get("gpus_per_worker", 1))
+        return FittedCostModel(
+            spec["coefficients"],
+            spec["knee"],
+            spec["kv_bytes_per_token"],
+            spec["kv_capacity_tokens"],
+            spec.get("gpus_per_worker", 1),
+        )
     if kind == "roofline":
         gpu, model = spec.get("gpu", "H200"), spec.get("model", "llama-8b")
         if gpu not in GPUS:
             raise ValueError(f"unknown gpu {gpu!r}; known: {sorted(GPUS)}")
         if model not in MODELS:
             raise ValueError(f"unknown model {model!r}; known: {sorted(MODELS)}")
-        extra = {k: spec[k] for k in ("weight_dtype", "kv_dtype", "tp", "compute_eff", "bandwidth_eff",
-                                      "memory_util", "step_overhead_s") if k in spec}
+        extra = {
+            k: spec[k]
+            for k in (
+                "weight_dtype",
+                "kv_dtype",
+                "tp",
+                "compute_eff",
+                "bandwidth_eff",
+                "memory_util",
+                "step_overhead_s",
+            )
+            if k in spec
+        }
         return RooflineCostModel(GPUS[gpu], MODELS[model], **extra)
     raise ValueError(f"cost model kind must be 'fitted' or 'roofline', got {kind!r}")
 
@@ -449,6 +513,10 @@ def fit_cost_model(samples: list[dict]) -> tuple[dict[str, float], float, dict]:
             best = (full, knee, err, pred)
     full, knee, err, pred = best
     rel = np.abs(pred - t) / t
-    quality = {"rms_relative_error": err, "median_relative_error": float(np.median(rel)),
-               "p90_relative_error": percentile(rel.tolist(), 90), "samples": len(samples)}
+    quality = {
+        "rms_relative_error": err,
+        "median_relative_error": float(np.median(rel)),
+        "p90_relative_error": percentile(rel.tolist(), 90),
+        "samples": len(samples),
+    }
     return dict(zip(names, map(float, full))), float(knee), quality

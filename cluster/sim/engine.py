@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.sim.costs import CostModel, StepShape
-from workers.block_manager import BlockManager
 from common.protocol import KVEvent
 from common.sampling_params import SamplingParams
+from workers.block_manager import BlockManager
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence
 
@@ -180,14 +180,21 @@ class SimWorker:
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         return _Seq(request_id, list(prompt), params, arrival_time=self.loop.now)
 
-    def add(self, request_id: str, prompt: tuple[int, ...], output_len: int, on_output: OutputCallback,
-            prefill_only: bool = False) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: tuple[int, ...],
+        output_len: int,
+        on_output: OutputCallback,
+        prefill_only: bool = False,
+    ) -> None:
         seq = self._new_seq(request_id, prompt, output_len)
         self._states[request_id] = _SeqState(seq, on_output, prefill_only, self.loop.now)
         self.scheduler.add(seq)
 
-    def reserve(self, request_id: str, prompt: tuple[int, ...], output_len: int,
-                on_output: OutputCallback) -> tuple[int, int] | None:
+    def reserve(
+        self, request_id: str, prompt: tuple[int, ...], output_len: int, on_output: OutputCallback
+    ) -> tuple[int, int] | None:
         """Decode side: (blocks reserved, tokens already cached here), or None when full right now."""
         seq = self._new_seq(request_id, prompt, output_len)
         if not self.scheduler.add_reserved(seq):

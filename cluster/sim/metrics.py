@@ -10,7 +10,6 @@ from pathlib import Path
 
 from common.stats import summary as latency_summary
 
-
 __all__ = ["ItlSample", "RequestRecord", "SLO", "SimResult", "pyplot"]
 
 
@@ -19,7 +18,7 @@ class SLO:
     ttft_s: float | None = None
     tpot_s: float | None = None
 
-    def met(self, r: "RequestRecord") -> bool:
+    def met(self, r: RequestRecord) -> bool:
         if not r.completed:
             return False
         if self.ttft_s is not None and r.ttft_s > self.ttft_s:
@@ -93,10 +92,15 @@ class PoolStats:
     queue_s: list[float] = field(default_factory=list)
 
     def summary(self, duration_s: float) -> dict:
-        return {"workers_at_end": self.workers, "gpu_seconds": self.gpu_seconds,
-                "utilisation": self.busy_seconds / self.gpu_seconds if self.gpu_seconds else 0.0,
-                "steps": self.steps, "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
-                "queue_ms": latency_summary(self.queue_s)}
+        return {
+            "workers_at_end": self.workers,
+            "gpu_seconds": self.gpu_seconds,
+            "utilisation": self.busy_seconds / self.gpu_seconds if self.gpu_seconds else 0.0,
+            "steps": self.steps,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "queue_ms": latency_summary(self.queue_s),
+        }
 
 
 @dataclass
@@ -122,12 +126,18 @@ class SimResult:
         out_tokens = sum(r.tokens for r in done)
         itl = self.itl.values if client is None else []
         return {
-            "requests": len(recs), "completed": len(done), "failed": len(recs) - len(done),
-            "duration_s": duration, "request_throughput": len(done) / duration,
+            "requests": len(recs),
+            "completed": len(done),
+            "failed": len(recs) - len(done),
+            "duration_s": duration,
+            "request_throughput": len(done) / duration,
             "output_throughput": out_tokens / duration,
-            "goodput": len(good) / duration, "slo_attainment": len(good) / len(recs) if recs else 0.0,
-            "slo": {"ttft_ms": None if slo.ttft_s is None else slo.ttft_s * 1e3,
-                    "tpot_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3},
+            "goodput": len(good) / duration,
+            "slo_attainment": len(good) / len(recs) if recs else 0.0,
+            "slo": {
+                "ttft_ms": None if slo.ttft_s is None else slo.ttft_s * 1e3,
+                "tpot_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3,
+            },
             "ttft_ms": latency_summary([r.ttft_s for r in done]),
             "tpot_ms": latency_summary([r.tpot_s for r in done if r.tpot_s is not None]),
             "itl_ms": latency_summary(itl),
@@ -143,7 +153,9 @@ class SimResult:
             "by_client": {c: self.summary(slo, c) for c in clients} if len(clients) > 1 else {},
             "pools": {name: p.summary(self.duration_s) for name, p in self.pools.items()},
             "router_decision_ms": latency_summary(self.decision_s),
-            "simulated_s": self.duration_s, "simulation_wall_s": self.sim_wall_s, "config": self.config,
+            "simulated_s": self.duration_s,
+            "simulation_wall_s": self.sim_wall_s,
+            "config": self.config,
         }
 
     def plot(self, path: str | Path, title: str = "") -> None:
@@ -151,8 +163,10 @@ class SimResult:
         plt = pyplot()
         done = [r for r in self.records if r.completed]
         fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-        for ax, values, label in ((axes[0], [r.ttft_s * 1e3 for r in done], "TTFT (ms)"),
-                                  (axes[1], [r.tpot_s * 1e3 for r in done if r.tpot_s is not None], "TPOT (ms)")):
+        for ax, values, label in (
+            (axes[0], [r.ttft_s * 1e3 for r in done], "TTFT (ms)"),
+            (axes[1], [r.tpot_s * 1e3 for r in done if r.tpot_s is not None], "TPOT (ms)"),
+        ):
             if values:
                 ax.hist(values, bins=50)
             ax.set_xlabel(label)
@@ -165,8 +179,13 @@ class SimResult:
             ax.set_xlabel("time (s)")
             ax.set_ylabel("workers")
             ax2 = ax.twinx()
-            ax2.plot(t, [p["queued_prefill_tokens"] for p in self.timeline], color="grey", alpha=0.5,
-                     label="queued prefill tokens")
+            ax2.plot(
+                t,
+                [p["queued_prefill_tokens"] for p in self.timeline],
+                color="grey",
+                alpha=0.5,
+                label="queued prefill tokens",
+            )
             ax2.set_ylabel("queued prefill tokens")
             ax.legend(loc="upper left")
         fig.suptitle(title)

@@ -32,8 +32,21 @@ from common.protocol import KVReservation, PrefillResult, RequestOutput
 from common.roles import ROLES, Role
 from router.backend import WorkerInfo
 from router.flow import (
-    COUNTERS, Abort, Command, Count, Emit, Fail, Follow, MigrationGap, Prefill, QueueTokens, RequestFlow, Reserve, StartDecode,
-    Submit, WaitForDecode,
+    COUNTERS,
+    Abort,
+    Command,
+    Count,
+    Emit,
+    Fail,
+    Follow,
+    MigrationGap,
+    Prefill,
+    QueueTokens,
+    RequestFlow,
+    Reserve,
+    StartDecode,
+    Submit,
+    WaitForDecode,
 )
 from router.migration import pick_worker
 from router.prefix_index import PrefixIndex
@@ -55,8 +68,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
-            raise ValueError(f"need prefill_workers >= 0 and decode_workers >= 1, got "
-                             f"{self.prefill_workers}, {self.decode_workers}")
+            raise ValueError(
+                f"need prefill_workers >= 0 and decode_workers >= 1, got {self.prefill_workers}, {self.decode_workers}"
+            )
 
 
 @dataclass
@@ -70,9 +84,15 @@ class _Flight:
 
 
 class Simulator:
-    def __init__(self, spec: ClusterSpec, cost: CostModel, overheads: ServingOverheads | None = None,
-                 link: LinkModel | None = None, prefill_cost: CostModel | None = None,
-                 record_itl: bool = True) -> None:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        cost: CostModel,
+        overheads: ServingOverheads | None = None,
+        link: LinkModel | None = None,
+        prefill_cost: CostModel | None = None,
+        record_itl: bool = True,
+    ) -> None:
         self.spec = spec
         self.cost = cost
         self.prefill_cost = prefill_cost or cost
@@ -96,7 +116,7 @@ class Simulator:
         self.decision_s: list[float] = []
         self.timeline: list[dict] = []
         self.recent: deque[RequestRecord] = deque()  # completed in the last window (autoscaler signals)
-        self._tickers: list[tuple[float, Callable[["Simulator"], None]]] = []
+        self._tickers: list[tuple[float, Callable[[Simulator], None]]] = []
         self._open_clients = 0
         self._stopped = False
         self._flights: dict[str, _Flight] = {}
@@ -135,7 +155,9 @@ class Simulator:
     def drain_worker(self, role: str) -> str | None:
         """Stop routing to the newest worker of `role` (a starting one first); it leaves once idle.
         Never drains the last decode worker. Returns its id, or None."""
-        candidates = [wid for wid, st in self._state.items() if st in ("starting", "up") and self.workers[wid].role == role]
+        candidates = [
+            wid for wid, st in self._state.items() if st in ("starting", "up") and self.workers[wid].role == role
+        ]
         if len(candidates) <= (1 if role == Role.DECODE else 0):
             return None
         wid = max(candidates, key=lambda x: (self._state[x] == "starting", self._born[x], x))
@@ -174,8 +196,17 @@ class Simulator:
         for wid, w in self.workers.items():
             if self._state[wid] in ("up", "draining"):
                 running, waiting, usage = self._stats[wid]
-                infos.append(WorkerInfo(wid, w.role, alive=self._state[wid] == "up", running=running, waiting=waiting,
-                                        kv_usage=usage, queued_prefill_tokens=self._queued[wid]))
+                infos.append(
+                    WorkerInfo(
+                        wid,
+                        w.role,
+                        alive=self._state[wid] == "up",
+                        running=running,
+                        waiting=waiting,
+                        kv_usage=usage,
+                        queued_prefill_tokens=self._queued[wid],
+                    )
+                )
         self._infos = infos
         self._pos = {info.worker_id: i for i, info in enumerate(infos)}
 
@@ -204,17 +235,25 @@ class Simulator:
                 self.index.apply(wid, events)
         self._retire_idle()
         self._rebuild_infos()
-        self.timeline.append({
-            "t": self.loop.now, "prefill_workers": self.pool_size("prefill", False),
-            "decode_workers": self.pool_size("decode", False),
-            "queued_prefill_tokens": sum(self._queued.values()),
-            "prefill_busy": sum(1 for wid, w in self.workers.items() if w.role == Role.PREFILL and not w.removed
-                                and (self._stats[wid][0] or self._stats[wid][1])),
-            "decode_waiting": sum(self._stats[wid][1] for wid, w in self.workers.items() if w.role == Role.DECODE
-                                  and not w.removed),
-            "decode_running": sum(self._stats[wid][0] for wid, w in self.workers.items() if w.role == Role.DECODE
-                                  and not w.removed),
-        })
+        self.timeline.append(
+            {
+                "t": self.loop.now,
+                "prefill_workers": self.pool_size("prefill", False),
+                "decode_workers": self.pool_size("decode", False),
+                "queued_prefill_tokens": sum(self._queued.values()),
+                "prefill_busy": sum(
+                    1
+                    for wid, w in self.workers.items()
+                    if w.role == Role.PREFILL and not w.removed and (self._stats[wid][0] or self._stats[wid][1])
+                ),
+                "decode_waiting": sum(
+                    self._stats[wid][1] for wid, w in self.workers.items() if w.role == Role.DECODE and not w.removed
+                ),
+                "decode_running": sum(
+                    self._stats[wid][0] for wid, w in self.workers.items() if w.role == Role.DECODE and not w.removed
+                ),
+            }
+        )
         if not self._finished():
             self.loop.after(self.overheads.heartbeat_s, self._heartbeat)
 
@@ -273,6 +312,7 @@ class Simulator:
                     res = d.reserve(rid, f.req.prompt, f.req.output_len, self._decode_output(f))
                     reservation = None if res is None else KVReservation(rid, list(range(res[0])), res[1])
                     self.loop.after(rpc, self._answer, f, lambda now: flow.on_reserved(reservation, now))
+
                 self.loop.after(rpc, d.call, reserve)
             elif isinstance(c, Prefill):
                 self._prefill(f, c)
@@ -282,8 +322,9 @@ class Simulator:
             elif isinstance(c, Submit):
                 assert c.resume is None, "the simulator loses no worker, so nothing migrates"
                 d = self.workers[c.worker_id]
-                self.loop.after(rpc, d.call, lambda d=d: d.add(rid, f.req.prompt, f.req.output_len,
-                                                               self._decode_output(f)))
+                self.loop.after(
+                    rpc, d.call, lambda d=d: d.add(rid, f.req.prompt, f.req.output_len, self._decode_output(f))
+                )
             elif isinstance(c, Abort):
                 w = self.workers[c.worker_id]
                 self.loop.after(rpc, w.call, lambda w=w: w.abort(rid))
@@ -305,8 +346,9 @@ class Simulator:
         rid, flow, p, bs = f.req.request_id, f.flow, self.workers[c.worker_id], self.spec.engine.block_size
 
         def done(finished: bool, p_cached: int, blocks: int, nbytes: int, transfer_s: float) -> None:
-            result = PrefillResult(RequestOutput(rid, [0], finished=finished, num_cached_tokens=p_cached),
-                                   blocks, nbytes, transfer_s, 0.0)
+            result = PrefillResult(
+                RequestOutput(rid, [0], finished=finished, num_cached_tokens=p_cached), blocks, nbytes, transfer_s, 0.0
+            )
             self.loop.after(rpc, self._answer, f, lambda now: flow.on_prefill_done(result, now))
 
         def on_first(_rid: str, _n: int, finished: bool, p_cached: int) -> None:
@@ -322,6 +364,7 @@ class Simulator:
             def sent_done() -> None:
                 p.call(lambda: p.release(rid))  # queued for P's engine thread, not waited for
                 done(False, p_cached, sent, nbytes, transfer_s)
+
             self.loop.after(transfer_s, sent_done)
 
         self.loop.after(rpc, p.call, lambda: p.add(rid, f.req.prompt, f.req.output_len, on_first, prefill_only=True))
@@ -332,6 +375,7 @@ class Simulator:
         def on_output(rid: str, n: int, finished: bool, cached: int) -> None:
             # One step's increment: the one token it sampled (n counts every token so far).
             after(stream_s, deliver, f, RequestOutput(rid, [0], finished=finished, num_cached_tokens=cached))
+
         return on_output
 
     def _deliver(self, f: _Flight, out: RequestOutput) -> None:
@@ -375,8 +419,9 @@ class Simulator:
     def _start_client(self, client: Client) -> None:
         """Closed loop: `concurrency` units in flight, the next one when one ends. Open loop (no
         concurrency): each unit starts at its first request's arrival, chained so only one is scheduled."""
-        pending = deque(sorted(client.units, key=lambda u: u[0].arrival_s or 0.0) if client.concurrency is None
-                        else client.units)
+        pending = deque(
+            sorted(client.units, key=lambda u: u[0].arrival_s or 0.0) if client.concurrency is None else client.units
+        )
         in_flight = [0]
         if not pending:
             return
@@ -423,12 +468,14 @@ class Simulator:
         ticker: the planner once a probe cannot pass); requests not done by then are failed."""
         self._stopped = True
 
-    def every(self, interval_s: float, fn: Callable[["Simulator"], None]) -> None:
+    def every(self, interval_s: float, fn: Callable[[Simulator], None]) -> None:
         """Call fn(simulator) every interval_s of simulated time while clients are running (the autoscaler)."""
+
         def tick() -> None:
             fn(self)
             if not self._finished():
                 self.loop.after(interval_s, tick)
+
         self.loop.after(interval_s, tick)
 
     def run(self, workload: Workload) -> SimResult:
@@ -461,18 +508,28 @@ class Simulator:
             ws = [w for w in self.workers.values() if w.role == role]
             pools[role] = PoolStats(
                 workers=self.pool_size(role, False),
-                gpu_seconds=sum((self._gone.get(w.worker_id, end) - self._born[w.worker_id]) * w.cost.gpus_per_worker()
-                                for w in ws),
-                busy_seconds=sum(w.counters.busy_s for w in ws), steps=sum(w.counters.steps for w in ws),
+                gpu_seconds=sum(
+                    (self._gone.get(w.worker_id, end) - self._born[w.worker_id]) * w.cost.gpus_per_worker() for w in ws
+                ),
+                busy_seconds=sum(w.counters.busy_s for w in ws),
+                steps=sum(w.counters.steps for w in ws),
                 prefill_tokens=sum(w.counters.prefill_tokens for w in ws),
                 decode_tokens=sum(w.counters.decode_tokens for w in ws),
-                queue_s=[q for w in ws for q in w.counters.queue_s])
-        config = {"prefill_workers": self.spec.prefill_workers, "decode_workers": self.spec.decode_workers,
-                  "engine": dataclasses.asdict(self.spec.engine), "routing": dataclasses.asdict(self.spec.routing),
-                  "overheads": dataclasses.asdict(self.overheads), "link": dataclasses.asdict(self.link),
-                  "cost_model": _describe(self.cost), "prefill_cost_model": _describe(self.prefill_cost)}
-        return SimResult(self.records, self.itl, pools, self.timeline, self.decision_s, end,
-                         time.perf_counter() - started, config)
+                queue_s=[q for w in ws for q in w.counters.queue_s],
+            )
+        config = {
+            "prefill_workers": self.spec.prefill_workers,
+            "decode_workers": self.spec.decode_workers,
+            "engine": dataclasses.asdict(self.spec.engine),
+            "routing": dataclasses.asdict(self.spec.routing),
+            "overheads": dataclasses.asdict(self.overheads),
+            "link": dataclasses.asdict(self.link),
+            "cost_model": _describe(self.cost),
+            "prefill_cost_model": _describe(self.prefill_cost),
+        }
+        return SimResult(
+            self.records, self.itl, pools, self.timeline, self.decision_s, end, time.perf_counter() - started, config
+        )
 
 
 def _describe(cost: CostModel) -> dict:
@@ -480,7 +537,13 @@ def _describe(cost: CostModel) -> dict:
     return to_dict() if to_dict else {"kind": type(cost).__name__}
 
 
-def simulate(workload: Workload, spec: ClusterSpec, cost: CostModel, overheads: ServingOverheads | None = None,
-             link: LinkModel | None = None, prefill_cost: CostModel | None = None) -> SimResult:
+def simulate(
+    workload: Workload,
+    spec: ClusterSpec,
+    cost: CostModel,
+    overheads: ServingOverheads | None = None,
+    link: LinkModel | None = None,
+    prefill_cost: CostModel | None = None,
+) -> SimResult:
     """Run one workload on one deployment and return its records and pool statistics."""
     return Simulator(spec, cost, overheads, link, prefill_cost).run(workload)

@@ -28,15 +28,25 @@ from cluster.sim.workload import Client, SimRequest, Workload
 from common.stats import summary as latency_summary
 from router.routing import RoutingConfig
 
-__all__ = ["ChatShape", "SPEC", "VALIDATION_WORKLOADS", "chat_conversations", "compare", "serve_requests", "simulate",
-           "summarize", "validation_workload"]
+__all__ = [
+    "ChatShape",
+    "SPEC",
+    "VALIDATION_WORKLOADS",
+    "chat_conversations",
+    "compare",
+    "serve_requests",
+    "simulate",
+    "summarize",
+    "validation_workload",
+]
 
 VALIDATION_WORKLOADS = ("throughput", "mixed", "chat")
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"))
 
 
-def serve_requests(name: str, input_len: int, output_len: int, num_prompts: int, seed: int,
-                   request_rate: float | None = None) -> list[SimRequest]:
+def serve_requests(
+    name: str, input_len: int, output_len: int, num_prompts: int, seed: int, request_rate: float | None = None
+) -> list[SimRequest]:
     """bench/serve.py --token-ids: the prompts it sends, and with --request-rate the send times."""
     rng = random.Random(seed)
     shared: list[int] = []  # --shared-prefix-len 0
@@ -65,7 +75,10 @@ class ChatShape:
 def chat_conversations(shape: ChatShape = ChatShape()) -> list[list[list[int]]]:
     """Per conversation, each turn's prompt (token ids)."""
     rng = random.Random(shape.seed)
-    draw = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]  # noqa: E731
+
+    def draw(n):
+        return [rng.randrange(1000, 40000) for _ in range(n)]
+
     system = draw(shape.system_len)
     out = []
     for _ in range(shape.conversations):
@@ -86,8 +99,10 @@ def validation_workload(name: str, chat: ChatShape = ChatShape()) -> Workload:
         longs = serve_requests("longs", 2000, 1, 10, 2, request_rate=0.25)
         return Workload((Client.closed_loop("streams", streams, 8), Client.open_loop("long_prompts", longs)))
     if name == "chat":
-        units = tuple(tuple(SimRequest(f"chat-{c}-{t}", tuple(p), chat.output_len) for t, p in enumerate(turns))
-                      for c, turns in enumerate(chat_conversations(chat)))
+        units = tuple(
+            tuple(SimRequest(f"chat-{c}-{t}", tuple(p), chat.output_len) for t, p in enumerate(turns))
+            for c, turns in enumerate(chat_conversations(chat))
+        )
         return Workload((Client("chat", units, chat.concurrency),))
     raise ValueError(f"unknown validation workload {name!r}; known: {', '.join(VALIDATION_WORKLOADS)}")
 
@@ -99,21 +114,32 @@ def compare(real: dict, simulated: dict, tolerance: float = 0.2) -> list[dict]:
     for metric, q in METRICS:
         r, s = real[metric][q], simulated[metric][q]
         err = (s - r) / r if r and s is not None else None
-        rows.append({"metric": f"{metric.split('_')[0].upper()} {q}", "real_ms": r, "sim_ms": s,
-                     "relative_error": err, "within": err is not None and abs(err) <= tolerance})
+        rows.append(
+            {
+                "metric": f"{metric.split('_')[0].upper()} {q}",
+                "real_ms": r,
+                "sim_ms": s,
+                "relative_error": err,
+                "within": err is not None and abs(err) <= tolerance,
+            }
+        )
     return rows
 
 
-SPEC = ClusterSpec(1, 1, EngineSettings(block_size=16, max_num_seqs=64, max_num_batched_tokens=256),
-                   RoutingConfig(seed=0))  # `baton serve`'s defaults
+SPEC = ClusterSpec(
+    1, 1, EngineSettings(block_size=16, max_num_seqs=64, max_num_batched_tokens=256), RoutingConfig(seed=0)
+)  # `baton serve`'s defaults
 
 
 def summarize(rows: list[dict]) -> dict:
     """rows: {ok, ttft_s, tpot_s}: counts, and TTFT / TPOT as common.stats.summary gives them (ms)."""
     done = [r for r in rows if r["ok"]]
-    return {"requests": len(rows), "completed": len(done),
-            "ttft_ms": latency_summary([r["ttft_s"] for r in done]),
-            "tpot_ms": latency_summary([r["tpot_s"] for r in done if r["tpot_s"] is not None])}
+    return {
+        "requests": len(rows),
+        "completed": len(done),
+        "ttft_ms": latency_summary([r["ttft_s"] for r in done]),
+        "tpot_ms": latency_summary([r["tpot_s"] for r in done if r["tpot_s"] is not None]),
+    }
 
 
 def simulate(name: str, profile: str | Path) -> dict:

@@ -55,11 +55,11 @@ class Client:
     start_s: float = 0.0
 
     @classmethod
-    def closed_loop(cls, name: str, requests: list[SimRequest], concurrency: int) -> "Client":
+    def closed_loop(cls, name: str, requests: list[SimRequest], concurrency: int) -> Client:
         return cls(name, tuple((r,) for r in requests), concurrency)
 
     @classmethod
-    def open_loop(cls, name: str, requests: list[SimRequest]) -> "Client":
+    def open_loop(cls, name: str, requests: list[SimRequest]) -> Client:
         if any(r.arrival_s is None for r in requests):
             raise ValueError(f"open-loop client {name}: every request needs arrival_s")
         return cls(name, tuple((r,) for r in requests), None)
@@ -121,10 +121,10 @@ class LengthDist:
             return float(self.value)
         if self.dist == "uniform":
             return (self.low + self.high) / 2
-        return min(self.high, max(self.low, self.mean * math.exp(self.sigma ** 2 / 2)))
+        return min(self.high, max(self.low, self.mean * math.exp(self.sigma**2 / 2)))
 
     @classmethod
-    def parse(cls, value: Any) -> "LengthDist":
+    def parse(cls, value: Any) -> LengthDist:
         if isinstance(value, int):
             return cls("fixed", value)
         if not isinstance(value, dict):
@@ -168,7 +168,7 @@ class WorkloadSpec:
             raise ValueError(f"prefix_fraction must be in [0, 1], got {self.prefix_fraction}")
 
     @classmethod
-    def from_dict(cls, data: dict) -> "WorkloadSpec":
+    def from_dict(cls, data: dict) -> WorkloadSpec:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
@@ -180,7 +180,7 @@ class WorkloadSpec:
         return cls(**data)
 
     @classmethod
-    def load(cls, path: str | Path) -> "WorkloadSpec":
+    def load(cls, path: str | Path) -> WorkloadSpec:
         try:
             data = yaml.safe_load(Path(path).read_text())
         except (OSError, yaml.YAMLError) as exc:
@@ -192,7 +192,7 @@ class WorkloadSpec:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def scaled(self, factor: float) -> "WorkloadSpec":
+    def scaled(self, factor: float) -> WorkloadSpec:
         return replace(self, rate=self.rate * factor)
 
     def rate_at(self, t: float) -> float:
@@ -211,11 +211,13 @@ class WorkloadSpec:
 
     def generate(self) -> Workload:
         rng = random.Random(self.seed)
-        prefixes = [_tokens(random.Random(hash((self.seed, "prefix", g)) & 0xFFFFFFFF), self.prefix_len)
-                    for g in range(self.prefix_groups)]
+        prefixes = [
+            _tokens(random.Random(hash((self.seed, "prefix", g)) & 0xFFFFFFFF), self.prefix_len)
+            for g in range(self.prefix_groups)
+        ]
         weights = [1.0 / (g + 1) for g in range(self.prefix_groups)]
         t, requests = 0.0, []
-        shape = 1.0 / (self.cv ** 2) if self.arrival == "bursty" else 1.0
+        shape = 1.0 / (self.cv**2) if self.arrival == "bursty" else 1.0
         peak = self.rate * max([m for _, m in self.rate_points] or [1.0])
         while True:
             t += rng.gammavariate(shape, 1.0 / (peak * shape)) if self.arrival == "bursty" else rng.expovariate(peak)
@@ -235,8 +237,17 @@ def write_trace(path: str | Path, requests: list[SimRequest]) -> None:
     """One JSON object per request: arrival_s, prompt (token ids) and output_len."""
     with open(path, "w") as f:
         for r in requests:
-            f.write(json.dumps({"request_id": r.request_id, "arrival_s": r.arrival_s, "prompt": list(r.prompt),
-                                "output_len": r.output_len}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "request_id": r.request_id,
+                        "arrival_s": r.arrival_s,
+                        "prompt": list(r.prompt),
+                        "output_len": r.output_len,
+                    }
+                )
+                + "\n"
+            )
 
 
 def read_trace(path: str | Path, seed: int = 0, name: str = "trace") -> Workload:
@@ -258,8 +269,14 @@ def read_trace(path: str | Path, seed: int = 0, name: str = "trace") -> Workload
                 if group is not None and plen:
                     prefix = prefixes.setdefault(group, _tokens(random.Random(f"{seed}-{group}"), plen))[:plen]
                 prompt = prefix + _tokens(rng, int(row["prompt_len"]) - len(prefix))
-            requests.append(SimRequest(str(row.get("request_id", f"{name}-{len(requests)}")), tuple(prompt),
-                                       int(row["output_len"]), float(row["arrival_s"])))
+            requests.append(
+                SimRequest(
+                    str(row.get("request_id", f"{name}-{len(requests)}")),
+                    tuple(prompt),
+                    int(row["output_len"]),
+                    float(row["arrival_s"]),
+                )
+            )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}:{lineno}: bad trace line ({exc})") from None
     if not requests:

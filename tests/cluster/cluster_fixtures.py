@@ -15,8 +15,7 @@ from __future__ import annotations
 import ray
 
 from cluster.config import BatonConfig
-from cluster.testing import FakeCluster, NodeType, free_port
-from cluster.testing import serving
+from cluster.testing import FakeCluster, NodeType, free_port, serving
 
 POOL_NODES = [
     NodeType("prefill", 2, {"CPU": 1, "baton_prefill": 1}, {"baton-pool": "prefill"}),
@@ -25,10 +24,18 @@ POOL_NODES = [
 
 
 def cluster_config(cluster: FakeCluster, **options) -> BatonConfig:
-    defaults = dict(address=cluster.address, prefill_workers=2, decode_workers=2, threads_per_worker=1,
-                    kv_cache_memory="64MiB", max_num_seqs=16, local_prefill_threshold=0, prefill_queue_threshold=10**6,
-                    port=free_port(),
-                    placement_timeout=60.0)
+    defaults = dict(
+        address=cluster.address,
+        prefill_workers=2,
+        decode_workers=2,
+        threads_per_worker=1,
+        kv_cache_memory="64MiB",
+        max_num_seqs=16,
+        local_prefill_threshold=0,
+        prefill_queue_threshold=10**6,
+        port=free_port(),
+        placement_timeout=60.0,
+    )
     return BatonConfig.from_options(**{**defaults, **options})
 
 

@@ -7,7 +7,8 @@
       decode:  2 nodes, each {CPU: 1, baton_decode: 1},  labels {baton-pool: decode}
   This test process is the Ray driver on it while the module runs: a driver connection an
   earlier suite left in this process is ended first (`cluster.testing.leave_ray`), and the
-  cluster's processes are stopped by process group after the module. `fake_cluster.node_ids("decode")` gives the Ray node ids of a node type;
+  cluster's processes are stopped by process group after the module.
+  `fake_cluster.node_ids("decode")` gives the Ray node ids of a node type;
   `fake_cluster.kill_node(node_id)` SIGKILLs one simulated node's processes (raylet and
   workers), as when a machine dies. The simulated nodes run with `HF_HUB_CACHE` set to an empty
   folder (`fake_cluster.node_hf_cache`), which the "model files on every node" test relies on.
@@ -21,9 +22,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cluster_fixtures import POOL_NODES
 
 from cluster.testing import FakeCluster, leave_ray
-from cluster_fixtures import POOL_NODES
 from tests.healing.helpers import session_oracle
 
 

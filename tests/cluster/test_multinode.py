@@ -19,30 +19,37 @@ from pathlib import Path
 import openai
 import pytest
 import ray
+from cluster_fixtures import actor_nodes, cluster_config, serving_on
 
 from cluster.placement import PlacementError
-from workers.model_files import resolve_model_dir
 from common.sampling_params import SamplingParams
-
-from cluster_fixtures import actor_nodes, cluster_config, serving_on
+from workers.model_files import resolve_model_dir
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
-QUESTIONS = ["What is the capital of France?", "Name a fruit.", "What is 2+2?", "Give a synonym for happy.",
-             "Why do birds migrate? Answer briefly.", "Count from one to five."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a fruit.",
+    "What is 2+2?",
+    "Give a synonym for happy.",
+    "Why do birds migrate? Answer briefly.",
+    "Count from one to five.",
+]
 
 
 def expected_chats(reference_engine, tokenizer, questions: list[str], max_tokens: int) -> dict[str, str]:
     """The engine alone's greedy answer to each question, as one batch (a step for all of them)."""
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in questions]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions
+    ]
     done = reference_engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return {q: d.text for q, d in zip(questions, done)}
 
 
 def test_pools_land_on_their_node_types_kv_crosses_nodes_over_gloo_and_answers_match(
-        fake_cluster, reference_engine, tokenizer):
+    fake_cluster, reference_engine, tokenizer
+):
     config = cluster_config(fake_cluster)
     with serving_on(config, "mn") as server:
         deployment = server.deployment
@@ -55,8 +62,9 @@ def test_pools_land_on_their_node_types_kv_crosses_nodes_over_gloo_and_answers_m
         head = fake_cluster.node_ids("ray.head.default")
         assert not head & set(where.values())  # the head (router, driver) runs no worker
         # Every prefill/decode pair is on two nodes: the handshake chose gloo for each.
-        assert deployment.kv_links == {(p, d): "gloo" for p in ("prefill-0", "prefill-1")
-                                       for d in ("decode-0", "decode-1")}
+        assert deployment.kv_links == {
+            (p, d): "gloo" for p in ("prefill-0", "prefill-1") for d in ("decode-0", "decode-1")
+        }
 
         expected = expected_chats(reference_engine, tokenizer, QUESTIONS, 24)
         assert expected[QUESTIONS[0]] == "The capital of France is Paris."
@@ -65,7 +73,8 @@ def test_pools_land_on_their_node_types_kv_crosses_nodes_over_gloo_and_answers_m
 
         async def one(q: str) -> tuple[str, str]:
             stream = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": q}], temperature=0, max_tokens=24, stream=True)
+                model=MODEL, messages=[{"role": "user", "content": q}], temperature=0, max_tokens=24, stream=True
+            )
             text = ""
             async for chunk in stream:
                 if chunk.choices:
@@ -83,8 +92,11 @@ def test_pools_land_on_their_node_types_kv_crosses_nodes_over_gloo_and_answers_m
         for wid, s in after.items():
             assert s.num_free_blocks == s.num_blocks, f"{wid} leaked {s.num_blocks - s.num_free_blocks} blocks"
         received = {w: after[w].kv_blocks_received - before[w].kv_blocks_received for w in ("decode-0", "decode-1")}
-        links = {w.worker_id: ray.get(w.handle.kv_links.remote(), timeout=30) for w in deployment.workers
-                 if w.role == "prefill"}
+        links = {
+            w.worker_id: ray.get(w.handle.kv_links.remote(), timeout=30)
+            for w in deployment.workers
+            if w.role == "prefill"
+        }
         over = {}
         for wid, worker_links in links.items():
             for link in worker_links:
@@ -98,11 +110,13 @@ def test_pools_land_on_their_node_types_kv_crosses_nodes_over_gloo_and_answers_m
 def test_pool_that_cannot_be_placed_fails_within_its_deadline(fake_cluster):
     """Decode workers asking for a GPU on a cluster without GPUs, and for labels no node carries."""
     deadline = 1.0  # short: the pool can never be placed, so a longer wait shows nothing more
-    for options, lacking in (({"gpus_per_worker": 1.0}, "Lacking: GPU (needs 1, the most any node offers is 0)"),
-                             ({"decode_node_labels": "baton-pool=nowhere"},
-                              "Lacking: no node carries the labels baton-pool=nowhere")):
-        config = cluster_config(fake_cluster, prefill_workers=0, decode_workers=1, placement_timeout=deadline,
-                                **options)
+    for options, lacking in (
+        ({"gpus_per_worker": 1.0}, "Lacking: GPU (needs 1, the most any node offers is 0)"),
+        ({"decode_node_labels": "baton-pool=nowhere"}, "Lacking: no node carries the labels baton-pool=nowhere"),
+    ):
+        config = cluster_config(
+            fake_cluster, prefill_workers=0, decode_workers=1, placement_timeout=deadline, **options
+        )
         started = time.monotonic()
         with pytest.raises(PlacementError) as failure:
             with serving_on(config, "unplaced"):
@@ -131,8 +145,9 @@ def test_node_without_the_model_fails_start_up_naming_node_and_path(fake_cluster
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    config = cluster_config(fake_cluster, model="HuggingFaceTB/SmolLM2-135M-Instruct", prefill_workers=0,
-                            decode_workers=1)
+    config = cluster_config(
+        fake_cluster, model="HuggingFaceTB/SmolLM2-135M-Instruct", prefill_workers=0, decode_workers=1
+    )
     with pytest.raises(ValueError) as failure:
         with serving_on(config, "nomodel"):
             pass
@@ -146,11 +161,19 @@ def test_node_without_the_model_fails_start_up_naming_node_and_path(fake_cluster
 def test_joining_passes_no_resources_to_ray(fake_cluster):
     """`--address` joins the cluster as a driver: Ray refuses a driver that passes resources
     ("num_cpus and num_gpus must not be provided"), so joining at all shows none are passed."""
-    script = ("import ray, sys; from cluster.launcher import start_ray; "
-              "assert start_ray(sys.argv[1]) is False; "
-              "print('NODES', len(ray.nodes()), ray.cluster_resources().get('baton_decode')); ray.shutdown()")
+    script = (
+        "import ray, sys; from cluster.launcher import start_ray; "
+        "assert start_ray(sys.argv[1]) is False; "
+        "print('NODES', len(ray.nodes()), ray.cluster_resources().get('baton_decode')); ray.shutdown()"
+    )
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script, fake_cluster.address], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, fake_cluster.address],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NODES 5 2.0" in proc.stdout

@@ -17,8 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer import (KVLayout, KVLayoutMismatch, KVTransferError, PairwiseTransport, Place, TransferStatus,
-                        offered_kinds, pair_kind)
+from kvtransfer import (
+    KVLayout,
+    KVLayoutMismatch,
+    KVTransferError,
+    PairwiseTransport,
+    Place,
+    TransferStatus,
+    offered_kinds,
+    pair_kind,
+)
 from kvtransfer.testing import seeded_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,12 +150,15 @@ def test_endpoint_crosses_the_router_without_torch(pair, tmp_path):
     _, d, _ = pair(A, B)
     blob = tmp_path / "endpoint.pkl"
     blob.write_bytes(pickle.dumps(d.endpoint()))
-    script = ("import pickle, sys; from common.protocol import KVEndpoint; "
-              "ep = pickle.loads(open(sys.argv[1], 'rb').read()); assert type(ep) is KVEndpoint; "
-              "assert all(type(e) is KVEndpoint for e in ep.address['offers'].values()); "
-              "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", script, str(blob)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    script = (
+        "import pickle, sys; from common.protocol import KVEndpoint; "
+        "ep = pickle.loads(open(sys.argv[1], 'rb').read()); assert type(ep) is KVEndpoint; "
+        "assert all(type(e) is KVEndpoint for e in ep.address['offers'].values()); "
+        "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(blob)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 

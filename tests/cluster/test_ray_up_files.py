@@ -33,10 +33,16 @@ def baton_serve_args(config: dict) -> list[str]:
     for command in config["head_start_ray_commands"]:
         words = shlex.split(command)
         for i, word in enumerate(words):
-            if word == "baton" and words[i + 1:i + 2] == ["serve"]:
-                end = next((j for j in range(i + 2, len(words)) if words[j] in SHELL_OPERATORS
-                            or words[j].startswith((">", "2>"))), len(words))
-                found.append(words[i + 1:end])
+            if word == "baton" and words[i + 1 : i + 2] == ["serve"]:
+                end = next(
+                    (
+                        j
+                        for j in range(i + 2, len(words))
+                        if words[j] in SHELL_OPERATORS or words[j].startswith((">", "2>"))
+                    ),
+                    len(words),
+                )
+                found.append(words[i + 1 : end])
     assert len(found) == 1, f"expected one `baton serve` in head_start_ray_commands, found {found}"
     return found[0]
 
@@ -87,7 +93,7 @@ def test_head_command_is_one_baton_serve_accepts(name):
     # The config file it names is one that file_mounts copies there, and Baton reads it.
     [(remote, local)] = [(r, loc) for r, loc in config["file_mounts"].items() if parsed.config.startswith(r + "/")]
     assert local == "."  # ray up runs from the repository root
-    baton = BatonConfig.load(ROOT / parsed.config[len(remote) + 1:], {"address": parsed.address, "host": parsed.host})
+    baton = BatonConfig.load(ROOT / parsed.config[len(remote) + 1 :], {"address": parsed.address, "host": parsed.host})
     assert baton.placement.address == "auto" and baton.server.host == "0.0.0.0"
     assert (baton.placement.prefill_resource, baton.placement.decode_resource) == ("baton_prefill", "baton_decode")
     assert baton.placement.placement_timeout_s >= 600  # cloud nodes take minutes to come up

@@ -14,16 +14,17 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from cluster_fixtures import cluster_config, serving_on
 
 from cluster.testing import FakeCluster, NodeType, leave_ray, tp_group_actors
 from tests.healing.helpers import check_results, kill_when_running, run_load
 
-from cluster_fixtures import cluster_config, serving_on
-
 pytestmark = pytest.mark.slow
 DEADLINE_S = 240.0
-NODES = [NodeType("prefill", 1, {"CPU": 1, "baton_prefill": 1}, {"baton-pool": "prefill"}),
-         NodeType("decode", 2, {"CPU": 3, "baton_decode": 1}, {"baton-pool": "decode"})]
+NODES = [
+    NodeType("prefill", 1, {"CPU": 1, "baton_prefill": 1}, {"baton-pool": "prefill"}),
+    NodeType("decode", 2, {"CPU": 3, "baton_decode": 1}, {"baton-pool": "decode"}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,16 @@ def group_nodes(worker_actor_name: str) -> tuple[list[int], dict[int, str]]:
 
 def test_a_group_lands_on_one_node_and_a_killed_rank_restarts_it(tp_cluster, clear_prompt_set):
     expected = clear_prompt_set(8, 24)
-    config = cluster_config(tp_cluster, prefill_workers=1, decode_workers=1, decode_tensor_parallel_size=3,
-                            max_num_seqs=16, request_timeout=DEADLINE_S, max_restarts=2, migration_wait=120.0)
+    config = cluster_config(
+        tp_cluster,
+        prefill_workers=1,
+        decode_workers=1,
+        decode_tensor_parallel_size=3,
+        max_num_seqs=16,
+        request_timeout=DEADLINE_S,
+        max_restarts=2,
+        migration_wait=120.0,
+    )
     with serving_on(config, "tpnodes") as server:
         deployment = server.deployment
         name = "tpnodes-decode-0"

@@ -43,8 +43,13 @@ def server(deployment_ray):
 
     # local_prefill_threshold=0: these tests check the prefill -> decode handoff, so every request
     # goes through it (the kv-aware default would prefill their short prompts on the decode worker).
-    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="192MiB", max_num_seqs=64, local_prefill_threshold=0,
-                                      prefill_queue_threshold=10**6)
+    config = BatonConfig.from_options(
+        port=free_port(),
+        kv_cache_memory="192MiB",
+        max_num_seqs=64,
+        local_prefill_threshold=0,
+        prefill_queue_threshold=10**6,
+    )
     with serving(config, actor_name_prefix="e2e") as running:
         yield running
 
@@ -85,23 +90,33 @@ def greedy_answers_match(tokenizer):
         if answer == want.text:
             return
         ids = want.token_ids
-        step = next((i for i in range(len(ids)) if not answer.startswith(tokenizer.decode(ids[:i + 1]))), len(ids))
+        step = next((i for i in range(len(ids)) if not answer.startswith(tokenizer.decode(ids[: i + 1]))), len(ids))
         top2 = torch.topk(logits[min(step, len(ids) - 1)].float(), 2).values
         gap = float(top2[0] - top2[1])
         assert step < len(ids) and gap < near_tie, (
             f"{answer!r} != {want.text!r}: they part at step {step}, where the engine's top-2 gap is {gap:.3f}"
-            f" (allowed below {near_tie})")
+            f" (allowed below {near_tie})"
+        )
 
     def check(base_url: str, engine, near_tie: float = 0.0) -> None:
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused")
         for question in ["What is the capital of France?", "Write a haiku about the sea."]:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-            reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=16,
-                                                   messages=[{"role": "user", "content": question}])
+            reply = client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                temperature=0,
+                max_tokens=16,
+                messages=[{"role": "user", "content": question}],
+            )
             expect(engine, prompt, 16, reply.choices[0].message.content, near_tie)
         prompt = "The three primary colors are"
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model="SmolLM2-135M-Instruct", prompt=prompt, temperature=0, max_tokens=20, stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model="SmolLM2-135M-Instruct", prompt=prompt, temperature=0, max_tokens=20, stream=True
+            )
+            if c.choices
+        )
         expect(engine, tokenizer.encode(prompt), 20, streamed, near_tie)
 
     return check

@@ -48,19 +48,28 @@ def test_prompt_over_the_kv_capacity_gets_a_400_naming_the_limit(small_cache_ser
     assert models["data"][0]["max_model_len"] == limit
 
     prompt_ids = [1000 + i % 500 for i in range(limit + 50)]
-    r = httpx.post(small_cache_server + "/v1/completions", timeout=60,
-                   json={"model": models["data"][0]["id"], "prompt": prompt_ids, "max_tokens": 4})
+    r = httpx.post(
+        small_cache_server + "/v1/completions",
+        timeout=60,
+        json={"model": models["data"][0]["id"], "prompt": prompt_ids, "max_tokens": 4},
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["code"] == 400 and error["type"] and error["param"] == "prompt"
     assert str(limit) in error["message"] and str(len(prompt_ids)) in error["message"]
 
-    r = httpx.post(small_cache_server + "/v1/completions", timeout=60,
-                   json={"prompt": prompt_ids[: limit // 2], "max_tokens": limit})
+    r = httpx.post(
+        small_cache_server + "/v1/completions",
+        timeout=60,
+        json={"prompt": prompt_ids[: limit // 2], "max_tokens": limit},
+    )
     assert r.status_code == 400 and str(limit) in r.json()["error"]["message"]
 
     assert httpx.get(small_cache_server + "/health", timeout=10).status_code == 200
-    r = httpx.post(small_cache_server + "/v1/completions", timeout=120,
-                   json={"prompt": prompt_ids[: limit - 20], "max_tokens": 8, "temperature": 0})
+    r = httpx.post(
+        small_cache_server + "/v1/completions",
+        timeout=120,
+        json={"prompt": prompt_ids[: limit - 20], "max_tokens": 8, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == limit - 20

@@ -39,9 +39,15 @@ def gathering_server(deployment_ray):
     from cluster.testing import serving
 
     # local_prefill_threshold=0: every request crosses the handoff between the two groups.
-    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", kv_cache_dtype="fp8",
-                                      prefill_tensor_parallel_size=3, decode_tensor_parallel_size=1,
-                                      local_prefill_threshold=0, prefill_queue_threshold=10**6)
+    config = BatonConfig.from_options(
+        port=free_port(),
+        kv_cache_memory="64MiB",
+        kv_cache_dtype="fp8",
+        prefill_tensor_parallel_size=3,
+        decode_tensor_parallel_size=1,
+        local_prefill_threshold=0,
+        prefill_queue_threshold=10**6,
+    )
     with serving(config, actor_name_prefix="gather") as running:
         yield running
 
@@ -54,8 +60,9 @@ def fp8_reference_engine():
     return LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20, kv_cache_dtype="fp8"))
 
 
-def test_three_prefill_ranks_feed_one_decode_rank_and_answers_equal_tp1(gathering_server, fp8_reference_engine,
-                                                                        greedy_answers_match):
+def test_three_prefill_ranks_feed_one_decode_rank_and_answers_equal_tp1(
+    gathering_server, fp8_reference_engine, greedy_answers_match
+):
     server = gathering_server
     before = server.stats()
     # Through the FP8 KV cache the haiku's second token is a near tie at TP 1 (top-2 gap 0.01-0.02
@@ -67,7 +74,8 @@ def test_three_prefill_ranks_feed_one_decode_rank_and_answers_equal_tp1(gatherin
     sent = after["prefill-0"].kv_blocks_sent - before["prefill-0"].kv_blocks_sent
     nbytes = after["prefill-0"].kv_bytes_sent - before["prefill-0"].kv_bytes_sent
     assert sent > 0 and sent == after["decode-0"].kv_blocks_received - before["decode-0"].kv_blocks_received
-    # Every head of every block arrives once (one byte per FP8 value): had a link moved nothing, a third would be missing.
+    # Every head of every block arrives once (one byte per FP8 value): had a link moved nothing,
+    # a third would be missing.
     assert nbytes == sent * BLOCK_SIZE * ELEMENTS_PER_TOKEN
     assert server.deployment.backend.counters["local_prefill"] == 0
     # One link per KV head: prefill rank r -> decode rank 0.
@@ -89,17 +97,27 @@ def test_a_tiny_model_from_tp2_to_tp4_answers_as_transformers(deployment_ray):
     hf.generation_config.eos_token_id = None
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, 8) for p in prompts]
-    config = BatonConfig.from_options(model=folder, port=free_port(), kv_cache_memory="16MiB", local_prefill_threshold=0,
-                                      prefill_queue_threshold=10**6, prefill_tensor_parallel_size=2,
-                                      decode_tensor_parallel_size=4)
+    config = BatonConfig.from_options(
+        model=folder,
+        port=free_port(),
+        kv_cache_memory="16MiB",
+        local_prefill_threshold=0,
+        prefill_queue_threshold=10**6,
+        prefill_tensor_parallel_size=2,
+        decode_tensor_parallel_size=4,
+    )
     with serving(config, actor_name_prefix="tp2to4") as server:
         for prompt, ref in zip(prompts, refs):
-            r = httpx.post(server.base_url + "/v1/completions", timeout=120,
-                           json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1})
+            r = httpx.post(
+                server.base_url + "/v1/completions",
+                timeout=120,
+                json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1},
+            )
             assert r.status_code == 200, r.text
             compare_greedy([int(t.removeprefix("t")) for t in r.json()["choices"][0]["logprobs"]["tokens"]], ref)
         recent = [t for t in httpx.get(server.base_url + "/v1/status").json()["recent"] if t["decision"] == "remote"]
         # Prefill rank 0 holds heads 0-1, rank 1 heads 2-3: each slices its two apart for two decode ranks.
         assert len(recent) == len(prompts) and all(
             t["kv_rank_pairs"] == [[s, d, t["kv_bytes"] // 4] for s, d in ((0, 0), (0, 1), (1, 2), (1, 3))]
-            for t in recent)
+            for t in recent
+        )

@@ -23,9 +23,19 @@ GEMMA = dict(num_hidden_layers=4, head_dim=64, query_pre_attn_scalar=64, sliding
 FAMILIES = {
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=32)),
     "phi3": ("phi3", dict(tie_word_embeddings=False, sliding_window=WINDOW)),  # every layer windowed
-    "gemma2": ("gemma2", dict(GEMMA, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
-                              layer_types=["sliding_attention", "full_attention"] * 2)),
-    "gemma3": ("gemma3", dict(GEMMA, num_key_value_heads=1, layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+    "gemma2": (
+        "gemma2",
+        dict(
+            GEMMA,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=2.0,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+    ),
+    "gemma3": (
+        "gemma3",
+        dict(GEMMA, num_key_value_heads=1, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    ),
     "mixtral": ("mixtral", dict(tie_word_embeddings=False)),
     "qwen3_moe": ("qwen3_moe", dict(tie_word_embeddings=False, norm_topk_prob=True, mlp_only_layers=[1])),
 }
@@ -45,13 +55,21 @@ def test_a_served_tiny_model_answers_as_transformers(family, deployment_ray):
     hf.generation_config.eos_token_id = None
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    config = BatonConfig.from_options(model=folder, port=free_port(), kv_cache_memory="16MiB", max_num_batched_tokens=16,
-                                      local_prefill_threshold=0, prefill_queue_threshold=10**6)
+    config = BatonConfig.from_options(
+        model=folder,
+        port=free_port(),
+        kv_cache_memory="16MiB",
+        max_num_batched_tokens=16,
+        local_prefill_threshold=0,
+        prefill_queue_threshold=10**6,
+    )
     with serving(config, actor_name_prefix=f"families-{family}") as server:
         for prompt, ref in zip(prompts, refs):
-            r = httpx.post(server.base_url + "/v1/completions", timeout=120,
-                           json={"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-                                 "logprobs": 1})
+            r = httpx.post(
+                server.base_url + "/v1/completions",
+                timeout=120,
+                json={"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 1},
+            )
             assert r.status_code == 200, r.text
             logprobs = r.json()["choices"][0]["logprobs"]
             ours = [int(t.removeprefix("t")) for t in logprobs["tokens"]]

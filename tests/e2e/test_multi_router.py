@@ -34,9 +34,12 @@ from cluster.harness import baton_serve, wait_until
 pytestmark = pytest.mark.slow
 HEADER = "x-baton-router"
 MAX_TOKENS = 16
-QUESTIONS = ["Write a short poem about autumn leaves falling in a quiet park at dusk.",
-             "Explain what a compiler does, in two sentences, for a beginner who has never programmed.",
-             "Describe the moon in one sentence.", "Why do birds migrate? Answer briefly."]
+QUESTIONS = [
+    "Write a short poem about autumn leaves falling in a quiet park at dusk.",
+    "Explain what a compiler does, in two sentences, for a beginner who has never programmed.",
+    "Describe the moon in one sentence.",
+    "Why do birds migrate? Answer briefly.",
+]
 # Asked once each after the scaling, each under a system message of its own: no worker holds even
 # the first block of their prompts, so the kv-aware policy draws either decode worker at even odds.
 # Under the chat template's default system prompt, decode-0 alone would hold the first one or two
@@ -62,8 +65,7 @@ def expected(reference_engine, tokenizer) -> dict[str, str]:
 
 
 def body(q: str, stream: bool = False) -> dict:
-    return {"messages": messages(q), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": stream}
+    return {"messages": messages(q), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
 
 
 def chat(url: str, q: str) -> tuple[str, str]:
@@ -133,8 +135,9 @@ def routers_seen(url: str, want: int, timeout_s: float) -> set[str]:
 
 async def streams(url: str, n: int, on_started) -> list[dict]:
     """n chat streams at once, each on its own connection: per stream its router, text and end."""
-    results = [{"q": QUESTIONS[i % len(QUESTIONS)], "router": None, "text": "", "done": False, "error": None}
-               for i in range(n)]
+    results = [
+        {"q": QUESTIONS[i % len(QUESTIONS)], "router": None, "text": "", "done": False, "error": None} for i in range(n)
+    ]
 
     async def one(result: dict) -> None:
         try:
@@ -159,8 +162,10 @@ async def streams(url: str, n: int, on_started) -> list[dict]:
 
 
 def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expected, no_driver_ray):
-    with baton_serve(["--api-server-count", "2", "--kv-cache-memory", "96MiB", "--log-level", "warning",
-                      "--admin-endpoint"], ready_timeout_s=240) as server:
+    with baton_serve(
+        ["--api-server-count", "2", "--kv-cache-memory", "96MiB", "--log-level", "warning", "--admin-endpoint"],
+        ready_timeout_s=240,
+    ) as server:
         url = server.base_url
         routers_seen(url, 2, 90)  # the child router is up too
         # Both routers answer, exactly as transformers (every question asked at least once).
@@ -205,11 +210,17 @@ def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expecte
             s = status(url)
             leases = {lease["router_id"] for lease in s["routers"]["leases"]}
             workers = [w for pool in s["pools"].values() for w in pool]
-            return "router-1.0" not in leases and all(
-                w["running"] == 0 and w["waiting"] == 0 and w["kv_usage"] == 0 for w in workers) and s
+            return (
+                "router-1.0" not in leases
+                and all(w["running"] == 0 and w["waiting"] == 0 and w["kv_usage"] == 0 for w in workers)
+                and s
+            )
 
-        s = wait_until(dead_router_gone, max(1.0, 10 - (time.monotonic() - killed_at[0])),
-                       "the dead router's requests to be ended and their blocks freed")
+        s = wait_until(
+            dead_router_gone,
+            max(1.0, 10 - (time.monotonic() - killed_at[0])),
+            "the dead router's requests to be ended and their blocks freed",
+        )
         assert len(s["pools"]["prefill"]) == 1 and len(s["pools"]["decode"]) == 1
         # baton serve restarted router 1 (a new router with a new lease), and it serves exactly.
         routers_seen(url, 2, 60)
@@ -233,8 +244,12 @@ def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expecte
                 s = router1.status()
                 decode = {w["worker_id"]: w for w in s["pools"]["decode"]}
                 leased = {lease["router_id"]: lease["workers"] for lease in s["routers"]["leases"]}
-                return ("decode-1" in decode and decode["decode-1"]["alive"]
-                        and "decode-1" in leased.get("router-1.1", []) and s)
+                return (
+                    "decode-1" in decode
+                    and decode["decode-1"]["alive"]
+                    and "decode-1" in leased.get("router-1.1", [])
+                    and s
+                )
 
             s = wait_until(router1_has_decode1, 15, "router 1 to serve with decode-1")
             assert s["admission"]["decode"]["capacity"] == 2 * capacity
@@ -252,8 +267,11 @@ def test_two_routers_serve_exactly_and_one_dying_costs_the_other_nothing(expecte
             # The pools shrink again: router 1 drops decode-1 too.
             shrunk = httpx.post(url + "/admin/scale", json={"decode": 1}, timeout=120, headers={"connection": "close"})
             assert shrunk.status_code == 200 and shrunk.json()["removed"] == ["decode-1"], shrunk.text
-            wait_until(lambda: [w["worker_id"] for w in router1.status()["pools"]["decode"]] == ["decode-0"],
-                       15, "router 1 to drop decode-1")
+            wait_until(
+                lambda: [w["worker_id"] for w in router1.status()["pools"]["decode"]] == ["decode-0"],
+                15,
+                "router 1 to drop decode-1",
+            )
         finally:
             router1.close()
         text, _ = chat(url, QUESTIONS[0])

@@ -23,8 +23,11 @@ from cluster.harness import free_port, healthy, wait_until
 from cluster.testing import serving
 
 pytestmark = pytest.mark.slow
-BODY = {"messages": [{"role": "user", "content": "Describe the moon in one sentence."}], "max_tokens": 24,
-        "temperature": 0}
+BODY = {
+    "messages": [{"role": "user", "content": "Describe the moon in one sentence."}],
+    "max_tokens": 24,
+    "temperature": 0,
+}
 
 
 def leases(url: str) -> dict[str, dict]:
@@ -44,8 +47,18 @@ def test_a_joining_router_serves_the_same_workers_and_its_death_frees_them(tmp_p
         joined_config["server"]["port"] = port = free_port()
         config_file = Path(tmp_path) / "config.yaml"
         config_file.write_text(yaml.safe_dump(joined_config))
-        command = [str(Path(sys.executable).with_name("baton")), "router", "--config", str(config_file),
-                   "--address", ray.get_runtime_context().gcs_address, "--routers", "2", "--router-id", "router-pod-a"]
+        command = [
+            str(Path(sys.executable).with_name("baton")),
+            "router",
+            "--config",
+            str(config_file),
+            "--address",
+            ray.get_runtime_context().gcs_address,
+            "--routers",
+            "2",
+            "--router-id",
+            "router-pod-a",
+        ]
         log = (Path(tmp_path) / "router.log").open("w")
         joined = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
@@ -61,8 +74,11 @@ def test_a_joining_router_serves_the_same_workers_and_its_death_frees_them(tmp_p
             admission = httpx.get(url + "/v1/status", timeout=30).json()["admission"]
             assert admission["decode"]["capacity"] == config.engine.max_num_seqs // 2
             # It holds a lease on both workers (the workers' heartbeats say so).
-            wait_until(lambda: len(leases(own).get("router-pod-a", {}).get("workers", [])) == 2, 30,
-                       "the joined router's lease on both workers")
+            wait_until(
+                lambda: len(leases(own).get("router-pod-a", {}).get("workers", [])) == 2,
+                30,
+                "the joined router's lease on both workers",
+            )
             os.kill(joined.pid, signal.SIGKILL)
             joined.wait(10)
             wait_until(lambda: "router-pod-a" not in leases(own), 15, "the dead router's lease to end")

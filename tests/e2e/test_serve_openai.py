@@ -37,8 +37,16 @@ def test_chat_and_completion_match_engine_and_cross_the_transfer(server, referen
     assert reply.usage.prompt_tokens == prompt_len
     assert reply.usage.completion_tokens == len(want.token_ids)
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=32,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == want.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
@@ -50,8 +58,11 @@ def test_chat_and_completion_match_engine_and_cross_the_transfer(server, referen
     [comp_want] = reference_engine.generate([prompt_ids], SamplingParams(max_tokens=20, temperature=0.0))
     completion = client.completions.create(model=MODEL, prompt=prompt_text, temperature=0, max_tokens=20)
     assert completion.choices[0].text == comp_want.text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=prompt_text, temperature=0, max_tokens=20, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt=prompt_text, temperature=0, max_tokens=20, stream=True)
+        if c.choices
+    )
     assert streamed == comp_want.text
 
     after = server.wait_idle()
@@ -63,22 +74,29 @@ def test_chat_and_completion_match_engine_and_cross_the_transfer(server, referen
 
 
 def test_64_concurrent_streams_complete_correctly_and_leak_nothing(server, reference_engine, tokenizer):
-    questions = ["Name a fruit.", "What is 2+2?", "Describe the moon in one sentence.",
-                 "Write a short poem about autumn leaves falling in a quiet park at dusk.",
-                 "Why do birds migrate? Answer briefly.", "Give a synonym for happy.",
-                 "Explain what a compiler does, in two sentences, for a beginner who has never programmed.",
-                 "Count from one to five."]
+    questions = [
+        "Name a fruit.",
+        "What is 2+2?",
+        "Describe the moon in one sentence.",
+        "Write a short poem about autumn leaves falling in a quiet park at dusk.",
+        "Why do birds migrate? Answer briefly.",
+        "Give a synonym for happy.",
+        "Explain what a compiler does, in two sentences, for a beginner who has never programmed.",
+        "Count from one to five.",
+    ]
     # In one batch, as the server runs the 64 streams (tests/engine checks batched answers against
     # transformers too); one question at a time took the engine 8 s here.
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in questions]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions
+    ]
     done = reference_engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     expected = {q: d.text for q, d in zip(questions, done)}
     client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
     async def one(q: str) -> tuple[str, str]:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": q}], temperature=0, max_tokens=24, stream=True)
+            model=MODEL, messages=[{"role": "user", "content": q}], temperature=0, max_tokens=24, stream=True
+        )
         text = ""
         async for chunk in stream:
             if chunk.choices:
@@ -98,8 +116,13 @@ def test_64_concurrent_streams_complete_correctly_and_leak_nothing(server, refer
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
-            "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
@@ -113,8 +136,10 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 
 def test_bad_requests_get_openai_errors(server):
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
-        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                   "max_tokens": 100000})
+        r = http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000},
+        )
         assert r.status_code == 400
         err = r.json()["error"]
         # The limit the workers' 192 MiB KV caches hold, below the model's 8,192 positions.
@@ -132,7 +157,9 @@ def test_batched_prompts_and_n_answer_as_separate_requests_do(server, reference_
     with seed+j (so the n samples differ and the request is reproducible)."""
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
     prompts = ["The three primary colors are", "Water boils at", "The largest planet is"]
-    want = reference_engine.generate([tokenizer.encode(p) for p in prompts], SamplingParams(max_tokens=12, temperature=0))
+    want = reference_engine.generate(
+        [tokenizer.encode(p) for p in prompts], SamplingParams(max_tokens=12, temperature=0)
+    )
     batch = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=12, n=2)
     assert [c.index for c in batch.choices] == list(range(6))
     assert [c.text for c in batch.choices] == [w.text for w in want for _ in range(2)]
@@ -142,8 +169,16 @@ def test_batched_prompts_and_n_answer_as_separate_requests_do(server, reference_
 
     streamed: dict[int, str] = {}
     finish: dict[int, str] = {}
-    chunks = list(client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=12, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompts,
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     for chunk in chunks:
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
@@ -153,14 +188,20 @@ def test_batched_prompts_and_n_answer_as_separate_requests_do(server, reference_
     assert chunks[-1].usage.completion_tokens == sum(len(w.token_ids) for w in want)
 
     messages = [{"role": "user", "content": "Name a fruit."}]
-    sampled = client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=16, seed=7,
-                                             n=3)
-    alone = [client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=16,
-                                            seed=7 + j).choices[0].message.content for j in range(3)]
+    sampled = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=1.0, max_tokens=16, seed=7, n=3
+    )
+    alone = [
+        client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=16, seed=7 + j)
+        .choices[0]
+        .message.content
+        for j in range(3)
+    ]
     assert [c.message.content for c in sampled.choices] == alone
     assert len(set(alone)) > 1  # three seeds, not three copies
-    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=16, seed=7,
-                                            n=3, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=1.0, max_tokens=16, seed=7, n=3, stream=True
+    )
     texts = ["", "", ""]
     roles = set()
     for chunk in stream:

@@ -26,8 +26,13 @@ def spec_server(deployment_ray):
     from cluster.harness import free_port
     from cluster.testing import serving
 
-    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", speculative_config=SUFFIX,
-                                      local_prefill_threshold=0, prefill_queue_threshold=10**6)
+    config = BatonConfig.from_options(
+        port=free_port(),
+        kv_cache_memory="64MiB",
+        speculative_config=SUFFIX,
+        local_prefill_threshold=0,
+        prefill_queue_threshold=10**6,
+    )
     with serving(config, actor_name_prefix="spec") as running:
         yield running
 
@@ -39,8 +44,9 @@ def questions() -> list[str]:
     return ["What is the capital of France?", f"Repeat this passage exactly, word for word:\n\n{passage}"]
 
 
-def test_greedy_answers_equal_the_engine_without_speculation(spec_server, reference_engine, tokenizer,
-                                                            greedy_answers_match):
+def test_greedy_answers_equal_the_engine_without_speculation(
+    spec_server, reference_engine, tokenizer, greedy_answers_match
+):
     before = spec_server.stats()["decode-0"].spec_decode
     greedy_answers_match(spec_server.base_url, reference_engine)
     client = openai.OpenAI(base_url=spec_server.base_url + "/v1", api_key="unused")
@@ -51,8 +57,13 @@ def test_greedy_answers_equal_the_engine_without_speculation(spec_server, refere
         reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=64)
         assert reply.choices[0].message.content == want.text
         assert reply.usage.completion_tokens == len(want.token_ids)
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=MODEL, messages=messages, temperature=0, max_tokens=64, stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=MODEL, messages=messages, temperature=0, max_tokens=64, stream=True
+            )
+            if c.choices
+        )
         assert streamed == want.text
     after = spec_server.stats()["decode-0"].spec_decode
     assert after.num_accepted_tokens > before.num_accepted_tokens and after.num_drafts > before.num_drafts
@@ -60,11 +71,14 @@ def test_greedy_answers_equal_the_engine_without_speculation(spec_server, refere
     status = httpx.get(spec_server.base_url + "/v1/status").json()
     assert len(status["recent"]) == 7  # 3 of greedy_answers_match, 2 x 2 here
     assert sum(t["spec_draft_tokens"] for t in status["recent"]) == after.num_draft_tokens - before.num_draft_tokens
-    assert sum(t["spec_accepted_tokens"] for t in status["recent"]) == (after.num_accepted_tokens
-                                                                       - before.num_accepted_tokens)
+    assert sum(t["spec_accepted_tokens"] for t in status["recent"]) == (
+        after.num_accepted_tokens - before.num_accepted_tokens
+    )
     # The workers' totals (the dashboard's acceptance rate) as the router's last heartbeat saw them.
     deadline = time.monotonic() + 20
-    while httpx.get(spec_server.base_url + "/v1/status").json()["pools"]["decode"][0]["spec_draft_tokens"] \
-            != after.num_draft_tokens:
+    while (
+        httpx.get(spec_server.base_url + "/v1/status").json()["pools"]["decode"][0]["spec_draft_tokens"]
+        != after.num_draft_tokens
+    ):
         assert time.monotonic() < deadline, "the router's status never caught up with the worker's drafts"
         time.sleep(0.2)

@@ -45,9 +45,18 @@ def _steps(path: Path) -> list[dict]:
 
 
 def _stream(base_url: str, index: int, stop: threading.Event, first_token: threading.Event, counts: list[int]) -> None:
-    body = {"model": "SmolLM2-135M-Instruct", "stream": True, "max_tokens": 3000, "ignore_eos": True,
-            "temperature": 0, "messages": [{"role": "user", "content": f"Count slowly from {index} upwards."}]}
-    with httpx.Client(timeout=120.0) as client, client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as r:
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "stream": True,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": f"Count slowly from {index} upwards."}],
+    }
+    with (
+        httpx.Client(timeout=120.0) as client,
+        client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as r,
+    ):
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -62,21 +71,27 @@ def _check_decode_kept_stepping(logs: Path, sent: float, answered: float, condit
     on the prefill worker, the decode worker completed a step per chunk, never two chunks apart."""
     prefill = [s for s in _steps(logs / "prefill-0.jsonl") if sent <= s["start"] and s["end"] <= answered]
     decode = _steps(logs / "decode-0.jsonl")
-    long_chunks = [s for s in prefill if any(tokens >= CHUNK_TOKENS // 2 or done >= CHUNK_TOKENS for done, tokens, _ in s["chunks"])]
+    long_chunks = [
+        s
+        for s in prefill
+        if any(tokens >= CHUNK_TOKENS // 2 or done >= CHUNK_TOKENS for done, tokens, _ in s["chunks"])
+    ]
     assert len(long_chunks) >= LONG_PROMPT_TOKENS // CHUNK_TOKENS, (condition, prefill)  # chunk by chunk
     window = (long_chunks[0]["start"], long_chunks[-1]["end"])
     chunk_s = statistics.median(s["seconds"] for s in long_chunks)
     ends = [s["end"] for s in decode if window[0] <= s["end"] <= window[1]]
     assert len(ends) >= len(long_chunks), (
         f"{condition}: the decode worker completed {len(ends)} steps during the {len(long_chunks)} chunks of the "
-        "long prompt's prefill")
+        "long prompt's prefill"
+    )
     # Each interval between the ends of two decode steps overlapping the prefill (the first one
     # counted from the prefill's start, the last to its end).
     marks = [window[0], *ends, window[1]]
     longest = max(b - a for a, b in zip(marks, marks[1:]))
     assert longest <= 2 * chunk_s, (
         f"{condition}: the decode worker went {longest:.3f} s without completing a step while a prefill chunk took "
-        f"{chunk_s:.3f} s")
+        f"{chunk_s:.3f} s"
+    )
     # A core the decode worker borrowed while the prefill worker was idle (workers.elastic_threads)
     # is given back once the prefill runs: a step or two notice it, the rest run on its own share.
     borrowed = [s for s in decode if window[0] <= s["start"] and s["end"] <= window[1] and s["threads"] > 1]
@@ -90,33 +105,49 @@ def test_the_decode_worker_keeps_stepping_while_a_long_prompt_prefills(tmp_path,
     hog = None
     windows = []
     try:
-        with baton_serve(["--kv-cache-memory", "256MiB", "--max-model-len", "4096"],
-                         env={STEP_LOG_ENV: str(logs)}) as server:
+        with baton_serve(
+            ["--kv-cache-memory", "256MiB", "--max-model-len", "4096"], env={STEP_LOG_ENV: str(logs)}
+        ) as server:
             stop = threading.Event()
             started = [threading.Event() for _ in range(NUM_STREAMS)]
             counts = [0] * NUM_STREAMS
-            streams = [threading.Thread(target=_stream, args=(server.base_url, i, stop, started[i], counts), daemon=True)
-                       for i in range(NUM_STREAMS)]
+            streams = [
+                threading.Thread(target=_stream, args=(server.base_url, i, stop, started[i], counts), daemon=True)
+                for i in range(NUM_STREAMS)
+            ]
             for t in streams:
                 t.start()
             try:
                 assert all(e.wait(120.0) for e in started), "the streams did not start"
                 for condition, first_token in (("quiet", 1000), ("beside a cpu hog", 5000)):
                     if condition != "quiet":
-                        hog = subprocess.Popen([sys.executable, "-m", "bench.cpu_hog", "--duty", "0.5", "--seconds", "600"],
-                                               stdout=subprocess.PIPE, start_new_session=True)
+                        hog = subprocess.Popen(
+                            [sys.executable, "-m", "bench.cpu_hog", "--duty", "0.5", "--seconds", "600"],
+                            stdout=subprocess.PIPE,
+                            start_new_session=True,
+                        )
                     time.sleep(1.0)  # the streams are decoding together (beside the hog)
                     # Distinct tokens each time: no prefix of the first prompt is cached for the second.
                     long_prompt = list(range(first_token, first_token + LONG_PROMPT_TOKENS))
                     sent = time.monotonic()
-                    r = httpx.post(f"{server.base_url}/v1/completions", timeout=300.0, json={
-                        "model": "SmolLM2-135M-Instruct", "prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+                    r = httpx.post(
+                        f"{server.base_url}/v1/completions",
+                        timeout=300.0,
+                        json={
+                            "model": "SmolLM2-135M-Instruct",
+                            "prompt": long_prompt,
+                            "max_tokens": 1,
+                            "temperature": 0,
+                        },
+                    )
                     assert r.status_code == 200, r.text
                     windows.append((condition, sent, time.monotonic()))
                     time.sleep(0.5)
                     streaming = list(counts)
                     time.sleep(1.0)
-                    assert all(after > before for after, before in zip(counts, streaming)), f"{condition}: a stream stopped"
+                    assert all(after > before for after, before in zip(counts, streaming)), (
+                        f"{condition}: a stream stopped"
+                    )
             finally:
                 stop.set()
                 for t in streams:

@@ -10,7 +10,6 @@ killed mid-stream is tests/cluster/test_tensor_parallel_nodes.py's.
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 
@@ -29,8 +28,14 @@ def tp_server(deployment_ray):
     from cluster.testing import serving
 
     # local_prefill_threshold=0: every request crosses the KV handoff between the two groups.
-    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="64MiB", tensor_parallel_size=TP,
-                                      local_prefill_threshold=0, prefill_queue_threshold=10**6, migration_wait=120.0)
+    config = BatonConfig.from_options(
+        port=free_port(),
+        kv_cache_memory="64MiB",
+        tensor_parallel_size=TP,
+        local_prefill_threshold=0,
+        prefill_queue_threshold=10**6,
+        migration_wait=120.0,
+    )
     with serving(config, actor_name_prefix="tp") as running:
         yield running
 
@@ -53,8 +58,9 @@ def test_greedy_answers_equal_tp1_and_every_rank_moves_its_heads(tp_server, refe
     # The trace says what each rank pair moved: one KV head each, so a third of every handoff.
     status = httpx.get(tp_server.base_url + "/v1/status").json()
     recent = [t for t in status["recent"] if t["decision"] == "remote"]
-    assert recent and all(t["kv_rank_pairs"] == [[i, i, t["kv_bytes"] // TP] for i in range(TP)] and t["kv_bytes"] > 0
-                          for t in recent)
+    assert recent and all(
+        t["kv_rank_pairs"] == [[i, i, t["kv_bytes"] // TP] for i in range(TP)] and t["kv_bytes"] > 0 for t in recent
+    )
     for worker in ("tp-prefill-0", "tp-decode-0"):
         actors = tp_group_actors(worker)
         assert sorted(a.rank0 for a in actors) == [False] * (TP - 1) + [True], f"{worker}: {actors}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.engine import references as refs
-from tests.engine.references import NEW_TOKENS, QUESTIONS, long_document  # noqa: F401 - the tests' names
+from tests.engine.references import NEW_TOKENS, QUESTIONS, long_document  # noqa: F401 (re-exported: the tests' names)
 
 BACKGROUND_WAIT_S = 900  # for the background computation of hf_references (refs.start_in_background)
 

@@ -8,7 +8,6 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-
 from pathlib import Path
 
 import torch
@@ -44,7 +43,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) 
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id if eos_token_id is not None else 0,
     )
-    tokens = out.sequences[0, len(prompt):].tolist()
+    tokens = out.sequences[0, len(prompt) :].tolist()
     return Reference(tokens, [row[0].float() for row in out.logits])
 
 
@@ -54,8 +53,13 @@ class Comparison:
     max_logit_error: float  # over steps before the divergence (nan when logits not given)
 
 
-def compare_greedy(ours: list[int], ref: Reference, our_logits: list[torch.Tensor] | None = None,
-                   logit_tol: float = LOGIT_TOL, near_tie: float = NEAR_TIE) -> Comparison:
+def compare_greedy(
+    ours: list[int],
+    ref: Reference,
+    our_logits: list[torch.Tensor] | None = None,
+    logit_tol: float = LOGIT_TOL,
+    near_tie: float = NEAR_TIE,
+) -> Comparison:
     """Check ours against the reference by the rule in the tests' docstrings; raise AssertionError if broken.
 
     Tokens must match until the first difference; at that step the reference's top-2 logit gap
@@ -97,8 +101,15 @@ def save_tiny_model(kind: str, **overrides) -> tuple[str, torch.nn.Module]:
     the test process exits: module-scoped fixtures share it, and served tests hand it to workers)."""
     import transformers
 
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     common.update(overrides)
     if kind == "llama":
         config = transformers.LlamaConfig(**common)
@@ -116,12 +127,14 @@ def save_tiny_model(kind: str, **overrides) -> tuple[str, torch.nn.Module]:
         config = transformers.Qwen3Config(**common)
         cls = transformers.Qwen3ForCausalLM
     elif kind == "mixtral":
-        config = transformers.MixtralConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None,
-                                               **common})
+        config = transformers.MixtralConfig(
+            **{"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None, **common}
+        )
         cls = transformers.MixtralForCausalLM
     elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
-                                                **common})
+        config = transformers.Qwen3MoeConfig(
+            **{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, **common}
+        )
         cls = transformers.Qwen3MoeForCausalLM
     elif kind == "gemma2":  # needs eager attention for its soft-capping, as transformers says
         config = transformers.Gemma2Config(**{"attn_implementation": "eager", **common})
@@ -191,8 +204,11 @@ def handoff(prefill, decode, request_id, prompt, params):
 
     reservation = decode.reserve(request_id, prompt, params)
     assert reservation is not None
-    result = prefill.prefill(PrefillRequest(request_id, prompt, params, decode.endpoint(),
-                                            reservation.block_ids, reservation.num_cached_tokens))
+    result = prefill.prefill(
+        PrefillRequest(
+            request_id, prompt, params, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens
+        )
+    )
     tokens = list(result.output.token_ids)
     if result.output.finished:
         decode.abort(request_id)

@@ -52,8 +52,9 @@ def chat_prompt_ids(hf_tokenizer) -> list[list[int]]:
     doc = long_document(hf_tokenizer)
     messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
     messages.append([{"role": "user", "content": doc + "\n\nSummarize the text above in one sentence."}])
-    prompts = [hf_tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
-               for m in messages]
+    prompts = [
+        hf_tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"] for m in messages
+    ]
     assert max(len(p) for p in prompts) > 1000
     return prompts
 
@@ -69,12 +70,29 @@ def reference_key(model_dir, prompts: list[list[int]], new_tokens: int, eos_toke
             with f.open("rb") as data:
                 for block in iter(lambda: data.read(1 << 20), b""):
                     digest.update(block)
-    cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
-           if line.startswith(("model name", "flags"))][:2] if Path("/proc/cpuinfo").exists() else []
-    digest.update(json.dumps({
-        "prompts": prompts, "new_tokens": new_tokens, "eos": eos_token_id, "transformers": transformers.__version__,
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(), "cpu": cpu,
-        "oracle": inspect.getsource(hf_greedy) + inspect.getsource(Reference)}, default=str).encode())
+    cpu = (
+        [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("model name", "flags"))][
+            :2
+        ]
+        if Path("/proc/cpuinfo").exists()
+        else []
+    )
+    digest.update(
+        json.dumps(
+            {
+                "prompts": prompts,
+                "new_tokens": new_tokens,
+                "eos": eos_token_id,
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "machine": platform.machine(),
+                "cpu": cpu,
+                "oracle": inspect.getsource(hf_greedy) + inspect.getsource(Reference),
+            },
+            default=str,
+        ).encode()
+    )
     return digest.hexdigest()[:32]
 
 
@@ -97,8 +115,9 @@ def store(path: Path, references: list[Reference]) -> None:
         if old != path:
             old.unlink(missing_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")  # another session may be writing too
-    torch.save({"tokens": [r.token_ids for r in references],
-                "logits": [torch.stack(r.logits) for r in references]}, partial)
+    torch.save(
+        {"tokens": [r.token_ids for r in references], "logits": [torch.stack(r.logits) for r in references]}, partial
+    )
     os.replace(partial, path)
 
 
@@ -107,9 +126,13 @@ def start_in_background(folder: Path) -> subprocess.Popen:
     its output in folder/background.log."""
     repo = Path(__file__).resolve().parents[2]
     with (folder / "background.log").open("w") as log:
-        return popen_at_lowest_priority([sys.executable, "-m", "tests.engine.references", str(folder)], cwd=repo,
-                                        stdout=log, stderr=subprocess.STDOUT,
-                                        env=dict(os.environ, PYTHONPATH=str(repo)))
+        return popen_at_lowest_priority(
+            [sys.executable, "-m", "tests.engine.references", str(folder)],
+            cwd=repo,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=str(repo)),
+        )
 
 
 def main(folder: str) -> None:

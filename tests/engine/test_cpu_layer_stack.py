@@ -29,15 +29,20 @@ if entry_points() is None:
 
 # Head dim 16 (the native prefill attention has no kernel for it: only decode-only steps take the
 # one call), head dim 64 (every step does), and a sliding window on every layer.
-MODELS = {"llama, head dim 16": ("llama", {}), "llama, head dim 64": ("llama", {"hidden_size": 128,
-          "num_attention_heads": 2, "num_key_value_heads": 1}), "mistral, window 24": ("mistral", {"sliding_window": 24})}
+MODELS = {
+    "llama, head dim 16": ("llama", {}),
+    "llama, head dim 64": ("llama", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}),
+    "mistral, window 24": ("mistral", {"sliding_window": 24}),
+}
 
 
 def engine(folder: str, **config) -> LLMEngine:
     # A 32-token budget splits the longer prompts into chunks that share steps with decode rows.
-    return LLMEngine(ModelConfig.from_model_dir(folder), EngineConfig(num_kv_blocks=96, max_num_seqs=8,
-                                                                      max_num_batched_tokens=32, **config),
-                     iter_safetensors(folder))
+    return LLMEngine(
+        ModelConfig.from_model_dir(folder),
+        EngineConfig(num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=32, **config),
+        iter_safetensors(folder),
+    )
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -56,8 +61,9 @@ def test_every_step_gives_the_layer_by_layer_logits(model, threads):
         assert stack is not None and stack.takes_prefill == ("64" in model)
         calls = []  # (tokens, decode rows) of each step the one call ran
         run = stack.run
-        stack.run = lambda hidden, batch, n: calls.append((hidden.shape[0], batch.decode_block_tables.shape[0])) \
-            or run(hidden, batch, n)
+        stack.run = lambda hidden, batch, n: (
+            calls.append((hidden.shape[0], batch.decode_block_tables.shape[0])) or run(hidden, batch, n)
+        )
         done, logits = run_with_logits(one_call, prompts, params)
         eager_done, eager_logits = run_with_logits(engine(folder, enforce_eager=True), prompts, params)
     finally:
@@ -93,8 +99,12 @@ def test_bf16x3_prompt_projections_stay_close_to_the_float32_pass():
 def test_which_models_take_the_one_call():
     llama, _ = save_tiny_model("llama", tie_word_embeddings=False)
     assert engine(llama, enforce_eager=True).runner.layer_stack is None
-    for config, reason in (({"dtype": "bfloat16"}, "not float32"), ({"kv_cache_dtype": "fp8"}, "not float32"),
-                           ({"packed_linear": False}, "not packed"), ({"kernel_backend": "reference"}, "native")):
+    for config, reason in (
+        ({"dtype": "bfloat16"}, "not float32"),
+        ({"kv_cache_dtype": "fp8"}, "not float32"),
+        ({"packed_linear": False}, "not packed"),
+        ({"kernel_backend": "reference"}, "native"),
+    ):
         runner = engine(llama, **config).runner
         assert runner.layer_stack is None and reason in unsupported_reason(runner.model, runner.kv_cache, None)
     for kind, reason in (("qwen3", "q/k norms"), ("qwen2", "bias"), ("gemma2", "not a plain Llama")):

@@ -23,8 +23,14 @@ from common.sampling_params import SamplingParams
 from tests.engine.helpers import save_tiny_model
 from workers import model_runner
 from workers.config import EngineConfig
-from workers.cuda_graphs import (MAX_CAPTURE_SIZE, PAD_SLOT, DecodeGraphs, GraphBuckets, decode_graphs_wanted,
-                                 graph_batch_sizes)
+from workers.cuda_graphs import (
+    MAX_CAPTURE_SIZE,
+    PAD_SLOT,
+    DecodeGraphs,
+    GraphBuckets,
+    decode_graphs_wanted,
+    graph_batch_sizes,
+)
 from workers.engine import LLMEngine
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner, iter_safetensors
@@ -66,6 +72,7 @@ def tiny_llama():
 
 # ---- buckets ------------------------------------------------------------------------------------
 
+
 def test_bucket_sizes_are_vllm_like():
     assert graph_batch_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert graph_batch_sizes(20) == (1, 2, 4, 8, 16, 20)
@@ -91,12 +98,20 @@ def test_every_batch_size_maps_to_the_smallest_bucket_that_holds_it(max_num_seqs
 
 # ---- static buffers and padding, on a recording decode function ----------------------------------
 
+
 def recording_decode(seen: list[dict]):
     """A decode function that records its inputs and returns hidden rows made from them."""
 
     def decode(input_ids, positions, slot_mapping, block_tables, context_lens):
-        seen.append(dict(ids=input_ids.tolist(), pos=positions.tolist(), slots=slot_mapping.tolist(),
-                         tables=block_tables.tolist(), lens=context_lens.tolist()))
+        seen.append(
+            dict(
+                ids=input_ids.tolist(),
+                pos=positions.tolist(),
+                slots=slot_mapping.tolist(),
+                tables=block_tables.tolist(),
+                lens=context_lens.tolist(),
+            )
+        )
         return torch.stack([input_ids.float(), positions.float(), slot_mapping.float()], dim=1)
 
     return decode
@@ -115,8 +130,15 @@ def decode_batch(n: int, base: int):
 def test_capture_once_per_bucket_and_padding_rows_are_rewritten_every_step():
     seen: list[dict] = []
     new_graph, made = stand_in_factory()
-    graphs = DecodeGraphs(GraphBuckets((1, 2, 4, 8)), recording_decode(seen), max_blocks_per_seq=4, hidden_size=3,
-                          dtype=torch.float32, device="cpu", new_graph=new_graph)
+    graphs = DecodeGraphs(
+        GraphBuckets((1, 2, 4, 8)),
+        recording_decode(seen),
+        max_blocks_per_seq=4,
+        hidden_size=3,
+        dtype=torch.float32,
+        device="cpu",
+        new_graph=new_graph,
+    )
     graphs.capture()
     assert sorted(graphs.graphs) == [1, 2, 4, 8] and len(made) == 4
     assert [len(s["ids"]) for s in seen] == [8, 4, 2, 1]  # largest first
@@ -160,6 +182,7 @@ def test_capture_once_per_bucket_and_padding_rows_are_rewritten_every_step():
 
 # ---- the real model: graph replay on padded buffers against an eager engine -----------------------
 
+
 def engine_pair(folder, **config):
     config = EngineConfig(num_kv_blocks=64, max_num_seqs=8, **config)
     model_config = ModelConfig.from_model_dir(folder)
@@ -190,8 +213,11 @@ def test_padded_rows_never_reach_the_sampler_or_the_kv_cache(tiny_llama, max_num
     def checked_execute(chunks, sample_mask):
         decode_only = all(c.num_tokens == 1 for c in chunks)
         steps["decode_only" if decode_only else "mixed"] += 1
-        written = {c.seq.block_ids[p // bs] * bs + p % bs
-                   for c in chunks for p in range(c.seq.num_computed_tokens, c.seq.num_computed_tokens + c.num_tokens)}
+        written = {
+            c.seq.block_ids[p // bs] * bs + p % bs
+            for c in chunks
+            for p in range(c.seq.num_computed_tokens, c.seq.num_computed_tokens + c.num_tokens)
+        }
         before = runner.kv_cache.clone()
         logits = real_execute(chunks, sample_mask)
         changed = slots_changed(before, runner.kv_cache)
@@ -251,6 +277,7 @@ def test_padded_rows_never_reach_the_sampler_or_the_kv_cache(tiny_llama, max_num
 
 # ---- enforce_eager ------------------------------------------------------------------------------
 
+
 def test_enforce_eager_and_the_cpu_never_capture(tiny_llama, monkeypatch):
     assert decode_graphs_wanted(False, "cuda", "triton")
     assert not decode_graphs_wanted(True, "cuda", "triton")
@@ -272,8 +299,9 @@ def test_enforce_eager_and_the_cpu_never_capture(tiny_llama, monkeypatch):
     monkeypatch.setattr(model_runner, "cuda_graph_factory", lambda: new_graph)
     runner = ModelRunner(model_config, EngineConfig(num_kv_blocks=16, max_num_seqs=4), iter_safetensors(tiny_llama))
     assert sorted(runner.decode_graphs.graphs) == [1, 2, 4] and [g.captures for g in made] == [1, 1, 1]
-    runner = ModelRunner(model_config, EngineConfig(num_kv_blocks=16, max_num_seqs=4, enforce_eager=True),
-                         iter_safetensors(tiny_llama))
+    runner = ModelRunner(
+        model_config, EngineConfig(num_kv_blocks=16, max_num_seqs=4, enforce_eager=True), iter_safetensors(tiny_llama)
+    )
     assert runner.decode_graphs is None and len(made) == 3
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from tests.engine.conftest import NEW_TOKENS
 from tests.engine.helpers import compare_greedy, run_with_logits
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

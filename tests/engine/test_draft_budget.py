@@ -9,18 +9,26 @@ import random
 
 import pytest
 
-from workers.config import SpeculativeConfig
-from workers.draft_budget import (MAX_TOKEN_COST, PRIOR_TOKEN_COST, PROBE_STEPS, Acceptance, DraftHistory, StepCostFit,
-                                  draft_counts, entry_bound)
-from workers.speculative import Speculator
 from common.sampling_params import SamplingParams
+from workers.config import SpeculativeConfig
+from workers.draft_budget import (
+    MAX_TOKEN_COST,
+    PRIOR_TOKEN_COST,
+    PROBE_STEPS,
+    Acceptance,
+    DraftHistory,
+    StepCostFit,
+    draft_counts,
+    entry_bound,
+)
 from workers.sequence import Sequence
+from workers.speculative import Speculator
 
 
 def tokens_per_cost(counts: list[int], acceptance: list[float], token_cost: float) -> float:
     """Expected tokens emitted over the step's relative cost, from the definition: sequence i emits
     its own token plus draft j with probability acceptance_i ** j (accepted in order)."""
-    expected = sum(1 + sum(a ** j for j in range(1, k + 1)) for k, a in zip(counts, acceptance))
+    expected = sum(1 + sum(a**j for j in range(1, k + 1)) for k, a in zip(counts, acceptance))
     return expected / (1 + token_cost * (len(counts) + sum(counts)))
 
 
@@ -46,8 +54,8 @@ def test_the_plan_is_as_good_as_any_choice_of_counts():
         assert all(0 <= k <= a for k, a in zip(counts, available)) and sum(counts) <= budget
         if sum(1 for p, a in zip(probes, available) if p and a) <= budget:
             assert tokens_per_cost(counts, acceptance, token_cost) == pytest.approx(
-                best_by_search(available, acceptance, token_cost, probes, budget), rel=1e-12), \
-                (available, acceptance, token_cost, probes, budget, counts)
+                best_by_search(available, acceptance, token_cost, probes, budget), rel=1e-12
+            ), (available, acceptance, token_cost, probes, budget, counts)
 
 
 def test_hand_computed_plans():
@@ -249,8 +257,9 @@ def test_the_engine_drafts_while_drafts_are_accepted_and_stops_when_they_are_not
     from tests.engine.test_speculative_engine import engine, passage_prompts, run
 
     target, _ = save_tiny_model("llama")
-    other, _ = save_tiny_model("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                               num_attention_heads=2, num_key_value_heads=1)
+    other, _ = save_tiny_model(
+        "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1
+    )
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     def drafts_per_step(draft: str, prompts: list[list[int]]) -> tuple[float, float]:

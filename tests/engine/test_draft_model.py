@@ -34,8 +34,9 @@ def target_dir():
 
 @pytest.fixture(scope="module")
 def small_draft_dir():
-    folder, _ = save_tiny_model("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                                num_attention_heads=2, num_key_value_heads=1)
+    folder, _ = save_tiny_model(
+        "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1
+    )
     return folder
 
 
@@ -44,11 +45,14 @@ def acceptance(eng) -> float:
     return stats.num_accepted_tokens / max(stats.num_draft_tokens, 1)
 
 
-@pytest.mark.parametrize("options", [
-    pytest.param({}, id="plain-kv"),
-    pytest.param({"max_num_batched_tokens": 16}, id="chunked-prefill"),
-    pytest.param({"kv_cache_dtype": "fp8"}, id="fp8-kv"),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="plain-kv"),
+        pytest.param({"max_num_batched_tokens": 16}, id="chunked-prefill"),
+        pytest.param({"kv_cache_dtype": "fp8"}, id="fp8-kv"),
+    ],
+)
 def test_a_model_drafting_for_itself_has_its_greedy_drafts_accepted(target_dir, options):
     prompts = passage_prompts(4)
     plain = run(engine(target_dir, None, **options), prompts, GREEDY)
@@ -87,9 +91,11 @@ def test_seeded_requests_get_the_same_tokens_with_a_draft(target_dir, small_draf
         assert spec_engine.stats().spec_decode.num_draft_tokens > 0
 
 
-SAMPLED = [SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True),
-           SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True),
-           SamplingParams(max_tokens=32, temperature=1.2, min_p=0.01, frequency_penalty=0.5, ignore_eos=True)]
+SAMPLED = [
+    SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True),
+    SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True),
+    SamplingParams(max_tokens=32, temperature=1.2, min_p=0.01, frequency_penalty=0.5, ignore_eos=True),
+]
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
@@ -162,8 +168,9 @@ def test_a_remote_prefill_carries_the_drafts_kv_and_the_decode_worker_runs_only_
     def remote(rid: str, prompt: list[int]) -> tuple[list[int], int]:
         """The request through the handoff: its tokens, and the prompt tokens the decode worker had cached."""
         reservation = decode.reserve(rid, prompt, GREEDY)
-        result = prefill.prefill(PrefillRequest(rid, prompt, GREEDY, decode.endpoint(), reservation.block_ids,
-                                                reservation.num_cached_tokens))
+        result = prefill.prefill(
+            PrefillRequest(rid, prompt, GREEDY, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens)
+        )
         tokens = list(result.output.token_ids)
         decode.start_decode(rid, tokens[0])
         return tokens + collect(rid, GREEDY.max_tokens - 1), reservation.num_cached_tokens
@@ -207,13 +214,16 @@ def test_a_pair_that_disagrees_on_the_draft_model_is_refused_at_connect(target_d
 
     def worker(name: str, role: str, draft: str | None) -> EngineWorker:
         spec = draft_config(draft) if draft is not None else None
-        return EngineWorker(WorkerConfig(name, role, target_dir, EngineConfig(kv_cache_memory=4 << 20,
-                                                                              speculative_config=spec)))
+        return EngineWorker(
+            WorkerConfig(name, role, target_dir, EngineConfig(kv_cache_memory=4 << 20, speculative_config=spec))
+        )
 
     decode = worker("d0", "decode", target_dir)
     try:
-        for draft, error in ((None, "this prefill worker runs no draft model but the decode worker it connects to does"),
-                             (small_draft_dir, r"draft model's cache \(speculative_config.model\): KV layout mismatch")):
+        for draft, error in (
+            (None, "this prefill worker runs no draft model but the decode worker it connects to does"),
+            (small_draft_dir, r"draft model's cache \(speculative_config.model\): KV layout mismatch"),
+        ):
             prefill = worker("p0", "prefill", draft)
             try:
                 with pytest.raises(KVLayoutMismatch, match=error):
@@ -226,16 +236,16 @@ def test_a_pair_that_disagrees_on_the_draft_model_is_refused_at_connect(target_d
 
 def test_block_invariants_hold_with_a_draft_in_a_randomized_run(target_dir, small_draft_dir):
     rng = random.Random(7)
-    eng = engine(target_dir, draft_config(small_draft_dir), num_kv_blocks=24, max_num_seqs=6,
-                 max_num_batched_tokens=48)
+    eng = engine(target_dir, draft_config(small_draft_dir), num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=48)
     eng.sampler.generator.manual_seed(11)
     prompts = passage_prompts(16, seed=5)
     live: list[str] = []
     submitted = 0
     while submitted < len(prompts) or eng.has_unfinished_requests():
         while submitted < len(prompts) and rng.random() < 0.5:
-            params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=rng.choice([0.0, 0.8]),
-                                    ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 40), temperature=rng.choice([0.0, 0.8]), ignore_eos=True
+            )
             live.append(eng.add_request(prompts[submitted], params))
             submitted += 1
         for out in eng.step():

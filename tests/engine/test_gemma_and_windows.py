@@ -30,13 +30,25 @@ from workers.model_files import ModelNotFoundError, check_model_dir
 from workers.model_runner import iter_safetensors
 
 WINDOW = 16
-SHRUNK = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=160, num_attention_heads=4, head_dim=64,
-              query_pre_attn_scalar=64, sliding_window=WINDOW, tie_word_embeddings=True)
+SHRUNK = dict(
+    num_hidden_layers=4,
+    hidden_size=64,
+    intermediate_size=160,
+    num_attention_heads=4,
+    head_dim=64,
+    query_pre_attn_scalar=64,
+    sliding_window=WINDOW,
+    tie_word_embeddings=True,
+)
 GEMMA_CASES = {
-    "gemma2": dict(SHRUNK, num_key_value_heads=2, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
-                   layer_types=["sliding_attention", "full_attention"] * 2),
-    "gemma3": dict(SHRUNK, num_key_value_heads=1,
-                   layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "gemma2": dict(
+        SHRUNK,
+        num_key_value_heads=2,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=2.0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    "gemma3": dict(SHRUNK, num_key_value_heads=1, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
 }
 NEW_TOKENS = 12
 
@@ -78,8 +90,9 @@ def test_gemma_greedy_matches_transformers(gemma):
     config = ModelConfig.from_model_dir(folder)
     engine = LLMEngine(config, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), iter_safetensors(folder))
     prompts = _prompts(11, (17, 20, 31, 33, 48, 64, 65, 90, 120, 150))  # all longer than the window
-    completions, logits = run_with_logits(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                                          ignore_eos=True))
+    completions, logits = run_with_logits(
+        engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    )
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     _check_all(completions, refs, logits)
@@ -145,8 +158,11 @@ def test_all_windowed_long_request_keeps_only_the_window_blocks(mistral):
     config = ModelConfig.from_model_dir(folder)
     assert config.layer_windows == (32, 32) and config.kv_window == 32
     bs, num_blocks = 16, 64
-    engine = LLMEngine(config, EngineConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=64, block_size=bs),
-                       iter_safetensors(folder))
+    engine = LLMEngine(
+        config,
+        EngineConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=64, block_size=bs),
+        iter_safetensors(folder),
+    )
     prompt = _prompts(8, (300,))[0]  # ~10x the window
     new_tokens = 40
     rid = engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
@@ -205,6 +221,7 @@ def test_an_evicted_block_breaks_the_prefix_hit(mistral):
 
 # ---- config parsing and the family check -------------------------------------------------------
 
+
 def _config_dict(folder: str) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
 
@@ -217,8 +234,9 @@ def test_transformers4_style_gemma_configs_get_their_layer_patterns(gemma):
         assert ModelConfig.from_dict(config).layer_windows == (WINDOW, None, WINDOW, None)
     else:  # 4.x: sliding_window_pattern and rope_local_base_freq, rope_theta global
         rope = config.pop("rope_parameters")
-        config.update(sliding_window_pattern=2, rope_theta=rope["full_attention"]["rope_theta"],
-                      rope_local_base_freq=5000.0)
+        config.update(
+            sliding_window_pattern=2, rope_theta=rope["full_attention"]["rope_theta"], rope_local_base_freq=5000.0
+        )
         parsed = ModelConfig.from_dict(config)
         assert parsed.layer_windows == (WINDOW, None, WINDOW, None)
         assert (parsed.rope_theta, parsed.local_rope_theta) == (1_000_000.0, 5000.0)
@@ -283,18 +301,22 @@ def test_block_manager_releases_a_leading_run_and_frees_the_rest():
 
 # ---- the Triton kernels in the model (interpreted on the CPU) ----------------------------------------
 
+
 def triton_path_child(kind: str) -> None:
     """Run where Triton was imported with TRITON_INTERPRET=1 (this session, or a child started with it):
     the tiny Gemma on kernel_backend "triton" (windowed and soft-capped attention, GeGLU) against
     transformers, with chunked prefill."""
     folder, hf = save_tiny_model(kind, **GEMMA_CASES[kind])
-    engine = LLMEngine(ModelConfig.from_model_dir(folder),
-                       EngineConfig(num_kv_blocks=64, max_num_batched_tokens=24, kernel_backend="triton"),
-                       iter_safetensors(folder))
+    engine = LLMEngine(
+        ModelConfig.from_model_dir(folder),
+        EngineConfig(num_kv_blocks=64, max_num_batched_tokens=24, kernel_backend="triton"),
+        iter_safetensors(folder),
+    )
     assert engine.runner.ops.backend == "triton"
     prompts = _prompts(11, (20, 45))
-    completions, logits = run_with_logits(engine, prompts, SamplingParams(max_tokens=6, temperature=0.0,
-                                                                          ignore_eos=True))
+    completions, logits = run_with_logits(
+        engine, prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    )
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, 6) for p in prompts]
     _check_all(completions, refs, logits)
@@ -312,6 +334,12 @@ def test_gemma_on_the_triton_kernels_matches_transformers(kind):
         return
     repo = Path(__file__).resolve().parents[2]
     code = f"from tests.engine.test_gemma_and_windows import triton_path_child; triton_path_child({kind!r})"
-    child = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)})
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)},
+    )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]

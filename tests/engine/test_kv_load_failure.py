@@ -33,10 +33,20 @@ pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(num_kv_blocks=96, max_num_batched_tokens=128)
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # Faults the decode side sees at start_decode (shm is one-sided: the sender's copy "succeeds").
-DATA_FAULTS = [FaultKind.FLIP, FaultKind.DROP, FaultKind.TRUNCATE, FaultKind.REORDER, FaultKind.DUPLICATE,
-               FaultKind.FOREIGN_REQUEST, FaultKind.FOREIGN_LAYOUT]
-REASONS = {FaultKind.TRUNCATE: "incomplete", FaultKind.FOREIGN_REQUEST: "foreign_request",
-           FaultKind.FOREIGN_LAYOUT: "foreign_layout"}
+DATA_FAULTS = [
+    FaultKind.FLIP,
+    FaultKind.DROP,
+    FaultKind.TRUNCATE,
+    FaultKind.REORDER,
+    FaultKind.DUPLICATE,
+    FaultKind.FOREIGN_REQUEST,
+    FaultKind.FOREIGN_LAYOUT,
+]
+REASONS = {
+    FaultKind.TRUNCATE: "incomplete",
+    FaultKind.FOREIGN_REQUEST: "foreign_request",
+    FaultKind.FOREIGN_LAYOUT: "foreign_layout",
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +61,19 @@ def oracle(tiny_llama):
 
 
 def workers(folder, policy):
-    make = lambda wid, role: EngineWorker(WorkerConfig(wid, role, folder, CONFIG, transport="shm",  # noqa: E731
-                                                       transfer_timeout_s=1.0, kv_load_failure_policy=policy))
+    def make(wid, role):
+        return EngineWorker(
+            WorkerConfig(
+                wid,
+                role,
+                folder,
+                CONFIG,
+                transport="shm",
+                transfer_timeout_s=1.0,
+                kv_load_failure_policy=policy,
+            )
+        )
+
     return make(f"p-{policy}", "prefill"), make(f"d-{policy}", "decode")
 
 
@@ -76,8 +97,9 @@ def run_decode(decode, rid):
 def handoff(prefill, decode, rid, prompt):
     reservation = decode.reserve(rid, prompt, PARAMS)
     assert reservation is not None
-    result = prefill.prefill(PrefillRequest(rid, prompt, PARAMS, decode.endpoint(), reservation.block_ids,
-                                            reservation.num_cached_tokens))
+    result = prefill.prefill(
+        PrefillRequest(rid, prompt, PARAMS, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens)
+    )
     return list(result.output.token_ids)
 
 
@@ -93,8 +115,9 @@ def test_recompute_gives_the_engines_greedy_answers(tiny_llama, oracle):
     try:
         cases = [None] + DATA_FAULTS + [None]
         ps = prompts(1, len(cases))
-        prefill.transport.set_fault_plan(FaultPlan({f"r{i}": Fault(k, block=1, bit=30)
-                                                    for i, k in enumerate(cases) if k is not None}))
+        prefill.transport.set_fault_plan(
+            FaultPlan({f"r{i}": Fault(k, block=1, bit=30) for i, k in enumerate(cases) if k is not None})
+        )
         for i, (kind, prompt) in enumerate(zip(cases, ps)):
             [want] = oracle.generate([prompt], PARAMS)
             before = decode.engine.num_computed_tokens
@@ -124,8 +147,9 @@ def test_fail_gives_a_clean_retryable_error_and_frees_everything(tiny_llama, ora
     try:
         cases = [FaultKind.FLIP, FaultKind.TRUNCATE, FaultKind.FOREIGN_REQUEST, None]
         ps = prompts(2, len(cases))
-        prefill.transport.set_fault_plan(FaultPlan({f"f{i}": Fault(k, block=0, bit=30)
-                                                    for i, k in enumerate(cases) if k is not None}))
+        prefill.transport.set_fault_plan(
+            FaultPlan({f"f{i}": Fault(k, block=0, bit=30) for i, k in enumerate(cases) if k is not None})
+        )
         for i, (kind, prompt) in enumerate(zip(cases, ps)):
             first = handoff(prefill, decode, f"f{i}", prompt)
             if kind is None:

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tests.engine.test_prefix_and_stress import tiny_engine
 from common.protocol import PrefillRequest, WorkerReady
 from common.sampling_params import SamplingParams
+from tests.engine.test_prefix_and_stress import tiny_engine
 from workers.sequence import SequenceStatus
 from workers.worker import STEP_LOG_ENV, AbortedIds, EngineWorker, RequestAborted, WorkerConfig
 
@@ -113,8 +113,13 @@ def test_worker_ready_reports_the_engines_limits(engine):
     finally:
         worker.shutdown()
     assert report == WorkerReady(
-        worker_id="decode-0", role="decode", max_model_len=engine.max_model_len, block_size=16, num_blocks=32,
-        dtype="float32", kv_cache_dtype="float32",
+        worker_id="decode-0",
+        role="decode",
+        max_model_len=engine.max_model_len,
+        block_size=16,
+        num_blocks=32,
+        dtype="float32",
+        kv_cache_dtype="float32",
     )
     assert report.max_model_len == min(engine.runner.max_model_len, 32 * 16)  # capped by the KV cache
 
@@ -164,8 +169,11 @@ def test_the_step_observer_sees_each_steps_chunks_and_time(engine):
         stop()
     # (tokens computed before, tokens this step, sampled), as the scheduler's budget splits them:
     # the first prompt's chunks, then the second's beside the first's decodes.
-    assert [c for c, _ in seen[:3]] == [[(0, 64, False)], [(64, 36, True), (0, 28, False)],
-                                        [(100, 1, True), (28, 2, True)]]
+    assert [c for c, _ in seen[:3]] == [
+        [(0, 64, False)],
+        [(64, 36, True), (0, 28, False)],
+        [(100, 1, True), (28, 2, True)],
+    ]
     assert all(s > 0 for _, s in seen)
 
 

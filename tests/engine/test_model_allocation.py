@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kernels.ops import kernel_ops
+from tests.engine.helpers import save_tiny_model
 from workers.model_config import ModelConfig
 from workers.model_runner import MODEL_CLASSES, allocate_empty
-from tests.engine.helpers import save_tiny_model
 
 FAMILIES = ["llama", "qwen3", "gemma3", "mixtral"]
 
@@ -32,8 +32,9 @@ def test_allocate_empty_gives_what_to_empty_gives(family):
     def described(model):
         tensors = [("param", n, p) for n, p in model.named_parameters(remove_duplicate=False)]
         tensors += [("buffer", n, b) for n, b in model.named_buffers(remove_duplicate=False)]
-        return [(kind, name, tuple(t.shape), t.dtype, t.device.type, type(t), t.requires_grad)
-                for kind, name, t in tensors]
+        return [
+            (kind, name, tuple(t.shape), t.dtype, t.device.type, type(t), t.requires_grad) for kind, name, t in tensors
+        ]
 
     assert described(ours) == described(reference)
     assert list(ours.state_dict()) == list(reference.state_dict())

@@ -53,20 +53,25 @@ def test_remote_prefill_fp8_kv_and_a_migration_are_exact(kind):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     oracle = [c.token_ids for c in LLMEngine.from_model_dir(folder, CONFIG).generate(prompts(7), params)]
     assert all(len(t) == NEW_TOKENS for t in oracle)
-    workers = [EngineWorker(WorkerConfig(wid, role, folder, CONFIG, transport="shm"))
-               for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))]
+    workers = [
+        EngineWorker(WorkerConfig(wid, role, folder, CONFIG, transport="shm"))
+        for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    ]
     prefill, first, second = workers
     try:
         assert first.engine.kv_cache_dtype == "float8_e4m3fn"
         for i, (prompt, expected) in enumerate(zip(prompts(7), oracle)):
             rid = f"{kind}-{i}"
             reservation = first.reserve(rid, prompt, params)
-            result = prefill.prefill(PrefillRequest(rid, prompt, params, first.endpoint(), reservation.block_ids,
-                                                    reservation.num_cached_tokens))
+            result = prefill.prefill(
+                PrefillRequest(
+                    rid, prompt, params, first.endpoint(), reservation.block_ids, reservation.num_cached_tokens
+                )
+            )
             tokens = list(result.output.token_ids)
             first.start_decode(rid, tokens[0])
             tokens = poll_until(first, rid, tokens, MIGRATE_AFTER)
-            assert tokens == expected[:len(tokens)], "the handoff changed the tokens"
+            assert tokens == expected[: len(tokens)], "the handoff changed the tokens"
             first.abort(rid)  # the first decode worker is gone for this request
             second.submit(rid, prompt, params, resume=ResumeState(tuple(tokens), 0))
             assert poll_until(second, rid, tokens, None) == expected, "the migration changed the tokens"

@@ -2,7 +2,8 @@
 
 Chunked prefill (max_num_batched_tokens 32, so prompts span several steps) and prefix caching
 (a second batch reuses the first's cached prefix) are on. Also: both checkpoint layouts (per-expert
-tensors, fused 3-D), Qwen3-MoE's dense layers, and the refusals (a float checkpoint labelled FP8, shared experts, unknown families).
+tensors, fused 3-D), Qwen3-MoE's dense layers, and the refusals (a float checkpoint labelled FP8,
+shared experts, unknown families).
 """
 
 from __future__ import annotations
@@ -27,13 +28,22 @@ from workers.models.moe import MoeForCausalLM, SparseMoeBlock
 
 CASES = {
     "mixtral-8x-top2-untied": ("mixtral", dict(tie_word_embeddings=False)),
-    "mixtral-4x-top2-tied-gqa4": ("mixtral", dict(num_local_experts=4, num_attention_heads=8, num_key_value_heads=2,
-                                                  tie_word_embeddings=True)),
+    "mixtral-4x-top2-tied-gqa4": (
+        "mixtral",
+        dict(num_local_experts=4, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
     "qwen3moe-8x-top2": ("qwen3_moe", dict(tie_word_embeddings=False, head_dim=32)),
     # norm_topk_prob, and dense MLP layers: layer 0 (mlp_only_layers) and every odd one (decoder_sparse_step 2).
-    "qwen3moe-normtopk-dense-layers": ("qwen3_moe", dict(tie_word_embeddings=False, norm_topk_prob=True,
-                                                         num_hidden_layers=4, decoder_sparse_step=2,
-                                                         mlp_only_layers=[1])),
+    "qwen3moe-normtopk-dense-layers": (
+        "qwen3_moe",
+        dict(
+            tie_word_embeddings=False,
+            norm_topk_prob=True,
+            num_hidden_layers=4,
+            decoder_sparse_step=2,
+            mlp_only_layers=[1],
+        ),
+    ),
 }
 NEW_TOKENS = 16
 
@@ -47,8 +57,11 @@ def _refs(hf, prompts):
 def _check(engine, hf, prompts):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     completions, logits = run_with_logits(engine, prompts, params)
-    diverged = [i for i, (c, r, lg) in enumerate(zip(completions, _refs(hf, prompts), logits))
-                if compare_greedy(c.token_ids, r, lg).diverged_at is not None]
+    diverged = [
+        i
+        for i, (c, r, lg) in enumerate(zip(completions, _refs(hf, prompts), logits))
+        if compare_greedy(c.token_ids, r, lg).diverged_at is not None
+    ]
     assert len(diverged) <= 1, diverged  # a near tie may flip one sequence (compare_greedy checks it is one)
     return completions
 
@@ -72,7 +85,8 @@ def test_tiny_moe_matches_transformers(case):
     assert all(c.num_cached_tokens >= 32 for c in done), [c.num_cached_tokens for c in done]
     assert isinstance(model, MoeForCausalLM)
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [
-        i not in config.dense_mlp_layers for i in range(config.num_layers)]
+        i not in config.dense_mlp_layers for i in range(config.num_layers)
+    ]
 
 
 def test_dense_layers_of_qwen3_moe_come_from_the_config():
@@ -113,9 +127,17 @@ def test_missing_expert_and_mislabelled_fp8_checkpoints_are_refused(tmp_path):
 
 def test_moe_config_refusals():
     base = dict(
-        architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32)
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
     assert ModelConfig.from_dict(base).num_experts == 4
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ModelConfig.from_dict({**base, "num_experts_per_tok": 5})
@@ -128,18 +150,29 @@ def test_moe_config_refusals():
 def test_serve_refuses_an_unsupported_family_listing_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"]}')
     (tmp_path / "model.safetensors").write_bytes(b"")
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", str(tmp_path)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "serve", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    for family in ("DeepseekV3ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
-                   "Qwen3MoeForCausalLM"):
+    for family in (
+        "DeepseekV3ForCausalLM",
+        "LlamaForCausalLM",
+        "Qwen3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ):
         assert family in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bfloat16_moe_stays_close_to_float32_transformers():
     folder, hf = save_tiny_model("mixtral", tie_word_embeddings=False)
-    engine = LLMEngine(ModelConfig.from_model_dir(folder), EngineConfig(num_kv_blocks=64, dtype="bfloat16"),
-                       iter_safetensors(folder))
+    engine = LLMEngine(
+        ModelConfig.from_model_dir(folder), EngineConfig(num_kv_blocks=64, dtype="bfloat16"), iter_safetensors(folder)
+    )
     prompts = [[random.Random(i).randrange(3, 512) for _ in range(30)] for i in range(3)]
     _, logits = run_with_logits(engine, prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     for ref, ours in zip(_refs(hf, prompts), logits):

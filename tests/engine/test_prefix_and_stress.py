@@ -6,13 +6,13 @@ import random
 
 import pytest
 
+from common.protocol import KVEventKind
+from common.sampling_params import SamplingParams
 from tests.engine.helpers import save_tiny_model
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from common.protocol import KVEventKind
 from workers.model_config import ModelConfig
 from workers.model_runner import iter_safetensors
-from common.sampling_params import SamplingParams
 
 
 def tiny_engine(**config) -> LLMEngine:
@@ -53,7 +53,9 @@ def test_kv_events_report_stored_and_removed_hashes():
     assert stored == hash_prefix_blocks(prompt, 16)
     # Fill the cache with other prompts: the old blocks get evicted and reported.
     for start in (100, 200, 300):
-        engine.generate([list(range(start, start + 60))], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        engine.generate(
+            [list(range(start, start + 60))], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        )
     removed = {h for e in engine.block_manager.drain_events() if e.kind is KVEventKind.REMOVED for h in e.block_hashes}
     assert set(stored) <= removed
 
@@ -69,8 +71,12 @@ def test_random_load_with_aborts_and_preemption_leaks_nothing():
         while submitted < 1000 and len(live) < 24:
             prefix = shared if rng.random() < 0.5 else []
             prompt = prefix + [rng.randrange(3, 512) for _ in range(rng.randint(1, 60))]
-            params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.8]),
-                                    seed=rng.randint(0, 9), ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 40),
+                temperature=rng.choice([0.0, 0.8]),
+                seed=rng.randint(0, 9),
+                ignore_eos=True,
+            )
             live.append(engine.add_request(prompt, params))
             submitted += 1
         for out in engine.step():

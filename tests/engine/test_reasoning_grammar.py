@@ -27,8 +27,12 @@ from workers.sampler import SamplingRow, sample
 
 CONFIG = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64)
 NEW_TOKENS = 24
-ANSWER = {"type": "object", "properties": {"sky_is_blue": {"type": "boolean"}}, "required": ["sky_is_blue"],
-          "additionalProperties": False}
+ANSWER = {
+    "type": "object",
+    "properties": {"sky_is_blue": {"type": "boolean"}},
+    "required": ["sky_is_blue"],
+    "additionalProperties": False,
+}
 SPEC = StructuredOutput("json_schema", json.dumps(ANSWER))
 
 
@@ -43,8 +47,12 @@ def quiet_model():
 
 
 def params_for(tok) -> SamplingParams:
-    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, structured_output=SPEC,
-                          reasoning_end_token_ids=(tok.convert_tokens_to_ids("</think>"),))
+    return SamplingParams(
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        structured_output=SPEC,
+        reasoning_end_token_ids=(tok.convert_tokens_to_ids("</think>"),),
+    )
 
 
 def run_whole(engine, prompt, params, request_id="whole") -> tuple[list[int], list[int], str]:
@@ -67,8 +75,8 @@ def check_reply(tok, hf, tokens: list[int], finish: str) -> None:
         assert tokens == greedy and finish == "length"  # never constrained
         return
     end = greedy.index(think_end)
-    assert tokens[:end + 1] == greedy[:end + 1]
-    jsonschema.validate(json.loads(tok.decode(tokens[end + 1:], skip_special_tokens=True)), ANSWER)
+    assert tokens[: end + 1] == greedy[: end + 1]
+    jsonschema.validate(json.loads(tok.decode(tokens[end + 1 :], skip_special_tokens=True)), ANSWER)
     assert finish == "stop"
 
 
@@ -98,8 +106,10 @@ def test_a_reasoning_row_is_left_unmasked_beside_a_constrained_one(quiet_model):
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
     spec = StructuredOutput("choice", '["yes","no"]')
     reasoning = engine.grammars.state(spec, (tok.convert_tokens_to_ids("</think>"),))
-    rows = [SamplingRow(SamplingParams(temperature=0.0), [], [1], None, grammar=reasoning),
-            SamplingRow(SamplingParams(temperature=0.0), [], [1], None, grammar=engine.grammars.state(spec))]
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), [], [1], None, grammar=reasoning),
+        SamplingRow(SamplingParams(temperature=0.0), [], [1], None, grammar=engine.grammars.state(spec)),
+    ]
     tokens, _ = sample(logits.clone(), rows)
     assert tokens[0] == int(logits[0].argmax())
     allowed = {tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no")}

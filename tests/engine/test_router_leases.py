@@ -16,9 +16,9 @@ import pytest
 from cluster.harness import wait_until
 from common.protocol import KVEventKind, PrefillRequest, RouterClaim
 from common.sampling_params import SamplingParams
+from tests.engine.helpers import worker_pair
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from tests.engine.helpers import worker_pair
 from workers.worker import EngineWorker
 
 pytestmark = pytest.mark.slow
@@ -47,8 +47,9 @@ def collect(worker: EngineWorker, router: RouterClaim, request_id: str, timeout_
     raise AssertionError(f"{request_id} did not finish in {timeout_s} s")
 
 
-def test_a_silent_router_loses_its_requests_and_blocks_a_polling_one_keeps_its_own(pair, default_model_dir,
-                                                                                  chat_prompts):
+def test_a_silent_router_loses_its_requests_and_blocks_a_polling_one_keeps_its_own(
+    pair, default_model_dir, chat_prompts
+):
     prefill, decode = pair
     long_prompt = max(chat_prompts, key=len)[:600]  # 19 prefill chunks
     short = chat_prompts[0]
@@ -66,9 +67,19 @@ def test_a_silent_router_loses_its_requests_and_blocks_a_polling_one_keeps_its_o
 
     def run_prefill():
         try:
-            prefill_outcome.append(prefill.prefill(PrefillRequest(
-                "gone-2", long_prompt, params, decode.endpoint(), reservation.block_ids,
-                reservation.num_cached_tokens, GONE)))
+            prefill_outcome.append(
+                prefill.prefill(
+                    PrefillRequest(
+                        "gone-2",
+                        long_prompt,
+                        params,
+                        decode.endpoint(),
+                        reservation.block_ids,
+                        reservation.num_cached_tokens,
+                        GONE,
+                    )
+                )
+            )
         except BaseException as exc:  # RequestAborted (lease ran out) or a refused transfer
             prefill_outcome.append(exc)
 
@@ -78,15 +89,18 @@ def test_a_silent_router_loses_its_requests_and_blocks_a_polling_one_keeps_its_o
 
     live_tokens = collect(decode, LIVE, "live-1")  # LIVE polls all along; GONE never does
     sender.join(60)
-    assert prefill_outcome and isinstance(prefill_outcome[0], BaseException), \
+    assert prefill_outcome and isinstance(prefill_outcome[0], BaseException), (
         "the prefill of a router whose lease ran out should end early"
+    )
     assert live_tokens == want.token_ids  # untouched by the other router's end
 
     def blocks_free(worker: EngineWorker) -> bool:
         s = worker.stats()
         return s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_waiting == 0
 
-    wait_until(lambda: blocks_free(decode) and blocks_free(prefill), 10, "both pools to free the silent router's blocks")
+    wait_until(
+        lambda: blocks_free(decode) and blocks_free(prefill), 10, "both pools to free the silent router's blocks"
+    )
     assert decode._call(decode.engine.request_ids) == []
     # Nobody owns the silent router's requests any more, and its lease is gone on both workers.
     assert [r.router_id for r in decode.heartbeat(LIVE).routers] == ["router-live"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from tests.engine.helpers import handoff, save_tiny_model, worker_pair
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from common.sampling_params import SamplingParams
 
 CONFIG = EngineConfig(kv_cache_memory=8 << 20)
 PROMPTS = [[5, 17, 99, 23, 4, 250], [300, 2, 2, 2, 71], [11] * 40, [400, 401, 402]]
@@ -31,7 +31,8 @@ def test_seeded_requests_get_the_same_tokens_alone_and_batched(model_dir):
     mixed = PROMPTS + [[9, 8, 7], [1, 2, 3, 4]]
     params = [seeded(100 + i) for i in range(len(PROMPTS))] + [
         SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True),
-        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+    ]
     batched = [c.token_ids for c in engine.generate(mixed, params)[: len(PROMPTS)]]
     assert batched == alone
     # Unseeded requests do not repeat one another (24 tokens over a 512-token vocabulary).

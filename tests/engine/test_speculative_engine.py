@@ -34,7 +34,7 @@ def passage_prompts(n: int, seed: int = 0) -> list[list[int]]:
     """Prompts that repeat a random passage (so drafts from the prompt can be right)."""
     rng = random.Random(seed)
     prompts = []
-    for i in range(n):
+    for _ in range(n):
         passage = [rng.randrange(3, 512) for _ in range(rng.randrange(6, 20))]
         prompts.append([rng.randrange(3, 512) for _ in range(rng.randrange(1, 8))] + passage * rng.randrange(2, 4))
     return prompts
@@ -93,12 +93,15 @@ def accepted(eng: LLMEngine) -> int:
 GREEDY = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("options", [
-    pytest.param({}, id="plain-kv"),
-    pytest.param({"max_num_batched_tokens": 16}, id="chunked-prefill"),
-    pytest.param({"kv_cache_dtype": "fp8"}, id="fp8-kv"),
-    pytest.param({"kernel_backend": "reference"}, id="reference-kernels"),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="plain-kv"),
+        pytest.param({"max_num_batched_tokens": 16}, id="chunked-prefill"),
+        pytest.param({"kv_cache_dtype": "fp8"}, id="fp8-kv"),
+        pytest.param({"kernel_backend": "reference"}, id="reference-kernels"),
+    ],
+)
 def test_greedy_tokens_are_those_without_speculation(model_dir, options):
     prompts = passage_prompts(4)
     plain = run(engine(model_dir, None, **options), prompts, GREEDY)
@@ -114,9 +117,10 @@ def test_greedy_tokens_are_those_without_speculation(model_dir, options):
 
 def test_penalised_greedy_rows_count_the_drafts_before_each_position(model_dir):
     prompts = passage_prompts(4, seed=8)
-    params = [SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, frequency_penalty=0.3,
-                             presence_penalty=0.2),
-              SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, repetition_penalty=1.2)] * 2
+    params = [
+        SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, frequency_penalty=0.3, presence_penalty=0.2),
+        SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, repetition_penalty=1.2),
+    ] * 2
     plain = run(engine(model_dir, None), prompts, params)
     spec_engine = engine(model_dir, NGRAM)
     assert run(spec_engine, prompts, params) == plain
@@ -158,8 +162,9 @@ def test_seeded_requests_get_the_same_tokens_alone_batched_and_without_speculati
     spec_engine = engine(model_dir, NGRAM)
     alone = [run(spec_engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
     mixed = prompts + passage_prompts(2, seed=3)
-    batched = run(spec_engine, mixed, params + [SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True),
-                                                GREEDY])[:4]
+    batched = run(
+        spec_engine, mixed, params + [SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True), GREEDY]
+    )[:4]
     plain = run(engine(model_dir, None), prompts, params)
     assert accepted(spec_engine) > 0
     assert alone == batched == plain
@@ -175,11 +180,15 @@ def test_stops_end_the_reply_exactly_where_they_do_without_speculation(model_dir
         stop = tokens[len(tokens) // 2]
         first = tokens.index(stop)
         params.append(SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))
-        params.append(SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop],
-                                     min_tokens=first + 2))
+        params.append(
+            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], min_tokens=first + 2)
+        )
         params.append(SamplingParams(max_tokens=first + 3, temperature=0.0, ignore_eos=True))
-        params.append(SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                     stop=[toy_decode(tokens[first + 2:first + 4])]))
+        params.append(
+            SamplingParams(
+                max_tokens=40, temperature=0.0, ignore_eos=True, stop=[toy_decode(tokens[first + 2 : first + 4])]
+            )
+        )
     many = [p for p in prompts for _ in range(4)]
     plain = run(engine(model_dir, None, decode=toy_decode), many, params)
     spec_engine = engine(model_dir, NGRAM, decode=toy_decode)
@@ -204,8 +213,12 @@ def test_block_invariants_hold_after_every_step_of_a_randomized_run(model_dir, m
     while submitted < len(prompts) or eng.has_unfinished_requests():
         while submitted < len(prompts) and rng.random() < 0.5:
             temperature = rng.choice([0.0, 0.8])
-            params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=temperature, ignore_eos=True,
-                                    seed=rng.randrange(100) if rng.random() < 0.5 else None)
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 40),
+                temperature=temperature,
+                ignore_eos=True,
+                seed=rng.randrange(100) if rng.random() < 0.5 else None,
+            )
             live.append(eng.add_request(prompts[submitted], params))
             submitted += 1
         for out in eng.step():
@@ -252,8 +265,7 @@ def test_default_model_repeats_a_passage_with_the_same_greedy_tokens(default_mod
     params = SamplingParams(max_tokens=48, temperature=0.0)
     plain = LLMEngine.from_model_dir(default_model_dir, EngineConfig(kv_cache_memory=64 << 20))
     expected = plain.generate([prompt], params)[0]
-    spec = LLMEngine.from_model_dir(default_model_dir, EngineConfig(kv_cache_memory=64 << 20,
-                                                                    speculative_config=NGRAM))
+    spec = LLMEngine.from_model_dir(default_model_dir, EngineConfig(kv_cache_memory=64 << 20, speculative_config=NGRAM))
     # Verify drafts whenever there are any: this test is about exactness, not about when drafts pay
     # (on this CPU a draft costs ~0.15 of a one-sequence step, and the budget stops drafting after
     # the reply's opening words miss).

@@ -20,15 +20,16 @@ import pytest
 
 pytest.importorskip("triton")
 
-import kernels.prefill_attention as prefill  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from tests.engine.helpers import interpreter_ready, save_tiny_model  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
-from workers.model_config import ModelConfig  # noqa: E402
-from workers.model_runner import iter_safetensors  # noqa: E402
+import kernels.prefill_attention as prefill
+from common.sampling_params import SamplingParams
+from tests.engine.helpers import interpreter_ready, save_tiny_model
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.model_config import ModelConfig
+from workers.model_runner import iter_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
+
 
 def speculation_on_triton() -> dict:
     """The tiny Llama on the Triton kernels, without and with n-gram speculation: its tokens, the
@@ -63,8 +64,10 @@ def speculation_on_triton() -> dict:
     return out
 
 
-CHILD = "import json; from tests.engine.test_speculative_triton import speculation_on_triton as run; " \
-        "print('RESULT ' + json.dumps(run()))"
+CHILD = (
+    "import json; from tests.engine.test_speculative_triton import speculation_on_triton as run; "
+    "print('RESULT ' + json.dumps(run()))"
+)
 
 
 def test_greedy_tokens_on_the_triton_kernels_are_those_without_speculation():
@@ -72,8 +75,9 @@ def test_greedy_tokens_on_the_triton_kernels_are_those_without_speculation():
         out = speculation_on_triton()
     else:
         env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-        proc = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         assert lines, f"child failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         out = json.loads(lines[-1].removeprefix("RESULT "))

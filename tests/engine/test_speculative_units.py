@@ -18,8 +18,8 @@ from tests.unit.test_sampling_distribution import ALPHA, LOGITS, assert_same_dis
 from workers.config import EngineConfig, SpeculativeConfig
 from workers.sampler import SamplingRow, sample
 from workers.sequence import Sequence
-from workers.suffix_decoding import SuffixIndex, SuffixProposer
 from workers.speculative import SpecDecodeCounters, ngram_drafts, num_accepted
+from workers.suffix_decoding import SuffixIndex, SuffixProposer
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 
@@ -31,32 +31,47 @@ def test_vllm_keys_parse_into_the_engine_config():
     assert EngineConfig().speculative is None
 
 
-@pytest.mark.parametrize("text, named", [
-    ('{"method": "ngram", ', "not valid JSON"),
-    ('["ngram"]', "JSON object"),
-    ('{"method": "draft_model", "num_speculative_tokens": 4}', "speculative_config.model must name the draft"),
-    ('{"method": "ngram", "num_speculative_tokens": 4, "model": "/m"}', "model is for method 'draft_model'"),
-    ('{"method": "draft_model", "num_speculative_tokens": 4, "model": "/m", "quantization": "int4"}',
-     "quantization must be null or 'fp8'"),
-    ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 1.5}',
-     "suffix_decoding_min_token_prob must be in [0, 1], got 1.5"),
-    ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 0}',
-     "suffix_decoding_max_spec_factor must be a number > 0"),
-    ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": -1}',
-     "suffix_decoding_max_tree_depth must be a positive integer"),
-    ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_cached_requests": -2}',
-     "suffix_decoding_max_cached_requests must be an integer >= 0"),
-    ('{"method": "eagle", "num_speculative_tokens": 4}', "'eagle' is not yet supported"),
-    ('{"method": "lookahead", "num_speculative_tokens": 4}', "speculative_config.method must be one of ngram"),
-    ('{"method": "ngram"}', "needs the key 'num_speculative_tokens'"),
-    ('{"num_speculative_tokens": 3}', "needs the key 'method'"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
-    ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens must be a positive integer"),
-    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
-     "prompt_lookup_min (4) must not exceed prompt_lookup_max (2)"),
-    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_mix": 2}', "unknown key 'prompt_lookup_mix'"),
-    ('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}', "disable_by_batch_size"),
-])
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ('{"method": "ngram", ', "not valid JSON"),
+        ('["ngram"]', "JSON object"),
+        ('{"method": "draft_model", "num_speculative_tokens": 4}', "speculative_config.model must name the draft"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "model": "/m"}', "model is for method 'draft_model'"),
+        (
+            '{"method": "draft_model", "num_speculative_tokens": 4, "model": "/m", "quantization": "int4"}',
+            "quantization must be null or 'fp8'",
+        ),
+        (
+            '{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 1.5}',
+            "suffix_decoding_min_token_prob must be in [0, 1], got 1.5",
+        ),
+        (
+            '{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 0}',
+            "suffix_decoding_max_spec_factor must be a number > 0",
+        ),
+        (
+            '{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": -1}',
+            "suffix_decoding_max_tree_depth must be a positive integer",
+        ),
+        (
+            '{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_cached_requests": -2}',
+            "suffix_decoding_max_cached_requests must be an integer >= 0",
+        ),
+        ('{"method": "eagle", "num_speculative_tokens": 4}', "'eagle' is not yet supported"),
+        ('{"method": "lookahead", "num_speculative_tokens": 4}', "speculative_config.method must be one of ngram"),
+        ('{"method": "ngram"}', "needs the key 'num_speculative_tokens'"),
+        ('{"num_speculative_tokens": 3}', "needs the key 'method'"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+        ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens must be a positive integer"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+            "prompt_lookup_min (4) must not exceed prompt_lookup_max (2)",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_mix": 2}', "unknown key 'prompt_lookup_mix'"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}', "disable_by_batch_size"),
+    ],
+)
 def test_a_bad_speculative_config_is_refused_naming_the_key(text, named):
     with pytest.raises(ValueError) as caught:
         EngineConfig(speculative_config=text)
@@ -151,8 +166,8 @@ def brute_force_ngram(tokens, min_n, max_n, k):
             continue
         suffix = tokens[-n:]
         for i in range(len(tokens) - n - 1, -1, -1):
-            if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k]
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + k]
     return []
 
 
@@ -171,7 +186,7 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
 
 def test_ngram_agrees_with_the_definition_on_random_sequences():
     rng = torch.Generator().manual_seed(3)
-    for trial in range(300):
+    for _trial in range(300):
         length = int(torch.randint(1, 40, (1,), generator=rng))
         tokens = torch.randint(0, 4, (length,), generator=rng).tolist()
         lo = int(torch.randint(1, 4, (1,), generator=rng))
@@ -221,7 +236,7 @@ def verify_many(params: SamplingParams, draft: int, output: list[int], n: int = 
     tokens, _ = sample(torch.tensor(logits, dtype=torch.float32), rows, torch.Generator().manual_seed(11))
     emitted = []
     for i in range(n):
-        pair = tokens[2 * i: 2 * i + 2]
+        pair = tokens[2 * i : 2 * i + 2]
         emitted.append(pair[: num_accepted(pair, (draft,)) + 1])
     return emitted
 
@@ -272,16 +287,25 @@ def test_the_workers_spec_decode_counters_are_exposed_with_vllms_names():
         counters: dict = {}
 
         def workers(self):
-            return [WorkerInfo("decode-0", "decode", spec_decode=SpecDecodeStats(5, 20, 9, (4, 3, 2, 0))),
-                    WorkerInfo("prefill-0", "prefill")]
+            return [
+                WorkerInfo("decode-0", "decode", spec_decode=SpecDecodeStats(5, 20, 9, (4, 3, 2, 0))),
+                WorkerInfo("prefill-0", "prefill"),
+            ]
 
     text = RouterMetrics("m", Backend()).render().decode()
-    samples = {(s.name, s.labels["worker"], s.labels.get("position")): s.value
-               for f in text_string_to_metric_families(text) if f.name.startswith("baton:spec_decode")
-               for s in f.samples}
+    samples = {
+        (s.name, s.labels["worker"], s.labels.get("position")): s.value
+        for f in text_string_to_metric_families(text)
+        if f.name.startswith("baton:spec_decode")
+        for s in f.samples
+    }
     assert samples[("baton:spec_decode_num_drafts_total", "decode-0", None)] == 5
     assert samples[("baton:spec_decode_num_draft_tokens_total", "decode-0", None)] == 20
     assert samples[("baton:spec_decode_num_accepted_tokens_total", "decode-0", None)] == 9
-    assert [samples[("baton:spec_decode_num_accepted_tokens_per_pos_total", "decode-0", str(j))] for j in range(4)] \
-        == [4, 3, 2, 0]
+    assert [samples[("baton:spec_decode_num_accepted_tokens_per_pos_total", "decode-0", str(j))] for j in range(4)] == [
+        4,
+        3,
+        2,
+        0,
+    ]
     assert samples[("baton:spec_decode_num_drafts_total", "prefill-0", None)] == 0

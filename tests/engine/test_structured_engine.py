@@ -11,10 +11,10 @@ import jsonschema
 import pytest
 import torch
 
+from cluster.structured_load import PROMPTS, SCHEMAS
 from common.protocol import ResumeState
 from common.sampling_params import SamplingParams, StructuredOutput
 from router.tokenizer import Tokenizer
-from cluster.structured_load import PROMPTS, SCHEMAS
 from tests.engine.helpers import handoff, worker_pair
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -44,8 +44,10 @@ def chat(tok: Tokenizer, text: str) -> list[int]:
 
 def test_batched_schemas_greedy_and_sampled_all_validate(engine, tok):
     names = list(SCHEMAS) * 2
-    params = [SamplingParams(max_tokens=96, temperature=0.0 if i < 5 else 0.9, seed=i, structured_output=schema_spec(n))
-              for i, n in enumerate(names)]
+    params = [
+        SamplingParams(max_tokens=96, temperature=0.0 if i < 5 else 0.9, seed=i, structured_output=schema_spec(n))
+        for i, n in enumerate(names)
+    ]
     # A free-running row in the same batch is left as it would be alone.
     free = SamplingParams(max_tokens=12, temperature=0.0)
     done = engine.generate([chat(tok, PROMPTS[n]) for n in names] + [chat(tok, "Say hi")], params + [free])
@@ -57,9 +59,12 @@ def test_batched_schemas_greedy_and_sampled_all_validate(engine, tok):
 
 
 def test_regex_choice_grammar_and_json_mode(engine, tok):
-    specs = [StructuredOutput("regex", r"[A-Z][a-z]{2,6} [0-9]{1,3}"), StructuredOutput("choice", '["yes","no","maybe"]'),
-             StructuredOutput("grammar", 'root ::= "(" num ("," num)* ")"\nnum ::= [0-9]+'),
-             StructuredOutput("json_object")]
+    specs = [
+        StructuredOutput("regex", r"[A-Z][a-z]{2,6} [0-9]{1,3}"),
+        StructuredOutput("choice", '["yes","no","maybe"]'),
+        StructuredOutput("grammar", 'root ::= "(" num ("," num)* ")"\nnum ::= [0-9]+'),
+        StructuredOutput("json_object"),
+    ]
     prompt = chat(tok, "Answer briefly: is the sky blue?")
     for seed in range(3):
         params = [SamplingParams(max_tokens=48, temperature=1.0, seed=seed, structured_output=s) for s in specs]
@@ -75,9 +80,11 @@ def test_the_bitmask_leaves_unconstrained_rows_untouched_and_masks_the_others(en
     vocab = engine.model_config.vocab_size
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     grammar = engine.grammars.state(StructuredOutput("choice", '["yes","no"]'))
-    rows = [SamplingRow(SamplingParams(temperature=0.0), [], [1], None),
-            SamplingRow(SamplingParams(temperature=0.0), [], [1], None, grammar=grammar),
-            SamplingRow(SamplingParams(temperature=0.0), [], [1], None)]
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), [], [1], None),
+        SamplingRow(SamplingParams(temperature=0.0), [], [1], None, grammar=grammar),
+        SamplingRow(SamplingParams(temperature=0.0), [], [1], None),
+    ]
     tokens, _ = sample(logits.clone(), rows)
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
     bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
@@ -92,8 +99,12 @@ def test_a_resumed_request_replays_its_tokens_into_the_grammar(engine, tok):
     cut = len(whole.token_ids) // 2
     head = whole.token_ids[:cut]
     text = tok.decode(head)
-    engine.resume_request(prompt, SamplingParams(max_tokens=96, temperature=0.0, structured_output=spec), "resumed",
-                          ResumeState(tuple(head), len(text)))
+    engine.resume_request(
+        prompt,
+        SamplingParams(max_tokens=96, temperature=0.0, structured_output=spec),
+        "resumed",
+        ResumeState(tuple(head), len(text)),
+    )
     rest = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -102,14 +113,18 @@ def test_a_resumed_request_replays_its_tokens_into_the_grammar(engine, tok):
     jsonschema.validate(json.loads(tok.decode(head + rest)), SCHEMAS["order"])
     bad = tok.encode("hello", add_special_tokens=False)  # not how any JSON object starts
     with pytest.raises(ValueError, match="not allowed by its structured output"):
-        engine.resume_request(prompt, SamplingParams(max_tokens=96, structured_output=spec), "bad",
-                              ResumeState(tuple(bad), len("hello")))
+        engine.resume_request(
+            prompt, SamplingParams(max_tokens=96, structured_output=spec), "bad", ResumeState(tuple(bad), len("hello"))
+        )
     assert "bad" not in engine.request_ids()
 
 
 def test_bad_specs_are_refused_and_compiles_are_cached(engine, tok):
-    for spec in (StructuredOutput("regex", "a(b"), StructuredOutput("grammar", "root ::= missing"),
-                 StructuredOutput("json_schema", '{"type": "frob"}')):
+    for spec in (
+        StructuredOutput("regex", "a(b"),
+        StructuredOutput("grammar", "root ::= missing"),
+        StructuredOutput("json_schema", '{"type": "frob"}'),
+    ):
         with pytest.raises(ValueError, match="does not compile"):
             engine.add_request([1, 2, 3], SamplingParams(structured_output=spec))
     assert not engine.has_unfinished_requests()
@@ -144,8 +159,9 @@ def test_the_tokenizer_info_is_cached_and_equals_a_fresh_one(default_model_dir, 
     monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
     config = json.loads((default_model_dir / "config.json").read_text())
     vocab_size, stops = config["vocab_size"], [config["eos_token_id"]]
-    fresh = xgr.TokenizerInfo.from_huggingface(transformers.AutoTokenizer.from_pretrained(str(default_model_dir)),
-                                               vocab_size=vocab_size, stop_token_ids=stops)
+    fresh = xgr.TokenizerInfo.from_huggingface(
+        transformers.AutoTokenizer.from_pretrained(str(default_model_dir)), vocab_size=vocab_size, stop_token_ids=stops
+    )
     first = tokenizer_info(default_model_dir, vocab_size, stops)
     assert len(list((tmp_path / "xgrammar").glob("tokenizer-info-*.json"))) == 1
 
@@ -155,8 +171,13 @@ def test_the_tokenizer_info_is_cached_and_equals_a_fresh_one(default_model_dir, 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
     cached = tokenizer_info(default_model_dir, vocab_size, stops)
     for info in (first, cached):
-        assert (info.vocab_size, info.vocab_type, info.add_prefix_space, info.stop_token_ids, info.special_token_ids) == (
-            fresh.vocab_size, fresh.vocab_type, fresh.add_prefix_space, fresh.stop_token_ids, fresh.special_token_ids)
+        assert (
+            info.vocab_size,
+            info.vocab_type,
+            info.add_prefix_space,
+            info.stop_token_ids,
+            info.special_token_ids,
+        ) == (fresh.vocab_size, fresh.vocab_type, fresh.add_prefix_space, fresh.stop_token_ids, fresh.special_token_ids)
         assert info.decoded_vocab == fresh.decoded_vocab
     # The same grammar compiled from either allows the same tokens at its start.
     masks = []
@@ -173,6 +194,7 @@ def test_the_tokenizer_info_is_cached_and_equals_a_fresh_one(default_model_dir, 
 
 def test_min_tokens_does_not_hold_a_complete_grammar_open(engine, tok):
     spec = StructuredOutput("choice", '["yes","no"]')
-    [done] = engine.generate([chat(tok, "Yes or no?")], SamplingParams(max_tokens=40, min_tokens=30, temperature=0.0,
-                                                                        structured_output=spec))
+    [done] = engine.generate(
+        [chat(tok, "Yes or no?")], SamplingParams(max_tokens=40, min_tokens=30, temperature=0.0, structured_output=spec)
+    )
     assert done.text in ("yes", "no") and done.finish_reason == "stop"

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.engine.helpers import LOGIT_TOL, hf_greedy, run_with_logits, save_tiny_model
 from common.sampling_params import SamplingParams
+from tests.engine.helpers import LOGIT_TOL, hf_greedy, run_with_logits, save_tiny_model
 from workers.config import EngineConfig
 from workers.model_config import ModelConfig
 from workers.tensor_parallel import ShardedCheckpoint, ShardPlan, TPGroup, build_engine
@@ -28,14 +28,23 @@ CONFIG = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64)
 
 
 def model_config(heads: int, kv_heads: int, intermediate: int, head_dim: int = 8, **extra) -> ModelConfig:
-    return ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": heads * head_dim,
-        "intermediate_size": intermediate, "num_hidden_layers": 1, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": head_dim, **extra,
-    })
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 32,
+            "hidden_size": heads * head_dim,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": 1,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            **extra,
+        }
+    )
 
 
 # ---- ShardPlan and ShardedCheckpoint (fast) ---------------------------------------------------
+
 
 def test_plan_of_smollm_shape_at_tp3():
     cfg = model_config(9, 3, 1536, head_dim=64)  # SmolLM2-135M's attention and MLP shape
@@ -61,21 +70,29 @@ def test_plan_replicates_kv_heads_when_tp_exceeds_them():
     assert ShardPlan.of(cfg, 1, 0).model_config == cfg
 
 
-@pytest.mark.parametrize("heads, kv, inter, tp, message", [
-    (9, 3, 1536, 2, "tensor_parallel_size 2 does not divide the model's 9 query heads"),
-    (8, 4, 150, 4, "tensor_parallel_size 4 does not divide the model's intermediate_size 150"),
-    (12, 4, 120, 3, "tensor_parallel_size 3 does not divide the model's 4 KV heads"),
-    (6, 2, 120, 3, "tensor_parallel_size 3 exceeds the model's 2 KV heads and is not a multiple"),
-    (8, 4, 160, 0, "need tensor_parallel_size >= 1"),
-])
+@pytest.mark.parametrize(
+    "heads, kv, inter, tp, message",
+    [
+        (9, 3, 1536, 2, "tensor_parallel_size 2 does not divide the model's 9 query heads"),
+        (8, 4, 150, 4, "tensor_parallel_size 4 does not divide the model's intermediate_size 150"),
+        (12, 4, 120, 3, "tensor_parallel_size 3 does not divide the model's 4 KV heads"),
+        (6, 2, 120, 3, "tensor_parallel_size 3 exceeds the model's 2 KV heads and is not a multiple"),
+        (8, 4, 160, 0, "need tensor_parallel_size >= 1"),
+    ],
+)
 def test_plan_refuses_uneven_splits(heads, kv, inter, tp, message):
     with pytest.raises(ValueError, match=message):
         ShardPlan.of(model_config(heads, kv, inter), tp, 0)
 
 
 def moe_config(experts: int = 8, moe_inter: int = 48) -> ModelConfig:
-    return dataclasses.replace(model_config(8, 4, 160), architecture="MixtralForCausalLM", num_experts=experts,
-                               num_experts_per_tok=2, moe_intermediate_size=moe_inter)
+    return dataclasses.replace(
+        model_config(8, 4, 160),
+        architecture="MixtralForCausalLM",
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=moe_inter,
+    )
 
 
 def test_plan_splits_experts_whole_or_by_their_channels():
@@ -90,7 +107,9 @@ def test_plan_splits_experts_whole_or_by_their_channels():
     assert [p.model_config.local_experts for p in whole] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert all(p.model_config.num_experts == 8 and p.model_config.moe_intermediate_size == 48 for p in whole)
     assert ShardPlan.of(cfg, 1, 0, expert_parallel=True).model_config.local_experts is None
-    with pytest.raises(ValueError, match="--enable-expert-parallel: tensor_parallel_size 3 does not divide the model's 8 experts"):
+    with pytest.raises(
+        ValueError, match="--enable-expert-parallel: tensor_parallel_size 3 does not divide the model's 8 experts"
+    ):
         ShardPlan.of(dataclasses.replace(cfg, num_heads=6, num_kv_heads=3), 3, 0, True)
     with pytest.raises(ValueError, match="does not divide the experts' intermediate size 50"):
         ShardPlan.of(moe_config(8, 50), 4, 0)
@@ -132,8 +151,10 @@ def test_checkpoint_slices_columns_rows_and_biases():
     assert torch.equal(shard(pre + "mlp.up_proj.weight", full[:6]), full[3:6])
     # Row-parallel biases live on rank 0 only, so the all-reduce adds them once.
     assert torch.equal(shard(pre + "mlp.down_proj.bias", torch.ones(8)), torch.zeros(8))
-    assert torch.equal(ShardedCheckpoint([], cfg, ShardPlan.of(cfg, 2, 0)).shard(pre + "mlp.down_proj.bias", torch.ones(8)),
-                       torch.ones(8))
+    assert torch.equal(
+        ShardedCheckpoint([], cfg, ShardPlan.of(cfg, 2, 0)).shard(pre + "mlp.down_proj.bias", torch.ones(8)),
+        torch.ones(8),
+    )
     # Phi-3's fused [q; k; v] (8 + 4 + 4 rows): the rank's q rows 4:8, k rows 10:12, v rows 14:16.
     fused = torch.arange(16.0)[:, None].expand(16, 3)
     assert shard(pre + "self_attn.qkv_proj.weight", fused)[:, 0].tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
@@ -141,8 +162,11 @@ def test_checkpoint_slices_columns_rows_and_biases():
     # Per-channel FP8 scales follow their rows; per-head-dim norms, embeddings and per-tensor scales stay whole.
     assert shard(pre + "self_attn.v_proj.weight_scale", torch.arange(4.0)[:, None]).flatten().tolist() == [2, 3]
     assert torch.equal(shard(pre + "self_attn.o_proj.weight_scale", torch.arange(8.0)), torch.arange(8.0))
-    for name, tensor in ((pre + "self_attn.q_norm.weight", torch.arange(2.0)), ("model.embed_tokens.weight", full),
-                         (pre + "self_attn.q_proj.weight_scale", torch.tensor(0.5))):
+    for name, tensor in (
+        (pre + "self_attn.q_norm.weight", torch.arange(2.0)),
+        ("model.embed_tokens.weight", full),
+        (pre + "self_attn.q_proj.weight_scale", torch.tensor(0.5)),
+    ):
         assert torch.equal(shard(name, tensor), tensor)
 
 
@@ -154,7 +178,8 @@ def test_group_of_one_needs_no_collectives():
         TPGroup(2, 2)
 
 
-# ---- a sharded engine: rank 0 schedules and broadcasts each step (slow) --------------------------------------------------------
+# ---- a sharded engine: rank 0 schedules and broadcasts each step (slow) ----------------------
+
 
 @dataclass
 class Oracle:
@@ -188,8 +213,12 @@ def assert_exact(result, expected: Oracle, what: str) -> None:
 # 8 query heads, 4 KV heads (2 in "llama-2kv", replicated at TP 4); Llama with o_proj and MLP
 # biases (row-parallel biases added once), Qwen2's q/k/v biases, Qwen3's q/k norms, Phi-3's fused weights.
 TINY = {
-    "llama-bias": ("llama", dict(num_attention_heads=8, num_key_value_heads=4, attention_bias=True, mlp_bias=True,
-                                 tie_word_embeddings=False)),
+    "llama-bias": (
+        "llama",
+        dict(
+            num_attention_heads=8, num_key_value_heads=4, attention_bias=True, mlp_bias=True, tie_word_embeddings=False
+        ),
+    ),
     "qwen2": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, tie_word_embeddings=False)),
     "phi3": ("phi3", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
@@ -212,16 +241,28 @@ def tiny_models():
 # 8 experts, top-2; Qwen3-MoE with a dense MLP in layer 1 (mlp_only_layers), split as a dense model's.
 TINY_MOE = {
     "mixtral": ("mixtral", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
-    "qwen3_moe": ("qwen3_moe", dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, norm_topk_prob=True,
-                                    tie_word_embeddings=False, mlp_only_layers=[1])),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=16,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            mlp_only_layers=[1],
+        ),
+    ),
 }
 
 
 # One group of processes per case: the dense models where the case's size applies, and both MoE
 # models with the experts split by channel or whole (expert parallel).
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, expert_parallel", [(2, False), (2, True), (4, True)],
-                         ids=["tp2-expert-channels", "tp2-expert-parallel", "tp4-expert-parallel"])
+@pytest.mark.parametrize(
+    "tp, expert_parallel",
+    [(2, False), (2, True), (4, True)],
+    ids=["tp2-expert-channels", "tp2-expert-parallel", "tp4-expert-parallel"],
+)
 def test_tiny_models_match_tp1_and_transformers(tiny_models, tp, expert_parallel):
     prompts, models = tiny_models
     names = [*(AT_TP[tp] if not (tp == 2 and expert_parallel) else []), *TINY_MOE]
@@ -239,8 +280,9 @@ def test_tiny_models_match_tp1_and_transformers(tiny_models, tp, expert_parallel
 @pytest.mark.slow
 def test_a_request_moves_from_tp1_onto_a_tp3_group_and_ends_as_at_tp1():
     # SmolLM2's split in small: 6 query heads, 3 KV heads, one KV head a rank at TP 3.
-    folder, hf = save_tiny_model("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3,
-                                 intermediate_size=144)
+    folder, hf = save_tiny_model(
+        "llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=144
+    )
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 23)]
     expected = oracle(folder, hf, prompts)

@@ -32,12 +32,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from tests.engine.helpers import interpreter_ready, run_with_logits, save_tiny_model
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_config import ModelConfig
 from workers.model_runner import iter_safetensors
-from common.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
 
@@ -47,8 +47,9 @@ MODELS = {
     # hidden 64, 4 query heads, 2 KV heads: head_dim 16, GQA 2
     "hd16-gqa2": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
     # hidden 128, 2 query heads, 1 KV head: head_dim 64, GQA 2 (the common serving head size)
-    "hd64-gqa2": dict(hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1,
-                      tie_word_embeddings=True),
+    "hd64-gqa2": dict(
+        hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True
+    ),
 }
 
 TRITON_FNS = {
@@ -72,10 +73,16 @@ def child_outcomes(tmp_path_factory):
     env = {**os.environ, "TRITON_INTERPRET": "1", CHILD_ENV: "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", f"--junitxml={report}", __file__],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     if not report.exists():
-        pytest.fail(f"child pytest wrote no report (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"child pytest wrote no report (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     outcomes = {}
     for case in ET.parse(report).iter("testcase"):
         bad = [e for e in case if e.tag in ("failure", "error", "skipped")]
@@ -165,8 +172,9 @@ def test_batch_prefill_and_decode_match_reference(model, in_interpreter, request
     runs = {}
     for mode in ("reference", "triton"):
         spy = Spy(monkeypatch)
-        engine = build_engine(tiny_models[model], kernel_backend=mode, block_size=8, num_kv_blocks=32,
-                              max_num_batched_tokens=64)
+        engine = build_engine(
+            tiny_models[model], kernel_backend=mode, block_size=8, num_kv_blocks=32, max_num_batched_tokens=64
+        )
         with torch.inference_mode():
             runs[mode] = run_with_logits(engine, prompts, params)
         if mode == "triton":
@@ -194,8 +202,9 @@ def test_chunked_prefill_prefix_cache_and_mixed_batch(in_interpreter, request, m
     runs = {}
     for mode in ("reference", "triton"):
         spy = Spy(monkeypatch)
-        engine = build_engine(tiny_models["hd16-gqa2"], kernel_backend=mode, block_size=8, num_kv_blocks=32,
-                              max_num_batched_tokens=16)
+        engine = build_engine(
+            tiny_models["hd16-gqa2"], kernel_backend=mode, block_size=8, num_kv_blocks=32, max_num_batched_tokens=16
+        )
         with torch.inference_mode():
             first = run_with_logits(engine, [a], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
             second = run_with_logits(engine, [d, b], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

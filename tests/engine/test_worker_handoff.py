@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
+from common.protocol import PrefillRequest
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import handoff, worker_pair
-from common.protocol import PrefillRequest
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
 
 pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(kv_cache_memory=48 << 20)
@@ -47,8 +47,9 @@ def test_transferred_blocks_equal_the_prefill_workers_blocks(pair, chat_prompts)
     prompt = chat_prompts[5]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     reservation = decode.reserve("bytes", prompt, params)
-    result = prefill.prefill(PrefillRequest("bytes", prompt, params, decode.endpoint(), reservation.block_ids,
-                                            reservation.num_cached_tokens))
+    result = prefill.prefill(
+        PrefillRequest("bytes", prompt, params, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens)
+    )
     # max_tokens=1: the request ends with its first token, nothing is sent, the reservation is freed.
     assert result.output.finished and result.num_blocks_sent == 0
     decode.abort("bytes")
@@ -64,8 +65,11 @@ def test_transferred_blocks_equal_the_prefill_workers_blocks(pair, chat_prompts)
 
     prefill.engine.begin_send = capture_begin_send
     try:
-        result = prefill.prefill(PrefillRequest("bytes2", prompt, params, decode.endpoint(), reservation.block_ids,
-                                                reservation.num_cached_tokens))
+        result = prefill.prefill(
+            PrefillRequest(
+                "bytes2", prompt, params, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens
+            )
+        )
     finally:
         prefill.engine.begin_send = real_begin_send
     # The blocks go back to the prefix cache after the send, their contents untouched.

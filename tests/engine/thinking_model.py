@@ -20,9 +20,11 @@ import torch
 
 from tests.engine.helpers import save_tiny_model
 
-THINK_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                  "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}"
-                  "{% endif %}")
+THINK_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}"
+    "{% endif %}"
+)
 QUESTION = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
 
 
@@ -45,18 +47,29 @@ def prompt_ids(tok, messages=QUESTION) -> list[int]:
 def hf_greedy_ids(model, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy tokens, EOS not stopping them (the engine runs with ignore_eos too)."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def save_thinking_model(think_end_at: int | None, new_tokens: int = 24) -> tuple[str, torch.nn.Module, object]:
     """(folder, the transformers model, its tokenizer); see the module docstring. Built once per
     process and arguments (the tests only read the folder and run the model)."""
     tok = thinking_tokenizer()
-    folder, model = save_tiny_model("qwen3", vocab_size=len(tok), tie_word_embeddings=False,
-                                    eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    folder, model = save_tiny_model(
+        "qwen3",
+        vocab_size=len(tok),
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     think_end = tok.convert_tokens_to_ids("</think>")
     if think_end_at is not None:
         replaced = hf_greedy_ids(model, prompt_ids(tok), think_end_at + 1)[think_end_at]
@@ -68,6 +81,6 @@ def save_thinking_model(think_end_at: int | None, new_tokens: int = 24) -> tuple
     if think_end_at is None:
         assert think_end not in greedy, "the random tiny model emits </think> by itself"
     else:
-        assert think_end in greedy[:think_end_at + 1], f"</think> is not among the first {think_end_at + 1} tokens"
+        assert think_end in greedy[: think_end_at + 1], f"</think> is not among the first {think_end_at + 1} tokens"
     assert (Path(folder) / "tokenizer.json").is_file()
     return folder, model, tok

@@ -82,15 +82,31 @@ def write_fp8_checkpoint(src_dir: str, dst_dir: str, fmt: str) -> dict[str, torc
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     if fmt == "fp8-block":
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                         "weight_block_size": [32, 48]}
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [32, 48],
+        }
     else:
         strategy = fmt.removeprefix("ct-")
         config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
             "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}}},
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": strategy,
+                        "symmetric": True,
+                        "dynamic": False,
+                    },
+                }
+            },
         }
     (dst / "config.json").write_text(json.dumps(config))
     return dequantized

@@ -9,10 +9,10 @@ import math
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.evaluation import CHUNK, chat_prompts, eval_windows
-from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

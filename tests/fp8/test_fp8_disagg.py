@@ -12,12 +12,12 @@ import time
 
 import pytest
 
+from common.protocol import PrefillRequest
+from common.sampling_params import SamplingParams
 from kvtransfer import KVLayoutMismatch
 from tests.engine.helpers import save_tiny_model
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from common.sampling_params import SamplingParams
-from common.protocol import PrefillRequest
 from workers.worker import EngineWorker, WorkerConfig
 
 PROMPT = list(range(5, 69))  # 64 tokens: 4 whole blocks of 16, so bytes / token has no rounding
@@ -81,10 +81,16 @@ def test_fp8_kv_handoff_is_exact_and_moves_a_quarter_of_float32(tiny_llama):
     assert sent == {"float32": 128 * 4, "bfloat16": 128 * 2, "fp8": 128 * 1}
 
 
-@pytest.mark.parametrize("decode_config, field", [
-    (EngineConfig(num_kv_blocks=32), "dtype local='float8_e4m3fn' peer='float32'"),
-    (EngineConfig(num_kv_blocks=32, kv_cache_dtype="fp8", kv_scales=((0.5, 0.5), (0.5, 0.5))), "kv_scales differ at layer 0"),
-])
+@pytest.mark.parametrize(
+    "decode_config, field",
+    [
+        (EngineConfig(num_kv_blocks=32), "dtype local='float8_e4m3fn' peer='float32'"),
+        (
+            EngineConfig(num_kv_blocks=32, kv_cache_dtype="fp8", kv_scales=((0.5, 0.5), (0.5, 0.5))),
+            "kv_scales differ at layer 0",
+        ),
+    ],
+)
 def test_workers_with_different_kv_dtype_or_scales_refuse_to_pair(tiny_llama, decode_config, field):
     P, D = _pair(tiny_llama, EngineConfig(num_kv_blocks=32, kv_cache_dtype="fp8"), decode_config)
     try:

@@ -52,8 +52,9 @@ def fp8_oracle(hf: torch.nn.Module) -> torch.nn.Module:
 def assert_matches(engine, oracle, prompts, what: str) -> None:
     """Greedy tokens equal the oracle's, logits within 2e-5: the same arithmetic in another order
     (measured about 1e-6; a 0.4% error in one expert scale moves these logits by 2e-4 to 4e-4)."""
-    completions, logits = run_with_logits(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                                        ignore_eos=True))
+    completions, logits = run_with_logits(
+        engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    )
     with torch.inference_mode():
         for prompt, done, rows in zip(prompts, completions, logits):
             result = compare_greedy(done.token_ids, hf_greedy(oracle, prompt, NEW_TOKENS), rows)
@@ -84,16 +85,22 @@ def test_fp8_experts_split_over_two_ranks_match_one(prompts):
     folder, _ = save_tiny_model("mixtral", tie_word_embeddings=False, num_attention_heads=8, num_key_value_heads=4)
     config = EngineConfig(num_kv_blocks=64, quantization="fp8")
     one = LLMEngine.from_model_dir(folder, config)
-    want = [c.token_ids for c in one.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                                      ignore_eos=True))]
+    want = [
+        c.token_ids
+        for c in one.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    ]
     for expert_parallel in (False, True):
-        [result] = run_group([GroupJob(folder, prompts, NEW_TOKENS)], 2,
-                             EngineConfig(num_kv_blocks=64, quantization="fp8", enable_expert_parallel=expert_parallel))
+        [result] = run_group(
+            [GroupJob(folder, prompts, NEW_TOKENS)],
+            2,
+            EngineConfig(num_kv_blocks=64, quantization="fp8", enable_expert_parallel=expert_parallel),
+        )
         assert result.token_ids == want, f"expert_parallel={expert_parallel}"
 
 
-@pytest.mark.parametrize("kind, fmt", [("qwen3_moe", "fp8-block"), ("qwen3_moe", "ct-channel"),
-                                       ("gemma3", "ct-channel")])
+@pytest.mark.parametrize(
+    "kind, fmt", [("qwen3_moe", "fp8-block"), ("qwen3_moe", "ct-channel"), ("gemma3", "ct-channel")]
+)
 def test_a_prequantized_checkpoint_loads_its_dequantized_weights(kind, fmt, prompts, tmp_path):
     """A Qwen3-MoE checkpoint with FP8 attention, dense MLP and per-expert weights (block scales as
     Qwen3-*-FP8 publishes, or compressed-tensors per channel; the router in float), and a Gemma 3
@@ -116,13 +123,20 @@ def test_a_prequantized_checkpoint_loads_its_dequantized_weights(kind, fmt, prom
     # The oracle: the same checkpoint in float, each quantized tensor replaced by its hand dequantization.
     from safetensors.torch import load_file
 
-    state = {n: t for f in sorted(quantized.glob("*.safetensors")) for n, t in load_file(str(f)).items()
-             if not n.endswith(("_scale", "_scale_inv"))}
+    state = {
+        n: t
+        for f in sorted(quantized.glob("*.safetensors"))
+        for n, t in load_file(str(f)).items()
+        if not n.endswith(("_scale", "_scale_inv"))
+    }
     state.update(dequantized)
     plain = tmp_path / "dequantized"
     plain.mkdir()
-    save_file({n: t.float().contiguous() for n, t in state.items()}, str(plain / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.float().contiguous() for n, t in state.items()},
+        str(plain / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config = json.loads((quantized / "config.json").read_text())
     config.pop("quantization_config")
     (plain / "config.json").write_text(json.dumps(config))

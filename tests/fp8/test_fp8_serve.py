@@ -12,9 +12,9 @@ import pytest
 
 from cluster.harness import free_port
 from cluster.testing import leave_ray, serving
+from common.sampling_params import SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -42,18 +42,28 @@ def test_serve_fp8_answers_like_the_fp8_engine_and_reports_float32_agreement():
     tokenizer = Tokenizer.from_model_dir(resolve_model_dir(quiet=True))
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    fp8 = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=32 << 20, quantization="fp8", kv_cache_dtype="fp8"))
+    fp8 = LLMEngine.from_model_dir(
+        None, EngineConfig(kv_cache_memory=32 << 20, quantization="fp8", kv_cache_dtype="fp8")
+    )
     [want] = fp8.generate([prompt], params)
     del fp8
     [ref] = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=32 << 20)).generate([prompt], params)
 
-    config = BatonConfig.from_options(port=free_port(), kv_cache_memory="32MiB", max_num_seqs=8, quantization="fp8",
-                         kv_cache_dtype="fp8", local_prefill_threshold=0, prefill_queue_threshold=10**6)
+    config = BatonConfig.from_options(
+        port=free_port(),
+        kv_cache_memory="32MiB",
+        max_num_seqs=8,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        local_prefill_threshold=0,
+        prefill_queue_threshold=10**6,
+    )
     leave_ray()  # a private Ray of this test's own, which the deployment shuts down after it
     with serving(config, actor_name_prefix="baton-fp8") as running:
         client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused")
-        reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, temperature=0,
-                                               max_tokens=24)
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=MESSAGES, temperature=0, max_tokens=24
+        )
         stats = running.stats()
     assert reply.choices[0].message.content == want.text
     # The request crossed the FP8 handoff: bytes per prompt token are the FP8 size
@@ -61,6 +71,8 @@ def test_serve_fp8_answers_like_the_fp8_engine_and_reports_float32_agreement():
     sent = sum(s.kv_bytes_sent for s in stats.values())
     assert sent > 0 and sent % (2 * 30 * 3 * 64 * 16) == 0
     agree = next((i for i, (a, b) in enumerate(zip(want.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
-    print(f"\nfp8 serve: {reply.choices[0].message.content!r}; float32: {ref.text!r}; "
-          f"identical first {agree} of {len(ref.token_ids)} tokens")
+    print(
+        f"\nfp8 serve: {reply.choices[0].message.content!r}; float32: {ref.text!r}; "
+        f"identical first {agree} of {len(ref.token_ids)} tokens"
+    )
     assert "Paris" in want.text

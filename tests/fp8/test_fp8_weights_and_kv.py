@@ -16,8 +16,7 @@ from tests.fp8.helpers import hf_logprobs, is_linear_weight, write_fp8_checkpoin
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_calibration import round_scale_up
-from workers.quantization import (Fp8Linear, fp8_to_float, parse_quantization_config, quantize_per_channel,
-                                  weight_memory)
+from workers.quantization import Fp8Linear, fp8_to_float, parse_quantization_config, quantize_per_channel, weight_memory
 
 TOKENS = [(7 * i + 3) % 500 + 5 for i in range(150)]
 

@@ -33,8 +33,14 @@ import torch
 
 from tests.gpu.test_e2e_triton_vs_reference import write_random_llama
 
-ARCH = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-            num_key_value_heads=8, vocab_size=32000)
+ARCH = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+)
 PROMPT_LEN, OUTPUT_LEN = 128, 128
 REQUESTS_AT_1, CONCURRENCY = 4, 64
 KV_CACHE_MEMORY = 8 << 30
@@ -62,25 +68,38 @@ def run_baton(folder: Path, device: str, concurrency: int, prompts: list[list[in
     from workers.model_config import ModelConfig
     from workers.model_runner import iter_safetensors
 
-    config = EngineConfig(device=device, dtype="bfloat16", kv_cache_memory=KV_CACHE_MEMORY, max_num_seqs=concurrency,
-                          max_num_batched_tokens=max(2048, PROMPT_LEN), **engine_kwargs)
+    config = EngineConfig(
+        device=device,
+        dtype="bfloat16",
+        kv_cache_memory=KV_CACHE_MEMORY,
+        max_num_seqs=concurrency,
+        max_num_batched_tokens=max(2048, PROMPT_LEN),
+        **engine_kwargs,
+    )
     (engine, start_s) = timed(lambda: LLMEngine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder)))
     params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
     # Warm-up on other prompts of the same shape: every Triton specialisation the timed run needs is
     # compiled first (prefix caching sees nothing of them).
     engine.generate(make_prompts(len(prompts), seed=99), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    # The timed lambdas take the engine as a default argument: `del engine` below unbinds the name.
     if concurrency == 1:
-        outs, secs = timed(lambda: [engine.generate([p], params)[0] for p in prompts])
+        outs, secs = timed(lambda eng=engine: [eng.generate([p], params)[0] for p in prompts])
     else:
-        outs, secs = timed(lambda: engine.generate(prompts, params))
+        outs, secs = timed(lambda eng=engine: eng.generate(prompts, params))
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == len(prompts) * OUTPUT_LEN, tokens
     profile = profile_decode_steps(engine, prompts, params) if concurrency > 1 else None
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"output_tokens": tokens, "seconds": secs, "tok_s": tokens / secs, "engine_start_s": start_s,
-            "token_ids": [o.token_ids for o in outs], "decode_step_profile": profile}
+    return {
+        "output_tokens": tokens,
+        "seconds": secs,
+        "tok_s": tokens / secs,
+        "engine_start_s": start_s,
+        "token_ids": [o.token_ids for o in outs],
+        "decode_step_profile": profile,
+    }
 
 
 def profile_decode_steps(engine, prompts: list[list[int]], params, steps: int = 5) -> dict:
@@ -113,8 +132,15 @@ def profile_decode_steps(engine, prompts: list[list[int]], params, steps: int = 
 def run_transformers(model, device: str, concurrency: int, prompts: list[list[int]]) -> dict:
     def generate(batch):
         ids = torch.tensor(batch, device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_LEN,
-                             min_new_tokens=OUTPUT_LEN, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=OUTPUT_LEN,
+            min_new_tokens=OUTPUT_LEN,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         return out[:, PROMPT_LEN:].tolist()
 
     with torch.inference_mode():
@@ -135,23 +161,41 @@ def main() -> int:
     args = ap.parse_args()
     if args.small:
         global REQUESTS_AT_1, CONCURRENCY, OUTPUT_LEN
-        ARCH.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=512)
+        ARCH.update(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        )
         REQUESTS_AT_1, CONCURRENCY, OUTPUT_LEN = 2, 4, 8
     torch.backends.cuda.matmul.allow_tf32 = True
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    report = {"device": device_name, "torch": torch.__version__, "model": ARCH,
-              "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "requests_at_1": REQUESTS_AT_1,
-              "concurrency": CONCURRENCY, "results": {}, "errors": []}
+    report = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "model": ARCH,
+        "prompt_len": PROMPT_LEN,
+        "output_len": OUTPUT_LEN,
+        "requests_at_1": REQUESTS_AT_1,
+        "concurrency": CONCURRENCY,
+        "results": {},
+        "errors": [],
+    }
     prompts = {1: make_prompts(REQUESTS_AT_1, seed=1), CONCURRENCY: make_prompts(CONCURRENCY, seed=2)}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         # Random weights drawn on the device (on a GPU: seconds for a billion parameters), in bfloat16.
-        _, report["write_model_s"] = timed(lambda: write_random_llama(folder, ARCH, torch.bfloat16, args.device,
-                                                                      embed_std=0.5))
-        cases = [("baton_bf16", {}), ("baton_bf16_fp8kv", {"kv_cache_dtype": "fp8"}),
-                 ("baton_fp8_fp8kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"})]
+        _, report["write_model_s"] = timed(
+            lambda: write_random_llama(folder, ARCH, torch.bfloat16, args.device, embed_std=0.5)
+        )
+        cases = [
+            ("baton_bf16", {}),
+            ("baton_bf16_fp8kv", {"kv_cache_dtype": "fp8"}),
+            ("baton_fp8_fp8kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
+        ]
         for name, kwargs in cases:
             for concurrency in (1, CONCURRENCY):
                 key = f"{name}@{concurrency}"
@@ -182,8 +226,10 @@ def main() -> int:
                 ours["vs_transformers"] = ours["tok_s"] / base["tok_s"]
         ours = results.get(f"baton_bf16@{concurrency}")
         if base and ours:
-            same = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                    for a, b in zip(ours["token_ids"], base["token_ids"])]
+            same = [
+                next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                for a, b in zip(ours["token_ids"], base["token_ids"])
+            ]
             report[f"vs_transformers_same_tokens_before_divergence@{concurrency}"] = same
     for r in results.values():
         r.pop("token_ids", None)

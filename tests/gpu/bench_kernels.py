@@ -17,11 +17,10 @@ import traceback
 
 import torch
 
-
-from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton  # noqa: E402
-from kernels.fp8_gemm import fp8_gemm_reference, fp8_gemm_triton  # noqa: E402
-from kernels.fp8_quant import scaled_fp8_quant_triton  # noqa: E402
-from kernels.prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton  # noqa: E402
+from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
+from kernels.fp8_gemm import fp8_gemm_reference, fp8_gemm_triton
+from kernels.fp8_quant import scaled_fp8_quant_triton
+from kernels.prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
 
 H200_PEAK_BW = 4.8e12
 H200_PEAK_BF16 = 989e12  # dense, datasheet
@@ -37,12 +36,12 @@ def bench_ms(fn) -> float:
 def measured_ceilings() -> dict:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, well past L2
     y = torch.empty_like(x)
-    ms = bench_ms(lambda: y.copy_(x))
+    ms = bench_ms(lambda src=x, dst=y: dst.copy_(src))  # bound here: `del x, y` below frees them
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm = bench_ms(lambda: a @ b)
     del x, y
-    return {"copy_bw_Bps": 2 * (1 << 30) / (ms * 1e-3), "bf16_matmul_8192_flops": 2 * 8192 ** 3 / (mm * 1e-3)}
+    return {"copy_bw_Bps": 2 * (1 << 30) / (ms * 1e-3), "bf16_matmul_8192_flops": 2 * 8192**3 / (mm * 1e-3)}
 
 
 def paged_setup(B, ctx, hk, D, bs, cache_dtype, seed=0):
@@ -67,9 +66,22 @@ def bench_decode(B, ctx, hq, hk, D, bs, cache_dtype, ceil_bw):
     ms = bench_ms(lambda: paged_decode_attention_triton(q, k, v, bt, cl, scale, ks, vs))
     moved = 2 * B * ctx * hk * D * k.element_size() + 2 * q.numel() * q.element_size() + bt.numel() * 4
     bw = moved / (ms * 1e-3)
-    return {"op": "paged_decode_attention", "B": B, "ctx": ctx, "Hq": hq, "Hk": hk, "D": D, "block_size": bs,
-            "kv_dtype": str(cache_dtype), "ms": ms, "bytes": moved, "bandwidth_Bps": bw,
-            "frac_of_4.8TBps": bw / H200_PEAK_BW, "frac_of_measured_copy": bw / ceil_bw, "max_abs_err": err}
+    return {
+        "op": "paged_decode_attention",
+        "B": B,
+        "ctx": ctx,
+        "Hq": hq,
+        "Hk": hk,
+        "D": D,
+        "block_size": bs,
+        "kv_dtype": str(cache_dtype),
+        "ms": ms,
+        "bytes": moved,
+        "bandwidth_Bps": bw,
+        "frac_of_4.8TBps": bw / H200_PEAK_BW,
+        "frac_of_measured_copy": bw / ceil_bw,
+        "max_abs_err": err,
+    }
 
 
 def bench_prefill(B, qlen, prefix, hq, hk, D, bs, cache_dtype, ceil_flops):
@@ -83,16 +95,29 @@ def bench_prefill(B, qlen, prefix, hq, hk, D, bs, cache_dtype, ceil_flops):
     out = paged_prefill_attention_triton(q, k, v, bt, qsl, cl, scale, ks, vs)
     # The reference is a per-sequence SDPA loop; check correctness on the first two sequences only.
     n_chk = min(B, 2)
-    ref = paged_prefill_attention_reference(q[: n_chk * qlen], k, v, bt[:n_chk], qsl[: n_chk + 1], cl[:n_chk],
-                                            scale, ks, vs)
+    ref = paged_prefill_attention_reference(
+        q[: n_chk * qlen], k, v, bt[:n_chk], qsl[: n_chk + 1], cl[:n_chk], scale, ks, vs
+    )
     err = (out[: n_chk * qlen].float() - ref.float()).abs().max().item()
     ms = bench_ms(lambda: paged_prefill_attention_triton(q, k, v, bt, qsl, cl, scale, ks, vs))
     # Causal: query at position p sees p + 1 keys; QK^T and PV are 2 * D FLOPs each per (query, key, head).
     visible = B * sum(p + 1 for p in range(prefix, ctx))
     flops = 4 * D * hq * visible
-    res = {"op": "paged_prefill_attention", "B": B, "q_len": qlen, "prefix": prefix, "Hq": hq, "Hk": hk, "D": D,
-           "block_size": bs, "kv_dtype": str(cache_dtype), "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
-           "frac_of_measured_bf16_matmul": flops / (ms * 1e-3) / ceil_flops, "max_abs_err": err}
+    res = {
+        "op": "paged_prefill_attention",
+        "B": B,
+        "q_len": qlen,
+        "prefix": prefix,
+        "Hq": hq,
+        "Hk": hk,
+        "D": D,
+        "block_size": bs,
+        "kv_dtype": str(cache_dtype),
+        "ms": ms,
+        "tflops": flops / (ms * 1e-3) / 1e12,
+        "frac_of_measured_bf16_matmul": flops / (ms * 1e-3) / ceil_flops,
+        "max_abs_err": err,
+    }
     if prefix == 0 and cache_dtype == torch.bfloat16:
         # Dense flash attention on the same problem, for scale (no paging, no GQA gather).
         qd = q.view(B, qlen, hq, D).transpose(1, 2)
@@ -114,9 +139,17 @@ def bench_fp8_gemm(M, N, K, per_token):
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     flops = 2 * M * N * K
     ms = bench_ms(lambda: fp8_gemm_triton(a, b, sa, sb, torch.bfloat16))
-    res = {"op": "fp8_gemm", "M": M, "N": N, "K": K, "scales": "per-token/per-channel" if per_token else "per-tensor",
-           "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "frac_of_fp8_datasheet": flops / (ms * 1e-3) / H200_PEAK_FP8,
-           "rel_err": rel}
+    res = {
+        "op": "fp8_gemm",
+        "M": M,
+        "N": N,
+        "K": K,
+        "scales": "per-token/per-channel" if per_token else "per-tensor",
+        "ms": ms,
+        "tflops": flops / (ms * 1e-3) / 1e12,
+        "frac_of_fp8_datasheet": flops / (ms * 1e-3) / H200_PEAK_FP8,
+        "rel_err": rel,
+    }
     try:
         sa_mm = sa if per_token else sa.reshape(())
         sb_mm = sb.reshape(1, N) if per_token else sb.reshape(())

@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-from common.net import free_port  # noqa: E402
-from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks  # noqa: E402
+from common.net import free_port
+from kernels.block_copy import pack_kv_blocks, unpack_kv_blocks
 
 # A transfer's payload: 64 blocks of a Llama-3-8B-like cache (32 layers, 8 kv heads, head_dim 128, block 16, bf16).
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 32, 64, 16, 8, 128
@@ -33,12 +32,12 @@ def nccl_worker(rank: int, port: int, ngpu: int, iters: int, result_q) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dev = torch.device("cuda", rank % ngpu)
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30),
-                                device_id=dev)
+        dist.init_process_group("nccl", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30), device_id=dev)
         # Both ranks build the same cache from one seed, so the receiver knows what must arrive.
         gen = torch.Generator(device=dev).manual_seed(0)
-        cache = torch.randn(LAYERS, 2, 4 * BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16,
-                            generator=gen)
+        cache = torch.randn(
+            LAYERS, 2, 4 * BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16, generator=gen
+        )
         ids = torch.arange(0, 4 * BLOCKS, 4, device=dev)
         expected = pack_kv_blocks(cache, ids)
         packed = expected.clone() if rank == 0 else torch.zeros_like(expected)
@@ -60,8 +59,16 @@ def nccl_worker(rank: int, port: int, ngpu: int, iters: int, result_q) -> None:
             unpack_kv_blocks(target, ids, packed)
             ok = ok and bool(torch.equal(target[:, :, ids], cache[:, :, ids]))
         dist.destroy_process_group()
-        result_q.put({"rank": rank, "bytes": nbytes, "seconds": dt, "iters": iters,
-                      "GBps": nbytes * iters / dt / 1e9, "data_ok": ok})
+        result_q.put(
+            {
+                "rank": rank,
+                "bytes": nbytes,
+                "seconds": dt,
+                "iters": iters,
+                "GBps": nbytes * iters / dt / 1e9,
+                "data_ok": ok,
+            }
+        )
     except Exception:
         result_q.put({"rank": rank, "error": traceback.format_exc()[-1500:]})
 
@@ -137,9 +144,18 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     ngpu = torch.cuda.device_count()
-    report = {"payload": {"layers": LAYERS, "blocks": BLOCKS, "block_size": BLOCK_SIZE, "kv_heads": KV_HEADS,
-                          "head_dim": HEAD_DIM, "dtype": "bfloat16"},
-              "gpus": ngpu, "nccl_version": ".".join(map(str, torch.cuda.nccl.version()))}
+    report = {
+        "payload": {
+            "layers": LAYERS,
+            "blocks": BLOCKS,
+            "block_size": BLOCK_SIZE,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "bfloat16",
+        },
+        "gpus": ngpu,
+        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
+    }
     report["nccl"] = run_nccl(ngpu, args.iters, timeout_s=40)
     print(json.dumps(report["nccl"], indent=2), flush=True)
     if "GBps" not in report["nccl"]:

@@ -35,9 +35,17 @@ def make_engine(folder, device: str, enforce_eager: bool = False, dtype: str = "
     from workers.model_runner import iter_safetensors
 
     scales = ((0.05, 0.05),) * NUM_LAYERS if kv_cache_dtype == "fp8" else None  # no calibration run needed
-    config = EngineConfig(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_scales=scales,
-                          block_size=16, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256,
-                          enforce_eager=enforce_eager)
+    config = EngineConfig(
+        device=device,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_scales=scales,
+        block_size=16,
+        num_kv_blocks=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enforce_eager=enforce_eager,
+    )
     return LLMEngine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
 
 
@@ -95,8 +103,9 @@ def check_one_step(folder, device: str, dtype: str, kv_cache_dtype: str, tol: fl
     def compare(chunks, sample_mask):
         assert len(chunks) == 5 and all(c.num_tokens == 1 for c in chunks)
         bs = runner.block_size
-        written = {c.seq.block_ids[c.seq.num_computed_tokens // bs] * bs + c.seq.num_computed_tokens % bs
-                   for c in chunks}
+        written = {
+            c.seq.block_ids[c.seq.num_computed_tokens // bs] * bs + c.seq.num_computed_tokens % bs for c in chunks
+        }
         before = runner.kv_cache.clone()
         runner.decode_graphs = None
         eager_logits = real_execute(chunks, sample_mask).clone()
@@ -107,9 +116,15 @@ def check_one_step(folder, device: str, dtype: str, kv_cache_dtype: str, tol: fl
         graph_logits = real_execute(chunks, sample_mask)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        results.update(eager=eager_logits.float().cpu(), graph=graph_logits.float().cpu(), replays=counts["replays"],
-                       changed=slots_changed(before, runner.kv_cache), eager_changed=slots_changed(before, eager_kv),
-                       kv_error=kv_difference(runner.kv_cache, eager_kv), written=written)
+        results.update(
+            eager=eager_logits.float().cpu(),
+            graph=graph_logits.float().cpu(),
+            replays=counts["replays"],
+            changed=slots_changed(before, runner.kv_cache),
+            eager_changed=slots_changed(before, eager_kv),
+            kv_error=kv_difference(runner.kv_cache, eager_kv),
+            written=written,
+        )
         del graphs.run  # back to the class's method
         return graph_logits
 
@@ -118,8 +133,10 @@ def check_one_step(folder, device: str, dtype: str, kv_cache_dtype: str, tol: fl
     assert results["replays"] == 1
     assert results["graph"].shape == results["eager"].shape == (5, 512)
     error = float((results["graph"] - results["eager"]).abs().max())
-    print(f"{dtype}/{kv_cache_dtype} kv: graph vs eager decode step, max logit error {error:.2e}, "
-          f"max KV error {results['kv_error']:.2e}")
+    print(
+        f"{dtype}/{kv_cache_dtype} kv: graph vs eager decode step, max logit error {error:.2e}, "
+        f"max KV error {results['kv_error']:.2e}"
+    )
     assert error <= tol, error
     assert results["kv_error"] <= kv_tol, results["kv_error"]
     # The padding rows wrote nothing: only the five sequences' new slots changed.
@@ -144,8 +161,9 @@ def _compiled(monkeypatch):
 
 
 # (model dtype, KV cache dtype, logits tolerance, KV tolerance: values, or e4m3 codes for FP8)
-@pytest.mark.parametrize("dtype, kv_cache_dtype, tol, kv_tol", [("float32", "auto", 1e-3, 1e-4),
-                                                                ("bfloat16", "fp8", 3e-2, 1)])
+@pytest.mark.parametrize(
+    "dtype, kv_cache_dtype, tol, kv_tol", [("float32", "auto", 1e-3, 1e-4), ("bfloat16", "fp8", 3e-2, 1)]
+)
 def test_graph_replayed_decode_step_matches_the_eager_step(folder, dtype, kv_cache_dtype, tol, kv_tol):
     check_one_step(folder, "cuda", dtype, kv_cache_dtype, tol, kv_tol)
 
@@ -180,8 +198,9 @@ def check_generation(folder, device: str) -> None:
         tokens: dict[str, list[int]] = {}
         # Different max_tokens per request: the decode batch shrinks 5, 4, 3, 2, 1.
         for i, p in enumerate(prompts()):
-            engine.add_request(p, SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True),
-                               request_id=f"r{i}")
+            engine.add_request(
+                p, SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True), request_id=f"r{i}"
+            )
         while engine.has_unfinished_requests():
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.token_ids)

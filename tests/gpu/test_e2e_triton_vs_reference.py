@@ -30,8 +30,9 @@ NEW_TOKENS = 16
 TF32_LOGIT_TOL = 1e-2
 
 
-def write_random_llama(folder, shape: dict | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                       embed_std: float = 0.05) -> None:
+def write_random_llama(
+    folder, shape: dict | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu", embed_std: float = 0.05
+) -> None:
     """A random LlamaForCausalLM checkpoint with Hugging Face tensor names: `shape` (ARCH and VOCAB
     by default) as config.json keys, the weights drawn on `device` and saved in `dtype`."""
     from safetensors.torch import save_file
@@ -45,36 +46,59 @@ def write_random_llama(folder, shape: dict | None = None, dtype: torch.dtype = t
     def rnd(*dims, std=0.02):
         return (torch.randn(*dims, device=device, generator=g) * std).to(dtype).cpu().contiguous()
 
-    tensors = {"model.embed_tokens.weight": rnd(shape["vocab_size"], h, std=embed_std),
-               "model.norm.weight": 1 + rnd(h, std=0.1), "lm_head.weight": rnd(shape["vocab_size"], h, std=0.05)}
+    tensors = {
+        "model.embed_tokens.weight": rnd(shape["vocab_size"], h, std=embed_std),
+        "model.norm.weight": 1 + rnd(h, std=0.1),
+        "lm_head.weight": rnd(shape["vocab_size"], h, std=0.05),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors |= {
-            p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
-            p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
-            p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+            p + "self_attn.q_proj.weight": rnd(q, h),
+            p + "self_attn.k_proj.weight": rnd(kv, h),
+            p + "self_attn.v_proj.weight": rnd(kv, h),
+            p + "self_attn.o_proj.weight": rnd(h, q),
+            p + "mlp.gate_proj.weight": rnd(inter, h),
+            p + "mlp.up_proj.weight": rnd(inter, h),
             p + "mlp.down_proj.weight": rnd(h, inter),
-            p + "input_layernorm.weight": 1 + rnd(h, std=0.1), p + "post_attention_layernorm.weight": 1 + rnd(h, std=0.1),
+            p + "input_layernorm.weight": 1 + rnd(h, std=0.1),
+            p + "post_attention_layernorm.weight": 1 + rnd(h, std=0.1),
         }
     save_file(tensors, str(folder / "model.safetensors"))
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                  rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
-                  bos_token_id=1, eos_token_id=2, torch_dtype=str(dtype).removeprefix("torch."), **shape)
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype=str(dtype).removeprefix("torch."),
+        **shape,
+    )
     (folder / "config.json").write_text(json.dumps(config))
 
 
 def run(folder, monkeypatch, device: str, batches):
+    from common.sampling_params import SamplingParams
     from tests.engine.helpers import run_with_logits
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
     from workers.model_config import ModelConfig
     from workers.model_runner import iter_safetensors
-    from common.sampling_params import SamplingParams
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     # auto: Triton on CUDA; the oracle runs the PyTorch references on the CPU.
-    config = EngineConfig(device=device, kernel_backend="auto" if device == "cuda" else "reference", dtype="float32",
-                          block_size=16, num_kv_blocks=128, max_num_batched_tokens=64)
+    config = EngineConfig(
+        device=device,
+        kernel_backend="auto" if device == "cuda" else "reference",
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=128,
+        max_num_batched_tokens=64,
+    )
     engine = LLMEngine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     done, logits = [], []
@@ -105,12 +129,19 @@ def test_engine_on_cuda_triton_matches_cpu_reference(tmp_path, monkeypatch):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
-    monkeypatch.setattr(decode_attention, "paged_decode_attention_triton",
-                        counting("decode", decode_attention.paged_decode_attention_triton))
-    monkeypatch.setattr(prefill_attention, "paged_prefill_attention_triton",
-                        counting("prefill", prefill_attention.paged_prefill_attention_triton))
+    monkeypatch.setattr(
+        decode_attention,
+        "paged_decode_attention_triton",
+        counting("decode", decode_attention.paged_decode_attention_triton),
+    )
+    monkeypatch.setattr(
+        prefill_attention,
+        "paged_prefill_attention_triton",
+        counting("prefill", prefill_attention.paged_prefill_attention_triton),
+    )
 
     ref_done, ref_logits = run(tmp_path, monkeypatch, "cpu", batches)
     assert calls == {"decode": 0, "prefill": 0}

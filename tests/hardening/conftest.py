@@ -75,8 +75,9 @@ def hardened_deployment():
     from cluster.config import BatonConfig
 
     port = free_port()
-    config = BatonConfig.from_options(port=port, kv_cache_memory="192MiB", max_num_seqs=32, api_key=API_KEY,
-                                      max_request_body=MAX_REQUEST_BODY)
+    config = BatonConfig.from_options(
+        port=port, kv_cache_memory="192MiB", max_num_seqs=32, api_key=API_KEY, max_request_body=MAX_REQUEST_BODY
+    )
     logs = LogCapture()
     baton_logger = logging.getLogger("baton")
     old_level = baton_logger.level
@@ -112,5 +113,6 @@ def good_answer() -> str:
 
 
 def ask_good(client: httpx.Client) -> httpx.Response:
-    return client.post("/v1/chat/completions", json={"messages": GOOD_MESSAGES, "max_tokens": GOOD_MAX_TOKENS,
-                                                     "temperature": 0})
+    return client.post(
+        "/v1/chat/completions", json={"messages": GOOD_MESSAGES, "max_tokens": GOOD_MAX_TOKENS, "temperature": 0}
+    )

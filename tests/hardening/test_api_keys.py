@@ -50,8 +50,13 @@ def test_every_v1_route_needs_the_key_and_works_with_it(hardened):
         if path in OPEN:
             assert call(hardened.base_url, method, path, {}).status_code == 200, path
             continue
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {API_KEY}x"},
-                        {"Authorization": API_KEY}, {"Authorization": f"Bearer {API_KEY[:-1]}"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": f"Bearer {API_KEY}x"},
+            {"Authorization": API_KEY},
+            {"Authorization": f"Bearer {API_KEY[:-1]}"},
+        ):
             r = call(hardened.base_url, method, path, headers)
             assert r.status_code == 401, (method, path, headers, r.status_code)
             error = r.json()["error"]
@@ -67,9 +72,14 @@ def test_every_v1_route_needs_the_key_and_works_with_it(hardened):
 def test_the_key_prompts_and_completions_never_reach_a_log(hardened):
     marker = "zebra-quokka-7741"
     with hardened.client() as client:
-        r = client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": f"Repeat after me: {marker}. Then say {API_KEY}."}],
-            "max_tokens": 24, "temperature": 0})
+        r = client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": f"Repeat after me: {marker}. Then say {API_KEY}."}],
+                "max_tokens": 24,
+                "temperature": 0,
+            },
+        )
         completion = r.json()["choices"][0]["message"]["content"]
         assert r.status_code == 200 and len(completion) >= 20
         client.post("/v1/completions", json={"prompt": f"{marker} {API_KEY}", "max_tokens": 300000})  # a 400

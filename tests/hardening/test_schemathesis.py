@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, settings
 
 from router.app import build_app
 from router.config import ServerConfig
-from router.tokenizer import Tokenizer
 from router.testing import FakeBackend
+from router.tokenizer import Tokenizer
 from tests.hardening.conftest import ask_good
 from tests.hardening.corpus import API_KEY
 from tests.hardening.schemathesis_run import CHECKS, MODES, cap_generation
@@ -30,7 +30,9 @@ MAX_EXAMPLES = 25  # per operation and mode
 
 def _served_schema() -> dict:
     tokenizer = Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
-    app = build_app(FakeBackend(tokenizer), tokenizer, "SmolLM2-135M-Instruct", 4096, server=ServerConfig(api_key=API_KEY))
+    app = build_app(
+        FakeBackend(tokenizer), tokenizer, "SmolLM2-135M-Instruct", 4096, server=ServerConfig(api_key=API_KEY)
+    )
     return app.openapi()
 
 
@@ -48,21 +50,33 @@ def test_the_deployment_serves_this_schema(hardened):
 @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_5xx_and_answers_conform_to_the_schema(case, hardened):
     cap_generation(case, 16)
-    case.call_and_validate(base_url=hardened.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, checks=CHECKS,
-                           timeout=120)
+    case.call_and_validate(
+        base_url=hardened.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, checks=CHECKS, timeout=120
+    )
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "Paris is", "max_tokens": 4, "stream": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True,
-                              "stream_options": {"include_usage": True}}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"prompt": "Paris is", "max_tokens": 4, "stream": True}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+    ],
+)
 def test_every_event_of_a_stream_conforms_to_the_schema(hardened, path, body):
     # The fuzzer reaches a 200 stream only now and then (most generated bodies are refused), so a
     # stream from each endpoint is checked here every run: each event, then `[DONE]`.
     case = schema[path]["POST"].Case(body={"model": "SmolLM2-135M-Instruct", **body})
-    response = case.call_and_validate(base_url=hardened.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
-                                      checks=CHECKS, timeout=120)
+    response = case.call_and_validate(
+        base_url=hardened.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, checks=CHECKS, timeout=120
+    )
     assert response.headers["content-type"][0].startswith("text/event-stream")
     assert response.text.rstrip().endswith("data: [DONE]")
 

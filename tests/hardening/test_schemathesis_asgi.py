@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, settings
 
 from router.app import build_app
 from router.config import ServerConfig
-from router.tokenizer import Tokenizer
 from router.testing import FakeBackend
+from router.tokenizer import Tokenizer
 from tests.hardening.schemathesis_run import CHECKS, MODES, cap_generation
 from tests.router.conftest import MODEL_NAME
 from workers.model_files import resolve_model_dir

@@ -24,16 +24,45 @@ pytestmark = pytest.mark.slow
 def test_short_soak_leaves_no_leak_and_no_unintended_error(hardened, good_answer, tmp_path):
     # The benchmark as its users run it (`python -m bench.soak`), in a process of its own.
     out = tmp_path / "soak.json"
-    subprocess.run([sys.executable, "-m", "bench.soak", "--base-url", hardened.base_url, "--api-key", API_KEY,
-                    "--duration", "20", "--warmup", "8", "--calibrate", "5", "--calibration-concurrency", "6",
-                    "--sample-every", "3", "--max-request-body", str(MAX_REQUEST_BODY), "--seed", "16",
-                    "--out", str(out)], check=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.soak",
+            "--base-url",
+            hardened.base_url,
+            "--api-key",
+            API_KEY,
+            "--duration",
+            "20",
+            "--warmup",
+            "8",
+            "--calibrate",
+            "5",
+            "--calibration-concurrency",
+            "6",
+            "--sample-every",
+            "3",
+            "--max-request-body",
+            str(MAX_REQUEST_BODY),
+            "--seed",
+            "16",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     result = json.loads(out.read_text())
     assert result["requests"].get("disconnect", 0) > 0 and result["requests"].get("oversized", 0) > 0
     assert result["completed"] > 0
-    assert result["checks"] == {"no_unintended_errors": True, "no_leaked_kv_blocks": True,
-                                "rss_growth_under_limit": True, "healthy_after": True}, (
-        result["unintended_examples"], result["rss"]["growth"], result["workers_after"])
+    assert result["checks"] == {
+        "no_unintended_errors": True,
+        "no_leaked_kv_blocks": True,
+        "rss_growth_under_limit": True,
+        "healthy_after": True,
+    }, (result["unintended_examples"], result["rss"]["growth"], result["workers_after"])
     # The soak's own reading of /v1/status, checked against the workers themselves.
     stats = hardened.wait_idle()
     assert all(s.num_free_blocks == s.num_blocks and s.num_running == 0 for s in stats.values()), stats

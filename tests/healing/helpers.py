@@ -26,10 +26,44 @@ import pytest
 from common.sampling_params import SamplingParams
 
 MARGIN = 0.01
-SUBJECTS = ["the moon", "a river", "coffee", "the ocean", "a library", "winter", "a violin", "the desert", "bread",
-            "a volcano", "the internet", "a garden", "trains", "honey", "the brain", "a castle", "rain", "chess",
-            "a lighthouse", "glass", "tigers", "the sun", "paper", "a bicycle", "snow", "copper", "a forest",
-            "the alphabet", "clocks", "a bridge", "salt", "the wind", "owls", "a mirror", "tea", "mountains"]
+SUBJECTS = [
+    "the moon",
+    "a river",
+    "coffee",
+    "the ocean",
+    "a library",
+    "winter",
+    "a violin",
+    "the desert",
+    "bread",
+    "a volcano",
+    "the internet",
+    "a garden",
+    "trains",
+    "honey",
+    "the brain",
+    "a castle",
+    "rain",
+    "chess",
+    "a lighthouse",
+    "glass",
+    "tigers",
+    "the sun",
+    "paper",
+    "a bicycle",
+    "snow",
+    "copper",
+    "a forest",
+    "the alphabet",
+    "clocks",
+    "a bridge",
+    "salt",
+    "the wind",
+    "owls",
+    "a mirror",
+    "tea",
+    "mountains",
+]
 TEMPLATES = ["Here is a fact about {}:", "The most interesting thing about {} is"]
 
 
@@ -47,10 +81,14 @@ def clear_prompts(engine, tokenizer, n: int, max_tokens: int, chunk: int = 24) -
     candidates = [tokenizer.encode(t.format(s), add_special_tokens=False) for s in SUBJECTS for t in TEMPLATES]
     found: list[Expected] = []
     for start in range(0, len(candidates), chunk):
-        done = engine.generate(candidates[start:start + chunk],
-                               SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2))
-        found += [Expected(c.prompt_token_ids, c.text, c.token_ids, c.finish_reason) for c in done
-                  if all(lp.top[0][1] - lp.top[1][1] >= MARGIN for lp in c.logprobs) and len(c.token_ids) == max_tokens]
+        done = engine.generate(
+            candidates[start : start + chunk], SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2)
+        )
+        found += [
+            Expected(c.prompt_token_ids, c.text, c.token_ids, c.finish_reason)
+            for c in done
+            if all(lp.top[0][1] - lp.top[1][1] >= MARGIN for lp in c.logprobs) and len(c.token_ids) == max_tokens
+        ]
         if len(found) >= n:
             return found[:n]
     raise AssertionError(f"only {len(found)} of {len(candidates)} prompts have clear greedy answers")
@@ -107,8 +145,13 @@ class Load:
     async def one(self, client: httpx.AsyncClient, key: int, prompt: list[int], max_tokens: int) -> StreamResult:
         result = self.results.setdefault(key, StreamResult())
         started = time.monotonic()
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         try:
             async with client.stream("POST", self.base_url + "/v1/completions", json=body) as response:
                 result.status = response.status_code

@@ -13,13 +13,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from cluster.cli import main as cli_main
-from router.admin import PoolsView, ScaleResult, install_admin
-from router.backend import WorkerInfo
-from router.config import ADMIN_TOKEN_HEADER, AdminConfig
-from router.app import build_app
-from router.config import ServerConfig
-from router.errors import install_error_handlers
 from cluster.harness import serve_app
+from router.admin import PoolsView, ScaleResult, install_admin
+from router.app import build_app
+from router.backend import WorkerInfo
+from router.config import ADMIN_TOKEN_HEADER, AdminConfig, ServerConfig
+from router.errors import install_error_handlers
 from router.testing import FakeBackend
 
 LOCAL = ("127.0.0.1", 40000)
@@ -35,8 +34,11 @@ class RecordingScaler:
         self.delay_s = delay_s
 
     def pools(self) -> PoolsView:
-        return PoolsView(self.sizes["prefill"], self.sizes["decode"],
-                         [WorkerInfo("prefill-0", "prefill", in_flight=0), WorkerInfo("decode-0", "decode", running=2, in_flight=2)])
+        return PoolsView(
+            self.sizes["prefill"],
+            self.sizes["decode"],
+            [WorkerInfo("prefill-0", "prefill", in_flight=0), WorkerInfo("decode-0", "decode", running=2, in_flight=2)],
+        )
 
     async def scale(self, prefill, decode) -> ScaleResult:
         self.calls.append((prefill, decode))
@@ -44,8 +46,10 @@ class RecordingScaler:
         if decode == 0:
             raise ValueError("the decode pool needs at least 1 worker, got 0")
         before = dict(self.sizes)
-        self.sizes = {"prefill": before["prefill"] if prefill is None else prefill,
-                      "decode": before["decode"] if decode is None else decode}
+        self.sizes = {
+            "prefill": before["prefill"] if prefill is None else prefill,
+            "decode": before["decode"] if decode is None else decode,
+        }
         return ScaleResult(before, dict(self.sizes), ["decode-1"], [], 0, 0.5)
 
 
@@ -68,7 +72,13 @@ def test_off_by_default_and_loopback_only_without_a_token():
     with TestClient(app_with(AdminConfig(enabled=True), scaler), client=LOCAL) as client:
         worker = client.get("/admin/pools").json()["workers"][1]
         assert {k: worker[k] for k in ("worker_id", "role", "alive", "draining", "in_flight", "running")} == {
-            "worker_id": "decode-0", "role": "decode", "alive": True, "draining": False, "in_flight": 2, "running": 2}
+            "worker_id": "decode-0",
+            "role": "decode",
+            "alive": True,
+            "draining": False,
+            "in_flight": 2,
+            "running": 2,
+        }
         r = client.post("/admin/scale", json={"decode": 2})
         assert r.status_code == 200 and r.json()["after"] == {"prefill": 1, "decode": 2}
     assert scaler.calls == [(None, 2)]

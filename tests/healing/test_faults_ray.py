@@ -37,9 +37,19 @@ def deployment():
     # Round-robin: each pool's requests split evenly, so a killed worker always had half of them.
     # local_prefill_threshold=0: every request crosses a prefill worker and the KV transfer.
     config = BatonConfig.from_options(
-        port=free_port(), prefill_workers=2, decode_workers=2, kv_cache_memory="64MiB", max_num_seqs=32,
-        local_prefill_threshold=0, prefill_queue_threshold=10**6, routing_policy="round-robin", request_timeout=DEADLINE_S,
-        admin_endpoint=True, drain_timeout=2.0, max_restarts=2)
+        port=free_port(),
+        prefill_workers=2,
+        decode_workers=2,
+        kv_cache_memory="64MiB",
+        max_num_seqs=32,
+        local_prefill_threshold=0,
+        prefill_queue_threshold=10**6,
+        routing_policy="round-robin",
+        request_timeout=DEADLINE_S,
+        admin_endpoint=True,
+        drain_timeout=2.0,
+        max_restarts=2,
+    )
     leave_ray()  # a private Ray of this module's own, which the deployment shuts down after it
     with serving(config, actor_name_prefix="heal") as running:
         yield running
@@ -96,9 +106,12 @@ def test_killing_a_decode_worker_mid_stream_loses_no_request(deployment, clear_p
     # decode-0's streams were mid-answer when it died: each one moved and still ended exactly.
     assert counts["exact"] == 32 and moved >= 1, (counts, moved)
     # Operators see the moves: the router's /metrics counts them.
-    exported = {sample.labels["event"]: sample.value
-                for family in text_string_to_metric_families(httpx.get(deployment.base_url + "/metrics").text)
-                if family.name == "baton:healing_events" for sample in family.samples}
+    exported = {
+        sample.labels["event"]: sample.value
+        for family in text_string_to_metric_families(httpx.get(deployment.base_url + "/metrics").text)
+        if family.name == "baton:healing_events"
+        for sample in family.samples
+    }
     assert exported["migrations"] == backend.counters["migrations"] >= moved, exported
 
     wait_until(lambda: pools_whole(deployment), 180, "Ray to restart decode-0 and the router to re-admit it")
@@ -156,6 +169,7 @@ def test_scaling_up_and_down_under_load_loses_no_request(deployment, clear_promp
 
     async def scale_while_serving(load):
         async with httpx.AsyncClient(timeout=600) as admin:
+
             async def scale(**sizes):
                 r = await admin.post(url + "/admin/scale", json=sizes)
                 assert r.status_code == 200, r.text
@@ -164,7 +178,9 @@ def test_scaling_up_and_down_under_load_loses_no_request(deployment, clear_promp
             await wait_async(lambda: len(load.results) >= 8 and max(load.chunks()) >= 1, 120, "the load to start")
             await scale(decode=3)  # a new decode worker, then
             # drain two decode workers and a prefill worker while they stream (drain timeout 2 s: they migrate)
-            await wait_async(lambda: backend.pools.in_flight("decode-0") + backend.pools.in_flight("decode-1") > 0, 60, "busy")
+            await wait_async(
+                lambda: backend.pools.in_flight("decode-0") + backend.pools.in_flight("decode-1") > 0, 60, "busy"
+            )
             await scale(decode=1, prefill=1)
             # at least as many requests as prompts, however fast this machine got through the steps
             await wait_async(lambda: len(load.results) >= len(expected), 120, "a request per prompt")
@@ -198,6 +214,7 @@ async def _steady_load(url, expected, during) -> _SteadyLoad:
     load = _SteadyLoad(url)
     keys = itertools.count()
     async with httpx.AsyncClient(timeout=DEADLINE_S + 30, limits=httpx.Limits(max_connections=16)) as client:
+
         async def worker(k: int):
             while not load.stop.is_set():
                 key = next(keys)

@@ -85,7 +85,7 @@ def test_stop_string_across_the_seam_and_nothing_to_resume(engine, tokenizer):
     # outputs 4-6, so a resume after output 5 has part of it held back, unsent.
     start = sum(map(len, texts[:4])) + len(texts[4]) - 2
     full = "".join(texts)
-    stop = full[start:start + 2 + len(texts[5]) + 2]
+    stop = full[start : start + 2 + len(texts[5]) + 2]
     assert len(stop) >= 4 and full.find(stop) == start
     params = SamplingParams(max_tokens=16, temperature=0, stop=[stop])
     engine.add_request(prompt, params, "stop-u")
@@ -99,10 +99,13 @@ def test_stop_string_across_the_seam_and_nothing_to_resume(engine, tokenizer):
         assert rest[f"stop-r{k}"][-1].finish_reason == "stop"
 
     with pytest.raises(ValueError, match="max_tokens"):
-        engine.resume_request(prompt, SamplingParams(max_tokens=2, temperature=0), "done",
-                              ResumeState((1, 2), 0))
+        engine.resume_request(prompt, SamplingParams(max_tokens=2, temperature=0), "done", ResumeState((1, 2), 0))
     with pytest.raises(ValueError, match="characters"):
-        engine.resume_request(prompt, SamplingParams(max_tokens=24, temperature=0), "bad-chars",
-                              ResumeState(tuple(plain[0].token_ids), len(plain[0].text) + 3))
+        engine.resume_request(
+            prompt,
+            SamplingParams(max_tokens=24, temperature=0),
+            "bad-chars",
+            ResumeState(tuple(plain[0].token_ids), len(plain[0].text) + 3),
+        )
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

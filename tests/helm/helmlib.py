@@ -52,7 +52,7 @@ def objects(rendered: dict[str, str]) -> list[dict[str, Any]]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rendered_variant(variant: Path | None) -> tuple[dict[str, Any], ...]:
     return tuple(objects(render(load_values(variant))))
 
@@ -76,12 +76,14 @@ def worker_group(raycluster: dict[str, Any], role: str) -> dict[str, Any]:
 def crd_schema(filename: str) -> dict[str, Any]:
     path = SHARED_SCHEMAS / filename
     if not path.is_file():
-        pytest.skip(f"{path} is absent: the CRD schemas live in ../shared/schemas/ beside the project "
-                    f"(not in a plain clone); the built-in objects are still checked")
+        pytest.skip(
+            f"{path} is absent: the CRD schemas live in ../shared/schemas/ beside the project "
+            f"(not in a plain clone); the built-in objects are still checked"
+        )
     return _crd_schema(filename)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _crd_schema(filename: str) -> dict[str, Any]:
     """The v1 openAPIV3Schema of a CRD in ../shared/schemas/, made strict: unknown fields are
     rejected wherever the CRD lists properties and does not preserve unknown fields (what
@@ -92,8 +94,11 @@ def _crd_schema(filename: str) -> dict[str, Any]:
 
     def strict(node: Any) -> None:
         if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 strict(value)

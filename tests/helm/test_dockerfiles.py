@@ -25,8 +25,9 @@ def hadolint() -> str:
 
 
 def lint(path: Path) -> list[dict]:
-    result = subprocess.run([hadolint(), "--no-color", "--format", "json", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [hadolint(), "--no-color", "--format", "json", str(path)], capture_output=True, text=True, timeout=60
+    )
     return json.loads(result.stdout or "[]")
 
 

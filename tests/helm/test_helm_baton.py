@@ -16,8 +16,18 @@ import yaml
 
 from cluster.cli import _parser
 from cluster.config import BatonConfig
-from tests.helm.helmlib import (CHART, VARIANT_IDS, VARIANTS, crd_errors, load_values, objects, only, render,
-                                variant_objects, worker_group)
+from tests.helm.helmlib import (
+    CHART,
+    VARIANT_IDS,
+    VARIANTS,
+    crd_errors,
+    load_values,
+    objects,
+    only,
+    render,
+    variant_objects,
+    worker_group,
+)
 
 CONFIG_FILE = "/etc/baton/config.yaml"
 
@@ -43,7 +53,7 @@ def baton_serve_argv(container: dict) -> list[str]:
     commands = [c.strip() for part in script.split("&&") for c in part.split(";")]
     (serve,) = [c for c in commands if "baton serve" in c]
     words = shlex.split(serve)
-    return words[words.index("baton") + 1:]
+    return words[words.index("baton") + 1 :]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
@@ -74,8 +84,14 @@ def test_the_baton_values_reach_baton_unchanged(variant, tmp_path):
     given.write_text(yaml.safe_dump(merged))
     expected = BatonConfig.load(given).to_dict()
     rendered = baton_config(variant_objects(variant), tmp_path).to_dict()
-    derived = {("server", "host"), ("server", "port"), ("placement", "address"), ("placement", "prefill_workers"),
-               ("placement", "decode_workers"), ("placement", "gpus_per_worker")}
+    derived = {
+        ("server", "host"),
+        ("server", "port"),
+        ("placement", "address"),
+        ("placement", "prefill_workers"),
+        ("placement", "decode_workers"),
+        ("placement", "gpus_per_worker"),
+    }
     for section, options in expected.items():
         if not isinstance(options, dict):
             assert rendered[section] == options, section
@@ -163,15 +179,18 @@ def test_head_starts_ray_without_blocking_then_execs_the_router(tmp_path):
         script = bin_dir / tool
         script.write_text(f'#!/bin/bash\nfor a in "$@"; do echo "$a"; done > {tmp_path}/{tool}.args\n')
         script.chmod(0o755)
-    generated = ("ray start --head  --block  --dashboard-agent-listen-port=52365  --dashboard-host=0.0.0.0 "
-                 " --metrics-export-port=8080  --num-cpus=0  --resources='{\"x\":1}' ")
+    generated = (
+        "ray start --head  --block  --dashboard-agent-listen-port=52365  --dashboard-host=0.0.0.0 "
+        " --metrics-export-port=8080  --num-cpus=0  --resources='{\"x\":1}' "
+    )
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "KUBERAY_GEN_RAY_START_CMD": generated}
-    result = subprocess.run(container["command"] + container["args"], env=env, capture_output=True, text=True,
-                            timeout=30)
+    result = subprocess.run(
+        container["command"] + container["args"], env=env, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stderr
     ray_args = (tmp_path / "ray.args").read_text().split("\n")[:-1]
     assert ray_args[:2] == ["start", "--head"] and "--block" not in ray_args
-    assert "--resources={\"x\":1}" in ray_args  # the inner shell unquoted KubeRay's quoting
+    assert '--resources={"x":1}' in ray_args  # the inner shell unquoted KubeRay's quoting
     baton_args = (tmp_path / "baton.args").read_text().split("\n")[:-1]
     assert baton_args == ["serve", "--address", "auto", "--config", CONFIG_FILE]
 
@@ -182,14 +201,23 @@ def test_model_sources_mount_the_model_in_every_ray_pod():
         groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
         return [g["template"] for g in groups]
 
-    pvc = {"modelSource": {"type": "pvc", "mountPath": "/models", "pvc": {"claimName": "llama", "subPath": "hf"}},
-           "baton": {"model": "/models/llama"}}
-    init = {"modelSource": {"type": "emptyDir", "mountPath": "/models",
-                            "initContainers": [{"name": "fetch", "image": "busybox:1.37", "command": ["true"]}]}}
+    pvc = {
+        "modelSource": {"type": "pvc", "mountPath": "/models", "pvc": {"claimName": "llama", "subPath": "hf"}},
+        "baton": {"model": "/models/llama"},
+    }
+    init = {
+        "modelSource": {
+            "type": "emptyDir",
+            "mountPath": "/models",
+            "initContainers": [{"name": "fetch", "image": "busybox:1.37", "command": ["true"]}],
+        }
+    }
     host = {"modelSource": {"type": "hostPath", "hostPath": {"path": "/mnt/models"}}}
-    for values, volume in ((pvc, {"persistentVolumeClaim": {"claimName": "llama", "readOnly": True}}),
-                           (init, {"emptyDir": {"sizeLimit": "64Gi"}}),
-                           (host, {"hostPath": {"path": "/mnt/models", "type": "Directory"}})):
+    for values, volume in (
+        (pvc, {"persistentVolumeClaim": {"claimName": "llama", "readOnly": True}}),
+        (init, {"emptyDir": {"sizeLimit": "64Gi"}}),
+        (host, {"hostPath": {"path": "/mnt/models", "type": "Directory"}}),
+    ):
         for pod in pods(values):
             spec = pod["spec"]
             assert {"name": "model", **volume} in spec["volumes"]
@@ -200,7 +228,11 @@ def test_model_sources_mount_the_model_in_every_ray_pod():
             else:
                 assert "initContainers" not in spec
     assert pods(pvc)[1]["spec"]["containers"][0]["volumeMounts"][-1] == {
-        "name": "model", "mountPath": "/models", "subPath": "hf", "readOnly": True}
+        "name": "model",
+        "mountPath": "/models",
+        "subPath": "hf",
+        "readOnly": True,
+    }
     for pod in pods({}):  # in the image: nothing to mount
         assert all(v["name"] != "model" for v in pod["spec"]["volumes"])
     with pytest.raises(helm_python.HelmError, match="modelSource.pvc.claimName is required"):
@@ -221,8 +253,10 @@ def test_accelerator_resource_name_is_configurable():
 
 def test_a_cluster_without_a_prefill_pool(tmp_path):
     """prefill.replicas 0: the decode workers prefill themselves (Baton's prefill_workers 0)."""
-    values = {"prefill": {"replicas": 0, "minReplicas": 0, "maxReplicas": 0, "gpus": 0},
-              "head": {"rayStartParams": None}}  # null drops the chart's default (num-cpus 0)
+    values = {
+        "prefill": {"replicas": 0, "minReplicas": 0, "maxReplicas": 0, "gpus": 0},
+        "head": {"rayStartParams": None},
+    }  # null drops the chart's default (num-cpus 0)
     objs = objects(render(values))
     assert baton_config(objs, tmp_path).placement.prefill_workers == 0
     cluster = only(objs, "RayCluster")

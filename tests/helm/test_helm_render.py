@@ -4,13 +4,25 @@ ci/*-values.yaml; its appVersion is Baton's package version."""
 from __future__ import annotations
 
 import json
-import tomllib
 
 import helm_python
 import pytest
+import tomllib
 
-from tests.helm.helmlib import (CHART, KUBE_VERSIONS, ROOT, VALUES_FILES, VARIANT_IDS, VARIANTS, load_values,
-                                objects, only, render, variant_objects, worker_group)
+from tests.helm.helmlib import (
+    CHART,
+    KUBE_VERSIONS,
+    ROOT,
+    VALUES_FILES,
+    VARIANT_IDS,
+    VARIANTS,
+    load_values,
+    objects,
+    only,
+    render,
+    variant_objects,
+    worker_group,
+)
 
 WARNING = 2  # helm lint severities: 1 info, 2 warning, 3 error
 
@@ -69,7 +81,10 @@ def test_autoscale_variant_turns_on_kuberays_autoscaler_with_per_pool_bounds():
     for role in ("prefill", "decode"):
         group = worker_group(cluster, role)
         assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (
-            values[role]["minReplicas"], values[role]["replicas"], values[role]["maxReplicas"])
+            values[role]["minReplicas"],
+            values[role]["replicas"],
+            values[role]["maxReplicas"],
+        )
         assert group["minReplicas"] < group["maxReplicas"]
     assert only(variant_objects(None), "RayCluster")["spec"]["enableInTreeAutoscaling"] is False
 
@@ -107,7 +122,12 @@ def test_service_reaches_the_routers_port_on_the_head():
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
-        "gcs-server": 6379, "dashboard": 8265, "client": 10001, "metrics": 8080, "http": 8000}
+        "gcs-server": 6379,
+        "dashboard": 8265,
+        "client": 10001,
+        "metrics": 8080,
+        "http": 8000,
+    }
 
 
 def test_grafana_dashboard_ships_as_a_labelled_configmap():
@@ -145,8 +165,15 @@ def test_pod_disruption_budgets_select_each_pool():
 
 
 def test_optional_routes():
-    rendered = render({"httpRoute": {"enabled": True, "parentRefs": [{"name": "gateway", "namespace": "infra"}],
-                                     "hostnames": ["llm.example.com"]}})
+    rendered = render(
+        {
+            "httpRoute": {
+                "enabled": True,
+                "parentRefs": [{"name": "gateway", "namespace": "infra"}],
+                "hostnames": ["llm.example.com"],
+            }
+        }
+    )
     route = only(objects(rendered), "HTTPRoute")
     (rule,) = route["spec"]["rules"]
     assert rule["backendRefs"] == [{"name": "baton", "port": 8000}]

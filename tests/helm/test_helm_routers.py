@@ -14,9 +14,14 @@ import yaml
 from tests.helm.helmlib import KUBE_VERSIONS, crd_errors, objects, only, render
 
 SEPARATE = {"router": {"separate": True, "replicas": 3, "apiServerCount": 2}}
-GCS_FT = {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis-master.redis:6379",
-                                "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "password"}}},
-                                "externalStorageNamespace": "baton-prod"}}
+GCS_FT = {
+    "gcsFaultTolerance": {
+        "enabled": True,
+        "redisAddress": "redis-master.redis:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "password"}}},
+        "externalStorageNamespace": "baton-prod",
+    }
+}
 
 
 def config_of(objs) -> dict:
@@ -71,7 +76,8 @@ def test_gcs_fault_tolerance_renders_kuberays_options_and_matches_the_crd():
     assert cluster["spec"]["gcsFaultToleranceOptions"] == {
         "redisAddress": "redis-master.redis:6379",
         "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "password"}}},
-        "externalStorageNamespace": "baton-prod"}
+        "externalStorageNamespace": "baton-prod",
+    }
     assert crd_errors(cluster) == []
 
 
@@ -87,12 +93,15 @@ def test_gcs_fault_tolerance_needs_a_redis_address():
         render({"gcsFaultTolerance": {"enabled": True}})
 
 
-@pytest.mark.parametrize("values, field", [
-    ({"router": {"replicas": 0}}, "replicas"),
-    ({"router": {"apiServerCount": 0}}, "apiServerCount"),
-    ({"router": {"separate": "yes"}}, "separate"),
-    ({"gcsFaultTolerance": {"redisHost": "x"}}, "redisHost"),
-])
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        ({"router": {"replicas": 0}}, "replicas"),
+        ({"router": {"apiServerCount": 0}}, "apiServerCount"),
+        ({"router": {"separate": "yes"}}, "separate"),
+        ({"gcsFaultTolerance": {"redisHost": "x"}}, "redisHost"),
+    ],
+)
 def test_the_values_schema_rejects_bad_router_values(values, field):
     with pytest.raises(helm_python.HelmError, match=field):
         render(values)

@@ -104,15 +104,18 @@ def test_cpu_pools_request_no_gpus_whatever_the_tp_size(tmp_path):
 def test_a_pod_must_give_ray_cpus_for_every_rank():
     """Each rank asks Ray for threads_per_worker CPUs and all of a worker's ranks share its pod:
     the chart refuses pods too small for them, which Ray could never place a worker on."""
-    with pytest.raises(helm_python.HelmError,
-                       match=r"a prefill worker is 2 rank\(s\) of baton.placement.threads_per_worker \(4\) CPUs "
-                             r"each, 8 CPUs, but a prefill pod gives Ray 4"):
+    with pytest.raises(
+        helm_python.HelmError,
+        match=r"a prefill worker is 2 rank\(s\) of baton.placement.threads_per_worker \(4\) CPUs "
+        r"each, 8 CPUs, but a prefill pod gives Ray 4",
+    ):
         render(placement(tensor_parallel_size=2))  # the default pods: 4 threads on 4 CPUs
     with pytest.raises(helm_python.HelmError, match=r"a decode worker is 4 rank\(s\).*decode pod gives Ray 4"):
         render(placement(decode_tensor_parallel_size=4, threads_per_worker=2))
     eight = {"requests": {"cpu": "8", "memory": "32Gi"}, "limits": {"cpu": "8", "memory": "32Gi"}}
-    objs = objects(render(placement(tensor_parallel_size=2) | {"prefill": {"resources": eight},
-                                                                "decode": {"resources": eight}}))
+    objs = objects(
+        render(placement(tensor_parallel_size=2) | {"prefill": {"resources": eight}, "decode": {"resources": eight}})
+    )
     assert pod_gpus(objs) == {"prefill": 2, "decode": 2}
     # What Ray gets, as KubeRay derives it: rayStartParams num-cpus, else the CPU limit (rounded up),
     # else the CPU request.
@@ -129,23 +132,32 @@ def test_a_pod_must_give_ray_cpus_for_every_rank():
     objects(render(placement(tensor_parallel_size=2) | {"prefill": {"resources": None}, "decode": {"resources": None}}))
     objects(render(placement(tensor_parallel_size=2, threads_per_worker=None)))
     # An empty prefill pool is not checked.
-    objects(render(placement(prefill_tensor_parallel_size=8, threads_per_worker=2)
-                   | {"prefill": {"replicas": 0, "minReplicas": 0, "maxReplicas": 0}}))
+    objects(
+        render(
+            placement(prefill_tensor_parallel_size=8, threads_per_worker=2)
+            | {"prefill": {"replicas": 0, "minReplicas": 0, "maxReplicas": 0}}
+        )
+    )
 
 
 @pytest.mark.parametrize("key", ["tensor_parallel_size", "prefill_tensor_parallel_size", "decode_tensor_parallel_size"])
 def test_a_tp_size_below_one_is_refused(key):
-    with pytest.raises(helm_python.HelmError,
-                       match=rf"baton.placement.{key} is 0: a tensor-parallel size is at least 1"):
+    with pytest.raises(
+        helm_python.HelmError, match=rf"baton.placement.{key} is 0: a tensor-parallel size is at least 1"
+    ):
         render(placement(**{key: 0}))
 
 
 def test_the_tp_keys_reach_baton_unchanged(tmp_path):
-    values = placement(tensor_parallel_size=2, prefill_tensor_parallel_size=4, decode_tensor_parallel_size=4,
-                       threads_per_worker=1)
+    values = placement(
+        tensor_parallel_size=2, prefill_tensor_parallel_size=4, decode_tensor_parallel_size=4, threads_per_worker=1
+    )
     config = baton_config(objects(render(values)), tmp_path).placement
     assert (config.tensor_parallel_size, config.prefill_tensor_parallel_size, config.decode_tensor_parallel_size) == (
-        2, 4, 4)
+        2,
+        4,
+        4,
+    )
     # A null per-pool size falls back to tensor_parallel_size, in the chart as in Baton.
     objs = objects(render(placement(tensor_parallel_size=2, decode_tensor_parallel_size=None, threads_per_worker=2)))
     assert pod_gpus(objs) == {"prefill": 2, "decode": 2}
@@ -154,7 +166,8 @@ def test_the_tp_keys_reach_baton_unchanged(tmp_path):
 
 def test_the_schema_takes_the_tp_keys():
     with helm_python.Chart.load(CHART) as chart:
-        chart.validate_schema(placement(tensor_parallel_size=2, prefill_tensor_parallel_size=4,
-                                        decode_tensor_parallel_size=None))
+        chart.validate_schema(
+            placement(tensor_parallel_size=2, prefill_tensor_parallel_size=4, decode_tensor_parallel_size=None)
+        )
     with pytest.raises(helm_python.HelmValuesError, match="/baton/placement/tensor_parallel_size"):
         render(placement(tensor_parallel_size="2"))

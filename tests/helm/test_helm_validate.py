@@ -8,8 +8,18 @@ import helm_python
 import kubernetes_validate
 import pytest
 
-from tests.helm.helmlib import (CHART, CRDS, KUBE_VERSIONS, VARIANT_IDS, VARIANTS, crd_errors, objects, only, render,
-                                variant_objects)
+from tests.helm.helmlib import (
+    CHART,
+    CRDS,
+    KUBE_VERSIONS,
+    VARIANT_IDS,
+    VARIANTS,
+    crd_errors,
+    objects,
+    only,
+    render,
+    variant_objects,
+)
 
 # Gateway API's HTTPRoute is a CRD too, but no schema of it is at hand: checked by shape in test_helm_render.
 
@@ -30,14 +40,25 @@ def test_builtin_objects_validate_strictly(variant, kube_version):
 def test_all_optional_builtin_objects_validate():
     """Ingress, the head's PDB and the emptyDir + init container model source, in one render."""
     values = {
-        "ingress": {"enabled": True, "className": "nginx", "tls": [{"hosts": ["llm.example.com"], "secretName": "tls"}],
-                    "hosts": [{"host": "llm.example.com", "paths": [{"path": "/v1", "pathType": "Prefix"}]}]},
+        "ingress": {
+            "enabled": True,
+            "className": "nginx",
+            "tls": [{"hosts": ["llm.example.com"], "secretName": "tls"}],
+            "hosts": [{"host": "llm.example.com", "paths": [{"path": "/v1", "pathType": "Prefix"}]}],
+        },
         "podDisruptionBudget": {"enabled": True, "maxUnavailable": "50%", "protectHead": True},
         "service": {"type": "LoadBalancer", "port": 8000, "annotations": {"example.com/lb": "internal"}},
     }
     objs = builtin(objects(render(values)))
-    assert sorted(o["kind"] for o in objs) == ["ConfigMap", "ConfigMap", "Ingress", "PodDisruptionBudget",
-                                               "PodDisruptionBudget", "PodDisruptionBudget", "Service"]
+    assert sorted(o["kind"] for o in objs) == [
+        "ConfigMap",
+        "ConfigMap",
+        "Ingress",
+        "PodDisruptionBudget",
+        "PodDisruptionBudget",
+        "PodDisruptionBudget",
+        "Service",
+    ]
     for version in KUBE_VERSIONS:
         for obj in objs:
             kubernetes_validate.validate(obj, version, strict=True)
@@ -59,17 +80,31 @@ def test_raycluster_matches_kuberays_crd(variant):
 
 def test_raycluster_with_every_pod_option_matches_kuberays_crd():
     values = {
-        "modelSource": {"type": "emptyDir", "initContainers": [
-            {"name": "fetch-model", "image": "busybox:1.37", "command": ["sh", "-c", "cp -r /src/. /models/"]}]},
-        "imagePullSecrets": [{"name": "registry"}], "runtimeClassName": "nvidia", "priorityClassName": "inference",
-        "podSecurityContext": {"fsGroup": 1001}, "securityContext": {"allowPrivilegeEscalation": False},
+        "modelSource": {
+            "type": "emptyDir",
+            "initContainers": [
+                {"name": "fetch-model", "image": "busybox:1.37", "command": ["sh", "-c", "cp -r /src/. /models/"]}
+            ],
+        },
+        "imagePullSecrets": [{"name": "registry"}],
+        "runtimeClassName": "nvidia",
+        "priorityClassName": "inference",
+        "podSecurityContext": {"fsGroup": 1001},
+        "securityContext": {"allowPrivilegeEscalation": False},
         "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
         "envFrom": [{"secretRef": {"name": "baton-env"}}],
-        "podLabels": {"team": "ml"}, "podAnnotations": {"example.com/scrape": "false"},
-        "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1, "gpus": 1,
-                   "env": [{"name": "EXTRA", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
-                   "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
-                   "rayStartParams": {"object-store-memory": 1000000000}},
+        "podLabels": {"team": "ml"},
+        "podAnnotations": {"example.com/scrape": "false"},
+        "decode": {
+            "replicas": 1,
+            "minReplicas": 1,
+            "maxReplicas": 1,
+            "gpus": 1,
+            "env": [{"name": "EXTRA", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            "rayStartParams": {"object-store-memory": 1000000000},
+        },
         "autoscaling": {"enabled": True},
     }
     cluster = only(objects(render(values)), "RayCluster")
@@ -93,8 +128,16 @@ def test_monitors_match_prometheus_operators_crds():
         assert crd_errors(monitor) == []
         monitor["spec"]["endpoint"] = []  # misspelt
         assert any("'endpoint'" in e for e in crd_errors(monitor)), kind
-    relabelled = objects(render({"serviceMonitor": {"enabled": True, "relabelings": [
-        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]}}))
+    relabelled = objects(
+        render(
+            {
+                "serviceMonitor": {
+                    "enabled": True,
+                    "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}],
+                }
+            }
+        )
+    )
     assert crd_errors(only(relabelled, "ServiceMonitor")) == []
 
 
@@ -103,13 +146,17 @@ def test_a_tensor_parallel_render_validates():
     built-in objects Kubernetes accepts; Helm's strict lint agrees."""
     eight = {"cpu": "8", "memory": "64Gi"}
     pool = {"gpus": 1, "resources": {"requests": eight, "limits": eight}}
-    values = {"baton": {"placement": {"tensor_parallel_size": 2, "prefill_tensor_parallel_size": 4,
-                                      "threads_per_worker": 2}},
-              "prefill": pool, "decode": pool}
+    values = {
+        "baton": {"placement": {"tensor_parallel_size": 2, "prefill_tensor_parallel_size": 4, "threads_per_worker": 2}},
+        "prefill": pool,
+        "decode": pool,
+    }
     objs = objects(render(values))
     cluster = only(objs, "RayCluster")
-    gpus = {g["groupName"]: g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
-            for g in cluster["spec"]["workerGroupSpecs"]}
+    gpus = {
+        g["groupName"]: g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        for g in cluster["spec"]["workerGroupSpecs"]
+    }
     assert gpus == {"prefill": 4, "decode": 2}
     assert crd_errors(cluster) == []
     for version in KUBE_VERSIONS:

@@ -17,18 +17,21 @@ from tests.helm.helmlib import CHART, VALUES_FILES, load_values, render
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
 
-@pytest.mark.parametrize("values, field, reason", [
-    ({"prefill": {"replicas": -1}}, "/prefill/replicas", "minimum"),
-    ({"decode": {"replicas": 0}}, "/decode/replicas", "minimum"),  # Baton needs a decode worker
-    ({"baton": {"engine": {"quantization": "int4"}}}, "/baton/engine/quantization", "fp8"),
-    ({"decode": {"gpus": "2"}}, "/decode/gpus", "got string, want integer"),
-    ({"prefill": {"gpus": 1.5}}, "/prefill/gpus", "want integer"),
-    ({"replicas": 3}, "additional properties 'replicas' not allowed", ""),
-    ({"baton": {"engine": {"blok_size": 32}}}, "/baton/engine", "'blok_size' not allowed"),
-    ({"baton": {"placement": {"gpus_per_worker": "1"}}}, "/baton/placement/gpus_per_worker", "string"),
-    ({"modelSource": {"type": "s3"}}, "/modelSource/type", "pvc"),
-    ({"service": {"port": 70000}}, "/service/port", "maximum"),
-])
+@pytest.mark.parametrize(
+    "values, field, reason",
+    [
+        ({"prefill": {"replicas": -1}}, "/prefill/replicas", "minimum"),
+        ({"decode": {"replicas": 0}}, "/decode/replicas", "minimum"),  # Baton needs a decode worker
+        ({"baton": {"engine": {"quantization": "int4"}}}, "/baton/engine/quantization", "fp8"),
+        ({"decode": {"gpus": "2"}}, "/decode/gpus", "got string, want integer"),
+        ({"prefill": {"gpus": 1.5}}, "/prefill/gpus", "want integer"),
+        ({"replicas": 3}, "additional properties 'replicas' not allowed", ""),
+        ({"baton": {"engine": {"blok_size": 32}}}, "/baton/engine", "'blok_size' not allowed"),
+        ({"baton": {"placement": {"gpus_per_worker": "1"}}}, "/baton/placement/gpus_per_worker", "string"),
+        ({"modelSource": {"type": "s3"}}, "/modelSource/type", "pvc"),
+        ({"service": {"port": 70000}}, "/service/port", "maximum"),
+    ],
+)
 def test_helm_rejects_bad_values_naming_the_field(values, field, reason):
     with pytest.raises(helm_python.HelmValuesError) as caught:
         render(values)

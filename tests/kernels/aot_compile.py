@@ -58,15 +58,25 @@ def compile_job(job: dict) -> dict:
     options = {"num_warps": job["num_warps"]}
     if job.get("num_stages") is not None:
         options["num_stages"] = job["num_stages"]
-    out = {"id": job["id"], "ok": False, "error": None, "registers": None, "spill_bytes": None, "shared": None,
-           "threads": job["num_warps"] * 32, "ptx_has": {}, "seconds": None}
+    out = {
+        "id": job["id"],
+        "ok": False,
+        "error": None,
+        "registers": None,
+        "spill_bytes": None,
+        "shared": None,
+        "threads": job["num_warps"] * 32,
+        "ptx_has": {},
+        "seconds": None,
+    }
     buf = io.StringIO()
     started = time.perf_counter()
     try:
         with contextlib.redirect_stdout(buf):
-            kernel = triton.compile(ASTSource(fn, signature, consts, attrs),
-                                    target=GPUTarget("cuda", job["arch"], 32), options=options)
-    except Exception as e:  # noqa: BLE001 - reported per job
+            kernel = triton.compile(
+                ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", job["arch"], 32), options=options
+            )
+    except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         return out
     out["seconds"] = time.perf_counter() - started

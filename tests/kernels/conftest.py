@@ -19,8 +19,9 @@ def pytest_collection_finish(session):
     from tests.kernels import background
     from tests.kernels import test_compile_targets as check
 
-    session.config.stash[background.COMPILES] = background.start_in_background(check.jobs_to_compile(),
-                                                                                check.run_compiles)
+    session.config.stash[background.COMPILES] = background.start_in_background(
+        check.jobs_to_compile(), check.run_compiles
+    )
 
 
 def pytest_sessionfinish(session):

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.ops import kernel_ops  # noqa: E402
+from kernels.ops import kernel_ops
 
 DEVICE = torch.device("cuda" if os.environ.get("BATON_KERNEL_TEST_DEVICE") == "cuda" else "cpu")
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -77,7 +77,7 @@ def make_block_tables(context_lens, block_size, num_blocks, max_blocks, seed=2, 
     rows, used = [], 0
     for n in context_lens:
         need = -(-n // block_size)
-        ids = perm[used:used + need].tolist()
+        ids = perm[used : used + need].tolist()
         used += need
         pad = pad_value if pad_value is not None else 10**6
         rows.append(ids + [pad] * (max_blocks - need))

@@ -22,7 +22,7 @@ def tiles(weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 64, 65, 130])
 def test_matches_the_bf16x3_reference_and_float32_closely(out_features, in_features, rows):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
-    weight = torch.randn(out_features, in_features, generator=g) * in_features ** -0.5
+    weight = torch.randn(out_features, in_features, generator=g) * in_features**-0.5
     bias = torch.randn(out_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
     out = amx_linear.amx_linear_cpu(x, tiles(weight), bias)
@@ -58,8 +58,11 @@ def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_thread_count():
     try:
         torch.set_num_threads(1)
         full = amx_linear.amx_linear_cpu(x, packed)
-        differing = [rows for rows in (1, 5, 16, 31, 32, 33, 64, 69)
-                     if not torch.equal(amx_linear.amx_linear_cpu(x[70 - rows:], packed), full[70 - rows:])]
+        differing = [
+            rows
+            for rows in (1, 5, 16, 31, 32, 33, 64, 69)
+            if not torch.equal(amx_linear.amx_linear_cpu(x[70 - rows :], packed), full[70 - rows :])
+        ]
         torch.set_num_threads(2)
         assert torch.equal(amx_linear.amx_linear_cpu(x, packed), full)
     finally:

@@ -40,11 +40,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import plan as P  # noqa: E402
-from kernels.fp8_quant import MIN_SCALE  # noqa: E402
-from tests.kernels.aot_compile import RESULT_PREFIX  # noqa: E402
-from tests import idle_priority  # noqa: E402
-from tests.kernels.background import COMPILES  # noqa: E402
+from kernels import plan as P
+from kernels.fp8_quant import MIN_SCALE
+from tests import idle_priority
+from tests.kernels.aot_compile import RESULT_PREFIX
+from tests.kernels.background import COMPILES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,13 +78,22 @@ def _spec(arch: int) -> P.DeviceSpec:
     return P.TARGETS[f"sm_{arch}"]
 
 
-def _job(tag: str, arch: int, plan: P.LaunchPlan, args: dict[str, str], divisible=(), *,
-         dtypes: tuple[str, str]) -> dict:
+def _job(
+    tag: str, arch: int, plan: P.LaunchPlan, args: dict[str, str], divisible=(), *, dtypes: tuple[str, str]
+) -> dict:
     """One specialisation; `dtypes` is (activation dtype, storage dtype: the KV cache's or the
     weights'), as triton type names, for compile_group."""
-    return {"id": f"{tag} @sm_{arch}", "kernel": plan.kernel, "args": args, "constexprs": dict(plan.meta),
-            "divisible": list(divisible), "num_warps": plan.num_warps, "num_stages": plan.num_stages, "arch": arch,
-            "dtypes": list(dtypes)}
+    return {
+        "id": f"{tag} @sm_{arch}",
+        "kernel": plan.kernel,
+        "args": args,
+        "constexprs": dict(plan.meta),
+        "divisible": list(divisible),
+        "num_warps": plan.num_warps,
+        "num_stages": plan.num_stages,
+        "arch": arch,
+        "dtypes": list(dtypes),
+    }
 
 
 def _ptrs(**names) -> dict[str, str]:
@@ -101,8 +110,11 @@ def _attention_cases():
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     for model in MODELS:
         full = model == "llama3-8b"
-        combos = [(bf16, bf16), (f16, f16), (f32, f32), (bf16, FP8), (f16, FP8), (f32, FP8)] if full else \
-            [(bf16, bf16), (f32, f32), (bf16, FP8), (f32, FP8)]
+        combos = (
+            [(bf16, bf16), (f16, f16), (f32, f32), (bf16, FP8), (f16, FP8), (f32, FP8)]
+            if full
+            else [(bf16, bf16), (f32, f32), (bf16, FP8), (f32, FP8)]
+        )
         for act, kv in combos:
             for arch in _arches(kv == FP8):
                 if arch in (90, 100):
@@ -116,41 +128,75 @@ def attention_jobs() -> list[dict]:
     for model, act, kv, arch, batches, prefills in _attention_cases():
         hq, hk, d, _, _ = MODELS[model]
         a, c = TT[act], TT[kv]
-        shape = dict(num_q_heads=hq, num_kv_heads=hk, head_dim=d, block_size=BLOCK_SIZE, dtype=act,
-                     kv_dtype=kv)
+        shape = dict(num_q_heads=hq, num_kv_heads=hk, head_dim=d, block_size=BLOCK_SIZE, dtype=act, kv_dtype=kv)
         dev = _spec(arch)
         for batch in batches:
             dp = P.decode_attention_plan(dev, batch=batch, max_ctx=MAX_CTX, **shape)
             mid = "fp32" if dp.merge else a
-            args = {**_ptrs(q_ptr=a, k_ptr=c, v_ptr=c, bt_ptr="i32", lens_ptr="i32", out_ptr=a,
-                            mid_o_ptr=mid, mid_lse_ptr=mid),
-                    "qk_scale": "fp32", "v_scale": "fp32", "window": "i32", "softcap_log2e": "fp32",
-                    **_i32("split_len", "max_ctx", "stride_qb", "stride_qh", "stride_bt", "stride_ob",
-                           "stride_oh")}
-            div = [n for n in args if n.endswith("_ptr")] + ["split_len", "max_ctx", "stride_qb",
-                                                             "stride_qh", "stride_ob", "stride_oh"]
+            args = {
+                **_ptrs(
+                    q_ptr=a, k_ptr=c, v_ptr=c, bt_ptr="i32", lens_ptr="i32", out_ptr=a, mid_o_ptr=mid, mid_lse_ptr=mid
+                ),
+                "qk_scale": "fp32",
+                "v_scale": "fp32",
+                "window": "i32",
+                "softcap_log2e": "fp32",
+                **_i32("split_len", "max_ctx", "stride_qb", "stride_qh", "stride_bt", "stride_ob", "stride_oh"),
+            }
+            div = [n for n in args if n.endswith("_ptr")] + [
+                "split_len",
+                "max_ctx",
+                "stride_qb",
+                "stride_qh",
+                "stride_ob",
+                "stride_oh",
+            ]
             tag = f"decode {model} {a}/{c} b{batch}"
-            jobs.extend(_window_variants(_job(tag, arch, dp.split, args, div, dtypes=(a, c)), arch,
-                                         batch == batches[0]))
+            jobs.extend(
+                _window_variants(_job(tag, arch, dp.split, args, div, dtypes=(a, c)), arch, batch == batches[0])
+            )
             if dp.merge:
-                margs = {**_ptrs(mid_o_ptr="fp32", mid_lse_ptr="fp32", out_ptr=a),
-                         **_i32("stride_ob", "stride_oh", "H")}
-                jobs.append(_job(f"merge {model} {a} b{batch}", arch, dp.merge, margs,
-                                 ["mid_o_ptr", "mid_lse_ptr", "out_ptr", "stride_ob", "stride_oh"],
-                                 dtypes=(a, "fp32")))
+                margs = {
+                    **_ptrs(mid_o_ptr="fp32", mid_lse_ptr="fp32", out_ptr=a),
+                    **_i32("stride_ob", "stride_oh", "H"),
+                }
+                jobs.append(
+                    _job(
+                        f"merge {model} {a} b{batch}",
+                        arch,
+                        dp.merge,
+                        margs,
+                        ["mid_o_ptr", "mid_lse_ptr", "out_ptr", "stride_ob", "stride_oh"],
+                        dtypes=(a, "fp32"),
+                    )
+                )
         for max_q in prefills:  # the prefill tiles: short, medium, long prompts
             pp = P.prefill_attention_plan(dev, max_q=max_q, **shape)
             windowed = P.prefill_attention_plan(dev, max_q=max_q, windowed=True, **shape)
-            args = {**_ptrs(q_ptr=a, k_ptr=c, v_ptr=c, bt_ptr="i32", qsl_ptr="i32", lens_ptr="i32",
-                            out_ptr=a),
-                    "qk_scale": "fp32", "v_scale": "fp32", "window": "i32", "softcap_log2e": "fp32",
-                    **_i32("max_ctx", "stride_qt", "stride_qh", "stride_bt", "stride_ot", "stride_oh")}
-            div = [n for n in args if n.endswith("_ptr")] + ["max_ctx", "stride_qt", "stride_qh",
-                                                             "stride_ot", "stride_oh"]
+            args = {
+                **_ptrs(q_ptr=a, k_ptr=c, v_ptr=c, bt_ptr="i32", qsl_ptr="i32", lens_ptr="i32", out_ptr=a),
+                "qk_scale": "fp32",
+                "v_scale": "fp32",
+                "window": "i32",
+                "softcap_log2e": "fp32",
+                **_i32("max_ctx", "stride_qt", "stride_qh", "stride_bt", "stride_ot", "stride_oh"),
+            }
+            div = [n for n in args if n.endswith("_ptr")] + [
+                "max_ctx",
+                "stride_qt",
+                "stride_qh",
+                "stride_ot",
+                "stride_oh",
+            ]
             tag = f"prefill {model} {a}/{c} q{max_q}"
-            jobs.extend(_window_variants(_job(tag, arch, pp, args, div, dtypes=(a, c)), arch,
-                                         max_q in (prefills[0], prefills[-1]),
-                                         _job(tag, arch, windowed, args, div, dtypes=(a, c))))
+            jobs.extend(
+                _window_variants(
+                    _job(tag, arch, pp, args, div, dtypes=(a, c)),
+                    arch,
+                    max_q in (prefills[0], prefills[-1]),
+                    _job(tag, arch, windowed, args, div, dtypes=(a, c)),
+                )
+            )
     return jobs
 
 
@@ -163,8 +209,14 @@ def _window_variants(job: dict, arch: int, windowed_shape: bool, windowed_job: d
     if arch != 90 or not windowed_shape:
         return [plain]
     windowed_job = windowed_job or job
-    return [plain, {**windowed_job, "id": windowed_job["id"].replace(" @", " window+softcap @"),
-                    "constexprs": {**windowed_job["constexprs"], "HAS_WINDOW": True, "SOFTCAP": True}}]
+    return [
+        plain,
+        {
+            **windowed_job,
+            "id": windowed_job["id"].replace(" @", " window+softcap @"),
+            "constexprs": {**windowed_job["constexprs"], "HAS_WINDOW": True, "SOFTCAP": True},
+        },
+    ]
 
 
 def fp8_jobs() -> list[dict]:
@@ -177,30 +229,59 @@ def fp8_jobs() -> list[dict]:
                 for m in (8, 256):
                     for bias in (False, True):
                         gp = P.fp8_gemm_plan(dev, M=m, N=n, K=k, has_bias=bias, sa_per_row=True, sb_per_col=True)
-                        args = {**_ptrs(a_ptr="fp8e4nv", b_ptr="fp8e4nv", sa_ptr="fp32", sb_ptr="fp32",
-                                        bias_ptr="bf16" if bias else "fp32", c_ptr="bf16"),
-                                **_i32("M", "N", "K", "stride_am", "stride_bn", "stride_cm")}
-                        div = [x for x in args if x.endswith("_ptr")] + ["N", "K", "stride_am", "stride_bn",
-                                                                         "stride_cm"]
-                        job = _job(f"fp8_gemm {model} {n}x{k} M{m}{' bias' if bias else ''}", arch, gp, args, div,
-                                   dtypes=("fp8e4nv", "fp8e4nv"))
+                        args = {
+                            **_ptrs(
+                                a_ptr="fp8e4nv",
+                                b_ptr="fp8e4nv",
+                                sa_ptr="fp32",
+                                sb_ptr="fp32",
+                                bias_ptr="bf16" if bias else "fp32",
+                                c_ptr="bf16",
+                            ),
+                            **_i32("M", "N", "K", "stride_am", "stride_bn", "stride_cm"),
+                        }
+                        div = [x for x in args if x.endswith("_ptr")] + [
+                            "N",
+                            "K",
+                            "stride_am",
+                            "stride_bn",
+                            "stride_cm",
+                        ]
+                        job = _job(
+                            f"fp8_gemm {model} {n}x{k} M{m}{' bias' if bias else ''}",
+                            arch,
+                            gp,
+                            args,
+                            div,
+                            dtypes=("fp8e4nv", "fp8e4nv"),
+                        )
                         job["want_ptx"] = TC_MARKER.get(arch)
                         jobs.append(job)
             for act in ACT:
                 for dynamic_row, per_row in ((True, True), (False, False)):
-                    qp = P.fp8_quant_plan(dev, N=hidden, dynamic_row=dynamic_row, scale_per_row=per_row,
-                                          min_scale=MIN_SCALE)
-                    args = {**_ptrs(x_ptr=TT[act], out_ptr="fp8e4nv", scale_ptr="fp32"),
-                            **_i32("N", "stride_x", "stride_out")}
-                    jobs.append(_job(f"fp8_quant {model} {TT[act]} row={per_row}", arch, qp, args,
-                                     ["x_ptr", "out_ptr", "scale_ptr", "N", "stride_x", "stride_out"],
-                                     dtypes=(TT[act], "fp8e4nv")))
+                    qp = P.fp8_quant_plan(
+                        dev, N=hidden, dynamic_row=dynamic_row, scale_per_row=per_row, min_scale=MIN_SCALE
+                    )
+                    args = {
+                        **_ptrs(x_ptr=TT[act], out_ptr="fp8e4nv", scale_ptr="fp32"),
+                        **_i32("N", "stride_x", "stride_out"),
+                    }
+                    jobs.append(
+                        _job(
+                            f"fp8_quant {model} {TT[act]} row={per_row}",
+                            arch,
+                            qp,
+                            args,
+                            ["x_ptr", "out_ptr", "scale_ptr", "N", "stride_x", "stride_out"],
+                            dtypes=(TT[act], "fp8e4nv"),
+                        )
+                    )
     return jobs
 
 
 def elementwise_jobs() -> list[dict]:
     jobs = []
-    for model, (hq, hk, d, hidden, inter) in MODELS.items():
+    for model, (hq, hk, d, hidden, _inter) in MODELS.items():
         for act in ACT:
             a = TT[act]
             for arch in _arches(False) if model == "llama3-8b" else (90, 100):
@@ -209,39 +290,95 @@ def elementwise_jobs() -> list[dict]:
                     if kv == FP8 and not P.fp8_supported(dev):
                         continue
                     sp = P.store_kv_plan(dev, num_heads=hk, head_dim=d, kv_dtype=kv)
-                    args = {**_ptrs(key_ptr=a, value_ptr=a, k_cache_ptr=TT[kv], v_cache_ptr=TT[kv], slot_ptr="i64"),
-                            **_i32("H", "D", "stride_kt", "stride_kh", "stride_vt", "stride_vh"),
-                            "k_scale": "fp32", "v_scale": "fp32"}
-                    jobs.append(_job(f"store_kv {model} {a}/{TT[kv]}", arch, sp, args,
-                                     [x for x in args if x.endswith("_ptr")], dtypes=(a, TT[kv])))
+                    args = {
+                        **_ptrs(key_ptr=a, value_ptr=a, k_cache_ptr=TT[kv], v_cache_ptr=TT[kv], slot_ptr="i64"),
+                        **_i32("H", "D", "stride_kt", "stride_kh", "stride_vt", "stride_vh"),
+                        "k_scale": "fp32",
+                        "v_scale": "fp32",
+                    }
+                    jobs.append(
+                        _job(
+                            f"store_kv {model} {a}/{TT[kv]}",
+                            arch,
+                            sp,
+                            args,
+                            [x for x in args if x.endswith("_ptr")],
+                            dtypes=(a, TT[kv]),
+                        )
+                    )
                 for res in (False, True):
                     rp = P.rms_norm_plan(dev, hidden=hidden, has_residual=res)
-                    args = {**_ptrs(x_ptr=a, r_ptr=a, w_ptr=a, out_ptr=a, sum_ptr=a),
-                            **_i32("H", "stride_x", "stride_r", "stride_out", "stride_sum"), "eps": "fp32"}
-                    jobs.append(_job(f"rms_norm {model} {a} res={res}", arch, rp, args,
-                                     [x for x in args if x.endswith("_ptr")] + ["H", "stride_x", "stride_out"],
-                                     dtypes=(a, a)))
+                    args = {
+                        **_ptrs(x_ptr=a, r_ptr=a, w_ptr=a, out_ptr=a, sum_ptr=a),
+                        **_i32("H", "stride_x", "stride_r", "stride_out", "stride_sum"),
+                        "eps": "fp32",
+                    }
+                    jobs.append(
+                        _job(
+                            f"rms_norm {model} {a} res={res}",
+                            arch,
+                            rp,
+                            args,
+                            [x for x in args if x.endswith("_ptr")] + ["H", "stride_x", "stride_out"],
+                            dtypes=(a, a),
+                        )
+                    )
                 for heads in (hq, hk):
                     op = P.rotary_plan(dev, num_heads=heads, head_dim=d)
-                    args = {**_ptrs(pos_ptr="i64", x_ptr=a, cache_ptr="fp32"),
-                            **_i32("H", "stride_xt", "stride_xh", "stride_cache")}
-                    jobs.append(_job(f"rotary {model} {a} h{heads}", arch, op, args,
-                                     ["pos_ptr", "x_ptr", "cache_ptr", "stride_xt", "stride_xh", "stride_cache"],
-                                     dtypes=(a, a)))
+                    args = {
+                        **_ptrs(pos_ptr="i64", x_ptr=a, cache_ptr="fp32"),
+                        **_i32("H", "stride_xt", "stride_xh", "stride_cache"),
+                    }
+                    jobs.append(
+                        _job(
+                            f"rotary {model} {a} h{heads}",
+                            arch,
+                            op,
+                            args,
+                            ["pos_ptr", "x_ptr", "cache_ptr", "stride_xt", "stride_xh", "stride_cache"],
+                            dtypes=(a, a),
+                        )
+                    )
                 mp = P.silu_mul_plan(dev)
-                args = {**_ptrs(x_ptr=a, out_ptr=a), **_i32("I", "stride_x", "stride_out")}
-                jobs.append(_job(f"silu_mul {model} {a}", arch, mp, args,
-                                 ["x_ptr", "out_ptr", "I", "stride_x", "stride_out"], dtypes=(a, a)))
+                args = {**_ptrs(x_ptr=a, out_ptr=a), **_i32("inter", "stride_x", "stride_out")}
+                jobs.append(
+                    _job(
+                        f"silu_mul {model} {a}",
+                        arch,
+                        mp,
+                        args,
+                        ["x_ptr", "out_ptr", "inter", "stride_x", "stride_out"],
+                        dtypes=(a, a),
+                    )
+                )
                 # GeGLU (Gemma) launches with silu_mul's plan (kernels/gelu_tanh_and_mul.py).
-                jobs.append({**_job(f"gelu_mul {model} {a}", arch, mp, args,
-                                    ["x_ptr", "out_ptr", "I", "stride_x", "stride_out"], dtypes=(a, a)),
-                             "kernel": "kernels.gelu_tanh_and_mul:_gelu_tanh_mul_kernel"})
+                jobs.append(
+                    {
+                        **_job(
+                            f"gelu_mul {model} {a}",
+                            arch,
+                            mp,
+                            args,
+                            ["x_ptr", "out_ptr", "inter", "stride_x", "stride_out"],
+                            dtypes=(a, a),
+                        ),
+                        "kernel": "kernels.gelu_tanh_and_mul:_gelu_tanh_mul_kernel",
+                    }
+                )
     for arch in _arches(False):
         for scatter in (False, True):
             bp = P.block_copy_plan(_spec(arch), scatter=scatter)
             args = {**_ptrs(src_ptr="i64", dst_ptr="i64", ids_ptr="i64"), **_i32("n_ids", "n_blocks", "block_elems")}
-            jobs.append(_job(f"block_copy scatter={scatter}", arch, bp, args, ["src_ptr", "dst_ptr", "ids_ptr"],
-                             dtypes=("i64", "i64")))  # raw 8-byte words, whatever the cache's dtype
+            jobs.append(
+                _job(
+                    f"block_copy scatter={scatter}",
+                    arch,
+                    bp,
+                    args,
+                    ["src_ptr", "dst_ptr", "ids_ptr"],
+                    dtypes=("i64", "i64"),
+                )
+            )  # raw 8-byte words, whatever the cache's dtype
         sp = P.block_sums_plan(_spec(arch))
         args = {**_ptrs(words_ptr="i64", ids_ptr="i64", out_ptr="i64"), **_i32("n_blocks", "rows", "piece_words")}
         jobs.append(_job("block_sums", arch, sp, args, ["words_ptr", "ids_ptr", "out_ptr"], dtypes=("i64", "i64")))
@@ -261,17 +398,35 @@ def moe_jobs() -> list[dict]:
             # bfloat16 on every target; float32 MoE (a CPU default, rare on GPUs) on sm_90 only.
             for arch in _arches(False) if act == torch.bfloat16 else (90,):
                 for tokens in (8, 1024):
-                    mp = P.fused_moe_plan(_spec(arch), num_pairs=tokens * top_k, num_experts=experts, hidden=hidden,
-                                          inter=inter, dtype=act, top_k=top_k)
+                    mp = P.fused_moe_plan(
+                        _spec(arch),
+                        num_pairs=tokens * top_k,
+                        num_experts=experts,
+                        hidden=hidden,
+                        inter=inter,
+                        dtype=act,
+                        top_k=top_k,
+                    )
                     for step, plan, out in (("gate_up", mp.gate_up, a), ("down", mp.down, "fp32")):
-                        args = {**_ptrs(a_ptr=a, b_ptr=a, c_ptr=out, weights_ptr="fp32", pairs_ptr="i32",
-                                        block_expert_ptr="i32"),
-                                **_i32("num_pairs", "N", "K", "num_experts", "stride_am", "stride_be", "stride_bn",
-                                       "stride_cm")}
-                        div = [x for x in args if x.endswith("_ptr")] + ["N", "K", "stride_am", "stride_be",
-                                                                         "stride_bn", "stride_cm"]
-                        jobs.append(_job(f"fused_moe {step} {model} {a} t{tokens}", arch, plan, args, div,
-                                         dtypes=(a, a)))
+                        args = {
+                            **_ptrs(
+                                a_ptr=a, b_ptr=a, c_ptr=out, weights_ptr="fp32", pairs_ptr="i32", block_expert_ptr="i32"
+                            ),
+                            **_i32(
+                                "num_pairs", "N", "K", "num_experts", "stride_am", "stride_be", "stride_bn", "stride_cm"
+                            ),
+                        }
+                        div = [x for x in args if x.endswith("_ptr")] + [
+                            "N",
+                            "K",
+                            "stride_am",
+                            "stride_be",
+                            "stride_bn",
+                            "stride_cm",
+                        ]
+                        jobs.append(
+                            _job(f"fused_moe {step} {model} {a} t{tokens}", arch, plan, args, div, dtypes=(a, a))
+                        )
     return jobs
 
 
@@ -352,8 +507,13 @@ def _cost_hint(job: dict) -> float:
     return COST_HINT.get(job["kernel"].split(":")[1], 0.3)
 
 
-def run_compiles(jobs: list[dict], procs: int | None = None, timeout: float = 900, lowest_priority: bool = False,
-                 started: list | None = None) -> list[dict]:
+def run_compiles(
+    jobs: list[dict],
+    procs: int | None = None,
+    timeout: float = 900,
+    lowest_priority: bool = False,
+    started: list | None = None,
+) -> list[dict]:
     """Compile `jobs` in `procs` fresh subprocesses (TRITON_INTERPRET=0, an empty cache dir each),
     each given its next job when it has answered the last, the heaviest jobs first. By default one
     process per usable CPU, at least 2. The subprocesses run at the lowest priority if asked
@@ -365,12 +525,24 @@ def run_compiles(jobs: list[dict], procs: int | None = None, timeout: float = 90
     with tempfile.TemporaryDirectory(prefix="baton-aot-") as tmp:
         workers = []
         for i in range(min(procs, len(jobs))):
-            env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(tmp, f"cache{i}"),
-                       TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            env = dict(
+                os.environ,
+                TRITON_INTERPRET="0",
+                TRITON_CACHE_DIR=os.path.join(tmp, f"cache{i}"),
+                TRITON_DEFAULT_FP_FUSION="1",
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            )
             err = open(os.path.join(tmp, f"stderr{i}"), "w+")  # a file: a full stderr pipe would block the worker
             popen = idle_priority.popen_at_lowest_priority if lowest_priority else subprocess.Popen
-            proc = popen([sys.executable, "-m", "tests.kernels.aot_compile"], cwd=ROOT, env=env,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+            proc = popen(
+                [sys.executable, "-m", "tests.kernels.aot_compile"],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
             workers.append((proc, err))
             if started is not None:
                 started.append(proc)
@@ -391,7 +563,7 @@ def run_compiles(jobs: list[dict], procs: int | None = None, timeout: float = 90
                     pass
                 if not line:
                     return answered, f"ended without answering {job['id']}"
-                answered.append(json.loads(line[len(RESULT_PREFIX):]))
+                answered.append(json.loads(line[len(RESULT_PREFIX) :]))
             proc.stdin.close()
             return answered, None
 
@@ -408,7 +580,8 @@ def run_compiles(jobs: list[dict], procs: int | None = None, timeout: float = 90
             proc.wait()
             err.seek(0)
             assert failure is None and proc.returncode == 0, (
-                f"compile worker failed ({failure}, exit {proc.returncode}):\n{err.read()[-4000:]}")
+                f"compile worker failed ({failure}, exit {proc.returncode}):\n{err.read()[-4000:]}"
+            )
             err.close()
             results += answered
     return results
@@ -424,8 +597,9 @@ def problems(jobs: list[dict], results: list[dict]) -> list[str]:
             bad.append(f"{r['id']}: does not compile: {r['error']}")
             continue
         if r["spill_bytes"] > SPILL_TOLERANCE:
-            bad.append(f"{r['id']}: spills {r['spill_bytes']} B (tolerance {SPILL_TOLERANCE} B), "
-                       f"{r['registers']} registers")
+            bad.append(
+                f"{r['id']}: spills {r['spill_bytes']} B (tolerance {SPILL_TOLERANCE} B), {r['registers']} registers"
+            )
         if r["shared"] > SMEM_LIMIT[arch]:
             bad.append(f"{r['id']}: needs {r['shared']} B of shared memory, sm_{arch} has {SMEM_LIMIT[arch]}")
         if r["threads"] > MAX_THREADS:

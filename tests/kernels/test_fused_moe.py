@@ -3,10 +3,10 @@ a per-token loop in float64, over expert counts, top-k 1/2/8, uneven routing and
 
 import pytest
 import torch
-
-from kernels.fused_moe import align_pairs, fused_moe_reference, fused_moe_triton
-from kernels import plan as P
 from kernel_testlib import DEVICE, assert_close, dot_tol, gen, ops
+
+from kernels import plan as P
+from kernels.fused_moe import align_pairs, fused_moe_reference, fused_moe_triton
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -27,8 +27,8 @@ def per_token_oracle(x, w13, w2, weights, ids):
 def make_case(T, H, E, inter, K, dtype, routing="random", seed=0):
     g = gen(seed)
     x = torch.randn(T, H, generator=g).to(dtype)
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5).to(dtype)
-    w2 = (torch.randn(E, H, inter, generator=g) * inter ** -0.5).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * H**-0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) * inter**-0.5).to(dtype)
     if routing == "random":
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     elif routing == "skewed":  # most tokens to expert 0, experts past K + 1 left empty
@@ -66,8 +66,7 @@ def test_triton_matches_reference(case, dtype):
 def test_reference_matches_per_token_oracle(case):
     T, H, E, inter, K, routing = case
     args = make_case(T, H, E, inter, K, torch.float32, routing, seed=3)
-    torch.testing.assert_close(fused_moe_reference(*args).double().cpu(), per_token_oracle(*args),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_moe_reference(*args).double().cpu(), per_token_oracle(*args), atol=1e-5, rtol=1e-5)
 
 
 def test_align_pairs_sorts_by_expert_and_pads_each_run():
@@ -101,8 +100,9 @@ def test_cuda_plans_pick_short_tiles_for_decode():
     for target in ("sm_80", "sm_90", "sm_100"):
         dev = P.TARGETS[target]
         decode = P.fused_moe_plan(dev, num_pairs=8, num_experts=128, hidden=2048, inter=768, dtype="bfloat16", top_k=8)
-        prefill = P.fused_moe_plan(dev, num_pairs=4096, num_experts=8, hidden=4096, inter=14336, dtype="bfloat16",
-                                   top_k=2)
+        prefill = P.fused_moe_plan(
+            dev, num_pairs=4096, num_experts=8, hidden=4096, inter=14336, dtype="bfloat16", top_k=2
+        )
         assert decode.block_m == 16 and prefill.block_m == 64
         assert decode.gate_up.meta["BLOCK_M"] == decode.down.meta["BLOCK_M"] == 16
         f32 = P.fused_moe_plan(dev, num_pairs=8, num_experts=8, hidden=4096, inter=14336, dtype="float32", top_k=2)

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
+from kernel_testlib import ATTN_TOL, DEVICE, FP8, assert_close, make_block_tables, make_cache, ops, randn
 
 from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from kernels.prefill_attention import paged_prefill_attention_reference
-from kernel_testlib import ATTN_TOL, DEVICE, FP8, assert_close, make_block_tables, make_cache, ops, randn
 
 
 def dense_kv(cache, block_table, n, scale):
@@ -42,12 +42,13 @@ def test_decode_reference_matches_naive(cache_dtype):
     k, v = make_cache(12, bs, hk, D, cache_dtype, scale=0.5)
     bt = make_block_tables(lens, bs, 12, 5)
     q = randn(3, hq, D)
-    out = paged_decode_attention_reference(q, k, v, bt, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                                           0.1, k_scale=0.5, v_scale=0.5)
+    out = paged_decode_attention_reference(
+        q, k, v, bt, torch.tensor(lens, dtype=torch.int32, device=DEVICE), 0.1, k_scale=0.5, v_scale=0.5
+    )
     for i, n in enumerate(lens):
         kd, vd = dense_kv(k, bt[i], n, 0.5), dense_kv(v, bt[i], n, 0.5)
-        expected = naive_attention(q[i:i + 1], kd, vd, 0.1, [n - 1])
-        torch.testing.assert_close(out[i:i + 1].double().cpu(), expected, atol=1e-5, rtol=1e-5)
+        expected = naive_attention(q[i : i + 1], kd, vd, 0.1, [n - 1])
+        torch.testing.assert_close(out[i : i + 1].double().cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("hq,hk", HEADS)
@@ -80,8 +81,14 @@ def test_decode_split_k_and_fp8(num_splits, cache_dtype):
 
 def test_decode_empty_batch_and_bad_input():
     k, v = make_cache(4, 4, 2, 64, torch.float32)
-    empty = ops.paged_decode_attention(randn(0, 4, 64), k, v, torch.zeros(0, 2, dtype=torch.int32, device=DEVICE),
-                                       torch.zeros(0, dtype=torch.int32, device=DEVICE), 0.1)
+    empty = ops.paged_decode_attention(
+        randn(0, 4, 64),
+        k,
+        v,
+        torch.zeros(0, 2, dtype=torch.int32, device=DEVICE),
+        torch.zeros(0, dtype=torch.int32, device=DEVICE),
+        0.1,
+    )
     assert empty.shape == (0, 4, 64)
     bt = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
     cl = torch.ones(1, dtype=torch.int32, device=DEVICE)
@@ -111,8 +118,8 @@ def test_prefill_reference_matches_naive(cache_dtype):
     start = 0
     for i, (ql, n) in enumerate(zip(qlens, ctxs)):
         kd, vd = dense_kv(k, bt[i], n, 0.05), dense_kv(v, bt[i], n, 0.05)
-        expected = naive_attention(q[start:start + ql], kd, vd, 0.1, list(range(n - ql, n)))
-        torch.testing.assert_close(out[start:start + ql].double().cpu(), expected, atol=1e-5, rtol=1e-5)
+        expected = naive_attention(q[start : start + ql], kd, vd, 0.1, list(range(n - ql, n)))
+        torch.testing.assert_close(out[start : start + ql].double().cpu(), expected, atol=1e-5, rtol=1e-5)
         start += ql
 
 
@@ -156,8 +163,10 @@ def test_split_merge_matches_reference():
     merge_splits_triton(mid_o, mid_lse, out)
     assert_close(out, merge_splits_reference(mid_o, mid_lse))
     # With one live split the merge is that split's output.
-    assert_close(merge_splits_reference(mid_o, mid_lse)[0], mid_o[0, :, :2].mul(
-        torch.softmax(mid_lse[0, :, :2] * math.log(2), -1)[..., None]).sum(1))
+    assert_close(
+        merge_splits_reference(mid_o, mid_lse)[0],
+        mid_o[0, :, :2].mul(torch.softmax(mid_lse[0, :, :2] * math.log(2), -1)[..., None]).sum(1),
+    )
 
 
 def test_decode_int64_metadata():
@@ -165,5 +174,8 @@ def test_decode_int64_metadata():
     bt = make_block_tables([5, 3], 4, 8, 3).long()
     cl = torch.tensor([5, 3], dtype=torch.int64, device=DEVICE)
     q = randn(2, 4, 64)
-    assert_close(ops.paged_decode_attention(q, k, v, bt, cl, 0.125),
-                 paged_decode_attention_reference(q, k, v, bt, cl, 0.125), tol=ATTN_TOL)
+    assert_close(
+        ops.paged_decode_attention(q, k, v, bt, cl, 0.125),
+        paged_decode_attention_reference(q, k, v, bt, cl, 0.125),
+        tol=ATTN_TOL,
+    )

@@ -7,13 +7,21 @@ import math
 
 import pytest
 import torch
-
-from kernels.decode_attention import (native_available as decode_native_available, paged_decode_attention_cpu,
-                                      paged_decode_attention_reference, paged_decode_attention_triton)
-from kernels.prefill_attention import (native_available as prefill_native_available, paged_prefill_attention_cpu,
-                                       paged_prefill_attention_reference, paged_prefill_attention_triton)
 from kernel_testlib import ATTN_TOL, DEVICE, FP8, assert_close, make_block_tables, make_cache, randn
 from test_kernel_attention import dense_kv
+
+from kernels.decode_attention import native_available as decode_native_available
+from kernels.decode_attention import (
+    paged_decode_attention_cpu,
+    paged_decode_attention_reference,
+    paged_decode_attention_triton,
+)
+from kernels.prefill_attention import native_available as prefill_native_available
+from kernels.prefill_attention import (
+    paged_prefill_attention_cpu,
+    paged_prefill_attention_reference,
+    paged_prefill_attention_triton,
+)
 
 
 def naive_windowed(q, k, v, scale, q_pos, window, softcap):
@@ -24,10 +32,10 @@ def naive_windowed(q, k, v, scale, q_pos, window, softcap):
         kh, vh = k[:, h // (hq // hk)].cpu(), v[:, h // (hq // hk)].cpu()
         for i in range(q.shape[0]):
             lo = 0 if window is None else max(0, q_pos[i] - window + 1)
-            s = (kh[lo: q_pos[i] + 1] @ q[i, h].double().cpu()) * scale
+            s = (kh[lo : q_pos[i] + 1] @ q[i, h].double().cpu()) * scale
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
-            out[i, h] = torch.softmax(s, 0) @ vh[lo: q_pos[i] + 1]
+            out[i, h] = torch.softmax(s, 0) @ vh[lo : q_pos[i] + 1]
     return out
 
 
@@ -55,11 +63,12 @@ def test_decode_reference_matches_naive_windowed(window, softcap):
     else:
         dense = [(dense_kv(k, bt[i], n, 1.0), dense_kv(v, bt[i], n, 1.0)) for i, n in enumerate(lens)]
     q = randn(len(lens), hq, D)
-    out = paged_decode_attention_reference(q, k, v, bt, torch.tensor(lens, dtype=torch.int32, device=DEVICE), 0.3,
-                                           window=window, softcap=softcap)
+    out = paged_decode_attention_reference(
+        q, k, v, bt, torch.tensor(lens, dtype=torch.int32, device=DEVICE), 0.3, window=window, softcap=softcap
+    )
     for i, n in enumerate(lens):
-        expected = naive_windowed(q[i:i + 1], *dense[i], 0.3, [n - 1], window, softcap)
-        torch.testing.assert_close(out[i:i + 1].double().cpu(), expected, atol=1e-5, rtol=1e-5)
+        expected = naive_windowed(q[i : i + 1], *dense[i], 0.3, [n - 1], window, softcap)
+        torch.testing.assert_close(out[i : i + 1].double().cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window,softcap", WINDOW_CAP)
@@ -74,8 +83,9 @@ def test_decode_triton_matches_reference_windowed(window, softcap, num_splits):
     cl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = randn(len(lens), hq, D)
     expected = paged_decode_attention_reference(q, k, v, bt, cl, 1 / math.sqrt(D), window=window, softcap=softcap)
-    out = paged_decode_attention_triton(q, k, v, bt, cl, 1 / math.sqrt(D), window=window, softcap=softcap,
-                                        num_splits=num_splits)
+    out = paged_decode_attention_triton(
+        q, k, v, bt, cl, 1 / math.sqrt(D), window=window, softcap=softcap, num_splits=num_splits
+    )
     assert_close(out, expected, tol=ATTN_TOL)
 
 
@@ -99,8 +109,8 @@ def test_prefill_reference_matches_naive_windowed(window, softcap):
     out = paged_prefill_attention_reference(q, k, v, bt, qsl, cl, 0.2, window=window, softcap=softcap)
     start = 0
     for i, (ql, n) in enumerate(zip(qlens, ctxs)):
-        expected = naive_windowed(q[start:start + ql], *dense[i], 0.2, list(range(n - ql, n)), window, softcap)
-        torch.testing.assert_close(out[start:start + ql].double().cpu(), expected, atol=1e-5, rtol=1e-5)
+        expected = naive_windowed(q[start : start + ql], *dense[i], 0.2, list(range(n - ql, n)), window, softcap)
+        torch.testing.assert_close(out[start : start + ql].double().cpu(), expected, atol=1e-5, rtol=1e-5)
         start += ql
 
 
@@ -158,6 +168,7 @@ def test_window_and_softcap_are_checked():
 
 
 # ---- GeGLU (Gemma's MLP activation) ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_tanh_and_mul_triton_matches_reference_and_transformers(dtype):

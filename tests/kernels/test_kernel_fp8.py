@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from kernel_testlib import DEVICE, FP8, TOL, assert_close, dot_tol, ops, randn
 
 from kernels.fp8_gemm import fp8_gemm_reference
 from kernels.fp8_quant import scaled_fp8_quant_reference, scaled_fp8_quant_triton
-from kernel_testlib import DEVICE, FP8, TOL, assert_close, dot_tol, ops, randn
 
 
 def test_quant_rounds_like_torch_on_every_fp8_value_and_between():
@@ -31,7 +31,7 @@ def test_dynamic_quant_matches_reference(dtype, per_token):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     # Dequantized values are within half an e4m3 step (relative 2^-4) of the input.
     err = (q.float() * s - x.float()).abs()
-    assert (err <= x.float().abs() * 2 ** -4 + s * 2 ** -9).all()
+    assert (err <= x.float().abs() * 2**-4 + s * 2**-9).all()
 
 
 def test_static_quant_and_empty():
@@ -64,8 +64,7 @@ def test_fp8_gemm_reference_oracle_empty_and_bad_input():
     a, sa = scaled_fp8_quant_reference(randn(3, 32), per_token=True)
     b, sb = scaled_fp8_quant_reference(randn(8, 32, seed=1), per_token=True)
     expected = (a.double() * sa.double()) @ (b.double() * sb.double()).t()
-    torch.testing.assert_close(fp8_gemm_reference(a, b, sa, sb, torch.float32).double(), expected,
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fp8_gemm_reference(a, b, sa, sb, torch.float32).double(), expected, atol=1e-4, rtol=1e-4)
     assert ops.fp8_gemm(a[:0], b, sa[:0], sb, torch.bfloat16).shape == (0, 8)
     with pytest.raises(ValueError, match="nn.Linear"):
         ops.fp8_gemm(a, b.t().contiguous(), sa, sb, torch.float32)

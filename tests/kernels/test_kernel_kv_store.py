@@ -2,24 +2,26 @@
 
 import pytest
 import torch
+from kernel_testlib import DEVICE, FP8, ops, randn
 
 from kernels.block_copy import pack_kv_blocks_reference, unpack_kv_blocks_reference
 from kernels.kv_store import store_kv_reference
-from kernel_testlib import DEVICE, FP8, ops, randn
 
 
 def bits(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-@pytest.mark.parametrize("cache_dtype,act_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                                   (FP8, torch.float16), (FP8, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "cache_dtype,act_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (FP8, torch.float16), (FP8, torch.bfloat16)],
+)
 @pytest.mark.parametrize("D,hk", [(64, 1), (128, 3)])
 def test_store_kv_matches_reference(cache_dtype, act_dtype, D, hk):
     nb, bs, T = 6, 4, 7
     # key/value as strided views of a fused kv projection output, as the engine passes them.
     kv = randn(T, 2 * hk * D, dtype=act_dtype, scale=4.0)
-    key, value = kv[:, :hk * D].view(T, hk, D), kv[:, hk * D:].view(T, hk, D)
+    key, value = kv[:, : hk * D].view(T, hk, D), kv[:, hk * D :].view(T, hk, D)
     slots = torch.tensor([0, 5, -1, 23, 9, -1, 10], device=DEVICE)  # slot 23 is the last of block 5
     k1 = torch.zeros(nb, bs, hk, D, dtype=cache_dtype, device=DEVICE)
     v1, k2, v2 = k1.clone(), k1.clone(), k1.clone()
@@ -53,8 +55,9 @@ def test_store_kv_empty_and_bad_input():
     with pytest.raises(ValueError, match="heads"):
         ops.store_kv(randn(2, 2, 64), randn(2, 2, 64), k, v, torch.zeros(2, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous"):
-        ops.store_kv(randn(2, 1, 64), randn(2, 1, 64), k[:, :2], v[:, :2],
-                     torch.zeros(2, dtype=torch.int64, device=DEVICE))
+        ops.store_kv(
+            randn(2, 1, 64), randn(2, 1, 64), k[:, :2], v[:, :2], torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, FP8])

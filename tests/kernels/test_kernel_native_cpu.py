@@ -1,18 +1,23 @@
 """The native CPU decode attention (kernels/csrc) against the PyTorch reference and a dense oracle."""
 
 import math
-from pathlib import Path
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
+from kernel_testlib import ATTN_TOL, DEVICE, FP8, TOL, assert_close, make_block_tables, make_cache, randn
+from test_kernel_attention import _prefill_case, dense_kv, naive_attention
+from test_kernel_norm_act import hf_llama_rms_norm
 
 from kernels import cpu_native
+from kernels.decode_attention import native_available, paged_decode_attention_cpu, paged_decode_attention_reference
+from kernels.kv_store import store_kv_cpu, store_kv_reference
 from kernels.ops import KernelOps, kernel_ops
-from kernels.decode_attention import (native_available, paged_decode_attention_cpu,
-                                      paged_decode_attention_reference)
-from kernel_testlib import ATTN_TOL, DEVICE, FP8, assert_close, make_block_tables, make_cache, randn
-from test_kernel_attention import dense_kv, naive_attention
+from kernels.prefill_attention import native_available as prefill_native_available
+from kernels.prefill_attention import paged_prefill_attention_cpu, paged_prefill_attention_reference
+from kernels.rms_norm import rms_norm_cpu, rms_norm_reference
+from kernels.rotary import build_rope_cache, rotary_embedding_cpu, rotary_embedding_reference
 
 if DEVICE.type != "cpu":
     pytest.skip("native kernels are for CPU tensors", allow_module_level=True)
@@ -25,8 +30,10 @@ def _built():
 
 
 @pytest.mark.parametrize("hq,hk", [(2, 2), (6, 2), (9, 3), (8, 1)])
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, FP8), (torch.bfloat16, FP8)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, FP8), (torch.bfloat16, FP8)],
+)
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_native_decode_matches_reference(hq, hk, dtype, cache_dtype, block_size):
     check_native_decode(hq, hk, dtype, cache_dtype, block_size, 64)
@@ -66,8 +73,8 @@ def test_native_decode_matches_dense_oracle_with_strided_q():
     assert not q.is_contiguous()
     out = paged_decode_attention_cpu(q, k, v, bt, torch.tensor(lens), 0.1)
     for i, n in enumerate(lens):
-        expected = naive_attention(q[i:i + 1], dense_kv(k, bt[i], n, 1.0), dense_kv(v, bt[i], n, 1.0), 0.1, [n - 1])
-        torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-5, rtol=1e-5)
+        expected = naive_attention(q[i : i + 1], dense_kv(k, bt[i], n, 1.0), dense_kv(v, bt[i], n, 1.0), 0.1, [n - 1])
+        torch.testing.assert_close(out[i : i + 1].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_native_decode_rejects_bad_input():
@@ -95,8 +102,9 @@ def test_context_longer_than_table_is_clamped_not_read_past():
 def test_ops_dispatch_uses_native_in_auto_mode_and_reference_when_asked(monkeypatch):
     calls = []
     real = paged_decode_attention_cpu
-    monkeypatch.setattr("kernels.decode_attention.paged_decode_attention_cpu",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        "kernels.decode_attention.paged_decode_attention_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     k, v = make_cache(8, 4, 1, 64, torch.float32)
     bt = make_block_tables([5], 4, 8, 2)
     q, cl = randn(1, 2, 64), torch.tensor([5], dtype=torch.int32)
@@ -110,8 +118,9 @@ def test_unbuilt_native_kernels_leave_every_op_on_the_reference(native_kernels_o
     assert cpu_native.load("paged_decode_attention") is None
     native = kernel_ops("native", "cpu")
     reference = kernel_ops("reference", "cpu")
-    assert native.backend == "native" and native == KernelOps("native", **{
-        f.name: getattr(reference, f.name) for f in fields(KernelOps) if f.name != "backend"})
+    assert native.backend == "native" and native == KernelOps(
+        "native", **{f.name: getattr(reference, f.name) for f in fields(KernelOps) if f.name != "backend"}
+    )
 
 
 def test_library_is_cached_per_source(tmp_path):
@@ -124,15 +133,11 @@ def test_library_is_cached_per_source(tmp_path):
 
 
 # ---- RMSNorm, rotary embedding, KV store -------------------------------------------------------
-from kernels.kv_store import store_kv_cpu, store_kv_reference  # noqa: E402
-from kernels.rms_norm import rms_norm_cpu, rms_norm_reference  # noqa: E402
-from kernels.rotary import build_rope_cache, rotary_embedding_cpu, rotary_embedding_reference  # noqa: E402
-from kernel_testlib import TOL  # noqa: E402
-from test_kernel_norm_act import hf_llama_rms_norm  # noqa: E402
 
 
-@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                           (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
 @pytest.mark.parametrize("T,H", [(1, 64), (7, 576), (3, 1000)])
 def test_native_rms_norm_matches_reference(dtype, w_dtype, T, H):
     big = randn(T, 2 * H, dtype=dtype)
@@ -209,8 +214,11 @@ def test_native_silu_and_mul_matches_reference(dtype, T, inter):
     assert out.dtype == dtype and out.shape == (T, inter)
     assert_close(out, silu_and_mul_reference(x))
     gate, up = x[:, :inter].double(), x[:, inter:].double()  # float64 oracle, written out
-    torch.testing.assert_close(out.double(), gate / (1 + torch.exp(-gate)) * up, **(
-        {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}))
+    torch.testing.assert_close(
+        out.double(),
+        gate / (1 + torch.exp(-gate)) * up,
+        **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -219,26 +227,41 @@ def test_native_silu_and_mul_extreme_gates(dtype):
     behave as in g / (1 + exp(-g)). 32 gates, so both halves go through the 16-lane path."""
     from kernels.silu_mul import silu_and_mul_cpu
 
-    special = [0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, 100.0, -100.0, 1e4, -1e4,
-               float("inf"), float("-inf"), float("nan"), 0.5]
+    special = [
+        0.0,
+        -0.0,
+        1e-30,
+        -1e-30,
+        20.0,
+        -20.0,
+        88.0,
+        -88.0,
+        100.0,
+        -100.0,
+        1e4,
+        -1e4,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        0.5,
+    ]
     gate = torch.tensor(special + [-x for x in special], dtype=torch.float64)
     up = torch.linspace(-2, 2, gate.numel(), dtype=torch.float64)
     x = torch.cat([gate, up]).view(1, -1).to(dtype)
     out = silu_and_mul_cpu(x).double()
-    g, u = x[:, :gate.numel()].double(), x[:, gate.numel():].double()
-    torch.testing.assert_close(out, g / (1 + torch.exp(-g)) * u, atol=1e-6, rtol=1e-2 if dtype == torch.bfloat16
-                               else 1e-5, equal_nan=True)
+    g, u = x[:, : gate.numel()].double(), x[:, gate.numel() :].double()
+    torch.testing.assert_close(
+        out, g / (1 + torch.exp(-g)) * u, atol=1e-6, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, equal_nan=True
+    )
 
 
 # ---- prefill attention ---------------------------------------------------------------------------
-from kernels.prefill_attention import (native_available as prefill_native_available,  # noqa: E402
-                                       paged_prefill_attention_cpu, paged_prefill_attention_reference)
-from test_kernel_attention import _prefill_case  # noqa: E402
 
 
 @pytest.mark.parametrize("hq,hk", [(9, 3), (4, 4), (8, 1)])
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.bfloat16, FP8)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8)]
+)
 @pytest.mark.parametrize("D", [64, 128])
 def test_native_prefill_matches_reference(hq, hk, dtype, cache_dtype, D):
     # Whole prompts, a chunk after a cached prefix that ends mid-page, a single token, and one query
@@ -259,8 +282,8 @@ def test_native_prefill_matches_dense_oracle():
     start = 0
     for i, (ql, n) in enumerate(zip(qlens, ctxs)):
         kd, vd = dense_kv(k, bt[i], n, 1.0), dense_kv(v, bt[i], n, 1.0)
-        expected = naive_attention(q[start:start + ql], kd, vd, 0.1, list(range(n - ql, n)))
-        torch.testing.assert_close(out[start:start + ql].double(), expected, atol=1e-5, rtol=1e-5)
+        expected = naive_attention(q[start : start + ql], kd, vd, 0.1, list(range(n - ql, n)))
+        torch.testing.assert_close(out[start : start + ql].double(), expected, atol=1e-5, rtol=1e-5)
         start += ql
 
 
@@ -272,8 +295,11 @@ def test_native_prefill_rejects_bad_input_and_dispatch_falls_back_for_other_bloc
         paged_prefill_attention_cpu(q, k, v, bt, torch.tensor([0, 3], dtype=torch.int32), cl, 0.1)
     q4, k4, v4, bt4, qsl4, cl4 = _prefill_case([4], [4], 2, 1, 64, torch.float32, torch.float32, bs=4)
     assert not prefill_native_available(q4, k4)  # block size 4 is not compiled: ops uses the reference
-    assert_close(kernel_ops("auto", "cpu").paged_prefill_attention(q4, k4, v4, bt4, qsl4, cl4, 0.1),
-                 paged_prefill_attention_reference(q4, k4, v4, bt4, qsl4, cl4, 0.1), tol=ATTN_TOL)
+    assert_close(
+        kernel_ops("auto", "cpu").paged_prefill_attention(q4, k4, v4, bt4, qsl4, cl4, 0.1),
+        paged_prefill_attention_reference(q4, k4, v4, bt4, qsl4, cl4, 0.1),
+        tol=ATTN_TOL,
+    )
 
 
 def test_unwritable_cache_or_broken_compiler_falls_back_to_pytorch(tmp_path, monkeypatch):
@@ -286,8 +312,9 @@ def test_unwritable_cache_or_broken_compiler_falls_back_to_pytorch(tmp_path, mon
     # A library that does not load leaves its op on the reference, chosen when the ops are built.
     monkeypatch.setattr(cpu_native, "function", lambda name, symbol, argtypes: None)
     calls = []
-    monkeypatch.setattr("kernels.rms_norm.rms_norm_reference",
-                        lambda *a, **kw: calls.append(1) or rms_norm_reference(*a, **kw))
+    monkeypatch.setattr(
+        "kernels.rms_norm.rms_norm_reference", lambda *a, **kw: calls.append(1) or rms_norm_reference(*a, **kw)
+    )
     x, w = randn(2, 64), randn(64, seed=1)
     assert_close(kernel_ops("auto", "cpu").rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
     assert calls == [1]  # ops fell back to the PyTorch reference
@@ -299,9 +326,11 @@ def test_loading_the_native_kernels_keeps_subnormal_floats():
     import subprocess
     import sys
 
-    code = ("from kernels import cpu_native; import torch\n"
-            "assert all(cpu_native.build_all().values())\n"
-            "x = 5e-324\n"
-            "assert x * 1.0 != 0.0, 'python flushes subnormals'\n"
-            "assert (torch.tensor([1e-40]) * 1.0).item() != 0.0, 'torch flushes subnormals'\n")
+    code = (
+        "from kernels import cpu_native; import torch\n"
+        "assert all(cpu_native.build_all().values())\n"
+        "x = 5e-324\n"
+        "assert x * 1.0 != 0.0, 'python flushes subnormals'\n"
+        "assert (torch.tensor([1e-40]) * 1.0).item() != 0.0, 'torch flushes subnormals'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[2]))

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from kernel_testlib import assert_close, ops, randn
 
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
-from kernel_testlib import assert_close, ops, randn
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -64,9 +64,9 @@ def test_rms_norm_rejects_bad_input():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,I", [(1, 16), (5, 1100)])
-def test_silu_and_mul_matches_reference(dtype, T, I):
-    x = randn(T, 2 * I, dtype=dtype, scale=3.0)
+@pytest.mark.parametrize("T,inter", [(1, 16), (5, 1100)])
+def test_silu_and_mul_matches_reference(dtype, T, inter):
+    x = randn(T, 2 * inter, dtype=dtype, scale=3.0)
     assert_close(silu_and_mul_triton(x), silu_and_mul_reference(x))
 
 

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from kernel_testlib import DEVICE, ops, randn
 
 from kernels import decode_attention, rms_norm, silu_mul
 from kernels._triton_compat import LazyJIT
 from kernels.fp8_quant import scaled_fp8_quant_reference
 from kernels.ops import BACKENDS, kernel_ops, resolve_backend
 from kernels.rms_norm import rms_norm_reference
-from kernel_testlib import DEVICE, ops, randn
 
 
 def test_backend_selection():
@@ -50,13 +50,16 @@ def test_empty_inputs_launch_nothing(monkeypatch):
     k, v = randn(2, 4, 1, 64), randn(2, 4, 1, 64, seed=1)
     assert ops.rms_norm(randn(0, 64), randn(64), 1e-6).shape == (0, 64)
     assert ops.silu_and_mul(randn(0, 64)).shape == (0, 32)
-    ops.rotary_embedding(torch.zeros(0, dtype=torch.int64, device=DEVICE), randn(0, 2, 64), randn(0, 1, 64),
-                         randn(8, 64))
+    ops.rotary_embedding(
+        torch.zeros(0, dtype=torch.int64, device=DEVICE), randn(0, 2, 64), randn(0, 1, 64), randn(8, 64)
+    )
     ops.store_kv(randn(0, 1, 64), randn(0, 1, 64), k, v, torch.zeros(0, dtype=torch.int64, device=DEVICE))
-    assert ops.paged_decode_attention(randn(0, 2, 64), k, v, torch.zeros(0, 1, **i32), torch.zeros(0, **i32),
-                                      0.1).shape == (0, 2, 64)
-    assert ops.paged_prefill_attention(randn(0, 2, 64), k, v, torch.zeros(0, 1, **i32), torch.zeros(1, **i32),
-                                       torch.zeros(0, **i32), 0.1).shape == (0, 2, 64)
+    assert ops.paged_decode_attention(
+        randn(0, 2, 64), k, v, torch.zeros(0, 1, **i32), torch.zeros(0, **i32), 0.1
+    ).shape == (0, 2, 64)
+    assert ops.paged_prefill_attention(
+        randn(0, 2, 64), k, v, torch.zeros(0, 1, **i32), torch.zeros(1, **i32), torch.zeros(0, **i32), 0.1
+    ).shape == (0, 2, 64)
     q, s = ops.scaled_fp8_quant(randn(0, 64), per_token=True)
     assert q.shape == (0, 64)
     b, sb = scaled_fp8_quant_reference(randn(8, 64))  # not empty: quantized without Triton

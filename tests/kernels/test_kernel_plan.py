@@ -40,11 +40,13 @@ def test_fp8_refused_below_sm89_with_the_alternative(target):
     msg = str(e.value)
     assert "8.0" in msg and "sm_80" in msg and "A100" in msg and "8.9" in msg
     assert "kv_cache_dtype 'auto'" in msg and "quantization" in msg
-    for call in (lambda: P.decode_attention_plan(dev, batch=1, max_ctx=1024, dtype="bfloat16", kv_dtype=FP8, **LLAMA),
-                 lambda: P.prefill_attention_plan(dev, max_q=64, dtype="bfloat16", kv_dtype=FP8, **LLAMA),
-                 lambda: P.fp8_gemm_plan(dev, M=8, N=4096, K=4096),
-                 lambda: P.fp8_quant_plan(dev, N=4096, dynamic_row=True, scale_per_row=True, min_scale=1e-6),
-                 lambda: P.store_kv_plan(dev, num_heads=8, head_dim=128, kv_dtype=FP8)):
+    for call in (
+        lambda: P.decode_attention_plan(dev, batch=1, max_ctx=1024, dtype="bfloat16", kv_dtype=FP8, **LLAMA),
+        lambda: P.prefill_attention_plan(dev, max_q=64, dtype="bfloat16", kv_dtype=FP8, **LLAMA),
+        lambda: P.fp8_gemm_plan(dev, M=8, N=4096, K=4096),
+        lambda: P.fp8_quant_plan(dev, N=4096, dynamic_row=True, scale_per_row=True, min_scale=1e-6),
+        lambda: P.store_kv_plan(dev, num_heads=8, head_dim=128, kv_dtype=FP8),
+    ):
         with pytest.raises(ValueError, match="compute capability 8.0"):
             call()
     # bfloat16 KV, the alternative, plans fine there.
@@ -75,13 +77,14 @@ def test_a_windowed_prefill_never_has_a_query_tile_taller_than_its_key_tile(targ
     # The kernel starts a tile's key loop at its first row's first visible key: a taller query tile
     # leaves its last rows with no key at all (an H200 run of the float32 windowed tests hit this).
     dev = P.TARGETS[target]
-    for dtype, kv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                            (torch.bfloat16, FP8)):
+    for dtype, kv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8)):
         if kv_dtype == FP8 and not P.fp8_supported(dev):
             continue
         for max_q in (1, 16, 17, 64, 65, 128, 2048):
             plain = P.prefill_attention_plan(dev, max_q=max_q, dtype=dtype, kv_dtype=kv_dtype, **LLAMA)
-            windowed = P.prefill_attention_plan(dev, max_q=max_q, dtype=dtype, kv_dtype=kv_dtype, windowed=True, **LLAMA)
+            windowed = P.prefill_attention_plan(
+                dev, max_q=max_q, dtype=dtype, kv_dtype=kv_dtype, windowed=True, **LLAMA
+            )
             assert windowed.meta["BLOCK_M"] <= windowed.meta["BLOCK_N"] == plain.meta["BLOCK_N"]
             if plain.meta["BLOCK_M"] <= plain.meta["BLOCK_N"]:
                 assert windowed == plain
@@ -95,8 +98,10 @@ def test_fp8_kv_reaches_bfloat16_through_float32_only_below_sm90():
         prefill = P.prefill_attention_plan(dev, max_q=512, **shape)
         assert decode.meta.get("FP8_VIA_F32", False) is prefill.meta.get("FP8_VIA_F32", False) is via, target
     sm89 = P.TARGETS["sm_89"]
-    assert "FP8_VIA_F32" not in P.prefill_attention_plan(sm89, max_q=512, dtype=torch.bfloat16,
-                                                         kv_dtype=torch.bfloat16, **LLAMA).meta
+    assert (
+        "FP8_VIA_F32"
+        not in P.prefill_attention_plan(sm89, max_q=512, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, **LLAMA).meta
+    )
 
 
 def test_cpu_plans_are_the_interpreters_original_choices():
@@ -116,14 +121,20 @@ def test_cpu_plans_are_the_interpreters_original_choices():
         P.decode_attention_plan(cpu, batch=1, max_ctx=64, dtype="float32", kv_dtype="float32", num_splits=0, **LLAMA)
     g = P.fp8_gemm_plan(cpu, M=5, N=40, K=300)
     assert dict(g.meta, w=g.num_warps, s=g.num_stages) == dict(
-        SA_PER_ROW=False, SB_PER_COL=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, w=4, s=1)
+        SA_PER_ROW=False, SB_PER_COL=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, w=4, s=1
+    )
 
 
 def test_plans_are_pure_and_cached():
     dev = P.TARGETS["sm_90"]
     a = P.prefill_attention_plan(dev, max_q=512, dtype="bfloat16", kv_dtype="bfloat16", **LLAMA)
-    b = P.prefill_attention_plan(P.DeviceSpec("cuda", (9, 0), 132, 227 * 1024, 1024, "NVIDIA H100"),
-                                 max_q=512, dtype="bfloat16", kv_dtype="bfloat16", **LLAMA)
+    b = P.prefill_attention_plan(
+        P.DeviceSpec("cuda", (9, 0), 132, 227 * 1024, 1024, "NVIDIA H100"),
+        max_q=512,
+        dtype="bfloat16",
+        kv_dtype="bfloat16",
+        **LLAMA,
+    )
     assert a == b and hash(a) == hash(b)
     assert a.launch_kwargs() == dict(a.meta, num_warps=8, num_stages=2)
 
@@ -135,7 +146,8 @@ def test_docs_table_is_the_plans():
     assert m, "docs/development.md lacks the <!-- kernel-plans --> table"
     assert m.group(1).strip() == P.plan_table(), (
         "docs/development.md's kernel plan table is stale; paste `python -c 'from kernels.plan import plan_table; "
-        "print(plan_table())'` between its markers")
+        "print(plan_table())'` between its markers"
+    )
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +167,7 @@ def test_tf32_attention_keeps_the_float32_contract(ctx):
     q = torch.randn(hq, d, generator=g) * 2
     k = torch.randn(ctx, d, generator=g) * 2
     v = torch.randn(ctx, d, generator=g)
-    scale = d ** -0.5
+    scale = d**-0.5
     ref = torch.softmax((q.double() @ k.double().T) * scale, -1) @ v.double()
     s = (_tf32(q).double() @ _tf32(k).double().T) * scale
     p = torch.softmax(s, -1).float()

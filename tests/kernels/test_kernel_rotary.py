@@ -2,23 +2,31 @@
 
 import pytest
 import torch
-
-from kernels.rotary import build_rope_cache, rotary_embedding_reference, rotary_embedding_triton
 from kernel_testlib import DEVICE, assert_close, ops, randn
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
+from kernels.rotary import build_rope_cache, rotary_embedding_reference, rotary_embedding_triton
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
-@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "default"}, {"rope_type": "linear", "factor": 4.0},
-                                          LLAMA3, {"type": "linear", "factor": 2.0}])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [None, {"rope_type": "default"}, {"rope_type": "linear", "factor": 4.0}, LLAMA3, {"type": "linear", "factor": 2.0}],
+)
 def test_rope_cache_matches_transformers(rope_scaling):
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     kw = {"rope_scaling": rope_scaling} if rope_scaling else {}
-    cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=300,
-                                   rope_theta=500000.0, **kw)
+    cfg = transformers.LlamaConfig(
+        hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=300, rope_theta=500000.0, **kw
+    )
     cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1), torch.arange(300)[None])
     cache = build_rope_cache(128, 300, 500000.0, rope_scaling)
     assert cache.dtype == torch.float32 and cache.shape == (300, 128)
@@ -39,8 +47,8 @@ def test_rotary_reference_matches_hf_apply():
     cache = build_rope_cache(D, 50, 10000.0, None)
     pos = torch.tensor([0, 3, 7, 49, 2, 2])
     q, k = randn(T, 4, D).cpu(), randn(T, 2, D, seed=1).cpu()
-    cos = torch.cat([cache[pos, :D // 2]] * 2, -1)[None]
-    sin = torch.cat([cache[pos, D // 2:]] * 2, -1)[None]
+    cos = torch.cat([cache[pos, : D // 2]] * 2, -1)[None]
+    sin = torch.cat([cache[pos, D // 2 :]] * 2, -1)[None]
     q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     rotary_embedding_reference(pos, q, k, cache)
     assert_close(q, q_hf[0].transpose(0, 1))
@@ -57,13 +65,13 @@ def test_rotary_in_place_on_fused_qkv_views(dtype, D, hq, hk):
     qkv_ref = qkv.clone()
 
     def views(t):
-        return t[:, :hq * D].view(T, hq, D), t[:, hq * D:(hq + hk) * D].view(T, hk, D)
+        return t[:, : hq * D].view(T, hq, D), t[:, hq * D : (hq + hk) * D].view(T, hk, D)
 
     rotary_embedding_triton(pos, *views(qkv), cache)
     rotary_embedding_reference(pos, *views(qkv_ref), cache)
     assert_close(qkv, qkv_ref)
     # V (the last third) is untouched.
-    assert torch.equal(qkv[:, (hq + hk) * D:], qkv_ref[:, (hq + hk) * D:])
+    assert torch.equal(qkv[:, (hq + hk) * D :], qkv_ref[:, (hq + hk) * D :])
 
 
 def test_rotary_single_token_and_empty():

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from kernels import amx_linear, small_m_linear
-from kernels.layer_stack import (LayerGeometry, LayerStack, LayerWeights, StackBatch, entry_points,
-                                 layer_stack_reference)
+from kernels.layer_stack import LayerGeometry, LayerStack, LayerWeights, StackBatch, entry_points, layer_stack_reference
 from kernels.rotary import build_rope_cache
 
 if entry_points() is None:
@@ -22,22 +21,38 @@ BLOCK_SIZE, NUM_BLOCKS = 16, 24
 
 def geometry(softcap=None, head_dim=64) -> LayerGeometry:
     heads = 128 // head_dim
-    return LayerGeometry(hidden_size=64, intermediate_size=48, num_heads=heads, num_kv_heads=heads // 2,
-                         head_dim=head_dim, eps=1e-5, scale=head_dim ** -0.5, softcap=softcap)
+    return LayerGeometry(
+        hidden_size=64,
+        intermediate_size=48,
+        num_heads=heads,
+        num_kv_heads=heads // 2,
+        head_dim=head_dim,
+        eps=1e-5,
+        scale=head_dim**-0.5,
+        softcap=softcap,
+    )
 
 
 def random_layers(g: LayerGeometry, windows, gen) -> list[LayerWeights]:
     def packed(n, k):
-        return small_m_linear.pack_weight(torch.randn(n, k, generator=gen) * k ** -0.5)
+        return small_m_linear.pack_weight(torch.randn(n, k, generator=gen) * k**-0.5)
 
     q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     cache = (NUM_BLOCKS, BLOCK_SIZE, g.num_kv_heads, g.head_dim)
-    return [LayerWeights(
-        input_norm=1 + 0.1 * torch.randn(g.hidden_size, generator=gen), qkv=packed(q + 2 * kv, g.hidden_size),
-        o=packed(g.hidden_size, q), post_norm=1 + 0.1 * torch.randn(g.hidden_size, generator=gen),
-        gate_up=packed(2 * g.intermediate_size, g.hidden_size), down=packed(g.hidden_size, g.intermediate_size),
-        k_cache=torch.randn(cache, generator=gen), v_cache=torch.randn(cache, generator=gen), window=w)
-        for w in windows]
+    return [
+        LayerWeights(
+            input_norm=1 + 0.1 * torch.randn(g.hidden_size, generator=gen),
+            qkv=packed(q + 2 * kv, g.hidden_size),
+            o=packed(g.hidden_size, q),
+            post_norm=1 + 0.1 * torch.randn(g.hidden_size, generator=gen),
+            gate_up=packed(2 * g.intermediate_size, g.hidden_size),
+            down=packed(g.hidden_size, g.intermediate_size),
+            k_cache=torch.randn(cache, generator=gen),
+            v_cache=torch.randn(cache, generator=gen),
+            window=w,
+        )
+        for w in windows
+    ]
 
 
 def batch(context_lens: list[int], gen, chunks: list[tuple[int, int]] = ()) -> StackBatch:
@@ -62,10 +77,15 @@ def batch(context_lens: list[int], gen, chunks: list[tuple[int, int]] = ()) -> S
     starts = [0]
     for _, n in chunks:
         starts.append(starts[-1] + n)
-    return StackBatch(torch.tensor(positions, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64),
-                      decode_tables, torch.tensor(context_lens, dtype=torch.int32), prefill_tables,
-                      torch.tensor(starts, dtype=torch.int32),
-                      torch.tensor([before + n for before, n in chunks], dtype=torch.int32))
+    return StackBatch(
+        torch.tensor(positions, dtype=torch.int64),
+        torch.tensor(slots, dtype=torch.int64),
+        decode_tables,
+        torch.tensor(context_lens, dtype=torch.int32),
+        prefill_tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor([before + n for before, n in chunks], dtype=torch.int32),
+    )
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
@@ -75,8 +95,9 @@ def test_matches_the_references_layer_by_layer(softcap, threads, rows, head_dim)
     gen = torch.Generator().manual_seed(7)
     g = geometry(softcap, head_dim)
     layers = random_layers(g, [None, 21, None], gen)  # a sliding-window layer between two full ones
-    copies = [LayerWeights(**{**w.__dict__, "k_cache": w.k_cache.clone(), "v_cache": w.v_cache.clone()})
-              for w in layers]
+    copies = [
+        LayerWeights(**{**w.__dict__, "k_cache": w.k_cache.clone(), "v_cache": w.v_cache.clone()}) for w in layers
+    ]
     rope = build_rope_cache(g.head_dim, 64, 10000.0, None)
     decode = [1, 17, 40] if rows != "prefill" else []
     chunks = [(0, 19), (35, 8)] if rows != "decode" else []  # a whole prompt, and a chunk after 35 cached tokens
@@ -97,17 +118,20 @@ def test_matches_the_references_layer_by_layer(softcap, threads, rows, head_dim)
 def test_prompt_runs_take_the_bf16x3_projections_and_other_rows_float32(threads):
     gen = torch.Generator().manual_seed(5)
     g = geometry(None, 64)
-    layers = [replace(w, **{f"{name}_tiles": amx_linear.pack_weight(getattr(w, name))
-                            for name in ("qkv", "o", "gate_up", "down")})
-              for w in random_layers(g, [None, 21], gen)]
+    layers = [
+        replace(
+            w, **{f"{name}_tiles": amx_linear.pack_weight(getattr(w, name)) for name in ("qkv", "o", "gate_up", "down")}
+        )
+        for w in random_layers(g, [None, 21], gen)
+    ]
     rope = build_rope_cache(g.head_dim, 64, 10000.0, None)
     # Decode rows 0-2, then a whole 19-token prompt (rows 3-21) and a 9-token chunk of which the
     # first 5 tokens close a prompt (rows 22-26) and the last 4 are recomputed outputs.
-    step = replace(batch([1, 17, 40], gen, [(0, 19), (35, 9)]),
-                   prompt_runs=torch.tensor([[3, 27]], dtype=torch.int64))
+    step = replace(batch([1, 17, 40], gen, [(0, 19), (35, 9)]), prompt_runs=torch.tensor([[3, 27]], dtype=torch.int64))
     hidden = torch.randn(step.positions.shape[0], g.hidden_size, generator=gen)
-    copies = [LayerWeights(**{**w.__dict__, "k_cache": w.k_cache.clone(), "v_cache": w.v_cache.clone()})
-              for w in layers]
+    copies = [
+        LayerWeights(**{**w.__dict__, "k_cache": w.k_cache.clone(), "v_cache": w.v_cache.clone()}) for w in layers
+    ]
     stack = LayerStack(g, layers, rope)
     assert stack.tiled
     out, residual = stack.run(hidden, step, num_threads=threads)
@@ -116,8 +140,9 @@ def test_prompt_runs_take_the_bf16x3_projections_and_other_rows_float32(threads)
     torch.testing.assert_close(residual, want_residual, atol=1e-4, rtol=1e-4)
     # The decode rows (their own pages, no prompt row's KV) are the float32 pass's bits; the prompt
     # rows differ from it (they did run on the tiles). The reference above checked rows 27-30 too.
-    plain, _ = LayerStack(g, [replace(w, qkv_tiles=None, o_tiles=None, gate_up_tiles=None, down_tiles=None)
-                              for w in copies], rope).run(hidden, step, num_threads=threads)
+    plain, _ = LayerStack(
+        g, [replace(w, qkv_tiles=None, o_tiles=None, gate_up_tiles=None, down_tiles=None) for w in copies], rope
+    ).run(hidden, step, num_threads=threads)
     assert torch.equal(out[:3], plain[:3]) and not torch.equal(out[3:27], plain[3:27])
     with pytest.raises(ValueError, match="prompt_runs"):
         stack.run(hidden, replace(step, prompt_runs=torch.tensor([[3, 40]], dtype=torch.int64)), num_threads=1)
@@ -141,16 +166,22 @@ def test_an_empty_batch_and_bad_inputs():
     with pytest.raises(ValueError, match="the batch has 2 tokens, hidden 3"):
         stack.run(torch.randn(3, 64), step, num_threads=1)
     with pytest.raises(ValueError, match="longer than its block table"):
-        stack.run(torch.randn(2, 64), replace(step, decode_context_lens=torch.tensor([17, 3], dtype=torch.int32)),
-                  num_threads=1)
+        stack.run(
+            torch.randn(2, 64),
+            replace(step, decode_context_lens=torch.tensor([17, 3], dtype=torch.int32)),
+            num_threads=1,
+        )
     with pytest.raises(ValueError, match="decode_block_tables dtype"):
         stack.run(torch.randn(2, 64), replace(step, decode_block_tables=step.decode_block_tables.long()), num_threads=1)
     with pytest.raises(ValueError, match="hidden must be contiguous"):
         stack.run(torch.randn(2, 32), step, num_threads=1)
     chunked = batch([], gen, [(0, 3)])
     with pytest.raises(ValueError, match="prefill_query_start"):
-        stack.run(torch.randn(3, 64), replace(chunked, prefill_query_start=torch.tensor([0, 2], dtype=torch.int32)),
-                  num_threads=1)
+        stack.run(
+            torch.randn(3, 64),
+            replace(chunked, prefill_query_start=torch.tensor([0, 2], dtype=torch.int32)),
+            num_threads=1,
+        )
     assert not stack.takes_prefill  # head dim 16: no native prefill attention, decode-only steps
     with pytest.raises(ValueError, match="runs decode-only steps"):
         stack.run(torch.randn(3, 64), chunked, num_threads=1)

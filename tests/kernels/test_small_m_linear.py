@@ -17,7 +17,7 @@ if not sml.native_built():
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_linear(out_features, in_features, rows, bias):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
-    weight = torch.randn(out_features, in_features, generator=g) * in_features ** -0.5
+    weight = torch.randn(out_features, in_features, generator=g) * in_features**-0.5
     b = torch.randn(out_features, generator=g) if bias else None
     x = torch.randn(rows, in_features, generator=g)
     out = sml.small_m_linear_cpu(x, sml.pack_weight(weight), b)

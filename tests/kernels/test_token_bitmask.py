@@ -3,9 +3,15 @@ hand-computed case."""
 
 import pytest
 import torch
-xgrammar = pytest.importorskip("xgrammar", reason="xgrammar is the oracle here; the GPU image lacks it")
 
-from kernels.token_bitmask import allocate_token_bitmask, apply_token_bitmask_cpu, apply_token_bitmask_reference, native_available
+from kernels.token_bitmask import (
+    allocate_token_bitmask,
+    apply_token_bitmask_cpu,
+    apply_token_bitmask_reference,
+    native_available,
+)
+
+xgrammar = pytest.importorskip("xgrammar", reason="xgrammar is the oracle here; the GPU image lacks it")
 
 KERNELS = [apply_token_bitmask_reference, apply_token_bitmask_cpu]
 

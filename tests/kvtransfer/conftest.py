@@ -41,7 +41,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if HERE in pathlib.Path(item.path).parents and CROSS_PROCESS.intersection(
-                str(params.get(name)) for name in ("kind", "kind_")):
+            str(params.get(name)) for name in ("kind", "kind_")
+        ):
             item.add_marker(pytest.mark.slow)
 
 
@@ -54,8 +55,11 @@ def ray_sides():
 
     from cluster.testing import private_ray
 
-    with private_ray(num_cpus=2, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}):
+    with private_ray(
+        num_cpus=2,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+    ):
         worker = ray.remote(num_cpus=0)(KVWorker)
         p, d = worker.remote(), worker.remote()
         sides = RaySide(p), RaySide(d)
@@ -92,8 +96,7 @@ def sides_for(request):
     made = []
 
     def make(kind: str):
-        pair = request.getfixturevalue("ray_sides") if kind in CROSS_PROCESS else \
-            (KVWorker(), KVWorker())
+        pair = request.getfixturevalue("ray_sides") if kind in CROSS_PROCESS else (KVWorker(), KVWorker())
         made.append(pair)
         return pair
 

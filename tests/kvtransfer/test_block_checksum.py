@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.block_checksum import (BlockSummer, SummingCopier, block_sums_reference, native_available,
-                                    sums_of_rows)
+from kernels.block_checksum import BlockSummer, SummingCopier, block_sums_reference, native_available, sums_of_rows
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = [  # [L, 2, N, block_size, Hk, D], dtype
@@ -46,9 +45,9 @@ def test_reference_matches_a_hand_computation():
     rows = np.zeros((2, 1, 12), dtype=np.uint8)  # 2 pieces of 12 bytes: words 0,1 | 2,3 (zero-extended tails)
     rows[0, 0, 0] = 3  # word 0 = 3
     rows[0, 0, 8] = 1  # word 1 = 1 (tail)
-    rows[1, 0, 0:8] = np.frombuffer((2 ** 64 - 1).to_bytes(8, "little"), dtype=np.uint8)  # word 2 = -1
+    rows[1, 0, 0:8] = np.frombuffer((2**64 - 1).to_bytes(8, "little"), dtype=np.uint8)  # word 2 = -1
     s1, s2 = sums_of_rows(rows, [0])[0]
-    mod = 2 ** 64
+    mod = 2**64
     assert int(s1) == (3 + 1 + (mod - 1)) % mod
     assert int(s2) == (3 * 1 + 1 * 3 + (mod - 1) * 5) % mod
 
@@ -84,7 +83,10 @@ def test_summing_copy_publishes_landed_chunks_in_order():
     landed = np.zeros(1, dtype=np.int64)
     seen, wrong = [], []
     done = threading.Event()
-    src_rows, dst_rows = src.view(torch.uint8).numpy().reshape(8, 600, -1), dst.view(torch.uint8).numpy().reshape(8, 600, -1)
+    src_rows, dst_rows = (
+        src.view(torch.uint8).numpy().reshape(8, 600, -1),
+        dst.view(torch.uint8).numpy().reshape(8, 600, -1),
+    )
 
     def watch():
         checked = 0
@@ -92,7 +94,7 @@ def test_summing_copy_publishes_landed_chunks_in_order():
             count = int(landed[0])
             if count > checked:
                 seen.append(count)
-                if not np.array_equal(dst_rows[:, checked:count], src_rows[:, 300 + checked:300 + count]):
+                if not np.array_equal(dst_rows[:, checked:count], src_rows[:, 300 + checked : 300 + count]):
                     wrong.append(count)
                 checked = count
 
@@ -124,8 +126,9 @@ def test_follow_sums_chunks_as_a_concurrent_copy_lands_them():
     landed, state = np.zeros(1, dtype=np.int64), np.array([busy], dtype=np.int64)
     out, progress = np.zeros((n, 2), dtype=np.uint64), np.zeros(1, dtype=np.int64)
     summer, result = BlockSummer(dst), {}
-    follower = threading.Thread(target=lambda: result.setdefault(
-        "done", summer.follow(dst_ids, out, progress, landed, state, busy, 5.0)))
+    follower = threading.Thread(
+        target=lambda: result.setdefault("done", summer.follow(dst_ids, out, progress, landed, state, busy, 5.0))
+    )
     want = block_sums_reference(src, torch.tensor(list(src_ids)))
     torn = []  # a count read while the call runs must cover sums already written (another thread lands on it)
 
@@ -149,8 +152,8 @@ def test_follow_sums_chunks_as_a_concurrent_copy_lands_them():
     t0 = time.monotonic()
     assert summer.follow(dst_ids, out, progress, landed, state, busy, 0.01) == n // 2 == int(progress[0])
     assert time.monotonic() - t0 < 5.0
-    assert np.array_equal(out[:n // 2], block_sums_reference(dst, torch.tensor(list(dst_ids[:n // 2]))))
-    assert not out[n // 2:].any()
+    assert np.array_equal(out[: n // 2], block_sums_reference(dst, torch.tensor(list(dst_ids[: n // 2]))))
+    assert not out[n // 2 :].any()
     assert summer.follow(dst_ids, out, progress, landed, np.array([ended], dtype=np.int64), busy, 5.0) == n // 2
     with pytest.raises(ValueError, match="done"):
         summer.follow(dst_ids, out, np.array([n + 1], dtype=np.int64), landed, state, busy, 0.0)
@@ -186,6 +189,5 @@ print("TRITON_OK")
 def test_triton_kernel_equals_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert "TRITON_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

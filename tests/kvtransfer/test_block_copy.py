@@ -21,8 +21,14 @@ NUM_BLOCKS = 24
 LAYOUTS = [
     KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"),
     KVLayout(num_layers=3, num_kv_heads=1, head_dim=16, block_size=2, dtype="bfloat16"),
-    KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float8_e4m3fn",
-             kv_scales=((0.5, 0.25), (2.0, 1.5))),
+    KVLayout(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        dtype="float8_e4m3fn",
+        kv_scales=((0.5, 0.25), (2.0, 1.5)),
+    ),
 ]
 F32 = LAYOUTS[0]
 
@@ -36,8 +42,10 @@ STRUCTURES = {
     "reversed": (list(range(9, 1, -1)), list(range(2, 10))),
     "repeated_src": ([5, 5, 6, 5], [0, 1, 2, 3]),
     "single": ([23], [0]),
-    "all_blocks_shuffled": (random.Random(1).sample(range(NUM_BLOCKS), NUM_BLOCKS),
-                            random.Random(2).sample(range(NUM_BLOCKS), NUM_BLOCKS)),
+    "all_blocks_shuffled": (
+        random.Random(1).sample(range(NUM_BLOCKS), NUM_BLOCKS),
+        random.Random(2).sample(range(NUM_BLOCKS), NUM_BLOCKS),
+    ),
 }
 
 
@@ -58,8 +66,7 @@ def test_coalesce_finds_runs_present_on_both_sides():
     assert coalesce([], []) == []
     assert coalesce([4], [9]) == [(4, 9, 1)]
     assert coalesce(range(3), range(5, 8)) == [(0, 5, 3)]
-    assert coalesce([0, 1, 2, 3, 7, 8, 9], [10, 11, 5, 6, 7, 8, 20]) == \
-        [(0, 10, 2), (2, 5, 2), (7, 7, 2), (9, 20, 1)]
+    assert coalesce([0, 1, 2, 3, 7, 8, 9], [10, 11, 5, 6, 7, 8, 20]) == [(0, 10, 2), (2, 5, 2), (7, 7, 2), (9, 20, 1)]
     assert coalesce([3, 2, 1], [0, 1, 2]) == [(3, 0, 1), (2, 1, 1), (1, 2, 1)]
     assert coalesce([5, 5, 6], [0, 1, 2]) == [(5, 0, 1), (5, 1, 2)]
 
@@ -82,8 +89,7 @@ def test_copy_runs_between_caches_of_different_sizes():
     want = big.view(torch.uint8).clone()
     for s, d in zip(src_ids, dst_ids):
         want[:, :, d] = src.view(torch.uint8)[:, :, s]
-    copy_runs(block_rows(big.view(torch.uint8)), block_rows(src.view(torch.uint8)),
-              coalesce(src_ids, dst_ids))
+    copy_runs(block_rows(big.view(torch.uint8)), block_rows(src.view(torch.uint8)), coalesce(src_ids, dst_ids))
     assert torch.equal(big.view(torch.uint8), want)
 
 
@@ -93,6 +99,7 @@ def test_block_rows_refuses_non_contiguous():
 
 
 # -- shm, in one process ------------------------------------------------------------------
+
 
 @pytest.fixture
 def shm_pair():
@@ -185,8 +192,9 @@ def test_shm_receiver_abort_racing_a_send_is_all_or_nothing(shm_pair):
     """abort() on the receiver while the sender copies: either the whole transfer landed
     before the abort (both sides SUCCESS) or none of it lands, not even after abort()
     returned (both sides ABORTED)."""
-    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
-                      dtype="float32")  # 64 KiB blocks, so a copy takes a while
+    layout = KVLayout(
+        num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32"
+    )  # 64 KiB blocks, so a copy takes a while
     p, d, peer, p_cache, d_cache = shm_pair(layout)
     src_ids, dst_ids = list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS))[::-1]
     seed = cache(layout, 2).view(torch.uint8)
@@ -199,7 +207,7 @@ def test_shm_receiver_abort_racing_a_send_is_all_or_nothing(shm_pair):
         go = threading.Barrier(2)
         sent = {}
 
-        def sender():
+        def sender(go=go, sent=sent, tid=tid):  # joined in this iteration: the defaults bind its values explicitly
             go.wait()
             sent["handle"] = p.send(peer, src_ids, dst_ids, tid, 10.0)
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer import (KVLayout, KVLayoutMismatch, KVTransferError, Role, TransferStatus,
-                        create_transport, default_kind)
+from kvtransfer import KVLayout, KVLayoutMismatch, KVTransferError, Role, TransferStatus, create_transport, default_kind
 from kvtransfer.shm import sweep_stale_segments
 from kvtransfer.testing import KVWorker, seeded_bytes
 
@@ -26,10 +25,15 @@ NUM_BLOCKS = 32
 P_SEED, D_SEED = 11, 22
 LAYOUTS = {
     "float32": KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"),
-    "bfloat16": KVLayout(num_layers=3, num_kv_heads=1, head_dim=16, block_size=2,
-                         dtype="bfloat16"),
-    "float8_e4m3fn": KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
-                              dtype="float8_e4m3fn", kv_scales=((0.5, 0.25), (2.0, 1.5))),
+    "bfloat16": KVLayout(num_layers=3, num_kv_heads=1, head_dim=16, block_size=2, dtype="bfloat16"),
+    "float8_e4m3fn": KVLayout(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        dtype="float8_e4m3fn",
+        kv_scales=((0.5, 0.25), (2.0, 1.5)),
+    ),
 }
 F32 = LAYOUTS["float32"]
 
@@ -66,6 +70,7 @@ def assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 # -- data movement --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", sorted(LAYOUTS))
 def test_blocks_arrive_bit_exact_in_noncontiguous_ids(kind, sides, dtype):
     layout = LAYOUTS[dtype]
@@ -76,8 +81,7 @@ def test_blocks_arrive_bit_exact_in_noncontiguous_ids(kind, sides, dtype):
     d.expect("req-1", dst, 10.0)
     p.send(peer, src, dst, "req-1", 10.0)
     sent, received = p.wait("req-1", Role.SEND), d.wait("req-1", Role.RECV)
-    assert (sent.status, received.status) == (TransferStatus.SUCCESS, TransferStatus.SUCCESS), \
-        (sent, received)
+    assert (sent.status, received.status) == (TransferStatus.SUCCESS, TransferStatus.SUCCESS), (sent, received)
     assert sent.nbytes == received.nbytes == len(src) * layout.block_bytes
     assert_bytes_equal(d.cache_bytes(), expected_after(layout, src, dst))
     # The sender keeps its blocks (prefix cache): its cache is unchanged.
@@ -99,14 +103,13 @@ def test_gloo_pipelined_chunks_land_in_place(sides_for, kind_):
     time.sleep(0.2)
     d.expect("parked", [1, 3, 5, 14, 15], 10.0)
     assert d.wait("parked", Role.RECV).status == TransferStatus.SUCCESS
-    assert_bytes_equal(d.cache_bytes(),
-                       expected_after(F32, src + src[:5], dst + [1, 3, 5, 14, 15]))
+    assert_bytes_equal(d.cache_bytes(), expected_after(F32, src + src[:5], dst + [1, 3, 5, 14, 15]))
 
 
 def test_several_transfers_reuse_the_connection(kind, sides):
     p, d, peer = connect(kind, sides)
     plan = [("a", [0, 1], [7, 8]), ("b", [2], [2]), ("c", [3, 4, 5], [12, 14, 13])]
-    for tid, src, dst in plan:
+    for tid, _src, dst in plan:
         d.expect(tid, dst, 10.0)
     for tid, src, dst in plan:
         p.send(peer, src, dst, tid, 10.0)
@@ -140,6 +143,7 @@ def test_zero_block_transfer_succeeds_immediately(kind, sides):
 
 
 # -- deadlines, aborts, disagreements -------------------------------------------------------
+
 
 def test_deadline_fails_without_hanging(kind, sides):
     p, d, peer = connect(kind, sides)
@@ -226,9 +230,14 @@ MISMATCHES = [
 
 
 def _with(layout: KVLayout, **changes) -> KVLayout:
-    fields = dict(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                  head_dim=layout.head_dim, block_size=layout.block_size, dtype=layout.dtype,
-                  kv_scales=layout.kv_scales)
+    fields = dict(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+        kv_scales=layout.kv_scales,
+    )
     fields.update(changes)
     return KVLayout(**fields)
 
@@ -260,8 +269,7 @@ def test_gloo_receiver_checks_layout_too():
         d.allocate_cache(F32, 4)
         p.allocate_cache(_with(F32, head_dim=16), 4)
         real = d.endpoint()
-        forged = type(real)(real.kind, real.worker_id, _with(F32, head_dim=16), real.num_blocks,
-                            real.address)
+        forged = type(real)(real.kind, real.worker_id, _with(F32, head_dim=16), real.num_blocks, real.address)
         with pytest.raises(KVLayoutMismatch, match="peer refused.*head_dim"):
             p.connect(forged)
     finally:
@@ -270,6 +278,7 @@ def test_gloo_receiver_checks_layout_too():
 
 
 # -- backend specifics ----------------------------------------------------------------------
+
 
 def test_shm_segments_are_unlinked(ray_sides):
     p, d = ray_sides
@@ -376,11 +385,19 @@ def test_shm_segment_of_a_killed_process_is_swept(ray_sides):
 
 def test_an_owner_that_exits_without_close_leaves_neither_its_segment_nor_its_fifo():
     """Python's resource tracker unlinks both once the owning process has exited (no sweep runs)."""
-    owner = ("from kvtransfer.shm import ShmTransport; from kvtransfer import KVLayout; t = ShmTransport(); "
-             "t.allocate_cache(KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype='float32'), 4); "
-             "print(t.endpoint().address['path'])")
-    done = subprocess.run([sys.executable, "-c", owner], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    owner = (
+        "from kvtransfer.shm import ShmTransport; from kvtransfer import KVLayout; t = ShmTransport(); "
+        "t.allocate_cache(KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype='float32'), 4); "
+        "print(t.endpoint().address['path'])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", owner],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert done.returncode == 0, done.stderr
     path = done.stdout.strip()
     if not path.startswith("/dev/shm/"):
@@ -462,7 +479,7 @@ def test_a_segment_is_faulted_in_behind_the_worker_without_changing_what_it_hold
         mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED)
     raw = torch.frombuffer(mm, dtype=torch.uint8)
     written = torch.randint(1, 256, (3 * PAGE + 5,), generator=torch.Generator().manual_seed(7), dtype=torch.uint8)
-    raw[PAGE:PAGE + written.numel()] = written  # a peer's copy that landed before the thread runs
+    raw[PAGE : PAGE + written.numel()] = written  # a peer's copy that landed before the thread runs
 
     def resident_kib() -> int:
         start = f"{raw.data_ptr():x}-"
@@ -470,11 +487,11 @@ def test_a_segment_is_faulted_in_behind_the_worker_without_changing_what_it_hold
             lines = iter(smaps)
             for line in lines:
                 if line.startswith(start):
-                    return next(int(l.split()[1]) for l in lines if l.startswith("Rss:"))
+                    return next(int(rss.split()[1]) for rss in lines if rss.startswith("Rss:"))
         raise AssertionError("mapping not in /proc/self/smaps")
 
     assert resident_kib() <= 4 * PAGE // 1024 + 4  # only the written pages so far
     fault_in_background(raw).join(timeout=60)
     assert resident_kib() == size // 1024
-    assert torch.equal(raw[PAGE:PAGE + written.numel()], written)
-    assert int(raw[:PAGE].max()) == 0 and int(raw[PAGE + written.numel():].max()) == 0
+    assert torch.equal(raw[PAGE : PAGE + written.numel()], written)
+    assert int(raw[:PAGE].max()) == 0 and int(raw[PAGE + written.numel() :].max()) == 0

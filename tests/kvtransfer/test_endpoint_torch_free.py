@@ -10,13 +10,14 @@ from pathlib import Path
 
 import torch
 
+from common.protocol import KV_DTYPE_ITEMSIZE
 from kvtransfer import KVEndpoint, KVLayout, create_transport, torch_dtype
 from kvtransfer.base import TORCH_DTYPES
-from common.protocol import KV_DTYPE_ITEMSIZE
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float8_e4m3fn",
-                  kv_scales=((0.5, 0.25), (2.0, 1.5)))
+LAYOUT = KVLayout(
+    num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float8_e4m3fn", kv_scales=((0.5, 0.25), (2.0, 1.5))
+)
 
 # Runs in a fresh interpreter: unpickles the endpoints the way Ray hands them to the router,
 # caches one through RayBackend, wraps it in a PrefillRequest, and checks torch never loaded.
@@ -64,12 +65,12 @@ def test_real_endpoints_cross_the_router_without_torch(tmp_path):
         for t in transports:
             t.allocate_cache(LAYOUT, 4)
             endpoints.append(t.endpoint())
-        assert all(type(ep) is KVEndpoint and ep.__module__ == "common.protocol"
-                   for ep in endpoints)
+        assert all(type(ep) is KVEndpoint and ep.__module__ == "common.protocol" for ep in endpoints)
         blob = tmp_path / "endpoints.pkl"
         blob.write_bytes(pickle.dumps(endpoints))
-        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(blob)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(blob)], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
     finally:
         for t in transports:
             t.close()
@@ -81,7 +82,11 @@ def test_real_endpoints_cross_the_router_without_torch(tmp_path):
 def test_protocol_module_does_not_import_torch():
     proc = subprocess.run(
         [sys.executable, "-c", "import sys, common.protocol; print('torch' in sys.modules)"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
 

@@ -25,8 +25,10 @@ class Backend:
     counters: dict = None
 
     def workers(self):
-        return [WorkerInfo("decode-0", "decode", kv_transfer_failures=self.failures),
-                WorkerInfo("prefill-0", "prefill")]
+        return [
+            WorkerInfo("decode-0", "decode", kv_transfer_failures=self.failures),
+            WorkerInfo("prefill-0", "prefill"),
+        ]
 
 
 def samples(metrics: RouterMetrics, name: str) -> dict:
@@ -43,7 +45,9 @@ def test_worker_failure_counts_are_exported_by_reason():
     backend.counters = {}
     metrics = RouterMetrics("m", backend)
     assert samples(metrics, "baton:kv_transfer_failures_total") == {
-        ("decode-0", "checksum"): 3.0, ("decode-0", "deadline"): 1.0}
+        ("decode-0", "checksum"): 3.0,
+        ("decode-0", "deadline"): 1.0,
+    }
     backend.failures["checksum"] = 5  # counters: the worker's running totals, read at scrape time
     assert samples(metrics, "baton:kv_transfer_failures_total")[("decode-0", "checksum")] == 5.0
 
@@ -52,8 +56,9 @@ def test_fail_policy_error_is_a_retryable_503_envelope():
     failed = pickle.loads(pickle.dumps(KVLoadFailed("KV for r1 could not be used", "checksum")))
     assert failed.reason == "checksum"  # survives Ray's pickling
     # What router.ray_backend raises for it:
-    error = to_api_error(BackendError(f"the KV transfer of this request failed ({failed.reason}); retry it",
-                                      retryable=True), "r1")
+    error = to_api_error(
+        BackendError(f"the KV transfer of this request failed ({failed.reason}); retry it", retryable=True), "r1"
+    )
     assert error.status == 503 and error.headers.get("Retry-After")
     assert "checksum" in error.body()["error"]["message"]
     assert KV_LOAD_FAILURE_POLICIES[0] == "recompute"  # vLLM's default

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer import KVLayout, TransferStatus, create_transport
-from kvtransfer.integrity import Fault, FaultKind, FaultPlan, FailureReason, Manifest, seal, verify
 from kernels.block_checksum import sums_of_rows
+from kvtransfer import KVLayout, TransferStatus, create_transport
+from kvtransfer.integrity import FailureReason, Fault, FaultKind, FaultPlan, Manifest, seal, verify
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype="float32")
 NUM_BLOCKS = 96
@@ -55,8 +55,7 @@ def plan_handoffs(seed: int) -> list[tuple[str, list[int], list[int], Fault | No
         fault = None
         if i % 3 == 0:
             kind = KINDS[(i // 3) % len(KINDS)]
-            fault = Fault(kind, block=rng.randrange(n), bit=rng.randrange(LAYOUT.block_bytes // 4 * 8),
-                          stall_s=0.02)
+            fault = Fault(kind, block=rng.randrange(n), bit=rng.randrange(LAYOUT.block_bytes // 4 * 8), stall_s=0.02)
         out.append((f"h{i}", src, dst, fault))
     return out
 
@@ -73,8 +72,10 @@ def test_every_injected_fault_is_detected_and_nothing_leaks(backend):
         src_cache = sender.allocate_cache(LAYOUT, NUM_BLOCKS)
         dst_cache = receiver.allocate_cache(LAYOUT, NUM_BLOCKS)
         src_cache.view(torch.uint8).view(-1).copy_(
-            torch.randint(0, 256, (src_cache.numel() * 4,), generator=torch.Generator().manual_seed(1),
-                          dtype=torch.uint8))
+            torch.randint(
+                0, 256, (src_cache.numel() * 4,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8
+            )
+        )
         endpoint = receiver.endpoint()
         peer = sender.connect(endpoint)
         src_rows, dst_rows = rows(src_cache), rows(dst_cache)
@@ -112,10 +113,13 @@ def test_every_injected_fault_is_detected_and_nothing_leaks(backend):
         assert src_free == dst_free == set(range(NUM_BLOCKS))
         assert sender.pending_transfers() == [] and receiver.pending_transfers() == []
         if backend == "shm":  # no slot left mid-transfer (the killed sends' slots were failed by the receiver)
-            from kvtransfer.shm import _STATE, _KEY
+            from kvtransfer.shm import _KEY, _STATE
+
             slots = receiver._own.slots
-            live = slots[(slots[:, _KEY] != 0) & np.isin(slots[:, _STATE], [int(TransferStatus.PENDING),
-                                                                           int(TransferStatus.TRANSFERRING)])]
+            live = slots[
+                (slots[:, _KEY] != 0)
+                & np.isin(slots[:, _STATE], [int(TransferStatus.PENDING), int(TransferStatus.TRANSFERRING)])
+            ]
             assert len(live) == 0, live
         if backend == "gloo":
             assert all(not out.in_flight for out in sender._out.values() if out.broken is None)
@@ -142,8 +146,10 @@ def test_shm_receiver_verifies_without_being_asked():
         peer = sender.connect(receiver.endpoint())
         path = receiver.endpoint().address["path"]
         assert os.path.exists(wake_path(path))
-        handles = {tid: receiver.expect(tid, list(range(8)) if tid == "good" else list(range(8, 16)), 5.0)
-                   for tid in ("good", "bad")}
+        handles = {
+            tid: receiver.expect(tid, list(range(8)) if tid == "good" else list(range(8, 16)), 5.0)
+            for tid in ("good", "bad")
+        }
         for tid, dst in (("good", range(8)), ("bad", range(8, 16))):
             assert sender.wait(sender.send(peer, list(range(8)), list(dst), tid, 5.0)).ok
         deadline = time.monotonic() + 5
@@ -178,8 +184,9 @@ def test_checksums_off_still_moves_bytes_and_skips_verification():
     try:
         src = sender.allocate_cache(LAYOUT, 8)
         dst = receiver.allocate_cache(LAYOUT, 8)
-        src.view(torch.uint8).view(-1).copy_(torch.arange(src.numel() * 4, dtype=torch.int64).remainder(251)
-                                             .to(torch.uint8))
+        src.view(torch.uint8).view(-1).copy_(
+            torch.arange(src.numel() * 4, dtype=torch.int64).remainder(251).to(torch.uint8)
+        )
         peer = sender.connect(receiver.endpoint())
         h = receiver.expect("x", [3, 4], 5.0)
         assert sender.wait(sender.send(peer, [1, 2], [3, 4], "x", 5.0)).ok

@@ -23,15 +23,18 @@ def test_from_cache_reads_the_engine_shape():
     assert layout().block_bytes == 2 * 2 * 4 * 2 * 8 * 4
 
 
-@pytest.mark.parametrize("bad,words", [
-    (lambda: layout_from_cache(torch.zeros(2, 3, 4, 4, 2, 8)), "shape"),
-    (lambda: layout_from_cache(torch.zeros(2, 2, 4, 4, 2, 8), block_size=8), "block_size=8"),
-    (lambda: layout_from_cache(torch.zeros(2, 2, 4, 4, 2, 8, dtype=torch.int32)), "dtype"),
-    (lambda: layout(num_layers=0), "num_layers"),
-    (lambda: layout(dtype="float64"), "dtype"),
-    (lambda: layout(kv_scales=((1.0, 2.0),)), "one \\(k, v\\) pair per layer"),
-    (lambda: layout(kv_scales=((1.0, 2.0), (0.0, 1.0))), "kv_scales\\[1\\]"),
-])
+@pytest.mark.parametrize(
+    "bad,words",
+    [
+        (lambda: layout_from_cache(torch.zeros(2, 3, 4, 4, 2, 8)), "shape"),
+        (lambda: layout_from_cache(torch.zeros(2, 2, 4, 4, 2, 8), block_size=8), "block_size=8"),
+        (lambda: layout_from_cache(torch.zeros(2, 2, 4, 4, 2, 8, dtype=torch.int32)), "dtype"),
+        (lambda: layout(num_layers=0), "num_layers"),
+        (lambda: layout(dtype="float64"), "dtype"),
+        (lambda: layout(kv_scales=((1.0, 2.0),)), "one \\(k, v\\) pair per layer"),
+        (lambda: layout(kv_scales=((1.0, 2.0), (0.0, 1.0))), "kv_scales\\[1\\]"),
+    ],
+)
 def test_bad_layouts_raise_value_error(bad, words):
     with pytest.raises(ValueError, match=words):
         bad()
@@ -42,15 +45,17 @@ def test_unit_scales_equal_no_scales():
     layout().check_compatible(layout(kv_scales=((1.0, 1.0), (1.0, 1.0))))
 
 
-@pytest.mark.parametrize("change,words", [
-    (dict(dtype="bfloat16"), "dtype local='float32' peer='bfloat16'"),
-    (dict(block_size=16), "block_size local=4 peer=16"),
-    (dict(num_layers=3), "num_layers local=2 peer=3"),
-    (dict(num_kv_heads=1), "num_kv_heads local=2 peer=1"),
-    (dict(head_dim=128), "head_dim local=8 peer=128"),
-    (dict(kv_scales=((1.0, 1.0), (1.0, 0.5))), "kv_scales differ at layer 1: "
-                                              "local=(1.0, 1.0) peer=(1.0, 0.5)"),
-])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(dtype="bfloat16"), "dtype local='float32' peer='bfloat16'"),
+        (dict(block_size=16), "block_size local=4 peer=16"),
+        (dict(num_layers=3), "num_layers local=2 peer=3"),
+        (dict(num_kv_heads=1), "num_kv_heads local=2 peer=1"),
+        (dict(head_dim=128), "head_dim local=8 peer=128"),
+        (dict(kv_scales=((1.0, 1.0), (1.0, 0.5))), "kv_scales differ at layer 1: local=(1.0, 1.0) peer=(1.0, 0.5)"),
+    ],
+)
 def test_mismatch_messages_name_field_and_values(change, words):
     with pytest.raises(KVLayoutMismatch) as info:
         layout().check_compatible(layout(**change))

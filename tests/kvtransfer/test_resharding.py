@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from common.protocol import KVLayout, KVLayoutMismatch
-from kvtransfer import Fault, FaultKind, FaultPlan
 from common.tp_split import kv_head_range
+from kvtransfer import Fault, FaultKind, FaultPlan
 from kvtransfer.resharding import HeadLink, handoff_links
-from kvtransfer.testing import handoff as run_handoff, rank_group
+from kvtransfer.testing import handoff as run_handoff
+from kvtransfer.testing import rank_group
 
 H3, H4, H2 = 3, 4, 2
 
@@ -93,16 +94,15 @@ CASES = [(H3, 3, 1), (H3, 1, 3), (H4, 2, 4), (H4, 4, 2), (H2, 4, 1), (H2, 1, 4),
 
 # Every pair on the in-process and shared-memory backends in both dtypes; gloo (slower to connect)
 # on SmolLM2's pairs in float32: every backend moves bytes the same way.
-PAIRS = ([(kind, *case, dtype) for kind in ("inprocess", "shm") for case in CASES
-          for dtype in ("float32", "float8_e4m3fn")]
-         + [("gloo", H3, 3, 1, "float32"), ("gloo", H3, 1, 3, "float32")])
+PAIRS = [
+    (kind, *case, dtype) for kind in ("inprocess", "shm") for case in CASES for dtype in ("float32", "float8_e4m3fn")
+] + [("gloo", H3, 3, 1, "float32"), ("gloo", H3, 1, 3, "float32")]
 
 
 @pytest.mark.parametrize("kind, num_kv_heads, src_tp, dst_tp, dtype", PAIRS)
 def test_each_decode_rank_gets_exactly_its_heads(kind, num_kv_heads, src_tp, dst_tp, dtype):
     scales = ((0.5, 0.25), (1.5, 2.0)) if dtype != "float32" else ()
-    model = KVLayout(num_layers=2, num_kv_heads=num_kv_heads, head_dim=8, block_size=4, dtype=dtype,
-                     kv_scales=scales)
+    model = KVLayout(num_layers=2, num_kv_heads=num_kv_heads, head_dim=8, block_size=4, dtype=dtype, kv_scales=scales)
     num_blocks = 12
     whole = whole_cache(model, num_blocks, seed=7)
     src_ids, dst_ids = [5, 0, 6, 7, 2], [1, 9, 10, 3, 4]
@@ -116,7 +116,8 @@ def test_each_decode_rank_gets_exactly_its_heads(kind, num_kv_heads, src_tp, dst
         head_bytes = model.block_bytes // num_kv_heads
         assert sorted((r.link.src_rank, r.link.dst_rank, r.result.nbytes) for r in sent) == sorted(
             (x.src_rank, x.dst_rank, 5 * head_bytes * (x.heads[1] - x.heads[0]))
-            for x in handoff_links(num_kv_heads, src_tp, dst_tp))
+            for x in handoff_links(num_kv_heads, src_tp, dst_tp)
+        )
         for rank in decode.ranks:
             lo, hi = rank.heads
             got = rank.cache.view(torch.uint8)
@@ -142,8 +143,10 @@ def test_a_corrupted_link_fails_the_handoff(kind, src_tp, dst_tp):
         assert all(r.ok for r in clean)
         for rank in decode.ranks:
             lo, hi = rank.heads
-            assert torch.equal(rank.cache[:, :, [4, 5, 6]],
-                               torch.cat([p.cache[:, :, [1, 2, 3]] for p in prefill.ranks], dim=4)[..., lo:hi, :])
+            assert torch.equal(
+                rank.cache[:, :, [4, 5, 6]],
+                torch.cat([p.cache[:, :, [1, 2, 3]] for p in prefill.ranks], dim=4)[..., lo:hi, :],
+            )
 
 
 def test_a_decode_rank_without_the_inlet_a_link_needs_is_refused():
@@ -152,14 +155,18 @@ def test_a_decode_rank_without_the_inlet_a_link_needs_is_refused():
     prefill, decode = Group("inprocess", model, 3, 4, None), Group("inprocess", model, 1, 4, 1)
     try:
         for rank in prefill.ranks:
-            with pytest.raises(KVLayoutMismatch, match=rf"decode rank 0 holds \(0, 3\) and offers no inlet for "
-                                                       rf"heads \({rank.rank}, {rank.rank + 1}\)"):
+            with pytest.raises(
+                KVLayoutMismatch,
+                match=rf"decode rank 0 holds \(0, 3\) and offers no inlet for "
+                rf"heads \({rank.rank}, {rank.rank + 1}\)",
+            ):
                 rank.connect(decode.endpoints())
         # Started for this prefill pool, it pairs: one link from each prefill rank.
         fitting = Group("inprocess", model, 1, 4, 3)
         try:
             assert [rank.connect(fitting.endpoints()) for rank in prefill.ranks] == [
-                [HeadLink(r, 0, (r, r + 1))] for r in range(3)]
+                [HeadLink(r, 0, (r, r + 1))] for r in range(3)
+            ]
         finally:
             fitting.close()
     finally:
@@ -197,12 +204,18 @@ def test_a_pair_where_one_side_has_no_draft_or_another_draft_is_refused():
     model = KVLayout(num_layers=1, num_kv_heads=H3, head_dim=8, block_size=4, dtype="float32")
     with groups("inprocess", model, 1, 1, 4) as (prefill, decode):
         decode.ranks[0].allocate_draft(DRAFT, 4)
-        with pytest.raises(KVLayoutMismatch, match="speculative_config: this prefill worker runs no draft model but "
-                                                   "the decode worker it connects to does"):
+        with pytest.raises(
+            KVLayoutMismatch,
+            match="speculative_config: this prefill worker runs no draft model but "
+            "the decode worker it connects to does",
+        ):
             prefill.ranks[0].connect(decode.endpoints())
         prefill.ranks[0].allocate_draft(dataclasses.replace(DRAFT, num_layers=2), 4)
-        with pytest.raises(KVLayoutMismatch, match=r"draft model's cache \(speculative_config.model\): KV layout "
-                                                   r"mismatch: num_layers local=2 peer=1"):
+        with pytest.raises(
+            KVLayoutMismatch,
+            match=r"draft model's cache \(speculative_config.model\): KV layout "
+            r"mismatch: num_layers local=2 peer=1",
+        ):
             prefill.ranks[0].connect(decode.endpoints())
     with groups("inprocess", model, 1, 1, 4) as (prefill, decode):
         prefill.ranks[0].allocate_draft(DRAFT, 4)

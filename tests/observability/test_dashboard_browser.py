@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.app import build_app
 from cluster.harness import wait_until
+from router.app import build_app
 from router.testing import FakeBackend
 from tests.router.conftest import running_server
 
@@ -33,10 +33,19 @@ def browser(tmp_path):
     os.environ.setdefault("SE_AVOID_STATS", "true")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium-profile'}",
-                 "--window-size=1440,1400"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        "--window-size=1440,1400",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -60,10 +69,16 @@ def test_dashboard_shows_pools_then_traffic(browser, tmp_path, tokenizer):
         browser.get(url + "/dashboard")
         # Before any traffic: both pools listed, empty states, no console errors.
         wait_until(lambda: browser.execute_script("return document.body.dataset.polls"), 10, "the first status poll")
-        rows = {r.get_attribute("data-worker"): r.get_attribute("class")
-                for r in browser.find_elements(By.CSS_SELECTOR, "#workers tr[data-worker]")}
-        assert rows == {"prefill-0": "pool-prefill", "prefill-1": "pool-prefill", "decode-0": "pool-decode",
-                        "decode-1": "pool-decode"}
+        rows = {
+            r.get_attribute("data-worker"): r.get_attribute("class")
+            for r in browser.find_elements(By.CSS_SELECTOR, "#workers tr[data-worker]")
+        }
+        assert rows == {
+            "prefill-0": "pool-prefill",
+            "prefill-1": "pool-prefill",
+            "decode-0": "pool-decode",
+            "decode-1": "pool-decode",
+        }
         assert "no requests yet" in browser.find_element(By.ID, "recent").text
         assert "one router" in browser.find_element(By.ID, "routers").text  # FakeBackend keeps no leases
         assert browser.find_elements(By.CSS_SELECTOR, "#ttft-chart circle.pt") == []
@@ -71,8 +86,11 @@ def test_dashboard_shows_pools_then_traffic(browser, tmp_path, tokenizer):
 
         ids = []
         for i in range(4):
-            r = httpx.post(url + "/v1/chat/completions", timeout=30,
-                           json={"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 8})
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                timeout=30,
+                json={"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 8},
+            )
             assert r.status_code == 200
             ids.append(r.json()["id"])
         points = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#ttft-chart circle.pt"), 10, "TTFT points")
@@ -95,10 +113,19 @@ class LeasedFakeBackend(FakeBackend):
     """Reports two router processes' leases, in RayBackend.routers' shape (what /v1/status carries)."""
 
     def routers(self) -> dict:
-        return {"this": "router-0", "leases": [
-            {"router_id": "router-0", "workers": ["prefill-0", "decode-0"], "requests": 3, "idle_s": 0.4, "lease_s": 5.0},
-            {"router_id": "router-1.0", "workers": ["decode-0"], "requests": 1, "idle_s": 4.2, "lease_s": 5.0},
-        ]}
+        return {
+            "this": "router-0",
+            "leases": [
+                {
+                    "router_id": "router-0",
+                    "workers": ["prefill-0", "decode-0"],
+                    "requests": 3,
+                    "idle_s": 0.4,
+                    "lease_s": 5.0,
+                },
+                {"router_id": "router-1.0", "workers": ["decode-0"], "requests": 1, "idle_s": 4.2, "lease_s": 5.0},
+            ],
+        }
 
 
 def test_dashboard_lists_every_router_with_its_lease(browser, tokenizer):
@@ -108,13 +135,19 @@ def test_dashboard_lists_every_router_with_its_lease(browser, tokenizer):
         assert httpx.get(url + "/v1/status", timeout=10).json()["routers"]["this"] == "router-0"
         browser.get(url + "/dashboard")
         wait_until(lambda: browser.execute_script("return document.body.dataset.polls"), 10, "the first status poll")
-        rows = {r.get_attribute("data-router"): [td.text for td in r.find_elements(By.TAG_NAME, "td")]
-                for r in browser.find_elements(By.CSS_SELECTOR, "#routers tr[data-router]")}
+        rows = {
+            r.get_attribute("data-router"): [td.text for td in r.find_elements(By.TAG_NAME, "td")]
+            for r in browser.find_elements(By.CSS_SELECTOR, "#routers tr[data-router]")
+        }
         # id, workers leased, requests, lease age, expiry = lease_s - idle_s (5.0 - 0.4, 5.0 - 4.2)
-        assert rows == {"router-0": ["router-0 (this page)", "2", "3", "0.4 s", "4.6 s"],
-                        "router-1.0": ["router-1.0", "1", "1", "4.2 s", "0.8 s"]}
-        classes = {r.get_attribute("data-router"): r.get_attribute("class")
-                   for r in browser.find_elements(By.CSS_SELECTOR, "#routers tr[data-router]")}
+        assert rows == {
+            "router-0": ["router-0 (this page)", "2", "3", "0.4 s", "4.6 s"],
+            "router-1.0": ["router-1.0", "1", "1", "4.2 s", "0.8 s"],
+        }
+        classes = {
+            r.get_attribute("data-router"): r.get_attribute("class")
+            for r in browser.find_elements(By.CSS_SELECTOR, "#routers tr[data-router]")
+        }
         assert classes == {"router-0": "this-router", "router-1.0": ""}
         late = browser.find_element(By.CSS_SELECTOR, '#routers tr[data-router="router-1.0"] td:last-child')
         assert late.get_attribute("class") == "down"  # under a quarter of its term left

@@ -40,7 +40,12 @@ def make(tokenizer, **kw):
 def test_no_traffic_metrics_status_and_dashboard(tokenizer):
     _, client = make(tokenizer)
     m = scrape(client)
-    for wid, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
+    for wid, role in (
+        ("prefill-0", "prefill"),
+        ("prefill-1", "prefill"),
+        ("decode-0", "decode"),
+        ("decode-1", "decode"),
+    ):
         assert value(m, "baton:worker_up", worker=wid, role=role) == 1.0
         assert value(m, "baton:kv_cache_usage_perc", worker=wid, role=role) == 0.0
     assert value(m, "baton:workers_up", role="prefill") == 2 and value(m, "baton:workers_up", role="decode") == 2
@@ -62,18 +67,23 @@ def test_counters_and_histograms_move_by_what_the_requests_imply(tokenizer):
     before = scrape(client)
     usages = []
     for i in range(3):
-        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": f"question {i}"}],
-                                                      "max_tokens": 5})
+        r = client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 5}
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         usages.append(r.json()["usage"])
-    with client.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 100,
-                                                         "stream": True}) as r:
+    with client.stream(
+        "POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 100, "stream": True}
+    ) as r:
         assert r.status_code == 200
         body = "".join(r.iter_text())
     assert body.endswith("data: [DONE]\n\n")
     prompt_stream = len(tokenizer.encode("Once upon a time"))
     m = scrape(client)
-    d = lambda name, **lb: value(m, name, **lb) - value(before, name, **lb)  # noqa: E731
+
+    def d(name, **lb):
+        return value(m, name, **lb) - value(before, name, **lb)
+
     assert d("baton:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages) + prompt_stream
     assert d("baton:generation_tokens_total") == 3 * 5 + reply_tokens
     assert d("baton:request_success_total", finished_reason="length") == 3
@@ -88,8 +98,9 @@ def test_counters_and_histograms_move_by_what_the_requests_imply(tokenizer):
     assert d("baton:routing_decisions_total", decision="remote", reason="round_robin") == 4
     # The backend reports KV_BYTES_PER_TOKEN per uncached prompt token as moved KV.
     assert d("baton:kv_transfer_bytes_per_request_count") == 4
-    assert d("baton:kv_transfer_bytes_total") == KV_BYTES_PER_TOKEN * (sum(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"]
-                                                           for u in usages) + prompt_stream)
+    assert d("baton:kv_transfer_bytes_total") == KV_BYTES_PER_TOKEN * (
+        sum(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usages) + prompt_stream
+    )
     st = client.get("/v1/status").json()
     assert st["totals"]["requests"] == 4 and st["window"]["requests"] == 4
     assert len(st["recent"]) == 4 and st["recent"][0]["output_tokens"] == reply_tokens  # newest first
@@ -120,7 +131,9 @@ def test_kv_usage_and_running_return_to_idle_after_requests_finish(tokenizer):
         assert busy is not None, "KV usage never rose while a request ran"
         assert done.wait(10)
         m = _scrape_url(url)
-        assert [v for k, v in m.items() if k[0] in ("baton:kv_cache_usage_perc", "baton:num_requests_running")] == [0.0] * 8
+        assert [v for k, v in m.items() if k[0] in ("baton:kv_cache_usage_perc", "baton:num_requests_running")] == [
+            0.0
+        ] * 8
 
 
 def _scrape_url(url):

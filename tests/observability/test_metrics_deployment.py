@@ -34,8 +34,14 @@ def total(samples, name: str, **labels) -> float:
 def deployment():
     from cluster.config import BatonConfig
 
-    config = BatonConfig.from_options(port=free_port(), prefill_workers=1, decode_workers=1, kv_cache_memory="24MiB", max_num_seqs=8,
-                         local_prefill_threshold=32)
+    config = BatonConfig.from_options(
+        port=free_port(),
+        prefill_workers=1,
+        decode_workers=1,
+        kv_cache_memory="24MiB",
+        max_num_seqs=8,
+        local_prefill_threshold=32,
+    )
     leave_ray()  # a private Ray of this module's own, which the deployment shuts down after it
     with serving(config, actor_name_prefix="obs-test") as running:
         yield running.deployment, running.base_url
@@ -52,12 +58,22 @@ def test_real_metrics_index_idle_and_killed_worker(deployment):
     before = scrape(url)
     short = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": "Hi", "max_tokens": 4, "temperature": 0})
     long_prompt = "The history of the city goes back many centuries, and " * 6
-    long = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": long_prompt, "max_tokens": 4, "temperature": 0})
+    long = httpx.post(
+        url + "/v1/completions", timeout=120, json={"prompt": long_prompt, "max_tokens": 4, "temperature": 0}
+    )
     assert short.status_code == 200 and long.status_code == 200
     m = scrape(url)
-    d = lambda name, **lb: total(m, name, **lb) - total(before, name, **lb)  # noqa: E731
-    assert d("baton:generation_tokens_total") == short.json()["usage"]["completion_tokens"] + long.json()["usage"]["completion_tokens"]
-    assert d("baton:prompt_tokens_total") == short.json()["usage"]["prompt_tokens"] + long.json()["usage"]["prompt_tokens"]
+
+    def d(name, **lb):
+        return total(m, name, **lb) - total(before, name, **lb)
+
+    assert (
+        d("baton:generation_tokens_total")
+        == short.json()["usage"]["completion_tokens"] + long.json()["usage"]["completion_tokens"]
+    )
+    assert (
+        d("baton:prompt_tokens_total") == short.json()["usage"]["prompt_tokens"] + long.json()["usage"]["prompt_tokens"]
+    )
     assert d("baton:time_to_first_token_seconds_count") == 2
     assert d("baton:routing_decisions_total", decision="local", reason="local_short_uncached") == 1
     assert d("baton:routing_decisions_total", decision="remote", reason="remote_prefill") == 1
@@ -81,8 +97,11 @@ def test_real_metrics_index_idle_and_killed_worker(deployment):
     prefill = next(w.handle for w in dep.workers if w.worker_id == "prefill-0")
     ray.kill(prefill)
     killed = time.monotonic()
-    s = wait_until(lambda: (lambda x: x if per_worker(x, "baton:worker_up").get("prefill-0") == 0.0 else None)(scrape(url)),
-                   interval + 10, "the killed worker to show as down")
+    s = wait_until(
+        lambda: (lambda x: x if per_worker(x, "baton:worker_up").get("prefill-0") == 0.0 else None)(scrape(url)),
+        interval + 10,
+        "the killed worker to show as down",
+    )
     assert time.monotonic() - killed <= interval + 10
     assert per_worker(s, "baton:worker_up")["decode-0"] == 1.0
     assert per_worker(s, "baton:prefix_index_blocks").get("prefill-0", 0) == 0

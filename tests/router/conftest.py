@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 
 from cluster.harness import serve_app
 from router.app import build_app
-from router.tokenizer import Tokenizer
 from router.testing import FakeBackend
+from router.tokenizer import Tokenizer
 from workers.model_files import resolve_model_dir
 
 MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -32,8 +32,11 @@ def registry(requests: int) -> CollectorRegistry:
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def test_each_router_answers_for_all_live_routers(tmp_path):
@@ -58,5 +61,8 @@ def test_a_router_silent_for_longer_than_the_staleness_is_dropped(tmp_path):
     b.publish(registry(5))
     old = time.time() - 11
     os.utime(tmp_path / "router-1.0.prom", (old, old))
-    assert not any(s.labels.get("router") == "router-1.0"
-                   for f in text_string_to_metric_families(a.render(registry(2)).decode()) for s in f.samples)
+    assert not any(
+        s.labels.get("router") == "router-1.0"
+        for f in text_string_to_metric_families(a.render(registry(2)).decode())
+        for s in f.samples
+    )

@@ -116,14 +116,16 @@ def test_beyond_the_queue_requests_get_429_and_the_queue_runs_in_order(tokenizer
     backend = FakeBackend(tokenizer, token_delay=0.02)
     app, server = serve(backend, tokenizer, max_running_requests=2, max_waiting_requests=2)
     with server as url:
+
         async def scenario():
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 body = {"messages": USER, "max_tokens": 20, "ignore_eos": True}
                 events: list[tuple[int, int]] = []
 
                 async def one(i: int) -> None:
-                    r = await client.post("/v1/chat/completions", json=dict(
-                        body, messages=[{"role": "user", "content": f"client {i}"}]))
+                    r = await client.post(
+                        "/v1/chat/completions", json=dict(body, messages=[{"role": "user", "content": f"client {i}"}])
+                    )
                     events.append((i, r.status_code))
                     if r.status_code == 429:
                         assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "RateLimitError"
@@ -132,8 +134,14 @@ def test_beyond_the_queue_requests_get_429_and_the_queue_runs_in_order(tokenizer
                 tasks = []
                 for i in range(6):  # one at a time, so arrival order is known
                     tasks.append(asyncio.create_task(one(i)))
-                    await wait_for(lambda: len(backend.requests) + app.state.baton.admission.decode.state().waiting
-                                   + sum(1 for _, s in events if s == 429) >= i + 1)
+                    await wait_for(  # awaited in this iteration: the default binds its i explicitly
+                        lambda i=i: (
+                            len(backend.requests)
+                            + app.state.baton.admission.decode.state().waiting
+                            + sum(1 for _, s in events if s == 429)
+                            >= i + 1
+                        )
+                    )
                 await asyncio.gather(*tasks)
                 return events
 
@@ -142,24 +150,30 @@ def test_beyond_the_queue_requests_get_429_and_the_queue_runs_in_order(tokenizer
         assert {i for i, s in events if s == 429} == {4, 5}
         # The two refusals came before any admitted request finished; the queue ran first come, first served.
         assert [s for _, s in events[:2]] == [429, 429]
-        started = [next(i for i in range(6) if f"client {i}" in tokenizer.decode(r.prompt_token_ids))
-                   for r in backend.requests]
+        started = [
+            next(i for i in range(6) if f"client {i}" in tokenizer.decode(r.prompt_token_ids)) for r in backend.requests
+        ]
         assert started == [0, 1, 2, 3]
         assert len(backend.finished) == 4 and gates_empty(app)
         status = httpx.get(url + "/v1/status").json()["admission"]
         assert status["rejected"] == {"decode_queue_full": 2}
         metrics = httpx.get(url + "/metrics").text
-        assert 'baton:router_requests_rejected_total{model_name="SmolLM2-135M-Instruct",reason="decode_queue_full"} 2.0' \
+        assert (
+            'baton:router_requests_rejected_total{model_name="SmolLM2-135M-Instruct",reason="decode_queue_full"} 2.0'
             in metrics
+        )
 
 
 def test_the_prefill_gate_holds_requests_until_the_first_token(tokenizer):
     backend = FakeBackend(tokenizer, first_token_delay=0.5)
     app, server = serve(backend, tokenizer, max_running_prefills=1, max_waiting_prefills=0)
     with server as url:
+
         async def scenario():
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                first = asyncio.create_task(client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}))
+                first = asyncio.create_task(
+                    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
+                )
                 await wait_for(lambda: len(backend.requests) == 1)
                 refused = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
                 done = await first
@@ -182,8 +196,11 @@ def test_deadline_while_running_is_504_and_aborts_the_request(tokenizer):
         assert backend.aborted == [backend.requests[0].request_id] and backend.finished == []
 
         # Streaming: the headers are out, so the deadline comes as an error event, then [DONE].
-        with httpx.stream("POST", url + "/v1/chat/completions", json={
-                "messages": USER, "max_tokens": 100, "ignore_eos": True, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json={"messages": USER, "max_tokens": 100, "ignore_eos": True, "stream": True},
+        ) as r:
             assert r.status_code == 200
             frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert frames[-1] == "[DONE]"
@@ -198,8 +215,11 @@ def test_the_client_timeout_header_shortens_the_deadline(tokenizer):
     backend = FakeBackend(tokenizer, token_delay=0.1)
     app, server = serve(backend, tokenizer)  # request_timeout 600 s
     with server as url:
-        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 100, "ignore_eos": True},
-                       headers={"x-stainless-read-timeout": "0.4"})
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 100, "ignore_eos": True},
+            headers={"x-stainless-read-timeout": "0.4"},
+        )
         assert r.status_code == 504 and backend.aborted == [backend.requests[0].request_id]
         assert gates_empty(app)
 
@@ -208,12 +228,15 @@ def test_deadline_while_waiting_is_503_with_retry_after(tokenizer):
     backend = FakeBackend(tokenizer, token_delay=0.05)
     app, server = serve(backend, tokenizer, max_running_requests=1)
     with server as url:
+
         async def scenario():
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 body = {"messages": USER, "max_tokens": 30, "ignore_eos": True}
                 running = asyncio.create_task(client.post("/v1/chat/completions", json=body))
                 await wait_for(lambda: len(backend.requests) == 1)
-                waiting = await client.post("/v1/chat/completions", json=body, headers={"x-stainless-read-timeout": "0.3"})
+                waiting = await client.post(
+                    "/v1/chat/completions", json=body, headers={"x-stainless-read-timeout": "0.3"}
+                )
                 return await running, waiting
 
         running, waiting = asyncio.run(scenario())
@@ -228,6 +251,7 @@ def test_clients_that_leave_while_waiting_or_streaming_free_their_slots(tokenize
     backend = FakeBackend(tokenizer, token_delay=0.05)
     app, server = serve(backend, tokenizer, max_running_requests=1)
     with server as url:
+
         async def scenario():
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 body = {"messages": USER, "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -268,8 +292,13 @@ def test_a_full_server_refuses_before_reading_and_only_after_the_key_check(token
     from fastapi.testclient import TestClient
 
     backend = FakeBackend(tokenizer)
-    app = build_app(backend, tokenizer, MODEL_NAME, MAX_MODEL_LEN,
-                    server=ServerConfig(api_key="k", max_running_requests=1, max_waiting_requests=0))
+    app = build_app(
+        backend,
+        tokenizer,
+        MODEL_NAME,
+        MAX_MODEL_LEN,
+        server=ServerConfig(api_key="k", max_running_requests=1, max_waiting_requests=0),
+    )
     client = TestClient(app, raise_server_exceptions=False)
     asyncio.run(app.state.baton.admission.decode.acquire(None))  # the one slot is taken
     assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 401
@@ -277,7 +306,9 @@ def test_a_full_server_refuses_before_reading_and_only_after_the_key_check(token
     assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == 429
     assert client.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer k"}).status_code == 200
     app.state.baton.admission.decode.release()
-    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, headers={"Authorization": "Bearer k"})
+    r = client.post(
+        "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, headers={"Authorization": "Bearer k"}
+    )
     assert r.status_code == 200 and backend.requests
 
 

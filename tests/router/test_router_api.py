@@ -11,9 +11,9 @@ import json
 
 import pytest
 
+from common.detokenizer import IncrementalDetokenizer
 from router.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ModelList
 from router.testing import FakeBackend
-from common.detokenizer import IncrementalDetokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 USER = [{"role": "user", "content": "What is the capital of France?"}]
@@ -26,7 +26,7 @@ def parse_sse(text: str) -> list:
     out = []
     for frame in frames:
         assert frame.startswith("data: "), frame
-        payload = frame[len("data: "):]
+        payload = frame[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
 
@@ -81,8 +81,10 @@ def test_chat_completion(client, backend, tokenizer):
     prompt_ids = tokenizer.apply_chat_template(USER)
     n_reply = len(backend.reply_ids)
     assert body["usage"] == {
-        "prompt_tokens": len(prompt_ids), "completion_tokens": n_reply + 1,  # + EOS
-        "total_tokens": len(prompt_ids) + n_reply + 1, "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": n_reply + 1,  # + EOS
+        "total_tokens": len(prompt_ids) + n_reply + 1,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     # What reached the backend: the templated prompt, greedy, the rest of the context as max_tokens.
     sent = backend.requests[-1]
@@ -94,8 +96,10 @@ def test_chat_completion(client, backend, tokenizer):
 
 def test_chat_stream_with_usage(client, tokenizer):
     full = client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER}).json()
-    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "stream": True,
-                                                  "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": USER, "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     frames = parse_sse(r.text)
     assert frames[-1] == "[DONE]"
@@ -139,8 +143,10 @@ def test_completion_non_stream_and_stream(client, backend, tokenizer):
 
     full = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 100}).json()
     assert full["choices"][0]["text"] == tokenizer.decode(backend.reply_ids)
-    r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 100, "stream": True,
-                                             "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": [1, 2, 3], "max_tokens": 100, "stream": True, "stream_options": {"include_usage": True}},
+    )
     frames = parse_sse(r.text)
     assert frames[-1] == "[DONE]" and frames[-2]["choices"] == []
     assert frames[-2]["usage"]["prompt_tokens"] == 3 and frames[-2]["usage"] == full["usage"]  # no whole block to cache
@@ -184,7 +190,9 @@ def test_stop_string_not_in_reply_and_stop_token_ids(client, backend, tokenizer)
     r = client.post("/v1/completions", json={"prompt": "x", "stop": ["zebra"], "max_tokens": 100}).json()
     assert r["choices"][0]["text"] == tokenizer.decode(backend.reply_ids) and r["choices"][0]["finish_reason"] == "stop"
     # a stop token ends the answer with that token
-    r = client.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [backend.reply_ids[3]], "max_tokens": 100})
+    r = client.post(
+        "/v1/completions", json={"prompt": "x", "stop_token_ids": [backend.reply_ids[3]], "max_tokens": 100}
+    )
     assert r.json()["choices"][0]["text"].startswith(tokenizer.decode(backend.reply_ids[:3]))
     assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["finish_reason"] == "stop"
 
@@ -201,7 +209,9 @@ def test_cached_tokens(client, backend):
 
 
 def test_chat_logprobs(client, tokenizer):
-    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, "logprobs": True, "top_logprobs": 3})
+    r = client.post(
+        "/v1/chat/completions", json={"messages": USER, "max_tokens": 4, "logprobs": True, "top_logprobs": 3}
+    )
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert len(content) == 4
     for entry in content:
@@ -243,8 +253,10 @@ def test_models_health_version(client):
     assert isinstance(client.get("/version").json()["version"], str)
 
 
-@pytest.mark.parametrize("dead, missing", [({"prefill-0"}, ["prefill"]), ({"decode-0"}, ["decode"]),
-                                           ({"prefill-0", "decode-0"}, ["prefill", "decode"])])
+@pytest.mark.parametrize(
+    "dead, missing",
+    [({"prefill-0"}, ["prefill"]), ({"decode-0"}, ["decode"]), ({"prefill-0", "decode-0"}, ["prefill", "decode"])],
+)
 def test_health_503_names_the_missing_pool(make_client, tokenizer, dead, missing):
     client = make_client(FakeBackend(tokenizer, dead=set(dead)))
     r = client.get("/health")
@@ -280,8 +292,13 @@ def test_round_robin_through_the_api(make_client, tokenizer):
 
 def test_malformed_json(client):
     for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
-        assert_error(client.post(path, content=b"{not json", headers={"content-type": "application/json"}), 400, None,
-                     "BadRequestError", ["JSON"])
+        assert_error(
+            client.post(path, content=b"{not json", headers={"content-type": "application/json"}),
+            400,
+            None,
+            "BadRequestError",
+            ["JSON"],
+        )
     assert_error(client.post("/v1/completions", json=[1, 2]), 400, None, contains=["JSON object"])
 
 
@@ -298,8 +315,10 @@ def test_malformed_json(client):
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": USER + [{"role": "function", "content": "x"}]}, "messages[1].role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
-         "messages[0].content[0]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+            "messages[0].content[0]",
+        ),
     ],
 )
 def test_chat_schema_errors_are_400_with_param(client, body, param):
@@ -330,8 +349,13 @@ def test_empty_messages(client):
 
 
 def test_unknown_model_is_404(client):
-    err = assert_error(client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": USER}), 404, "model",
-                       "NotFoundError", ["gpt-9"])
+    err = assert_error(
+        client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": USER}),
+        404,
+        "model",
+        "NotFoundError",
+        ["gpt-9"],
+    )
     assert MODEL in err["message"]
     assert_error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
 
@@ -339,12 +363,20 @@ def test_unknown_model_is_404(client):
 @pytest.mark.parametrize(
     "field, value, param",
     [
-        ("temperature", -0.5, "temperature"), ("temperature", 101, "temperature"), ("top_p", 0, "top_p"),
-        ("top_p", 1.5, "top_p"), ("top_k", -3, "top_k"), ("min_p", 1.5, "min_p"),
-        ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -2.5, "frequency_penalty"),
-        ("repetition_penalty", 0, "repetition_penalty"), ("top_logprobs", 30, "top_logprobs"),
-        ("max_tokens", 0, "max_tokens"), ("max_completion_tokens", -1, "max_completion_tokens"),
-        ("min_tokens", 100, "min_tokens"), ("stop_token_ids", [-1], "stop_token_ids[0]"),
+        ("temperature", -0.5, "temperature"),
+        ("temperature", 101, "temperature"),
+        ("top_p", 0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -3, "top_k"),
+        ("min_p", 1.5, "min_p"),
+        ("presence_penalty", 2.5, "presence_penalty"),
+        ("frequency_penalty", -2.5, "frequency_penalty"),
+        ("repetition_penalty", 0, "repetition_penalty"),
+        ("top_logprobs", 30, "top_logprobs"),
+        ("max_tokens", 0, "max_tokens"),
+        ("max_completion_tokens", -1, "max_completion_tokens"),
+        ("min_tokens", 100, "min_tokens"),
+        ("stop_token_ids", [-1], "stop_token_ids[0]"),
     ],
 )
 def test_out_of_range_sampling_values(client, field, value, param):
@@ -355,9 +387,15 @@ def test_out_of_range_sampling_values(client, field, value, param):
 
 
 def test_choices_over_the_limit_are_refused(client):
-    assert_error(client.post("/v1/chat/completions", json={"messages": USER, "n": 17}), 400, "n", contains=["max_choices"])
-    assert_error(client.post("/v1/completions", json={"prompt": ["x"] * 9, "n": 2}), 400, "prompt",
-                 contains=["9 prompts", "18 choices"])
+    assert_error(
+        client.post("/v1/chat/completions", json={"messages": USER, "n": 17}), 400, "n", contains=["max_choices"]
+    )
+    assert_error(
+        client.post("/v1/completions", json={"prompt": ["x"] * 9, "n": 2}),
+        400,
+        "prompt",
+        contains=["9 prompts", "18 choices"],
+    )
     assert_error(client.post("/v1/chat/completions", json={"messages": USER, "n": 0}), 400, "n")
     assert client.post("/v1/chat/completions", json={"messages": USER, "n": 16, "max_tokens": 1}).status_code == 200
 
@@ -365,14 +403,23 @@ def test_choices_over_the_limit_are_refused(client):
 def test_context_length_errors_state_both_numbers(make_client, tokenizer):
     client = make_client(max_model_len=64)
     n_prompt = len(tokenizer.apply_chat_template(USER))
-    err = assert_error(client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 60}), 400, "max_tokens",
-                       contains=["64", str(n_prompt + 60), str(n_prompt), "60"])
-    err = assert_error(client.post("/v1/chat/completions", json={"messages": USER, "max_completion_tokens": 60}), 400,
-                       "max_completion_tokens", contains=["64", str(n_prompt + 60)])
+    assert_error(
+        client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 60}),
+        400,
+        "max_tokens",
+        contains=["64", str(n_prompt + 60), str(n_prompt), "60"],
+    )
+    assert_error(
+        client.post("/v1/chat/completions", json={"messages": USER, "max_completion_tokens": 60}),
+        400,
+        "max_completion_tokens",
+        contains=["64", str(n_prompt + 60)],
+    )
     long = [{"role": "user", "content": "word " * 100}]
     assert_error(client.post("/v1/chat/completions", json={"messages": long}), 400, "messages", contains=["64"])
-    assert_error(client.post("/v1/completions", json={"prompt": list(range(10, 80))}), 400, "prompt",
-                 contains=["64", "70"])
+    assert_error(
+        client.post("/v1/completions", json={"prompt": list(range(10, 80))}), 400, "prompt", contains=["64", "70"]
+    )
     # Omitted max_tokens: whatever is left of the context (chat), min(16, left) (completions).
     backend = FakeBackend(tokenizer, reply="a " * 200)
     client = make_client(backend, max_model_len=64)
@@ -386,8 +433,11 @@ def test_context_length_errors_state_both_numbers(make_client, tokenizer):
 
 
 def test_stream_options_without_stream(client):
-    assert_error(client.post("/v1/chat/completions", json={"messages": USER, "stream_options": {"include_usage": True}}),
-                 400, "stream_options")
+    assert_error(
+        client.post("/v1/chat/completions", json={"messages": USER, "stream_options": {"include_usage": True}}),
+        400,
+        "stream_options",
+    )
 
 
 @pytest.mark.parametrize("dead, pool", [({"prefill-0"}, "prefill"), ({"decode-0"}, "decode")])
@@ -396,7 +446,7 @@ def test_dead_pool_is_503_with_retry_after(make_client, tokenizer, dead, pool):
     client = make_client(backend)
     for stream in (False, True):
         r = client.post("/v1/chat/completions", json={"messages": USER, "stream": stream})
-        err = assert_error(r, 503, None, "ServiceUnavailableError", [pool])
+        assert_error(r, 503, None, "ServiceUnavailableError", [pool])
         assert int(r.headers["retry-after"]) >= 1
     assert backend.requests == []
 
@@ -440,8 +490,15 @@ def test_unknown_route_and_method(client):
 
 
 def test_continuous_usage_stats(client):
-    r = client.post("/v1/chat/completions", json={"messages": USER, "stream": True, "max_tokens": 3,
-                                                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": USER,
+            "stream": True,
+            "max_tokens": 3,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
     chunks = parse_sse(r.text)[:-1]
     assert [c["usage"]["completion_tokens"] for c in chunks[1:-1]] == [1, 2, 3]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3

@@ -22,8 +22,9 @@ USER = [{"role": "user", "content": "Hello"}]
 
 
 def keyed_client(tokenizer, api_key: str | None = "alpha,beta", **server) -> TestClient:
-    app = build_app(FakeBackend(tokenizer), tokenizer, MODEL_NAME, MAX_MODEL_LEN,
-                    server=ServerConfig(api_key=api_key, **server))
+    app = build_app(
+        FakeBackend(tokenizer), tokenizer, MODEL_NAME, MAX_MODEL_LEN, server=ServerConfig(api_key=api_key, **server)
+    )
     return TestClient(app, raise_server_exceptions=False)
 
 
@@ -35,15 +36,33 @@ def test_every_key_works_and_anything_else_is_401_with_the_envelope(tokenizer):
     client = keyed_client(tokenizer)
     for key in ("alpha", "beta"):
         assert client.get("/v1/models", headers=bearer(key)).status_code == 200
-        assert client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2},
-                           headers=bearer(key)).status_code == 200
+        assert (
+            client.post(
+                "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, headers=bearer(key)
+            ).status_code
+            == 200
+        )
     assert client.get("/v1/models", headers={"Authorization": "bearer  alpha "}).status_code == 200
-    for headers in ({}, bearer("gamma"), bearer("alpha,beta"), bearer("alph"), bearer(""), {"Authorization": "alpha"},
-                    {"Authorization": "Token alpha"}, {"X-API-Key": "alpha"}):
+    for headers in (
+        {},
+        bearer("gamma"),
+        bearer("alpha,beta"),
+        bearer("alph"),
+        bearer(""),
+        {"Authorization": "alpha"},
+        {"Authorization": "Token alpha"},
+        {"X-API-Key": "alpha"},
+    ):
         r = client.get("/v1/models", headers=headers)
         assert r.status_code == 401, headers
-        assert r.json() == {"error": {"message": r.json()["error"]["message"], "type": "AuthenticationError",
-                                      "param": None, "code": 401}}
+        assert r.json() == {
+            "error": {
+                "message": r.json()["error"]["message"],
+                "type": "AuthenticationError",
+                "param": None,
+                "code": 401,
+            }
+        }
         assert r.headers["www-authenticate"] == "Bearer"
     assert "no API key was sent" in client.get("/v1/models").json()["error"]["message"]
     assert "not valid" in client.get("/v1/models", headers=bearer("gamma")).json()["error"]["message"]
@@ -53,8 +72,14 @@ def test_open_routes_stay_open_and_the_rest_are_closed(tokenizer):
     client = keyed_client(tokenizer)
     for path in ("/health", "/metrics", "/version", "/openapi.json"):
         assert client.get(path).status_code == 200, path
-    for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/status"), ("GET", "/dashboard"),
-                         ("POST", "/v1/completions"), ("GET", "/v1/anything")):
+    for method, path in (
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/v1/status"),
+        ("GET", "/dashboard"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/anything"),
+    ):
         assert client.request(method, path, json={}).status_code == 401, path
     schema = client.get("/openapi.json").json()
     assert schema["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -108,9 +133,14 @@ def test_prompts_and_completions_are_logged_only_when_the_operator_asks(tokenize
     client = keyed_client(tokenizer, api_key="alpha", log_prompts=log_prompts)
     marker = "okapi-narwhal-2211"
     with caplog.at_level(logging.DEBUG):
-        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": marker}], "max_tokens": 12},
-                        headers=bearer("alpha"))
-        client.post("/v1/completions", json={"prompt": marker, "max_tokens": 12, "stream": True}, headers=bearer("alpha"))
+        r = client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": marker}], "max_tokens": 12},
+            headers=bearer("alpha"),
+        )
+        client.post(
+            "/v1/completions", json={"prompt": marker, "max_tokens": 12, "stream": True}, headers=bearer("alpha")
+        )
         client.get("/v1/models", headers=bearer("wrong-alpha"))
     completion = r.json()["choices"][0]["message"]["content"]
     assert len(completion) > 10

@@ -23,8 +23,18 @@ GOOD = {"messages": [{"role": "user", "content": "What is the capital of France?
 def test_the_corpus_is_large_and_covers_every_endpoint():
     assert len(CASES) >= 50
     paths = {c.path for c in CASES}
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/version",
-            "/metrics", "/v1/status", "/dashboard"} <= paths
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/version",
+        "/metrics",
+        "/v1/status",
+        "/dashboard",
+    } <= paths
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +42,13 @@ def served(tokenizer):
     from fastapi.testclient import TestClient
 
     backend = FakeBackend(tokenizer)
-    app = build_app(backend, tokenizer, MODEL_NAME, MAX_MODEL_LEN,
-                    server=ServerConfig(api_key=API_KEY, max_request_body=MAX_REQUEST_BODY))
+    app = build_app(
+        backend,
+        tokenizer,
+        MODEL_NAME,
+        MAX_MODEL_LEN,
+        server=ServerConfig(api_key=API_KEY, max_request_body=MAX_REQUEST_BODY),
+    )
     return TestClient(app, raise_server_exceptions=False), backend
 
 

@@ -41,21 +41,28 @@ def test_a_chunked_body_is_cut_off_at_the_limit(tokenizer):
 def test_configured_limits_apply(tokenizer):
     from fastapi.testclient import TestClient
 
-    client = TestClient(app_with(tokenizer, max_stop_sequences=2, max_stop_length=3, max_logprobs=2, max_json_depth=6),
-                        raise_server_exceptions=False)
+    client = TestClient(
+        app_with(tokenizer, max_stop_sequences=2, max_stop_length=3, max_logprobs=2, max_json_depth=6),
+        raise_server_exceptions=False,
+    )
     user = [{"role": "user", "content": "hi"}]
     for body, param, words in (
         ({"messages": user, "stop": ["a", "b", "c"]}, "stop", "at most 2"),
         ({"messages": user, "stop": "abcd"}, "stop", "at most 3"),
         ({"messages": user, "logprobs": True, "top_logprobs": 3}, "top_logprobs", "limit of 2"),
         ({"messages": user, "stop_token_ids": [1, 2, 3]}, "stop_token_ids", "at most 2"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": [[1]]}]}]},
-         "messages[0].content[0].x[0]", "max_json_depth"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": [[1]]}]}]},
+            "messages[0].content[0].x[0]",
+            "max_json_depth",
+        ),
     ):
         error = client.post("/v1/chat/completions", json=body).json()["error"]
         assert (error["code"], error["param"]) == (400, param) and words in error["message"], error
-    ok = client.post("/v1/chat/completions", json={"messages": user, "stop": ["a", "b"], "logprobs": True,
-                                                   "top_logprobs": 2, "max_tokens": 2})
+    ok = client.post(
+        "/v1/chat/completions",
+        json={"messages": user, "stop": ["a", "b"], "logprobs": True, "top_logprobs": 2, "max_tokens": 2},
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -70,9 +77,19 @@ def test_a_client_that_leaves_mid_body_is_no_error(tokenizer, caplog):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     with caplog.at_level(logging.DEBUG):
         asyncio.run(app(scope, receive, send))
     assert sent[0]["status"] == 499
@@ -90,8 +107,18 @@ def test_a_content_length_that_is_not_a_number_is_refused(tokenizer):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "headers": [(b"content-length", b"lots")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-length", b"lots")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     asyncio.run(app(scope, receive, send))
     assert sent[0]["status"] == 400 and b"Content-Length" in sent[1]["body"]

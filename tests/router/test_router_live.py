@@ -35,8 +35,9 @@ def test_openai_client_chat_and_completions(live_server, tokenizer):
         assert chat.usage.prompt_tokens == len(tokenizer.apply_chat_template(USER))
         assert chat.usage.prompt_tokens_details.cached_tokens == 0
 
-        stream = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, stream=True,
-                                                stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
         chunks = list(stream)
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
         assert all(c.usage is None for c in chunks[:-1])
@@ -50,8 +51,11 @@ def test_openai_client_chat_and_completions(live_server, tokenizer):
         streamed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=100, stream=True)
         assert "".join(c.choices[0].text for c in streamed) == comp.choices[0].text
 
-        chunks = list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4, stream=True,
-                                                stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=[1, 2, 3], max_tokens=4, stream=True, stream_options={"include_usage": True}
+            )
+        )
         assert chunks[-1].usage.prompt_tokens == 3 and chunks[-1].usage.completion_tokens == 4
         assert chunks[-2].choices[0].finish_reason == "length"
 
@@ -73,8 +77,11 @@ def test_streaming_disconnect_aborts(live_server, tokenizer):
     backend = FakeBackend(tokenizer, token_delay=0.05)
     with live_server(backend) as url:
         with httpx.Client(base_url=url, timeout=10) as http:
-            with http.stream("POST", "/v1/chat/completions",
-                             json={"messages": USER, "stream": True, "max_tokens": 200, "ignore_eos": True}) as r:
+            with http.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={"messages": USER, "stream": True, "max_tokens": 200, "ignore_eos": True},
+            ) as r:
                 assert r.status_code == 200
                 lines = r.iter_lines()
                 got = [next(lines) for _ in range(3)]

@@ -35,7 +35,18 @@ def test_router_modules_do_not_import_torch():
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
     modules = lines["MODULES"].split(" ", 1)[1].split(",")
-    for expected in ("router.app", "router.backend", "router.errors", "router.formatting", "router.protocol", "router.routes",
-                     "router.routing", "router.serving", "router.streaming", "router.tokenizer", "router.ray_backend"):
+    for expected in (
+        "router.app",
+        "router.backend",
+        "router.errors",
+        "router.formatting",
+        "router.protocol",
+        "router.routes",
+        "router.routing",
+        "router.serving",
+        "router.streaming",
+        "router.tokenizer",
+        "router.ray_backend",
+    ):
         assert expected in modules
     assert lines.get("HEAVY", "") == "", f"router imported {lines.get('HEAVY')}"

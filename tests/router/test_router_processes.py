@@ -70,8 +70,9 @@ def members(*spec: tuple[str, bool]) -> tuple[Member, ...]:
 
 
 def test_changes_add_serving_workers_drain_what_router_0_drains_and_drop_the_rest():
-    published = Membership(4, 1, 2, members(("prefill-0", False), ("decode-0", True), ("decode-2", False),
-                                            ("decode-3", True)))
+    published = Membership(
+        4, 1, 2, members(("prefill-0", False), ("decode-0", True), ("decode-2", False), ("decode-3", True))
+    )
     todo = changes({"prefill-0": False, "decode-0": False, "decode-1": False}, published)
     assert [m.worker_id for m in todo.add] == ["decode-2"]  # decode-3: draining, never worth adding
     assert todo.drain == ("decode-0",) and todo.remove == ("decode-1",)
@@ -93,12 +94,19 @@ def test_a_follower_adds_drains_and_removes_workers_as_router_0_publishes():
     """Router 1's pools over fake actors follow three versions: decode-1 added (a request routed
     to it streams exactly, the lease loop renews on it), then drained (its stream moves to
     decode-0 and still ends exactly), then removed; the gates hear each new target."""
+
     async def main():
-        actors = {a.worker_id: a for a in (FakeActor("prefill-0", "prefill", prefill_delay_s=0.01),
-                                           FakeActor("decode-0", "decode", step_s=STEP_S),
-                                           FakeActor("decode-1", "decode", step_s=STEP_S))}
-        pools = WorkerPools([actors["prefill-0"], actors["decode-0"]], health_interval_s=0.05, health_timeout_s=0.5,
-                            poll_timeout_s=0.02)
+        actors = {
+            a.worker_id: a
+            for a in (
+                FakeActor("prefill-0", "prefill", prefill_delay_s=0.01),
+                FakeActor("decode-0", "decode", step_s=STEP_S),
+                FakeActor("decode-1", "decode", step_s=STEP_S),
+            )
+        }
+        pools = WorkerPools(
+            [actors["prefill-0"], actors["decode-0"]], health_interval_s=0.05, health_timeout_s=0.5, poll_timeout_s=0.02
+        )
         backend = RayBackend(pools)
         published: list[Membership] = []
         targets: list[tuple[int, int]] = []
@@ -110,13 +118,22 @@ def test_a_follower_adds_drains_and_removes_workers_as_router_0_publishes():
         async def resolve(name: str):
             return actors[name.removeprefix("test-")]
 
-        follower = MembershipFollower(pools, "test", "ns", drain_timeout_s=0.2, every_s=0.02,
-                                      on_targets=lambda p, d: targets.append((p, d)), read=read, resolve=resolve)
+        follower = MembershipFollower(
+            pools,
+            "test",
+            "ns",
+            drain_timeout_s=0.2,
+            every_s=0.02,
+            on_targets=lambda p, d: targets.append((p, d)),
+            read=read,
+            resolve=resolve,
+        )
         running = asyncio.create_task(follower.run())
         try:
             backend.workers()
-            published.append(Membership(1, 1, 2, members(("prefill-0", False), ("decode-0", False),
-                                                         ("decode-1", False))))
+            published.append(
+                Membership(1, 1, 2, members(("prefill-0", False), ("decode-0", False), ("decode-1", False)))
+            )
             await wait_for(lambda: "decode-1" in {w.worker_id for w in pools.workers()})
             assert_exact(await stream(backend, "a", prompt_of(1), 8, "decode-1", "prefill-0"), prompt_of(1), 8)
             assert "submit" in actors["decode-1"].calls or "start_decode" in actors["decode-1"].calls
@@ -124,8 +141,9 @@ def test_a_follower_adds_drains_and_removes_workers_as_router_0_publishes():
             # A long stream on decode-1, then router 0 drains it: the stream moves and ends exactly.
             long = asyncio.create_task(stream(backend, "b", prompt_of(2), 80, "decode-1", "prefill-0"))
             await wait_for(lambda: len(actors["decode-1"].running) == 1)
-            published.append(Membership(2, 1, 1, members(("prefill-0", False), ("decode-0", False),
-                                                         ("decode-1", True))))
+            published.append(
+                Membership(2, 1, 1, members(("prefill-0", False), ("decode-0", False), ("decode-1", True)))
+            )
             await wait_for(lambda: any(w.draining for w in pools.workers() if w.worker_id == "decode-1"))
             assert_exact(await long, prompt_of(2), 80)
             assert actors["decode-0"].submitted[-1][0] == "b"  # resumed on decode-0
@@ -149,8 +167,9 @@ def router0_admin(config: AdminConfig, scaler: RecordingScaler) -> FastAPI:
 
 
 def router1_app(tokenizer, config: AdminConfig, router0_url: str, api_key: str | None = None) -> FastAPI:
-    app = build_app(FakeBackend(tokenizer), tokenizer, "m", 1024, server=ServerConfig(api_key=api_key),
-                    router_id="router-1.0")
+    app = build_app(
+        FakeBackend(tokenizer), tokenizer, "m", 1024, server=ServerConfig(api_key=api_key), router_id="router-1.0"
+    )
     install_admin_forwarding(app, config, router0_url, timeout_s=10)
     return app
 
@@ -189,7 +208,9 @@ def test_forwarding_keeps_the_token_and_the_api_key(tokenizer):
         app = router1_app(tokenizer, config, f"http://127.0.0.1:{served.port}", api_key="key-1")
         with TestClient(app, client=REMOTE) as client:
             key = {"authorization": "Bearer key-1"}
-            assert client.post("/admin/scale", json={"decode": 2}, headers={ADMIN_TOKEN_HEADER: "tok"}).status_code == 401
+            assert (
+                client.post("/admin/scale", json={"decode": 2}, headers={ADMIN_TOKEN_HEADER: "tok"}).status_code == 401
+            )
             assert client.post("/admin/scale", json={"decode": 2}, headers=key).status_code == 401
             ok = client.post("/admin/scale", json={"decode": 2}, headers={**key, ADMIN_TOKEN_HEADER: "tok"})
             assert ok.status_code == 200
@@ -200,10 +221,11 @@ def test_forwarding_keeps_the_token_and_the_api_key(tokenizer):
         assert client.get("/admin/pools").status_code == 404  # the endpoint off: no forwarding either
 
 
-def test_the_pool_managers_changes_reach_a_second_routers_pools(fake_ray):
+def test_the_pool_managers_changes_reach_a_second_routers_pools(fake_ray):  # noqa: F811 (pytest injects the fixture imported above)
     """Router 0's PoolManager (fake Ray) publishes into a WorkerDirectory; a second router's pools
     over the same fake actors follow it: decode-1 appears after the scale-up, is published
     draining before it is drained, and disappears after the scale-down."""
+
     async def main():
         deployment, actors = make_deployment()
         directory = WorkerDirectory()
@@ -218,7 +240,9 @@ def test_the_pool_managers_changes_reach_a_second_routers_pools(fake_ray):
         async def resolve(name: str):
             return next(w.handle for w in deployment.workers if w.actor_name == name)
 
-        follower = MembershipFollower(other, "test", "ns", drain_timeout_s=0.1, every_s=0.02, read=read, resolve=resolve)
+        follower = MembershipFollower(
+            other, "test", "ns", drain_timeout_s=0.1, every_s=0.02, read=read, resolve=resolve
+        )
         running = asyncio.create_task(follower.run())
         try:
             deployment.backend.workers()

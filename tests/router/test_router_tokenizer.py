@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.tokenizer import ChatTemplateError, Tokenizer
 from common.detokenizer import IncrementalDetokenizer
+from router.tokenizer import ChatTemplateError, Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -77,12 +77,17 @@ def test_special_tokens_and_sizes(tokenizer, hf_tokenizer):
 
 
 def test_template_helpers(tokenizer):
-    raising = "{% if messages|length > 1 %}{{ raise_exception('only one message') }}{% endif %}{{ messages[0]['content'] }}"
+    raising = (
+        "{% if messages|length > 1 %}{{ raise_exception('only one message') }}{% endif %}{{ messages[0]['content'] }}"
+    )
     assert tokenizer.render_chat([{"role": "user", "content": "a"}], chat_template=raising) == "a"
     with pytest.raises(ChatTemplateError, match="only one message"):
         tokenizer.render_chat([{"role": "user", "content": "a"}] * 2, chat_template=raising)
     as_json = "{{ messages[0] | tojson }}"
-    assert tokenizer.render_chat([{"role": "user", "content": "<é>"}], chat_template=as_json) == '{"role": "user", "content": "<é>"}'
+    assert (
+        tokenizer.render_chat([{"role": "user", "content": "<é>"}], chat_template=as_json)
+        == '{"role": "user", "content": "<é>"}'
+    )
     with pytest.raises(ChatTemplateError):
         tokenizer.render_chat([])
     # The sandbox refuses attribute escapes.

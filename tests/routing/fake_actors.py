@@ -2,7 +2,8 @@
 
 Each `FakeActor` answers the calls RayBackend and the pool manager make (`heartbeat`, `reserve`,
 `prefill`, `start_decode`, `submit`, `poll_outputs`, `abort`, `endpoint`, `ready`, `shutdown`) the
-way EngineWorker does, through `.remote(...)` returning an awaitable. It "computes" a prompt by publishing STORED events for its
+way EngineWorker does, through `.remote(...)` returning an awaitable. It "computes" a prompt by
+publishing STORED events for its
 full blocks (as the block manager does), and reports cached tokens from what it stored before.
 
 Generation is a deterministic script, so any interleaving of workers can be checked against it:
@@ -32,8 +33,16 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, OutOfMemoryErr
 
 from common.block_hash import hash_prefix_blocks
 from common.protocol import (
-    KVEvent, KVEventBatch, KVEventKind, KVReservation, PrefillResult, RequestOutput, ResumeState, WorkerHeartbeat,
-    WorkerReady, WorkerStats,
+    KVEvent,
+    KVEventBatch,
+    KVEventKind,
+    KVReservation,
+    PrefillResult,
+    RequestOutput,
+    ResumeState,
+    WorkerHeartbeat,
+    WorkerReady,
+    WorkerStats,
 )
 
 BS = 16
@@ -54,7 +63,7 @@ def script(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class _Method:
-    def __init__(self, actor: "FakeActor", fn) -> None:
+    def __init__(self, actor: FakeActor, fn) -> None:
         self.actor, self.fn = actor, fn
 
     def remote(self, *args):
@@ -113,8 +122,19 @@ class FakeActor:
         self.stopped = False
         self.renewed = 0  # lease renewals (the router's lease loop)
         self.reply_delay_s = 0.0  # poll_outputs: from taking the outputs to the reply reaching the router
-        for name in ("heartbeat", "reserve", "prefill", "start_decode", "submit", "poll_outputs", "abort", "endpoint",
-                     "ready", "shutdown", "renew_lease"):
+        for name in (
+            "heartbeat",
+            "reserve",
+            "prefill",
+            "start_decode",
+            "submit",
+            "poll_outputs",
+            "abort",
+            "endpoint",
+            "ready",
+            "shutdown",
+            "renew_lease",
+        ):
             setattr(self, name, _Method(self, getattr(self, "_" + name)))
 
     # ---- faults ----------------------------------------------------------------------------
@@ -179,15 +199,25 @@ class FakeActor:
                 done = r.produced >= r.max_tokens
                 if done:
                     del self.running[rid]
-                self._queue().put_nowait(RequestOutput(
-                    rid, [tok], script_text(tok), finished=done, finish_reason="length" if done else None,
-                    num_prompt_tokens=len(r.prompt), num_output_tokens=r.produced, attempt=r.attempt))
+                self._queue().put_nowait(
+                    RequestOutput(
+                        rid,
+                        [tok],
+                        script_text(tok),
+                        finished=done,
+                        finish_reason="length" if done else None,
+                        num_prompt_tokens=len(r.prompt),
+                        num_output_tokens=r.produced,
+                        attempt=r.attempt,
+                    )
+                )
 
     # ---- the calls -----------------------------------------------------------------------------
     async def _heartbeat(self, router=None):
         events, self.events = self.events, []
-        stats = WorkerStats(self.worker_id, self.role, len(self.running), 0, 0.0, 100, 100, 0, 0, 0, 0, 0, 0, 0, 0,
-                            self.pid)
+        stats = WorkerStats(
+            self.worker_id, self.role, len(self.running), 0, 0.0, 100, 100, 0, 0, 0, 0, 0, 0, 0, 0, self.pid
+        )
         return WorkerHeartbeat(stats, KVEventBatch(events, None, BS))
 
     async def _endpoint(self):
@@ -205,9 +235,16 @@ class FakeActor:
         cached = self._compute(req.prompt_token_ids)
         tok = script_token(req.prompt_token_ids, 0)
         done = req.sampling_params.max_tokens == 1
-        out = RequestOutput(req.request_id, [tok], script_text(tok), finished=done,
-                            finish_reason="length" if done else None, num_prompt_tokens=len(req.prompt_token_ids),
-                            num_cached_tokens=cached, num_output_tokens=1)
+        out = RequestOutput(
+            req.request_id,
+            [tok],
+            script_text(tok),
+            finished=done,
+            finish_reason="length" if done else None,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_cached_tokens=cached,
+            num_output_tokens=1,
+        )
         return PrefillResult(out, 3, 3 * 4096, 0.001, self.prefill_delay_s)
 
     async def _start_decode(self, rid, first_token):
@@ -242,8 +279,15 @@ class FakeActor:
         return out
 
     async def _ready(self):
-        return WorkerReady(self.worker_id, self.role, max_model_len=4096, block_size=BS, num_blocks=100,
-                           dtype="float32", kv_cache_dtype="float32")
+        return WorkerReady(
+            self.worker_id,
+            self.role,
+            max_model_len=4096,
+            block_size=BS,
+            num_blocks=100,
+            dtype="float32",
+            kv_cache_dtype="float32",
+        )
 
     async def _renew_lease(self, router):
         self.renewed += 1
@@ -254,4 +298,3 @@ class FakeActor:
     async def _abort(self, rid, final=True):
         self.reserved.discard(rid)
         return self.running.pop(rid, None) is not None
-

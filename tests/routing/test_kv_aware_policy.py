@@ -7,12 +7,18 @@ import random
 
 import pytest
 
+from common.block_hash import hash_prefix_blocks
 from router.backend import WorkerInfo
 from router.prefix_index import PrefixIndex
 from router.routing import (
-    KvAwarePolicy, LeastLoadedPolicy, NoWorkerAvailable, RandomPolicy, RoundRobinPolicy, RoutingConfig, make_policy,
+    KvAwarePolicy,
+    LeastLoadedPolicy,
+    NoWorkerAvailable,
+    RandomPolicy,
+    RoundRobinPolicy,
+    RoutingConfig,
+    make_policy,
 )
-from common.block_hash import hash_prefix_blocks
 
 BS = 16
 SYSTEM = list(range(1000, 1512))  # a 512-token shared system prompt (32 blocks)
@@ -141,12 +147,15 @@ def test_other_policies_and_factory():
         make_policy("kv-aware")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"policy": "fastest"}, "routing policy must be one of"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"weight_kv": float("nan")}, "weight_kv"),
-    ({"local_prefill_threshold": -1}, "local_prefill_threshold"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"policy": "fastest"}, "routing policy must be one of"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"weight_kv": float("nan")}, "weight_kv"),
+        ({"local_prefill_threshold": -1}, "local_prefill_threshold"),
+    ],
+)
 def test_bad_routing_config_is_rejected_with_its_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RoutingConfig(**kwargs)

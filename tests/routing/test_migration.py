@@ -15,15 +15,14 @@ import json
 import time
 
 import pytest
-
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from common.sampling_params import SamplingParams
 from router.backend import BackendError, GenerateRequest, RouteDecision
 from router.flow import FlowLimits
 from router.pools import WorkerPools
 from router.ray_backend import RayBackend
 from router.routing import live_workers
-from common.sampling_params import SamplingParams
 
 from .fake_actors import FakeActor, script, script_text
 
@@ -46,8 +45,9 @@ def prompt_of(i: int) -> list[int]:
 async def stream(backend, rid, prompt, max_tokens, decode, prefill=None):
     """(token ids, text, last output) of one request, or the exception that ended it."""
     tokens, text, last = [], "", None
-    request = GenerateRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
-                              RouteDecision(decode, prefill))
+    request = GenerateRequest(
+        rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), RouteDecision(decode, prefill)
+    )
     try:
         async for out in backend.generate(request):
             tokens += out.token_ids
@@ -80,8 +80,19 @@ def test_streams_on_a_killed_decode_worker_continue_exactly_on_the_other():
         try:
             backend.workers()
             n, max_tokens = 32, 40
-            tasks = [asyncio.create_task(stream(backend, f"r{i}", prompt_of(i), max_tokens, f"decode-{i % 2}",
-                                                "prefill-0" if i % 4 < 2 else None)) for i in range(n)]
+            tasks = [
+                asyncio.create_task(
+                    stream(
+                        backend,
+                        f"r{i}",
+                        prompt_of(i),
+                        max_tokens,
+                        f"decode-{i % 2}",
+                        "prefill-0" if i % 4 < 2 else None,
+                    )
+                )
+                for i in range(n)
+            ]
             await wait_for(lambda: len(actors["decode-0"].running) >= 8)
             await asyncio.sleep(5 * STEP_S)
             moved = list(actors["decode-0"].running)
@@ -193,6 +204,7 @@ def test_a_lone_decode_worker_that_stalls_and_comes_back_as_it_was_takes_its_str
     """Given up while it stalled, the worker kept decoding: what it queued for the first attempt
     (and the long-poll that was out when it stalled) reaches the router after the streams came back
     to it, beside the new attempt's outputs, and must not reach the clients."""
+
     async def main():
         backend, actors = make(num_prefill=0, num_decode=1, migration_wait_s=10.0)
         d = actors["decode-0"]
@@ -220,6 +232,7 @@ def test_a_lone_decode_worker_that_stalls_and_comes_back_as_it_was_takes_its_str
 def test_calls_to_a_worker_that_never_answers_end_when_it_is_marked_down():
     """A Ray actor being restarted (or that cannot be placed again) leaves calls to it waiting;
     the request must not wait with them: once the heartbeat gives the worker up, it moves on."""
+
     async def main():
         backend, actors = make(num_prefill=2, num_decode=2)
         try:
@@ -330,6 +343,7 @@ def test_over_http_a_stream_out_of_attempts_ends_with_an_error_event_and_done(to
 def test_a_decode_worker_that_dies_before_starting_the_decode_moves_the_request():
     """D dies between P's first token and its start_decode: the stream moves to the other decode
     worker with the first token already sent, and ends exactly."""
+
     async def main():
         backend, actors = make(num_prefill=1, num_decode=2)
         d0 = actors["decode-0"]
@@ -354,6 +368,7 @@ def test_a_call_that_failed_because_a_rank_died_marks_the_worker_down_but_not_go
     """A tensor-parallel worker's reserve fails because one of its rank actors died (Ray raises a
     RayTaskError that is also an ActorDiedError): the worker restarts as a whole, so it is down,
     not gone for good (gone would have the pool manager start a replacement beside it)."""
+
     async def main():
         backend, actors = make(num_prefill=1, num_decode=2)
         d0 = actors["decode-0"]

@@ -98,6 +98,7 @@ def test_a_worker_the_memory_monitor_killed_for_good_is_replaced(fake_ray):
     """Ray (2.60) answers every call to an actor its memory monitor killed with OutOfMemoryError,
     restarts left or not: only Ray's state of the actor says it is DEAD. Without asking it, such a
     worker stays down for ever and the deployment answers 503 until it is restarted."""
+
     async def main():
         deployment, actors = make_deployment()
         backend, pools = deployment.backend, deployment.pools

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.prefix_index import PrefixIndex
 from common.block_hash import hash_prefix_blocks
 from common.protocol import KVEvent, KVEventKind
+from router.prefix_index import PrefixIndex
 
 BS = 4
 

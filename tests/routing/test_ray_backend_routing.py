@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+from common.block_hash import hash_prefix_blocks
+from common.sampling_params import SamplingParams
 from router.backend import GenerateRequest
 from router.pools import WorkerPools
 from router.ray_backend import RayBackend
 from router.routing import KvAwarePolicy, RoutingConfig
 from router.trace import RequestTrace
-from common.block_hash import hash_prefix_blocks
-from common.sampling_params import SamplingParams
 
 from .fake_actors import BS, FakeActor, _Method
 
@@ -22,8 +22,9 @@ HEALTH_S = 0.1
 def make_backend(num_prefill=2, num_decode=1):
     actors = {f"prefill-{i}": FakeActor(f"prefill-{i}", "prefill") for i in range(num_prefill)}
     actors.update({f"decode-{i}": FakeActor(f"decode-{i}", "decode") for i in range(num_decode)})
-    backend = RayBackend(WorkerPools(list(actors.values()), health_interval_s=HEALTH_S, health_timeout_s=1.0,
-                                     poll_timeout_s=0.02))
+    backend = RayBackend(
+        WorkerPools(list(actors.values()), health_interval_s=HEALTH_S, health_timeout_s=1.0, poll_timeout_s=0.02)
+    )
     return backend, actors
 
 
@@ -131,7 +132,9 @@ def test_counters_through_the_http_app(tokenizer):
         long = client.post("/v1/completions", json={"prompt": "word " * 300, "max_tokens": 2})
         assert short.status_code == 200 and long.status_code == 200
         text = client.get("/metrics").text
-        assert 'baton:routing_decisions_total{decision="local",model_name="m",reason="local_short_uncached"} 1.0' in text
+        assert (
+            'baton:routing_decisions_total{decision="local",model_name="m",reason="local_short_uncached"} 1.0' in text
+        )
         assert 'baton:routing_decisions_total{decision="remote",model_name="m",reason="remote_prefill"} 1.0' in text
         client.portal.call(backend.close)
     assert backend.counters["local_prefill"] == 1 and backend.counters["remote_prefill"] == 1
@@ -169,10 +172,16 @@ def test_a_remote_prefills_first_token_does_not_wait_for_the_decode_worker():
     async def main():
         backend, actors = make_backend(num_prefill=1)
         d = actors["decode-0"]
-        for name in ("start_decode", "abort"):
-            async def late(*args, _fn=getattr(d, "_" + name)):
+
+        def half_a_second_late(fn):
+            async def late(*args):
                 await asyncio.sleep(0.5)
-                return await _fn(*args)
+                return await fn(*args)
+
+            return late
+
+        for name in ("start_decode", "abort"):
+            late = half_a_second_late(getattr(d, "_" + name))
             late.__name__ = name  # as the calls log names it
             setattr(d, name, _Method(d, late))
         policy = KvAwarePolicy(backend.prefix_index, BS, RoutingConfig(seed=0, local_prefill_threshold=0))
@@ -183,8 +192,9 @@ def test_a_remote_prefills_first_token_does_not_wait_for_the_decode_worker():
                 route = policy.choose(prompt, backend.workers())
                 assert route.prefill_worker == "prefill-0"
                 started, times = time.perf_counter(), []
-                async for out in backend.generate(GenerateRequest(f"r{max_tokens}", prompt,
-                                                                  SamplingParams(max_tokens=max_tokens), route)):
+                async for _out in backend.generate(
+                    GenerateRequest(f"r{max_tokens}", prompt, SamplingParams(max_tokens=max_tokens), route)
+                ):
                     times.append(time.perf_counter() - started)
                 assert times[0] < 0.3, times  # not behind D's 0.5 s
                 if max_tokens > 1:
@@ -206,21 +216,28 @@ def test_a_burst_counts_the_prompts_routed_before_it_against_the_prefill_queue_t
 
     from router.app import build_app
 
-    actors = {"prefill-0": FakeActor("prefill-0", "prefill", prefill_delay_s=0.3),
-              "decode-0": FakeActor("decode-0", "decode")}
-    backend = RayBackend(WorkerPools(list(actors.values()), health_interval_s=HEALTH_S, health_timeout_s=1.0,
-                                     poll_timeout_s=0.02))
+    actors = {
+        "prefill-0": FakeActor("prefill-0", "prefill", prefill_delay_s=0.3),
+        "decode-0": FakeActor("decode-0", "decode"),
+    }
+    backend = RayBackend(
+        WorkerPools(list(actors.values()), health_interval_s=HEALTH_S, health_timeout_s=1.0, poll_timeout_s=0.02)
+    )
     prompt = "word " * 300
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=True))
-    policy = KvAwarePolicy(backend.prefix_index, BS, RoutingConfig(
-        seed=0, local_prefill_threshold=0, prefill_queue_threshold=prompt_len + prompt_len // 2))
+    policy = KvAwarePolicy(
+        backend.prefix_index,
+        BS,
+        RoutingConfig(seed=0, local_prefill_threshold=0, prefill_queue_threshold=prompt_len + prompt_len // 2),
+    )
     app = build_app(backend, tokenizer, "m", 8192, policy)
 
     async def main():
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
-                replies = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
-                                                 for _ in range(8)))
+                replies = await asyncio.gather(
+                    *(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}) for _ in range(8))
+                )
             assert [r.status_code for r in replies] == [200] * 8
             assert backend.counters["remote_prefill"] == 2 and backend.counters["local_prefill"] == 6
             assert all(w.queued_prefill_tokens == 0 for w in backend.workers())

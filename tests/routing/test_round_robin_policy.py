@@ -32,8 +32,12 @@ def test_round_robin_skips_dead_workers_and_resumes():
 
 @pytest.mark.parametrize(
     "workers, missing",
-    [(pool(0, 1), "prefill"), (pool(1, 0), "decode"), (pool(2, 2, dead={"p0", "p1"}), "prefill"),
-     (pool(2, 2, dead={"d0", "d1"}), "decode")],
+    [
+        (pool(0, 1), "prefill"),
+        (pool(1, 0), "decode"),
+        (pool(2, 2, dead={"p0", "p1"}), "prefill"),
+        (pool(2, 2, dead={"d0", "d1"}), "decode"),
+    ],
 )
 def test_no_worker_available(workers, missing):
     with pytest.raises(NoWorkerAvailable) as info:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from workers.block_manager import BlockManager
 from common.protocol import KVEvent, KVEventKind, SpecDecodeStats
 from common.sampling_params import SamplingParams
+from workers.block_manager import BlockManager
 from workers.sequence import Sequence
 from workers.worker import EngineWorker, WorkerConfig
 
@@ -23,9 +23,17 @@ class _Engine:
 
     def stats(self):
         bm = self.block_manager
-        return SimpleNamespace(num_running=0, num_waiting=0, kv_usage=bm.usage, num_blocks=bm.num_blocks,
-                               num_free_blocks=bm.num_free_blocks, prefix_cache_queries=0, prefix_cache_hits=0,
-                               num_preemptions=0, spec_decode=SpecDecodeStats())
+        return SimpleNamespace(
+            num_running=0,
+            num_waiting=0,
+            kv_usage=bm.usage,
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+            spec_decode=SpecDecodeStats(),
+        )
 
 
 def cache_blocks(bm: BlockManager, tokens: list[int]) -> None:
@@ -45,11 +53,15 @@ def make_worker() -> tuple[EngineWorker, BlockManager]:
 def test_heartbeat_carries_events_in_order_once():
     worker, bm = make_worker()
     try:
-        worker._call(lambda: bm._events.extend([KVEvent(KVEventKind.STORED, (1, 2)), KVEvent(KVEventKind.REMOVED, (1,))]))
+        worker._call(
+            lambda: bm._events.extend([KVEvent(KVEventKind.STORED, (1, 2)), KVEvent(KVEventKind.REMOVED, (1,))])
+        )
         beat = worker.heartbeat()
         assert beat.stats.worker_id == "decode-0" and beat.kv_events.block_size == 4
         assert [(e.kind, e.block_hashes) for e in beat.kv_events.events] == [
-            (KVEventKind.STORED, (1, 2)), (KVEventKind.REMOVED, (1,))]
+            (KVEventKind.STORED, (1, 2)),
+            (KVEventKind.REMOVED, (1,)),
+        ]
         assert beat.kv_events.snapshot is None
         assert worker.heartbeat().kv_events.events == []  # handed over once
     finally:
@@ -59,6 +71,7 @@ def test_heartbeat_carries_events_in_order_once():
 def test_overflow_sends_a_snapshot_of_the_cache_instead():
     worker, bm = make_worker()
     try:
+
         def flood():
             cache_blocks(bm, list(range(8)))  # what the cache holds now: two full blocks
             for i in range(worker.leases.max_kv_event_hashes + 10):

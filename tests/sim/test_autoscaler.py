@@ -12,7 +12,12 @@ import pytest
 from fastapi import FastAPI
 
 from cluster.autoscaler import (
-    Autoscaler, AutoscalerLoop, RouterSignals, Signals, attach_to_simulator, install_autoscaler,
+    Autoscaler,
+    AutoscalerLoop,
+    RouterSignals,
+    Signals,
+    attach_to_simulator,
+    install_autoscaler,
 )
 from cluster.autoscaler_config import AutoscalerConfig
 from cluster.config import BatonConfig
@@ -20,9 +25,18 @@ from cluster.sim import SLO, ClusterSpec, FittedCostModel, LengthDist, ServingOv
 from router.backend import WorkerInfo
 from router.trace import RequestTrace
 
-CONFIG = AutoscalerConfig(enabled=True, interval_s=5, window_s=20, slo_ttft_s=3.0, slo_tpot_s=0.25,
-                          min_prefill_workers=0, max_prefill_workers=3, max_decode_workers=4, down_after=3,
-                          cooldown_s=30)
+CONFIG = AutoscalerConfig(
+    enabled=True,
+    interval_s=5,
+    window_s=20,
+    slo_ttft_s=3.0,
+    slo_tpot_s=0.25,
+    min_prefill_workers=0,
+    max_prefill_workers=3,
+    max_decode_workers=4,
+    down_after=3,
+    cooldown_s=30,
+)
 
 
 def signals(now, p=1, d=1, ttft=0.5, tpot=0.05, queue=0.0, oldest=0.0, waiting=0, busy=0.5) -> Signals:
@@ -84,12 +98,27 @@ def test_bad_settings_are_refused_naming_them():
 
 
 def test_a_load_step_grows_then_shrinks_the_pools_without_oscillating():
-    cost = FittedCostModel({"c0": 0.012, "c_token": 0.0011, "c_sampled": 0.0004, "c_decode_ctx": 2e-6,
-                            "c_prefill_pairs": 4e-8, "c_decode_seq": 0.0003}, knee=8, kv_bytes_per_token=46080,
-                           kv_capacity_tokens=23296)
-    spec = WorkloadSpec(rate=4.0, duration_s=420, prompt_len=LengthDist("uniform", low=128, high=512),
-                        output_len=LengthDist("uniform", low=32, high=96), seed=5,
-                        rate_points=((0, 0.15), (120, 0.15), (120.01, 1.0), (270, 1.0), (270.01, 0.15)))
+    cost = FittedCostModel(
+        {
+            "c0": 0.012,
+            "c_token": 0.0011,
+            "c_sampled": 0.0004,
+            "c_decode_ctx": 2e-6,
+            "c_prefill_pairs": 4e-8,
+            "c_decode_seq": 0.0003,
+        },
+        knee=8,
+        kv_bytes_per_token=46080,
+        kv_capacity_tokens=23296,
+    )
+    spec = WorkloadSpec(
+        rate=4.0,
+        duration_s=420,
+        prompt_len=LengthDist("uniform", low=128, high=512),
+        output_len=LengthDist("uniform", low=32, high=96),
+        seed=5,
+        rate_points=((0, 0.15), (120, 0.15), (120.01, 1.0), (270, 1.0), (270.01, 0.15)),
+    )
     wl = spec.generate()
     sim = Simulator(ClusterSpec(1, 1), cost, ServingOverheads(), record_itl=False)
     config = dataclasses.replace(CONFIG, min_prefill_workers=1)
@@ -124,8 +153,10 @@ def test_the_driver_loop_reads_the_router_and_calls_the_pool_manager():
 
     class Backend:
         def workers(self):
-            return [WorkerInfo("prefill-0", "prefill", running=1, queued_prefill_tokens=900),
-                    WorkerInfo("decode-0", "decode", running=4)]
+            return [
+                WorkerInfo("prefill-0", "prefill", running=1, queued_prefill_tokens=900),
+                WorkerInfo("decode-0", "decode", running=4),
+            ]
 
     signals = RouterSignals(Metrics(), Backend(), lambda: (1, 1), window_s=20)
     s = signals()

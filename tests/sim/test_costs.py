@@ -29,8 +29,11 @@ def test_roofline_decode_of_one_sequence_streams_the_weights_once():
 def test_roofline_prefill_is_compute_bound_and_tp_splits_it():
     cost = RooflineCostModel(GPUS["H100"], MODELS["llama-70b"], "fp8", "fp8")
     n = 8192
-    flops = 2 * MODELS["llama-70b"].layer_params * n + 2 * MODELS["llama-70b"].lm_head_params \
+    flops = (
+        2 * MODELS["llama-70b"].layer_params * n
+        + 2 * MODELS["llama-70b"].lm_head_params
         + 4 * 80 * 64 * 128 * (n * (n + 1) // 2)
+    )
     t1 = cost.step_time(StepShape.of([(0, n, True)]))
     assert t1 == pytest.approx(flops / (1979e12 * 0.6) + 0.0015, rel=0.01)
     tp4 = RooflineCostModel(GPUS["H100"], MODELS["llama-70b"], "fp8", "fp8", tp=4)
@@ -54,10 +57,29 @@ def test_every_tp_the_roofline_takes_is_one_the_engine_shards_the_model_at():
 
     # The engine's plan (workers.tensor_parallel.ShardPlan) on a config of each shape, at each size.
     for m in MODELS.values():
-        config = ModelConfig("LlamaForCausalLM", m.vocab, m.hidden, m.intermediate, m.layers, m.heads, m.kv_heads,
-                             m.head_dim, 1e-5, 1e4, None, 4096, False, False, False, False, (2,), 1,
-                             num_experts=m.experts, num_experts_per_tok=m.experts_per_tok,
-                             moe_intermediate_size=m.expert_intermediate)
+        config = ModelConfig(
+            "LlamaForCausalLM",
+            m.vocab,
+            m.hidden,
+            m.intermediate,
+            m.layers,
+            m.heads,
+            m.kv_heads,
+            m.head_dim,
+            1e-5,
+            1e4,
+            None,
+            4096,
+            False,
+            False,
+            False,
+            False,
+            (2,),
+            1,
+            num_experts=m.experts,
+            num_experts_per_tok=m.experts_per_tok,
+            moe_intermediate_size=m.expert_intermediate,
+        )
         for tp in (1, 2, 4, 8):
             try:
                 ShardPlan.of(config, tp, 0)
@@ -74,8 +96,9 @@ def test_every_tp_the_roofline_takes_is_one_the_engine_shards_the_model_at():
             elif roofline is not None:
                 assert "does not fit" in roofline, (m.name, tp, roofline)  # only too little memory
     # SmolLM2's 9 query heads do not split in two; the 70B of docs/scale.md runs at TP 2.
-    with pytest.raises(ValueError, match="smollm2-135m at TP 2: tensor_parallel_size 2 does not divide the model's "
-                                         "9 query heads"):
+    with pytest.raises(
+        ValueError, match="smollm2-135m at TP 2: tensor_parallel_size 2 does not divide the model's 9 query heads"
+    ):
         RooflineCostModel(GPUS["H200"], MODELS["smollm2-135m"], "fp8", "fp8", tp=2)
     assert RooflineCostModel(GPUS["H200"], MODELS["llama-70b"], "fp8", "fp8", tp=2).gpus_per_worker() == 2
 
@@ -83,9 +106,19 @@ def test_every_tp_the_roofline_takes_is_one_the_engine_shards_the_model_at():
 def test_a_tensor_parallel_step_divides_the_layers_share_and_adds_the_collectives():
     from cluster.sim.costs import TensorParallelCost
 
-    base = FittedCostModel({"c0": 0.02, "c_token": 0.0, "c_sampled": 0.0, "c_decode_ctx": 0.0,
-                            "c_prefill_pairs": 0.0, "c_decode_seq": 0.0}, knee=1, kv_bytes_per_token=1,
-                           kv_capacity_tokens=100)
+    base = FittedCostModel(
+        {
+            "c0": 0.02,
+            "c_token": 0.0,
+            "c_sampled": 0.0,
+            "c_decode_ctx": 0.0,
+            "c_prefill_pairs": 0.0,
+            "c_decode_seq": 0.0,
+        },
+        knee=1,
+        kv_bytes_per_token=1,
+        kv_capacity_tokens=100,
+    )
     tp2 = TensorParallelCost(base, tp=2, layers=30, sharded_fraction=0.8, allreduce_s=0.001, broadcast_s=0.0005)
     shape = StepShape.of([(64, 1, True)])
     # 20 ms at one rank: 16 ms of layers halved, 4 ms whole, 60 all-reduces of 1 ms, one broadcast.
@@ -97,8 +130,14 @@ def test_a_tensor_parallel_step_divides_the_layers_share_and_adds_the_collective
 
 
 def test_the_profile_fit_recovers_known_coefficients():
-    truth = {"c0": 0.004, "c_token": 0.0011, "c_sampled": 0.0003, "c_decode_ctx": 2e-6, "c_prefill_pairs": 1e-8,
-             "c_decode_seq": 0.0}
+    truth = {
+        "c0": 0.004,
+        "c_token": 0.0011,
+        "c_sampled": 0.0003,
+        "c_decode_ctx": 2e-6,
+        "c_prefill_pairs": 1e-8,
+        "c_decode_seq": 0.0,
+    }
     model = FittedCostModel(truth, knee=12, kv_bytes_per_token=1, kv_capacity_tokens=1)
     rng = random.Random(0)
     samples = []

@@ -30,7 +30,8 @@ def test_moe_decode_reads_only_the_experts_its_tokens_were_routed_to():
     one = 32 * (attention + 4096 * 8 + 2 * expert) + 32000 * 4096
     kv = 2 * 32 * 8 * 128 * (1001 + 1)  # the context including the new token, and the new token written
     assert cost.step_time(StepShape.of([(1000, 1, True)])) == pytest.approx(
-        (one + kv) / (4.8e12 * 0.8) + 0.0015, rel=1e-6)
+        (one + kv) / (4.8e12 * 0.8) + 0.0015, rel=1e-6
+    )
     # 64 decode tokens touch all 8 experts in expectation (1 - (6/8)^64 ~ 1): the whole model streams.
     batch = StepShape.of([(1000, 1, True)] * 64)
     assert m.layer_params_read(64) == pytest.approx(m.layer_params, rel=1e-6)
@@ -52,8 +53,14 @@ def test_the_planner_sizes_an_moe_deployment():
     token (12.9B active) and, at small decode batches, fewer bytes read per step."""
     wl = WorkloadSpec(rate=1, prompt_len=LengthDist("fixed", 1024), output_len=LengthDist("fixed", 128))
     moe = RooflineCostModel(GPUS["H200"], MODELS["mixtral-8x7b"], "fp8", "fp8")
-    dense_shape = dataclasses.replace(MODELS["mixtral-8x7b"], name="dense-46b", intermediate=8 * 14336, experts=0,
-                                      experts_per_tok=0, expert_intermediate=0)
+    dense_shape = dataclasses.replace(
+        MODELS["mixtral-8x7b"],
+        name="dense-46b",
+        intermediate=8 * 14336,
+        experts=0,
+        experts_per_tok=0,
+        expert_intermediate=0,
+    )
     dense = RooflineCostModel(GPUS["H200"], dense_shape, "fp8", "fp8")
     assert dense.weight_bytes == pytest.approx(moe.weight_bytes, rel=1e-3)
     est_moe = capacity_estimate(PlanProblem(8, wl, SLO(1.0, 0.05), moe))
@@ -73,9 +80,25 @@ def test_baton_plan_takes_an_moe_roofline(tmp_path, capsys):
     # The default 16-token blocks: an H200's 1.2M tokens of KV are 77k blocks per simulated worker
     # (4 in each of ~25 simulations), built only as they are used (they were 3/4 of this test's time
     # when each worker built its whole table first).
-    code = baton(["plan", "--gpus", "4", "--model-profile", "roofline:H200:mixtral-8x7b:fp8", "--slo-ttft", "50ms",
-                  "--slo-tpot", "50ms", "--workload", str(workload), "--requests-per-probe", "40",
-                  "--json", str(tmp_path / "p.json")])
+    code = baton(
+        [
+            "plan",
+            "--gpus",
+            "4",
+            "--model-profile",
+            "roofline:H200:mixtral-8x7b:fp8",
+            "--slo-ttft",
+            "50ms",
+            "--slo-tpot",
+            "50ms",
+            "--workload",
+            str(workload),
+            "--requests-per-probe",
+            "40",
+            "--json",
+            str(tmp_path / "p.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     data = json.loads((tmp_path / "p.json").read_text())

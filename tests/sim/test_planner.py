@@ -9,25 +9,48 @@ import pytest
 from cluster.cli import main as baton
 from cluster.plan_cli import parse_duration
 from cluster.planner import (
-    PlanProblem, ProbeResult, SplitEvaluations, capacity_estimate, exhaustive, plan, probe,
+    PlanProblem,
+    ProbeResult,
+    SplitEvaluations,
+    capacity_estimate,
+    exhaustive,
+    plan,
+    probe,
 )
 from cluster.sim import SLO, FittedCostModel, LengthDist, ServingOverheads, StepShape, WorkloadSpec
 
 # A worker like this machine's (bench/results/cost_profile_cpu.json, rounded).
-COST = FittedCostModel({"c0": 0.012, "c_token": 0.0011, "c_sampled": 0.0004, "c_decode_ctx": 2e-6,
-                        "c_prefill_pairs": 4e-8, "c_decode_seq": 0.0003}, knee=8, kv_bytes_per_token=46080,
-                       kv_capacity_tokens=23296)
+COST = FittedCostModel(
+    {
+        "c0": 0.012,
+        "c_token": 0.0011,
+        "c_sampled": 0.0004,
+        "c_decode_ctx": 2e-6,
+        "c_prefill_pairs": 4e-8,
+        "c_decode_seq": 0.0003,
+    },
+    knee=8,
+    kv_bytes_per_token=46080,
+    kv_capacity_tokens=23296,
+)
 OVERHEADS = ServingOverheads(heartbeat_s=1.0)
-U = lambda lo, hi: LengthDist("uniform", low=lo, high=hi)  # noqa: E731
 
 
-@pytest.mark.parametrize("name,workload,slo", [
-    ("prompt-heavy", WorkloadSpec(rate=1, prompt_len=U(768, 1536), output_len=U(8, 32), seed=21), SLO(4.0, 0.2)),
-    ("decode-heavy", WorkloadSpec(rate=1, prompt_len=U(64, 256), output_len=U(96, 160), seed=22), SLO(3.0, 0.08)),
-])
+def U(lo, hi):
+    return LengthDist("uniform", low=lo, high=hi)
+
+
+@pytest.mark.parametrize(
+    "name,workload,slo",
+    [
+        ("prompt-heavy", WorkloadSpec(rate=1, prompt_len=U(768, 1536), output_len=U(8, 32), seed=21), SLO(4.0, 0.2)),
+        ("decode-heavy", WorkloadSpec(rate=1, prompt_len=U(64, 256), output_len=U(96, 160), seed=22), SLO(3.0, 0.08)),
+    ],
+)
 def test_the_plan_is_within_10_percent_of_exhaustive_search(name, workload, slo):
-    problem = PlanProblem(5, workload, slo, COST, overheads=OVERHEADS, requests_per_probe=50, min_probe_s=15,
-                          rate_tolerance=0.06)
+    problem = PlanProblem(
+        5, workload, slo, COST, overheads=OVERHEADS, requests_per_probe=50, min_probe_s=15, rate_tolerance=0.06
+    )
     # Exhaustive search reuses the splits the plan simulated (the same simulations, the same results:
     # bench/sim_planner.py runs the two apart) and simulates the rest.
     evaluations = SplitEvaluations(problem)
@@ -43,8 +66,11 @@ def test_a_probe_stops_once_it_cannot_pass_with_the_verdict_of_the_whole_run():
     problem = PlanProblem(3, wl, SLO(1.0, 0.2), COST, overheads=OVERHEADS, requests_per_probe=40, min_probe_s=4)
     whole = {rate: probe(problem, 1, 2, rate, stop_once_failed=False) for rate in (2.0, 2.5, 4.0)}
     # It passes with a request missing; it fails by a little (82.6%); it fails by a lot.
-    assert [(r.passed, round(r.attainment, 3)) for r in whole.values()] == [(True, 0.978), (False, 0.826),
-                                                                            (False, 0.348)]
+    assert [(r.passed, round(r.attainment, 3)) for r in whole.values()] == [
+        (True, 0.978),
+        (False, 0.826),
+        (False, 0.348),
+    ]
     for rate, full in whole.items():
         quick = probe(problem, 1, 2, rate)
         assert quick == full if full.passed else quick == ProbeResult(False, None)
@@ -62,7 +88,8 @@ def test_the_capacity_estimate_balances_the_pools():
     p = est["balanced_prefill_workers"]
     # p prefill workers and 10 - p decode workers then carry the same request rate.
     assert p * est["prefill_requests_per_s_per_worker"] == pytest.approx(
-        (10 - p) * est["decode_requests_per_s_per_worker"])
+        (10 - p) * est["decode_requests_per_s_per_worker"]
+    )
     # A prefill worker does a 512-token prompt in two 256-token chunks.
     two_chunks = COST.step_time(StepShape.of([(0, 256, False)])) + COST.step_time(StepShape.of([(256, 256, True)]))
     assert est["prefill_requests_per_s_per_worker"] == pytest.approx(1 / two_chunks)
@@ -74,21 +101,60 @@ def test_durations_read_like_the_issue_writes_them():
 
 def test_baton_plan_prints_a_plan_and_writes_json_and_a_plot(tmp_path, capsys):
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps({"cost_model": {"kind": "fitted", **{k: v for k, v in COST.to_dict().items()
-                                                                       if k != "kind"}},
-                                   "overheads": {"heartbeat_s": 1.0}, "link": "cpu-shm"}))
+    profile.write_text(
+        json.dumps(
+            {
+                "cost_model": {"kind": "fitted", **{k: v for k, v in COST.to_dict().items() if k != "kind"}},
+                "overheads": {"heartbeat_s": 1.0},
+                "link": "cpu-shm",
+            }
+        )
+    )
     workload = tmp_path / "w.yaml"
-    workload.write_text("rate: 0.5\nduration_s: 30\nprompt_len: {dist: uniform, low: 64, high: 256}\n"
-                        "output_len: 32\n")
-    code = baton(["plan", "--gpus", "3", "--model-profile", str(profile), "--slo-ttft", "3s", "--slo-tpot", "200ms",
-                  "--workload", str(workload), "--requests-per-probe", "30", "--plot", str(tmp_path / "p.png"),
-                  "--json", str(tmp_path / "p.json")])
+    workload.write_text("rate: 0.5\nduration_s: 30\nprompt_len: {dist: uniform, low: 64, high: 256}\noutput_len: 32\n")
+    code = baton(
+        [
+            "plan",
+            "--gpus",
+            "3",
+            "--model-profile",
+            str(profile),
+            "--slo-ttft",
+            "3s",
+            "--slo-tpot",
+            "200ms",
+            "--workload",
+            str(workload),
+            "--requests-per-probe",
+            "30",
+            "--plot",
+            str(tmp_path / "p.png"),
+            "--json",
+            str(tmp_path / "p.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "plan for 3 GPUs" in out and "goodput" in out
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["plan"]["best"]["goodput"] > 0
     assert (tmp_path / "p.png").stat().st_size > 1000
-    assert baton(["plan", "--gpus", "3", "--model-profile", "roofline:B300:llama-8b", "--slo-ttft", "1s",
-                  "--slo-tpot", "50ms", "--workload", str(workload)]) == 2
+    assert (
+        baton(
+            [
+                "plan",
+                "--gpus",
+                "3",
+                "--model-profile",
+                "roofline:B300:llama-8b",
+                "--slo-ttft",
+                "1s",
+                "--slo-tpot",
+                "50ms",
+                "--workload",
+                str(workload),
+            ]
+        )
+        == 2
+    )
     assert "roofline:GPU:MODEL" in capsys.readouterr().err

@@ -3,7 +3,6 @@ and its timings match hand-computed oracles on cases simple enough to work out o
 
 from __future__ import annotations
 
-import inspect
 import random
 from collections import Counter, OrderedDict
 from pathlib import Path
@@ -17,8 +16,18 @@ import router.routing
 import workers.block_manager
 import workers.scheduler
 from cluster.sim import (
-    LINKS, SLO, Client, ClusterSpec, EngineSettings, FittedCostModel, LinkModel, ServingOverheads, SimRequest,
-    Simulator, Workload, simulate,
+    LINKS,
+    SLO,
+    Client,
+    ClusterSpec,
+    EngineSettings,
+    FittedCostModel,
+    LinkModel,
+    ServingOverheads,
+    SimRequest,
+    Simulator,
+    Workload,
+    simulate,
 )
 from cluster.sim.engine import EventLoop
 from common.sampling_params import SamplingParams
@@ -27,9 +36,12 @@ from workers.block_manager import BlockManager
 from workers.sequence import Sequence
 
 STEP = 0.010  # a cost model where every step takes 10 ms, whatever it holds
-CONSTANT = FittedCostModel({"c0": STEP, "c_token": 0.0, "c_sampled": 0.0, "c_decode_ctx": 0.0,
-                            "c_prefill_pairs": 0.0, "c_decode_seq": 0.0}, knee=1, kv_bytes_per_token=1000,
-                           kv_capacity_tokens=1 << 20)
+CONSTANT = FittedCostModel(
+    {"c0": STEP, "c_token": 0.0, "c_sampled": 0.0, "c_decode_ctx": 0.0, "c_prefill_pairs": 0.0, "c_decode_seq": 0.0},
+    knee=1,
+    kv_bytes_per_token=1000,
+    kv_capacity_tokens=1 << 20,
+)
 OVERHEADS = ServingOverheads(router_s=0.002, rpc_s=0.001, stream_s=0.0005, heartbeat_s=0.5)
 LINK = LinkModel("test", bandwidth_bytes_s=1e9, latency_s=1e-4)
 
@@ -59,8 +71,9 @@ def test_the_simulator_runs_the_routers_policy_and_index_classes_not_copies(monk
     # And the policy object really decides every request: count calls on the router's class.
     calls = []
     original = router.routing.KvAwarePolicy.choose
-    monkeypatch.setattr(router.routing.KvAwarePolicy, "choose",
-                        lambda self, p, w: calls.append(len(p)) or original(self, p, w))
+    monkeypatch.setattr(
+        router.routing.KvAwarePolicy, "choose", lambda self, p, w: calls.append(len(p)) or original(self, p, w)
+    )
     rng = random.Random(0)
     reqs = [SimRequest(f"r{i}", prompt(rng, 100 + i), 4) for i in range(7)]
     result = simulate(Workload((Client.closed_loop("c", reqs, 2),)), ClusterSpec(1, 1), CONSTANT, OVERHEADS, LINK)
@@ -177,8 +190,8 @@ def test_the_block_table_is_built_as_used_and_hands_out_blocks_as_a_whole_one_wo
     them out. Its free list must still be the documented LRU order: uncached blocks given back
     first, then the never-used ones by id, then cached ones, least recently freed first. Oracle:
     that order kept over every block, as the block manager did before."""
-    big = BlockManager(num_blocks=10 ** 7, block_size=16)
-    assert big.blocks == [] and big.num_free_blocks == 10 ** 7 and big.usage == 0.0
+    big = BlockManager(num_blocks=10**7, block_size=16)
+    assert big.blocks == [] and big.num_free_blocks == 10**7 and big.usage == 0.0
     bm, rng = BlockManager(num_blocks=24, block_size=4), random.Random(11)
     order = OrderedDict.fromkeys(range(24))  # the oracle's free list
     refs: Counter[int] = Counter()
@@ -196,7 +209,7 @@ def test_the_block_table_is_built_as_used_and_hands_out_blocks_as_a_whole_one_wo
             bm.free(seq)
         else:
             tail = [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 14))]
-            tokens = rng.choice(heads)[:rng.randrange(9)] + tail
+            tokens = rng.choice(heads)[: rng.randrange(9)] + tail
             seq = Sequence(f"s{i}", tokens, SamplingParams())
             cached = bm.find_cached_prefix(seq)
             need = -(-seq.num_tokens // 4) - len(cached)
@@ -222,10 +235,20 @@ def test_grouped_callbacks_run_when_and_in_the_order_separate_ones_would():
     """A step's outputs share one heap entry (EventLoop.after_grouped); the oracle is the same
     callbacks scheduled one by one, ties included (zero delays from inside a group, a plain
     callback between grouped ones)."""
-    children = {"root": [(1, "a", True), (1, "b", True), (1, "c", False), (1, "d", True), (1, "e", True),
-                         (2, "f", True), (1, "g", True)],
-                "a": [(0, "a0", True), (0, "a1", True), (0, "a2", False), (0, "a3", True)],
-                "d": [(0, "d0", True), (1, "d1", True)], "e": [(1, "e1", True), (0, "e0", True)]}
+    children = {
+        "root": [
+            (1, "a", True),
+            (1, "b", True),
+            (1, "c", False),
+            (1, "d", True),
+            (1, "e", True),
+            (2, "f", True),
+            (1, "g", True),
+        ],
+        "a": [(0, "a0", True), (0, "a1", True), (0, "a2", False), (0, "a3", True)],
+        "d": [(0, "d0", True), (1, "d1", True)],
+        "e": [(1, "e1", True), (0, "e0", True)],
+    }
 
     def drive(grouped: bool) -> tuple[list, int]:
         loop, log = EventLoop(), []
@@ -234,6 +257,7 @@ def test_grouped_callbacks_run_when_and_in_the_order_separate_ones_would():
             log.append((loop.now, name))
             for dt, child, group in children.get(name, ()):
                 (loop.after_grouped if grouped and group else loop.after)(dt, fire, child)
+
         loop.at(0.0, fire, "root")
         loop.run(until=0.0)
         queued = len(loop)

@@ -9,17 +9,16 @@ import threading
 
 import pytest
 
+from cluster import loadgen as load
 from cluster.sim import LengthDist, WorkloadSpec, read_trace
 from cluster.sim.validation import serve_requests, validation_workload
 from cluster.sim.workload import write_trace
-
-from cluster import loadgen as load
 
 
 def test_poisson_count_and_a_rate_step():
     spec = WorkloadSpec(rate=20, duration_s=100, seed=1)
     n = spec.generate().num_requests
-    assert abs(n - 2000) < 4 * 2000 ** 0.5
+    assert abs(n - 2000) < 4 * 2000**0.5
     step = WorkloadSpec(rate=10, duration_s=100, seed=2, rate_points=((0, 0.2), (50, 0.2), (50.01, 1.0)))
     arrivals = [r.arrival_s for r in step.generate().clients[0].requests]
     low, high = sum(a < 50 for a in arrivals), sum(a >= 50 for a in arrivals)
@@ -29,8 +28,9 @@ def test_poisson_count_and_a_rate_step():
 def test_prompts_are_the_random_modules_randrange_draws():
     # The generator draws token ids without a Python call per token; the ids must be the ones
     # random.Random.randrange gives (the workloads, and so every simulated result, stay the same).
-    spec = WorkloadSpec(rate=5, duration_s=10, prompt_len=LengthDist("fixed", 300), output_len=LengthDist("fixed", 8),
-                        seed=7)
+    spec = WorkloadSpec(
+        rate=5, duration_s=10, prompt_len=LengthDist("fixed", 300), output_len=LengthDist("fixed", 8), seed=7
+    )
     rng = random.Random(7)
     expected, t = [], rng.expovariate(5)
     while t < 10:
@@ -41,8 +41,15 @@ def test_prompts_are_the_random_modules_randrange_draws():
 
 
 def test_prefix_groups_share_their_first_tokens():
-    spec = WorkloadSpec(rate=5, duration_s=40, prefix_groups=3, prefix_len=64, prefix_fraction=1.0,
-                        prompt_len=LengthDist("fixed", 10), seed=3)
+    spec = WorkloadSpec(
+        rate=5,
+        duration_s=40,
+        prefix_groups=3,
+        prefix_len=64,
+        prefix_fraction=1.0,
+        prompt_len=LengthDist("fixed", 10),
+        seed=3,
+    )
     heads = {r.prompt[:64] for r in spec.generate().clients[0].requests}
     assert len(heads) == 3
 
@@ -52,8 +59,9 @@ def test_trace_round_trip(tmp_path):
     path = tmp_path / "t.jsonl"
     write_trace(path, wl.clients[0].requests)
     back = read_trace(path).clients[0].requests
-    assert [(r.prompt, r.output_len, r.arrival_s) for r in back] == \
-           [(r.prompt, r.output_len, r.arrival_s) for r in wl.clients[0].requests]
+    assert [(r.prompt, r.output_len, r.arrival_s) for r in back] == [
+        (r.prompt, r.output_len, r.arrival_s) for r in wl.clients[0].requests
+    ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"arrival_s": 0}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
@@ -78,9 +86,20 @@ def test_validation_requests_are_the_ones_bench_serve_sends(monkeypatch, input_l
 
     monkeypatch.setattr(load, "one_request", fake_request)
     monkeypatch.setattr(load.asyncio, "sleep", fake_sleep)
-    args = load.parser().parse_args(["--token-ids", "--input-len", str(input_len), "--output-len", str(output_len),
-                                     "--num-prompts", str(num), "--seed", str(seed)]
-                                    + (["--request-rate", str(rate)] if rate else []))
+    args = load.parser().parse_args(
+        [
+            "--token-ids",
+            "--input-len",
+            str(input_len),
+            "--output-len",
+            str(output_len),
+            "--num-prompts",
+            str(num),
+            "--seed",
+            str(seed),
+        ]
+        + (["--request-rate", str(rate)] if rate else [])
+    )
     asyncio.run(load.run(args))
     ours = serve_requests("x", input_len, output_len, num, seed, rate)
     assert sent == [list(r.prompt) for r in ours]

@@ -70,8 +70,10 @@ def local_backend(model_dir, config):
     prefill = EngineWorker(WorkerConfig("p0", "prefill", str(model_dir), config, transport="shm"))
     decode = EngineWorker(WorkerConfig("d0", "decode", str(model_dir), config, transport="shm"))
     try:
-        pools = WorkerPools([_Entry("p0", Role.PREFILL, LocalHandle(prefill)),
-                             _Entry("d0", Role.DECODE, LocalHandle(decode))], health_interval_s=0.2)
+        pools = WorkerPools(
+            [_Entry("p0", Role.PREFILL, LocalHandle(prefill)), _Entry("d0", Role.DECODE, LocalHandle(decode))],
+            health_interval_s=0.2,
+        )
         yield RayBackend(pools), (prefill, decode)
     finally:
         prefill.shutdown()

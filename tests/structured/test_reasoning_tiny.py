@@ -31,8 +31,12 @@ from workers.config import EngineConfig
 pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64)
 NEW_TOKENS = 24
-ANSWER = {"type": "object", "properties": {"sky_is_blue": {"type": "boolean"}}, "required": ["sky_is_blue"],
-          "additionalProperties": False}
+ANSWER = {
+    "type": "object",
+    "properties": {"sky_is_blue": {"type": "boolean"}},
+    "required": ["sky_is_blue"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,33 +62,53 @@ def served(request):
     fixture named by the test's `model` parameter, remote or local prefill by `remote`."""
     folder, hf, tok = request.getfixturevalue(request.param[0])
     with local_backend(folder, CONFIG) as (backend, workers):
-        app = build_app(backend, Tokenizer.from_model_dir(folder), "tiny", 1024, FixedRoute(remote=request.param[1]),
-                        ServerConfig(reasoning_parser="deepseek_r1"))
+        app = build_app(
+            backend,
+            Tokenizer.from_model_dir(folder),
+            "tiny",
+            1024,
+            FixedRoute(remote=request.param[1]),
+            ServerConfig(reasoning_parser="deepseek_r1"),
+        )
         with TestClient(app, raise_server_exceptions=False) as client:
             yield client, workers, hf, tok
 
 
 def chat(client, stream: bool, **extra):
-    body = {"messages": QUESTION, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream,
-            **extra}
+    body = {
+        "messages": QUESTION,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **extra,
+    }
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     if not stream:
         message = r.json()["choices"][0]["message"]
         return message.get("reasoning_content"), message["content"], r.json()["choices"][0]["finish_reason"]
-    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [
+        json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    return ("".join(d.get("reasoning_content") or "" for d in deltas), "".join(d.get("content") or "" for d in deltas),
-            finish[-1])
+    return (
+        "".join(d.get("reasoning_content") or "" for d in deltas),
+        "".join(d.get("content") or "" for d in deltas),
+        finish[-1],
+    )
 
 
 def assert_nothing_held(workers) -> None:
     """Both workers are idle and every KV block is back in the free pool."""
     for w in workers:
         deadline = time.monotonic() + 5
-        while w.engine.request_ids() or w.engine.scheduler.held or w.engine.block_manager.num_free_blocks != \
-                w.engine.block_manager.num_blocks:
+        while (
+            w.engine.request_ids()
+            or w.engine.scheduler.held
+            or w.engine.block_manager.num_free_blocks != w.engine.block_manager.num_blocks
+        ):
             assert time.monotonic() < deadline, (w.worker_id, w.engine.request_ids(), w.engine.stats())
             time.sleep(0.02)
 
@@ -118,7 +142,7 @@ def test_structured_output_applies_after_the_reasoning(served):
         if think_end not in greedy:
             assert (reasoning, content, finish) == (tok.decode(greedy, skip_special_tokens=True), "", "length")
             continue
-        assert reasoning == tok.decode(greedy[:greedy.index(think_end)], skip_special_tokens=True)
+        assert reasoning == tok.decode(greedy[: greedy.index(think_end)], skip_special_tokens=True)
         jsonschema.validate(json.loads(content), ANSWER)
         assert finish == "stop"  # the grammar completed
     assert_nothing_held(workers)
@@ -129,8 +153,9 @@ def metric(text: str, name: str, worker: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-@pytest.mark.parametrize("served", [("ends_early", True), ("ends_early", False)], ids=["remote", "local"],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "served", [("ends_early", True), ("ends_early", False)], ids=["remote", "local"], indirect=True
+)
 def test_specs_the_workers_cannot_compile_are_400_and_leave_nothing_held(served):
     """The corpus's worker refusals (tests/hardening/corpus.py: they pass the router's checks and
     xgrammar refuses them), then a compile over the time limit: 400 naming the field, streamed or
@@ -140,8 +165,10 @@ def test_specs_the_workers_cannot_compile_are_400_and_leave_nothing_held(served)
         check_answer(case, send(client, case))
     for w in workers:
         w.engine.grammars.compile_timeout_s = 0.01  # "[a-z]{200}" takes about 0.2 s to compile here
-    r = client.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 8,
-                                                  "structured_outputs": {"regex": "[a-z]{200}"}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": QUESTION, "max_tokens": 8, "structured_outputs": {"regex": "[a-z]{200}"}},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
     assert "did not compile within" in r.json()["error"]["message"]
     assert_nothing_held(workers)
@@ -154,8 +181,18 @@ def test_grammar_cache_metrics_reach_the_routers_metrics(served):
     call, then the engine's matcher), so a fresh spec is 1 miss + 1 hit, a repeated one 2 hits, on
     both the decode worker (reserve) and the prefill worker (prefill)."""
     client, workers, _, _ = served
-    fmt = {"type": "json_schema", "json_schema": {"name": "m", "schema": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": False}}}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "m",
+            "schema": {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+        },
+    }
     chat(client, False, response_format=fmt)
     chat(client, True, response_format=fmt)
     deadline = time.monotonic() + 10
@@ -173,5 +210,7 @@ def test_grammar_cache_metrics_reach_the_routers_metrics(served):
         assert metric(text, "baton:structured_output_cache_misses_total", wid) == 1
         assert metric(text, "baton:structured_output_cache_hits_total", wid) == 3
         assert metric(text, "baton:structured_output_compile_seconds_count", wid) == 1
-        assert metric(text, "baton:structured_output_compile_seconds_sum", wid) == pytest.approx(stats.compile_seconds[-1])
+        assert metric(text, "baton:structured_output_compile_seconds_sum", wid) == pytest.approx(
+            stats.compile_seconds[-1]
+        )
         assert re.search(rf'compile_seconds_bucket\{{[^}}]*le="\+Inf"[^}}]*worker="{wid}"[^}}]*\}} 1\.0$', text, re.M)

@@ -15,9 +15,9 @@ import openai
 import pydantic
 import pytest
 
-from cluster.structured_load import schema_load
 from cluster.config import BatonConfig
 from cluster.harness import free_port, wait_until
+from cluster.structured_load import schema_load
 from cluster.testing import leave_ray, serving
 
 pytestmark = pytest.mark.slow
@@ -33,16 +33,24 @@ LOCAL_THRESHOLD = 60
 @pytest.fixture(scope="module")
 def deployment():
     config = BatonConfig.from_options(
-        port=free_port(), prefill_workers=1, decode_workers=2, kv_cache_memory="64MiB", max_num_seqs=32,
-        local_prefill_threshold=LOCAL_THRESHOLD, request_timeout=DEADLINE_S, max_restarts=2)
+        port=free_port(),
+        prefill_workers=1,
+        decode_workers=2,
+        kv_cache_memory="64MiB",
+        max_num_seqs=32,
+        local_prefill_threshold=LOCAL_THRESHOLD,
+        request_timeout=DEADLINE_S,
+        max_restarts=2,
+    )
     leave_ray()  # a private Ray of this module's own, which the deployment shuts down after it
     with serving(config, actor_name_prefix="structured") as running:
         yield running
 
 
 def load(base_url: str, n: int, during=None):
-    return asyncio.run(schema_load(base_url, n, concurrency=16, max_tokens=MAX_TOKENS, timeout_s=DEADLINE_S,
-                                   during=during))
+    return asyncio.run(
+        schema_load(base_url, n, concurrency=16, max_tokens=MAX_TOKENS, timeout_s=DEADLINE_S, during=during)
+    )
 
 
 def assert_all_valid(replies) -> None:
@@ -65,27 +73,55 @@ class Person(pydantic.BaseModel):
     age: int = pydantic.Field(ge=0, le=120)
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"],
-    "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
 
 
 def test_the_openai_client_parses_models_and_gets_valid_tool_calls(deployment):
     client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="none", timeout=DEADLINE_S)
     ask = [{"role": "user", "content": "Who is Ada? Answer as JSON."}]
-    parsed = client.chat.completions.parse(model="SmolLM2-135M-Instruct", messages=ask, response_format=Person,
-                                           max_tokens=MAX_TOKENS, temperature=0)
+    parsed = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", messages=ask, response_format=Person, max_tokens=MAX_TOKENS, temperature=0
+    )
     assert isinstance(parsed.choices[0].message.parsed, Person)
 
     weather = [{"role": "user", "content": "What is the weather in Paris?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        full = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=weather, tools=[WEATHER, CLOCK],
-                                              tool_choice=choice, max_tokens=MAX_TOKENS, temperature=0)
+        full = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=weather,
+            tools=[WEATHER, CLOCK],
+            tool_choice=choice,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
         assert full.choices[0].finish_reason == "tool_calls"
         calls = full.choices[0].message.tool_calls
         assert calls and all(c.function.name in TOOLS for c in calls)
@@ -94,19 +130,29 @@ def test_the_openai_client_parses_models_and_gets_valid_tool_calls(deployment):
         if isinstance(choice, dict):
             assert [c.function.name for c in calls] == ["get_weather"]
         # Streamed: the deltas add up to the same calls (the client's own accumulation).
-        with client.chat.completions.stream(model="SmolLM2-135M-Instruct", messages=weather, tools=[WEATHER, CLOCK],
-                                            tool_choice=choice, max_tokens=MAX_TOKENS, temperature=0) as stream:
+        with client.chat.completions.stream(
+            model="SmolLM2-135M-Instruct",
+            messages=weather,
+            tools=[WEATHER, CLOCK],
+            tool_choice=choice,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        ) as stream:
             final = stream.get_final_completion()
         streamed = final.choices[0].message.tool_calls
         assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == [
-            (c.function.name, json.loads(c.function.arguments)) for c in calls]
+            (c.function.name, json.loads(c.function.arguments)) for c in calls
+        ]
 
     # A tool message round trip: the call goes back with its result and the model answers in text.
     call = calls[0]
-    history = weather + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]
-    answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, tools=[WEATHER, CLOCK],
-                                            max_tokens=16, temperature=0)
+    history = weather + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"},
+    ]
+    answer = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=history, tools=[WEATHER, CLOCK], max_tokens=16, temperature=0
+    )
     assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
 
 

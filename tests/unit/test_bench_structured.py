@@ -8,8 +8,15 @@ from pathlib import Path
 
 import jsonschema
 
-from cluster.structured_load import (SCHEMAS, aggregate, bench_command, check_reply, matching_lengths, response_format,
-                                     schema_requests)
+from cluster.structured_load import (
+    SCHEMAS,
+    aggregate,
+    bench_command,
+    check_reply,
+    matching_lengths,
+    response_format,
+    schema_requests,
+)
 from router.structured import check_json_schema
 
 
@@ -38,20 +45,43 @@ def test_the_command_constrains_only_the_schema_runs():
     bound = bench_command("vllm", "http://h", "tok", 3, 40, 16, 128, Path("/tmp/x.json"), SCHEMAS["flag"])
     assert "--ignore-eos" in free and "--extra-body" not in free
     body = json.loads(bound[bound.index("--extra-body") + 1])
-    assert body == {"structured_outputs": {"json": SCHEMAS["flag"]}, "ignore_eos": False} and "--ignore-eos" not in bound
+    assert (
+        body == {"structured_outputs": {"json": SCHEMAS["flag"]}, "ignore_eos": False} and "--ignore-eos" not in bound
+    )
     for command in (free, bound):
         assert command[command.index("--max-concurrency") + 1] == "16"
         assert command[command.index("--num-prompts") + 1] == "40"
 
 
 def test_aggregate_is_tokens_over_summed_durations():
-    runs = [{"completed": 4, "failed": 0, "total_output_tokens": 100, "duration": 2.0,
-             "mean_ttft_ms": 10.0, "mean_tpot_ms": 50.0},
-            {"completed": 3, "failed": 1, "total_output_tokens": 50, "duration": 3.0,
-             "mean_ttft_ms": 24.0, "mean_tpot_ms": 85.0}]
+    runs = [
+        {
+            "completed": 4,
+            "failed": 0,
+            "total_output_tokens": 100,
+            "duration": 2.0,
+            "mean_ttft_ms": 10.0,
+            "mean_tpot_ms": 50.0,
+        },
+        {
+            "completed": 3,
+            "failed": 1,
+            "total_output_tokens": 50,
+            "duration": 3.0,
+            "mean_ttft_ms": 24.0,
+            "mean_tpot_ms": 85.0,
+        },
+    ]
     # The means are weighted by completed requests: (4 * 10 + 3 * 24) / 7 = 16, (4 * 50 + 3 * 85) / 7 = 65.
-    assert aggregate(runs) == {"completed": 7, "failed": 1, "output_tokens": 150, "seconds": 5.0,
-                               "output_tokens_per_s": 30.0, "mean_ttft_ms": 16.0, "mean_tpot_ms": 65.0}
+    assert aggregate(runs) == {
+        "completed": 7,
+        "failed": 1,
+        "output_tokens": 150,
+        "seconds": 5.0,
+        "output_tokens_per_s": 30.0,
+        "mean_ttft_ms": 16.0,
+        "mean_tpot_ms": 65.0,
+    }
     assert aggregate([])["output_tokens_per_s"] is None
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from workers.block_manager import BlockManager
 from common.protocol import KVEventKind
 from common.sampling_params import SamplingParams
+from workers.block_manager import BlockManager
 from workers.sequence import Sequence
 
 

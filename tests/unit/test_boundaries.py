@@ -49,8 +49,10 @@ def function_level_project_imports(path: Path) -> list[tuple[int, str]]:
 
 def test_the_checker_finds_a_function_level_import(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("import os\nfrom workers import config\n\ndef f():\n    from router.routing import make_policy\n"
-                      "    import json\n    return make_policy\n")
+    sample.write_text(
+        "import os\nfrom workers import config\n\ndef f():\n    from router.routing import make_policy\n"
+        "    import json\n    return make_policy\n"
+    )
     assert function_level_project_imports(sample) == [(5, "    from router.routing import make_policy")]
 
 
@@ -66,8 +68,9 @@ def test_at_most_three_function_level_project_imports_each_saying_why():
     assert len(found) <= MAX_FUNCTION_LEVEL_IMPORTS, found
 
 
-@pytest.mark.parametrize("path", product_files(("router", "workers", "kvtransfer", "cluster")),
-                         ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize(
+    "path", product_files(("router", "workers", "kvtransfer", "cluster")), ids=lambda p: str(p.relative_to(REPO))
+)
 def test_no_file_is_over_500_lines(path):
     assert len(path.read_text().splitlines()) <= MAX_LINES
 
@@ -103,7 +106,7 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - node.level + 1]
+                anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(filter(None, [*anchor, base]))
             found += [(node.lineno, base)]
     return found
@@ -131,14 +134,22 @@ def test_the_import_graph_sees_function_level_and_relative_imports(tmp_path, mon
 
 def test_no_two_packages_import_each_other():
     graph = package_graph()
-    both_ways = [f"{a} <-> {b}: {graph[a][b][:3]} / {graph[b][a][:3]}"
-                 for a in PACKAGES for b in graph[a] if a < b and a in graph[b]]
+    both_ways = [
+        f"{a} <-> {b}: {graph[a][b][:3]} / {graph[b][a][:3]}"
+        for a in PACKAGES
+        for b in graph[a]
+        if a < b and a in graph[b]
+    ]
     assert not both_ways, "\n".join(both_ways)
 
 
 def test_packages_import_only_the_layers_below():
-    wrong = [f"{src} -> {dst} ({', '.join(where[:5])})" for src, deps in package_graph().items()
-             for dst, where in deps.items() if dst not in ALLOWED[src]]
+    wrong = [
+        f"{src} -> {dst} ({', '.join(where[:5])})"
+        for src, deps in package_graph().items()
+        for dst, where in deps.items()
+        if dst not in ALLOWED[src]
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -174,19 +185,21 @@ def test_common_imports_nothing_of_the_project_and_not_torch():
 # These (module, attribute) pairs reach into a library on purpose:
 ALLOWED_PRIVATE = {
     ("cluster.testing", "_private"): "ray._private.ray_constants: whether Ray was imported in cluster mode, "
-                                     "which Ray offers no public way to ask",
+    "which Ray offers no public way to ask",
     ("kvtransfer.gloo", "_Options"): "torch.distributed.ProcessGroupGloo takes its timeout and devices only "
-                                     "through its _Options",
+    "through its _Options",
     ("kvtransfer.gloo", "_timeout"): "ProcessGroupGloo._Options' timeout field (torch names it so)",
     ("kvtransfer.gloo", "_devices"): "ProcessGroupGloo._Options' devices field (torch names it so)",
     ("kvtransfer.nccl", "_timeout"): "ProcessGroupNCCL.Options' timeout field (torch names it so)",
     ("workers.packed_linear", "_reorder_linear_weight"): "oneDNN weight prepacking: torch exposes it only as "
-                                                         "this op (what torch.compile's CPU path uses)",
+    "this op (what torch.compile's CPU path uses)",
     ("workers.packed_linear", "_linear_pointwise"): "the oneDNN linear over a prepacked weight (same op family)",
     ("cluster.placement", "_private"): "ray._private.state: free resources per node and an actor's node without "
-                                       "Ray's dashboard (which Baton does not start); Ray has no public call for it",
+    "Ray's dashboard (which Baton does not start); Ray has no public call for it",
     ("cluster.placement", "_actor_id"): "an ActorHandle's id, the key of that actor table (no public accessor)",
 }
+
+
 def is_private(attr: str) -> bool:
     return attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
 
@@ -214,8 +227,11 @@ def same_class_names(tree: ast.Module) -> dict[int, set[str]]:
                 continue
             args = func.args.posonlyargs + func.args.args + func.args.kwonlyargs
             typed = [(a.arg, a.annotation) for a in args if a.annotation is not None]
-            typed += [(n.target.id, n.annotation) for n in ast.walk(func)
-                      if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+            typed += [
+                (n.target.id, n.annotation)
+                for n in ast.walk(func)
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            ]
             names = {name for name, ann in typed if word.search(ast.unparse(ann))}
             for node in ast.walk(func):
                 if isinstance(node, ast.Attribute):
@@ -244,9 +260,11 @@ def private_reads(path: Path) -> list[tuple[int, str]]:
 
 def test_the_private_attribute_check_finds_reads_of_other_objects(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("import ray\n_CACHE = {}\nclass A:\n    _n = 1\n    def f(self, other, peer: 'A | None'):\n"
-                      "        return self._x, cls._y if 0 else A._n, _CACHE._d, super()._z, other._w, ray._private, "
-                      "self.engine._q, type(self).__name__, peer._p\n")
+    sample.write_text(
+        "import ray\n_CACHE = {}\nclass A:\n    _n = 1\n    def f(self, other, peer: 'A | None'):\n"
+        "        return self._x, cls._y if 0 else A._n, _CACHE._d, super()._z, other._w, ray._private, "
+        "self.engine._q, type(self).__name__, peer._p\n"
+    )
     assert sorted(private_reads(sample)) == [(6, "other._w"), (6, "ray._private"), (6, "self.engine._q")]
 
 

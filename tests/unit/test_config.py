@@ -77,8 +77,11 @@ def test_every_field_has_one_flag_and_one_schema_entry_with_its_default():
         assert node["default"] == option.default == option.get(defaults), option.key
         assert node["description"], f"{option.key} has no help text"
     # Nothing else: the flags are the options, --config, --help and the --no- forms of booleans.
-    expected = ({o.flag for o in OPTIONS} | {"--no-" + o.flag[2:] for o in OPTIONS if o.type is bool}
-                | {o.alias for o in OPTIONS if o.alias})
+    expected = (
+        {o.flag for o in OPTIONS}
+        | {"--no-" + o.flag[2:] for o in OPTIONS if o.type is bool}
+        | {o.alias for o in OPTIONS if o.alias}
+    )
     assert set(flag_strings) - {"-h", "--help", "--config"} == expected
     assert len({o.name for o in OPTIONS}) == len(OPTIONS)
 
@@ -101,20 +104,23 @@ def test_flags_win_over_the_file_and_the_file_over_defaults(tmp_path):
     assert config.engine.block_size == EngineConfig().block_size
 
 
-@pytest.mark.parametrize("text, message", [
-    ("engine:\n  blok_size: 32\n", "unknown key 'engine.blok_size'.*did you mean 'engine.block_size'"),
-    ("block_size: 32\n", "unknown key 'block_size'.*did you mean 'engine.block_size'"),
-    ("routing:\n  polcy: random\n", "did you mean 'routing.policy'"),
-    ("engine:\n  dtype: float64\n", "engine.dtype must be one of float32, float16, bfloat16, got 'float64'"),
-    ("server:\n  port: eighty\n", "server.port must be an integer, got 'eighty'"),
-    ("server:\n  port: 70000\n", "server: port must be in 1..65535"),
-    ("engine:\n  enable_prefix_caching: 1\n", "engine.enable_prefix_caching must be true or false"),
-    ("engine:\n  kv_cache_memory: lots\n", "engine.kv_cache_memory: cannot read 'lots' as a size"),
-    ("engine:\n  block_size: 24\n", "engine: block_size must be a power of two"),
-    ("engine: 16\n", "engine must be a mapping"),
-    ("placement:\n  decode_workers: 0\n", "placement: decode_workers must be >= 1"),
-    ("- a list\n", "must hold a mapping"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("engine:\n  blok_size: 32\n", "unknown key 'engine.blok_size'.*did you mean 'engine.block_size'"),
+        ("block_size: 32\n", "unknown key 'block_size'.*did you mean 'engine.block_size'"),
+        ("routing:\n  polcy: random\n", "did you mean 'routing.policy'"),
+        ("engine:\n  dtype: float64\n", "engine.dtype must be one of float32, float16, bfloat16, got 'float64'"),
+        ("server:\n  port: eighty\n", "server.port must be an integer, got 'eighty'"),
+        ("server:\n  port: 70000\n", "server: port must be in 1..65535"),
+        ("engine:\n  enable_prefix_caching: 1\n", "engine.enable_prefix_caching must be true or false"),
+        ("engine:\n  kv_cache_memory: lots\n", "engine.kv_cache_memory: cannot read 'lots' as a size"),
+        ("engine:\n  block_size: 24\n", "engine: block_size must be a power of two"),
+        ("engine: 16\n", "engine must be a mapping"),
+        ("placement:\n  decode_workers: 0\n", "placement: decode_workers must be >= 1"),
+        ("- a list\n", "must hold a mapping"),
+    ],
+)
 def test_unknown_keys_and_bad_values_name_the_field(text, message, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -150,8 +156,9 @@ def test_config_show_prints_the_effective_configuration_that_reloads_to_itself(c
 
 
 def test_config_schema_is_a_self_contained_json_schema_that_rejects_bad_values():
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "config", "schema"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "config", "schema"], capture_output=True, text=True, check=True
+    ).stdout
     schema = json.loads(out)
     assert schema == json_schema()
     jsonschema.Draft7Validator.check_schema(schema)
@@ -159,8 +166,11 @@ def test_config_schema_is_a_self_contained_json_schema_that_rejects_bad_values()
     validator = jsonschema.Draft7Validator(schema)
     assert not list(validator.iter_errors(BatonConfig().to_dict()))
     assert not list(validator.iter_errors({"engine": {"kv_cache_memory": "512MiB"}}))
-    for bad, where in ((({"engine": {"dtype": "float64"}}), "dtype"), ({"engine": {"blok_size": 3}}, "blok_size"),
-                       ({"server": {"port": "x"}}, "port")):
+    for bad, where in (
+        (({"engine": {"dtype": "float64"}}), "dtype"),
+        ({"engine": {"blok_size": 3}}, "blok_size"),
+        ({"server": {"port": "x"}}, "port"),
+    ):
         errors = list(validator.iter_errors(bad))
         assert errors and any(where in (e.message + "/".join(map(str, e.path))) for e in errors), bad
 

@@ -55,9 +55,15 @@ def test_every_table_placeholder_builds(page):
 
 
 def test_config_reference_renders_every_section():
-    schema = {"properties": {"model": {"type": ["string", "null"], "default": None, "description": "m"},
-                             "engine": {"type": "object", "description": "the engine",
-                                        "properties": {"dtype": {"enum": ["float32", "bfloat16"],
-                                                                 "default": "float32", "description": "d"}}}}}
+    schema = {
+        "properties": {
+            "model": {"type": ["string", "null"], "default": None, "description": "m"},
+            "engine": {
+                "type": "object",
+                "description": "the engine",
+                "properties": {"dtype": {"enum": ["float32", "bfloat16"], "default": "float32", "description": "d"}},
+            },
+        }
+    }
     out = tables.config_reference(schema)
     assert "## `engine`" in out and "`dtype`" in out and "`float32` \\| `bfloat16`" in out

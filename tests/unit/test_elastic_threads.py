@@ -16,7 +16,13 @@ from cluster.config import BatonConfig
 from workers import elastic_threads
 from workers.config import EngineConfig, WorkerConfig
 from workers.elastic_threads import (
-    CoreClaims, CpuSample, ElasticThreads, NoSharing, PrefillClaim, core_sharing_for, host_busy_seconds,
+    CoreClaims,
+    CpuSample,
+    ElasticThreads,
+    NoSharing,
+    PrefillClaim,
+    core_sharing_for,
+    host_busy_seconds,
 )
 
 
@@ -42,14 +48,20 @@ def claims(tmp_path):
 def test_it_borrows_while_the_others_leave_a_core_idle_and_gives_it_back(claims):
     set_to: list[int] = []
     # Windows of 0.2 s. Others' use = host busy - own, per second of wall time.
-    governor = ElasticThreads(1, 2, claims[0], Script(
-        (0.0, 10.0, 5.0),
-        (0.2, 10.22, 5.2),   # others 0.02 s / 0.2 s = 0.1 core: borrow the second core
-        (0.25, 10.3, 5.25),  # 0.05 s after the last window: too short to judge, keep 2
-        (0.4, 10.62, 5.5),   # others (0.4 - 0.3) / 0.2 = 0.5 core since 0.2 (a prefill started): back to 1
-        (0.6, 10.98, 5.7),   # others (0.36 - 0.2) / 0.2 = 0.8 core: stay at 1
-        (0.8, 11.2, 5.9),    # others 0.02 / 0.2 = 0.1 core: the prefill ended, borrow again
-    ), set_to.append)
+    governor = ElasticThreads(
+        1,
+        2,
+        claims[0],
+        Script(
+            (0.0, 10.0, 5.0),
+            (0.2, 10.22, 5.2),  # others 0.02 s / 0.2 s = 0.1 core: borrow the second core
+            (0.25, 10.3, 5.25),  # 0.05 s after the last window: too short to judge, keep 2
+            (0.4, 10.62, 5.5),  # others (0.4 - 0.3) / 0.2 = 0.5 core since 0.2 (a prefill started): back to 1
+            (0.6, 10.98, 5.7),  # others (0.36 - 0.2) / 0.2 = 0.8 core: stay at 1
+            (0.8, 11.2, 5.9),  # others 0.02 / 0.2 = 0.1 core: the prefill ended, borrow again
+        ),
+        set_to.append,
+    )
     threads = []
     for _ in range(5):
         threads.append(governor.before_step())
@@ -109,10 +121,12 @@ def test_cpu_workers_of_an_automatic_split_share_their_cores(monkeypatch, tmp_pa
     decode = core_sharing_for(WorkerConfig("d0", "decode", engine=engine))
     assert isinstance(decode, ElasticThreads) and (decode.share, decode.most) == (1, 4)  # this process's cores
     assert isinstance(core_sharing_for(WorkerConfig("p0", "prefill", engine=engine)), PrefillClaim)
-    keep = [WorkerConfig("d0", "decode", engine=EngineConfig(num_threads=1)),  # threads_per_worker given
-            WorkerConfig("d0", "decode", engine=EngineConfig(num_threads=4, max_threads=8)),  # no spare core
-            WorkerConfig("d0", "decode", engine=engine, tp_size=2),
-            WorkerConfig("d0", "decode", engine=EngineConfig(num_threads=1, max_threads=8, device="cuda"))]
+    keep = [
+        WorkerConfig("d0", "decode", engine=EngineConfig(num_threads=1)),  # threads_per_worker given
+        WorkerConfig("d0", "decode", engine=EngineConfig(num_threads=4, max_threads=8)),  # no spare core
+        WorkerConfig("d0", "decode", engine=engine, tp_size=2),
+        WorkerConfig("d0", "decode", engine=EngineConfig(num_threads=1, max_threads=8, device="cuda")),
+    ]
     assert all(type(core_sharing_for(config)) is NoSharing for config in keep)
 
 

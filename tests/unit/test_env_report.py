@@ -24,9 +24,11 @@ def test_collects_without_errors_and_without_loading_a_model_or_ray(report):
     assert report.python.startswith(f"{sys.version_info.major}.{sys.version_info.minor}.")
     assert report.torch and report.baton
     # In a fresh process: collect() imports neither Ray nor the model's modules.
-    code = ("import sys; from cluster.env_report import collect; collect(); "
-            "print([m for m in ('ray', 'workers.engine', 'workers.model_runner', 'workers.models.llama') "
-            "if m in sys.modules])")
+    code = (
+        "import sys; from cluster.env_report import collect; collect(); "
+        "print([m for m in ('ray', 'workers.engine', 'workers.model_runner', 'workers.models.llama') "
+        "if m in sys.modules])"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
@@ -76,8 +78,18 @@ def test_an_unreachable_address_is_reported_not_raised():
 
 def test_the_text_report_names_each_field(report):
     text = format_text(report)
-    for heading in ("Python:", "PyTorch:", "Triton:", "CUDA available:", "NVIDIA driver:", "NCCL:", "GPUs:",
-                    "Kernels:", "FP8:", "Ray:"):
+    for heading in (
+        "Python:",
+        "PyTorch:",
+        "Triton:",
+        "CUDA available:",
+        "NVIDIA driver:",
+        "NCCL:",
+        "GPUs:",
+        "Kernels:",
+        "FP8:",
+        "Ray:",
+    ):
         assert heading in text, heading
     for o in report.ops:
         assert o.op in text
@@ -87,18 +99,33 @@ def test_the_text_report_names_each_field(report):
 
 def test_a_cluster_and_gpus_print_their_nodes_and_custom_resources(report):
     described = dataclasses.replace(
-        report, gpus=[GPUInfo(0, "NVIDIA H100 80GB HBM3", "9.0", "sm_90", 80 << 30, True)],
-        ray=RayInfo("auto", True, "1 alive node(s) of 1",
-                    [{"node_id": "abc", "address": "10.0.0.1", "alive": True, "labels": {},
-                      "resources": {"CPU": 8.0, "GPU": 1.0, "baton_decode": 1.0}}], {"baton_decode": 1.0}))
+        report,
+        gpus=[GPUInfo(0, "NVIDIA H100 80GB HBM3", "9.0", "sm_90", 80 << 30, True)],
+        ray=RayInfo(
+            "auto",
+            True,
+            "1 alive node(s) of 1",
+            [
+                {
+                    "node_id": "abc",
+                    "address": "10.0.0.1",
+                    "alive": True,
+                    "labels": {},
+                    "resources": {"CPU": 8.0, "GPU": 1.0, "baton_decode": 1.0},
+                }
+            ],
+            {"baton_decode": 1.0},
+        ),
+    )
     text = format_text(described)
     assert "0: NVIDIA H100 80GB HBM3, compute capability 9.0 (sm_90), 80.0 GiB, FP8 yes" in text
     assert "abc 10.0.0.1 alive: CPU=8, GPU=1, baton_decode=1" in text and "custom resources: baton_decode=1" in text
 
 
 def test_baton_env_json_in_a_subprocess():
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "env", "--json"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "env", "--json"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert {f.name for f in dataclasses.fields(EnvReport)} == set(data)

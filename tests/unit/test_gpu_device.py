@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
+from kernels.plan import TARGETS, DeviceSpec, fp8_supported
 from workers import model_runner
 from workers.config import CPU_KV_CACHE_MEMORY, EngineConfig
-from kernels.plan import TARGETS, DeviceSpec, fp8_supported
 from workers.device import check_fp8_config, gpu_kv_cache_blocks
 from workers.model_config import ModelConfig
 
@@ -23,11 +23,26 @@ H100_MEMORY = 80 * GIB
 
 
 def llama3_8b() -> ModelConfig:
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                       rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
-                       tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False,
-                       eos_token_ids=(128001,), bos_token_id=128000)
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        eos_token_ids=(128001,),
+        bos_token_id=128000,
+    )
 
 
 # ---------------------------------------------------------------------------- FP8 on the device
@@ -38,12 +53,18 @@ def test_the_sm80_target_is_refused_too():
         check_fp8_config(TARGETS["sm_80"], kv_cache_dtype="fp8")
 
 
-@pytest.mark.parametrize("options, alternative", [
-    (dict(quantization="fp8"), "serve without --quantization fp8"),
-    (dict(kv_cache_dtype="fp8"), "use --kv-cache-dtype auto"),
-    (dict(quantization="fp8", kv_cache_dtype="fp8"), "serve without --quantization fp8 and use --kv-cache-dtype auto"),
-    (dict(fp8_checkpoint=True), "a bfloat16 or float16 checkpoint"),
-])
+@pytest.mark.parametrize(
+    "options, alternative",
+    [
+        (dict(quantization="fp8"), "serve without --quantization fp8"),
+        (dict(kv_cache_dtype="fp8"), "use --kv-cache-dtype auto"),
+        (
+            dict(quantization="fp8", kv_cache_dtype="fp8"),
+            "serve without --quantization fp8 and use --kv-cache-dtype auto",
+        ),
+        (dict(fp8_checkpoint=True), "a bfloat16 or float16 checkpoint"),
+    ],
+)
 def test_fp8_on_an_sm80_gpu_is_refused_naming_the_gpu_its_capability_and_the_alternative(options, alternative):
     with pytest.raises(ValueError) as caught:
         check_fp8_config(A100, **options)
@@ -71,7 +92,9 @@ def test_load_model_refuses_fp8_on_a_described_sm80_before_building_anything(mon
     """The worker's start-up path (load_model) checks the device before it resolves a kernel."""
     monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: A100))
     monkeypatch.setattr(model_runner, "kernel_ops", lambda *a, **k: pytest.fail("a kernel was resolved"))
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8 needs a GPU with native FP8.*8\.0.*--kv-cache-dtype auto"):
+    with pytest.raises(
+        ValueError, match=r"--kv-cache-dtype fp8 needs a GPU with native FP8.*8\.0.*--kv-cache-dtype auto"
+    ):
         model_runner.load_model(llama3_8b(), EngineConfig(kv_cache_dtype="fp8"), weights=None)
 
 
@@ -95,8 +118,11 @@ def test_an_8b_bf16_model_on_an_80gib_h100_gets_what_gpu_memory_utilization_leav
 
 def test_nothing_left_for_the_kv_cache_is_a_clear_error():
     # A 70B bf16 model does not fit one 80 GiB GPU.
-    with pytest.raises(ValueError, match=r"no GPU memory left for the KV cache.*--gpu-memory-utilization 0.9 of 80.00 GiB"
-                                         r".*weights take 130\.39 GiB.*--kv-cache-memory"):
+    with pytest.raises(
+        ValueError,
+        match=r"no GPU memory left for the KV cache.*--gpu-memory-utilization 0.9 of 80.00 GiB"
+        r".*weights take 130\.39 GiB.*--kv-cache-memory",
+    ):
         gpu_kv_cache_blocks(H100_MEMORY, 0.9, 70_000_000_000 * 2, GIB, 2 << 20)
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         gpu_kv_cache_blocks(H100_MEMORY, 1.5, 0, 0, 2 << 20)
@@ -123,8 +149,9 @@ def test_a_gpu_worker_sizes_its_cache_and_logs_blocks_and_tokens(monkeypatch, ca
     """kv_cache_num_blocks on a described H100: the profiled peak and the device come from stand-ins."""
     config = llama3_8b()
     model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of "weights"
-    monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: DeviceSpec("cuda", (9, 0), 132,
-                                                                                     name="NVIDIA H100 80GB HBM3")))
+    monkeypatch.setattr(
+        DeviceSpec, "of", classmethod(lambda cls, device: DeviceSpec("cuda", (9, 0), 132, name="NVIDIA H100 80GB HBM3"))
+    )
     monkeypatch.setattr(model_runner, "gpu_total_memory", lambda device: H100_MEMORY)
     monkeypatch.setattr(model_runner, "profile_activation_peak", lambda *a: 3 * GIB)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79 * GIB, 80 * GIB))

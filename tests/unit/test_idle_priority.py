@@ -10,8 +10,10 @@ import pytest
 
 from tests.idle_priority import cpu_beside_a_spinner, lowest_priority
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/autogroup") or shutil.which("taskset") is None,
-                                reason="needs Linux autogroups and taskset")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/proc/self/autogroup") or shutil.which("taskset") is None,
+    reason="needs Linux autogroups and taskset",
+)
 
 
 def test_lowest_priority_in_a_session_of_its_own_takes_almost_nothing_from_a_busy_core():

@@ -35,15 +35,17 @@ def test_packed_linear_matches_f_linear(dtype, rows, bias, out_features):
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
     torch.testing.assert_close(out.double(), expected, **tol)
     reference = F.linear(x, linear.weight, linear.bias)  # what the model computed before packing
-    torch.testing.assert_close(out, reference, **({"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32
-                                                  else {"atol": 0.02, "rtol": 0.016}))
+    torch.testing.assert_close(
+        out, reference, **({"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.016})
+    )
 
 
 def test_non_contiguous_input():
     linear = nn.Linear(64, 32)
     x = torch.randn(10, 128)[:, ::2]
-    torch.testing.assert_close(packed_linear.PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        packed_linear.PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_prepack_swaps_plain_linears_only_and_packs_the_lm_head():
@@ -62,8 +64,9 @@ def test_prepack_swaps_plain_linears_only_and_packs_the_lm_head():
     assert isinstance(toy.fp8, Fp8Linear)
     assert toy.packed_lm_head is not None
     x = torch.randn(3, 8)
-    torch.testing.assert_close(packed_linear.packed_linear(x, toy.packed_lm_head, None), x @ toy.lm_head_weight.T,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        packed_linear.packed_linear(x, toy.packed_lm_head, None), x @ toy.lm_head_weight.T, atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("packed,backend", [(True, "auto"), (False, "reference")])

@@ -12,8 +12,24 @@ from common.protocol import KVReservation, PrefillResult, RequestOutput, ResumeS
 from common.roles import Role
 from router.backend import GenerateRequest, RouteDecision
 from router.flow import (
-    TERMINAL, TRANSITIONS, Abort, Count, Emit, Fail, FlowLimits, FlowState, Follow, IllegalTransition, MigrationGap,
-    Prefill, QueueTokens, RequestFlow, Reserve, StartDecode, Submit, WaitForDecode,
+    TERMINAL,
+    TRANSITIONS,
+    Abort,
+    Count,
+    Emit,
+    Fail,
+    FlowLimits,
+    FlowState,
+    Follow,
+    IllegalTransition,
+    MigrationGap,
+    Prefill,
+    QueueTokens,
+    RequestFlow,
+    Reserve,
+    StartDecode,
+    Submit,
+    WaitForDecode,
 )
 
 S = FlowState
@@ -47,8 +63,13 @@ def out(*tokens: int, finished: bool = False, text: str = "", cached: int = 0) -
 
 
 def prefilled(first: int = 7, finished: bool = False) -> PrefillResult:
-    return PrefillResult(out(first, finished=finished, text="a", cached=16), num_blocks_sent=2, bytes_sent=2048,
-                         transfer_seconds=0.25, prefill_seconds=0.5)
+    return PrefillResult(
+        out(first, finished=finished, text="a", cached=16),
+        num_blocks_sent=2,
+        bytes_sent=2048,
+        transfer_seconds=0.25,
+        prefill_seconds=0.5,
+    )
 
 
 def decoding(route=REMOTE, *live) -> RequestFlow:
@@ -68,8 +89,13 @@ def test_remote_prefill_reserve_prefill_first_token_decode():
     assert f.state is S.PREFILLING
     first = prefilled()
     assert f.on_prefill_done(first, 1.0) == [
-        Count("remote_prefill"), Count("kv_blocks_transferred", 2), Count("kv_bytes_transferred", 2048),
-        QueueTokens("prefill-0", -40), StartDecode("decode-0", 7), Emit(first.output)]
+        Count("remote_prefill"),
+        Count("kv_blocks_transferred", 2),
+        Count("kv_bytes_transferred", 2048),
+        QueueTokens("prefill-0", -40),
+        StartDecode("decode-0", 7),
+        Emit(first.output),
+    ]
     assert f.state is S.DECODING
     # queue: 0.1 s before the call + (0.9 s of RPC - 0.5 prefill - 0.25 transfer) = 0.25 s
     assert f.trace.queue_s == pytest.approx(0.25) and f.trace.prefill_s == 0.5 and f.trace.transfer_s == 0.25
@@ -82,8 +108,12 @@ def test_remote_prefill_reserve_prefill_first_token_decode():
 
 def test_local_prefill_runs_the_whole_request_on_d():
     f = flow_for(LOCAL, "decode-0")
-    assert f.start(2.0) == [Follow("decode-0"), QueueTokens("decode-0", 40), Count("local_prefill"),
-                            Submit("decode-0", None)]
+    assert f.start(2.0) == [
+        Follow("decode-0"),
+        QueueTokens("decode-0", 40),
+        Count("local_prefill"),
+        Submit("decode-0", None),
+    ]
     assert f.state is S.DECODING
     first = out(5, cached=32)
     assert f.on_output(first, 2.5) == [QueueTokens("decode-0", -40), Emit(first)]
@@ -123,14 +153,20 @@ def test_a_dead_prefill_worker_is_replaced_then_d_prefills():
     f.start(0.0)
     f.on_reserved(RESERVATION, 0.1)
     assert f.on_prefill_failed("prefill-0", died=True, now=0.5) == [
-        Count("prefill_fallbacks"), Abort("decode-0", final=False, wait=True), Count("prefill_retries"),
-        Reserve("decode-0")]
+        Count("prefill_fallbacks"),
+        Abort("decode-0", final=False, wait=True),
+        Count("prefill_retries"),
+        Reserve("decode-0"),
+    ]
     assert f.state is S.RESERVING and f.prefill_worker == "prefill-1"
     f.on_reserved(RESERVATION, 0.6)
     # prefill-1 dies too; prefill-0 was tried already: D prefills itself.
     assert f.on_prefill_failed("prefill-1", died=True, now=0.7) == [
-        Count("prefill_fallbacks"), Abort("decode-0", final=False, wait=True), Count("local_prefill"),
-        Submit("decode-0")]
+        Count("prefill_fallbacks"),
+        Abort("decode-0", final=False, wait=True),
+        Count("local_prefill"),
+        Submit("decode-0"),
+    ]
     assert f.trace.fell_back_to_local and f.tried_prefill == {"prefill-0", "prefill-1"}
 
 
@@ -145,8 +181,12 @@ def test_a_lost_decode_worker_migrates_with_what_the_client_has():
     f = decoding()
     f.on_output(out(8, text="b"), 1.1)
     commands = f.on_worker_lost("decode-0", failure=True, now=2.0)
-    assert commands == [Abort("decode-0", final=False), Count("migrations"), Follow("decode-1", 1),
-                        Submit("decode-1", ResumeState((7, 8), 2))]
+    assert commands == [
+        Abort("decode-0", final=False),
+        Count("migrations"),
+        Follow("decode-1", 1),
+        Submit("decode-1", ResumeState((7, 8), 2)),
+    ]
     assert f.state is S.DECODING and f.decode_worker == "decode-1" and f.migrations == 1 and f.moves == 1
     assert f.trace.decode_worker == "decode-1"
     nxt = out(9)
@@ -188,8 +228,12 @@ def test_waiting_for_a_decode_worker_until_one_comes_back_or_the_wait_ends():
     assert f.on_worker_lost("decode-0", failure=True, now=2.1) == []  # already moving off it
     assert f.on_wait(3.0) == [WaitForDecode(7.0)]
     pools.live.add("decode-0")  # restarted: free it of the request, then continue there
-    assert f.on_wait(4.0) == [Abort("decode-0", final=False, wait=True), Count("migrations"), Follow("decode-0", 1),
-                              Submit("decode-0", ResumeState((7,), 1))]
+    assert f.on_wait(4.0) == [
+        Abort("decode-0", final=False, wait=True),
+        Count("migrations"),
+        Follow("decode-0", 1),
+        Submit("decode-0", ResumeState((7,), 1)),
+    ]
     # the same once more, but nothing comes back in time
     pools.live.clear()
     f.on_worker_lost("decode-0", failure=True, now=5.0)
@@ -209,15 +253,19 @@ def test_a_refused_resubmit_fails_for_good():
     f.on_worker_lost("decode-0", failure=True, now=1.0)
     commands = f.on_submit_refused("decode-1", "context too long", 1.1)
     assert commands[0] == Count("migrations_failed") and commands[-1] == Fail(
-        "request r could not run on decode-1: context too long", retryable=False)
+        "request r could not run on decode-1: context too long", retryable=False
+    )
 
 
 def test_a_client_that_goes_away_frees_both_pools():
     f = flow_for(REMOTE, "decode-0", "prefill-0")
     f.start(0.0)
     f.on_reserved(RESERVATION, 0.1)
-    assert f.on_client_gone(0.2) == [QueueTokens("prefill-0", -40), Abort("decode-0", final=True),
-                                     Abort("prefill-0", final=True)]
+    assert f.on_client_gone(0.2) == [
+        QueueTokens("prefill-0", -40),
+        Abort("decode-0", final=True),
+        Abort("prefill-0", final=True),
+    ]
     assert f.state is S.ABORTED
     assert f.on_worker_lost("decode-0", True, 0.3) == [] and f.on_wait(0.3) == []
 
@@ -230,8 +278,14 @@ HANDLERS = {
     "on_output": lambda f: f.on_output(out(1), 1.0),
     "on_wait": lambda f: f.on_wait(1.0),
 }
-ALLOWED = {"start": {S.ROUTED}, "on_reserved": {S.RESERVING}, "on_prefill_done": {S.PREFILLING},
-           "on_prefill_failed": {S.PREFILLING}, "on_output": {S.DECODING}, "on_wait": {S.MIGRATING} | TERMINAL}
+ALLOWED = {
+    "start": {S.ROUTED},
+    "on_reserved": {S.RESERVING},
+    "on_prefill_done": {S.PREFILLING},
+    "on_prefill_failed": {S.PREFILLING},
+    "on_output": {S.DECODING},
+    "on_wait": {S.MIGRATING} | TERMINAL,
+}
 
 
 @pytest.mark.parametrize("handler,state", [(h, s) for h in HANDLERS for s in S if s not in ALLOWED[h]])
@@ -286,11 +340,30 @@ def test_the_ray_backend_and_the_simulator_drive_the_same_flow(monkeypatch):
     monkeypatch.setattr(RequestFlow, "start", start)
     monkeypatch.setattr(RequestFlow, "on_output", on_output)
 
-    sim = simulator.Simulator(simulator.ClusterSpec(1, 1), FittedCostModel(
-        {"c0": 0.01, "c_token": 0.0, "c_sampled": 0.0, "c_decode_ctx": 0.0, "c_prefill_pairs": 0.0, "c_decode_seq": 0.0},
-        knee=1, kv_bytes_per_token=1000, kv_capacity_tokens=1 << 20), record_itl=False)
-    workload = WorkloadSpec(rate=4.0, duration_s=2, prompt_len=LengthDist("fixed", value=64),
-                            output_len=LengthDist("fixed", value=4), seed=1).generate()
+    sim = simulator.Simulator(
+        simulator.ClusterSpec(1, 1),
+        FittedCostModel(
+            {
+                "c0": 0.01,
+                "c_token": 0.0,
+                "c_sampled": 0.0,
+                "c_decode_ctx": 0.0,
+                "c_prefill_pairs": 0.0,
+                "c_decode_seq": 0.0,
+            },
+            knee=1,
+            kv_bytes_per_token=1000,
+            kv_capacity_tokens=1 << 20,
+        ),
+        record_itl=False,
+    )
+    workload = WorkloadSpec(
+        rate=4.0,
+        duration_s=2,
+        prompt_len=LengthDist("fixed", value=64),
+        output_len=LengthDist("fixed", value=4),
+        seed=1,
+    ).generate()
     result = sim.run(workload)
     n_sim = len(result.records)
     assert n_sim > 0 and all(r.completed for r in result.records)

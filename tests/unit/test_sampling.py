@@ -11,8 +11,8 @@ import torch
 
 from common.block_hash import hash_prefix_blocks
 from common.detokenizer import IncrementalDetokenizer
-from workers.sampler import SamplingRow, sample
 from common.sampling_params import SamplingParams
+from workers.sampler import SamplingRow, sample
 
 
 def row(params: SamplingParams, seed: int | None = None, outputs=None) -> SamplingRow:
@@ -22,9 +22,20 @@ def row(params: SamplingParams, seed: int | None = None, outputs=None) -> Sampli
 
 @pytest.mark.parametrize(
     "field,value",
-    [("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_k", -3), ("min_p", 1.5),
-     ("logprobs", 21), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("stop", [""]),
-     ("stop_token_ids", [-1]), ("seed", "x"), ("min_tokens", 99)],
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_k", -3),
+        ("min_p", 1.5),
+        ("logprobs", 21),
+        ("presence_penalty", 3.0),
+        ("repetition_penalty", 0.0),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("seed", "x"),
+        ("min_tokens", 99),
+    ],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} "):
@@ -33,7 +44,9 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 def test_greedy_is_argmax_and_logprobs_are_log_softmax():
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 0.0, 0.0, 0.0]])
-    tokens, logprobs = sample(logits, [row(SamplingParams(temperature=0.0, logprobs=2)), row(SamplingParams(temperature=0.0))])
+    tokens, logprobs = sample(
+        logits, [row(SamplingParams(temperature=0.0, logprobs=2)), row(SamplingParams(temperature=0.0))]
+    )
     assert tokens == [1, 0]
     expected = logits[0] - torch.logsumexp(logits[0], 0)
     assert math.isclose(logprobs[0].logprob, float(expected[1]), rel_tol=1e-6)
@@ -69,7 +82,10 @@ def test_penalties_follow_openai_formulas():
 
 def test_detokenizer_cuts_stop_strings_and_holds_back_partial_matches():
     vocab = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!"}
-    decode = lambda ids: "".join(vocab[i] for i in ids)
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
     detok = IncrementalDetokenizer(decode, stop=["world"])
     pieces = []
     out: list[int] = []
@@ -86,7 +102,10 @@ def test_detokenizer_cuts_stop_strings_and_holds_back_partial_matches():
 def test_detokenizer_waits_for_complete_utf8():
     # Byte-level tokens: "é" is two bytes split across two tokens.
     vocab = {1: b"caf", 2: b"\xc3", 3: b"\xa9"}
-    decode = lambda ids: b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
+
+    def decode(ids):
+        return b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
+
     detok = IncrementalDetokenizer(decode)
     deltas = []
     for n in range(1, 4):
@@ -103,6 +122,7 @@ def test_block_hashes_are_chained_and_stable_across_processes():
     changed = hash_prefix_blocks([999] + tokens[1:], 16)
     assert all(a != b for a, b in zip(here, changed))  # a change in block 0 changes every later hash
     code = "from common.block_hash import hash_prefix_blocks; print(hash_prefix_blocks(list(range(100)), 16))"
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": "123"}).stdout
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "123"}
+    ).stdout
     assert other.strip() == str(here)

@@ -17,16 +17,21 @@ import math
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from kernels import sampling
 from workers.sampler import RACE_ATTEMPTS, SamplingRow, sample
-from common.sampling_params import SamplingParams
 
 N = 40_000
 ALPHA = 1e-6
 
-RACES = [pytest.param(sampling.exponential_race_reference, id="reference"),
-         pytest.param(sampling.exponential_race_cpu, id="native",
-                      marks=pytest.mark.skipif(not sampling.native_built(), reason="no C++ compiler"))]
+RACES = [
+    pytest.param(sampling.exponential_race_reference, id="reference"),
+    pytest.param(
+        sampling.exponential_race_cpu,
+        id="native",
+        marks=pytest.mark.skipif(not sampling.native_built(), reason="no C++ compiler"),
+    ),
+]
 
 # Distinct logits over a small vocabulary (distinct so the sorted top-p cut has no ties).
 LOGITS = [2.0, 1.6, 1.1, 0.9, 0.5, 0.2, -0.1, -0.4, -0.8, -1.3, -1.9, -2.6]
@@ -74,10 +79,14 @@ def chi_square_p_value(counts: list[int], expected: list[float]) -> float:
     dof = len(cells) - 1
     if dof == 0:
         return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
-def draw(race, logits: list[float], params: SamplingParams, n: int = N, prompt=(), output=(), seed: int = 0) -> list[int]:
+def draw(
+    race, logits: list[float], params: SamplingParams, n: int = N, prompt=(), output=(), seed: int = 0
+) -> list[int]:
     rows = [SamplingRow(params, list(output), list(prompt), None) for _ in range(n)]
     batch = torch.tensor([logits], dtype=torch.float32).expand(n, -1).contiguous()
     tokens, _ = sample(batch, rows, torch.Generator().manual_seed(seed), race)
@@ -91,7 +100,9 @@ def assert_same_distribution(tokens: list[int], expected: list[float]) -> None:
     forbidden = {t: c for t, c in enumerate(counts) if c and expected[t] == 0.0}
     assert not forbidden, f"drew tokens the parameters cut: {forbidden}"
     p_value = chi_square_p_value(counts, expected)
-    assert p_value > ALPHA, f"counts {counts} vs expected {[round(e * len(tokens)) for e in expected]}: p = {p_value:.2e}"
+    assert p_value > ALPHA, (
+        f"counts {counts} vs expected {[round(e * len(tokens)) for e in expected]}: p = {p_value:.2e}"
+    )
 
 
 CASES = {
@@ -185,16 +196,21 @@ def test_a_seeded_request_gets_the_same_tokens_alone_and_in_any_batch(race):
     def row(p):
         return SamplingRow(p, [], [7, 8, 9], torch.Generator().manual_seed(p.seed) if p.seed is not None else None)
 
-    alone = run_steps([l[[2]] for l in logits_per_step], [row(seeded)], race, 0)
-    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(top_p=0.5, seed=5),
-              SamplingParams(presence_penalty=1.0, min_p=0.3), SamplingParams(top_k=3, temperature=2.0)]
+    alone = run_steps([step[[2]] for step in logits_per_step], [row(seeded)], race, 0)
+    others = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_p=0.5, seed=5),
+        SamplingParams(presence_penalty=1.0, min_p=0.3),
+        SamplingParams(top_k=3, temperature=2.0),
+    ]
     batch = [row(p) for p in others[:2]] + [row(seeded)] + [row(p) for p in others[2:]]
     assert run_steps(logits_per_step, batch, race, 2) == alone
     reordered = [row(seeded)] + [row(p) for p in others]
-    assert run_steps([l[[2, 0, 1, 3, 4, 5]] for l in logits_per_step], reordered, race, 0) == alone
+    assert run_steps([step[[2, 0, 1, 3, 4, 5]] for step in logits_per_step], reordered, race, 0) == alone
     # A different seed takes a different path (12 steps over a wide distribution).
     other_seed = SamplingParams(**{**seeded.__dict__, "seed": 4321})
-    assert run_steps([l[[2]] for l in logits_per_step], [row(other_seed)], race, 0) != alone
+    assert run_steps([step[[2]] for step in logits_per_step], [row(other_seed)], race, 0) != alone
 
 
 def test_both_race_kernels_pick_the_same_tokens_for_the_same_keys():
@@ -207,12 +223,17 @@ def test_both_race_kernels_pick_the_same_tokens_for_the_same_keys():
         x[:, 0] = 0.0  # no row is fully masked
         inv_t = torch.rand(24, generator=g) * 4 + 0.05
         keys = torch.empty(24, dtype=torch.int64).random_(generator=g)
-        assert sampling.exponential_race_cpu(x, inv_t, keys).tolist() == \
-            sampling.exponential_race_reference(x, inv_t, keys).tolist()
+        assert (
+            sampling.exponential_race_cpu(x, inv_t, keys).tolist()
+            == sampling.exponential_race_reference(x, inv_t, keys).tolist()
+        )
         # With every cut, on some rows each; two attempts, so some top-p rows miss (-1) in both.
         k = torch.randint(1, vocab + 1, (24,), generator=g)
-        k_floor = torch.where(torch.arange(24) % 2 == 0, x.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])[:, 0],
-                              float("-inf"))
+        k_floor = torch.where(
+            torch.arange(24) % 2 == 0,
+            x.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])[:, 0],
+            float("-inf"),
+        )
         offset = torch.where(torch.arange(24) % 3 == 0, torch.rand(24, generator=g).log() / inv_t, float("-inf"))
         top_p = torch.where(torch.arange(24) % 4 < 2, torch.rand(24, generator=g) * 0.5, 1.0)
         cuts = (k_floor, offset, top_p, 2)
@@ -239,8 +260,9 @@ def test_race_noise_is_uniform_and_keys_decorrelate():
 def test_greedy_rows_take_the_argmax_of_the_penalised_logits():
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(8, 100, generator=g)
-    rows = [SamplingRow(SamplingParams(temperature=0.0), [], [], None) for _ in range(4)] + \
-           [SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=2.0), [5], [1, 2], None) for _ in range(4)]
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [], [], None) for _ in range(4)] + [
+        SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=2.0), [5], [1, 2], None) for _ in range(4)
+    ]
     tokens, _ = sample(logits.clone(), rows, g)
     assert tokens[:4] == logits[:4].argmax(-1).tolist()
     penalised = logits[4:].clone()
@@ -252,9 +274,11 @@ def test_greedy_rows_take_the_argmax_of_the_penalised_logits():
 def test_logprobs_are_batched_log_softmax_of_the_raw_logits():
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(3, 40, generator=g)
-    rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=5), [], [], None),
-            SamplingRow(SamplingParams(temperature=1.0, logprobs=0, presence_penalty=2.0), [3], [], None),
-            SamplingRow(SamplingParams(temperature=1.0), [], [], None)]
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=5), [], [], None),
+        SamplingRow(SamplingParams(temperature=1.0, logprobs=0, presence_penalty=2.0), [3], [], None),
+        SamplingRow(SamplingParams(temperature=1.0), [], [], None),
+    ]
     tokens, logprobs = sample(logits.clone(), rows, g)
     lp = torch.log_softmax(logits.double(), -1)
     first, second, third = logprobs

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from workers.block_manager import BlockManager
 from common.sampling_params import SamplingParams
+from workers.block_manager import BlockManager
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence, SequenceStatus
 

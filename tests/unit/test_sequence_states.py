@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.block_manager import BlockManager
 from common.sampling_params import SamplingParams
+from workers.block_manager import BlockManager
 from workers.scheduler import Scheduler
 from workers.sequence import TRANSITIONS, Sequence, SequenceStatus
 
@@ -145,13 +145,16 @@ def test_abort_while_sending_keeps_blocks_until_the_transfer_ends():
     assert_all_free(sched, start)
 
 
-@pytest.mark.parametrize("step, match", [
-    (lambda sched, s: sched.kv_arrived(s), "cannot go from running to running"),
-    (lambda sched, s: sched.add(s), "only a new waiting sequence"),
-    (lambda sched, s: sched.add_reserved(s), "only a new waiting sequence"),
-    (lambda sched, s: sched.begin_send("r"), "no prefilled request 'r'"),
-    (lambda sched, s: sched.held_block_ids("r"), "no prefilled request 'r'"),
-])
+@pytest.mark.parametrize(
+    "step, match",
+    [
+        (lambda sched, s: sched.kv_arrived(s), "cannot go from running to running"),
+        (lambda sched, s: sched.add(s), "only a new waiting sequence"),
+        (lambda sched, s: sched.add_reserved(s), "only a new waiting sequence"),
+        (lambda sched, s: sched.begin_send("r"), "no prefilled request 'r'"),
+        (lambda sched, s: sched.held_block_ids("r"), "no prefilled request 'r'"),
+    ],
+)
 def test_illegal_steps_on_a_running_sequence_are_refused(step, match):
     sched = make()
     s = seq("r")

@@ -85,6 +85,9 @@ def test_bench_and_tests_edit_no_sys_path_and_do_not_import_each_other():
 def test_bench_scripts_are_run_as_modules():
     assert (REPO / "bench/__init__.py").is_file()
     pattern = re.compile(r"python3?\s+bench/\w+\.py")
-    offenders = [str(p.relative_to(REPO)) for p in [*python_files(["bench", "tests"]), *(REPO / "bench").glob("*.sh"),
-                                                      REPO / "Makefile"] if pattern.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in [*python_files(["bench", "tests"]), *(REPO / "bench").glob("*.sh"), REPO / "Makefile"]
+        if pattern.search(p.read_text())
+    ]
     assert offenders == []

@@ -23,20 +23,28 @@ def parse(*argv: str) -> BatonConfig:
 def test_tp_flags_short_and_long_and_each_pool_falls_back_to_the_common_size():
     config = parse("-tp", "3").placement
     assert (config.tensor_parallel_size, config.tp_size("prefill"), config.tp_size("decode")) == (3, 3, 3)
-    config = parse("--tensor-parallel-size", "2", "--prefill-tensor-parallel-size", "2",
-                   "--decode-tensor-parallel-size", "2").placement
+    config = parse(
+        "--tensor-parallel-size", "2", "--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "2"
+    ).placement
     assert (config.tp_size("prefill"), config.tp_size("decode")) == (2, 2)
     assert PlacementConfig().tp_size("decode") == 1
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
-    (dict(decode_tensor_parallel_size=-2), "decode_tensor_parallel_size must be a positive integer, got -2"),
-    (dict(prefill_tensor_parallel_size=2, decode_tensor_parallel_size=3),
-     "prefill_tensor_parallel_size 2 and decode_tensor_parallel_size 3: one must be a multiple of the other"),
-    (dict(tensor_parallel_size=4, decode_tensor_parallel_size=6),
-     "prefill_tensor_parallel_size 4 and decode_tensor_parallel_size 6: one must be a multiple"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
+        (dict(decode_tensor_parallel_size=-2), "decode_tensor_parallel_size must be a positive integer, got -2"),
+        (
+            dict(prefill_tensor_parallel_size=2, decode_tensor_parallel_size=3),
+            "prefill_tensor_parallel_size 2 and decode_tensor_parallel_size 3: one must be a multiple of the other",
+        ),
+        (
+            dict(tensor_parallel_size=4, decode_tensor_parallel_size=6),
+            "prefill_tensor_parallel_size 4 and decode_tensor_parallel_size 6: one must be a multiple",
+        ),
+    ],
+)
 def test_bad_tp_sizes_are_refused_naming_the_flag(options, message):
     with pytest.raises(ValueError, match=message):
         PlacementConfig(**options)
@@ -62,8 +70,7 @@ def test_the_cores_are_split_between_every_rank(monkeypatch):
 def test_a_workers_ranks_bundles():
     gpu = PoolPlacement("decode", num_cpus=4, num_gpus=1, resources={"baton_decode": 1})
     # The pool's resource once per worker (a node type offers one per worker); CPUs and GPUs per rank.
-    assert rank_bundles(gpu, 3) == [{"CPU": 4, "GPU": 1, "baton_decode": 1}, {"CPU": 4, "GPU": 1},
-                                    {"CPU": 4, "GPU": 1}]
+    assert rank_bundles(gpu, 3) == [{"CPU": 4, "GPU": 1, "baton_decode": 1}, {"CPU": 4, "GPU": 1}, {"CPU": 4, "GPU": 1}]
     cpu = PoolPlacement("prefill", num_cpus=0, num_gpus=0)
     assert rank_bundles(cpu, 2) == [{"CPU": 0.01}, {"CPU": 0.01}]  # Ray refuses an empty bundle
 
@@ -91,8 +98,9 @@ def test_the_block_checksum_tag_covers_a_ranks_heads_and_is_unchanged_without_tp
     plain = layout()
     # The tag's definition before tensor parallelism, computed here by hand: TP 1 stays wire-compatible.
     text = repr((2, 1, 64, 16, "float32", ()))
-    assert layout_tag(plain) == int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
-                                               "little") & ((1 << 63) - 1)
+    assert layout_tag(plain) == int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & (
+        (1 << 63) - 1
+    )
     tags = [layout_tag(layout(tp_size=3, kv_heads=(h, h + 1))) for h in range(3)]
     assert len(set(tags)) == 3 and tags[0] == layout_tag(plain)  # head 0 of a one-head cache is the plain layout
 
@@ -131,8 +139,12 @@ def test_step_inputs_mark_prompt_rows_and_leave_generated_tokens_and_drafts_out(
     recomputed.token_ids, recomputed.block_ids = [7, 8, 9, 10, 11], [7, 8]
     prompt = Sequence("p", [12, 13], SamplingParams())
     prompt.block_ids = [9]
-    chunks = [ScheduledChunk(decoding, 1), ScheduledChunk(drafting, 3, draft_token_ids=(4, 5)),
-              ScheduledChunk(recomputed, 5), ScheduledChunk(prompt, 2)]
+    chunks = [
+        ScheduledChunk(decoding, 1),
+        ScheduledChunk(drafting, 3, draft_token_ids=(4, 5)),
+        ScheduledChunk(recomputed, 5),
+        ScheduledChunk(prompt, 2),
+    ]
     step = StepInputs.of(chunks, [True] * 4, block_size=4)
     # Rows: 0 decode; 1-3 the drafting sequence's last token and drafts; 4-8 the recomputed sequence
     # (its 3 prompt tokens, then 2 outputs); 9-10 the new prompt.
@@ -148,5 +160,9 @@ def test_the_ranks_transfer_results_add_up_to_the_worst_status():
     bad = TransferResult("r", Role.RECV, TransferStatus.FAILED, 40, 0.25, "checksum", reason="checksum_mismatch")
     assert combined([ok, ok]) == TransferResult("r", Role.RECV, TransferStatus.SUCCESS, 200, 0.5)
     worst = combined([ok, bad, ok])
-    assert (worst.status, worst.nbytes, worst.seconds, worst.reason) == (TransferStatus.FAILED, 240, 0.5,
-                                                                         "checksum_mismatch")
+    assert (worst.status, worst.nbytes, worst.seconds, worst.reason) == (
+        TransferStatus.FAILED,
+        240,
+        0.5,
+        "checksum_mismatch",
+    )

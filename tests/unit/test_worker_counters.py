@@ -43,8 +43,11 @@ def test_counters_lose_nothing_under_many_threads(tiny_switch_interval):
         t.start()
     for t in workers:
         t.join()
-    assert counters.snapshot() == {"prompt_tokens": threads * adds, "kv_blocks_sent": threads * adds,
-                                   "kv_bytes_sent": threads * adds * 4096}
+    assert counters.snapshot() == {
+        "prompt_tokens": threads * adds,
+        "kv_blocks_sent": threads * adds,
+        "kv_bytes_sent": threads * adds * 4096,
+    }
     assert seen_torn == []  # one add of several counters is seen whole or not at all
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from kernels.ops import KernelOps
 from workers.model_config import ModelConfig
-from workers.models.llama import MLP, AttentionMetadata, Attention, KVCacheView, LlamaForCausalLM
+from workers.models.llama import MLP, Attention, AttentionMetadata, KVCacheView, LlamaForCausalLM
 
 NORM_SUFFIXES = ("layernorm", "q_norm", "k_norm")
 
@@ -42,8 +42,12 @@ class GemmaDecoderLayer(nn.Module):
         self.sliding = config.layer_window(layer) is not None
         self.self_attn = Attention(config, ops, config.layer_window(layer))
         self.mlp = GemmaMLP(config, ops)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             setattr(self, name, nn.Parameter(torch.ones(config.hidden_size)))
 
     def forward(self, hidden, residual, positions, cos_sin_cache, meta, kv):
@@ -73,8 +77,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_layers: list[KVCacheView]) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden_size] (normed)."""
         weight = self.embed_tokens.weight
-        hidden = self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size**0.5, dtype=weight.dtype,
-                                                             device=weight.device)
+        hidden = self.embed_tokens(input_ids) * torch.tensor(
+            self.config.hidden_size**0.5, dtype=weight.dtype, device=weight.device
+        )
         local = self.local_cos_sin_cache if self.local_cos_sin_cache.numel() else self.cos_sin_cache
         residual = None
         for layer, kv in zip(self.layers, kv_layers):

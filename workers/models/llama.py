@@ -3,7 +3,8 @@
 One implementation serves all of them: they differ only in q/k/v biases (Qwen2), per-head q/k
 RMSNorm (Qwen3), rope scaling (Llama 3, Phi-3's LongRoPE) and tied embeddings, which
 ModelConfig records, plus sliding-window layers (Mistral, Phi-3, Qwen2's use_sliding_window: the
-window goes to the attention kernels, ModelConfig.layer_windows). q/k/v and gate/up projections are fused into one matrix each at load time
+window goes to the attention kernels, ModelConfig.layer_windows). q/k/v and gate/up projections are
+fused into one matrix each at load time
 (Phi-3's checkpoints come fused), so a layer runs four matrix products instead of seven.
 Every hot op is a function of the model's KernelOps (kernels.ops.kernel_ops), chosen once when
 the model is built: Triton on CUDA, native C++ or PyTorch on the CPU.
@@ -60,8 +61,9 @@ class KVCacheView:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, window: int | None = None,
-                 tp_group: TPGroup | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: KernelOps, window: int | None = None, tp_group: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.ops = ops
         # With tensor parallelism config is the rank's shard (its heads) and o_proj's partial sums are all-reduced.
@@ -97,26 +99,55 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         ops = self.ops
         if self.q_norm is not None:
-            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view(num_tokens, self.num_heads, self.head_dim)
-            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view(
+                num_tokens, self.num_heads, self.head_dim
+            )
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view(
+                num_tokens, self.num_kv_heads, self.head_dim
+            )
         ops.rotary_embedding(positions, q, k, cos_sin_cache)
         ops.store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
         nd = meta.num_decode_tokens
         if nd == num_tokens:
             out = ops.paged_decode_attention(
-                q, kv.k_cache, kv.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, kv.k_scale, kv.v_scale, window=self.window, softcap=self.softcap,
+                q,
+                kv.k_cache,
+                kv.v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                kv.k_scale,
+                kv.v_scale,
+                window=self.window,
+                softcap=self.softcap,
             )
         else:
             out = torch.empty_like(q)
             if nd:
                 out[:nd] = ops.paged_decode_attention(
-                    q[:nd], kv.k_cache, kv.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                    self.scale, kv.k_scale, kv.v_scale, window=self.window, softcap=self.softcap,
+                    q[:nd],
+                    kv.k_cache,
+                    kv.v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    self.scale,
+                    kv.k_scale,
+                    kv.v_scale,
+                    window=self.window,
+                    softcap=self.softcap,
                 )
             out[nd:] = ops.paged_prefill_attention(
-                q[nd:], kv.k_cache, kv.v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                meta.prefill_context_lens, self.scale, kv.k_scale, kv.v_scale, window=self.window, softcap=self.softcap,
+                q[nd:],
+                kv.k_cache,
+                kv.v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_context_lens,
+                self.scale,
+                kv.k_scale,
+                kv.v_scale,
+                window=self.window,
+                softcap=self.softcap,
             )
         out = self.o_proj(out.view(num_tokens, self.q_size))
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
@@ -165,11 +196,14 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops  # the kernels every layer calls (kernels.ops.kernel_ops)
         # Given its (empty) weight, the embedding skips its random init: that init's normal_ imports
         # torch._dynamo under the meta device (1.6 s of CPU at every start), and the checkpoint overwrites it.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, ops, i, tp_group) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
-        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        )
         # float32 [max_positions, head_dim]; the model runner fills it for its context length.
         self.cos_sin_cache = torch.empty(0)
         # oneDNN-packed copy of the lm_head on CPU (workers.packed_linear.prepack), else None.
@@ -232,14 +266,18 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("weight_scale"):
                 in_features = self.get_submodule(name.rsplit(".", 1)[0]).in_features
                 tensor = quant.expand_scale(tensor, target.shape[0], in_features, name)
-            elif name.endswith("weight") and (tensor.dtype == torch.float8_e4m3fn) != (target.dtype == torch.float8_e4m3fn):
+            elif name.endswith("weight") and (tensor.dtype == torch.float8_e4m3fn) != (
+                target.dtype == torch.float8_e4m3fn
+            ):
                 # Copying raw FP8 codes into a float weight (or the reverse) would load wrong values silently.
                 raise ValueError(
                     f"checkpoint tensor for {name} is {tensor.dtype} but the model expects {target.dtype}; "
                     f"FP8 checkpoints need a quantization_config, and every linear layer must be quantized"
                 )
             if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
+                raise ValueError(
+                    f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}"
+                )
             target.copy_(tensor)
             if start is None and name.rsplit(".", 1)[0].endswith(("qkv_proj", "gate_up_proj")):
                 loaded.update(fused_pieces(name))  # a checkpoint with fused projections (Phi-3)

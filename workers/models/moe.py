@@ -78,8 +78,11 @@ class MoeExperts(nn.Module):
         for name in ("w13", "w2"):
             experts, rows, cols = getattr(self, name).shape
             device = getattr(self, name).device  # meta while the model is built: nothing is allocated yet
-            setattr(self, name, nn.Parameter(torch.empty(experts, rows, cols, dtype=q8.FP8_DTYPE, device=device),
-                                             requires_grad=False))
+            setattr(
+                self,
+                name,
+                nn.Parameter(torch.empty(experts, rows, cols, dtype=q8.FP8_DTYPE, device=device), requires_grad=False),
+            )
             scale = torch.ones(experts, rows, quant.groups(cols), dtype=torch.float32, device=device)
             setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
             scales.append(quant.group_size(cols))
@@ -230,8 +233,9 @@ class _ExpertLoader:
             raise ValueError(f"checkpoint tensor {hf_name} is not a router or expert weight this loader knows")
         return True
 
-    def _take_scale(self, hf_name: str, block: SparseMoeBlock, rest: list[str], tensor: torch.Tensor,
-                    layer: int) -> bool:
+    def _take_scale(
+        self, hf_name: str, block: SparseMoeBlock, rest: list[str], tensor: torch.Tensor, layer: int
+    ) -> bool:
         """One expert projection's FP8 scale, expanded to [rows, groups] (CheckpointQuantization.expand_scale)."""
         if not (len(rest) == 4 and rest[0] == "experts" and rest[1].isdigit()):
             raise ValueError(f"{hf_name}: FP8 scales of fused expert tensors are not supported (per-expert only)")
@@ -243,18 +247,25 @@ class _ExpertLoader:
         if proj in GATE_ROWS:
             half = GATE_ROWS[proj]
             target = experts.w13_scale.data[e, half * inter : (half + 1) * inter]
-            self._put(hf_name, target, self.quant.expand_scale(tensor, inter, hidden, hf_name),
-                      (layer, "w13_scale", e, half))
+            self._put(
+                hf_name, target, self.quant.expand_scale(tensor, inter, hidden, hf_name), (layer, "w13_scale", e, half)
+            )
         elif proj in DOWN:
-            self._put(hf_name, experts.w2_scale.data[e], self.quant.expand_scale(tensor, hidden, inter, hf_name),
-                      (layer, "w2_scale", e))
+            self._put(
+                hf_name,
+                experts.w2_scale.data[e],
+                self.quant.expand_scale(tensor, hidden, inter, hf_name),
+                (layer, "w2_scale", e),
+            )
         else:
             raise ValueError(f"{hf_name}: unknown expert projection {proj!r}")
         return True
 
     def _put(self, name: str, target: torch.Tensor, tensor: torch.Tensor, *pieces: tuple) -> None:
         if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
+            raise ValueError(
+                f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}"
+            )
         target.copy_(tensor)
         self.loaded.update(pieces)
 
@@ -269,5 +280,7 @@ class _ExpertLoader:
                 expected |= {(layer, "w13_scale", e, h) for e in range(experts) for h in (0, 1)}
         missing = sorted(expected - self.loaded, key=str)
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} router/expert tensors, e.g. {missing[:4]} "
-                             "(layer, weight, expert, half)")
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} router/expert tensors, e.g. {missing[:4]} "
+                "(layer, weight, expert, half)"
+            )
