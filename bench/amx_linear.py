@@ -30,8 +30,9 @@ import torch
 from cluster.busy_host import cpu_name
 from common.sampling_params import SamplingParams
 from kernels import amx_linear, small_m_linear
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -132,7 +133,7 @@ def main() -> None:
         print(json.dumps(doc["kernels"][-1]), flush=True)
     if args.prompt:
         engines = {
-            mode: LLMEngine.from_model_dir(
+            mode: load_engine(
                 None,
                 EngineConfig(
                     dtype="float32", kv_cache_memory=512 << 20, enable_prefix_caching=False, float32_prompt_matmul=mode

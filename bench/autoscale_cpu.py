@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import httpx
 
-from cluster import loadgen as load
+from bench import loadgen as load
 from cluster.config import BatonConfig
-from cluster.harness import free_port
-from cluster.testing import serving
+from testkit.cluster import serving
+from testkit.harness import free_port
 
 PHASES = ((30.0, 0.2), (60.0, 3.0), (90.0, 0.2))  # (seconds, requests/s)
 

@@ -45,9 +45,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-from cluster import loadgen as load
+from bench import loadgen as load
 from cluster.busy_host import cpu_fractions, cpu_name, cpu_times
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 SAMPLING_MODES = {"default": [], "temperature 0": ["--temperature", "0"]}
 WORKLOAD_1 = [

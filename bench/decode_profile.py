@@ -10,7 +10,7 @@ decode steps timed (wall clock, no profiler) and the same number again under cPr
 split. Runs for float32 (four ways) and bfloat16 (the first three): "before" (EngineConfig kernel_backend
 "reference" and packed_linear False: PyTorch references and plain F.linear, the engine before
 this work), with the native kernels (kernel_backend "auto": attention, RMSNorm, rotary, KV store,
-SiLU-and-mul in kernels/csrc), with those plus prepacked linear layers (workers/packed_linear.py),
+SiLU-and-mul in kernels/csrc), with those plus prepacked linear layers (workers/quantization/packed_linear.py),
 and, in float32, with each step's decoder layers in one native call (kernels/layer_stack.py; the
 default, which `--enforce-eager` turns off).
 
@@ -60,10 +60,11 @@ import torch
 from cluster.busy_host import cpu_name
 from common.sampling_params import SamplingParams
 from kernels import cpu_native, prefill_attention
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.packed_linear import PackedLinear
-from workers.quantization import weight_memory
+from workers.engine.llm_engine import LLMEngine
+from workers.quantization.fp8 import weight_memory
+from workers.quantization.packed_linear import PackedLinear
 
 
 def _kernel(module: str, op: str) -> list[tuple[str, str]]:
@@ -73,14 +74,14 @@ def _kernel(module: str, op: str) -> list[tuple[str, str]]:
 
 # Per category, the (file suffix, function name) entries whose cumulative times are summed.
 CATEGORIES = {
-    "linear layers": [("", "torch._C._nn.linear"), ("workers/packed_linear.py", "packed_linear")],
+    "linear layers": [("", "torch._C._nn.linear"), ("workers/quantization/packed_linear.py", "packed_linear")],
     "attention": _kernel("decode_attention", "paged_decode_attention")
     + _kernel("prefill_attention", "paged_prefill_attention"),
     "norm, rotary, KV store, SiLU": _kernel("rms_norm", "rms_norm")
     + _kernel("rotary", "rotary_embedding")
     + _kernel("kv_store", "store_kv")
     + _kernel("silu_mul", "silu_and_mul"),
-    "sampling": [("workers/sampler.py", "sample")],
+    "sampling": [("workers/engine/sampler.py", "sample")],
     # A float32 step's layers, linear layers and attention included, when they run as one call.
     "decoder layers in one call": [("kernels/layer_stack.py", "run")],
 }
@@ -118,7 +119,7 @@ def build_engine(
         packed_linear=packed,
         enforce_eager=not one_call,
     )
-    engine = LLMEngine.from_model_dir(None, config)
+    engine = load_engine(None, config)
     if scatter_pages:
         free = engine.block_manager._free
         order = list(free)
@@ -215,7 +216,7 @@ def prefill_cpu_seconds(dtype: str, budget: int, n: int, profile: bool = False) 
     config = EngineConfig(
         dtype=dtype, max_num_batched_tokens=budget, kv_cache_memory=512 << 20, enable_prefix_caching=False
     )
-    engine = LLMEngine.from_model_dir(None, config)
+    engine = load_engine(None, config)
     rng = random.Random(0)
 
     def run() -> None:
@@ -345,7 +346,7 @@ def main() -> None:
         "--threads",
         type=int,
         default=1,
-        help="torch threads (a decode worker that borrows an idle core runs on 2 here: workers/elastic_threads.py)",
+        help="torch threads (a decode worker that borrows an idle core runs on 2 here: workers.shell.elastic_threads)",
     )
     ap.add_argument("--default-only", action="store_true", help="only the engine's default configuration")
     ap.add_argument(

@@ -42,9 +42,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 from common.sampling_params import SamplingParams
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 SEED = 20261130
 PROMPT_RANGE = (32, 512)
@@ -123,7 +123,7 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 
 
 def run_baton(model_dir, reqs, concurrency: int, kv_cache_memory: int, dtype: str = "float32") -> dict:
-    engine = LLMEngine.from_model_dir(
+    engine = load_engine(
         model_dir,
         EngineConfig(
             max_num_seqs=concurrency,
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         model_dir = build_moe_model(Path(tempfile.mkdtemp(prefix="baton-bench-moe-")))
     else:
         model_dir = resolve_model_dir(args.model)
-    from workers.model_config import ModelConfig
+    from workers.models.config import ModelConfig
 
     vocab = ModelConfig.from_model_dir(model_dir).vocab_size
     reqs = make_requests(args.num_requests, vocab, args.max_output)

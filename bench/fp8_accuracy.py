@@ -10,7 +10,7 @@ of 256 tokens, so later chunks read K/V back from the cache: FP8 KV is exercised
 exp(-mean log p) over all predictions. Greedy agreement: 20 fixed chat prompts, 32 new tokens
 each (ignore_eos), compared with float32 token by token.
 
-KV cache scales are calibrated on the text shipped in workers/kv_calibration.py, not on this one.
+KV cache scales are calibrated on the text shipped in workers/engine/kv_calibration.py, not on this one.
 
 Memory. Weight bytes are summed over the model's tensors for float32, bfloat16 and FP8 weights;
 KV capacity is the cache's token count at a fixed 64 MiB budget for float32, bfloat16 and FP8.
@@ -32,10 +32,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 import torch
 
 from common.sampling_params import SamplingParams
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.evaluation import CHUNK, WINDOW, chat_prompts, eval_windows
-from workers.quantization import weight_memory
+from workers.engine.evaluation import CHUNK, WINDOW, chat_prompts, eval_windows
+from workers.engine.llm_engine import LLMEngine
+from workers.quantization.fp8 import weight_memory
 
 NEW_TOKENS = 32
 KV_BUDGET = 64 << 20
@@ -82,8 +83,8 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:
 
 
 def transfer_bytes(dtype: str, kv_cache_dtype: str) -> dict:
-    from common.protocol import PrefillRequest
-    from workers.worker import EngineWorker, WorkerConfig
+    from testkit import workers as calls
+    from workers.shell.worker import EngineWorker, WorkerConfig
 
     ec = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64)
     P = EngineWorker(WorkerConfig("p0", "prefill", None, ec, transport="shm"))
@@ -91,9 +92,9 @@ def transfer_bytes(dtype: str, kv_cache_dtype: str) -> dict:
     try:
         prompt = list(range(1000, 1256))
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        r = D.reserve("t1", prompt, params)
-        res = P.prefill(PrefillRequest("t1", prompt, params, D.endpoint(), r.block_ids, r.num_cached_tokens))
-        D.start_decode("t1", res.output.token_ids[0])
+        r = calls.reserve(D, "t1", prompt, params)
+        res = calls.prefill(P, "t1", prompt, params, D.endpoint(), r)
+        calls.start_decode(D, "t1", res.output.token_ids[0])
         deadline = time.monotonic() + 60
         while not any(o.finished for o in D.poll_outputs(1.0)):
             assert time.monotonic() < deadline, "decode did not finish"
@@ -120,7 +121,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     started = time.perf_counter()
     model_dir = resolve_model_dir(None, quiet=True)
@@ -132,7 +133,7 @@ def main() -> None:
     reference = None
     for name, overrides in CONFIGS.items():
         t0 = time.perf_counter()
-        engine = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=256 << 20, **overrides))
+        engine = load_engine(None, EngineConfig(kv_cache_memory=256 << 20, **overrides))
         t1 = time.perf_counter()
         ppl, n = perplexity(engine, windows)
         t2 = time.perf_counter()
@@ -163,11 +164,11 @@ def main() -> None:
         )
         del engine
 
-    bf16 = LLMEngine.from_model_dir(None, EngineConfig(dtype="bfloat16", num_kv_blocks=1))
+    bf16 = load_engine(None, EngineConfig(dtype="bfloat16", num_kv_blocks=1))
     mem_bf16 = weight_memory(bf16.runner.model)
     del bf16
     # FP8 linear layers with the rest (embeddings, norms) in bfloat16, as a GPU deployment would run.
-    fp8_bf16 = LLMEngine.from_model_dir(None, EngineConfig(dtype="bfloat16", quantization="fp8", num_kv_blocks=1))
+    fp8_bf16 = load_engine(None, EngineConfig(dtype="bfloat16", quantization="fp8", num_kv_blocks=1))
     mem_fp8_bf16 = weight_memory(fp8_bf16.runner.model)
     del fp8_bf16
     memory = {
@@ -186,9 +187,7 @@ def main() -> None:
     }
     kv = {}
     for dtype, kv_dtype in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8")):
-        e = LLMEngine.from_model_dir(
-            None, EngineConfig(dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=KV_BUDGET)
-        )
+        e = load_engine(None, EngineConfig(dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=KV_BUDGET))
         cache = e.runner.kv_cache
         kv["fp8" if kv_dtype == "fp8" else dtype] = {
             "cache_bytes": cache.numel() * cache.element_size(),

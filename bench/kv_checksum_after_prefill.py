@@ -31,9 +31,9 @@ from cluster.busy_host import cpu_name
 from common.sampling_params import SamplingParams
 from common.stats import percentile, percentiles
 from kernels.block_checksum import SummingCopier
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 TARGET_BYTES = 16 << 20
 EVICT_BYTES = 256 << 20
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv_checksum_after_prefill.json"))
     args = parser.parse_args()
     model_dir = resolve_model_dir(quiet=True)
-    engine = LLMEngine.from_model_dir(
+    engine = load_engine(
         model_dir, EngineConfig(dtype="float32", kv_cache_memory=512 << 20, enable_prefix_caching=False)
     )
     cache = engine.runner.kv_cache  # [layers, K/V, blocks, block_size, kv heads, head_dim]

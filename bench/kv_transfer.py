@@ -8,7 +8,7 @@ number of bytes in the same actor (the machine's limit).
 
 Then the same measurements as serving workers make them, with the transport per pair of workers
 (`kvtransfer.PairwiseTransport`, backend chosen from the two actors' Ray nodes) on a Ray
-cluster of two simulated nodes on this machine (`cluster.testing.FakeCluster`): a decode actor
+cluster of two simulated nodes on this machine (`testkit.cluster.FakeCluster`): a decode actor
 on the prefill actor's node (auto picks shared memory) and one on the other node (auto picks
 gloo, over loopback here: what crossing nodes costs in CPU and protocol, without a real
 network's bandwidth). `--no-cross-node` skips this part.
@@ -65,11 +65,11 @@ ensure_private_ray_env()
 import ray
 import torch
 
-from cluster.testing import FakeCluster, NodeType
 from kernels.block_checksum import BlockSummer, SummingCopier
 from kernels.block_copy import KVBlockCopier
-from kvtransfer import KVLayout, Place, Role
-from kvtransfer.testing import KVWorker
+from kvtransfer import KVLayout, Place, TransferSide
+from testkit.cluster import FakeCluster, NodeType
+from testkit.kvtransfer import KVWorker
 
 # 4 layers x K/V x 16 tokens x 2 KV heads x 64 dims x fp32 = 64 KiB per block.
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
@@ -107,7 +107,7 @@ class BenchWorker(KVWorker):
     def verified_at(self, transfer_id: str) -> tuple[float, bool]:
         """When (time.monotonic(), system-wide) the receiver's record of `transfer_id` turned
         terminal, and whether it is SUCCESS."""
-        result = self.wait(transfer_id, Role.RECV, 10.0)
+        result = self.wait(transfer_id, TransferSide.RECV, 10.0)
         # result.seconds runs from the record's start, a few microseconds after expected_at.
         return self.expected_at.pop(transfer_id) + result.seconds, result.ok
 
@@ -185,7 +185,7 @@ class BenchWorker(KVWorker):
         return out
 
     def all_received(self, plans: list) -> bool:
-        return all(self.wait(tid, Role.RECV, 10.0).ok for tid, _, _ in plans)
+        return all(self.wait(tid, TransferSide.RECV, 10.0).ok for tid, _, _ in plans)
 
     def setup_pairwise(self, name: str, seed: int):
         """A serving worker's transport: the backend per peer from both actors' Ray nodes."""

@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 
 def make_draft(layers: int, out: Path | None = None) -> Path:

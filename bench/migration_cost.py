@@ -35,9 +35,10 @@ from pathlib import Path
 import httpx
 
 from cluster.config import BatonConfig
-from cluster.harness import free_port, wait_until
-from cluster.testing import serving
 from common.envs import ensure_private_ray_env
+from common.worker_client import WorkerClient
+from testkit.cluster import serving
+from testkit.harness import free_port, wait_until
 
 ensure_private_ray_env()
 
@@ -148,11 +149,11 @@ def main() -> None:
             for kind in ("drain", "crash"):
                 wait_until(whole, 600, "two decode workers")
                 victim, handle = decode_workers()[0]
-                victim_pid = ray.get(handle.stats.remote(), timeout=60).pid
+                victim_pid = ray.get(WorkerClient(handle).stats(), timeout=60).pid
 
                 # one_round awaits event within this iteration; the defaults bind its values explicitly.
                 async def event(kind=kind, victim_pid=victim_pid, victim=victim):
-                    where = backend.pools.decode_worker_of_streams()
+                    where = {live.flow.request_id: live.flow.decode_worker for live in backend.pools.requests}
                     if kind == "crash":
                         os.kill(victim_pid, signal.SIGKILL)
                         lost = victim

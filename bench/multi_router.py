@@ -4,7 +4,7 @@ Two measurements, written together to bench/results/multi_router.json:
 
 1. **Routing decisions per second with 1, 2 and 4 router processes**, no model: each process is
    the real router app (HTTP, tokenising, the kv-aware policy over 8 + 8 workers, the response)
-   over the in-process `router.testing.FakeBackend`, all of them bound to one port with
+   over the in-process `testkit.backend.FakeBackend`, all of them bound to one port with
    SO_REUSEPORT as `baton serve` binds them. Load: `--clients` processes, each keeping
    `--connections` keep-alive connections busy with one-token chat completions for `--seconds`;
    the kernel spreads the connections over the routers. Reported: completed requests per second,
@@ -39,8 +39,8 @@ ensure_private_ray_env()
 
 import httpx
 
-from cluster.harness import healthy, serve_app, wait_until
 from common.net import free_port
+from testkit.harness import healthy, serve_app, wait_until
 
 HEADER = "x-baton-router"
 BODY = {
@@ -55,9 +55,9 @@ def serve_fake_router(port: int, router_id: str) -> None:
     """One router process: the real app over FakeBackend, on the shared port (SO_REUSEPORT)."""
     from router.app import bind_socket, build_app, serve
     from router.routing import KvAwarePolicy, RoutingConfig
-    from router.testing import FakeBackend
     from router.tokenizer import Tokenizer
-    from workers.model_files import resolve_model_dir
+    from testkit.backend import FakeBackend
+    from workers.models.files import resolve_model_dir
 
     tokenizer = Tokenizer.from_model_dir(resolve_model_dir(quiet=True))
     backend = FakeBackend(tokenizer, num_prefill=8, num_decode=8)

@@ -1,6 +1,6 @@
 """Profile this machine's engine steps and fit the simulator's cost model (cluster/sim/costs.py).
 
-Runs the real engine (`workers.engine.LLMEngine`, the default model, one torch thread: what each
+Runs the real engine (`workers.engine.llm_engine.LLMEngine`, the default model, one torch thread: what each
 worker of a default `baton serve` gets on this 2-core machine) through prefills of 32-256 new
 tokens over cached prefixes of 0-1,536 tokens, a 2,000-token prompt in 256-token chunks, decode
 batches of 1-32 sequences at contexts of 32-1,024 tokens, and mixed steps. Every engine step is
@@ -37,9 +37,10 @@ from cluster.sim.costs import StepShape, fit_cost_model
 from cluster.sim.workload import Client, SimRequest, Workload
 from common.envs import ensure_private_ray_env
 from common.sampling_params import SamplingParams
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.worker import STEP_LOG_ENV
+from workers.engine.llm_engine import LLMEngine
+from workers.shell.worker import STEP_LOG_ENV
 
 
 class Recorder:
@@ -123,7 +124,7 @@ def profile(engine: LLMEngine, rng: random.Random, quick: bool) -> list[dict]:
 def peer_load(dtype: str, threads: int, stop, ready) -> None:
     """The other worker of a 1 + 1 deployment, busy: an engine decoding 8 sequences and prefilling a
     256-token prompt now and then, until told to stop (a separate process, as the other actor is)."""
-    engine = LLMEngine.from_model_dir(None, EngineConfig(dtype=dtype, num_threads=threads, kv_cache_memory=256 << 20))
+    engine = load_engine(None, EngineConfig(dtype=dtype, num_threads=threads, kv_cache_memory=256 << 20))
     rng = random.Random(1)
     ready.set()
     while not stop.is_set():
@@ -255,7 +256,7 @@ def main() -> None:
     started = time.perf_counter()
     served = served_samples(args) if args.served else None
     config = EngineConfig(dtype=args.dtype, num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
-    engine = LLMEngine.from_model_dir(None, config)
+    engine = load_engine(None, config)
     peer = None
     if args.peer:
         ctx = multiprocessing.get_context("spawn")

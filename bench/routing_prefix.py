@@ -34,8 +34,8 @@ ensure_private_ray_env()
 
 import httpx
 
-from cluster.harness import serve_app
 from common.stats import percentile
+from testkit.harness import serve_app
 
 TOPICS = [
     "the water cycle",

@@ -20,7 +20,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1
 # Ray kills its own workers once the node's memory passes 95%, whoever holds it; on a machine shared
 # with other jobs that killed Baton's workers mid-run (vLLM has no such monitor). Off for benchmarks.
 export RAY_memory_monitor_refresh_ms=0
-MODEL_DIR=$(.venv/bin/python -c 'from workers.model_files import resolve_model_dir; print(resolve_model_dir(None))')
+MODEL_DIR=$(.venv/bin/python -c 'from workers.models.files import resolve_model_dir; print(resolve_model_dir(None))')
 EXTRA=()
 [ "${OWN_CLIENT:-0}" = 1 ] && EXTRA+=(--own-client)
 if [ "${SEQUENTIAL:-0}" = 1 ]; then

@@ -33,9 +33,10 @@ import torch
 
 from common.protocol import TokenLogprob
 from common.sampling_params import SamplingParams
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.sampler import SamplingRow, sample
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampler import SamplingRow, sample
 
 SHAPES = {
     "greedy": dict(temperature=0.0),
@@ -60,7 +61,7 @@ SHAPES = {
 }
 
 
-# ---- the sampler before this work (workers/sampler.py at commit e27f49d), for the "before" rows ----
+# ---- the sampler before this work (workers/engine/sampler.py at commit e27f49d), for the "before" rows ----
 def _legacy_penalties(logits, row):
     p = row.params
     if p.repetition_penalty != 1.0:
@@ -155,9 +156,7 @@ def sampler_ms(fn, vocab: int, batch: int, context: int, params: SamplingParams,
 
 
 def measure(dtype: str, args) -> dict:
-    engine = LLMEngine.from_model_dir(
-        None, EngineConfig(dtype=dtype, max_num_seqs=args.batch, kv_cache_memory=512 << 20)
-    )
+    engine = load_engine(None, EngineConfig(dtype=dtype, max_num_seqs=args.batch, kv_cache_memory=512 << 20))
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.context)] for _ in range(args.batch)]
     new_sampler = engine.sampler

@@ -24,9 +24,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.autoscaler import attach_to_simulator
 from cluster.autoscaler_config import AutoscalerConfig
 from cluster.sim import SLO, ClusterSpec, LengthDist, Simulator, WorkloadSpec, load_cost_model
+from cluster.sim.autoscaling import attach_to_simulator
 from cluster.sim.metrics import pyplot
 
 SLO_TARGET = SLO(ttft_s=3.0, tpot_s=0.25)

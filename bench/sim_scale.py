@@ -58,9 +58,9 @@ from router.app import build_app
 from router.backend import WorkerInfo
 from router.prefix_index import PrefixIndex
 from router.routing import KvAwarePolicy, RoutingConfig
-from router.testing import FakeBackend
 from router.tokenizer import Tokenizer
-from workers.model_files import resolve_model_dir
+from testkit.backend import FakeBackend
+from workers.models.files import resolve_model_dir
 
 GPUS_TOTAL = 1000
 RATE = 10_000.0

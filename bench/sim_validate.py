@@ -29,10 +29,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from cluster import loadgen as load
-from cluster.harness import baton_serve
+from bench import loadgen as load
 from cluster.sim.validation import VALIDATION_WORKLOADS, compare, simulate, summarize, validation_workload
 from cluster.sim.workload import Workload
+from testkit.harness import baton_serve
 
 
 async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
@@ -84,7 +84,7 @@ SERVER_FLAGS = ("--threads-per-worker", "1")
 
 
 def baton_server(port: int, log_path: Path, extra_flags: tuple[str, ...] = (), env: dict | None = None):
-    """`baton serve` with SERVER_FLAGS on `port` until the block ends (cluster.harness.baton_serve)."""
+    """`baton serve` with SERVER_FLAGS on `port` until the block ends (testkit.harness.baton_serve)."""
     return baton_serve(["--log-level", "warning", *SERVER_FLAGS, *extra_flags], port=port, log_path=log_path, env=env)
 
 

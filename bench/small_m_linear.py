@@ -24,7 +24,7 @@ import torch
 
 from common.stats import percentile
 from kernels.small_m_linear import native_built, pack_weight, small_m_linear_cpu
-from workers.packed_linear import onednn_pack, packed_linear
+from workers.quantization.packed_linear import onednn_pack, packed_linear
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, 30 layers, vocabulary 49152;
 # the layers as the engine runs them, q/k/v and gate/up fused.

@@ -40,8 +40,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from cluster.harness import baton_serve
 from common.stats import percentile
+from testkit.harness import baton_serve
 
 WORDS = (
     "time year people way day man thing woman life child world school state family student group country "
@@ -377,7 +377,7 @@ async def soak(args) -> dict:
 
 @contextlib.contextmanager
 def baton_server(flags: str, ready_timeout_s: float = 300.0, log_path: str | None = None):
-    """`baton serve FLAGS` on a free 127.0.0.1 port, in its own process group (cluster.harness.baton_serve);
+    """`baton serve FLAGS` on a free 127.0.0.1 port, in its own process group (testkit.harness.baton_serve);
     yields the base URL. Its output goes to `log_path` (default: a new file in the temporary directory)."""
     with baton_serve(shlex.split(flags), ready_timeout_s=ready_timeout_s, log_path=log_path) as server:
         yield server.base_url

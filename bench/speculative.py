@@ -44,7 +44,7 @@ import httpx
 from transformers import AutoTokenizer
 
 from bench.compare_vllm import summary
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'

@@ -4,7 +4,7 @@ The engine alone (no HTTP), one stream at a time, temperature 1 (seeded, so ever
 same keys), prompts that ask the default model to repeat a passage of the CPython documentation
 (bench.speculative_engine). Three engines side by side, alternating request by request: without
 speculation; with the served model in bfloat16 drafting for itself, its drafts drawn from its own
-distribution with the keys the verification uses (workers/draft_model.py); and the same draft
+distribution with the keys the verification uses (workers/speculative/draft_model.py); and the same draft
 proposing its argmax (the proposer called without the keys). The draft budget decides how many
 drafts each step verifies, as in serving.
 
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from bench.speculative_engine import repeat_prompts, timed
 from common.sampling_params import SamplingParams
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 
 class ArgmaxDrafts:
@@ -62,7 +62,7 @@ def main() -> None:
         }
     )
     engines = {
-        name: LLMEngine.from_model_dir(
+        name: load_engine(
             model_dir, EngineConfig(kv_cache_memory=256 << 20, speculative_config=config, enable_prefix_caching=False)
         )
         for name, config in (("plain", None), ("draft_with_keys", spec), ("draft_argmax", spec))

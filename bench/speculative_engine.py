@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 
 from common.sampling_params import SamplingParams
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_files import resolve_model_dir
+from workers.engine.llm_engine import LLMEngine
+from workers.models.files import resolve_model_dir
 
 SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 METHODS = {
@@ -80,7 +81,7 @@ def main() -> None:
     model_dir = resolve_model_dir(quiet=True)
     prompts = repeat_prompts(model_dir)
     engines = {
-        name: LLMEngine.from_model_dir(
+        name: load_engine(
             model_dir, EngineConfig(kv_cache_memory=256 << 20, speculative_config=spec, enable_prefix_caching=False)
         )
         for name, spec in METHODS.items()

@@ -6,7 +6,7 @@ temperature 1, interleaved round by round. Every all-decode step's seconds are k
 count (the batch plus the drafts it verifies). Reported: the median step by token count, the
 ordinary least-squares fit t = a + b * tokens over the n-gram engine's steps (rho = b / a, the
 cost of one more token relative to the step's fixed part), the rho the engine's own decayed fit
-(workers.draft_budget.StepCostFit) ended at, the drafts verified and accepted, and both engines'
+(workers.speculative.draft_budget.StepCostFit) ended at, the drafts verified and accepted, and both engines'
 tokens per second.
 
     .venv/bin/python -m bench.speculative_step_cost --batch 4 --out bench/results/speculative_step_cost_b4.json
@@ -25,9 +25,9 @@ import numpy as np
 
 from bench.speculative_engine import SPECULATIVE_CONFIG, repeat_prompts
 from common.sampling_params import SamplingParams
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     model_dir = resolve_model_dir(quiet=True)
     prompts = repeat_prompts(model_dir)
     engines = {
-        name: LLMEngine.from_model_dir(
+        name: load_engine(
             model_dir,
             EngineConfig(
                 kv_cache_memory=256 << 20, speculative_config=spec, enable_prefix_caching=False, num_threads=1

@@ -16,11 +16,11 @@ import statistics
 import time
 from pathlib import Path
 
-from cluster.harness import baton_serve
+from testkit.harness import baton_serve
 
 
 def one_start(extra: list[str], timeout_s: float) -> dict:
-    """Launch `baton serve` (cluster.harness.baton_serve), time it to /health 200, then to its exit after SIGTERM."""
+    """Launch `baton serve` (testkit.harness.baton_serve), time it to /health 200, then to its exit after SIGTERM."""
     with baton_serve(extra, ready_timeout_s=timeout_s, stop_timeout_s=60) as server:
         healthy_after = server.healthy_after_s
         proc = server.process
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/startup.json")
     parser.add_argument("extra", nargs="*", help="extra flags for baton serve (after --)")
     args = parser.parse_args()
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     convert_started = time.monotonic()
     resolve_model_dir(quiet=True)  # converts the GGUF the first time, a no-op afterwards

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import httpx
 
-from cluster.harness import serve_app
 from common.stats import percentile
 from router.app import build_app
-from router.testing import FakeBackend
 from router.tokenizer import Tokenizer
-from workers.model_files import resolve_model_dir
+from testkit.backend import FakeBackend
+from testkit.harness import serve_app
+from workers.models.files import resolve_model_dir
 
 
 def pct(values: list[float], q: float) -> float:

@@ -1,7 +1,7 @@
 """How many threads the decode worker's steps ran on, and whether a prefill ran beside them.
 
 Reads the step logs a served deployment writes (`BATON_STEP_LOG_DIR=DIR baton serve ...`, one
-`<worker id>.jsonl` per worker, see workers/worker.py) after a load such as workload 1:
+`<worker id>.jsonl` per worker, see workers/shell/worker.py) after a load such as workload 1:
 
     BATON_STEP_LOG_DIR=/tmp/steps baton serve --port 8000 --kv-cache-memory 512MiB &
     vllm bench serve --backend openai-chat --endpoint /v1/chat/completions --base-url http://127.0.0.1:8000 \\
@@ -11,7 +11,7 @@ Reads the step logs a served deployment writes (`BATON_STEP_LOG_DIR=DIR baton se
 
 Groups decode-0's steps by (threads, whether any step of prefill-0 overlapped it) and reports each
 group's count and median step time: a step on a borrowed core beside a running prefill is what
-workers/elastic_threads.py must never let happen.
+workers/shell/elastic_threads.py must never let happen.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ from pathlib import Path
 import httpx
 
 from cluster.config import BatonConfig
-from cluster.harness import free_port
-from cluster.testing import serving
 from common.envs import ensure_private_ray_env
 from common.stats import percentile
+from testkit.cluster import serving
+from testkit.harness import free_port
 
 ensure_private_ray_env()
 
@@ -62,11 +62,11 @@ def engine_alone_step_ms(concurrency: int, tokens: int, threads: int) -> float:
     import torch
 
     from common.sampling_params import SamplingParams
+    from workers.build import load_engine
     from workers.config import EngineConfig
-    from workers.engine import LLMEngine
 
     torch.set_num_threads(threads)
-    engine = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=256 << 20, num_threads=threads))
+    engine = load_engine(None, EngineConfig(kv_cache_memory=256 << 20, num_threads=threads))
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8 + i] for i in range(concurrency)]
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))

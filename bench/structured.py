@@ -25,7 +25,7 @@ summed durations, after one unmeasured warm-up run per server.
 Validity: every constrained reply (vLLM's saved generated_texts) is parsed and checked with
 jsonschema (valid: it opens with a valid value; text_after_value: of those, the replies that went
 on after it instead of stopping). Compile time: each schema compiled `--compile-repeats` times by
-workers.grammar with a cold cache (what a Baton worker does on its first request for a schema),
+workers.engine.grammar with a cold cache (what a Baton worker does on its first request for a schema),
 p50 / p99 per schema.
 
 JSON: bench/results/structured.json (the commands, per server and mode the summaries, validity
@@ -43,8 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cluster.harness import free_port, healthy
-from cluster.structured_load import (
+from bench.structured_load import (
     MODEL_NAME,
     SCHEMAS,
     SchemaRequest,
@@ -55,16 +54,17 @@ from cluster.structured_load import (
     schema_requests,
 )
 from common.stats import percentile
+from testkit.harness import free_port, healthy
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def compile_times(repeats: int) -> dict:
-    """Cold compile seconds per schema (workers.grammar, as a worker's first request compiles it)."""
+    """Cold compile seconds per schema (workers.engine.grammar, as a worker's first request compiles it)."""
     from common.sampling_params import StructuredOutput  # the engine side: only this measurement needs it
-    from workers.grammar import GrammarCache
-    from workers.model_config import ModelConfig
-    from workers.model_files import resolve_model_dir
+    from workers.engine.grammar import GrammarCache
+    from workers.models.config import ModelConfig
+    from workers.models.files import resolve_model_dir
 
     model_dir = resolve_model_dir(None, quiet=True)
     config = ModelConfig.from_model_dir(model_dir)
@@ -244,7 +244,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "structured.json"))
     args = parser.parse_args()
     if args.tokenizer is None:
-        from workers.model_files import resolve_model_dir  # the model's folder: vLLM and the client read it
+        from workers.models.files import resolve_model_dir  # the model's folder: vLLM and the client read it
 
         args.tokenizer = str(resolve_model_dir(None, quiet=True))
     requests = schema_requests(args.num_prompts)

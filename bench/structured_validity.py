@@ -5,7 +5,7 @@ decode worker SIGKILLed mid-reply.
     python -m bench.structured_validity                      # 200 requests per run, concurrency 16
     python -m bench.structured_validity --num-prompts 40     # a quicker run
 
-The requests (cluster.structured_load.schema_load) spread over the five schemas, half streamed,
+The requests (bench.structured_load.schema_load) spread over the five schemas, half streamed,
 every third sampled at temperature 0.7 (seeded) and the rest greedy; every other one opens with a
 long system message of its own, so the kv-aware router prefills it on the prefill worker and the
 others on the decode worker. Each reply is checked with jsonschema and must end with `stop`. The
@@ -30,12 +30,12 @@ from pathlib import Path
 
 from common.envs import ensure_private_ray_env
 
-ensure_private_ray_env()  # before Ray is imported (cluster.testing)
+ensure_private_ray_env()  # before Ray is imported (testkit.cluster)
 
+from bench.structured_load import schema_load
 from cluster.config import BatonConfig
-from cluster.harness import free_port, wait_until
-from cluster.structured_load import schema_load
-from cluster.testing import leave_ray, serving
+from testkit.cluster import leave_ray, serving
+from testkit.harness import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_THRESHOLD = 60  # as tests/structured: the long system messages' requests go the remote way

@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 import xgrammar
 
-from cluster.structured_load import SCHEMAS
+from bench.structured_load import SCHEMAS
 from common.sampling_params import StructuredOutput
 from kernels.token_bitmask import apply_token_bitmask_cpu
 from router.tokenizer import Tokenizer
-from workers.grammar import GrammarCache
-from workers.model_config import ModelConfig
-from workers.model_files import resolve_model_dir
+from workers.engine.grammar import GrammarCache
+from workers.models.config import ModelConfig
+from workers.models.files import resolve_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

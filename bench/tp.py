@@ -7,7 +7,7 @@ a KV handoff moves between prefill and decode groups of every pair of sizes.
 Setup: float32, the engine alone (no router, no Ray), one stream: a prompt of `--prompt-tokens`
 random tokens is prefilled, then `--steps` single-sequence decode steps are timed (wall clock of
 each engine step, LLMEngine.observe_steps). Each configuration runs in its own spawned processes
-(workers/tp_testing.run_group: TP N is N rank processes, rank 0 scheduling and broadcasting each
+(testkit.tensor_parallel.run_group: TP N is N rank processes, rank 0 scheduling and broadcasting each
 step, joined by gloo all-reduces on 127.0.0.1). Two models:
   - "default": SmolLM2-135M-Instruct. Its 9 query heads allow TP 1, 3 and 9 but not 2, so it is
     timed at TP 1 and TP 3 (three single-threaded ranks on two cores: oversubscribed);
@@ -40,9 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from testkit.tensor_parallel import GroupJob, run_group
 from workers.config import EngineConfig
-from workers.model_files import resolve_model_dir
-from workers.tp_testing import GroupJob, run_group
+from workers.models.files import resolve_model_dir
 
 # (KV shape, prefill TP, decode TP)
 HANDOFF_PAIRS = [
@@ -97,9 +97,9 @@ def _collectives_rank(rank: int, size: int, init_method: str, compute_s: float, 
     import torch
 
     from common.sampling_params import SamplingParams
-    from workers.model_runner import StepInputs
-    from workers.sequence import ScheduledChunk, Sequence
-    from workers.tensor_parallel import TPGroup
+    from workers.engine.sequence import ScheduledChunk, Sequence
+    from workers.engine.step_inputs import StepInputs
+    from workers.parallel.group import TPGroup
 
     torch.set_num_threads(1)
     group = TPGroup.connect(rank, size, init_method, "cpu")
@@ -202,7 +202,7 @@ def simulated_tp_steps(results: list[dict]) -> list[dict]:
 def handoff_costs(tokens: int, repeats: int) -> list[dict]:
     """Per pair of sizes: links, bytes and wall time of one request's handoff (see the docstring)."""
     from common.protocol import KVLayout
-    from kvtransfer.testing import handoff, rank_group
+    from testkit.kvtransfer import handoff, rank_group
 
     block_size, results = 16, []
     num_blocks = tokens // block_size

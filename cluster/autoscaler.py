@@ -20,44 +20,25 @@ and `down_after`), a per-pool cool-down after every change (`cooldown_s`) and no
 two cool-downs of growing keep it from oscillating; sizes stay within each pool's min and max. Off
 by default (`--autoscale`).
 
-`Autoscaler.decide` is pure (signals in, target sizes out), so the simulator (`attach_to_simulator`)
-and the real driver loop (`AutoscalerLoop`, over `cluster.pool_manager.PoolManager`) run the same
-decisions. Each reads its signals through a `SignalSource`: `RouterSignals` over the running
-router's traces and worker snapshot, `SimulatorSignals` over a simulation's public records.
+`Autoscaler.decide` is pure (signals in, target sizes out), so the simulator
+(`cluster.sim.autoscaling.attach_to_simulator`) and the real driver loop
+(`cluster.autoscaler_loop.AutoscalerLoop`, over `cluster.pool_manager.PoolManager`) run the same
+decisions. Each reads its signals through a `SignalSource`: `RouterSignals` (cluster/autoscaler_loop.py)
+over the running router's traces and worker snapshot, `SimulatorSignals` (cluster/sim/autoscaling.py)
+over a simulation's public records. This module imports neither FastAPI nor Ray nor the simulator.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import math
-import time
-from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from cluster.autoscaler_config import AutoscalerConfig
 from common.roles import Role
 from common.stats import percentile
-from router.app import run_during_lifespan
 
-if TYPE_CHECKING:  # annotations only: the serving path imports this module without the simulator
-    from cluster.sim.simulator import Simulator
-
-__all__ = [
-    "Autoscaler",
-    "AutoscalerLoop",
-    "Decision",
-    "RouterSignals",
-    "SignalSource",
-    "Signals",
-    "SimulatorSignals",
-    "attach_to_simulator",
-    "install_autoscaler",
-]
-
-log = logging.getLogger("baton.autoscaler")
+__all__ = ["Autoscaler", "Decision", "SignalSource", "Signals", "p90"]
 
 
 @dataclass(frozen=True)
@@ -171,174 +152,6 @@ class SignalSource(Protocol):
     def __call__(self) -> Signals: ...
 
 
-def _p90(values: list[float]) -> float | None:
+def p90(values: list[float]) -> float | None:
+    """The 90th percentile of a window's values (None for an empty window), as the signals take it."""
     return percentile(values, 90) if values else None
-
-
-class SimulatorSignals:
-    """The router's signals, as the simulated router has them (a simulation's public records)."""
-
-    def __init__(self, sim: Simulator, window_s: float) -> None:
-        self.sim = sim
-        self.window_s = window_s
-
-    def __call__(self) -> Signals:
-        sim, window_s = self.sim, self.window_s
-        now = sim.loop.now
-        while sim.recent and sim.recent[0].done_s < now - window_s:
-            sim.recent.popleft()
-        first = [r for r in sim.records if r.first_token_s is not None and r.first_token_s >= now - window_s]
-        ttft = _p90([r.ttft_s for r in first])
-        waits = [r.queue_s for r in first if r.queue_s is not None]
-        tpot = _p90([r.tpot_s for r in sim.recent if r.tpot_s is not None])
-        running, waiting = sim.decode_load()
-        beats = [p for p in sim.timeline if p["t"] >= now - window_s]
-        busy = sum(p["prefill_busy"] for p in beats) / max(1, sum(p["prefill_workers"] for p in beats))
-        return Signals(
-            now,
-            sim.pool_size("prefill"),
-            sim.pool_size("decode"),
-            ttft,
-            tpot,
-            sim.queued_prefill_tokens(),
-            _p90(waits),
-            now - min(sim.unstarted.values(), default=now),
-            running,
-            waiting,
-            busy,
-        )
-
-
-def attach_to_simulator(sim: Simulator, config: AutoscalerConfig, startup_s: float = 30.0) -> Autoscaler:
-    """Run the autoscaler inside a simulation; new workers serve `startup_s` after they are asked for.
-    The changes it made are in the returned autoscaler's `actions`."""
-    scaler = Autoscaler(config)
-    actions = scaler.actions
-    source = SimulatorSignals(sim, config.window_s)
-
-    def tick(s: Simulator) -> None:
-        signals = source()
-        d = scaler.decide(signals)
-        for role, now_n, want in (
-            ("prefill", signals.prefill_workers, d.prefill_workers),
-            ("decode", signals.decode_workers, d.decode_workers),
-        ):
-            for _ in range(want - now_n):
-                s.add_worker(role, ready_in_s=startup_s)
-            for _ in range(now_n - want):
-                s.drain_worker(role)
-            if want != now_n:
-                actions.append({"t": s.loop.now, "pool": role, "from": now_n, "to": want, "reason": d.reason})
-
-    sim.every(config.interval_s, tick)
-    return scaler
-
-
-class AutoscalerLoop:
-    """The driver-side loop: every interval, signals from the router, sizes to the pool manager.
-
-    `signals` reads the router (queue and trace data of the running app); `scale(prefill, decode)`
-    is `PoolManager.scale`. Runs on the router's event loop until `stop()`.
-    """
-
-    def __init__(
-        self, config: AutoscalerConfig, signals: SignalSource, scale: Callable[[int, int], Awaitable[object]]
-    ) -> None:
-        self.config = config
-        self.autoscaler = Autoscaler(config)
-        self._signals = signals
-        self._scale = scale
-        self._task: asyncio.Task | None = None
-        self.actions: list[dict] = []
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval_s)
-            try:
-                s = self._signals()
-                d = self.autoscaler.decide(s)
-                if d.changes(s):
-                    log.info(
-                        "autoscaler: prefill %d -> %d, decode %d -> %d (%s)",
-                        s.prefill_workers,
-                        d.prefill_workers,
-                        s.decode_workers,
-                        d.decode_workers,
-                        d.reason,
-                    )
-                    self.actions.append(
-                        {
-                            "t": s.now,
-                            "from": [s.prefill_workers, s.decode_workers],
-                            "to": [d.prefill_workers, d.decode_workers],
-                            "reason": d.reason,
-                        }
-                    )
-                    await self._scale(d.prefill_workers, d.decode_workers)
-            except Exception:  # a failed scaling must not end the loop; the next interval retries
-                log.exception("autoscaler step failed")
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run())
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-
-class RouterSignals:
-    """The running router's signals: finished requests' traces (RouterMetrics.recent) for TTFT,
-    TPOT and queue time, and the backend's worker snapshot for queues and the prefill pool's busy
-    fraction (sampled at every call, averaged over the window)."""
-
-    def __init__(self, metrics, backend, targets: Callable[[], tuple[int, int]], window_s: float) -> None:
-        self.metrics = metrics
-        self.backend = backend
-        self.targets = targets
-        self.window_s = window_s
-        self._busy: deque[tuple[float, int, int]] = deque()
-
-    def __call__(self) -> Signals:
-        now = time.time()
-        since = now - self.window_s
-        traces = [tr for t, tr in list(self.metrics.recent) if t >= since and tr.error is None]
-        ttft = [tr.ttft_s for tr in traces if tr.ttft_s is not None]
-        tpot = [
-            (tr.e2e_s - tr.ttft_s) / (tr.output_tokens - 1)
-            for tr in traces
-            if tr.e2e_s is not None and tr.ttft_s is not None and tr.output_tokens > 1
-        ]
-        queue = [tr.queue_s for tr in traces]
-        workers = [w for w in self.backend.workers() if w.alive]
-        prefill = [w for w in workers if w.role == Role.PREFILL]
-        decode = [w for w in workers if w.role == Role.DECODE]
-        self._busy.append((now, sum(1 for w in prefill if w.running or w.waiting), len(prefill)))
-        while self._busy and self._busy[0][0] < since:
-            self._busy.popleft()
-        busy = sum(b for _, b, _ in self._busy) / max(1, sum(n for _, _, n in self._busy))
-        p, d = self.targets()
-        return Signals(
-            now,
-            p,
-            d,
-            _p90(ttft),
-            _p90(tpot),
-            sum(w.queued_prefill_tokens for w in workers),
-            _p90(queue),
-            0.0,
-            sum(w.running for w in decode),
-            sum(w.waiting for w in decode),
-            busy,
-        )
-
-
-def install_autoscaler(app, pools, backend, config: AutoscalerConfig) -> AutoscalerLoop:
-    """Run the autoscaler on the router's event loop from start-up: signals from the app's metrics
-    and the backend, sizes to the pool manager (`cluster.pool_manager.PoolManager.scale`)."""
-    signals = RouterSignals(
-        app.state.baton.metrics, backend, lambda: (pools.targets.prefill, pools.targets.decode), config.window_s
-    )
-    loop = AutoscalerLoop(config, signals, lambda p, d: pools.scale(prefill=p, decode=d))
-    run_during_lifespan(app, loop.start, lambda _: loop.stop())
-    app.state.autoscaler = loop
-    return loop

@@ -14,59 +14,45 @@ the placement of the pools (healing and scaling included) and the admin endpoint
 - the JSON Schema that `baton config schema` prints (the Helm chart embeds it).
 
 Precedence: defaults, then the YAML file, then flags.
+
+This module holds the tree (`BatonConfig`) and the sections that are cluster's own (the KV
+transport, the placement); how a field becomes an option, a flag, a YAML key and a schema entry is
+cluster/option_tree.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from cluster.autoscaler_config import AutoscalerConfig
+from cluster.option_tree import SIZE_PATTERN, Option, OptionTree, parse_size
 from common import transports
 from common.roles import Role
 from router.config import AdminConfig, ServerConfig
 from router.routing import RoutingConfig
 from workers.config import EngineConfig
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT]?[iI]?[bB]?)?\s*$"
-
-
-def parse_size(value: str | int) -> int:
-    """'1073741824', '2GB', '1.5GiB', '512MiB' -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = _SIZE.match(str(value)) if isinstance(value, str) else None
-    unit = (match.group(2) or "").lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a size; use bytes or a unit such as 512MiB or 2GB")
-    return int(float(match.group(1)) * _UNITS[unit])
+__all__ = [
+    "OPTIONS",
+    "SECTIONS",
+    "SIZE_PATTERN",
+    "TREE",
+    "BatonConfig",
+    "Option",
+    "PlacementConfig",
+    "TransportConfig",
+    "add_flags",
+    "build",
+    "json_schema",
+    "parse_labels",
+    "parse_size",
+    "read_yaml",
+]
 
 
 @dataclass
@@ -215,7 +201,7 @@ class PlacementConfig:
             "other workers",
         },
     )
-    # -- router processes (cluster.router_procs, workers.router_leases)
+    # -- router processes (cluster.router_procs, workers.shell.router_leases)
     api_server_count: int = field(
         default=1,
         metadata={
@@ -271,18 +257,18 @@ class PlacementConfig:
         if not 0 < self.placement_timeout_s < float("inf"):
             raise ValueError(f"placement_timeout must be > 0 seconds, got {self.placement_timeout_s}")
 
-    def node_labels(self, role: str) -> dict[str, str]:
+    def node_labels(self, role: Role) -> dict[str, str]:
         """The label selector of a pool (`role` prefill or decode) as Ray takes it."""
         return parse_labels(
             self.prefill_node_labels if role == Role.PREFILL else self.decode_node_labels, f"{role}_node_labels"
         )
 
-    def tp_size(self, role: str) -> int:
+    def tp_size(self, role: Role) -> int:
         """The tensor-parallel size of a pool's workers (`role` prefill or decode)."""
         size = self.prefill_tensor_parallel_size if role == Role.PREFILL else self.decode_tensor_parallel_size
         return size or self.tensor_parallel_size
 
-    def resource(self, role: str) -> str | None:
+    def resource(self, role: Role) -> str | None:
         """The custom resource a pool's workers need, if the cluster offers it."""
         return self.prefill_resource if role == Role.PREFILL else self.decode_resource
 
@@ -333,14 +319,9 @@ class BatonConfig:
         """Defaults, then the YAML file, then `options` (flat option names, as the flags: port=8001)."""
         values: dict[tuple[str, ...], Any] = {}
         if config_file is not None:
-            values.update(read_yaml(config_file))
-        by_name = {o.name: o for o in OPTIONS}
-        for name, value in (options or {}).items():
-            option = by_name.get(name.replace("-", "_"))
-            if option is None:
-                raise ValueError(f"unknown option {name!r}{_suggestion(name, by_name)}")
-            values[option.path] = option.coerce(value)
-        return build(values)
+            values.update(TREE.read_yaml(config_file))
+        values.update(TREE.read_options(options or {}))
+        return TREE.build(values)
 
     @classmethod
     def from_options(cls, **options: Any) -> BatonConfig:
@@ -361,236 +342,39 @@ class BatonConfig:
     def worker_engine_config(self) -> EngineConfig:
         """The engine configuration every worker runs with (threads filled in from the placement).
         With the cores split automatically, a CPU decode worker also borrows the cores the others
-        leave idle (workers.elastic_threads); threads_per_worker, the user's own choice, is kept."""
+        leave idle (workers.shell.elastic_threads); threads_per_worker, the user's own choice, is kept."""
         threads = self.worker_threads()
         borrow = None if self.placement.threads_per_worker else max(threads, os.cpu_count() or 1)
         return dataclasses.replace(self.engine, num_threads=threads, max_threads=borrow)
 
     def to_dict(self) -> dict[str, Any]:
         """The effective configuration as the YAML file would spell it."""
-        out: dict[str, Any] = {}
-        for option in OPTIONS:
-            node = out
-            for part in option.path[:-1]:
-                node = node.setdefault(part, {})
-            node[option.path[-1]] = option.get(self)
-        return out
+        return TREE.to_dict(self)
 
 
 # ---------------------------------------------------------------------------- the option tree
+# The flags, the YAML reader and the JSON Schema, all from the tree (cluster/option_tree.py).
 
-
-@dataclass(frozen=True)
-class Option:
-    """One user-facing field of the tree."""
-
-    path: tuple[str, ...]  # ("engine", "block_size"), or ("model",) at the top
-    name: str  # flat name: the flag without dashes, the key of `BatonConfig.load(options=...)`
-    type: type  # int, float, str or bool
-    optional: bool  # None allowed
-    default: Any
-    help: str
-    choices: tuple | None
-    size: bool  # bytes, also written with a unit ("512MiB")
-    example: Any  # a valid non-default value (tests use it)
-    alias: str | None = None  # a short flag beside the long one, as vLLM's -tp
-
-    @property
-    def key(self) -> str:
-        return ".".join(self.path)
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    def get(self, config: BatonConfig) -> Any:
-        node: Any = config
-        for part in self.path:
-            node = getattr(node, part)
-        return node
-
-    def coerce(self, value: Any) -> Any:
-        """Check a value read from YAML or given in Python; ValueError names the key."""
-        if value is None:
-            if self.optional:
-                return None
-            raise ValueError(f"{self.key} must not be null")
-        if self.size:
-            try:
-                value = parse_size(value)
-            except ValueError as exc:
-                raise ValueError(f"{self.key}: {exc}") from None
-        kind = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[self.type]
-        if isinstance(value, bool) != (self.type is bool):
-            raise ValueError(f"{self.key} must be {kind}, got {value!r}")
-        if self.type is float and isinstance(value, int):
-            value = float(value)
-        if not isinstance(value, self.type):
-            raise ValueError(f"{self.key} must be {kind}, got {value!r}")
-        if self.choices is not None and value not in self.choices:
-            allowed = ", ".join(str(c) for c in self.choices if c is not None)
-            raise ValueError(f"{self.key} must be one of {allowed}, got {value!r}")
-        return value
-
-
-def _base_type(annotation: Any) -> tuple[type, bool]:
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        (base,) = [a for a in args if a is not type(None)]
-        return base, type(None) in args
-    return annotation, False
-
-
-def _section_options(cls: type, prefix: tuple[str, ...]) -> list[Option]:
-    hints = typing.get_type_hints(cls)
-    options = []
-    for f in dataclasses.fields(cls):
-        meta = f.metadata
-        if meta.get("internal") or dataclasses.is_dataclass(hints[f.name]):
-            continue
-        base, optional = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        options.append(
-            Option(
-                path=prefix + (f.name,),
-                name=meta.get("flag", f.name),
-                type=base,
-                optional=optional,
-                default=default,
-                help=meta.get("help", ""),
-                choices=meta.get("choices"),
-                size=bool(meta.get("size")),
-                example=meta.get("example"),
-                alias=meta.get("alias"),
-            )
-        )
-    return options
-
-
-_HINTS = typing.get_type_hints(BatonConfig)
-SECTIONS: dict[str, type] = {
-    f.name: _HINTS[f.name] for f in dataclasses.fields(BatonConfig) if dataclasses.is_dataclass(_HINTS[f.name])
-}
-OPTIONS: list[Option] = _section_options(BatonConfig, ()) + [
-    option for name, cls in SECTIONS.items() for option in _section_options(cls, (name,))
-]
-_duplicate_names = {o.name for o in OPTIONS if [p.name for p in OPTIONS].count(o.name) > 1}
-assert not _duplicate_names, f"options share a flag: {_duplicate_names}"
+TREE = OptionTree.of(BatonConfig)
+SECTIONS: dict[str, type] = TREE.sections
+OPTIONS: list[Option] = TREE.options
 
 
 def build(values: dict[tuple[str, ...], Any]) -> BatonConfig:
     """A BatonConfig from checked values by path; each section validates itself."""
-    top = {path[0]: v for path, v in values.items() if len(path) == 1}
-    for name, cls in SECTIONS.items():
-        kwargs = {path[1]: v for path, v in values.items() if len(path) == 2 and path[0] == name}
-        try:
-            top[name] = cls(**kwargs)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-    return BatonConfig(**top)
-
-
-def _suggestion(key: str, known: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(key.replace("-", "_"), list(known), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return TREE.build(values)
 
 
 def read_yaml(config_file: str | os.PathLike) -> dict[tuple[str, ...], Any]:
     """Checked values by path from a YAML file nested as the tree is."""
-    path = Path(config_file)
-    if not path.is_file():
-        raise ValueError(f"config file {str(config_file)!r} does not exist")
-    try:
-        loaded = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config file {str(config_file)!r} is not valid YAML: {exc}") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ValueError(f"config file {str(config_file)!r} must hold a mapping of option: value")
-    by_path = {o.path: o for o in OPTIONS}
-    # Where each key could be meant to go: a flat flag name in the wrong place suggests its path.
-    known = {o.key: o.key for o in OPTIONS} | {o.name: o.key for o in OPTIONS} | {s: s for s in SECTIONS}
-    values: dict[tuple[str, ...], Any] = {}
-
-    def unknown(key: str) -> ValueError:
-        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-        hint = f"; did you mean {known[close[0]]!r}?" if close else ""
-        return ValueError(f"unknown key {key!r} in {str(config_file)!r}{hint}")
-
-    for raw_key, value in loaded.items():
-        key = str(raw_key).replace("-", "_")
-        if key in SECTIONS:
-            if not isinstance(value, dict):
-                raise ValueError(f"{key} must be a mapping of option: value, got {value!r}")
-            for raw_sub, sub_value in value.items():
-                sub = str(raw_sub).replace("-", "_")
-                option = by_path.get((key, sub))
-                if option is None:
-                    raise unknown(f"{key}.{sub}")
-                values[option.path] = option.coerce(sub_value)
-        elif (key,) in by_path:
-            values[(key,)] = by_path[(key,)].coerce(value)
-        else:
-            raise unknown(key)
-    return values
-
-
-# ---------------------------------------------------------------------------- flags and schema
-
-
-def _flag_parser(option: Option):
-    def parse(text: str) -> Any:
-        try:
-            if option.size:
-                return parse_size(text)
-            return option.type(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r} for {option.flag}") from None
-
-    parse.__name__ = option.type.__name__
-    return parse
+    return TREE.read_yaml(config_file)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option; only flags given on the command line appear in the parsed namespace."""
-    for option in OPTIONS:
-        help_text = f"{option.help} (default: {option.default})" if option.help else f"default: {option.default}"
-        kwargs: dict[str, Any] = {"dest": option.name, "default": argparse.SUPPRESS, "help": help_text}
-        if option.type is bool:
-            parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, **kwargs)
-            continue
-        if option.choices is not None:
-            kwargs["choices"] = [c for c in option.choices if c is not None]
-        flags = (option.flag, option.alias) if option.alias else (option.flag,)
-        parser.add_argument(*flags, type=_flag_parser(option), **kwargs)
+    TREE.add_flags(parser)
 
 
 def json_schema() -> dict[str, Any]:
     """A self-contained JSON Schema (draft-07) of the YAML file, every default and help text included."""
-
-    def leaf(option: Option) -> dict[str, Any]:
-        names = {int: "integer", float: "number", str: "string", bool: "boolean"}
-        kinds = [names[option.type]] + (["string"] if option.size else []) + (["null"] if option.optional else [])
-        entry: dict[str, Any] = {
-            "type": kinds if len(kinds) > 1 else kinds[0],
-            "default": option.default,
-            "description": option.help,
-        }
-        if option.choices is not None:
-            entry["enum"] = list(option.choices)
-        if option.size:
-            entry["pattern"] = SIZE_PATTERN
-        return entry
-
-    def node(properties: dict[str, Any], description: str) -> dict[str, Any]:
-        return {"type": "object", "description": description, "additionalProperties": False, "properties": properties}
-
-    top = {o.path[0]: leaf(o) for o in OPTIONS if len(o.path) == 1}
-    for name, cls in SECTIONS.items():
-        top[name] = node(
-            {o.path[1]: leaf(o) for o in OPTIONS if o.path[0] == name and len(o.path) == 2},
-            (cls.__doc__ or name).strip().splitlines()[0],
-        )
-    schema = node(top, "Baton configuration (`baton serve --config FILE`)")
-    return {"$schema": "http://json-schema.org/draft-07/schema#", "title": "Baton configuration", **schema}
+    return TREE.json_schema("Baton configuration", "Baton configuration (`baton serve --config FILE`)")

@@ -30,7 +30,7 @@ from kernels import amx_linear, block_copy, cpu_native
 from kernels import ops as kops
 from kernels._triton_compat import HAS_TRITON
 from kernels.plan import DeviceSpec, fp8_supported
-from workers.device import gpu_total_memory
+from workers.engine.device import gpu_total_memory
 
 # The Ray resources every node has; the rest are custom (baton_prefill, baton_decode, accelerator types).
 _STANDARD_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}

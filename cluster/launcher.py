@@ -27,7 +27,7 @@ from pathlib import Path
 
 import ray
 
-from cluster.autoscaler import install_autoscaler
+from cluster.autoscaler_loop import install_autoscaler
 from cluster.config import BatonConfig
 from cluster.membership import MembershipPublisher
 from cluster.placement import (
@@ -56,7 +56,7 @@ from router.pools import WorkerPools
 from router.ray_backend import RayBackend
 from router.routing import make_policy
 from router.tokenizer import Tokenizer
-from workers.model_files import DEFAULT_MODEL_NAME, ModelNotFoundError, is_repo_id, resolve_model_dir
+from workers.models.files import DEFAULT_MODEL_NAME, ModelNotFoundError, is_repo_id, resolve_model_dir
 
 log = logging.getLogger("baton")
 
@@ -101,7 +101,7 @@ class Deployment:
             try:
                 if actor_state(handle)[1] is None:
                     continue  # never placed: nothing to shut down, and nobody would answer
-                pending.append(handle.shutdown.remote())
+                pending.append(w.client.shutdown())
             except Exception:  # already dead
                 pass
         if pending:
@@ -201,7 +201,7 @@ def _wait_ready(
     workers: list[SpawnedWorker], ready_timeout_s: float, nodes: dict[str, str] | None = None
 ) -> list[WorkerReady]:
     started = time.monotonic()
-    pending = {w.handle.ready.remote(): w.worker_id for w in workers}
+    pending = {w.client.ready(): w.worker_id for w in workers}
     reports = []
     while pending:
         done, _ = ray.wait(

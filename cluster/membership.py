@@ -56,9 +56,12 @@ def directory_name(actor_name_prefix: str) -> str:
 @dataclass(frozen=True)
 class Member:
     worker_id: str
-    role: str  # a Role value
+    role: Role
     actor_name: str  # the worker actor's name in the deployment's namespace
     draining: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # ValueError for a role that is neither
 
 
 @dataclass(frozen=True)
@@ -69,10 +72,6 @@ class Membership:
     prefill_target: int
     decode_target: int
     members: tuple[Member, ...]
-
-    def __post_init__(self) -> None:
-        for m in self.members:
-            Role(m.role)  # ValueError for a role that is neither
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ Per pool (`resolve_pool`), from the configuration and the cluster's nodes as Ray
   decode worker always has its own share and a long prompt's prefill cannot take it: streams
   keep their pace beside a long prompt, whatever else runs on the host. A CPU decode worker
   borrows the cores the other processes leave idle, step by step, and gives them back as soon
-  as they are wanted (workers.elastic_threads). Giving a long prefill
+  as they are wanted (workers.shell.elastic_threads). Giving a long prefill
   every core (with the decode worker at idle priority, or at a lower priority than the
   prefill's threads) was measured and dropped: a busy host stalled the streams, or starved the
   prefill (docs/performance.md, "Sharing a CPU host").
@@ -41,8 +41,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import BatonConfig
 from common.roles import ROLES, Role
 from common.transports import Place, offered_kinds
-from workers.actors import actor_class
+from common.worker_client import WorkerClient
 from workers.config import WorkerConfig
+from workers.shell.actors import actor_class
 
 log = logging.getLogger("baton.placement")
 
@@ -95,7 +96,7 @@ def cluster_nodes() -> list[NodeOffer]:
 class PoolPlacement:
     """What every worker of one pool asks Ray for."""
 
-    role: str
+    role: Role
     num_cpus: float
     num_gpus: float
     resources: dict[str, float] = field(default_factory=dict)  # custom resources
@@ -124,7 +125,7 @@ class PoolPlacement:
         return need + (f" on a node labelled {labels}" if labels else "")
 
 
-def resolve_pool(config: BatonConfig, role: str, nodes: list[NodeOffer]) -> PoolPlacement:
+def resolve_pool(config: BatonConfig, role: Role, nodes: list[NodeOffer]) -> PoolPlacement:
     """The placement of pool `role` on a cluster made of `nodes`."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {[r.value for r in ROLES]}, got {role!r}")
@@ -164,6 +165,11 @@ class SpawnedWorker:
     actor_name: str
     placement_group: Any = None  # a tensor-parallel worker's ranks' bundles (released with the worker)
 
+    @property
+    def client(self) -> WorkerClient:
+        """The worker's calls (common.worker_api.WorkerAPI), typed."""
+        return WorkerClient(self.handle)
+
 
 def release_placement_group(worker: SpawnedWorker) -> None:
     """Give back a removed tensor-parallel worker's bundles (after its actor is ended)."""
@@ -182,7 +188,7 @@ def rank_bundles(placement: PoolPlacement, tp_size: int) -> list[dict[str, float
     return [{**rank, **placement.resources}] + [dict(rank) for _ in range(tp_size - 1)]
 
 
-def worker_config(config: BatonConfig, role: str, worker_id: str, placement: PoolPlacement) -> WorkerConfig:
+def worker_config(config: BatonConfig, role: Role, worker_id: str, placement: PoolPlacement) -> WorkerConfig:
     """The WorkerConfig of one worker. The model is passed as the user gave it, so each worker
     resolves it on its own node; the engine runs where the placement gives it GPUs."""
     engine = replace(config.worker_engine_config(), device=placement.device)
@@ -201,7 +207,7 @@ def worker_config(config: BatonConfig, role: str, worker_id: str, placement: Poo
 
 def spawn_worker(
     config: BatonConfig,
-    role: str,
+    role: Role,
     index: int,
     name_prefix: str = "baton",
     placement: PoolPlacement | None = None,
@@ -221,7 +227,7 @@ def spawn_worker(
     group = None
     if tp_size > 1:
         # The ranks of a worker on one node (STRICT_PACK): rank 0 is this actor in bundle 0, and it
-        # starts ranks 1..N-1 in the other bundles (workers.actors.RayRankFollowers).
+        # starts ranks 1..N-1 in the other bundles (workers.shell.actors.RayRankFollowers).
         bundles = rank_bundles(placement, tp_size)
         selector = [dict(placement.label_selector)] * tp_size if placement.label_selector else None
         group = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
@@ -338,10 +344,10 @@ def connect_pairs(
     for decode_id, decode_handle in decode:
         if not prefill:
             break
-        endpoint = ray.get(decode_handle.endpoint.remote(), timeout=timeout_s)
+        endpoint = ray.get(WorkerClient(decode_handle).endpoint(), timeout=timeout_s)
         for prefill_id, handle in prefill:
             try:
-                kinds[prefill_id, decode_id] = ray.get(handle.connect_peer.remote(endpoint), timeout=timeout_s)
+                kinds[prefill_id, decode_id] = ray.get(WorkerClient(handle).connect_peer(endpoint), timeout=timeout_s)
             except ray.exceptions.RayTaskError as exc:
                 raise ValueError(f"{prefill_id} cannot send KV to {decode_id}: {exc.cause}") from None
     return kinds

@@ -41,6 +41,7 @@ from cluster.placement import (
 )
 from common.protocol import WorkerReady
 from common.roles import ROLES, Role
+from common.worker_client import WorkerClient
 from router.admin import PoolsView, ScaleResult
 from router.ray_backend import RayBackend
 
@@ -62,7 +63,7 @@ class PoolTargets:
         if self.decode < 1:
             raise ValueError(f"the decode pool needs at least 1 worker, got {self.decode}")
 
-    def of(self, role: str) -> int:
+    def of(self, role: Role) -> int:
         return self.prefill if role == Role.PREFILL else self.decode
 
 
@@ -125,7 +126,7 @@ class PoolManager:
             return
         names = {w.worker_id: w.actor_name for w in self.deployment.workers}
         members = tuple(
-            Member(w.worker_id, Role(w.role).value, names[w.worker_id], w.draining or w.worker_id in draining)
+            Member(w.worker_id, Role(w.role), names[w.worker_id], w.draining or w.worker_id in draining)
             for w in self.workers.workers()
             if w.worker_id in names
         )
@@ -138,7 +139,7 @@ class PoolManager:
     def pools(self) -> PoolsView:
         return PoolsView(self.targets.prefill, self.targets.decode, self.workers.workers())
 
-    def _serving(self, role: str) -> list[str]:
+    def _serving(self, role: Role) -> list[str]:
         """The role's workers not on their way out."""
         return [w.worker_id for w in self.workers.workers() if w.role == role and not w.draining]
 
@@ -179,7 +180,7 @@ class PoolManager:
             )
             return ScaleResult(before, after, added, removed, moved, round(time.monotonic() - started, 3))
 
-    def _removal_order(self, role: str) -> list[str]:
+    def _removal_order(self, role: Role) -> list[str]:
         """Dead ones first, then the least busy, then the newest."""
         index = {w.worker_id: w.index for w in self.deployment.workers}
         infos = [w for w in self.workers.workers() if w.role == role and not w.draining]
@@ -207,7 +208,7 @@ class PoolManager:
                 # Listed at once, so a shutdown while it starts stops it too (the router uses it only later).
                 self.deployment.workers.append(spawned[-1])
             nodes = await asyncio.to_thread(wait_placed, spawned, config.placement.placement_timeout_s)
-            refs = [w.handle.ready.remote() for w in spawned]
+            refs = [w.client.ready() for w in spawned]
             reports = await asyncio.wait_for(_all(refs), self.ready_timeout_s)
             for report in reports:
                 self._check_limits(report)
@@ -303,7 +304,7 @@ async def _all(refs: list) -> list:
 async def _stop(handle) -> None:
     """Let the worker close its transport (shared memory), then end the actor for good."""
     try:
-        await asyncio.wait_for(handle.shutdown.remote(), 10)
+        await asyncio.wait_for(WorkerClient(handle).shutdown(), 10)
     except (ray.exceptions.RayError, asyncio.TimeoutError):
         pass  # dead or hung: ray.kill below is all that is left
     _kill(handle)

@@ -37,13 +37,14 @@ from cluster.pool_manager import PoolTargets  # noqa: E402 (may import Ray: env 
 from cluster.router_procs import RouterSpec  # noqa: E402 (may import Ray: env set first)
 from common.protocol import RouterClaim  # noqa: E402 (may import Ray: env set first)
 from common.roles import Role  # noqa: E402 (may import Ray: env set first)
+from common.worker_client import WorkerClient  # noqa: E402 (imports Ray's types: env set first)
 from router.admin import install_admin_forwarding  # noqa: E402 (may import Ray: env set first)
 from router.app import bind_socket, run_during_lifespan  # noqa: E402 (may import Ray: env set first)
 from router.app import serve as serve_http  # noqa: E402 (may import Ray: env set first)
 from router.flow import FlowLimits  # noqa: E402 (may import Ray: env set first)
 from router.pools import WorkerPools  # noqa: E402 (may import Ray: env set first)
 from router.ray_backend import RayBackend  # noqa: E402 (may import Ray: env set first)
-from workers.model_files import DEFAULT_MODEL_NAME, is_repo_id, resolve_model_dir  # noqa: E402 (may import Ray: env set first)
+from workers.models.files import DEFAULT_MODEL_NAME, is_repo_id, resolve_model_dir  # noqa: E402 (may import Ray: env set first)
 
 __all__ = ["join_spec", "main", "run_router"]
 
@@ -84,7 +85,7 @@ def join_spec(
             for i in range(n)
         ]
     )
-    ready = [ray.get(ray.get_actor(name, namespace=namespace).ready.remote()) for _, _, name in workers]
+    ready = [ray.get(WorkerClient(ray.get_actor(name, namespace=namespace)).ready()) for _, _, name in workers]
     limiting = min(ready, key=lambda r: r.max_model_len)
     model_name = config.served_model_name or (
         DEFAULT_MODEL_NAME

@@ -146,7 +146,7 @@ def ensure_private_ray_env(environ: MutableMapping[str, str] | None = None) -> N
     """Before Ray starts (or is imported, for a driver): a private Ray then binds to and talks to
     127.0.0.1 only, not the machine's interface address, and starts its worker processes at
     niceness 0 rather than 15 (a worker booting at 15 beside busy workers at 0 barely runs; the
-    actors also lower their own niceness, workers.actors.normal_priority). Keeps a value the user
+    actors also lower their own niceness, workers.shell.actors.normal_priority). Keeps a value the user
     set; `environ` (default: the process's) may be a child process's environment."""
     target = os.environ if environ is None else environ
     for var in (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER, RAY_WORKER_NICENESS):

@@ -11,7 +11,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from common.sampling_params import SamplingParams
+from common.roles import Role
 
 
 @dataclass
@@ -263,18 +263,10 @@ class RouterLeaseInfo:
 
 
 @dataclass(frozen=True)
-class PrefillRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    peer_endpoint: KVEndpoint | None  # the decode worker's; None: nothing to send
-    dst_block_ids: list[int] = field(default_factory=list)
-    dst_num_cached_tokens: int = 0  # leading tokens (whole blocks) the decode worker had cached
-    router: RouterClaim | None = None  # the router the request belongs to (None: the default one)
-
-
-@dataclass(frozen=True)
 class PrefillResult:
+    """A prefill worker's outcome of a `common.request.PrefillRequest`: the first token, and the
+    KV handoff into the decode worker's reserved blocks (done when this is sent)."""
+
     output: RequestOutput  # the first token (finished when the request ends with it)
     num_blocks_sent: int
     bytes_sent: int
@@ -283,6 +275,25 @@ class PrefillResult:
     # Tensor-parallel workers: (prefill rank, decode rank, bytes) of each rank pair that moved KV heads
     # (kvtransfer.resharding); bytes_sent is their sum.
     rank_pairs: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def request_id(self) -> str:
+        return self.output.request_id
+
+
+@dataclass(frozen=True)
+class PrefillFailed:
+    """A prefill worker could not finish a `common.request.PrefillRequest` (its KV transfer failed
+    or timed out, the engine failed, or it was refused): the router prefills elsewhere."""
+
+    request_id: str
+    message: str
+    created_at: float = 0.0  # time.time() when the worker queued it
+
+
+# What a worker's outbox carries (`common.worker_api.WorkerAPI.poll_outputs`): decoded tokens, and
+# the outcomes of prefills. Each ends the worker's part in the request except an unfinished output.
+WorkerOutput = RequestOutput | PrefillResult | PrefillFailed
 
 
 class GrammarCompileError(ValueError):
@@ -338,7 +349,7 @@ class SpecDecodeStats:
 @dataclass(frozen=True)
 class WorkerStats:
     worker_id: str
-    role: str
+    role: Role
     num_running: int
     num_waiting: int
     kv_usage: float
@@ -386,7 +397,7 @@ class WorkerReady:
     refuses what no worker can hold instead of failing inside one."""
 
     worker_id: str
-    role: str
+    role: Role
     max_model_len: int  # the engine's: the model's context, capped by what the KV cache holds
     block_size: int
     num_blocks: int

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 
 # What a structured output constrains the reply to (router.structured builds them from the
-# request's fields, workers.grammar compiles them): a JSON schema (as JSON text), any JSON object,
+# request's fields, workers.engine.grammar compiles them): a JSON schema (as JSON text), any JSON object,
 # a regular expression, one of a list of strings (as a JSON array), or an EBNF grammar.
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 

@@ -1,5 +1,5 @@
 """How a tensor-parallel group splits a model, torch-free: the rules the engine shards by
-(workers.tensor_parallel), the KV handoff re-slices by (kvtransfer.resharding) and the simulator
+(workers.parallel), the KV handoff re-slices by (kvtransfer.resharding) and the simulator
 sizes by (cluster.sim.costs), so a size one of them accepts the others accept too.
 """
 

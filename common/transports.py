@@ -24,6 +24,7 @@ __all__ = [
     "FIXED_CHOICES",
     "KV_LOAD_FAILURE_POLICIES",
     "KVLoadFailed",
+    "PeerLink",
     "Place",
     "offered_kinds",
 ]
@@ -85,3 +86,15 @@ def offered_kinds(choice: str, place: Place) -> tuple[str, ...]:
             )
         return ("nccl",)
     return ("shm", "gloo")
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """A connected receiver, as the sender sees it: which backend serves the pair, and what
+    went over it (successful transfers only). Torch-free: a worker's `kv_links()` answer."""
+
+    peer: str  # the receiver's name (its worker id in serving)
+    peer_node_id: str
+    kind: str
+    blocks_sent: int = 0
+    bytes_sent: int = 0

@@ -9,13 +9,13 @@ then calls the same native kernels (rms_norm, small_m_linear, rotary, kv_store, 
 prefill attentions, silu_mul), in the same order and with the same arguments as the model's
 layer-by-layer forward pass, through their entry points in their own libraries. Its output is
 therefore that pass's, bit for bit (tests/engine/test_cpu_layer_stack.py). It is the CPU's
-counterpart of a CUDA graph (workers/cuda_graphs.py): the layers' kernels without the host's work
+counterpart of a CUDA graph (workers/engine/cuda_graphs.py): the layers' kernels without the host's work
 between them. A step may mix decode rows and prefill chunks (`StackBatch`), as the engine's steps
 do: a long prompt's chunk gains little, a speculative verification or a short prompt beside the
 decode rows gains what a decode step does.
 
 What it covers: float32 weights packed for small_m_linear (no biases), a float32 KV cache, no
-per-head q/k norm, no tensor parallelism; workers/cpu_layer_stack.py decides, per model, and leaves
+per-head q/k norm, no tensor parallelism; workers/engine/cpu_layer_stack.py decides, per model, and leaves
 every other case on the layer-by-layer pass.
 
 The reference, `layer_stack_reference`, composes the kernels' PyTorch references.

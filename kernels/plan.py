@@ -4,7 +4,9 @@ precision, which specialisation) as a pure function of a described device and th
 The wrappers call `*_plan(DeviceSpec.of(tensor.device), ...)`; tests/kernels/test_compile_targets.py
 calls the same functions with the described targets in TARGETS and compiles what they choose ahead
 of time for sm_80/sm_89/sm_90/sm_100, so the check sees exactly what a GPU would launch. Nothing
-here touches a GPU: `DeviceSpec.of` queries CUDA only for a CUDA device.
+here touches a GPU: `DeviceSpec.of` queries CUDA only for a CUDA device. The device description,
+the targets and the FP8 rule are kernels/device_spec.py's (importable from here too); the docs'
+table of these plans is kernels/plan_table.py's.
 
 The CPU rows (kind "cpu") are the Triton interpreter's plans (the tests' path); they keep the tiles
 the kernels were first written with, so the interpreter's results do not change.
@@ -30,7 +32,8 @@ from typing import Any
 
 import torch
 
-from kernels._triton_compat import cdiv, interpreting, next_pow2
+from kernels._triton_compat import cdiv, next_pow2
+from kernels.device_spec import TARGETS, DeviceSpec, check_fp8_supported, fp8_supported
 
 __all__ = [
     "DeviceSpec",
@@ -52,73 +55,9 @@ __all__ = [
     "block_sums_plan",
     "MoePlan",
     "fused_moe_plan",
-    "plan_table",
 ]
 
 FP8 = torch.float8_e4m3fn
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """What the launch choices depend on. `interpreted`: the Triton interpreter runs the kernels
-    (TRITON_INTERPRET=1), which changes how bfloat16 dots are fed (see decode_attention_plan)."""
-
-    kind: str = "cpu"  # "cuda" or "cpu"
-    capability: tuple[int, int] = (0, 0)  # CUDA compute capability (major, minor); (0, 0) on the CPU
-    sm_count: int = 4  # streaming multiprocessors (the CPU's 4 sizes the interpreter's split-K)
-    smem_per_block: int = 0  # bytes of shared memory one block may opt into (0 on the CPU)
-    max_threads: int = 1024  # threads per block
-    name: str = ""  # the device's marketing name, for messages
-    interpreted: bool = False
-
-    @classmethod
-    def of(cls, device: torch.device | str) -> DeviceSpec:
-        """The spec of a real device; queries CUDA only for a CUDA device."""
-        return _spec_of(torch.device(device), interpreting())
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.kind == "cuda"
-
-    @property
-    def arch(self) -> str:
-        """ "sm_90", "sm_100", ... or "cpu"."""
-        return f"sm_{self.capability[0]}{self.capability[1]}" if self.is_cuda else "cpu"
-
-    def describe(self) -> str:
-        if not self.is_cuda:
-            return "the CPU"
-        cc = f"compute capability {self.capability[0]}.{self.capability[1]} ({self.arch})"
-        return f"{self.name} with {cc}" if self.name else f"a GPU with {cc}"
-
-
-@functools.lru_cache(maxsize=64)
-def _spec_of(device: torch.device, interp: bool) -> DeviceSpec:
-    if device.type != "cuda":
-        return DeviceSpec("cpu", interpreted=interp)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    p = torch.cuda.get_device_properties(index)
-    smem = int(getattr(p, "shared_memory_per_block_optin", 0) or getattr(p, "shared_memory_per_block", 0) or 0)
-    return DeviceSpec(
-        "cuda",
-        (int(p.major), int(p.minor)),
-        int(p.multi_processor_count),
-        smem,
-        int(getattr(p, "max_threads_per_block", 1024) or 1024),
-        str(p.name),
-        interp,
-    )
-
-
-KIB = 1024
-# The described targets the compile check and the docs table use (SM counts of a typical part).
-TARGETS: dict[str, DeviceSpec] = {
-    "sm_80": DeviceSpec("cuda", (8, 0), 108, 163 * KIB, 1024, "NVIDIA A100"),
-    "sm_89": DeviceSpec("cuda", (8, 9), 58, 99 * KIB, 1024, "NVIDIA L4"),
-    "sm_90": DeviceSpec("cuda", (9, 0), 132, 227 * KIB, 1024, "NVIDIA H100"),
-    "sm_100": DeviceSpec("cuda", (10, 0), 148, 227 * KIB, 1024, "NVIDIA B200"),
-    "cpu": DeviceSpec("cpu", interpreted=True),
-}
 
 
 @dataclass(frozen=True)
@@ -138,26 +77,6 @@ class LaunchPlan:
 
     def __hash__(self) -> int:
         return hash((self.kernel, tuple(sorted(self.meta.items())), self.num_warps, self.num_stages))
-
-
-# -- FP8 -------------------------------------------------------------------------------------------
-
-
-def fp8_supported(device: DeviceSpec) -> bool:
-    """Native FP8 (e4m3) conversions and MMA: compute capability >= 8.9, or the CPU."""
-    return not device.is_cuda or tuple(device.capability) >= (8, 9)
-
-
-def check_fp8_supported(device: DeviceSpec, what: str = "FP8") -> None:
-    """ValueError unless `device` runs the FP8 kernels (KV cache, quantization, GEMM). Configuration
-    calls this at start-up, so an A100 is refused with the alternative instead of failing to compile
-    at the first launch."""
-    if not fp8_supported(device):
-        raise ValueError(
-            f"{what} needs native FP8, compute capability >= 8.9 (Ada, Hopper, Blackwell); "
-            f"{device.describe()} has none: use kv_cache_dtype 'auto' (the model's bfloat16/float16 KV "
-            f"cache) and no quantization (quantization=None) on this GPU"
-        )
 
 
 def _dtype(d) -> torch.dtype:
@@ -484,82 +403,3 @@ def block_copy_plan(device: DeviceSpec, *, scatter: bool) -> LaunchPlan:
 def block_sums_plan(device: DeviceSpec) -> LaunchPlan:
     # 256 int64 words (2 KiB) per load: a block's pieces are at least that on the shapes served.
     return LaunchPlan("kernels.block_checksum:_block_sums_kernel", dict(BLOCK=256), 4)
-
-
-# -- the documented table ----------------------------------------------------------------------------
-
-
-def _cell(fn, *args, **kwargs) -> str:
-    try:
-        p = fn(*args, **kwargs)
-    except ValueError:
-        return "refused"
-    if isinstance(p, DecodePlan):
-        m = p.split.meta
-        return f"N{m['BLOCK_N']} w{p.split.num_warps} s{p.split.num_stages} splits {p.num_splits}" + (
-            f" {m['PRECISION']}" if m["DOT_F32"] else ""
-        )
-    m = p.meta
-    if "BLOCK_K" in m:
-        return f"{m['BLOCK_M']}x{m['BLOCK_N']}x{m['BLOCK_K']} w{p.num_warps} s{p.num_stages}"
-    return f"M{m['BLOCK_M']} N{m['BLOCK_N']} w{p.num_warps} s{p.num_stages}" + (
-        f" {m['PRECISION']}" if m["DOT_F32"] else ""
-    )
-
-
-def plan_table() -> str:
-    """The Markdown table docs/development.md shows under "Kernel plans" (Llama-3-8B's shapes:
-    32 q / 8 kv heads, head_dim 128, block size 16; Mixtral 8x7B's for the fused MoE). Cells: tiles
-    (M/N/K), w warps, s stages,
-    splits for decode, the dot precision when dots run on float32 operands; "refused": the plan
-    raises (FP8 below sm_89)."""
-    attn = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
-    mixtral = dict(num_experts=8, hidden=4096, inter=14336, dtype="bfloat16", top_k=2)
-    moe_decode, moe_prefill = dict(mixtral, num_pairs=16), dict(mixtral, num_pairs=4096)
-    rows = [
-        (
-            "decode bf16, batch 8, 4k context",
-            lambda d: _cell(
-                decode_attention_plan, d, batch=8, max_ctx=4096, dtype="bfloat16", kv_dtype="bfloat16", **attn
-            ),
-        ),
-        (
-            "decode fp32, batch 8, 4k context",
-            lambda d: _cell(
-                decode_attention_plan, d, batch=8, max_ctx=4096, dtype="float32", kv_dtype="float32", **attn
-            ),
-        ),
-        (
-            "decode bf16, FP8 KV, batch 8, 4k context",
-            lambda d: _cell(decode_attention_plan, d, batch=8, max_ctx=4096, dtype="bfloat16", kv_dtype=FP8, **attn),
-        ),
-        (
-            "prefill bf16, 2k-token prompt",
-            lambda d: _cell(prefill_attention_plan, d, max_q=2048, dtype="bfloat16", kv_dtype="bfloat16", **attn),
-        ),
-        (
-            "prefill fp32, 2k-token prompt",
-            lambda d: _cell(prefill_attention_plan, d, max_q=2048, dtype="float32", kv_dtype="float32", **attn),
-        ),
-        ("FP8 GEMM, M=8 (decode)", lambda d: _cell(fp8_gemm_plan, d, M=8, N=4096, K=4096)),
-        ("FP8 GEMM, M=2048, bias", lambda d: _cell(fp8_gemm_plan, d, M=2048, N=4096, K=4096, has_bias=True)),
-        (
-            "fused MoE bf16 gate_up / down, Mixtral 8x7B, 8 decode tokens",
-            lambda d: " / ".join(
-                _cell(lambda *a, step=step, **k: getattr(fused_moe_plan(*a, **k), step), d, **moe_decode)
-                for step in ("gate_up", "down")
-            ),
-        ),
-        (
-            "fused MoE bf16 gate_up / down, Mixtral 8x7B, 2k-token prefill",
-            lambda d: " / ".join(
-                _cell(lambda *a, step=step, **k: getattr(fused_moe_plan(*a, **k), step), d, **moe_prefill)
-                for step in ("gate_up", "down")
-            ),
-        ),
-    ]
-    names = list(TARGETS)
-    lines = ["| launch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for label, cell in rows:
-        lines.append(f"| {label} | " + " | ".join(cell(TARGETS[n]) for n in names) + " |")
-    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""A grammar's token bitmask applied to logits in place (structured output, workers/sampler.py).
+"""A grammar's token bitmask applied to logits in place (structured output, workers/engine/sampler.py).
 
 The bitmask is xgrammar's layout: int32 [rows, ceil(vocab / 32)], bit j of word w set when token
 32 * w + j is allowed. Only the listed rows are touched; their disallowed tokens become -inf.

@@ -21,9 +21,9 @@ from kernels.block_copy import copy_kv_blocks_cpu, copy_native_available
 
 from .base import (
     KVTransport,
-    Role,
     TransferHandle,
     TransferResult,
+    TransferSide,
     TransferStatus,
     check_cache,
     torch_dtype,
@@ -160,7 +160,7 @@ class Record:
     """Book-keeping of one transfer on one side."""
 
     transfer_id: str
-    role: Role
+    role: TransferSide
     num_blocks: int
     nbytes: int
     deadline: float
@@ -198,7 +198,7 @@ class TransportCore(KVTransport):
         whatever arrives sealed. `fault_plan`: faults to inject into this side's sends (tests)."""
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._records: OrderedDict[tuple[Role, str], Record] = OrderedDict()
+        self._records: OrderedDict[tuple[TransferSide, str], Record] = OrderedDict()
         self._cache: torch.Tensor | None = None
         self._bytes: torch.Tensor | None = None
         self._layout: KVLayout | None = None
@@ -274,7 +274,7 @@ class TransportCore(KVTransport):
         return self._bytes, self._layout
 
     # -- records -----------------------------------------------------------------------
-    def _new_record(self, transfer_id: str, role: Role, block_ids: list[int], timeout_s: float) -> Record:
+    def _new_record(self, transfer_id: str, role: TransferSide, block_ids: list[int], timeout_s: float) -> Record:
         _, layout = self._require_cache()
         now = time.monotonic()
         rec = Record(
@@ -298,7 +298,7 @@ class TransportCore(KVTransport):
             self._finish(rec, TransferStatus.SUCCESS)
         return rec
 
-    def _get(self, transfer_id: str, role: Role) -> Record | None:
+    def _get(self, transfer_id: str, role: TransferSide) -> Record | None:
         with self._lock:
             return self._records.get((role, transfer_id))
 
@@ -310,7 +310,7 @@ class TransportCore(KVTransport):
             )
         return rec
 
-    def handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
+    def handle_for(self, transfer_id: str, role: TransferSide) -> TransferHandle:
         rec = self._get(transfer_id, role)
         if rec is None:
             raise ValueError(f"unknown transfer {transfer_id!r} ({role.value})")
@@ -404,7 +404,7 @@ class TransportCore(KVTransport):
 
     def abort(self, transfer_id: str) -> None:
         check_transfer_id(transfer_id)
-        for role in (Role.SEND, Role.RECV):
+        for role in (TransferSide.SEND, TransferSide.RECV):
             rec = self._get(transfer_id, role)
             if rec is not None and not rec.status.is_terminal:
                 self._terminate(rec, TransferStatus.ABORTED, f"transfer {transfer_id!r} aborted ({role.value} side)")

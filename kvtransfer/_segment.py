@@ -44,6 +44,15 @@ REASON_KINDS = {
     3: FailureReason.ABORTED,
     4: FailureReason.DEADLINE,
 }
+# The slot states as plain ints, which the send path compares against (an IntEnum round trip per
+# field read is measurable at this scale).
+PENDING, TRANSFERRING, SUCCESS, FAILED, ABORTED = (
+    int(TransferStatus.PENDING),
+    int(TransferStatus.TRANSFERRING),
+    int(TransferStatus.SUCCESS),
+    int(TransferStatus.FAILED),
+    int(TransferStatus.ABORTED),
+)
 PAGE = 4096
 FAULT_IN_PAGES = 1024  # pages touched per call by fault_in_background (4 MiB)
 

@@ -110,7 +110,7 @@ class TransferStatus(enum.IntEnum):
         return self in (TransferStatus.FAILED, TransferStatus.ABORTED, TransferStatus.SUCCESS)
 
 
-class Role(str, enum.Enum):
+class TransferSide(str, enum.Enum):
     SEND = "send"
     RECV = "recv"
 
@@ -120,7 +120,7 @@ class TransferHandle:
     """Returned by send()/expect(); pass it back to poll()/wait() on the same transport."""
 
     transfer_id: str
-    role: Role
+    role: TransferSide
     num_blocks: int
     nbytes: int
     deadline: float  # time.monotonic() of this process; not meaningful elsewhere
@@ -132,7 +132,7 @@ class TransferHandle:
 @dataclass(frozen=True)
 class TransferResult:
     transfer_id: str
-    role: Role
+    role: TransferSide
     status: TransferStatus
     nbytes: int
     seconds: float
@@ -217,10 +217,10 @@ class KVTransport(ABC):
 
     def recv_status(self, transfer_id: str) -> TransferStatus:
         """Receiver-side status by id (for callers that did not keep the handle)."""
-        return self.poll(self.handle_for(transfer_id, Role.RECV))
+        return self.poll(self.handle_for(transfer_id, TransferSide.RECV))
 
     @abstractmethod
-    def handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
+    def handle_for(self, transfer_id: str, role: TransferSide) -> TransferHandle:
         """The handle of this side's (`role`) transfer `transfer_id`; ValueError if unknown."""
 
     @abstractmethod

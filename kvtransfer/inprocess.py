@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from common.protocol import KVEndpoint
 
 from ._common import Record, TransportCore, block_rows, copy_blocks, ids_hash, transfer_key
-from .base import Role, TransferHandle, TransferStatus
+from .base import TransferHandle, TransferSide, TransferStatus
 from .integrity import (
     FailureReason,
     FaultKind,
@@ -80,7 +80,7 @@ class InProcessTransport(TransportCore):
 
     def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> TransferHandle:
         dst, timeout_s = self._prepare_expect(transfer_id, dst_block_ids, timeout_s)
-        return self._new_record(transfer_id, Role.RECV, dst, timeout_s).handle()
+        return self._new_record(transfer_id, TransferSide.RECV, dst, timeout_s).handle()
 
     def send(
         self,
@@ -95,7 +95,7 @@ class InProcessTransport(TransportCore):
         if peer is None:
             raise ValueError(f"unknown peer {peer_id!r}: call connect() with its endpoint first")
         src, dst, timeout_s = self._prepare_send(peer._num_blocks, src_block_ids, dst_block_ids, transfer_id, timeout_s)
-        rec = self._new_record(transfer_id, Role.SEND, src, timeout_s)
+        rec = self._new_record(transfer_id, TransferSide.SEND, src, timeout_s)
         rec.extra["dst"] = dst
         if not rec.status.is_terminal:
             threading.Thread(
@@ -123,10 +123,10 @@ class InProcessTransport(TransportCore):
         dst = rec.extra["dst"]
         with peer._cond:
             peer._cond.wait_for(
-                lambda: peer._get(rec.transfer_id, Role.RECV) is not None or rec.cancelled or peer._closed,
+                lambda: peer._get(rec.transfer_id, TransferSide.RECV) is not None or rec.cancelled or peer._closed,
                 timeout=max(0.0, rec.deadline - time.monotonic()),
             )
-            target = peer._get(rec.transfer_id, Role.RECV)
+            target = peer._get(rec.transfer_id, TransferSide.RECV)
         if rec.cancelled:
             return
         if target is None:

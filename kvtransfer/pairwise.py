@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from common.protocol import KVEndpoint, KVLayout
-from common.transports import FIXED_CHOICES, Place, offered_kinds
+from common.transports import FIXED_CHOICES, PeerLink, Place, offered_kinds
 
 from ._common import MAX_FINISHED_RECORDS, check_transfer_id
-from .base import KVTransferError, KVTransport, Role, TransferHandle, TransferResult, TransferStatus
+from .base import KVTransferError, KVTransport, TransferHandle, TransferResult, TransferSide, TransferStatus
 from .gloo import GlooTransport
 from .integrity import FaultPlan
 from .nccl import NcclTransport
@@ -44,18 +44,6 @@ from .shm import ShmTransport
 
 KIND = "pairwise"
 LOCAL_PLACE = Place()  # the default place (Place is frozen, so one instance serves every transport)
-
-
-@dataclass(frozen=True)
-class PeerLink:
-    """A connected receiver, as the sender sees it: which backend serves the pair, and what
-    went over it (successful transfers only)."""
-
-    peer: str  # the receiver's name (its worker id in serving)
-    peer_node_id: str
-    kind: str
-    blocks_sent: int = 0
-    bytes_sent: int = 0
 
 
 def pair_kind(choice: str, sender: Place, receiver: Place) -> str:
@@ -266,7 +254,7 @@ class PairwiseTransport(KVTransport):
                 self._subs[kind].abort(transfer_id)
             raise
         first = next(iter(handles.values()))
-        handle = TransferHandle(transfer_id, Role.RECV, first.num_blocks, first.nbytes, first.deadline)
+        handle = TransferHandle(transfer_id, TransferSide.RECV, first.num_blocks, first.nbytes, first.deadline)
         with self._lock:
             self._recvs[transfer_id] = _Recv(handles, handle, time.monotonic())
             _bound(self._recvs)
@@ -296,7 +284,7 @@ class PairwiseTransport(KVTransport):
                 self._subs[other].abort(recv.handle.transfer_id)  # nothing late lands in the blocks
         recv.final = TransferResult(
             result.transfer_id,
-            Role.RECV,
+            TransferSide.RECV,
             result.status,
             result.nbytes,
             result.seconds,
@@ -307,7 +295,7 @@ class PairwiseTransport(KVTransport):
 
     # -- both sides --------------------------------------------------------------------------
     def poll(self, handle: TransferHandle) -> TransferStatus:
-        if handle.role == Role.SEND:
+        if handle.role == TransferSide.SEND:
             sub, link = self._sent(handle)
             status = sub.poll(handle)
             if status.is_terminal:
@@ -316,7 +304,7 @@ class PairwiseTransport(KVTransport):
         return self._settle(self._recv(handle.transfer_id))
 
     def wait(self, handle: TransferHandle, timeout_s: float | None = None) -> TransferResult:
-        if handle.role == Role.SEND:
+        if handle.role == TransferSide.SEND:
             sub, link = self._sent(handle)
             result = sub.wait(handle, timeout_s)
             self._count(handle, link, result.status, result.nbytes)
@@ -332,7 +320,7 @@ class PairwiseTransport(KVTransport):
             if recv.final is not None:
                 return recv.final
             if give_up is not None and time.monotonic() >= give_up:
-                return TransferResult(handle.transfer_id, Role.RECV, status, 0, time.monotonic() - recv.started)
+                return TransferResult(handle.transfer_id, TransferSide.RECV, status, 0, time.monotonic() - recv.started)
             # Backends finish on their own threads (or in the peer's process, for shm): poll in
             # short growing slices, as TransportCore.wait does.
             time.sleep(pause)
@@ -347,8 +335,8 @@ class PairwiseTransport(KVTransport):
         if recv is not None:
             self._settle(recv)
 
-    def handle_for(self, transfer_id: str, role: Role) -> TransferHandle:
-        if role == Role.RECV:
+    def handle_for(self, transfer_id: str, role: TransferSide) -> TransferHandle:
+        if role == TransferSide.RECV:
             return self._recv(transfer_id).handle
         with self._lock:
             peer_id = self._sends.get(transfer_id)

@@ -40,7 +40,7 @@ from common.protocol import KVEndpoint, KVLayout, KVLayoutMismatch
 from common.tp_split import kv_head_range
 
 from ._common import coalesce
-from .base import KVTransport, Role, TransferHandle, TransferResult, TransferStatus
+from .base import KVTransport, TransferHandle, TransferResult, TransferSide, TransferStatus
 
 DRAFT_SUFFIX = "/draft"  # added to a request's transfer id for the draft model's part of its handoff
 
@@ -366,7 +366,7 @@ class RankKV:
         if receiving is None:
             return TransferResult(
                 transfer_id,
-                Role.RECV,
+                TransferSide.RECV,
                 TransferStatus.FAILED,
                 0,
                 0.0,

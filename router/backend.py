@@ -1,7 +1,7 @@
 """The boundary between the HTTP layer and the worker pools.
 
 The router talks to workers only through `ServingBackend`: `router.ray_backend.RayBackend` implements
-it over Ray actor pools, and `router.testing.FakeBackend` in process, so the HTTP layer is testable
+it over Ray actor pools, and `testkit.backend.FakeBackend` in process, so the HTTP layer is testable
 without Ray.
 """
 
@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from common.protocol import GrammarCounts, RequestOutput, SpecDecodeStats
+from common.request import RequestContext, WorkerRequest
 from common.roles import Role
 from common.sampling_params import SamplingParams
+from router.flow_commands import EndReason
 from router.prefix_index import PrefixIndex
 from router.trace import RequestTrace
 
@@ -66,20 +68,39 @@ class RouteDecision:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    """One request for the pools: what every worker sees of it (`request`: its context, prompt and
+    sampling), where it was routed, and its trace, which the backend fills in (router.trace)."""
+
+    request: WorkerRequest
     route: RouteDecision
-    # Filled in by the backend (prefill/transfer times, fallbacks) when given; see router.trace.
-    trace: RequestTrace | None = None
+    trace: RequestTrace
+
+    @property
+    def context(self) -> RequestContext:
+        return self.request.context
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.request.sampling_params
 
 
 class BackendError(RuntimeError):
-    """A failure inside the worker pools (the router answers 500, or 503 when retryable)."""
+    """A failure inside the worker pools (the router answers 500, or 503 when retryable). `reason`,
+    when the request's flow ended it, says why (router.flow_commands.EndReason) and decides
+    whether it is retryable."""
 
-    def __init__(self, message: str, retryable: bool = False) -> None:
+    def __init__(self, message: str, retryable: bool = False, reason: EndReason | None = None) -> None:
         super().__init__(message)
-        self.retryable = retryable
+        self.reason = reason
+        self.retryable = reason.retryable if reason is not None else retryable
 
 
 @runtime_checkable
@@ -97,6 +118,7 @@ class ServingBackend(Protocol):
         """An async generator of increments (new token ids and text) ending with one finished output."""
         ...
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request and free its resources; a no-op for unknown or finished requests."""
+    async def abort(self, request_id: str, reason: EndReason = EndReason.CLIENT_GONE) -> None:
+        """Stop a request and free its resources: the client went away, or (`EndReason.DEADLINE`)
+        it ran past its deadline. A no-op for unknown or finished requests."""
         ...

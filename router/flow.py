@@ -1,26 +1,31 @@
 """One request's trip across the two pools, as a state machine that does no I/O.
 
-`RequestFlow` is the only place that knows the lifecycle of a request as the router sees it: where
+`RequestFlow` owns a request as the router sees it, from the moment it is routed to its end: where
 it is (`FlowState`), which moves are legal (`TRANSITIONS`, checked on every move as
-`workers.sequence` checks a sequence's), and what to do next. Each handler (`start`, `on_reserved`,
-`on_prefill_done`, `on_prefill_failed`, `on_output`, `on_worker_lost`, `on_drain`, `on_wait`,
-`on_submit_refused`, `on_client_gone`) takes what happened and the time, updates the
-flow's data and returns the commands to carry out, in order. Two executors carry them out:
-`router.ray_backend.RayBackend` as Ray calls to real workers, `cluster.sim.simulator.Simulator` as
-events on simulated ones. Neither keeps a lifecycle of its own, so a new piece of per-request state
-(a grammar's position, a draft model's KV, a checksum) is written here once.
+`workers.engine.sequence` checks a sequence's), which workers it is on, what the client already
+has, and why it ended (`end_reason`). Each handler takes what happened and the time, updates the
+flow and returns the commands to carry out, in order (router.flow_commands). Two executors carry
+them out: `router.ray_backend.RayBackend` as calls to Ray actors, `cluster.sim.simulator.Simulator`
+as events on simulated workers. Neither keeps a lifecycle of its own, so a new piece of
+per-request state is written here once.
 
 Remote prefill:  ROUTED -> RESERVING (D sets blocks aside) -> PREFILLING (P computes the prompt and
 pushes its KV into them) -> DECODING (first token to the client; D decodes on) -> FINISHED.
 Local prefill:   ROUTED -> DECODING (D runs the whole request) -> FINISHED.
 Healing: D lost while the request is on it -> MIGRATING (wait for a live decode worker, up to
 `migration_wait_s`) -> DECODING on the new worker from prompt + the tokens already streamed, at
-most `max_migrations` times (a drain moves without counting); P lost -> RESERVING again with
-another prefill worker, or D prefills itself. A client that goes away -> ABORTED; anything that
-cannot go on -> FAILED. Every end frees the request's blocks in both pools. A request's deadline
-is the HTTP layer's (router.admission): past it the stream is closed, which reaches the flow as
-`on_client_gone`; the deadlines of KV transfers are the workers' (a late transfer fails the
-prefill call: `on_prefill_failed`).
+most `max_migrations` times (a drain moves without counting); P lost or failed -> RESERVING again
+with another prefill worker, or D prefills itself.
+
+Every exit is a handler and ends in a terminal state with its `EndReason`: the client gone
+(`on_client_gone`: ABORTED), the deadline (`on_deadline`), bad input a worker found
+(`on_bad_input`), a KV handoff that failed under the `fail` policy (`on_kv_load_failed`), a refusal
+(`on_submit_refused`), an unexpected call failure (`on_error`), no worker to go on with: all FAILED.
+Every end frees the request's blocks in both pools.
+
+Outputs and losses arrive from the workers in any order and may be stale (a worker the request
+left, an earlier attempt on the same worker): the handlers drop what is not from the worker the
+request is on now, and only then check the table.
 
 Times are whatever clock the executor runs on (the router's monotonic clock, or simulated time):
 the flow only subtracts them.
@@ -32,32 +37,28 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.protocol import KVReservation, PrefillResult, RequestOutput, ResumeState
+from common.protocol import KVReservation, PrefillFailed, PrefillResult, RequestOutput, ResumeState, WorkerOutput
+from common.request import RequestContext
 from common.roles import Role
 from router.backend import RouteDecision
+from router.flow_commands import (
+    Abort,
+    Command,
+    Count,
+    Emit,
+    EndReason,
+    Fail,
+    MigrationGap,
+    Prefill,
+    QueueTokens,
+    Reserve,
+    StartDecode,
+    Submit,
+    WaitForDecode,
+)
 from router.trace import RequestTrace
 
-__all__ = [
-    "Abort",
-    "Command",
-    "Count",
-    "Emit",
-    "Fail",
-    "FlowLimits",
-    "FlowState",
-    "Follow",
-    "IllegalTransition",
-    "MigrationGap",
-    "Prefill",
-    "QueueTokens",
-    "Reserve",
-    "RequestFlow",
-    "StartDecode",
-    "Submit",
-    "TRANSITIONS",
-    "WaitForDecode",
-    "WorkerPicker",
-]
+__all__ = ["TERMINAL", "TRANSITIONS", "FlowLimits", "FlowState", "IllegalTransition", "RequestFlow", "WorkerPicker"]
 
 
 class FlowState(enum.Enum):
@@ -68,17 +69,18 @@ class FlowState(enum.Enum):
     MIGRATING = "migrating"  # D was lost: waiting for a decode worker to continue on
     FINISHED = "finished"
     ABORTED = "aborted"  # the client went away
-    FAILED = "failed"
+    FAILED = "failed"  # anything that cannot go on (end_reason says what)
 
 
 _S = FlowState
+_ANY_END = frozenset({_S.ABORTED, _S.FAILED})
 TRANSITIONS: dict[FlowState, frozenset[FlowState]] = {
-    _S.ROUTED: frozenset({_S.RESERVING, _S.DECODING, _S.ABORTED, _S.FAILED}),
-    _S.RESERVING: frozenset({_S.PREFILLING, _S.DECODING, _S.MIGRATING, _S.ABORTED, _S.FAILED}),
+    _S.ROUTED: frozenset({_S.RESERVING, _S.DECODING}) | _ANY_END,
+    _S.RESERVING: frozenset({_S.PREFILLING, _S.DECODING, _S.MIGRATING}) | _ANY_END,
     # RESERVING again: P was lost, another one prefills into a fresh reservation.
-    _S.PREFILLING: frozenset({_S.RESERVING, _S.DECODING, _S.FINISHED, _S.MIGRATING, _S.ABORTED, _S.FAILED}),
-    _S.DECODING: frozenset({_S.FINISHED, _S.MIGRATING, _S.ABORTED, _S.FAILED}),
-    _S.MIGRATING: frozenset({_S.DECODING, _S.MIGRATING, _S.ABORTED, _S.FAILED}),
+    _S.PREFILLING: frozenset({_S.RESERVING, _S.DECODING, _S.FINISHED, _S.MIGRATING}) | _ANY_END,
+    _S.DECODING: frozenset({_S.FINISHED, _S.MIGRATING}) | _ANY_END,
+    _S.MIGRATING: frozenset({_S.DECODING, _S.MIGRATING}) | _ANY_END,
     _S.FINISHED: frozenset(),
     _S.ABORTED: frozenset(),
     _S.FAILED: frozenset(),
@@ -88,138 +90,6 @@ TERMINAL = frozenset(s for s, nxt in TRANSITIONS.items() if not nxt)
 
 class IllegalTransition(AssertionError):
     """A handler tried a move the table does not allow: a bug in the flow or its executor."""
-
-
-# ---- commands: what an executor carries out, in the order given ------------------------------------
-@dataclass(frozen=True)
-class Follow:
-    """Take the request's outputs from this decode worker from now on (and from no other), and
-    only those of this attempt: the creation calls that follow carry it, the worker stamps it on
-    the request's outputs, and whatever an earlier attempt on the same worker left queued (a
-    worker that was given up and came back, or restarted) is told apart and dropped."""
-
-    worker_id: str
-    attempt: int = 0
-
-
-@dataclass(frozen=True)
-class Reserve:
-    """Ask decode worker D to set blocks aside for the prompt; answer with `on_reserved`."""
-
-    worker_id: str
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """Prefill on P into D's reserved blocks; answer with `on_prefill_done` or `on_prefill_failed`."""
-
-    worker_id: str
-    decode_worker: str
-    reservation: KVReservation
-
-
-@dataclass(frozen=True)
-class StartDecode:
-    """The KV is on D: let it decode on from the first token (sent with the first token, not awaited
-    before the client has it)."""
-
-    worker_id: str
-    first_token: int
-
-
-@dataclass(frozen=True)
-class Submit:
-    """D runs the request itself: from the prompt, or from `resume` after a migration. A refusal is
-    answered with `on_submit_refused`."""
-
-    worker_id: str
-    resume: ResumeState | None = None
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Free what the worker holds of the request. `final`: the request is over (the worker refuses
-    any late creation call for it); `wait`: the next command needs it done (a loss of D while
-    waiting is answered with `on_worker_lost`); otherwise it runs beside the rest, errors ignored.
-    A command that fails with the loss of D drops the rest of its batch: the handler of that loss
-    says what comes next."""
-
-    worker_id: str
-    final: bool
-    wait: bool = False
-
-
-@dataclass(frozen=True)
-class Emit:
-    """Pass an output on to the client."""
-
-    output: RequestOutput
-
-
-@dataclass(frozen=True)
-class Fail:
-    """End the request with an error (the router answers 500, or 503 when retryable)."""
-
-    message: str
-    retryable: bool
-
-
-@dataclass(frozen=True)
-class WaitForDecode:
-    """No decode worker to continue on: call `on_wait` again a moment later."""
-
-    until: float
-
-
-@dataclass(frozen=True)
-class QueueTokens:
-    """Change the prompt tokens counted as queued prefill work on a worker (the routing policy's
-    queue term) by `delta`."""
-
-    worker_id: str
-    delta: int
-
-
-@dataclass(frozen=True)
-class Count:
-    """Add `n` to one of the backend's counters."""
-
-    name: str
-    n: int = 1
-
-
-@dataclass(frozen=True)
-class MigrationGap:
-    """Seconds from losing the decode worker to the next token on the new one."""
-
-    seconds: float
-
-
-Command = (
-    Follow
-    | Reserve
-    | Prefill
-    | StartDecode
-    | Submit
-    | Abort
-    | Emit
-    | Fail
-    | WaitForDecode
-    | QueueTokens
-    | Count
-    | MigrationGap
-)
-
-COUNTERS = (
-    "remote_prefill",
-    "local_prefill",
-    "prefill_fallbacks",
-    "prefill_retries",
-    "kv_blocks_transferred",
-    "kv_bytes_transferred",
-    "migrations",
-    "migrations_failed",
-)
 
 
 class WorkerPicker(Protocol):
@@ -249,21 +119,22 @@ class FlowLimits:
 
 @dataclass
 class RequestFlow:
-    request_id: str
+    context: RequestContext
     prompt_len: int
     route: RouteDecision
     picker: WorkerPicker
+    trace: RequestTrace
     limits: FlowLimits = field(default_factory=FlowLimits)
-    trace: RequestTrace | None = None
     state: FlowState = FlowState.ROUTED
+    end_reason: EndReason | None = None
+    error: str | None = None
     decode_worker: str | None = None
-    prefill_worker: str | None = None  # the one prefilling now (None outside PREFILLING)
+    prefill_worker: str | None = None  # the one prefilling now (None outside RESERVING/PREFILLING)
     tried_prefill: set[str] = field(default_factory=set)
     output_token_ids: list[int] = field(default_factory=list)  # what the client has
     text_chars: int = 0
     migrations: int = 0  # failed decode workers so far
-    moves: int = 0  # every move, drains included; the attempt each Follow names
-    error: str | None = None
+    moves: int = 0  # every move, drains included: the attempt that outputs must carry
     # Prompt tokens counted as queued prefill work on `queued_on` until the first token.
     queued_on: str | None = None
     queued: int = 0
@@ -274,14 +145,23 @@ class RequestFlow:
     _lost_worker: str | None = None
     _wait_until: float = 0.0
 
-    def __post_init__(self) -> None:
-        if self.trace is None:
-            self.trace = RequestTrace(self.request_id, self.prompt_len)
+    @property
+    def request_id(self) -> str:
+        return self.context.request_id
 
     # ---- the table -------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self.state in TERMINAL
+
+    def current(self, worker_id: str, attempt: int) -> bool:
+        """Whether `worker_id` under `attempt` is where the request decodes now: what a worker says
+        of an earlier attempt (one the request left, or the same worker before a restart) is stale."""
+        return worker_id == self.decode_worker and attempt == self.moves and not self.done
+
+    def workers(self) -> tuple[str, ...]:
+        """The workers the request is on now (what an abort must free)."""
+        return tuple(w for w in (self.decode_worker, self.prefill_worker) if w is not None) if not self.done else ()
 
     def _move(self, new: FlowState) -> None:
         if new not in TRANSITIONS[self.state]:
@@ -301,29 +181,24 @@ class RequestFlow:
             return None
         return ResumeState(tuple(self.output_token_ids), self.text_chars)
 
-    # ---- handlers --------------------------------------------------------------------------------
+    # ---- the request's way through the pools ----------------------------------------------------
     def start(self, now: float) -> list[Command]:
         """The route was chosen a moment ago; its workers may have died or started draining since."""
         self._expect("start", FlowState.ROUTED)
         self._started_at = now
         picker = self.picker
-        decode = (
-            self.route.decode_worker
-            if picker.usable(self.route.decode_worker)
-            else picker.pick(Role.DECODE, frozenset())
-        )
+        route = self.route
+        decode = route.decode_worker if picker.usable(route.decode_worker) else picker.pick(Role.DECODE, frozenset())
         if decode is None:
-            return self._fail("no live decode worker", retryable=True)
+            return self._fail("no live decode worker", EndReason.NO_WORKER)
         self.decode_worker = decode
         self.trace.decode_worker = decode
-        self.queued_on, self.queued = self.route.prefill_worker or decode, self.prompt_len
-        commands: list[Command] = [Follow(decode), QueueTokens(self.queued_on, self.queued)]
-        if self.route.prefill_worker is None:
+        self.queued_on, self.queued = route.prefill_worker or decode, self.prompt_len
+        commands: list[Command] = [QueueTokens(self.queued_on, self.queued)]
+        if route.prefill_worker is None:
             return commands + self._submit_locally(now)
         prefill = (
-            self.route.prefill_worker
-            if picker.usable(self.route.prefill_worker)
-            else picker.pick(Role.PREFILL, frozenset())
+            route.prefill_worker if picker.usable(route.prefill_worker) else picker.pick(Role.PREFILL, frozenset())
         )
         if prefill is None:
             self.trace.fell_back_to_local = True
@@ -332,17 +207,32 @@ class RequestFlow:
         return commands + self._reserve(prefill)
 
     def on_reserved(self, reservation: KVReservation | None, now: float) -> list[Command]:
-        """D's answer to Reserve: blocks set aside, or None (no room now: D queues it as a local request)."""
+        """D's answer to Reserve: blocks set aside, or None (no room now: D queues it as a local request).
+        A request ended meanwhile (its client left while the call was out) has nothing to do."""
+        if self.done:
+            return []
         self._expect("on_reserved", FlowState.RESERVING)
         if reservation is None:
             return self._fall_back_to_local(now)
         self._move(FlowState.PREFILLING)
         self._sent_at = now
+        assert self.prefill_worker is not None and self.decode_worker is not None
         return [Prefill(self.prefill_worker, self.decode_worker, reservation)]
 
-    def on_prefill_done(self, result: PrefillResult, now: float) -> list[Command]:
+    def on_worker_output(self, worker_id: str, item: WorkerOutput, now: float) -> list[Command]:
+        """Something from a worker's outbox: decoded tokens, or a prefill's outcome."""
+        if isinstance(item, RequestOutput):
+            return self.on_output(worker_id, item, now)
+        if isinstance(item, PrefillResult):
+            return self.on_prefill_done(worker_id, item, now)
+        assert isinstance(item, PrefillFailed), item
+        return self.on_prefill_failed(worker_id, died=False, now=now)
+
+    def on_prefill_done(self, worker_id: str, result: PrefillResult, now: float) -> list[Command]:
         """P prefilled, pushed the KV into D's blocks and sampled the first token."""
-        self._expect("on_prefill_done", FlowState.PREFILLING)
+        if self.state is not FlowState.PREFILLING or worker_id != self.prefill_worker:
+            return []  # a prefill worker the request already left
+        assert self.decode_worker is not None
         first = result.output
         trace = self.trace
         trace.queue_s = (self._sent_at - self._started_at) + max(
@@ -362,15 +252,17 @@ class RequestFlow:
         self._record(first)
         if first.finished:
             # Nothing to decode: free the reservation beside the answer, not before it.
-            self._move(FlowState.FINISHED)
+            self._end(FlowState.FINISHED, EndReason.FINISHED)
             return commands + [Emit(first), Abort(self.decode_worker, final=True)]
         self._move(FlowState.DECODING)
         return commands + [StartDecode(self.decode_worker, first.token_ids[0]), Emit(first)]
 
     def on_prefill_failed(self, worker_id: str, died: bool, now: float) -> list[Command]:
-        """The prefill call failed: P died (another prefill worker tries, else D prefills), or P
-        refused it (D prefills). D's reservation is freed first either way."""
-        self._expect("on_prefill_failed", FlowState.PREFILLING)
+        """The prefill failed on P: P died (another prefill worker tries, else D prefills), or P
+        could not do it (D prefills). D's reservation is freed first either way."""
+        if self.state is not FlowState.PREFILLING or worker_id != self.prefill_worker:
+            return []
+        assert self.decode_worker is not None
         commands: list[Command] = [Count("prefill_fallbacks"), Abort(self.decode_worker, final=False, wait=True)]
         if died:
             retry = self.picker.pick(Role.PREFILL, frozenset(self.tried_prefill))
@@ -378,9 +270,10 @@ class RequestFlow:
                 return commands + [Count("prefill_retries")] + self._reserve(retry)
         return commands + self._fall_back_to_local(now)
 
-    def on_output(self, output: RequestOutput, now: float) -> list[Command]:
-        """An increment from the current decode worker."""
-        self._expect("on_output", FlowState.DECODING)
+    def on_output(self, worker_id: str, output: RequestOutput, now: float) -> list[Command]:
+        """An increment from a decode worker (dropped unless from the request's current one and attempt)."""
+        if self.state is not FlowState.DECODING or not self.current(worker_id, output.attempt):
+            return []
         commands: list[Command] = []
         if self.queued:
             commands += self._unqueue()
@@ -392,12 +285,20 @@ class RequestFlow:
         self._record(output)
         commands.append(Emit(output))
         if output.finished:
-            self._move(FlowState.FINISHED)
+            self._end(FlowState.FINISHED, EndReason.FINISHED)
         return commands
 
-    def on_worker_lost(self, worker_id: str, failure: bool, now: float) -> list[Command]:
-        """The request's decode worker died, stopped answering (`failure`), or is being drained."""
-        if self.done or worker_id != self.decode_worker or self.state in (FlowState.ROUTED, FlowState.MIGRATING):
+    # ---- healing -------------------------------------------------------------------------------
+    def on_worker_lost(self, worker_id: str, failure: bool, now: float, attempt: int | None = None) -> list[Command]:
+        """A worker the request is on died, stopped answering (`failure`), or is being drained. A
+        prefill worker's loss is a failed prefill; a decode worker's moves the request. `attempt`:
+        the request's attempt when the loss was seen (None: now); a loss seen before a move is stale,
+        even of the worker the request came back to."""
+        if self.done or (attempt is not None and attempt != self.moves):
+            return []
+        if worker_id == self.prefill_worker and self.state is FlowState.PREFILLING:
+            return self.on_prefill_failed(worker_id, died=True, now=now)
+        if worker_id != self.decode_worker or self.state in (FlowState.ROUTED, FlowState.MIGRATING):
             return []  # a worker the request already left, or is leaving
         self._expect("on_worker_lost", FlowState.RESERVING, FlowState.PREFILLING, FlowState.DECODING)
         if failure:
@@ -406,7 +307,7 @@ class RequestFlow:
                 return [Count("migrations_failed")] + self._fail(
                     f"request {self.request_id} lost its decode worker {self.migrations} times (last {worker_id}); "
                     f"giving up after {self.limits.max_migrations} migrations",
-                    retryable=True,
+                    EndReason.WORKER_LOST,
                 )
         self._move(FlowState.MIGRATING)
         self._lost_at = self._lost_at if self._lost_at is not None else now
@@ -426,16 +327,15 @@ class RequestFlow:
 
     def on_wait(self, now: float) -> list[Command]:
         """A moment after WaitForDecode: is there a decode worker now (the lost one restarted included)?"""
-        if self.done:
-            return []
-        self._expect("on_wait", FlowState.MIGRATING)
+        if self.state is not FlowState.MIGRATING:
+            return []  # ended meanwhile
         target = self.picker.pick(Role.DECODE, frozenset())
         if target is None:
             if now > self._wait_until:
                 return [Count("migrations_failed")] + self._fail(
                     f"request {self.request_id}: decode worker {self._lost_worker} was lost and no decode worker was "
                     f"live within {self.limits.migration_wait_s:.0f} s to continue it",
-                    retryable=True,
+                    EndReason.WORKER_LOST,
                 )
             return [WaitForDecode(self._wait_until)]
         commands: list[Command] = []
@@ -443,6 +343,7 @@ class RequestFlow:
             commands.append(Abort(target, final=False, wait=True))  # back after a restart: free it of the request first
         return commands + self._continue_on(target)
 
+    # ---- the ends that are not a finished answer ---------------------------------------------
     def on_submit_refused(self, worker_id: str, message: str, now: float) -> list[Command]:
         """D refused to run the request (a bug, or a context it cannot hold): no retry helps."""
         if self.done or worker_id != self.decode_worker:
@@ -450,30 +351,55 @@ class RequestFlow:
         self._expect("on_submit_refused", FlowState.DECODING)
         commands: list[Command] = [Count("migrations_failed")] if self.moves else []
         return commands + self._fail(
-            f"request {self.request_id} could not run on {worker_id}: {message}", retryable=False
+            f"request {self.request_id} could not run on {worker_id}: {message}", EndReason.REFUSED
         )
 
+    def on_kv_load_failed(self, worker_id: str, reason: str, now: float) -> list[Command]:
+        """The KV P pushed to D failed its checks, and D's policy is to fail (D freed the request)."""
+        if self.done or worker_id != self.decode_worker:
+            return []
+        return self._fail(f"the KV transfer of this request failed ({reason}); retry it", EndReason.KV_LOAD_FAILED)
+
+    def on_bad_input(self, message: str, now: float) -> list[Command]:
+        """A worker refused the request as bad input before holding anything of it (its structured
+        output does not compile there): the client gets a 400 naming the field."""
+        return [] if self.done else self._fail(message, EndReason.BAD_INPUT)
+
+    def on_error(self, message: str, now: float) -> list[Command]:
+        """A call to a worker failed in a way no handler above covers."""
+        return [] if self.done else self._fail(message, EndReason.ERROR)
+
+    def on_deadline(self, now: float) -> list[Command]:
+        """The request ran past its deadline (the HTTP layer answered 504)."""
+        return [] if self.done else self._fail(f"request {self.request_id} ran past its deadline", EndReason.DEADLINE)
+
     def on_client_gone(self, now: float) -> list[Command]:
-        """The consumer went away (a client disconnect, or the stream closed on an error)."""
+        """The consumer went away (a client disconnect, or the stream closed)."""
         if self.done:
             return []
         commands = self._free_everything()
-        self._move(FlowState.ABORTED)
+        self._end(FlowState.ABORTED, EndReason.CLIENT_GONE)
         return commands
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _end(self, state: FlowState, reason: EndReason) -> None:
+        self._move(state)
+        self.end_reason = reason
+
     def _reserve(self, prefill: str) -> list[Command]:
+        assert self.decode_worker is not None
         self._move(FlowState.RESERVING)
         self.prefill_worker = prefill
         self.tried_prefill.add(prefill)
         self.trace.prefill_worker = prefill
-        return [Reserve(self.decode_worker)]
+        return [Reserve(self.decode_worker, self.moves)]
 
     def _submit_locally(self, now: float) -> list[Command]:
+        assert self.decode_worker is not None
         self._move(FlowState.DECODING)
         self._submitted_at = now
         self.trace.queue_s = now - self._started_at
-        return [Count("local_prefill"), Submit(self.decode_worker)]
+        return [Count("local_prefill"), Submit(self.decode_worker, self.moves)]
 
     def _fall_back_to_local(self, now: float) -> list[Command]:
         self.prefill_worker = None
@@ -486,7 +412,7 @@ class RequestFlow:
         self.moves += 1
         self.decode_worker = target
         self.trace.decode_worker = target
-        return [Count("migrations"), Follow(target, self.moves), Submit(target, self.resume_state())]
+        return [Count("migrations"), Submit(target, self.moves, self.resume_state())]
 
     def _record(self, output: RequestOutput) -> None:
         self.output_token_ids.extend(output.token_ids)
@@ -495,20 +421,18 @@ class RequestFlow:
     def _unqueue(self) -> list[Command]:
         if not self.queued:
             return []
+        assert self.queued_on is not None
         commands: list[Command] = [QueueTokens(self.queued_on, -self.queued)]
         self.queued = 0
         return commands
 
     def _free_everything(self) -> list[Command]:
         commands = self._unqueue()
-        if self.decode_worker is not None:
-            commands.append(Abort(self.decode_worker, final=True))
-        if self.prefill_worker is not None:
-            commands.append(Abort(self.prefill_worker, final=True))
+        commands += [Abort(worker, final=True) for worker in self.workers()]
         return commands
 
-    def _fail(self, message: str, retryable: bool) -> list[Command]:
+    def _fail(self, message: str, reason: EndReason) -> list[Command]:
         commands = self._free_everything()
         self.error = message
-        self._move(FlowState.FAILED)
-        return commands + [Fail(message, retryable)]
+        self._end(FlowState.FAILED, reason)
+        return commands + [Fail(message, reason)]

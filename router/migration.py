@@ -4,7 +4,7 @@ the choice of where it goes.
 The router is the one place that knows what a client already has: every token id and every
 character of text it streamed (`router.flow.RequestFlow` keeps it). When the request's decode worker
 is lost, a `ResumeState` carries it to another decode worker, which re-prefills prompt + those
-tokens (its prefix cache helps) and decodes on (workers.engine.LLMEngine.resume_request): the
+tokens (its prefix cache helps) and decodes on (workers.engine.llm_engine.LLMEngine.resume_request): the
 stream continues with no token or character repeated or lost, and greedy output is what an
 undisturbed run gives.
 
@@ -26,11 +26,13 @@ __all__ = ["WorkerLost", "pick_worker"]
 class WorkerLost(BackendError):
     """A request's decode worker is gone (died, stopped answering, or drained): move the request."""
 
-    def __init__(self, worker_id: str, message: str, failure: bool = True) -> None:
+    def __init__(self, worker_id: str, message: str, failure: bool = True, attempt: int | None = None) -> None:
         super().__init__(message, retryable=True)
         self.worker_id = worker_id
         # False for a drain: moving off a worker being removed is no failure and uses no attempt.
         self.failure = failure
+        # The request's attempt when the loss was seen (router.flow.RequestFlow.moves; None: now).
+        self.attempt = attempt
 
 
 def pick_worker(workers: Iterable[WorkerInfo], exclude: frozenset[str] = frozenset()) -> str | None:

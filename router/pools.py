@@ -1,7 +1,8 @@
 """The worker pools as the router sees them: membership, health, output pumps, draining.
 
-`WorkerPools` knows workers, not requests (`router.ray_backend.RayBackend` runs the requests over it
-and reaches it only through its public methods):
+`WorkerPools` knows workers; the requests on them are `requests` (a `router.requests.RequestTable`,
+which `router.ray_backend.RayBackend` runs over it), to which the pools hand what workers say.
+Every call to a worker goes through its typed client (`common.worker_client.WorkerClient`).
 
 - **Health**: the health loop's one `heartbeat` RPC per worker and interval returns the worker's
   stats and its KV events since the last one; they feed `prefix_index` (a `PrefixIndex`), which
@@ -12,8 +13,9 @@ and reaches it only through its public methods):
   (ActorDiedError, or Ray's state DEAD: an actor the memory monitor killed answers every call with
   OutOfMemoryError, restarts left or not) is `gone`: the callbacks given to `subscribe_gone` (the
   pool manager's) hear of it, and replace it.
-- **Streams**: one long-poll loop ("pump") per decode worker carries every request's new tokens
-  at once into that request's queue, only while the request still runs on that worker.
+- **Outputs**: one long-poll loop ("pump") per worker carries everything its outbox holds for this
+  router at once (decoded tokens, prefills' outcomes) to each request's inbox; each request's flow
+  drops what comes from a worker it has left.
 - **Leases**: every call names this router (`router`, a `RouterClaim`): with several router
   processes over the same workers (`baton serve --api-server-count N`) each worker keeps one
   outbox and one KV-event queue per router, and ends the requests of a router whose lease (renewed
@@ -37,20 +39,27 @@ from typing import Protocol
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError, RayTaskError
 
-from common.protocol import DEFAULT_ROUTER_ID, GrammarCounts, KVEndpoint, RouterClaim, RouterLeaseInfo, SpecDecodeStats
+from common.protocol import (
+    DEFAULT_ROUTER_ID,
+    GrammarCounts,
+    KVEndpoint,
+    PrefillResult,
+    RouterClaim,
+    RouterLeaseInfo,
+    SpecDecodeStats,
+)
 from common.roles import Role
+from common.worker_client import WorkerClient
 from router.backend import BackendError, WorkerInfo
-from router.migration import WorkerLost, pick_worker
+from router.migration import pick_worker
 from router.prefix_index import PrefixIndex
+from router.requests import RequestTable
 
-__all__ = ["DEFAULT_LEASE_S", "PoolWorker", "Stream", "WorkerEntry", "WorkerPools"]
+__all__ = ["DEFAULT_LEASE_S", "PoolWorker", "WorkerEntry", "WorkerPools"]
 
 log = logging.getLogger("baton.router")
 
 DEFAULT_LEASE_S = 5.0  # a router silent this long is gone for the workers (cluster.config: router_lease)
-# A route chosen for a request that never started in the pools (its client left first) stops
-# counting as queued prefill work after this long (WorkerPools.routed).
-ROUTED_TTL_S = 10.0
 
 
 class WorkerEntry(Protocol):
@@ -67,7 +76,8 @@ class PoolWorker:
 
     worker_id: str
     role: Role
-    handle: object
+    handle: object  # the actor's handle (Ray's state of the actor is asked by it)
+    client: WorkerClient
     alive: bool = True
     draining: bool = False
     gone: bool = False  # dead for good (no restart left): only a replacement brings the pool back
@@ -77,14 +87,6 @@ class PoolWorker:
     last_heartbeat: float | None = None  # wall clock of the last answer
     down: asyncio.Event | None = None  # set when marked down: calls waiting on it stop waiting (see unless_down)
     routers: tuple[RouterLeaseInfo, ...] = ()  # the routers holding a lease on it, as of its last heartbeat
-
-
-@dataclass
-class Stream:
-    decode_worker: str
-    queue: asyncio.Queue  # RequestOutput or WorkerLost; a new queue per decode worker
-    prefill_worker: str | None = None
-    attempt: int = 0  # router.flow.Follow: only outputs stamped with it are the request's
 
 
 class WorkerPools:
@@ -106,11 +108,9 @@ class WorkerPools:
         # Ray's) took 6.5% of a core with polls every 0.05 s, 2.5% at 0.5 s (per-thread CPU time
         # over 20 s): CPU a neighbour, or another server on the host, can use.
         self.poll_timeout_s = poll_timeout_s
-        self._streams: dict[str, Stream] = {}
+        self.requests = RequestTable()
         self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
         self._queued_prefill: dict[str, int] = {}
-        # Request id -> (worker, prompt tokens, expiry): routed, not yet started (see routed()).
-        self._routed: dict[str, tuple[str, int, float]] = {}
         self._tasks: list[asyncio.Task] = []
         self._pumps: dict[str, asyncio.Task] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -149,7 +149,7 @@ class WorkerPools:
             self._start_pump(w)
 
     def _start_pump(self, w: PoolWorker) -> None:
-        if w.role is Role.DECODE and self._loop is not None and w.worker_id not in self._pumps:
+        if self._loop is not None and w.worker_id not in self._pumps:
             self._pumps[w.worker_id] = self._loop.create_task(self._pump(w))
 
     async def close(self) -> None:
@@ -158,7 +158,7 @@ class WorkerPools:
         self._tasks, self._pumps = [], {}
 
     # ---- the pools -----------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, role: Role | str, handle: object) -> None:
+    def add_worker(self, worker_id: str, role: Role, handle: object) -> None:
         """Serve with one more worker (already started and ready); new requests may go to it at once."""
         if worker_id in self._workers:
             raise ValueError(f"worker {worker_id!r} is already in the pools")
@@ -166,21 +166,14 @@ class WorkerPools:
             role = Role(role)
         except ValueError:
             raise ValueError(f"role must be prefill or decode, got {role!r}") from None
-        w = PoolWorker(worker_id, role, handle)
+        w = PoolWorker(worker_id, role, handle, WorkerClient(handle))
         self._workers[worker_id] = w
         self._queued_prefill[worker_id] = 0
         self._start_pump(w)
 
     def in_flight(self, worker_id: str) -> int:
         """Requests the router has on this worker now (decoding there, or prefilling there)."""
-        return self._in_flight_counts().get(worker_id, 0)
-
-    def _in_flight_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for stream in list(self._streams.values()):  # a copy: workers() may be read from another thread
-            for wid in {stream.decode_worker, stream.prefill_worker} - {None}:
-                counts[wid] = counts.get(wid, 0) + 1
-        return counts
+        return len(self.requests.on_worker(worker_id))
 
     async def drain_worker(self, worker_id: str, timeout_s: float) -> int:
         """Stop routing to the worker and wait, up to timeout_s, for its requests to finish; then
@@ -193,18 +186,16 @@ class WorkerPools:
             await asyncio.sleep(0.05)
         moved = 0
         if w.role is Role.DECODE:
-            for stream in self._streams.values():
-                if stream.decode_worker == worker_id:
-                    stream.queue.put_nowait(WorkerLost(worker_id, f"decode worker {worker_id} is being removed", False))
-                    moved += 1
+            moved = self.requests.worker_lost(worker_id, f"decode worker {worker_id} is being removed", failure=False)
             # The moves themselves are quick (a resubmit each); bounded anyway.
             deadline = time.monotonic() + max(5.0, self.health_timeout_s)
-            while any(s.decode_worker == worker_id for s in self._streams.values()) and time.monotonic() < deadline:
+            while self.in_flight(worker_id) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
         return moved
 
     def remove_worker(self, worker_id: str) -> object:
-        """Forget the worker (its prefix-index entries go with it); returns its handle to stop."""
+        """Forget the worker (its prefix-index entries go with it, its requests move); returns its
+        actor handle to stop."""
         w = self._workers.pop(worker_id, None)
         if w is None:
             raise ValueError(f"unknown worker {worker_id!r}")
@@ -213,8 +204,7 @@ class WorkerPools:
             pump.cancel()
         self.prefix_index.remove_worker(worker_id)
         self._queued_prefill.pop(worker_id, None)
-        if w.role is Role.DECODE:
-            self._fail_streams(worker_id, f"decode worker {worker_id} was removed")
+        self.requests.worker_lost(worker_id, f"{w.role} worker {worker_id} was removed")
         return w.handle
 
     def router_leases(self) -> list[dict]:
@@ -247,8 +237,8 @@ class WorkerPools:
             self.ensure_started()
         except RuntimeError:
             pass  # no running loop (sync code), or another loop's (a caller in another thread): report what we know
-        in_flight = self._in_flight_counts()
-        queued = self._queued_with_routed(time.monotonic())
+        in_flight = self.requests.in_flight_counts()
+        queued = self._queued_prefill
         infos = []
         for w in list(self._workers.values()):
             s = w.stats
@@ -282,7 +272,7 @@ class WorkerPools:
 
         async def one(w: PoolWorker) -> None:
             try:
-                beat = await asyncio.wait_for(w.handle.heartbeat.remote(self.router), self.health_timeout_s)
+                beat = await asyncio.wait_for(w.client.heartbeat(self.router), self.health_timeout_s)
             except (RayError, asyncio.TimeoutError) as exc:
                 self.mark_down(w, exc)
                 return
@@ -319,8 +309,7 @@ class WorkerPools:
         # that as a RayTaskError that is also an ActorDiedError, and the worker itself restarts.
         w.gone = w.gone or (isinstance(exc, ActorDiedError) and not isinstance(exc, RayTaskError))
         self.prefix_index.remove_worker(w.worker_id)
-        if w.role is Role.DECODE:
-            self._fail_streams(w.worker_id, f"decode worker {w.worker_id} is down")
+        self.requests.worker_lost(w.worker_id, f"{w.role} worker {w.worker_id} is down")
 
     async def _find_dead(self) -> None:
         """Mark gone the down workers whose actors Ray has given up on. A call to such an actor
@@ -352,7 +341,7 @@ class WorkerPools:
 
         async def renew(w: PoolWorker) -> None:
             try:
-                await asyncio.wait_for(w.handle.renew_lease.remote(self.router), self.router.lease_s)
+                await asyncio.wait_for(w.client.renew_lease(self.router), self.router.lease_s)
             except (RayError, asyncio.TimeoutError):
                 pass  # the health loop decides about the worker
 
@@ -366,23 +355,15 @@ class WorkerPools:
                 await asyncio.sleep(self.health_interval_s)
                 continue
             try:
-                outputs = await w.handle.poll_outputs.remote(self.poll_timeout_s, self.router)
+                outputs = await w.client.poll_outputs(self.poll_timeout_s, self.router)
             except RayError as exc:
                 self.mark_down(w, exc)
                 continue
             now = time.time()
             for out in outputs:
-                self.stream_delays.append(now - out.created_at)
-                stream = self._streams.get(out.request_id)
-                # Only the request's current decode worker speaks for it (one it left may linger),
-                # and only for the current attempt (an earlier one on the same worker may too).
-                if stream is not None and stream.decode_worker == w.worker_id and out.attempt == stream.attempt:
-                    stream.queue.put_nowait(out)
-
-    def _fail_streams(self, decode_worker: str, message: str) -> None:
-        for stream in self._streams.values():
-            if stream.decode_worker == decode_worker:
-                stream.queue.put_nowait(WorkerLost(decode_worker, message))
+                created = out.output.created_at if isinstance(out, PrefillResult) else out.created_at
+                self.stream_delays.append(now - created)
+                self.requests.deliver(w.worker_id, out)
 
     async def unless_down(self, w: PoolWorker, call):
         """Await a call to the worker, but no longer than the worker is considered alive: a call to
@@ -426,52 +407,8 @@ class WorkerPools:
     async def endpoint(self, w: PoolWorker) -> KVEndpoint:
         """A decode worker's KV endpoint, fetched once per incarnation."""
         if w.endpoint is None:
-            w.endpoint = await w.handle.endpoint.remote()
+            w.endpoint = await w.client.endpoint()
         return w.endpoint
-
-    def open_stream(self, request_id: str, decode_worker: str) -> Stream:
-        stream = Stream(decode_worker, asyncio.Queue())
-        self._streams[request_id] = stream
-        return stream
-
-    def follow(self, stream: Stream, decode_worker: str, attempt: int) -> None:
-        """Take the stream's outputs of this attempt from this decode worker from now on (a fresh
-        queue, and outputs of an earlier attempt dropped: nothing said before, by the worker it
-        left or by this one before it was given up or restarted, reaches it)."""
-        stream.decode_worker, stream.queue, stream.prefill_worker = decode_worker, asyncio.Queue(), None
-        stream.attempt = attempt
-
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
-    def has_streams(self) -> bool:
-        return bool(self._streams)
-
-    def decode_worker_of_streams(self) -> dict[str, str]:
-        """Request id -> the decode worker it streams from now."""
-        return {rid: s.decode_worker for rid, s in list(self._streams.items())}
-
-    def stream_of(self, request_id: str) -> Stream | None:
-        return self._streams.get(request_id)
-
-    def routed(self, request_id: str, worker_id: str, tokens: int, now: float) -> None:
-        """A route for request_id was just chosen: its prompt counts as queued on worker_id until the
-        request starts in the pools, where its flow queues the tokens itself (forget_route). The
-        requests of a burst are all routed before the first of them starts (each starts when the
-        event loop comes back to it), and each must see the prompts routed before it."""
-        self._routed[request_id] = (worker_id, tokens, now + ROUTED_TTL_S)
-
-    def forget_route(self, request_id: str) -> None:
-        self._routed.pop(request_id, None)
-
-    def _queued_with_routed(self, now: float) -> dict[str, int]:
-        queued = dict(self._queued_prefill)
-        for request_id, (worker_id, tokens, expires) in list(self._routed.items()):
-            if expires < now:
-                self._routed.pop(request_id, None)
-            elif worker_id in queued:
-                queued[worker_id] += tokens
-        return queued
 
     def queue_tokens(self, worker_id: str, delta: int) -> None:
         """Prompt tokens counted as queued prefill work on the worker (the routing policy's queue term)."""

@@ -1,17 +1,23 @@
 """The serving backend over Ray actor pools: carries out each request's `router.flow.RequestFlow`
-as Ray calls.
+as calls to the workers.
 
 The flow decides (reserve on D, prefill on P, start decoding, resubmit after a migration, abort);
-this module only makes the calls, turns their answers and failures into the flow's events, and
-passes its outputs on. Tokens come back through one long-poll loop per decode worker that carries
-every request's new tokens at once (router.pools, which also owns the workers' health, the prefix
-index's KV events, and adding and draining workers at runtime).
+this module only makes the calls through each worker's typed client, turns their answers and
+failures into the flow's events, and passes its outputs on. What the workers produce (decoded
+tokens, prefills' outcomes) comes back through one long-poll loop per worker that carries every
+request's items at once into the request's inbox (router.pools, which also owns the workers'
+health, the prefix index's KV events, and adding and draining workers at runtime).
+
+A request is a `router.requests.LiveRequest` from `generate` to its end: its flow, its pending
+commands, its inbox. Ending it from outside (`abort`: the client left, or its deadline passed)
+is a handler of the flow like any other, whose commands run here at once; the run then finds
+its flow ended and stops.
 
 What is Ray's alone stays here: a call to a worker that Ray is restarting is abandoned when the
-health loop marks the worker down (`WorkerPools.unless_down`), and the calls that create a
-request's state on a decode worker are kept until they return, because the worker is a threaded
-actor that may run a later abort first (a final abort waits for them, else a reservation made
-after its abort would hold blocks forever).
+health loop marks the worker down (`WorkerPools.unless_down`), and a call that creates a
+request's state on a decode worker is kept (`LiveRequest.creating`) until it returns, because
+the worker is a threaded actor that may run a later abort first (a final abort waits for it,
+else a reservation made after its abort would hold blocks forever).
 
 Imports ray but never torch: worker-side objects (KV endpoints included) cross as the torch-free
 dataclasses of common.protocol.
@@ -24,48 +30,51 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import Any
 
 from ray.exceptions import RayActorError, RayError
 
-from common.protocol import GrammarCompileError, PrefillRequest, RequestOutput
+from common.protocol import GrammarCompileError, RequestOutput
+from common.request import (
+    AbortRequest,
+    PrefillRequest,
+    RequestOwner,
+    ReserveRequest,
+    StartDecodeRequest,
+    SubmitRequest,
+)
 from common.roles import Role
 from common.transports import KVLoadFailed
 from router.backend import BackendError, GenerateRequest, WorkerInfo
-from router.flow import (
+from router.flow import FlowLimits, RequestFlow
+from router.flow_commands import (
     COUNTERS,
     Abort,
     Command,
     Count,
     Emit,
+    EndReason,
     Fail,
-    FlowLimits,
-    FlowState,
-    Follow,
     MigrationGap,
     Prefill,
     QueueTokens,
-    RequestFlow,
     Reserve,
     StartDecode,
     Submit,
     WaitForDecode,
 )
 from router.migration import WorkerLost
-from router.pools import PoolWorker, Stream, WorkerPools
+from router.pools import PoolWorker, WorkerPools
 from router.prefix_index import PrefixIndex
+from router.requests import CallFailed, Delivered, Ended, InboxEvent, LiveRequest
 
 __all__ = ["RayBackend"]
 
 log = logging.getLogger("baton.router")
 
-
-def _bad_input(exc: RayError) -> GrammarCompileError | None:
-    """The worker's refusal of the request as bad input, when that is what `exc` carries: its
-    structured output does not compile there. The worker raised it before holding anything; the
-    generator's cleanup (the flow's on_client_gone) frees what the other pool holds, and the
-    router answers 400 naming the field."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, GrammarCompileError) else None
+# Commands that only count: run at once when a request starts, so a burst of requests routed in
+# one go sees each other's prompts as queued work (each starts when the event loop comes to it).
+_BOOKKEEPING = (QueueTokens, Count)
 
 
 class RayBackend:
@@ -77,8 +86,7 @@ class RayBackend:
         self.counters = dict.fromkeys(COUNTERS, 0)
         # Seconds from losing a request's decode worker to its next token on the new one (bounded).
         self.migration_gaps: deque[float] = deque(maxlen=1000)
-        # Creation RPCs (submit, reserve, start_decode) in flight, or whose caller was cancelled.
-        self._creating: dict[str, object] = {}
+        self._tasks: set[asyncio.Task] = set()  # calls running beside their request (held: not collected)
 
     @property
     def prefix_index(self) -> PrefixIndex:
@@ -96,151 +104,137 @@ class RayBackend:
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        # The prompt counts as queued on its worker from now, not from the first iteration: a burst
-        # of requests is routed before any of them starts (WorkerPools.routed).
-        route = request.route
-        self.pools.routed(
-            request.request_id,
-            route.prefill_worker or route.decode_worker,
-            len(request.prompt_token_ids),
-            time.monotonic(),
+        flow = RequestFlow(
+            request.context, len(request.prompt_token_ids), request.route, self.pools, request.trace, self.limits
         )
-        return self._run(request)
+        live = LiveRequest(flow, request.request)
+        self.pools.requests.open(live)
+        live.pending.extend(flow.start(time.monotonic()))
+        while live.pending and isinstance(live.pending[0], _BOOKKEEPING):
+            self._bookkeep(live.pending.popleft())
+        return self._run(live)
 
-    async def _run(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        self.pools.ensure_started()
-        rid = request.request_id
-        self.pools.forget_route(rid)  # flow.start queues the prompt itself, in this same step
-        flow = RequestFlow(rid, len(request.prompt_token_ids), request.route, self.pools, self.limits, request.trace)
-        stream = self.pools.open_stream(rid, request.route.decode_worker)
-        pending: deque[Command] = deque(flow.start(time.monotonic()))
+    async def _run(self, live: LiveRequest) -> AsyncIterator[RequestOutput]:
+        flow, pending = live.flow, live.pending
         try:
+            self.pools.ensure_started()
             while not flow.done or pending:
                 if not pending:
-                    # Only a decoding request waits for its stream; every other state has a command out.
-                    assert flow.state is FlowState.DECODING, flow.state
-                    item = await self._next_output(flow, stream)
-                    if isinstance(item, WorkerLost):
-                        pending.extend(flow.on_worker_lost(item.worker_id, item.failure, time.monotonic()))
-                    else:
-                        pending.extend(flow.on_output(item, time.monotonic()))
+                    pending.extend(self._on_event(live, await live.inbox.get()))
                     continue
                 command = pending.popleft()
                 if isinstance(command, Emit):
                     yield command.output
                 elif isinstance(command, Fail):
-                    raise BackendError(command.message, retryable=command.retryable)
+                    raise _error_of(command)
                 else:
                     try:
-                        pending.extend(await self._execute(flow, request, stream, command))
+                        pending.extend(await self._execute(live, command))
                     except WorkerLost as lost:
                         pending.clear()  # the rest of the batch assumed the worker it just lost
-                        pending.extend(flow.on_worker_lost(lost.worker_id, lost.failure, time.monotonic()))
+                        now = time.monotonic()
+                        pending.extend(flow.on_worker_lost(lost.worker_id, lost.failure, now, lost.attempt))
         finally:
-            self.pools.close_stream(rid)
+            self.pools.requests.close(flow.request_id)
             # A consumer that closes the stream at its finished output leaves the commands after
-            # that Emit unrun: a finished first token's Abort of D's reservation is one of them.
-            leftover = [c for c in pending if isinstance(c, (Abort, QueueTokens))]
-            # The consumer went away (client disconnect) or something failed: free the request's
-            # blocks in both pools. Tasks, because this may run while the generator closes.
-            for command in leftover + flow.on_client_gone(time.monotonic()):
-                if isinstance(command, Abort):
-                    self._abort_in_background(rid, command)
-                elif isinstance(command, QueueTokens):
-                    self.pools.queue_tokens(command.worker_id, command.delta)
+            # that Emit unrun (a finished first token's Abort of D's reservation is one of them);
+            # one that goes away (or a failure) ends the request: free its blocks in both pools.
+            # Tasks, because this may run while the generator closes.
+            self._run_beside(live, [*_leftover(pending), *flow.on_client_gone(time.monotonic())])
 
-    async def _next_output(self, flow: RequestFlow, stream: Stream) -> RequestOutput | WorkerLost:
-        # D's start_decode went out with the first token; it is awaited only now, so the client
-        # does not wait for D's current engine step.
-        starting = self._creating.get(flow.request_id)
-        decode = self.pools.get(flow.decode_worker)
-        if starting is not None and decode is not None:
-            try:
-                await self._create_on(decode, flow.request_id, starting)
-            except WorkerLost as lost:  # D died before it could start: the flow moves the request
-                return lost
-            except RayError as exc:
-                failed = getattr(exc, "cause", None)
-                if isinstance(failed, KVLoadFailed):  # --kv-load-failure-policy fail: D freed it; retryable
-                    raise BackendError(
-                        f"the KV transfer of this request failed ({failed.reason}); retry it", retryable=True
-                    ) from exc
-                raise
-        item = await stream.queue.get()
-        if isinstance(item, Exception) and not isinstance(item, WorkerLost):
-            raise item
-        return item
+    async def abort(self, request_id: str, reason: EndReason = EndReason.CLIENT_GONE) -> None:
+        """End the request from outside its run (the client left, or its deadline passed): the
+        flow's handler frees what it holds, here and now; its run wakes and stops."""
+        live = self.pools.requests.get(request_id)
+        if live is None:
+            return
+        flow, now = live.flow, time.monotonic()
+        ending = flow.on_deadline(now) if reason is EndReason.DEADLINE else flow.on_client_gone(now)
+        commands = [*_leftover(live.pending), *ending]
+        live.pending.clear()
+        self.pools.requests.close(request_id)
+        live.inbox.put_nowait(Ended())
+        for command in commands:
+            if isinstance(command, QueueTokens):
+                self._bookkeep(command)
+        aborts = [c for c in commands if isinstance(c, Abort)]
+        await asyncio.gather(*(self._abort_quietly(live, c) for c in aborts))
 
-    async def _execute(
-        self, flow: RequestFlow, request: GenerateRequest, stream: Stream, command: Command
-    ) -> list[Command]:
+    # ---- events ------------------------------------------------------------------------------
+    def _on_event(self, live: LiveRequest, event: InboxEvent) -> list[Command]:
+        flow, now = live.flow, time.monotonic()
+        if isinstance(event, Delivered):
+            return flow.on_worker_output(event.worker_id, event.item, now)
+        if isinstance(event, WorkerLost):
+            return flow.on_worker_lost(event.worker_id, event.failure, now, event.attempt)
+        if isinstance(event, CallFailed):
+            if not flow.current(event.worker_id, event.attempt):
+                return []  # a call of an attempt the request has left
+            return self._failed(flow, event.worker_id, event.error)
+        assert isinstance(event, Ended)
+        return []
+
+    def _failed(self, flow: RequestFlow, worker_id: str, error: BaseException) -> list[Command]:
+        """A call to `worker_id` failed: what the flow makes of it, by what the worker raised."""
+        now = time.monotonic()
+        if isinstance(error, WorkerLost):
+            return flow.on_worker_lost(error.worker_id, error.failure, now, error.attempt)
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, KVLoadFailed):  # --kv-load-failure-policy fail: D freed it
+            return flow.on_kv_load_failed(worker_id, cause.reason, now)
+        if isinstance(cause, GrammarCompileError):  # raised before the worker held anything
+            return flow.on_bad_input(str(cause), now)
+        return flow.on_error(f"a call to {worker_id} failed: {error}", now)
+
+    # ---- commands ----------------------------------------------------------------------------
+    async def _execute(self, live: LiveRequest, command: Command) -> list[Command]:
         """Carry out one command; returns the flow's answer to its outcome (or nothing)."""
-        rid = flow.request_id
-        if isinstance(command, Count):
-            self.counters[command.name] += command.n
-        elif isinstance(command, QueueTokens):
-            self.pools.queue_tokens(command.worker_id, command.delta)
+        flow, rid = live.flow, live.flow.request_id
+        if isinstance(command, (Count, QueueTokens)):
+            self._bookkeep(command)
         elif isinstance(command, MigrationGap):
             self.migration_gaps.append(command.seconds)
-        elif isinstance(command, Follow):
-            if flow.moves:
-                log.warning(
-                    "request %s moves to %s after %d tokens", rid, command.worker_id, len(flow.output_token_ids)
-                )
-            self.pools.follow(stream, command.worker_id, command.attempt)
         elif isinstance(command, Reserve):
             decode = self._worker(command.worker_id)
+            owner = RequestOwner(self.pools.router, command.attempt)
             try:
                 reservation = await self._create_on(
-                    decode,
-                    rid,
-                    decode.handle.reserve.remote(
-                        rid, request.prompt_token_ids, request.sampling_params, self.pools.router, stream.attempt
-                    ),
+                    live, decode, decode.client.reserve(ReserveRequest(live.request, owner))
                 )
             except RayError as exc:
-                bad = _bad_input(exc)
-                if bad is not None:
-                    raise bad from None
-                raise
+                return self._failed(flow, decode.worker_id, exc)
             return flow.on_reserved(reservation, time.monotonic())
         elif isinstance(command, Prefill):
-            return await self._prefill(flow, request, stream, command)
+            return await self._prefill(live, command)
         elif isinstance(command, StartDecode):
             decode = self._worker(command.worker_id)
-            self._creating[rid] = decode.handle.start_decode.remote(rid, command.first_token)
+            ref = decode.client.start_decode(StartDecodeRequest(rid, command.first_token))
+            live.creating = ref  # not awaited here: the client has its first token before D's step ends
+            self._beside(self._watch_start(live, decode, ref, flow.moves))
         elif isinstance(command, Submit):
+            if flow.moves:
+                moved = len(flow.output_token_ids)
+                log.warning("request %s moves to %s after %d tokens", rid, command.worker_id, moved)
             decode = self._worker(command.worker_id)
+            submit = SubmitRequest(live.request, RequestOwner(self.pools.router, command.attempt), command.resume)
             try:
-                await self._create_on(
-                    decode,
-                    rid,
-                    decode.handle.submit.remote(
-                        rid,
-                        request.prompt_token_ids,
-                        request.sampling_params,
-                        command.resume,
-                        self.pools.router,
-                        stream.attempt,
-                    ),
-                )
-            except RayError as exc:  # refused (a bug, or a worker that cannot hold the context)
-                bad = _bad_input(exc)
-                if bad is not None:
-                    raise bad from None
+                await self._create_on(live, decode, decode.client.submit(submit))
+            except RayError as exc:  # refused (a bug, or a worker that cannot hold the context), or bad input
+                if isinstance(getattr(exc, "cause", None), GrammarCompileError):
+                    return self._failed(flow, decode.worker_id, exc)
                 return flow.on_submit_refused(command.worker_id, str(exc), time.monotonic())
         elif isinstance(command, Abort):
-            if command.wait:
-                w = self.pools.get(command.worker_id)
-                if w is not None:
-                    try:
-                        await self._call(w, w.handle.abort.remote(rid, command.final))
-                    except WorkerLost:
-                        raise
-                    except (RayError, BackendError):
-                        pass  # a dead prefill worker, or a refusal: it holds nothing we can free
-            else:
-                self._abort_in_background(rid, command)
+            if not command.wait:
+                self._run_beside(live, [command])
+                return []
+            w = self.pools.get(command.worker_id)
+            if w is not None:
+                try:
+                    await self._call(w, w.client.abort(AbortRequest(rid, command.final)))
+                except WorkerLost:
+                    raise
+                except (RayError, BackendError):
+                    pass  # a dead prefill worker, or a refusal: it holds nothing we can free
         elif isinstance(command, WaitForDecode):
             await asyncio.sleep(min(0.1, self.pools.health_interval_s))
             return flow.on_wait(time.monotonic())
@@ -248,40 +242,51 @@ class RayBackend:
             raise AssertionError(f"no executor for {command!r}")
         return []
 
-    async def _prefill(
-        self, flow: RequestFlow, request: GenerateRequest, stream: Stream, command: Prefill
-    ) -> list[Command]:
-        rid = flow.request_id
+    async def _prefill(self, live: LiveRequest, command: Prefill) -> list[Command]:
+        """Queue the prompt on P; its outcome arrives from P's outbox (or P is found lost)."""
+        flow = live.flow
         decode, prefill = self._worker(command.decode_worker), self.pools.get(command.worker_id)
         if prefill is None:  # removed from its pool since the route was chosen
             return flow.on_prefill_failed(command.worker_id, died=True, now=time.monotonic())
         endpoint = await self._call(decode, self.pools.endpoint(decode))
-        stream.prefill_worker = prefill.worker_id
+        reservation = command.reservation
+        request = PrefillRequest(
+            live.request,
+            endpoint,
+            reservation.block_ids,
+            reservation.num_cached_tokens,
+            RequestOwner(self.pools.router),
+        )
         try:
-            result = await self.pools.unless_down(
-                prefill,
-                prefill.handle.prefill.remote(
-                    PrefillRequest(
-                        rid,
-                        request.prompt_token_ids,
-                        request.sampling_params,
-                        endpoint,
-                        command.reservation.block_ids,
-                        command.reservation.num_cached_tokens,
-                        self.pools.router,
-                    )
-                ),
-            )
+            await self.pools.unless_down(prefill, prefill.client.prefill(request))
         except RayActorError as exc:
             self.pools.mark_down(prefill, exc)
-            log.warning("prefill worker %s died during %s", prefill.worker_id, rid)
+            log.warning("prefill worker %s died during %s", prefill.worker_id, flow.request_id)
             return flow.on_prefill_failed(prefill.worker_id, died=True, now=time.monotonic())
         except RayError as exc:
-            log.warning("remote prefill of %s failed (%s); prefilling on %s", rid, exc, decode.worker_id)
+            if isinstance(getattr(exc, "cause", None), GrammarCompileError):
+                return self._failed(flow, prefill.worker_id, exc)
+            log.warning("remote prefill of %s failed (%s); prefilling on %s", flow.request_id, exc, decode.worker_id)
             return flow.on_prefill_failed(prefill.worker_id, died=False, now=time.monotonic())
+        return []
+
+    async def _watch_start(self, live: LiveRequest, w: PoolWorker, ref: Any, attempt: int) -> None:
+        """Await D's start_decode beside the request: its failure reaches the request as an event."""
+        try:
+            await self._call(w, ref)
+        except WorkerLost as lost:
+            live.inbox.put_nowait(WorkerLost(lost.worker_id, str(lost), lost.failure, attempt))
+        except Exception as exc:  # whatever it is, the request hears of it rather than wait for ever
+            live.inbox.put_nowait(CallFailed(w.worker_id, exc, attempt))
         finally:
-            stream.prefill_worker = None
-        return flow.on_prefill_done(result, time.monotonic())
+            if live.creating is ref:
+                live.creating = None
+
+    def _bookkeep(self, command: Command) -> None:
+        if isinstance(command, Count):
+            self.counters[command.name] += command.n
+        elif isinstance(command, QueueTokens):
+            self.pools.queue_tokens(command.worker_id, command.delta)
 
     def _worker(self, worker_id: str) -> PoolWorker:
         w = self.pools.get(worker_id)
@@ -289,7 +294,7 @@ class RayBackend:
             raise WorkerLost(worker_id, f"worker {worker_id} was removed")
         return w
 
-    async def _call(self, w: PoolWorker, ref):
+    async def _call(self, w: PoolWorker, ref: Any) -> Any:
         try:
             return await self.pools.unless_down(w, ref)
         except RayActorError as exc:
@@ -298,47 +303,63 @@ class RayBackend:
                 raise WorkerLost(w.worker_id, f"decode worker {w.worker_id} died: {exc}") from exc
             raise BackendError(f"{w.role} worker {w.worker_id} died: {exc}", retryable=True) from exc
 
-    async def _create_on(self, w: PoolWorker, request_id: str, ref):
-        """Await an RPC creating the request's state on `w`; cancelled, it stays in `_creating`."""
-        self._creating[request_id] = ref
+    async def _create_on(self, live: LiveRequest, w: PoolWorker, ref: Any) -> Any:
+        """Await a call creating the request's state on `w`; cancelled, it stays `live.creating`."""
+        live.creating = ref
         try:
             result = await self._call(w, ref)
         except asyncio.CancelledError:
-            raise  # the abort that follows waits for the RPC, then frees what it made
+            raise  # the abort that follows waits for the call, then frees what it made
         except BaseException:
-            self._creating.pop(request_id, None)
+            live.creating = None
             raise
-        self._creating.pop(request_id, None)
+        live.creating = None
         return result
 
-    # ---- aborts ------------------------------------------------------------------------------
-    def _abort_in_background(self, request_id: str, command: Abort) -> None:
-        w = self.pools.get(command.worker_id)
-        if w is not None and not w.gone:
-            asyncio.get_running_loop().create_task(self._abort_quietly(w, request_id, command.final))
+    # ---- what runs beside a request --------------------------------------------------------------
+    def _beside(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _abort_quietly(self, w: PoolWorker, request_id: str, final: bool) -> None:
-        if final:
-            # A creation RPC still in flight would otherwise land after the abort and keep its blocks.
-            creating = self._creating.pop(request_id, None)
-            if creating is not None:
-                try:
-                    await asyncio.wait_for(asyncio.ensure_future(creating), self.pools.health_timeout_s)
-                except Exception:
-                    pass  # failed, hung or not awaitable twice: the abort below still goes out
+    def _run_beside(self, live: LiveRequest, commands: list[Command]) -> None:
+        """Bookkeeping at once, aborts as tasks (errors ignored: a dead worker holds nothing)."""
+        for command in commands:
+            if isinstance(command, Abort):
+                w = self.pools.get(command.worker_id)
+                if w is not None and not w.gone:
+                    self._beside(self._abort_quietly(live, command))
+            else:
+                self._bookkeep(command)
+
+    async def _abort_quietly(self, live: LiveRequest, command: Abort) -> None:
+        w = self.pools.get(command.worker_id)
+        if w is None:
+            return
+        if command.final and live.creating is not None:
+            # A creation call still in flight would otherwise land after the abort and keep its blocks.
+            creating, live.creating = live.creating, None
+            try:
+                await asyncio.wait_for(asyncio.ensure_future(creating), self.pools.health_timeout_s)
+            except Exception:
+                pass  # failed, hung or not awaitable twice: the abort below still goes out
         if not w.alive:
             return  # a dead worker holds nothing any more
         try:
-            await asyncio.wait_for(w.handle.abort.remote(request_id, final), self.pools.health_timeout_s)
+            request = AbortRequest(live.flow.request_id, command.final)
+            await asyncio.wait_for(w.client.abort(request), self.pools.health_timeout_s)
         except (RayError, asyncio.TimeoutError):
             pass  # dead or hung: it holds nothing we can free from here
 
-    async def abort(self, request_id: str) -> None:
-        self.pools.forget_route(request_id)  # aborted before it started: its route no longer counts as queued
-        stream = self.pools.stream_of(request_id)
-        if stream is None:
-            return
-        for wid in [stream.decode_worker] + ([stream.prefill_worker] if stream.prefill_worker else []):
-            w = self.pools.get(wid)
-            if w is not None:
-                await self._abort_quietly(w, request_id, final=True)
+
+def _leftover(pending: deque[Command]) -> list[Command]:
+    """The commands of a batch that must run however the request ends: frees and bookkeeping."""
+    return [c for c in pending if isinstance(c, (Abort, QueueTokens, Count))]
+
+
+def _error_of(command: Fail) -> Exception:
+    """What the HTTP layer is told of a failed request: bad input a worker found is the field's
+    400 (router.serving names it), anything else a BackendError (503 when retryable, else 500)."""
+    if command.reason is EndReason.BAD_INPUT:
+        return GrammarCompileError(command.message)
+    return BackendError(command.message, reason=command.reason)

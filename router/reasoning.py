@@ -9,7 +9,7 @@ increments is held back until it is known, so no tag text ever leaks into either
 
 A structured output with a reasoning parser constrains the answer only: `grammar_start_token_ids`
 gives the workers the token sequence of `</think>` (SamplingParams.reasoning_end_token_ids), and
-their matcher stays inactive until the output holds it (workers.grammar.GrammarState).
+their matcher stays inactive until the output holds it (workers.engine.grammar.GrammarState).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class RoutingPolicy(Protocol):
         ...
 
 
-def live_workers(workers: Sequence[WorkerInfo], role: str) -> list[WorkerInfo]:
+def live_workers(workers: Sequence[WorkerInfo], role: Role) -> list[WorkerInfo]:
     """The pool's workers that take new requests: alive and not draining."""
     return [w for w in workers if w.role == role and w.alive and not w.draining]
 
@@ -98,7 +98,7 @@ class RoundRobinPolicy:
         self.local_prefill_fallback = local_prefill_fallback
         self._last: dict[str, str | None] = {Role.PREFILL: None, Role.DECODE: None}
 
-    def _next(self, workers: Sequence[WorkerInfo], role: str) -> str | None:
+    def _next(self, workers: Sequence[WorkerInfo], role: Role) -> str | None:
         ids = sorted(w.worker_id for w in live_workers(workers, role))
         if not ids:
             return None

@@ -1,9 +1,10 @@
 """Serving chat and text completions: parse and check a request, build its prompt and sampling
 parameters, route it, run it through the backend, and answer in full or as a stream.
 
-Both endpoints share one path (`Serving.generate`) and one formatter (router.formatting); each
-endpoint supplies only its prompt, its max_tokens rule and its format. Every rejection is an
-`APIError` (router.errors turns it into the envelope).
+Both endpoints share one path (`router.generation.Generation.run`) and one formatter
+(router.formatting); each endpoint supplies only its prompt, its max_tokens rule and its format.
+Every rejection is an `APIError` (router.errors turns it into the envelope). The request's identity
+(`common.request.RequestContext`) is made here, once, and travels with it to the engine.
 
 Order of work for a generation request, cheapest refusal first: admission check (429, before the
 body is read), body limits and schema (400, router.limits and router.protocol), waiting for a decode
@@ -13,26 +14,25 @@ routing and the backend. Prompts and completions are logged only with `log_promp
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from common.protocol import GrammarCompileError, RequestOutput
+from common.protocol import GrammarCompileError
+from common.request import RequestContext
 from common.roles import ROLES
-from common.sampling_params import SamplingParams
-from router.admission import AdmissionControl, Deadline, Ticket, deadline_error, request_deadline
-from router.backend import GenerateRequest, ServingBackend
+from router.admission import AdmissionControl, Deadline, Ticket, request_deadline
+from router.backend import ServingBackend
 from router.config import ServerConfig
-from router.formatting import Accumulator, ChatFormat, Choices, CompletionFormat, ResponseFormat
+from router.formatting import ChatFormat, CompletionFormat, ResponseFormat
+from router.generation import Choice, Generation
 from router.limits import check_limits, check_unsupported, read_json
 from router.metrics import RouterMetrics
 from router.protocol import (
@@ -49,10 +49,9 @@ from router.protocol import (
 )
 from router.reasoning import grammar_start_token_ids
 from router.routing import RoutingPolicy, live_workers
-from router.streaming import ClientGone, DeadlineExceeded, await_unless_disconnected, ended, sse_response
+from router.streaming import ClientGone, await_unless_disconnected
 from router.structured import Constraints, request_constraints
 from router.tokenizer import ChatTemplateError, Tokenizer
-from router.trace import RequestTrace
 
 __all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Serving"]
 
@@ -87,56 +86,6 @@ class Endpoint:
     id_prefix: str
 
 
-@dataclass(frozen=True)
-class Choice:
-    """One choice of a request: a prompt and its sampling parameters (n choices share a prompt)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    shares_prompt: bool = False  # a later sample of the same prompt: usage counts the prompt once
-
-
-async def merge_choices(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of every choice's stream as they come, tagged with the choice's index; closing
-    it closes them all. A failure of any stream ends it with that failure."""
-    if len(streams) == 1:  # the common case: no tasks, no queue
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((index, out))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-        finally:
-            queue.put_nowait((index, done))
-
-    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        live = len(streams)
-        while live:
-            index, item = await queue.get()
-            if item is done:
-                live -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()
-
-
 class Serving:
     """The model's endpoints over one backend; `metrics` records every request's trace."""
 
@@ -158,6 +107,7 @@ class Serving:
         self.created = int(time.time())
         self.admission = AdmissionControl(config)
         self.metrics = RouterMetrics(model_name, backend, self.admission)
+        self.generation = Generation(backend, policy, tokenizer, self.metrics, config)
         self.chat_endpoint = Endpoint(
             ChatCompletionRequest,
             check_chat_extras,
@@ -238,7 +188,8 @@ class Serving:
         constraints: Constraints,
     ) -> Response:
         requested, field_name = req.requested_max_tokens()
-        request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        context = self.request_context(f"{endpoint.id_prefix}-{uuid.uuid4().hex}", deadline)
+        request_id = context.request_id
         choices: list[Choice] = []
         for prompt_ids in prompts:  # each prompt n times, in OpenAI's order of choice indexes
             max_tokens = self.resolve_max_tokens(
@@ -271,9 +222,17 @@ class Serving:
             fmt.shaped(constraints.shape)
         self.metrics.count_structured(constraints.kind)
         try:
-            return await self.generate(request, request_id, choices, req.stream, fmt, started, ticket, deadline)
+            return await self.generation.run(request, context, choices, req.stream, fmt, started, ticket, deadline)
         except GrammarCompileError as e:  # the router's checks passed it, the workers' grammar backend did not
             raise APIError(f"{constraints.param}: {e}", 400, constraints.param) from None
+
+    def request_context(self, request_id: str, deadline: Deadline | None) -> RequestContext:
+        """The request's identity, made here once: every worker call and the engine read it from here."""
+        return RequestContext(
+            request_id,
+            model=self.model_name,
+            deadline=None if deadline is None else time.time() + deadline.remaining(),
+        )
 
     # -- checks and prompts
     def check_model(self, name: str | None) -> None:
@@ -339,140 +298,6 @@ class Serving:
         except ChatTemplateError as e:
             raise APIError(str(e), 400, "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    # -- running a request
-    async def generate(
-        self,
-        request: Request,
-        request_id: str,
-        choices: list[Choice],
-        stream: bool,
-        fmt: ResponseFormat,
-        started: float | None = None,
-        ticket: Ticket | None = None,
-        deadline: Deadline | None = None,
-    ) -> Response:
-        """Run an admitted request's choices (each its own request in the pools, all at once);
-        its `ticket` is released however it ends, and past its `deadline` it is aborted (504)."""
-        backend_ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
-        streams = [self._start(backend_id, choice, started) for backend_id, choice in zip(backend_ids, choices)]
-        outputs = self._ticketed(merge_choices(streams), ticket)
-        answers = Choices([Accumulator(len(c.prompt_ids), shares_prompt=c.shares_prompt) for c in choices])
-        headers = {"X-Request-Id": request_id}
-
-        async def abort() -> None:
-            await self._abort(backend_ids, outputs, ticket)
-
-        # Streaming waits for the first output before sending headers, so that failures before the
-        # first token still get a proper status code.
-        work = outputs.__anext__() if stream else self._collect(outputs, answers)
-        try:
-            first = await await_unless_disconnected(request, work, deadline)
-        except StopAsyncIteration:
-            first = 0, ended(request_id)
-        except ClientGone:
-            await abort()
-            return Response(status_code=499)
-        except DeadlineExceeded:
-            await abort()
-            raise deadline_error(deadline.seconds if deadline else 0.0, running=True) from None
-        except BaseException:
-            await abort()
-            raise
-        if not stream:
-            return JSONResponse(fmt.full(answers), headers=headers)
-        return sse_response(request_id, outputs, first, fmt, answers, abort, headers, deadline)
-
-    def _start(self, backend_id: str, choice: Choice, started: float | None) -> AsyncIterator[RequestOutput]:
-        """Route one choice and start it in the pools; its outputs, traced."""
-        prompt_ids = choice.prompt_ids
-        structured = choice.params.structured_output
-        trace = RequestTrace(backend_id, len(prompt_ids), structured.kind if structured is not None else None)
-        if started is not None:
-            trace.started = started  # arrival at the router, before parsing, admission and tokenizing
-        if self.config.log_prompts:
-            request_logger.info(
-                "%s prompt (%d tokens): %r", backend_id, len(prompt_ids), self.tokenizer.decode(prompt_ids)
-            )
-        route = self.policy.choose(prompt_ids, self.backend.workers())
-        trace.set_route(route)
-        return self._traced(
-            self.backend.generate(GenerateRequest(backend_id, prompt_ids, choice.params, route, trace)), trace
-        )
-
-    async def _traced(self, outputs: AsyncIterator[RequestOutput], trace: RequestTrace) -> AsyncIterator[RequestOutput]:
-        """Pass outputs through, timing tokens; record the trace however the request ends."""
-        finish_reason, error = None, None
-        texts: list[str] | None = [] if self.config.log_prompts else None
-        try:
-            async for out in outputs:
-                trace.token(len(out.token_ids))
-                if out.num_draft_tokens:
-                    trace.speculation(out.num_draft_tokens, out.num_accepted_tokens)
-                if texts is not None and out.text:
-                    texts.append(out.text)
-                if out.finished:
-                    finish_reason = out.finish_reason or "stop"
-                yield out
-        except Exception as e:
-            error = str(e) or type(e).__name__
-            raise
-        finally:
-            try:
-                await outputs.aclose()
-            finally:
-                trace.finish(finish_reason or "abort", error)
-                self.metrics.observe(trace)
-                if texts is not None:
-                    request_logger.info("%s completion (%s): %r", trace.request_id, trace.finish_reason, "".join(texts))
-
-    @staticmethod
-    async def _ticketed(
-        outputs: AsyncIterator[tuple[int, RequestOutput]], ticket: Ticket | None
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Free the ticket's prefill slot at the first output and its decode slot at the end."""
-        try:
-            async for item in outputs:
-                if ticket is not None:
-                    ticket.first_token()
-                yield item
-        finally:
-            try:
-                await outputs.aclose()
-            finally:
-                if ticket is not None:
-                    ticket.release()
-
-    @staticmethod
-    async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], choices: Choices) -> None:
-        unfinished = set(range(len(choices.accs)))
-        try:
-            async for index, out in outputs:
-                choices.accs[index].add(out, keep=True)
-                if out.finished:
-                    unfinished.discard(index)
-                    if not unfinished:
-                        return
-            for index in unfinished:
-                choices.accs[index].finish_reason = "abort"
-        finally:
-            await outputs.aclose()  # let the backend run its cleanup now, not at garbage collection
-
-    async def _abort(self, backend_ids: list[str], outputs: Any, ticket: Ticket | None = None) -> None:
-        # The outputs may never have started (then closing them runs no cleanup): free the slots here.
-        if ticket is not None:
-            ticket.release()
-        # Shielded: this runs while the handler is being cancelled (client gone).
-        with anyio.CancelScope(shield=True):
-            for backend_id in backend_ids:
-                try:
-                    await self.backend.abort(backend_id)
-                except Exception:
-                    logger.exception("abort of %s failed", backend_id)
-            try:
-                await outputs.aclose()
-            except BaseException:
-                pass
 
     # -- the other endpoints' answers
     def models(self) -> dict:

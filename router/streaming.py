@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from common.protocol import RequestOutput
 from router.admission import Deadline, deadline_error
 from router.errors import to_api_error
+from router.flow_commands import EndReason
 from router.formatting import Choices, ResponseFormat, dumps
 
 __all__ = [
@@ -95,10 +96,11 @@ async def _frames(
     first: tuple[int, RequestOutput],
     fmt: ResponseFormat,
     choices: Choices,
-    abort: Callable[[], Awaitable[None]],
+    abort: Callable[[EndReason], Awaitable[None]],
     deadline: Deadline | None,
 ) -> AsyncIterator[str]:
     finished = False
+    why = EndReason.CLIENT_GONE  # what ends the request in the backend unless it finishes
     unfinished = set(range(len(choices.accs)))
     try:
         for index in sorted(unfinished):
@@ -121,6 +123,7 @@ async def _frames(
             except StopAsyncIteration:
                 index, out = min(unfinished), ended(request_id)
             except TimeoutError:
+                why = EndReason.DEADLINE
                 raise deadline_error(deadline.seconds if deadline else 0.0, running=True) from None
         finished = True
         await outputs.aclose()
@@ -131,8 +134,8 @@ async def _frames(
         yield "data: " + dumps(to_api_error(e, request_id).body()) + "\n\n"
         yield DONE
     finally:
-        if not finished:  # client gone (cancelled) or the backend failed
-            await abort()
+        if not finished:  # client gone (cancelled), past the deadline, or the backend failed
+            await abort(why)
 
 
 def sse_response(
@@ -141,7 +144,7 @@ def sse_response(
     first: tuple[int, RequestOutput],
     fmt: ResponseFormat,
     choices: Choices,
-    abort: Callable[[], Awaitable[None]],
+    abort: Callable[[EndReason], Awaitable[None]],
     headers: dict[str, str],
     deadline: Deadline | None = None,
 ) -> StreamingResponse:

@@ -7,7 +7,7 @@ named function) are read here, at most one constraint per request, and checked w
 (jsonschema), regular expressions by Python's parser less what xgrammar does not support
 (lookaround, backreferences), EBNF grammars by a lint of their rules (every rule referenced is
 defined, `root` exists, brackets and quotes close), each within a size limit. The worker compiles
-(workers.grammar) within a time limit. Every refusal is an `APIError` 400 naming the field; one
+(workers.engine.grammar) within a time limit. Every refusal is an `APIError` 400 naming the field; one
 by the workers (common.protocol.GrammarCompileError: a feature xgrammar lacks, a compile over its
 limit) is answered by router.serving as a 400 naming `Constraints.param`. With a reasoning parser
 the grammar constrains the answer only: the workers hold it back until `</think>`

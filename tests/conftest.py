@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The private Rays of the tests run without token auth, as cluster.testing.FakeCluster's cluster
+# The private Rays of the tests run without token auth, as testkit.cluster.FakeCluster's cluster
 # does: a private `ray.init()` otherwise turns token mode on for the rest of this process, and a
 # FakeCluster started after it (tests/e2e, then tests/cluster) sees every actor die at start.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -90,7 +90,7 @@ def native_kernels_off(monkeypatch):
 @pytest.fixture(scope="session")
 def tokenizer():
     from router.tokenizer import Tokenizer
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     try:
         return Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))

@@ -4,7 +4,7 @@ SCHED_IDLE alone is not enough where the kernel groups tasks by session (autogro
 `kernel.sched_autogroup_enabled`, on by default): the scheduler shares a core between sessions
 first and between a session's tasks second, so a SCHED_IDLE process still takes its session's share
 from processes in other sessions, and the simulated nodes of tests/cluster and `baton serve`
-(cluster.harness) run in sessions of their own. `python -m tests.idle_priority` measures it: a
+(testkit.harness) run in sessions of their own. `python -m tests.idle_priority` measures it: a
 spinning process pinned to one core beside a spinning one at normal priority, over 4 s, took 0.02
 CPU-seconds at SCHED_IDLE in the same session, 2.26 (a fair half) at SCHED_IDLE in a session of its
 own, 0.07 the same with its session's autogroup at nice 19. So background work starts through

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from common.roles import ROLES
+from common.roles import ROLES, Role
 
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -33,15 +33,15 @@ class SpeculativeConfig:
     ngram (prompt lookup): the last n tokens of a sequence (n from prompt_lookup_max down to
     prompt_lookup_min) are looked up earlier in its prompt and output; the tokens that followed the
     latest match are the drafts (at most num_speculative_tokens).
-    suffix (workers.suffix_decoding): the longest match of the sequence's last tokens in its own
+    suffix (workers.speculative.suffix_decoding): the longest match of the sequence's last tokens in its own
     tokens and in this worker's recent outputs, continued along the most frequent path while its
     estimated probability stays >= suffix_decoding_min_token_prob, for at most
     suffix_decoding_max_spec_factor x the match's length (and num_speculative_tokens) drafts.
-    draft_model (workers.draft_model): `model`, a folder of a smaller model with the target's
+    draft_model (workers.speculative.draft_model): `model`, a folder of a smaller model with the target's
     tokenizer, drafts greedily; `quantization` "fp8" quantizes its linear layers, `dtype` runs it in
     another dtype than the target (a cheaper copy of the target itself is a draft too).
     disable_by_batch_size: no drafts in a step with more decoding sequences than this (vLLM's key;
-    without it, workers.draft_budget already drafts less as the batch grows, down to none)."""
+    without it, workers.speculative.draft_budget already drafts less as the batch grows, down to none)."""
 
     method: str
     num_speculative_tokens: int
@@ -242,7 +242,7 @@ class EngineConfig:
     device: str = field(default="cpu", metadata={"internal": True})
     num_threads: int | None = field(default=None, metadata={"internal": True})
     # A CPU decode worker may run a step on up to this many threads while the host's other cores
-    # are idle (workers.elastic_threads); None: always num_threads.
+    # are idle (workers.shell.elastic_threads); None: always num_threads.
     max_threads: int | None = field(default=None, metadata={"internal": True})
     # One (k_scale, v_scale) per layer for an FP8 KV cache; calibrated at load time when None.
     kv_scales: tuple[tuple[float, float], ...] | None = field(default=None, metadata={"internal": True})
@@ -301,14 +301,14 @@ class WorkerConfig:
     """One worker: its id, role and engine, the KV transport choice, and where it runs."""
 
     worker_id: str
-    role: str
+    role: Role
     model: str | None = None  # None: the default model; resolved on the worker's own node
     engine: EngineConfig = field(default_factory=EngineConfig)
     # KV transport choice (common.transports.CHOICES): auto picks per pair of workers.
     transport: str = "auto"
     transfer_timeout_s: float = 30.0
-    kv_load_failure_policy: str = "recompute"  # when pushed KV is unusable: recompute or fail (workers.kv_load)
-    # Where the worker runs, filled in by the Ray actor shell (workers.actors) from Ray's own
+    kv_load_failure_policy: str = "recompute"  # when pushed KV is unusable: recompute or fail (workers.shell.kv_load)
+    # Where the worker runs, filled in by the Ray actor shell (workers.shell.actors) from Ray's own
     # view: the transport per pair compares node ids, and gloo/nccl rendezvous on `host`.
     node_id: str = "local"
     host: str = "127.0.0.1"

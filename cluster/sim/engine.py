@@ -1,104 +1,66 @@
-"""A simulated worker: the real scheduler and block manager from `workers/`, timed by a cost model.
+"""A simulated worker: the real scheduler and block manager from `workers/`, timed by a cost model,
+behind the same interface as a real worker (`common.worker_api.WorkerAPI`).
 
-`SimWorker` runs what `workers.engine.LLMEngine.step` runs (the same `Scheduler` and
+`SimWorker` runs what `workers.engine.llm_engine.LLMEngine.step` runs (the same `Scheduler` and
 `BlockManager` objects: continuous batching, chunked prefill under the token budget, preemption
 when KV runs out, prefix-cache hits, KV events), except the model: a step's duration comes from
 the cost model applied to the step's shape, and each sampled row gets a placeholder token.
 
-Timing follows the real worker's threading (workers/worker.py): the engine thread runs steps back
-to back, and a call from the router (add, reserve, start decoding, release) runs only between two
-steps, so a call that arrives during a step waits for its end. (A prefill's send begins on the
-engine thread as its step ends: the simulator calls begin_send from the step's output.)
+It takes the same calls as `workers.shell.worker.EngineWorker`, with the same records
+(common.request), and answers the same way: at once, with what engine time produces (tokens, a
+prefill's outcome after its KV handoff) left in its outbox for `poll_outputs`. The simulator
+(cluster.sim.simulator) decides when a call reaches it and when its outbox is read.
+
+Timing follows the real worker's threading (workers/shell/worker.py): the engine thread runs steps
+back to back, and a call runs only between two steps (`call`), so a call that arrives during a
+step waits for its end. A prefill's send begins as its step ends, the KV moves over the
+`LinkModel`, then the blocks are released between steps and the outcome is queued. Faults a test
+or a study injects: `kill()` (the worker is gone with everything it held), `fail_prefills` (each
+prefill's handoff fails), `fail_kv_loads` (each received KV fails its check under the `fail` policy).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.sim.costs import CostModel, StepShape
-from common.protocol import KVEvent
+from cluster.sim.costs import CostModel, LinkModel, StepShape
+from cluster.sim.events import EventLoop
+from common.protocol import (
+    KVEndpoint,
+    KVEvent,
+    KVEventBatch,
+    KVLayout,
+    KVReservation,
+    PrefillFailed,
+    PrefillResult,
+    RequestOutput,
+    RouterClaim,
+    WorkerHeartbeat,
+    WorkerOutput,
+    WorkerReady,
+    WorkerStats,
+)
+from common.request import (
+    AbortRequest,
+    PrefillRequest,
+    ReserveRequest,
+    StartDecodeRequest,
+    SubmitRequest,
+    WorkerRequest,
+)
+from common.roles import Role
 from common.sampling_params import SamplingParams
-from workers.block_manager import BlockManager
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence
+from common.transports import KVLoadFailed, PeerLink
+from workers.engine.block_manager import BlockManager
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence
 
 __all__ = ["EngineSettings", "EventLoop", "SimWorker"]
 
 PLACEHOLDER_TOKEN = 0  # sampled tokens; prompts use ids >= 1000, so they never collide with prompt blocks
-
-
-class _Seq(Sequence):
-    """The engine's Sequence compared by identity, as the scheduler means it: the dataclass's generated
-    __eq__ compares every field (token lists included) each time `running.index(seq)` passes an element,
-    which made big simulated batches quadratic in tokens. Nothing else differs."""
-
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
-
-class EventLoop:
-    """A heap of timed callbacks; `now` is the simulated time in seconds. Callbacks at the same
-    time run in the order they were scheduled."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list = []
-        self._pushes = 0  # callbacks scheduled so far: each one's place in the order of a tie
-        self._open_group: tuple[int, float, Callable, list] | None = None  # see after_grouped
-
-    def at(self, t: float, fn: Callable, *args) -> None:
-        now = self.now
-        self._pushes += 1
-        heapq.heappush(self._heap, (t if t > now else now, self._pushes, fn, args))
-
-    def after(self, dt: float, fn: Callable, *args) -> None:
-        # at(now + dt) written out: a simulation schedules an event or two per token.
-        now = self.now
-        t = now + dt
-        self._pushes += 1
-        heapq.heappush(self._heap, (t if t > now else now, self._pushes, fn, args))
-
-    def after_grouped(self, dt: float, fn: Callable, *args) -> None:
-        """after(dt, fn, *args), in one heap entry with the previous call when that was to the same
-        fn at the same time and nothing was scheduled in between (a step's outputs, one per
-        sequence): the calls run back to back at that time either way, in the same order."""
-        now = self.now
-        t = now + dt
-        t = t if t > now else now
-        group = self._open_group
-        if group is not None and group[0] == self._pushes and group[1] == t and group[2] == fn:
-            group[3].append(args)
-            return
-        calls = [args]
-        self._pushes += 1
-        heapq.heappush(self._heap, (t, self._pushes, self._run_group, (fn, calls)))
-        self._open_group = (self._pushes, t, fn, calls)
-
-    def _run_group(self, fn: Callable, calls: list) -> None:
-        if self._open_group is not None and self._open_group[3] is calls:
-            self._open_group = None  # running: a call scheduled from now on goes after what is queued
-        for args in calls:
-            fn(*args)
-
-    def run(self, until: float | None = None, stop: Callable[[], bool] | None = None) -> None:
-        heap, pop = self._heap, heapq.heappop
-        limit = math.inf if until is None else until
-        while heap:
-            if heap[0][0] > limit:
-                self.now = limit
-                return
-            t, _, fn, args = pop(heap)
-            self.now = t
-            fn(*args)
-            if stop is not None and stop():
-                return
-
-    def __len__(self) -> int:
-        return len(self._heap)
 
 
 @dataclass(frozen=True)
@@ -117,15 +79,11 @@ class EngineSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-# (request id, output tokens so far, finished, prompt tokens this worker found cached)
-OutputCallback = Callable[[str, int, bool, int], None]
-
-
 @dataclass
 class _SeqState:
     seq: Sequence
-    on_output: OutputCallback
-    prefill_only: bool = False
+    attempt: int = 0  # the router's, stamped on the outputs
+    prefill: PrefillRequest | None = None  # a prefill worker's: where the KV goes
     queued_at: float = 0.0
     started_at: float | None = None
 
@@ -139,23 +97,39 @@ class WorkerCounters:
     decode_tokens: int = 0
     queue_s: list[float] = field(default_factory=list)  # add to first chunk, per request
     kv_blocks_sent: int = 0
+    kv_bytes_sent: int = 0
+    kv_blocks_received: int = 0
 
 
 class SimWorker:
-    def __init__(self, loop: EventLoop, worker_id: str, role: str, cost: CostModel, settings: EngineSettings) -> None:
+    """A prefill or decode worker of the simulation (`common.worker_api.WorkerAPI`)."""
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        worker_id: str,
+        role: Role,
+        cost: CostModel,
+        settings: EngineSettings,
+        link: LinkModel | None = None,
+    ) -> None:
         self.loop = loop
         self.worker_id = worker_id
-        self.role = role
+        self.role = Role(role)
         self.cost = cost
         self.settings = settings
+        self.link = link or LinkModel("default", 50e9)
         num_blocks = settings.num_kv_blocks or cost.kv_capacity_tokens() // settings.block_size
         if num_blocks < 1:
             raise ValueError(f"worker {worker_id}: the KV cache holds no block of {settings.block_size} tokens")
         self.block_manager = BlockManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)
         self.alive = True  # the router may route here
-        self.removed = False
+        self.removed = False  # gone from the pools (drained, or dead)
+        self.dead = False
         self.busy = False
+        self.fail_prefills = False
+        self.fail_kv_loads = False
         self._commands: deque[Callable[[], None]] = deque()
         self._states: dict[str, _SeqState] = {}
         self._events: list[KVEvent] = []
@@ -163,62 +137,181 @@ class SimWorker:
         self._events_lost = False
         self._max_event_hashes = max(1024, 4 * num_blocks)
         self.counters = WorkerCounters()
+        self.outbox: list[WorkerOutput] = []
+        self.on_outputs: Callable[[SimWorker], None] | None = None  # the outbox went from empty to not
         self.on_started: Callable[[str, float], None] | None = None  # (request id, seconds it queued here)
 
-    # ---- calls (between steps) -------------------------------------------------------------
+    # ---- when calls run -------------------------------------------------------------------------
     def call(self, fn: Callable[[], None]) -> None:
-        """Run fn between steps: now if idle, else at the end of the current step."""
+        """Run fn between steps: now if idle, else at the end of the current step (dropped when dead)."""
+        if self.dead:
+            return
         if self.busy:
             self._commands.append(fn)
             return
         fn()
         self._maybe_step()
 
-    def _new_seq(self, request_id: str, prompt: tuple[int, ...], output_len: int) -> Sequence:
-        if request_id in self._states or request_id in self.scheduler.held:
-            raise ValueError(f"request {request_id!r} is already on {self.worker_id}")
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        return _Seq(request_id, list(prompt), params, arrival_time=self.loop.now)
+    def kill(self) -> None:
+        """The worker's process is gone, with everything it held and queued."""
+        self.dead, self.alive, self.removed = True, False, True
+        self._commands.clear()
+        self._states.clear()
+        self.outbox.clear()
 
-    def add(
-        self,
-        request_id: str,
-        prompt: tuple[int, ...],
-        output_len: int,
-        on_output: OutputCallback,
-        prefill_only: bool = False,
-    ) -> None:
-        seq = self._new_seq(request_id, prompt, output_len)
-        self._states[request_id] = _SeqState(seq, on_output, prefill_only, self.loop.now)
+    # ---- common.worker_api.WorkerAPI ------------------------------------------------------------
+    def ready(self) -> WorkerReady:
+        bs = self.settings.block_size
+        return WorkerReady(
+            self.worker_id,
+            self.role,
+            max_model_len=self.block_manager.num_blocks * bs,
+            block_size=bs,
+            num_blocks=self.block_manager.num_blocks,
+            dtype="simulated",
+            kv_cache_dtype="simulated",
+        )
+
+    def endpoint(self) -> KVEndpoint:
+        layout = KVLayout(
+            num_layers=1, num_kv_heads=1, head_dim=1, block_size=self.settings.block_size, dtype="float32"
+        )
+        return KVEndpoint("sim", self.worker_id, layout, self.block_manager.num_blocks)
+
+    def connect_peer(self, endpoint: KVEndpoint) -> str:
+        return self.link.name
+
+    def kv_links(self) -> list[PeerLink]:
+        return []
+
+    def submit(self, request: SubmitRequest) -> None:
+        seq = self._new_seq(request.request)
+        if request.resume is not None:  # prompt + what the client has is prefilled, then decoding goes on
+            for token in request.resume.output_token_ids:
+                seq.append_token(token)
+        self._states[seq.request_id] = _SeqState(seq, request.owner.attempt, None, self.loop.now)
         self.scheduler.add(seq)
 
-    def reserve(
-        self, request_id: str, prompt: tuple[int, ...], output_len: int, on_output: OutputCallback
-    ) -> tuple[int, int] | None:
-        """Decode side: (blocks reserved, tokens already cached here), or None when full right now."""
-        seq = self._new_seq(request_id, prompt, output_len)
+    def reserve(self, request: ReserveRequest) -> KVReservation | None:
+        seq = self._new_seq(request.request)
         if not self.scheduler.add_reserved(seq):
             return None
-        self._states[request_id] = _SeqState(seq, on_output, False, self.loop.now, self.loop.now)
-        return len(seq.block_ids), seq.num_cached_tokens
+        now = self.loop.now
+        self._states[seq.request_id] = _SeqState(seq, request.owner.attempt, None, now, now)
+        return KVReservation(seq.request_id, list(seq.block_ids), seq.num_cached_tokens)
 
-    def kv_arrived(self, request_id: str) -> None:
-        seq = self._states[request_id].seq
+    def prefill(self, request: PrefillRequest) -> None:
+        seq = self._new_seq(request.request)
+        self._states[seq.request_id] = _SeqState(seq, 0, request, self.loop.now)
+        self.scheduler.add(seq)
+
+    def start_decode(self, request: StartDecodeRequest) -> None:
+        state = self._states.get(request.request_id)
+        if state is None:
+            raise ValueError(f"request {request.request_id!r} is not waiting for KV on {self.worker_id}")
+        if self.fail_kv_loads:  # as the `fail` policy does: free the request, then say why
+            self._finish(state.seq)
+            raise KVLoadFailed(f"the KV pushed for {request.request_id} failed its check", "checksum_mismatch")
+        seq = state.seq
         self.scheduler.kv_arrived(seq)
-        seq.append_token(PLACEHOLDER_TOKEN)
+        self.counters.kv_blocks_received += len(seq.block_ids)
+        seq.append_token(request.first_token)
         if seq.num_output_tokens >= seq.sampling_params.max_tokens:  # unreachable via the router; kept exact
             self._finish(seq)
 
-    def abort(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
+    def abort(self, request: AbortRequest) -> bool:
+        state = self._states.pop(request.request_id, None)
         if state is not None:
             self.scheduler.finish(state.seq)
+            return True
+        return self.scheduler.abort_held(request.request_id)
 
-    def begin_send(self, request_id: str) -> list[int]:
-        return self.scheduler.begin_send(request_id)
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Nothing to compile: simulated requests have no structured output."""
 
-    def release(self, request_id: str) -> None:
-        self.scheduler.release_held(request_id)
+    def poll_outputs(self, timeout_s: float = 0.05, router: RouterClaim | None = None) -> list[WorkerOutput]:
+        outputs, self.outbox = self.outbox, []
+        return outputs
+
+    def renew_lease(self, router: RouterClaim) -> None:
+        """One router, whose lease never runs out."""
+
+    def heartbeat(self, router: RouterClaim | None = None) -> WorkerHeartbeat:
+        events, snapshot = self.take_kv_events()
+        return WorkerHeartbeat(self.stats(), KVEventBatch(events, snapshot, self.settings.block_size))
+
+    def stats(self) -> WorkerStats:
+        bm, c = self.block_manager, self.counters
+        return WorkerStats(
+            worker_id=self.worker_id,
+            role=self.role,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=bm.usage,
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_blocks_sent=c.kv_blocks_sent,
+            kv_bytes_sent=c.kv_bytes_sent,
+            kv_blocks_received=c.kv_blocks_received,
+            prompt_tokens=c.prefill_tokens,
+            generation_tokens=c.decode_tokens,
+            pid=os.getpid(),
+        )
+
+    def shutdown(self) -> None:
+        self.removed = True
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _new_seq(self, request: WorkerRequest) -> Sequence:
+        request_id = request.request_id
+        if request_id in self._states or request_id in self.scheduler.held:
+            raise ValueError(f"request {request_id!r} is already on {self.worker_id}")
+        return Sequence(
+            request_id,
+            list(request.prompt_token_ids),
+            request.sampling_params,
+            arrival_time=self.loop.now,
+            context=request.context,
+        )
+
+    def _emit(self, item: WorkerOutput) -> None:
+        self.outbox.append(item)
+        if len(self.outbox) == 1 and self.on_outputs is not None:
+            self.on_outputs(self)
+
+    def _send(self, seq: Sequence, state: _SeqState) -> None:
+        """A prefill's first token: push the KV into the decode worker's blocks over the link, then
+        release the blocks between steps and queue the outcome (as the engine thread and the
+        transport do)."""
+        assert state.prefill is not None
+        request_id, bs = seq.request_id, self.settings.block_size
+        blocks = self.scheduler.begin_send(request_id)
+        sent = len(blocks) - state.prefill.dst_num_cached_tokens // bs
+        nbytes = sent * bs * self.cost.kv_bytes_per_token()
+        transfer_s = self.link.transfer_time(nbytes)
+        prefill_s = self.loop.now - state.queued_at
+        first = RequestOutput(
+            request_id,
+            [PLACEHOLDER_TOKEN],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+        def sent_done() -> None:
+            if self.dead:
+                return
+            self.call(lambda: self.scheduler.release_held(request_id))  # queued for the engine thread
+            if self.fail_prefills:
+                self._emit(PrefillFailed(request_id, f"the KV transfer of {request_id} failed"))
+                return
+            self.counters.kv_blocks_sent += sent
+            self.counters.kv_bytes_sent += nbytes
+            self._emit(PrefillResult(first, sent, nbytes, transfer_s, prefill_s))
+
+        self.loop.after(transfer_s, sent_done)
 
     # ---- stepping ----------------------------------------------------------------------------
     def _maybe_step(self) -> None:
@@ -254,6 +347,8 @@ class SimWorker:
         self.loop.after(dt, self._end_step, plan)
 
     def _end_step(self, plan: list[tuple[Sequence, int, bool]]) -> None:
+        if self.dead:
+            return
         bm = self.block_manager
         sampled = []
         bs = self.settings.block_size
@@ -267,16 +362,33 @@ class SimWorker:
                 sampled.append(seq)
         states = self._states
         for seq in sampled:
-            state = states[seq.request_id]
+            state = states.get(seq.request_id)
+            if state is None:  # aborted during the step
+                continue
             seq.append_token(PLACEHOLDER_TOKEN)
             num_output = seq.num_output_tokens
             finished = num_output >= seq.sampling_params.max_tokens
-            if finished:
-                self._finish(seq)
-            elif state.prefill_only:
+            if state.prefill is not None and not finished:
                 self.scheduler.hold(seq)
                 del states[seq.request_id]
-            state.on_output(seq.request_id, num_output, finished, seq.num_cached_tokens)
+                self._send(seq, state)
+                continue
+            if finished:
+                self._finish(seq)
+            output = RequestOutput(
+                seq.request_id,
+                [PLACEHOLDER_TOKEN],
+                finished=finished,
+                finish_reason="length" if finished else None,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                num_output_tokens=num_output,
+                attempt=state.attempt,
+            )
+            if state.prefill is not None:  # a one-token request: P's token is the answer, nothing moves
+                self._emit(PrefillResult(output, 0, 0, 0.0, self.loop.now - state.queued_at))
+            else:
+                self._emit(output)
         self._collect_events()
         self.busy = False
         while self._commands and not self.busy:
@@ -307,9 +419,9 @@ class SimWorker:
         self._events, self._event_hashes, self._events_lost = [], 0, False
         return out
 
-    def stats(self) -> tuple[int, int, float]:
-        """(running, waiting, kv usage) as the worker's heartbeat reports them."""
-        return len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage
+    def requests(self) -> list[str]:
+        """The requests this worker holds now (running, waiting, reserved, or held for a send)."""
+        return [*self._states, *self.scheduler.held]
 
     @property
     def num_requests(self) -> int:

@@ -44,6 +44,8 @@ class RequestRecord:
     cached_tokens: int = 0
     queue_s: float | None = None  # routed to its first chunk scheduled on the prefilling worker
     failed: str = ""
+    end_reason: str = ""  # router.flow_commands.EndReason's value
+    migrations: int = 0  # decode workers it moved off (lost or drained)
 
     @property
     def completed(self) -> bool:

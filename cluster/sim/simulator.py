@@ -1,18 +1,16 @@
 """The cluster simulator: a Baton deployment as a discrete-event simulation.
 
-Each request is driven by the router's own `router.flow.RequestFlow`, whose commands run here as
-events on simulated workers instead of Ray calls (`_execute`), with the router's real routing
-policy (`router.routing.make_policy`: `KvAwarePolicy` by default) and real
-`router.prefix_index.PrefixIndex`, fed by the simulated workers' KV events at every heartbeat as
-the router's health loop feeds it. What is the simulator's own is how long each command takes:
-a call to a worker waits for the end of its current step; a prefill (`prefill_only`) starts its
-send as P's step ends, the KV moves over the `LinkModel`, and P's release of the blocks is queued
-between its steps; outputs reach the router `stream_s` after the worker's step.
+Each request is driven by the router's own `router.flow.RequestFlow`, whose commands run as calls to
+simulated workers (cluster.sim.executor) with the same records and the same worker interface as a
+real deployment (`common.worker_api.WorkerAPI`), under the router's real routing policy
+(`router.routing.make_policy`: `KvAwarePolicy` by default) and real `router.prefix_index.PrefixIndex`,
+fed by the simulated workers' heartbeats (stats and KV events) as the router's health loop feeds it.
+What is the simulator's own is how long things take (cluster.sim.engine, cluster.sim.costs).
 
-The router's queued-prefill count (the policy's queue term) follows the flow's commands, and the
-router sees worker stats (running, waiting, KV usage) as of
-the last heartbeat. Pools can grow and shrink while it runs (`add_worker`, `drain_worker`): what
-the autoscaler drives.
+Pools change while it runs, as in production: `add_worker`, `drain_worker` (no new requests; what
+the worker runs finishes, or after `drain_timeout_s` moves to other decode workers, as the pool
+manager's drain does), `kill_worker` (its requests migrate, or a prefill fails over; optionally it
+restarts empty), and `end_request` (a client that goes away, a deadline).
 """
 
 from __future__ import annotations
@@ -24,30 +22,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cluster.sim.clients import start_client
 from cluster.sim.costs import CostModel, LinkModel, ServingOverheads
-from cluster.sim.engine import EngineSettings, EventLoop, SimWorker
+from cluster.sim.engine import EngineSettings, SimWorker
+from cluster.sim.events import EventLoop
+from cluster.sim.executor import Flight, FlowExecutor, worker_request
 from cluster.sim.metrics import ItlSample, PoolStats, RequestRecord, SimResult
-from cluster.sim.workload import Client, SimRequest, Workload
-from common.protocol import KVReservation, PrefillResult, RequestOutput
+from cluster.sim.workload import SimRequest, Workload
 from common.roles import ROLES, Role
 from router.backend import WorkerInfo
-from router.flow import (
-    COUNTERS,
-    Abort,
-    Command,
-    Count,
-    Emit,
-    Fail,
-    Follow,
-    MigrationGap,
-    Prefill,
-    QueueTokens,
-    RequestFlow,
-    Reserve,
-    StartDecode,
-    Submit,
-    WaitForDecode,
-)
+from router.flow import FlowLimits
+from router.flow_commands import COUNTERS, EndReason
 from router.migration import pick_worker
 from router.prefix_index import PrefixIndex
 from router.routing import NoWorkerAvailable, RoutingConfig, make_policy
@@ -65,22 +50,17 @@ class ClusterSpec:
     routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(seed=0))
     # After the last arrival, at most this long to finish (an overloaded split would run forever).
     drain_limit_s: float = 120.0
+    # A drained worker's requests move to other decode workers after this long (cluster.config's default).
+    drain_timeout_s: float = 60.0
+    limits: FlowLimits = field(default_factory=FlowLimits)  # migrations (cluster.config's defaults)
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 1:
             raise ValueError(
                 f"need prefill_workers >= 0 and decode_workers >= 1, got {self.prefill_workers}, {self.decode_workers}"
             )
-
-
-@dataclass
-class _Flight:
-    """One request in the router: its record, its flow, and what to call when it ends."""
-
-    req: SimRequest
-    rec: RequestRecord
-    on_done: Callable[[], None]
-    flow: RequestFlow | None = None
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 class Simulator:
@@ -103,47 +83,60 @@ class Simulator:
         self.policy = make_policy(spec.routing, self.index, spec.engine.block_size)
         self.workers: dict[str, SimWorker] = {}
         self._born: dict[str, float] = {}
-        self._state: dict[str, str] = {}  # starting | up | draining | removed
-        self._stats: dict[str, tuple[int, int, float]] = {}  # as of the last heartbeat
+        self._state: dict[str, str] = {}  # starting | up | draining | removed | dead
+        self._stats: dict[str, tuple[int, int, float]] = {}  # (running, waiting, KV usage) at the last heartbeat
         self._gone: dict[str, float] = {}
-        self._next_id = {"prefill": 0, "decode": 0}
+        self._next_id = dict.fromkeys(ROLES, 0)
         self._infos: list[WorkerInfo] = []
         self._pos: dict[str, int] = {}
         self._queued: dict[str, int] = {}
+        # Workers killed and replaced by a restart under the same id, with their lifetimes (they cost GPUs too).
+        self.retired: list[tuple[SimWorker, float, float]] = []
         self.records: list[RequestRecord] = []
-        self.itl = ItlSample()
-        self.record_itl = record_itl
+        self.executor = FlowExecutor(
+            self.loop, self.workers, self.overheads, self, self._set_queued, self._end, spec.limits, record_itl
+        )
+        self.executor.counters.update(dict.fromkeys(COUNTERS, 0))
         self.decision_s: list[float] = []
         self.timeline: list[dict] = []
         self.recent: deque[RequestRecord] = deque()  # completed in the last window (autoscaler signals)
-        self._tickers: list[tuple[float, Callable[[Simulator], None]]] = []
         self._open_clients = 0
         self._stopped = False
-        self._flights: dict[str, _Flight] = {}
         self.unstarted: dict[str, float] = {}  # routed, not yet computing: request id -> routed at
-        self.counters = dict.fromkeys(COUNTERS, 0)  # what the flows counted, as RayBackend.counters
         self._last_arrival = 0.0
         for _ in range(spec.prefill_workers):
-            self.add_worker("prefill")
+            self.add_worker(Role.PREFILL)
         for _ in range(spec.decode_workers):
-            self.add_worker("decode")
+            self.add_worker(Role.DECODE)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """What the flows counted, as RayBackend.counters."""
+        return self.executor.counters
+
+    @property
+    def itl(self) -> ItlSample:
+        return self.executor.itl
 
     # ---- pools -------------------------------------------------------------------------------
-    def add_worker(self, role: str, ready_in_s: float = 0.0) -> str:
+    def add_worker(self, role: Role, ready_in_s: float = 0.0, worker_id: str | None = None) -> str:
         """A new worker, routable once ready_in_s has passed (its start-up); it costs GPUs from now."""
-        wid = f"{role}-{self._next_id[role]}"
-        self._next_id[role] += 1
-        cost = self.prefill_cost if role == Role.PREFILL else self.cost
-        w = SimWorker(self.loop, wid, role, cost, self.spec.engine)
+        role = Role(role)
+        if worker_id is None:
+            worker_id = f"{role}-{self._next_id[role]}"
+            self._next_id[role] += 1
+        cost = self.prefill_cost if role is Role.PREFILL else self.cost
+        w = SimWorker(self.loop, worker_id, role, cost, self.spec.engine, self.link)
         w.on_started = self._started
+        w.on_outputs = self.executor.outputs_ready
         w.alive = False
-        self._state[wid] = "starting"
-        self._stats[wid] = (0, 0, 0.0)
-        self.workers[wid] = w
-        self._born[wid] = self.loop.now
-        self._queued[wid] = 0
-        self.loop.after(ready_in_s, self._admit, wid)
-        return wid
+        self._state[worker_id] = "starting"
+        self._stats[worker_id] = (0, 0, 0.0)
+        self.workers[worker_id] = w
+        self._born[worker_id] = self.loop.now
+        self._queued[worker_id] = 0
+        self.loop.after(ready_in_s, self._admit, worker_id)
+        return worker_id
 
     def _admit(self, wid: str) -> None:
         if self._state[wid] != "starting":
@@ -152,20 +145,54 @@ class Simulator:
         self.workers[wid].alive = True
         self._rebuild_infos()
 
-    def drain_worker(self, role: str) -> str | None:
-        """Stop routing to the newest worker of `role` (a starting one first); it leaves once idle.
-        Never drains the last decode worker. Returns its id, or None."""
+    def drain_worker(self, role: Role, worker_id: str | None = None) -> str | None:
+        """Stop routing to a worker (`worker_id`, or the newest of `role`, a starting one first): what
+        it runs finishes, and after the spec's drain_timeout_s a decode worker's requests move to other
+        decode workers; it leaves once idle. Never drains the last decode worker. Returns its id, or None."""
         candidates = [
             wid for wid, st in self._state.items() if st in ("starting", "up") and self.workers[wid].role == role
         ]
         if len(candidates) <= (1 if role == Role.DECODE else 0):
             return None
-        wid = max(candidates, key=lambda x: (self._state[x] == "starting", self._born[x], x))
+        wid = worker_id if worker_id in candidates else None
+        if wid is None:
+            if worker_id is not None:
+                return None
+            wid = max(candidates, key=lambda x: (self._state[x] == "starting", self._born[x], x))
         self._state[wid] = "draining"
         self.workers[wid].alive = False
         self._rebuild_infos()
         self._retire_idle()
+        if self.workers[wid].role is Role.DECODE:
+            self.loop.after(self.spec.drain_timeout_s, self._drain_timeout, wid)
         return wid
+
+    def _drain_timeout(self, wid: str) -> None:
+        if self._state.get(wid) == "draining":
+            self.executor.worker_lost(wid, failure=False)  # its requests move (RequestFlow.on_drain)
+
+    def kill_worker(self, worker_id: str, restart_after_s: float | None = None) -> None:
+        """The worker dies with everything it held: its decode requests migrate, its prefills fail
+        over, as the router's health loop finds out (an RPC later). With `restart_after_s`, Ray
+        restarts it empty that much later, under the same id."""
+        w = self.workers[worker_id]
+        w.kill()
+        self._state[worker_id] = "dead"
+        self._gone[worker_id] = self.loop.now
+        self.index.remove_worker(worker_id)
+        self._rebuild_infos()
+        self.loop.after(self.overheads.rpc_s, self.executor.worker_lost, worker_id, True)
+        if restart_after_s is not None:
+            self.loop.after(restart_after_s, self._restart, worker_id)
+
+    def _restart(self, worker_id: str) -> None:
+        old = self.workers[worker_id]
+        self.retired.append((old, self._born[worker_id], self._gone.pop(worker_id)))
+        self.add_worker(old.role, 0.0, worker_id)
+
+    def end_request(self, request_id: str, reason: EndReason = EndReason.CLIENT_GONE) -> None:
+        """The client went away (or its deadline passed): the request ends, freeing what it holds."""
+        self.executor.end(request_id, reason)
 
     def _retire_idle(self) -> None:
         for wid, st in self._state.items():
@@ -185,7 +212,7 @@ class Simulator:
         stats = [self._stats[wid] for wid, w in self.workers.items() if w.role == Role.DECODE and not w.removed]
         return sum(s[0] for s in stats), sum(s[1] for s in stats)
 
-    def pool_size(self, role: str, include_starting: bool = True) -> int:
+    def pool_size(self, role: Role, include_starting: bool = True) -> int:
         states = ("up", "starting") if include_starting else ("up",)
         return sum(1 for wid, st in self._state.items() if st in states and self.workers[wid].role == role)
 
@@ -193,6 +220,10 @@ class Simulator:
     def _rebuild_infos(self) -> None:
         # A draining worker stays listed as not alive (as a dead one does for the real router).
         infos = []
+        in_flight: dict[str, int] = {}
+        for f in self.executor.flights.values():
+            for wid in f.flow.workers() if f.flow is not None else ():
+                in_flight[wid] = in_flight.get(wid, 0) + 1
         for wid, w in self.workers.items():
             if self._state[wid] in ("up", "draining"):
                 running, waiting, usage = self._stats[wid]
@@ -205,6 +236,8 @@ class Simulator:
                         waiting=waiting,
                         kv_usage=usage,
                         queued_prefill_tokens=self._queued[wid],
+                        draining=self._state[wid] == "draining",
+                        in_flight=in_flight.get(wid, 0),
                     )
                 )
         self._infos = infos
@@ -227,31 +260,28 @@ class Simulator:
         for wid, w in self.workers.items():
             if w.removed:
                 continue
-            self._stats[wid] = w.stats()
-            events, snapshot = w.take_kv_events()
-            if snapshot is not None:
-                self.index.replace(wid, snapshot)
+            beat = w.heartbeat()
+            s = beat.stats
+            self._stats[wid] = (s.num_running, s.num_waiting, s.kv_usage)
+            batch = beat.kv_events
+            if batch.snapshot is not None:
+                self.index.replace(wid, batch.snapshot)
             else:
-                self.index.apply(wid, events)
+                self.index.apply(wid, batch.events)
         self._retire_idle()
         self._rebuild_infos()
+        live = [(wid, w) for wid, w in self.workers.items() if not w.removed]
         self.timeline.append(
             {
                 "t": self.loop.now,
-                "prefill_workers": self.pool_size("prefill", False),
-                "decode_workers": self.pool_size("decode", False),
+                "prefill_workers": self.pool_size(Role.PREFILL, False),
+                "decode_workers": self.pool_size(Role.DECODE, False),
                 "queued_prefill_tokens": sum(self._queued.values()),
                 "prefill_busy": sum(
-                    1
-                    for wid, w in self.workers.items()
-                    if w.role == Role.PREFILL and not w.removed and (self._stats[wid][0] or self._stats[wid][1])
+                    1 for wid, w in live if w.role == Role.PREFILL and (self._stats[wid][0] or self._stats[wid][1])
                 ),
-                "decode_waiting": sum(
-                    self._stats[wid][1] for wid, w in self.workers.items() if w.role == Role.DECODE and not w.removed
-                ),
-                "decode_running": sum(
-                    self._stats[wid][0] for wid, w in self.workers.items() if w.role == Role.DECODE and not w.removed
-                ),
+                "decode_waiting": sum(self._stats[wid][1] for wid, w in live if w.role == Role.DECODE),
+                "decode_running": sum(self._stats[wid][0] for wid, w in live if w.role == Role.DECODE),
             }
         )
         if not self._finished():
@@ -262,203 +292,39 @@ class Simulator:
         rec = RequestRecord(req.request_id, client, len(req.prompt), req.output_len, self.loop.now)
         self.records.append(rec)
         self._last_arrival = max(self._last_arrival, self.loop.now)
-        self.loop.after(self.overheads.router_s, self._route, _Flight(req, rec, on_done))
+        f = Flight(req, worker_request(req), rec, on_done)
+        self.loop.after(self.overheads.router_s, self._route, f)
 
-    def _route(self, f: _Flight) -> None:
+    def _route(self, f: Flight) -> None:
         t0 = time.perf_counter()
         try:
-            d = self.policy.choose(f.req.prompt, self._infos)
+            d = self.policy.choose(list(f.req.prompt), self._infos)
         except NoWorkerAvailable as exc:
             f.rec.failed = str(exc)
-            self._end(f)
+            f.on_done()
             return
         finally:
             self.decision_s.append(time.perf_counter() - t0)
         f.rec.route, f.rec.decode_worker, f.rec.prefill_worker = d.reason, d.decode_worker, d.prefill_worker
-        self._flights[f.req.request_id] = f
         self.unstarted[f.req.request_id] = self.loop.now
-        f.flow = RequestFlow(f.req.request_id, len(f.req.prompt), d, self)
-        self._execute(f, f.flow.start(self.loop.now))
+        self.executor.start(f, d)
 
     def _started(self, request_id: str, queued_s: float) -> None:
         if self.unstarted.pop(request_id, None) is not None:
-            f = self._flights.get(request_id)
+            f = self.executor.flights.get(request_id)
             if f is not None:
                 f.rec.queue_s = self.loop.now - f.rec.sent_s - self.overheads.router_s
 
-    # ---- the flow's commands, carried out as events ------------------------------------------
-    def _answer(self, f: _Flight, handler: Callable[[float], list[Command]]) -> None:
-        """An outcome reached the router: ask the flow what next, and do it."""
-        if f.flow.done:
-            return
-        self._execute(f, handler(self.loop.now))
-
-    def _execute(self, f: _Flight, commands: list[Command]) -> None:
-        rpc = self.overheads.rpc_s / 2
-        rid, flow = f.req.request_id, f.flow
-        for c in commands:
-            if isinstance(c, Emit):
-                self._client_token(f, c.output.finished)
-            elif isinstance(c, QueueTokens):
-                self._set_queued(c.worker_id, c.delta)
-            elif isinstance(c, Count):
-                self.counters[c.name] += c.n
-            elif isinstance(c, Follow):
-                f.rec.decode_worker = c.worker_id
-            elif isinstance(c, Reserve):
-                d = self.workers[c.worker_id]
-
-                def reserve(d: SimWorker = d) -> None:
-                    res = d.reserve(rid, f.req.prompt, f.req.output_len, self._decode_output(f))
-                    reservation = None if res is None else KVReservation(rid, list(range(res[0])), res[1])
-                    self.loop.after(rpc, self._answer, f, lambda now: flow.on_reserved(reservation, now))
-
-                self.loop.after(rpc, d.call, reserve)
-            elif isinstance(c, Prefill):
-                self._prefill(f, c)
-            elif isinstance(c, StartDecode):
-                d = self.workers[c.worker_id]
-                self.loop.after(rpc, d.call, lambda d=d: d.kv_arrived(rid))
-            elif isinstance(c, Submit):
-                assert c.resume is None, "the simulator loses no worker, so nothing migrates"
-                d = self.workers[c.worker_id]
-                self.loop.after(
-                    rpc, d.call, lambda d=d: d.add(rid, f.req.prompt, f.req.output_len, self._decode_output(f))
-                )
-            elif isinstance(c, Abort):
-                w = self.workers[c.worker_id]
-                self.loop.after(rpc, w.call, lambda w=w: w.abort(rid))
-            elif isinstance(c, Fail):
-                f.rec.failed = c.message
-                self._end(f)
-            elif isinstance(c, WaitForDecode):
-                self.loop.after(0.1, self._answer, f, flow.on_wait)
-            elif isinstance(c, MigrationGap):
-                pass  # no worker is lost in the simulation
-            else:
-                raise AssertionError(f"no executor for {c!r}")
-
-    def _prefill(self, f: _Flight, c: Prefill) -> None:
-        """P computes the prompt (`prefill_only`); the send starts as its step ends (as on P's engine
-        thread), the KV moves over the link, P's release of the blocks is queued between its steps,
-        and the outcome reaches the router one RPC later."""
-        rpc = self.overheads.rpc_s / 2
-        rid, flow, p, bs = f.req.request_id, f.flow, self.workers[c.worker_id], self.spec.engine.block_size
-
-        def done(finished: bool, p_cached: int, blocks: int, nbytes: int, transfer_s: float) -> None:
-            result = PrefillResult(
-                RequestOutput(rid, [0], finished=finished, num_cached_tokens=p_cached), blocks, nbytes, transfer_s, 0.0
-            )
-            self.loop.after(rpc, self._answer, f, lambda now: flow.on_prefill_done(result, now))
-
-        def on_first(_rid: str, _n: int, finished: bool, p_cached: int) -> None:
-            if finished:  # a one-token request: P's token is the answer, nothing moves
-                done(True, p_cached, 0, 0, 0.0)
-                return
-            blocks = p.begin_send(rid)
-            sent = len(blocks) - c.reservation.num_cached_tokens // bs
-            p.counters.kv_blocks_sent += sent
-            nbytes = sent * bs * self.prefill_cost.kv_bytes_per_token()
-            transfer_s = self.link.transfer_time(nbytes)
-
-            def sent_done() -> None:
-                p.call(lambda: p.release(rid))  # queued for P's engine thread, not waited for
-                done(False, p_cached, sent, nbytes, transfer_s)
-
-            self.loop.after(transfer_s, sent_done)
-
-        self.loop.after(rpc, p.call, lambda: p.add(rid, f.req.prompt, f.req.output_len, on_first, prefill_only=True))
-
-    def _decode_output(self, f: _Flight):
-        stream_s, after, deliver = self.overheads.stream_s, self.loop.after_grouped, self._deliver
-
-        def on_output(rid: str, n: int, finished: bool, cached: int) -> None:
-            # One step's increment: the one token it sampled (n counts every token so far).
-            after(stream_s, deliver, f, RequestOutput(rid, [0], finished=finished, num_cached_tokens=cached))
-
-        return on_output
-
-    def _deliver(self, f: _Flight, out: RequestOutput) -> None:
-        """A decode worker's output reached the router (`_answer` for the commonest outcome, without
-        a closure per token)."""
-        flow = f.flow
-        if flow.done:
-            return
-        commands = flow.on_output(out, self.loop.now)
-        if len(commands) == 1 and type(commands[0]) is Emit:  # a token and nothing else: most of them
-            self._client_token(f, commands[0].output.finished)
-        else:
-            self._execute(f, commands)
-
-    def _client_token(self, f: _Flight, finished: bool) -> None:
-        rec, now = f.rec, self.loop.now
-        if rec.first_token_s is None:
-            rec.first_token_s = now
-        elif self.record_itl:
-            self.itl.add(now - rec.last_token_s)
-        rec.tokens += 1
-        rec.last_token_s = now
-        if finished:
-            rec.done_s = now
-            self._end(f)
-
-    def _end(self, f: _Flight) -> None:
-        if f.flow is not None:
-            trace = f.flow.trace
-            f.rec.cached_tokens, f.rec.prefill_worker = trace.cached_tokens, trace.prefill_worker
-            if trace.fell_back_to_local:
-                f.rec.route = "remote_prefill_fallback_local"
-        self._flights.pop(f.req.request_id, None)
+    def _end(self, f: Flight) -> None:
         self.unstarted.pop(f.req.request_id, None)
         if f.rec.completed:
             self.recent.append(f.rec)
         self._retire_idle()
         f.on_done()
 
-    # ---- clients -----------------------------------------------------------------------------
-    def _start_client(self, client: Client) -> None:
-        """Closed loop: `concurrency` units in flight, the next one when one ends. Open loop (no
-        concurrency): each unit starts at its first request's arrival, chained so only one is scheduled."""
-        pending = deque(
-            sorted(client.units, key=lambda u: u[0].arrival_s or 0.0) if client.concurrency is None else client.units
-        )
-        in_flight = [0]
-        if not pending:
-            return
-        self._open_clients += 1
-
-        def launch() -> None:
-            unit = pending.popleft()
-            in_flight[0] += 1
-            run(unit, 0)
-            if client.concurrency is None and pending:
-                nxt = pending[0][0]
-                self.loop.at(client.start_s + (nxt.arrival_s or 0.0), launch)
-
-        def unit_done() -> None:
-            in_flight[0] -= 1
-            if pending and client.concurrency is not None:
-                launch()
-            elif not pending and in_flight[0] == 0:
-                self._open_clients -= 1
-
-        def run(unit: tuple[SimRequest, ...], i: int) -> None:
-            req = unit[i]
-
-            def done() -> None:
-                if i + 1 < len(unit):
-                    self.loop.after(client.think_s, run, unit, i + 1)
-                else:
-                    unit_done()
-
-            t = client.start_s + req.arrival_s if (req.arrival_s is not None and i == 0) else self.loop.now
-            self.loop.at(t, self._send, client.name, req, done)
-
-        if client.concurrency is None:
-            self.loop.at(client.start_s + (pending[0][0].arrival_s or 0.0), launch)
-        else:
-            for _ in range(min(client.concurrency, len(pending))):
-                launch()
+    # ---- running it --------------------------------------------------------------------------
+    def _client_closed(self) -> None:
+        self._open_clients -= 1
 
     def _finished(self) -> bool:
         return self._stopped or self._open_clients == 0
@@ -495,7 +361,8 @@ class Simulator:
         started = time.perf_counter()
         self._rebuild_infos()
         for client in workload.clients:
-            self._start_client(client)
+            if start_client(self.loop, client, self._send, self._client_closed):
+                self._open_clients += 1
         last_open = max((r.arrival_s or 0.0) + c.start_s for c in workload.clients for r in c.requests)
         self._heartbeat()
         self.loop.run(until=last_open + self.spec.drain_limit_s, stop=self._finished)
@@ -503,14 +370,13 @@ class Simulator:
             if rec.done_s is None and not rec.failed:
                 rec.failed = "not finished when the simulation stopped"
         end = self.loop.now
+        lives = [(w, self._born[wid], self._gone.get(wid, end)) for wid, w in self.workers.items()] + self.retired
         pools = {}
         for role in ROLES:
-            ws = [w for w in self.workers.values() if w.role == role]
+            ws = [w for w, _, _ in lives if w.role == role]
             pools[role] = PoolStats(
                 workers=self.pool_size(role, False),
-                gpu_seconds=sum(
-                    (self._gone.get(w.worker_id, end) - self._born[w.worker_id]) * w.cost.gpus_per_worker() for w in ws
-                ),
+                gpu_seconds=sum((gone - born) * w.cost.gpus_per_worker() for w, born, gone in lives if w.role == role),
                 busy_seconds=sum(w.counters.busy_s for w in ws),
                 steps=sum(w.counters.steps for w in ws),
                 prefill_tokens=sum(w.counters.prefill_tokens for w in ws),

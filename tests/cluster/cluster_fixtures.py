@@ -15,7 +15,7 @@ from __future__ import annotations
 import ray
 
 from cluster.config import BatonConfig
-from cluster.testing import FakeCluster, NodeType, free_port, serving
+from testkit.cluster import FakeCluster, NodeType, free_port, serving
 
 POOL_NODES = [
     NodeType("prefill", 2, {"CPU": 1, "baton_prefill": 1}, {"baton-pool": "prefill"}),

@@ -1,12 +1,12 @@
 """Fixtures of cluster mode tests; the helpers they use are in cluster_fixtures.py.
 
-- `fake_cluster` (module scope): Ray's fake multi-node provider (`cluster.testing.FakeCluster`)
+- `fake_cluster` (module scope): Ray's fake multi-node provider (`testkit.cluster.FakeCluster`)
   with a head (1 CPU, no Baton resource: where the driver and router run) and the two pool node
   types of a `ray up` cluster, all on 127.0.0.1:
       prefill: 2 nodes, each {CPU: 1, baton_prefill: 1}, labels {baton-pool: prefill}
       decode:  2 nodes, each {CPU: 1, baton_decode: 1},  labels {baton-pool: decode}
   This test process is the Ray driver on it while the module runs: a driver connection an
-  earlier suite left in this process is ended first (`cluster.testing.leave_ray`), and the
+  earlier suite left in this process is ended first (`testkit.cluster.leave_ray`), and the
   cluster's processes are stopped by process group after the module.
   `fake_cluster.node_ids("decode")` gives the Ray node ids of a node type;
   `fake_cluster.kill_node(node_id)` SIGKILLs one simulated node's processes (raylet and
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from cluster_fixtures import POOL_NODES
 
-from cluster.testing import FakeCluster, leave_ray
+from testkit.cluster import FakeCluster, leave_ray
 from tests.healing.helpers import session_oracle
 
 

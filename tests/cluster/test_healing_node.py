@@ -1,5 +1,5 @@
 """A whole simulated node dies during 32 streaming requests: a head, a prefill node and three
-decode nodes on 127.0.0.1 (cluster.testing.FakeCluster, a fresh one: the test kills one of its
+decode nodes on 127.0.0.1 (testkit.cluster.FakeCluster, a fresh one: the test kills one of its
 nodes), 1 prefill and 2 decode workers, one per node, so one decode node is spare.
 
 The test SIGKILLs every process of one decode node (its raylet and the decode worker on it, as
@@ -24,7 +24,7 @@ import pytest
 import ray
 from cluster_fixtures import POOL_NODES, actor_nodes, cluster_config, serving_on
 
-from cluster.testing import FakeCluster, NodeType, leave_ray
+from testkit.cluster import FakeCluster, NodeType, leave_ray
 from tests.healing.helpers import check_results, kill_when_running, run_load, wait_async
 
 pytestmark = pytest.mark.slow
@@ -97,12 +97,8 @@ def test_a_decode_node_dies_mid_stream_and_the_pool_heals(spare_cluster, clear_p
         stats = server.wait_idle(timeout_s=60)
         for wid, s in stats.items():
             assert s.num_running == 0 and s.num_free_blocks == s.num_blocks, (wid, s)
-        before = ray.get(
-            next(w.handle for w in deployment.workers if w.worker_id == "decode-0").stats.remote(), timeout=60
-        )
+        before = ray.get(next(w.client for w in deployment.workers if w.worker_id == "decode-0").stats(), timeout=60)
         again = asyncio.run(run_load(server.base_url, expected[:8], _nothing, DEADLINE_S))
         assert check_results(again.results, expected[:8], DEADLINE_S)["exact"] == 8
-        after = ray.get(
-            next(w.handle for w in deployment.workers if w.worker_id == "decode-0").stats.remote(), timeout=60
-        )
+        after = ray.get(next(w.client for w in deployment.workers if w.worker_id == "decode-0").stats(), timeout=60)
         assert after.generation_tokens > before.generation_tokens  # round-robin: half went to the new decode-0

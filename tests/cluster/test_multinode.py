@@ -23,7 +23,7 @@ from cluster_fixtures import actor_nodes, cluster_config, serving_on
 
 from cluster.placement import PlacementError
 from common.sampling_params import SamplingParams
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,9 +93,7 @@ def test_pools_land_on_their_node_types_kv_crosses_nodes_over_gloo_and_answers_m
             assert s.num_free_blocks == s.num_blocks, f"{wid} leaked {s.num_blocks - s.num_free_blocks} blocks"
         received = {w: after[w].kv_blocks_received - before[w].kv_blocks_received for w in ("decode-0", "decode-1")}
         links = {
-            w.worker_id: ray.get(w.handle.kv_links.remote(), timeout=30)
-            for w in deployment.workers
-            if w.role == "prefill"
+            w.worker_id: ray.get(w.client.kv_links(), timeout=30) for w in deployment.workers if w.role == "prefill"
         }
         over = {}
         for wid, worker_links in links.items():

@@ -27,7 +27,7 @@ from kvtransfer import (
     offered_kinds,
     pair_kind,
 )
-from kvtransfer.testing import seeded_bytes
+from testkit.kvtransfer import seeded_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")

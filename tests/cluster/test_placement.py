@@ -1,5 +1,5 @@
 """Placement per pool (cluster.placement), starting or joining Ray (cluster.launcher.start_ray) and
-finding the model (workers.model_files): the rules, on clusters described by hand, and Ray's own
+finding the model (workers.models.files): the rules, on clusters described by hand, and Ray's own
 behaviour where it matters (a stale `ray_current_cluster` is never joined).
 """
 
@@ -28,8 +28,8 @@ from cluster.placement import (
     worker_config,
 )
 from common.roles import Role
-from workers.model_files import ModelNotFoundError, is_repo_id, resolve_model_dir
-from workers.worker import WorkerConfig, _build_engine_and_kv
+from workers.models.files import ModelNotFoundError, is_repo_id, resolve_model_dir
+from workers.shell.worker import WorkerConfig, _build_engine_and_kv
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = NodeOffer("a" * 56, "10.0.0.1", {"CPU": 8.0, "memory": 1e9}, {"CPU": 8.0}, {})

@@ -1,4 +1,4 @@
-"""Tensor-parallel workers on a Ray cluster of simulated nodes (cluster.testing.FakeCluster, all on
+"""Tensor-parallel workers on a Ray cluster of simulated nodes (testkit.cluster.FakeCluster, all on
 127.0.0.1): a head, one prefill node and two decode nodes of 3 CPUs each; the default model served
 by a prefill worker at TP 1 and a decode worker at TP 3 (one rank per CPU), so every handoff
 re-slices the KV heads across nodes, over gloo.
@@ -16,7 +16,7 @@ import asyncio
 import pytest
 from cluster_fixtures import cluster_config, serving_on
 
-from cluster.testing import FakeCluster, NodeType, leave_ray, tp_group_actors
+from testkit.cluster import FakeCluster, NodeType, leave_ray, tp_group_actors
 from tests.healing.helpers import check_results, kill_when_running, run_load
 
 pytestmark = pytest.mark.slow

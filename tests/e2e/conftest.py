@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.harness import free_port
-from cluster.testing import leave_ray, serving
+from testkit.cluster import leave_ray, serving
+from testkit.harness import free_port
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -24,7 +24,7 @@ def _no_ray_after_the_folder():
 def deployment_ray():
     """This process's private Ray (namespace "baton", as a deployment starts its own): the first
     test that asks starts it, later ones reuse it. Deployments in it need actor name prefixes of
-    their own (cluster.testing.serving's actor_name_prefix): a killed actor's name is freed
+    their own (testkit.cluster.serving's actor_name_prefix): a killed actor's name is freed
     asynchronously, and the next module's deployment could find it still taken."""
     from cluster.launcher import start_ray
 
@@ -57,16 +57,16 @@ def server(deployment_ray):
 @pytest.fixture(scope="session")
 def reference_engine():
     """The engine alone, in this process: what every HTTP answer must equal (greedy)."""
+    from workers.build import load_engine
     from workers.config import EngineConfig
-    from workers.engine import LLMEngine
 
-    return LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=192 << 20))
+    return load_engine(None, EngineConfig(kv_cache_memory=192 << 20))
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
     from router.tokenizer import Tokenizer
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     return Tokenizer.from_model_dir(resolve_model_dir(quiet=True))
 

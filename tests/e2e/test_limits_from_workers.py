@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from cluster.harness import baton_serve
+from testkit.harness import baton_serve
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ BLOCK_SIZE = 16
 
 
 def expected_max_model_len() -> int:
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     config = json.loads((resolve_model_dir(None, quiet=True) / "config.json").read_text())
     heads = config["num_attention_heads"]
@@ -37,7 +37,7 @@ def expected_max_model_len() -> int:
 @pytest.fixture(scope="module")
 def small_cache_server(no_driver_ray):
     # Stopped as an operator stops it (SIGTERM to the server: it takes down its workers and private
-    # Ray), then whatever is left of its process group is killed: cluster.harness.stop_process.
+    # Ray), then whatever is left of its process group is killed: testkit.harness.stop_process.
     with baton_serve(["--kv-cache-memory", "32MiB", "--log-level", "warning"], ready_timeout_s=180) as server:
         yield server.base_url
 

@@ -35,8 +35,8 @@ FP8_NEAR_TIE = 0.05
 def gathering_server(deployment_ray):
     """Prefill TP 3 -> decode TP 1, FP8 KV cache; stopped before the tiny model's test starts its own."""
     from cluster.config import BatonConfig
-    from cluster.harness import free_port
-    from cluster.testing import serving
+    from testkit.cluster import serving
+    from testkit.harness import free_port
 
     # local_prefill_threshold=0: every request crosses the handoff between the two groups.
     config = BatonConfig.from_options(
@@ -54,10 +54,10 @@ def gathering_server(deployment_ray):
 
 @pytest.fixture(scope="module")
 def fp8_reference_engine():
+    from workers.build import load_engine
     from workers.config import EngineConfig
-    from workers.engine import LLMEngine
 
-    return LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20, kv_cache_dtype="fp8"))
+    return load_engine(None, EngineConfig(kv_cache_memory=64 << 20, kv_cache_dtype="fp8"))
 
 
 def test_three_prefill_ranks_feed_one_decode_rank_and_answers_equal_tp1(
@@ -86,8 +86,8 @@ def test_three_prefill_ranks_feed_one_decode_rank_and_answers_equal_tp1(
 
 def test_a_tiny_model_from_tp2_to_tp4_answers_as_transformers(deployment_ray):
     from cluster.config import BatonConfig
-    from cluster.harness import free_port
-    from cluster.testing import serving
+    from testkit.cluster import serving
+    from testkit.harness import free_port
 
     # 8 query heads and 4 KV heads of 8: TP 2 holds two KV heads a rank, TP 4 one.
     folder, hf = save_tiny_model("llama", num_attention_heads=8, num_key_value_heads=4)

@@ -44,8 +44,8 @@ FAMILIES = {
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_served_tiny_model_answers_as_transformers(family, deployment_ray):
     from cluster.config import BatonConfig
-    from cluster.harness import free_port
-    from cluster.testing import serving
+    from testkit.cluster import serving
+    from testkit.harness import free_port
 
     kind, overrides = FAMILIES[family]
     folder, hf = save_tiny_model(kind, **overrides)

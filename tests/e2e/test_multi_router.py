@@ -29,7 +29,7 @@ import time
 import httpx
 import pytest
 
-from cluster.harness import baton_serve, wait_until
+from testkit.harness import baton_serve, wait_until
 
 pytestmark = pytest.mark.slow
 HEADER = "x-baton-router"

@@ -1,7 +1,7 @@
 """`baton router`: one more router process joining a running deployment from outside it (what
 the Helm chart's router Deployment runs), found by the workers' actor names.
 
-A deployment with its router in this process (cluster.testing.serving, private Ray), then
+A deployment with its router in this process (testkit.cluster.serving, private Ray), then
 `baton router --config ... --address <its GCS>` on another port: it must answer exactly what the
 deployment's own router answers (greedy), name itself in x-baton-router, hold a lease on both
 workers, and once SIGKILLed lose that lease (its requests ended) while the first router serves on.
@@ -19,8 +19,8 @@ import httpx
 import pytest
 import yaml
 
-from cluster.harness import free_port, healthy, wait_until
-from cluster.testing import serving
+from testkit.cluster import serving
+from testkit.harness import free_port, healthy, wait_until
 
 pytestmark = pytest.mark.slow
 BODY = {

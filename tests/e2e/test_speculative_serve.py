@@ -23,8 +23,8 @@ SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
 @pytest.fixture(scope="module")
 def spec_server(deployment_ray):
     from cluster.config import BatonConfig
-    from cluster.harness import free_port
-    from cluster.testing import serving
+    from testkit.cluster import serving
+    from testkit.harness import free_port
 
     config = BatonConfig.from_options(
         port=free_port(),

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.harness import baton_serve, stop_process
-from workers.worker import STEP_LOG_ENV
+from testkit.harness import baton_serve, stop_process
+from workers.shell.worker import STEP_LOG_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,7 @@ def _check_decode_kept_stepping(logs: Path, sent: float, answered: float, condit
         f"{condition}: the decode worker went {longest:.3f} s without completing a step while a prefill chunk took "
         f"{chunk_s:.3f} s"
     )
-    # A core the decode worker borrowed while the prefill worker was idle (workers.elastic_threads)
+    # A core the decode worker borrowed while the prefill worker was idle (workers.shell.elastic_threads)
     # is given back once the prefill runs: a step or two notice it, the rest run on its own share.
     borrowed = [s for s in decode if window[0] <= s["start"] and s["end"] <= window[1] and s["threads"] > 1]
     assert len(borrowed) <= 2, f"{condition}: {len(borrowed)} decode steps kept a borrowed core during the prefill"

@@ -24,8 +24,8 @@ BLOCK_SIZE = 16
 @pytest.fixture(scope="module")
 def tp_server(deployment_ray):
     from cluster.config import BatonConfig
-    from cluster.harness import free_port
-    from cluster.testing import serving
+    from testkit.cluster import serving
+    from testkit.harness import free_port
 
     # local_prefill_threshold=0: every request crosses the KV handoff between the two groups.
     config = BatonConfig.from_options(
@@ -41,7 +41,7 @@ def tp_server(deployment_ray):
 
 
 def test_greedy_answers_equal_tp1_and_every_rank_moves_its_heads(tp_server, reference_engine, greedy_answers_match):
-    from cluster.testing import tp_group_actors
+    from testkit.cluster import tp_group_actors
 
     before = tp_server.stats()
     greedy_answers_match(tp_server.base_url, reference_engine)

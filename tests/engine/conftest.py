@@ -15,7 +15,7 @@ BACKGROUND_WAIT_S = 900  # for the background computation of hf_references (refs
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     return resolve_model_dir(quiet=True)
 

@@ -186,7 +186,7 @@ def run_with_logits(engine, prompts: list[list[int]], params) -> tuple[list, lis
 @contextlib.contextmanager
 def worker_pair(model_dir, config):
     """A prefill and a decode EngineWorker in this process (no Ray), KV over shared memory; shut down after."""
-    from workers.worker import EngineWorker, WorkerConfig
+    from workers.shell.worker import EngineWorker, WorkerConfig
 
     prefill = EngineWorker(WorkerConfig("p0", "prefill", str(model_dir), config, transport="shm"))
     decode = EngineWorker(WorkerConfig("d0", "decode", str(model_dir), config, transport="shm"))
@@ -200,20 +200,16 @@ def worker_pair(model_dir, config):
 def handoff(prefill, decode, request_id, prompt, params):
     """One request through the pair: D reserves, P prefills into the blocks, D decodes to the end.
     Returns (every token, P's PrefillResult, D's reservation, the finish reason)."""
-    from common.protocol import PrefillRequest
+    from testkit import workers
 
-    reservation = decode.reserve(request_id, prompt, params)
+    reservation = workers.reserve(decode, request_id, prompt, params)
     assert reservation is not None
-    result = prefill.prefill(
-        PrefillRequest(
-            request_id, prompt, params, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens
-        )
-    )
+    result = workers.prefill(prefill, request_id, prompt, params, decode.endpoint(), reservation)
     tokens = list(result.output.token_ids)
     if result.output.finished:
-        decode.abort(request_id)
+        workers.abort(decode, request_id)
         return tokens, result, reservation, result.output.finish_reason
-    decode.start_decode(request_id, tokens[0])
+    workers.start_decode(decode, request_id, tokens[0])
     while True:
         outputs = decode.poll_outputs(5.0)
         assert outputs, "decode worker produced nothing for 5 s"

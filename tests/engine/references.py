@@ -27,7 +27,7 @@ import torch
 
 from tests.engine.helpers import Reference, hf_greedy
 from tests.idle_priority import popen_at_lowest_priority
-from workers.evaluation import PROMPTS
+from workers.engine.evaluation import PROMPTS
 
 NEW_TOKENS = 64
 CACHE_FOLDER = "baton_hf_references"  # under pytest's cache (config.cache.mkdir)
@@ -138,7 +138,7 @@ def start_in_background(folder: Path) -> subprocess.Popen:
 def main(folder: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     model_dir = resolve_model_dir(quiet=True)
     eos = GenerationConfig.from_pretrained(model_dir).eos_token_id

@@ -1,4 +1,4 @@
-"""Steps through the one-call native decoder layers (workers/cpu_layer_stack.py): which models take
+"""Steps through the one-call native decoder layers (workers/engine/cpu_layer_stack.py): which models take
 them, and that they give the model's own layer-by-layer forward pass bit for bit.
 
 The oracle is the same engine with --enforce-eager (every step through the model's forward pass,
@@ -18,11 +18,12 @@ from common.sampling_params import SamplingParams
 from kernels import amx_linear
 from kernels.layer_stack import entry_points
 from tests.engine.helpers import run_with_logits, save_tiny_model
+from workers.build import build_engine
 from workers.config import EngineConfig
-from workers.cpu_layer_stack import unsupported_reason
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_runner import iter_safetensors
+from workers.engine.cpu_layer_stack import unsupported_reason
+from workers.engine.llm_engine import LLMEngine
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
 
 if entry_points() is None:
     pytest.skip("the native CPU kernels do not build here", allow_module_level=True)
@@ -38,7 +39,7 @@ MODELS = {
 
 def engine(folder: str, **config) -> LLMEngine:
     # A 32-token budget splits the longer prompts into chunks that share steps with decode rows.
-    return LLMEngine(
+    return build_engine(
         ModelConfig.from_model_dir(folder),
         EngineConfig(num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=32, **config),
         iter_safetensors(folder),

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode (workers/cuda_graphs.py), checked on the CPU with a stand-in graph.
+"""CUDA graphs for decode (workers/engine/cuda_graphs.py), checked on the CPU with a stand-in graph.
 
 The stand-in records each capture and replay and runs the captured function eagerly, so the
 buckets, the static buffers, the copy-in and the padding are the code that runs on CUDA; only
@@ -21,9 +21,10 @@ import torch
 
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import save_tiny_model
-from workers import model_runner
+from workers.build import build_engine
 from workers.config import EngineConfig
-from workers.cuda_graphs import (
+from workers.engine import model_runner
+from workers.engine.cuda_graphs import (
     MAX_CAPTURE_SIZE,
     PAD_SLOT,
     DecodeGraphs,
@@ -31,9 +32,9 @@ from workers.cuda_graphs import (
     decode_graphs_wanted,
     graph_batch_sizes,
 )
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_runner import ModelRunner, iter_safetensors
+from workers.engine.model_runner import ModelRunner
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
 
 
 class StandInGraph:
@@ -186,8 +187,8 @@ def test_capture_once_per_bucket_and_padding_rows_are_rewritten_every_step():
 def engine_pair(folder, **config):
     config = EngineConfig(num_kv_blocks=64, max_num_seqs=8, **config)
     model_config = ModelConfig.from_model_dir(folder)
-    eager = LLMEngine(model_config, config, iter_safetensors(folder))
-    graphed = LLMEngine(model_config, config, iter_safetensors(folder))
+    eager = build_engine(model_config, config, iter_safetensors(folder))
+    graphed = build_engine(model_config, config, iter_safetensors(folder))
     assert eager.runner.decode_graphs is None and graphed.runner.decode_graphs is None  # the CPU runs eagerly
     new_graph, made = stand_in_factory()
     graphed.runner.capture_decode_graphs(new_graph)

@@ -13,8 +13,8 @@ import pytest
 from common.sampling_params import SamplingParams
 from tests.engine.conftest import NEW_TOKENS
 from tests.engine.helpers import compare_greedy, run_with_logits
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def check_all(completions, logits, references, allowed_divergences: int = 1):
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
-    return LLMEngine.from_model_dir(default_model_dir, EngineConfig(kv_cache_memory=256 << 20))
+    return load_engine(default_model_dir, EngineConfig(kv_cache_memory=256 << 20))
 
 
 def test_batched_matches_transformers(engine, chat_prompts, hf_references):
@@ -52,7 +52,7 @@ def test_alone_matches_transformers(engine, chat_prompts, hf_references):
 
 def test_prefix_cache_off_and_mid_block_chunks(default_model_dir, chat_prompts, hf_references):
     # 40-token chunks with 16-token blocks: every other chunk boundary (40, 120, 200, ...) falls mid-block.
-    engine = LLMEngine.from_model_dir(
+    engine = load_engine(
         default_model_dir,
         EngineConfig(kv_cache_memory=256 << 20, enable_prefix_caching=False, max_num_batched_tokens=40),
     )

@@ -1,4 +1,4 @@
-"""How many drafts pay (workers.draft_budget): the plan against a brute-force search over every
+"""How many drafts pay (workers.speculative.draft_budget): the plan against a brute-force search over every
 choice of draft counts, hand-computed cases, the step-cost fit against the line it was drawn from,
 the acceptance estimate, and a sequence whose drafts stop paying."""
 
@@ -11,7 +11,8 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from workers.config import SpeculativeConfig
-from workers.draft_budget import (
+from workers.engine.sequence import Sequence
+from workers.speculative.draft_budget import (
     MAX_TOKEN_COST,
     PRIOR_TOKEN_COST,
     PROBE_STEPS,
@@ -21,8 +22,7 @@ from workers.draft_budget import (
     draft_counts,
     entry_bound,
 )
-from workers.sequence import Sequence
-from workers.speculative import Speculator
+from workers.speculative.speculator import Speculator
 
 
 def tokens_per_cost(counts: list[int], acceptance: list[float], token_cost: float) -> float:
@@ -279,7 +279,7 @@ def test_the_engine_drafts_while_drafts_are_accepted_and_stops_when_they_are_not
 
 
 def test_the_proposer_is_asked_only_for_drafts_that_could_pay():
-    from workers.draft_budget import most_that_could_pay
+    from workers.speculative.draft_budget import most_that_could_pay
 
     # bound 0.2: 0.5 ** 2 = 0.25 beats it, 0.5 ** 3 does not.
     assert most_that_could_pay(0.5, 0.2, 4, probe=False) == 2

@@ -15,8 +15,9 @@ import random
 
 import pytest
 
-from common.protocol import PrefillRequest, ResumeState
+from common.protocol import ResumeState
 from common.sampling_params import SamplingParams
+from testkit import workers as calls
 from tests.engine.helpers import save_tiny_model
 from tests.engine.test_speculative_engine import GREEDY, FreeTokens, accepted, engine, passage_prompts, run
 from workers.config import EngineConfig, SpeculativeConfig
@@ -154,7 +155,7 @@ def test_a_remote_prefill_carries_the_drafts_kv_and_the_decode_worker_runs_only_
     prefix cache in blocks its draft had filled (a follow-up turn), but not one whose prefix was
     computed here by the target alone (a local request that never drafted). It drafts as well as the
     local engine: a model drafting for itself from wrong KV would guess wrong."""
-    from workers.worker import EngineWorker, WorkerConfig
+    from workers.shell.worker import EngineWorker, WorkerConfig
 
     first, local_only, other = passage_prompts(3, seed=4)
     extra = [7, 8, 9, 10, 11]
@@ -167,12 +168,10 @@ def test_a_remote_prefill_carries_the_drafts_kv_and_the_decode_worker_runs_only_
 
     def remote(rid: str, prompt: list[int]) -> tuple[list[int], int]:
         """The request through the handoff: its tokens, and the prompt tokens the decode worker had cached."""
-        reservation = decode.reserve(rid, prompt, GREEDY)
-        result = prefill.prefill(
-            PrefillRequest(rid, prompt, GREEDY, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens)
-        )
+        reservation = calls.reserve(decode, rid, prompt, GREEDY)
+        result = calls.prefill(prefill, rid, prompt, GREEDY, decode.endpoint(), reservation)
         tokens = list(result.output.token_ids)
-        decode.start_decode(rid, tokens[0])
+        calls.start_decode(decode, rid, tokens[0])
         return tokens + collect(rid, GREEDY.max_tokens - 1), reservation.num_cached_tokens
 
     def collect(rid: str, count: int) -> list[int]:
@@ -192,7 +191,7 @@ def test_a_remote_prefill_carries_the_drafts_kv_and_the_decode_worker_runs_only_
         got, follow_up_cached = remote("r1", follow_up)
         assert got == want and follow_up_cached >= len(first)
         run(local, [local_only], one)
-        decode.submit("r2", local_only, one)  # prefilled here by the target alone; too short to draft
+        calls.submit(decode, "r2", local_only, one)  # prefilled here by the target alone; too short to draft
         assert len(collect("r2", 1)) == 1
         beside = local_only + extra
         want = run(local, [beside], GREEDY)[0][0]
@@ -210,7 +209,7 @@ def test_a_remote_prefill_carries_the_drafts_kv_and_the_decode_worker_runs_only_
 
 def test_a_pair_that_disagrees_on_the_draft_model_is_refused_at_connect(target_dir, small_draft_dir):
     from common.protocol import KVLayoutMismatch
-    from workers.worker import EngineWorker, WorkerConfig
+    from workers.shell.worker import EngineWorker, WorkerConfig
 
     def worker(name: str, role: str, draft: str | None) -> EngineWorker:
         spec = draft_config(draft) if draft is not None else None

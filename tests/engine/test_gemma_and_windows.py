@@ -22,12 +22,12 @@ import torch
 from common.protocol import KVLayout, KVLayoutMismatch
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import compare_greedy, hf_greedy, interpreter_ready, run_with_logits, save_tiny_model
-from workers.block_manager import FREED_BLOCK
+from workers.build import build_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_files import ModelNotFoundError, check_model_dir
-from workers.model_runner import iter_safetensors
+from workers.engine.block_manager import FREED_BLOCK
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
+from workers.models.files import ModelNotFoundError, check_model_dir
 
 WINDOW = 16
 SHRUNK = dict(
@@ -88,7 +88,7 @@ def test_gemma_config_reads_the_family(gemma):
 def test_gemma_greedy_matches_transformers(gemma):
     kind, folder, hf = gemma
     config = ModelConfig.from_model_dir(folder)
-    engine = LLMEngine(config, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), iter_safetensors(folder))
+    engine = build_engine(config, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), iter_safetensors(folder))
     prompts = _prompts(11, (17, 20, 31, 33, 48, 64, 65, 90, 120, 150))  # all longer than the window
     completions, logits = run_with_logits(
         engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -131,7 +131,7 @@ def test_gemma_chunked_prefill_and_prefix_cache_match_transformers(gemma):
     kind, folder, hf = gemma
     config = ModelConfig.from_model_dir(folder)
     # Chunks of 24 tokens (not a block multiple, longer than the window) and a shared 40-token prefix.
-    engine = LLMEngine(config, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=24), iter_safetensors(folder))
+    engine = build_engine(config, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=24), iter_safetensors(folder))
     prefix = _prompts(3, (40,))[0]
     prompts = [prefix + tail for tail in _prompts(4, (1, 9, 30, 57))]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -158,7 +158,7 @@ def test_all_windowed_long_request_keeps_only_the_window_blocks(mistral):
     config = ModelConfig.from_model_dir(folder)
     assert config.layer_windows == (32, 32) and config.kv_window == 32
     bs, num_blocks = 16, 64
-    engine = LLMEngine(
+    engine = build_engine(
         config,
         EngineConfig(num_kv_blocks=num_blocks, max_num_batched_tokens=64, block_size=bs),
         iter_safetensors(folder),
@@ -189,7 +189,7 @@ def test_all_windowed_long_request_keeps_only_the_window_blocks(mistral):
 def test_windowed_prefix_reuse_across_requests_is_exact(mistral):
     folder, hf = mistral
     config = ModelConfig.from_model_dir(folder)
-    engine = LLMEngine(config, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=48), iter_safetensors(folder))
+    engine = build_engine(config, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=48), iter_safetensors(folder))
     base = _prompts(9, (200,))[0]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     # The first request releases its early blocks as it goes (they stay cached); the second
@@ -209,7 +209,7 @@ def test_an_evicted_block_breaks_the_prefix_hit(mistral):
     """A cached block that was reused for other KV is no hit, nor is anything after it."""
     folder, _ = mistral
     config = ModelConfig.from_model_dir(folder)
-    engine = LLMEngine(config, EngineConfig(num_kv_blocks=16, max_num_batched_tokens=64), iter_safetensors(folder))
+    engine = build_engine(config, EngineConfig(num_kv_blocks=16, max_num_batched_tokens=64), iter_safetensors(folder))
     base = _prompts(12, (100,))[0]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     engine.generate([base], params)
@@ -278,8 +278,8 @@ def test_kv_layout_handshake_names_the_window_field():
 def test_block_manager_releases_a_leading_run_and_frees_the_rest():
     """Hand-computed: window 20, blocks of 8. After 30 computed tokens the next query (position 30)
     sees positions 11..30, so blocks 0 (0-7) is released and block 1 (8-15) kept."""
-    from workers.block_manager import BlockManager
-    from workers.sequence import Sequence
+    from workers.engine.block_manager import BlockManager
+    from workers.engine.sequence import Sequence
 
     bm = BlockManager(num_blocks=8, block_size=8, enable_prefix_caching=True, window=20)
     seq = Sequence("r", list(range(100, 140)), SamplingParams(max_tokens=4))
@@ -307,7 +307,7 @@ def triton_path_child(kind: str) -> None:
     the tiny Gemma on kernel_backend "triton" (windowed and soft-capped attention, GeGLU) against
     transformers, with chunked prefill."""
     folder, hf = save_tiny_model(kind, **GEMMA_CASES[kind])
-    engine = LLMEngine(
+    engine = build_engine(
         ModelConfig.from_model_dir(folder),
         EngineConfig(num_kv_blocks=64, max_num_batched_tokens=24, kernel_backend="triton"),
         iter_safetensors(folder),

@@ -8,6 +8,7 @@ Oracle: a single engine's greedy answer for each prompt.
   worker prefilled the prompt itself for every faulty one (its computed-token count shows it),
   so none was decoded from the corrupted blocks; the failures are counted by reason.
 - fail: start_decode raises KVLoadFailed (retryable) naming the reason, and frees the request.
+  A send that fails on the sender's side (stalled, killed) ends the prefill as PrefillFailed.
 In both, every block of both workers is free at the end.
 """
 
@@ -17,17 +18,16 @@ import random
 
 import pytest
 
-from common.protocol import PrefillRequest
 from common.sampling_params import SamplingParams
 from common.transports import KVLoadFailed
-from kvtransfer import KVTransferError
 from kvtransfer.integrity import Fault, FaultKind, FaultPlan
+from testkit import workers as calls
 from tests.engine.helpers import save_tiny_model
+from workers.build import build_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_runner import iter_safetensors
-from workers.worker import EngineWorker, WorkerConfig
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
+from workers.shell.worker import EngineWorker, WorkerConfig
 
 pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(num_kv_blocks=96, max_num_batched_tokens=128)
@@ -57,7 +57,7 @@ def tiny_llama():
 
 @pytest.fixture(scope="module")
 def oracle(tiny_llama):
-    return LLMEngine(ModelConfig.from_model_dir(tiny_llama), CONFIG, iter_safetensors(tiny_llama))
+    return build_engine(ModelConfig.from_model_dir(tiny_llama), CONFIG, iter_safetensors(tiny_llama))
 
 
 def workers(folder, policy):
@@ -95,11 +95,9 @@ def run_decode(decode, rid):
 
 
 def handoff(prefill, decode, rid, prompt):
-    reservation = decode.reserve(rid, prompt, PARAMS)
+    reservation = calls.reserve(decode, rid, prompt, PARAMS)
     assert reservation is not None
-    result = prefill.prefill(
-        PrefillRequest(rid, prompt, PARAMS, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens)
-    )
+    result = calls.prefill(prefill, rid, prompt, PARAMS, decode.endpoint(), reservation)
     return list(result.output.token_ids)
 
 
@@ -122,7 +120,7 @@ def test_recompute_gives_the_engines_greedy_answers(tiny_llama, oracle):
             [want] = oracle.generate([prompt], PARAMS)
             before = decode.engine.num_computed_tokens
             first = handoff(prefill, decode, f"r{i}", prompt)
-            decode.start_decode(f"r{i}", first[0])
+            calls.start_decode(decode, f"r{i}", first[0])
             got = first + run_decode(decode, f"r{i}")
             assert got == want.token_ids, (kind, got, want.token_ids)
             computed = decode.engine.num_computed_tokens - before
@@ -153,23 +151,23 @@ def test_fail_gives_a_clean_retryable_error_and_frees_everything(tiny_llama, ora
         for i, (kind, prompt) in enumerate(zip(cases, ps)):
             first = handoff(prefill, decode, f"f{i}", prompt)
             if kind is None:
-                decode.start_decode(f"f{i}", first[0])
+                calls.start_decode(decode, f"f{i}", first[0])
                 [want] = oracle.generate([prompt], PARAMS)
                 assert first + run_decode(decode, f"f{i}") == want.token_ids
                 continue
             with pytest.raises(KVLoadFailed) as info:
-                decode.start_decode(f"f{i}", first[0])
+                calls.start_decode(decode, f"f{i}", first[0])
             assert info.value.reason == REASONS.get(kind, "checksum")
             assert f"f{i}" not in decode.engine.request_ids()
         all_blocks_free(prefill, decode)
         # The sender's failures (a stall past the deadline, a sender killed mid-copy) end the
-        # prefill call; the decode worker's reservation is then freed by the router's abort.
+        # prefill as PrefillFailed; the decode worker's reservation is then freed by the router's abort.
         for kind in (FaultKind.STALL, FaultKind.KILL):
             rid = f"late-{kind.value}"
             prefill.transport.set_fault_plan(FaultPlan({rid: Fault(kind)}))
-            with pytest.raises(KVTransferError):
+            with pytest.raises(calls.PrefillError, match=f"the KV handoff of {rid} failed"):
                 handoff(prefill, decode, rid, prompts(3, 1)[0])
-            decode.abort(rid, final=False)
+            calls.abort(decode, rid, final=False)
         all_blocks_free(prefill, decode)
     finally:
         prefill.shutdown()

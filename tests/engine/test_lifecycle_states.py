@@ -7,11 +7,13 @@ import json
 
 import pytest
 
-from common.protocol import PrefillRequest, WorkerReady
+from common.protocol import WorkerReady
+from common.request import PrefillRequest
 from common.sampling_params import SamplingParams
+from testkit import workers as calls
 from tests.engine.test_prefix_and_stress import tiny_engine
-from workers.sequence import SequenceStatus
-from workers.worker import STEP_LOG_ENV, AbortedIds, EngineWorker, RequestAborted, WorkerConfig
+from workers.engine.sequence import SequenceStatus
+from workers.shell.worker import STEP_LOG_ENV, AbortedIds, EngineWorker, RequestAborted, WorkerConfig
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -129,19 +131,19 @@ def test_a_creation_call_arriving_after_a_final_abort_is_refused(engine):
     # different Ray call threads; what the late call would create must not be held for ever.
     worker = EngineWorker(WorkerConfig("decode-0", "decode"), engine=engine)
     try:
-        assert worker.abort("gone") is False  # nothing here yet
+        assert calls.abort(worker, "gone") is False  # nothing here yet
         with pytest.raises(RequestAborted, match="gone"):
-            worker.reserve("gone", prompt(40), GREEDY)
+            calls.reserve(worker, "gone", prompt(40), GREEDY)
         with pytest.raises(RequestAborted, match="gone"):
-            worker.submit("gone", prompt(40), GREEDY)
-        with pytest.raises(RequestAborted, match="gone"):
-            worker.prefill(PrefillRequest("gone", prompt(40), GREEDY, None, [], 0))
+            calls.submit(worker, "gone", prompt(40), GREEDY)
+        with pytest.raises(RequestAborted, match="gone"):  # refused by the call itself, not in the outbox
+            worker.prefill(PrefillRequest(calls.request("gone", prompt(40), GREEDY), None))
         assert engine.request_ids() == [] and worker.counters.snapshot()["prompt_tokens"] == 0
         # A cleanup abort before starting the request again here (a prefill fallback, a migration
         # back to a restarted worker) is not final: the next submit runs.
-        assert worker.reserve("again", prompt(40), GREEDY) is not None
-        assert worker.abort("again", final=False) is True
-        worker.submit("again", prompt(40), GREEDY)
+        assert calls.reserve(worker, "again", prompt(40), GREEDY) is not None
+        assert calls.abort(worker, "again", final=False) is True
+        calls.submit(worker, "again", prompt(40), GREEDY)
         outputs = []
         while not any(o.finished for o in outputs):
             outputs += worker.poll_outputs(5.0)
@@ -181,7 +183,7 @@ def test_a_worker_logs_its_steps_where_the_environment_says(engine, tmp_path, mo
     monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path))
     worker = EngineWorker(WorkerConfig("prefill-0", "prefill"), engine=engine)
     try:
-        worker.submit("logged", prompt(40), GREEDY)
+        calls.submit(worker, "logged", prompt(40), GREEDY)
         while not any(o.finished for o in worker.poll_outputs(5.0)):
             pass
     finally:

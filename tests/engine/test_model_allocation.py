@@ -1,4 +1,4 @@
-"""workers.model_runner.allocate_empty against torch's Module.to_empty, on every model class the
+"""workers.engine.loader.allocate_empty against torch's Module.to_empty, on every model class the
 engine builds: the same parameters and buffers (names, shapes, dtypes, device, Parameter or not),
 the same state_dict keys (persistent buffers stay persistent), and no storage shared between two
 tensors that to_empty keeps apart."""
@@ -10,8 +10,9 @@ import torch
 
 from kernels.ops import kernel_ops
 from tests.engine.helpers import save_tiny_model
-from workers.model_config import ModelConfig
-from workers.model_runner import MODEL_CLASSES, allocate_empty
+from workers.engine.loader import allocate_empty
+from workers.models.config import ModelConfig
+from workers.models.registry import MODEL_CLASSES
 
 FAMILIES = ["llama", "qwen3", "gemma3", "mixtral"]
 

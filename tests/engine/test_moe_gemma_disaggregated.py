@@ -13,13 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.protocol import PrefillRequest, ResumeState
+from common.protocol import ResumeState
 from common.sampling_params import SamplingParams
+from testkit import workers as calls
 from tests.engine.helpers import save_tiny_model
 from tests.engine.test_gemma_and_windows import GEMMA_CASES, WINDOW
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.worker import EngineWorker, WorkerConfig
+from workers.shell.worker import EngineWorker, WorkerConfig
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def poll_until(worker: EngineWorker, request_id: str, tokens: list[int], count: 
 def test_remote_prefill_fp8_kv_and_a_migration_are_exact(kind):
     folder, _ = save_tiny_model(kind, **MODELS[kind])
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    oracle = [c.token_ids for c in LLMEngine.from_model_dir(folder, CONFIG).generate(prompts(7), params)]
+    oracle = [c.token_ids for c in load_engine(folder, CONFIG).generate(prompts(7), params)]
     assert all(len(t) == NEW_TOKENS for t in oracle)
     workers = [
         EngineWorker(WorkerConfig(wid, role, folder, CONFIG, transport="shm"))
@@ -62,18 +63,14 @@ def test_remote_prefill_fp8_kv_and_a_migration_are_exact(kind):
         assert first.engine.kv_cache_dtype == "float8_e4m3fn"
         for i, (prompt, expected) in enumerate(zip(prompts(7), oracle)):
             rid = f"{kind}-{i}"
-            reservation = first.reserve(rid, prompt, params)
-            result = prefill.prefill(
-                PrefillRequest(
-                    rid, prompt, params, first.endpoint(), reservation.block_ids, reservation.num_cached_tokens
-                )
-            )
+            reservation = calls.reserve(first, rid, prompt, params)
+            result = calls.prefill(prefill, rid, prompt, params, first.endpoint(), reservation)
             tokens = list(result.output.token_ids)
-            first.start_decode(rid, tokens[0])
+            calls.start_decode(first, rid, tokens[0])
             tokens = poll_until(first, rid, tokens, MIGRATE_AFTER)
             assert tokens == expected[: len(tokens)], "the handoff changed the tokens"
-            first.abort(rid)  # the first decode worker is gone for this request
-            second.submit(rid, prompt, params, resume=ResumeState(tuple(tokens), 0))
+            calls.abort(first, rid)  # the first decode worker is gone for this request
+            calls.submit(second, rid, prompt, params, resume=ResumeState(tuple(tokens), 0))
             assert poll_until(second, rid, tokens, None) == expected, "the migration changed the tokens"
         for worker in workers:
             stats = worker.stats()

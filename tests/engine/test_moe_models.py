@@ -20,10 +20,11 @@ from safetensors.torch import save_file
 
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import compare_greedy, hf_greedy, run_with_logits, save_tiny_model
+from workers.build import build_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_runner import iter_safetensors, load_model
+from workers.engine.loader import load_model
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
 from workers.models.moe import MoeForCausalLM, SparseMoeBlock
 
 CASES = {
@@ -73,7 +74,7 @@ def test_tiny_moe_matches_transformers(case):
     config = ModelConfig.from_model_dir(folder)
     assert config.num_experts == (hf.config.num_local_experts if kind == "mixtral" else hf.config.num_experts)
     assert config.num_experts_per_tok == 2
-    engine = LLMEngine(config, EngineConfig(num_kv_blocks=128, max_num_batched_tokens=32), iter_safetensors(folder))
+    engine = build_engine(config, EngineConfig(num_kv_blocks=128, max_num_batched_tokens=32), iter_safetensors(folder))
     model = engine.runner.model
     rng = random.Random(11)
     prefix = [rng.randrange(3, 512) for _ in range(40)]
@@ -105,7 +106,9 @@ def test_fused_3d_expert_checkpoint_loads(tmp_path):
     assert any(k.endswith("experts.gate_up_proj") for k in state)
     save_file(state, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((Path(folder) / "config.json").read_text())
-    engine = LLMEngine(ModelConfig.from_model_dir(tmp_path), EngineConfig(num_kv_blocks=32), iter_safetensors(tmp_path))
+    engine = build_engine(
+        ModelConfig.from_model_dir(tmp_path), EngineConfig(num_kv_blocks=32), iter_safetensors(tmp_path)
+    )
     _check(engine, hf, [[5, 6, 7, 8, 9, 10]])
 
 
@@ -170,7 +173,7 @@ def test_serve_refuses_an_unsupported_family_listing_the_supported_ones(tmp_path
 
 def test_bfloat16_moe_stays_close_to_float32_transformers():
     folder, hf = save_tiny_model("mixtral", tie_word_embeddings=False)
-    engine = LLMEngine(
+    engine = build_engine(
         ModelConfig.from_model_dir(folder), EngineConfig(num_kv_blocks=64, dtype="bfloat16"), iter_safetensors(folder)
     )
     prompts = [[random.Random(i).randrange(3, 512) for _ in range(30)] for i in range(3)]

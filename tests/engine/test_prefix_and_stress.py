@@ -9,15 +9,16 @@ import pytest
 from common.protocol import KVEventKind
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import save_tiny_model
+from workers.build import build_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_runner import iter_safetensors
+from workers.engine.llm_engine import LLMEngine
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
 
 
 def tiny_engine(**config) -> LLMEngine:
     folder, _ = save_tiny_model("llama", tie_word_embeddings=True)
-    return LLMEngine(ModelConfig.from_model_dir(folder), EngineConfig(**config), iter_safetensors(folder))
+    return build_engine(ModelConfig.from_model_dir(folder), EngineConfig(**config), iter_safetensors(folder))
 
 
 def test_shared_512_prefix_computes_only_the_tail():

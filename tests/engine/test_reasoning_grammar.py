@@ -20,10 +20,10 @@ from common.protocol import ResumeState
 from common.sampling_params import SamplingParams, StructuredOutput
 from tests.engine.helpers import handoff, worker_pair
 from tests.engine.thinking_model import hf_greedy_ids, prompt_ids, save_thinking_model
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.grammar import GrammarPhase
-from workers.sampler import SamplingRow, sample
+from workers.engine.grammar import GrammarPhase
+from workers.engine.sampler import SamplingRow, sample
 
 CONFIG = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64)
 NEW_TOKENS = 24
@@ -82,7 +82,7 @@ def check_reply(tok, hf, tokens: list[int], finish: str) -> None:
 
 def test_phases_follow_the_tokens(quiet_model):
     folder, _, tok = quiet_model
-    engine = LLMEngine.from_model_dir(folder, CONFIG)
+    engine = load_engine(folder, CONFIG)
     a = tok.encode(" ok", add_special_tokens=False)[:1]
     end = (tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>"))  # a two-token end, by hand
     state = engine.grammars.state(StructuredOutput("choice", '["yes"]'), end)
@@ -101,7 +101,7 @@ def test_phases_follow_the_tokens(quiet_model):
 
 def test_a_reasoning_row_is_left_unmasked_beside_a_constrained_one(quiet_model):
     folder, _, tok = quiet_model
-    engine = LLMEngine.from_model_dir(folder, CONFIG)
+    engine = load_engine(folder, CONFIG)
     vocab = engine.model_config.vocab_size
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
     spec = StructuredOutput("choice", '["yes","no"]')
@@ -120,7 +120,7 @@ def test_a_reasoning_row_is_left_unmasked_beside_a_constrained_one(quiet_model):
 def test_whole_and_handed_off_replies_reason_freely_then_validate(model):
     folder, hf, tok = model
     prompt, params = prompt_ids(tok), params_for(tok)
-    tokens, _, finish = run_whole(LLMEngine.from_model_dir(folder, CONFIG), prompt, params)
+    tokens, _, finish = run_whole(load_engine(folder, CONFIG), prompt, params)
     check_reply(tok, hf, tokens, finish)
     with worker_pair(folder, CONFIG) as (prefill, decode):
         # The prefill worker samples the first token (inside the reasoning, or </think> itself).
@@ -137,7 +137,7 @@ def test_a_migrated_reply_replays_into_the_same_phase_at_every_cut(model):
     answer): the new engine, given prompt + head, goes on exactly as the whole run did."""
     folder, _, tok = model
     prompt, params = prompt_ids(tok), params_for(tok)
-    engine = LLMEngine.from_model_dir(folder, CONFIG)
+    engine = load_engine(folder, CONFIG)
     tokens, chars, finish = run_whole(engine, prompt, params)
     for cut in range(1, len(tokens)):
         rid = f"resumed-{cut}"
@@ -152,7 +152,7 @@ def test_a_migrated_reply_replays_into_the_same_phase_at_every_cut(model):
 
 def test_compile_time_histogram_counts_by_hand():
     from common.protocol import COMPILE_SECONDS_BUCKETS
-    from workers.grammar import GrammarStats
+    from workers.engine.grammar import GrammarStats
 
     stats = GrammarStats()
     for seconds in (0.003, 0.02, 0.02, 20.0):  # 20 s: past the last bound, only in +Inf (compiles)

@@ -8,18 +8,19 @@ The oracle for "untouched" is the same request on a lone engine (greedy: identic
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-from cluster.harness import wait_until
-from common.protocol import KVEventKind, PrefillRequest, RouterClaim
+from common.protocol import KVEventKind, PrefillResult, RouterClaim
+from common.request import PrefillRequest, RequestOwner
 from common.sampling_params import SamplingParams
+from testkit import workers
+from testkit.harness import wait_until
 from tests.engine.helpers import worker_pair
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.worker import EngineWorker
+from workers.shell.worker import EngineWorker
 
 pytestmark = pytest.mark.slow
 # Small prefill chunks: a long prompt takes many engine steps, so a lease runs out in the middle.
@@ -30,8 +31,8 @@ LIVE = RouterClaim("router-live", lease_s=60.0)
 
 @pytest.fixture(scope="module")
 def pair(default_model_dir):
-    with worker_pair(default_model_dir, CONFIG) as workers:
-        yield workers
+    with worker_pair(default_model_dir, CONFIG) as both:
+        yield both
 
 
 def collect(worker: EngineWorker, router: RouterClaim, request_id: str, timeout_s: float = 120.0) -> list[int]:
@@ -54,43 +55,50 @@ def test_a_silent_router_loses_its_requests_and_blocks_a_polling_one_keeps_its_o
     long_prompt = max(chat_prompts, key=len)[:600]  # 19 prefill chunks
     short = chat_prompts[0]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    [want] = LLMEngine.from_model_dir(default_model_dir, CONFIG).generate([chat_prompts[1]], params)
+    [want] = load_engine(default_model_dir, CONFIG).generate([chat_prompts[1]], params)
 
     # The live router's request decodes on D while the silent router's requests are created.
-    decode.submit("live-1", chat_prompts[1], params, router=LIVE)
+    workers.submit(decode, "live-1", chat_prompts[1], params, router=LIVE)
     # The silent router: a whole request decoding on D, and a reservation on D for a long prompt
     # whose prefill runs on P when its lease runs out.
-    decode.submit("gone-1", short, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True), router=GONE)
-    reservation = decode.reserve("gone-2", long_prompt, params, router=GONE)
+    workers.submit(
+        decode, "gone-1", short, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True), router=GONE
+    )
+    reservation = workers.reserve(decode, "gone-2", long_prompt, params, router=GONE)
     assert reservation is not None
-    prefill_outcome: list[BaseException | object] = []
+    # The prefill's outcome would go to GONE's outbox on P, which only a poll as GONE (a lease
+    # renewal) could read: record what P reports for it as it reports it instead.
+    outcomes: list[object] = []
+    real_deliver = prefill.prefills.deliver
 
-    def run_prefill():
-        try:
-            prefill_outcome.append(
-                prefill.prefill(
-                    PrefillRequest(
-                        "gone-2",
-                        long_prompt,
-                        params,
-                        decode.endpoint(),
-                        reservation.block_ids,
-                        reservation.num_cached_tokens,
-                        GONE,
-                    )
-                )
+    def recording_deliver(items):
+        outcomes.extend(i for i in items if i.request_id == "gone-2")
+        real_deliver(items)
+
+    prefill.prefills.deliver = recording_deliver
+    try:
+        prefill.prefill(
+            PrefillRequest(
+                workers.request("gone-2", long_prompt, params),
+                decode.endpoint(),
+                reservation.block_ids,
+                reservation.num_cached_tokens,
+                RequestOwner(GONE),
             )
-        except BaseException as exc:  # RequestAborted (lease ran out) or a refused transfer
-            prefill_outcome.append(exc)
+        )
+        assert {"gone-1", "gone-2"} <= set(decode._call(decode.engine.request_ids))
 
-    sender = threading.Thread(target=run_prefill)
-    sender.start()
-    assert {"gone-1", "gone-2"} <= set(decode._call(decode.engine.request_ids))
+        live_tokens = collect(decode, LIVE, "live-1")  # LIVE polls all along; GONE never does
 
-    live_tokens = collect(decode, LIVE, "live-1")  # LIVE polls all along; GONE never does
-    sender.join(60)
-    assert prefill_outcome and isinstance(prefill_outcome[0], BaseException), (
-        "the prefill of a router whose lease ran out should end early"
+        def prefill_dropped() -> bool:
+            return prefill._call(lambda: "gone-2" not in {*prefill.prefills.pending, *prefill.engine.request_ids()})
+
+        wait_until(prefill_dropped, 60, "P to drop the prefill of the router whose lease ran out")
+    finally:
+        prefill.prefills.deliver = real_deliver
+    # It ended early: aborted before its first token (no outcome), or its handoff refused (PrefillFailed).
+    assert not any(isinstance(o, PrefillResult) for o in outcomes), (
+        f"the prefill of a router whose lease ran out should end early, got {outcomes}"
     )
     assert live_tokens == want.token_ids  # untouched by the other router's end
 
@@ -107,7 +115,7 @@ def test_a_silent_router_loses_its_requests_and_blocks_a_polling_one_keeps_its_o
     assert "router-gone" not in [r.router_id for r in prefill.heartbeat(LIVE).routers]
     # A late creation call of the gone router's request is refused (no blocks held by it again).
     with pytest.raises(Exception, match="aborted"):
-        decode.submit("gone-1", short, params, router=GONE)
+        workers.submit(decode, "gone-1", short, params, router=GONE)
 
 
 def test_outputs_and_kv_events_go_to_their_own_router(pair, chat_prompts):
@@ -118,8 +126,8 @@ def test_outputs_and_kv_events_go_to_their_own_router(pair, chat_prompts):
     assert first_a.snapshot is not None and sorted(first_a.snapshot) == sorted(first_b.snapshot)
     params = SamplingParams(max_tokens=8, temperature=0.0)
     prompt = chat_prompts[5] + [42] * 40  # a prompt no earlier test cached: new full blocks
-    decode.submit("a-1", prompt, params, router=a)
-    decode.submit("b-1", chat_prompts[6], params, router=b)
+    workers.submit(decode, "a-1", prompt, params, router=a)
+    workers.submit(decode, "b-1", chat_prompts[6], params, router=b)
     tokens_b = collect(decode, b, "b-1")  # fails if a-1's outputs reached router b
     tokens_a = collect(decode, a, "a-1")
     assert len(tokens_a) == len(tokens_b) == 8

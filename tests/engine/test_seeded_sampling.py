@@ -8,8 +8,8 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import handoff, save_tiny_model, worker_pair
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
 
 CONFIG = EngineConfig(kv_cache_memory=8 << 20)
 PROMPTS = [[5, 17, 99, 23, 4, 250], [300, 2, 2, 2, 71], [11] * 40, [400, 401, 402]]
@@ -26,7 +26,7 @@ def seeded(seed: int) -> SamplingParams:
 
 
 def test_seeded_requests_get_the_same_tokens_alone_and_batched(model_dir):
-    engine = LLMEngine.from_model_dir(model_dir, CONFIG)
+    engine = load_engine(model_dir, CONFIG)
     alone = [engine.generate([p], seeded(100 + i))[0].token_ids for i, p in enumerate(PROMPTS)]
     mixed = PROMPTS + [[9, 8, 7], [1, 2, 3, 4]]
     params = [seeded(100 + i) for i in range(len(PROMPTS))] + [
@@ -41,7 +41,7 @@ def test_seeded_requests_get_the_same_tokens_alone_and_batched(model_dir):
 
 
 def test_a_seeded_request_continues_its_draws_across_the_prefill_decode_handoff(model_dir):
-    engine = LLMEngine.from_model_dir(model_dir, CONFIG)
+    engine = load_engine(model_dir, CONFIG)
     with worker_pair(model_dir, CONFIG) as (prefill, decode):
         for i, prompt in enumerate(PROMPTS[:2]):
             params = seeded(7 + i)

@@ -14,10 +14,11 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import save_tiny_model
+from workers.build import build_engine, load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_runner import iter_safetensors
+from workers.engine.llm_engine import LLMEngine
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
@@ -47,7 +48,7 @@ def toy_decode(ids: list[int]) -> str:
 
 class FreeTokens:
     """A step cost where tokens cost nothing: every draft with any chance is verified
-    (workers.draft_budget), so these tests exercise verification on every step they can."""
+    (workers.speculative.draft_budget), so these tests exercise verification on every step they can."""
 
     def token_cost(self, num_decoding: int) -> float:
         return 0.0
@@ -64,7 +65,7 @@ class FreeTokens:
 
 def engine(model_dir, speculative: str | None, decode=None, adaptive: bool = False, **config) -> LLMEngine:
     cfg = EngineConfig(kv_cache_memory=KV, speculative_config=speculative, **config)
-    eng = LLMEngine(ModelConfig.from_model_dir(model_dir), cfg, iter_safetensors(model_dir), decode)
+    eng = build_engine(ModelConfig.from_model_dir(model_dir), cfg, iter_safetensors(model_dir), decode)
     if eng.speculator is not None and not adaptive:
         eng.speculator.step_cost = FreeTokens()
     return eng
@@ -130,8 +131,8 @@ def test_penalised_greedy_rows_count_the_drafts_before_each_position(model_dir):
 def test_each_verified_position_sees_the_drafts_before_it_as_output():
     """The sampler's row at draft position j: output + drafts[:j], and stop tokens banned while
     output + j tokens are under min_tokens (written out by hand)."""
-    from workers.request_state import RequestState
-    from workers.sequence import Sequence
+    from workers.engine.request_state import RequestState
+    from workers.engine.sequence import Sequence
 
     seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[7], min_tokens=4))
     seq.append_token(10)
@@ -263,9 +264,9 @@ def test_default_model_repeats_a_passage_with_the_same_greedy_tokens(default_mod
     messages = [{"role": "user", "content": f"Repeat this passage exactly:\n\n{passage}"}]
     prompt = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     params = SamplingParams(max_tokens=48, temperature=0.0)
-    plain = LLMEngine.from_model_dir(default_model_dir, EngineConfig(kv_cache_memory=64 << 20))
+    plain = load_engine(default_model_dir, EngineConfig(kv_cache_memory=64 << 20))
     expected = plain.generate([prompt], params)[0]
-    spec = LLMEngine.from_model_dir(default_model_dir, EngineConfig(kv_cache_memory=64 << 20, speculative_config=NGRAM))
+    spec = load_engine(default_model_dir, EngineConfig(kv_cache_memory=64 << 20, speculative_config=NGRAM))
     # Verify drafts whenever there are any: this test is about exactness, not about when drafts pay
     # (on this CPU a draft costs ~0.15 of a one-sequence step, and the budget stops drafting after
     # the reply's opening words miss).

@@ -23,10 +23,10 @@ pytest.importorskip("triton")
 import kernels.prefill_attention as prefill
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import interpreter_ready, save_tiny_model
+from workers.build import build_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_runner import iter_safetensors
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def speculation_on_triton() -> dict:
     try:
         for name, spec in (("plain", None), ("spec", '{"method": "ngram", "num_speculative_tokens": 3}')):
             config = EngineConfig(kernel_backend="triton", kv_cache_memory=4 << 20, speculative_config=spec)
-            engine = LLMEngine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
+            engine = build_engine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
             out[name] = [c.token_ids for c in engine.generate(prompts, params)]
             out[name + "_accepted"] = engine.stats().spec_decode.num_accepted_tokens
             out[name + "_verify_calls"], calls["verify"] = calls["verify"], 0

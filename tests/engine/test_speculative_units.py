@@ -3,7 +3,7 @@ per-position counters, and (chi-square, at the sampler level) that verifying a p
 keeps every emitted token's distribution.
 
 The distribution oracle is tests/unit/test_sampling_distribution.py's, written in float64 from the
-definitions of temperature, top-k, top-p, min-p and the penalties, independent of workers/sampler.py.
+definitions of temperature, top-k, top-p, min-p and the penalties, independent of workers/engine/sampler.py.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import torch
 from common.sampling_params import SamplingParams
 from tests.unit.test_sampling_distribution import ALPHA, LOGITS, assert_same_distribution, chi_square_p_value, oracle
 from workers.config import EngineConfig, SpeculativeConfig
-from workers.sampler import SamplingRow, sample
-from workers.sequence import Sequence
-from workers.speculative import SpecDecodeCounters, ngram_drafts, num_accepted
-from workers.suffix_decoding import SuffixIndex, SuffixProposer
+from workers.engine.sampler import SamplingRow, sample
+from workers.engine.sequence import Sequence
+from workers.speculative.ngram import ngram_drafts
+from workers.speculative.speculator import SpecDecodeCounters, num_accepted
+from workers.speculative.suffix_decoding import SuffixIndex, SuffixProposer
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 

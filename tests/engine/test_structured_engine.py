@@ -11,14 +11,15 @@ import jsonschema
 import pytest
 import torch
 
-from cluster.structured_load import PROMPTS, SCHEMAS
+from bench.structured_load import PROMPTS, SCHEMAS
 from common.protocol import ResumeState
 from common.sampling_params import SamplingParams, StructuredOutput
 from router.tokenizer import Tokenizer
 from tests.engine.helpers import handoff, worker_pair
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.sampler import SamplingRow, sample
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampler import SamplingRow, sample
 
 pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(kv_cache_memory=48 << 20)
@@ -35,7 +36,7 @@ def tok(default_model_dir) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir) -> LLMEngine:
-    return LLMEngine.from_model_dir(default_model_dir, CONFIG)
+    return load_engine(default_model_dir, CONFIG)
 
 
 def chat(tok: Tokenizer, text: str) -> list[int]:
@@ -154,7 +155,7 @@ def test_the_tokenizer_info_is_cached_and_equals_a_fresh_one(default_model_dir, 
     import transformers
     import xgrammar as xgr
 
-    from workers.grammar import tokenizer_info
+    from workers.engine.grammar import tokenizer_info
 
     monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
     config = json.loads((default_model_dir / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""Tensor parallelism, phase 1 (workers/tensor_parallel.py): sharded engines in lockstep are exact.
+"""Tensor parallelism, phase 1 (workers/parallel/sharding.py): sharded engines in lockstep are exact.
 
 Oracles: hand-computed head and channel ranges for ShardPlan; for the sharded engines, float32
 greedy tokens of the same engine at TP 1 and of transformers. Every rank must produce the same
@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
+from testkit.tensor_parallel import GroupJob, build_tp_engine, run_group
 from tests.engine.helpers import LOGIT_TOL, hf_greedy, run_with_logits, save_tiny_model
 from workers.config import EngineConfig
-from workers.model_config import ModelConfig
-from workers.tensor_parallel import ShardedCheckpoint, ShardPlan, TPGroup, build_engine
-from workers.tp_testing import GroupJob, run_group
+from workers.models.config import ModelConfig
+from workers.parallel.group import TPGroup
+from workers.parallel.sharding import ShardedCheckpoint, ShardPlan
 
 NEW_TOKENS = 12
 MIGRATE_AFTER = 5  # tokens a TP-1 worker produced before its request moved to a group
@@ -189,7 +190,7 @@ class Oracle:
 
 
 def oracle(folder: str, hf, prompts: list[list[int]]) -> Oracle:
-    engine = build_engine(folder, CONFIG, TPGroup.single())
+    engine = build_tp_engine(folder, CONFIG, TPGroup.single())
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     completions, logits = run_with_logits(engine, prompts, greedy)
     hf.generation_config.eos_token_id = None  # ignore_eos, as the engine runs

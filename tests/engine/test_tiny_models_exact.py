@@ -13,10 +13,10 @@ import torch
 
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import compare_greedy, hf_greedy, run_with_logits, save_tiny_model
+from workers.build import build_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_runner import iter_safetensors
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -55,7 +55,7 @@ def test_tiny_model_matches_transformers(case):
     folder, hf = save_tiny_model(kind, **overrides)
     config = ModelConfig.from_model_dir(folder)
     assert config.tie_word_embeddings == overrides["tie_word_embeddings"]
-    engine = LLMEngine(config, EngineConfig(num_kv_blocks=128, max_num_batched_tokens=96), iter_safetensors(folder))
+    engine = build_engine(config, EngineConfig(num_kv_blocks=128, max_num_batched_tokens=96), iter_safetensors(folder))
     rng = random.Random(7)
     # Lengths straddle block boundaries; 300 tokens runs well past the rope original context of 64.
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 15, 16, 17, 40, 300)]
@@ -81,7 +81,7 @@ def test_phi3_longrope_inside_its_pretrained_context_matches_transformers():
     assert (
         config.rope_scaling["rope_type"] == "longrope" and config.rope_scaling["original_max_position_embeddings"] == 64
     )
-    engine = LLMEngine(config, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32), iter_safetensors(folder))
+    engine = build_engine(config, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32), iter_safetensors(folder))
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 16, 17, 40)]
     new_tokens = 20
@@ -106,7 +106,7 @@ def _hf_no_eos(model, prompt, n):
 
 
 def test_missing_and_unsupported_models_name_the_problem(tmp_path):
-    from workers.model_files import ModelNotFoundError, resolve_model_dir
+    from workers.models.files import ModelNotFoundError, resolve_model_dir
 
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         resolve_model_dir(tmp_path / "nope")
@@ -121,7 +121,9 @@ def test_sharded_checkpoint_loads(tmp_path):
     folder, hf = save_tiny_model("llama", tie_word_embeddings=False)
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    engine = LLMEngine(ModelConfig.from_model_dir(tmp_path), EngineConfig(num_kv_blocks=16), iter_safetensors(tmp_path))
+    engine = build_engine(
+        ModelConfig.from_model_dir(tmp_path), EngineConfig(num_kv_blocks=16), iter_safetensors(tmp_path)
+    )
     [done] = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     with torch.inference_mode():
         ref = _hf_no_eos(hf, [5, 6, 7, 8], 8)

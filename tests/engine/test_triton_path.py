@@ -34,10 +34,11 @@ import torch
 
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import interpreter_ready, run_with_logits, save_tiny_model
+from workers.build import build_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_config import ModelConfig
-from workers.model_runner import iter_safetensors
+from workers.engine.llm_engine import LLMEngine
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
 
 pytest.importorskip("triton")
 
@@ -132,8 +133,8 @@ class Spy:
         return wrapper
 
 
-def build_engine(folder, **config) -> LLMEngine:
-    engine = LLMEngine(ModelConfig.from_model_dir(folder), EngineConfig(**config), iter_safetensors(folder))
+def triton_engine(folder, **config) -> LLMEngine:
+    engine = build_engine(ModelConfig.from_model_dir(folder), EngineConfig(**config), iter_safetensors(folder))
     steps: list[list[tuple[int, bool]]] = []  # per model step: (num_tokens, is_decode) per chunk
     real_execute = engine.runner.execute
 
@@ -172,7 +173,7 @@ def test_batch_prefill_and_decode_match_reference(model, in_interpreter, request
     runs = {}
     for mode in ("reference", "triton"):
         spy = Spy(monkeypatch)
-        engine = build_engine(
+        engine = triton_engine(
             tiny_models[model], kernel_backend=mode, block_size=8, num_kv_blocks=32, max_num_batched_tokens=64
         )
         with torch.inference_mode():
@@ -202,7 +203,7 @@ def test_chunked_prefill_prefix_cache_and_mixed_batch(in_interpreter, request, m
     runs = {}
     for mode in ("reference", "triton"):
         spy = Spy(monkeypatch)
-        engine = build_engine(
+        engine = triton_engine(
             tiny_models["hd16-gqa2"], kernel_backend=mode, block_size=8, num_kv_blocks=32, max_num_batched_tokens=16
         )
         with torch.inference_mode():

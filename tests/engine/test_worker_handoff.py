@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.protocol import PrefillRequest
 from common.sampling_params import SamplingParams
+from testkit import workers
 from tests.engine.helpers import handoff, worker_pair
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
 
 pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(kv_cache_memory=48 << 20)
@@ -21,13 +21,13 @@ CONFIG = EngineConfig(kv_cache_memory=48 << 20)
 
 @pytest.fixture(scope="module")
 def pair(default_model_dir):
-    with worker_pair(default_model_dir, CONFIG) as workers:
-        yield workers
+    with worker_pair(default_model_dir, CONFIG) as both:
+        yield both
 
 
 def test_handoff_matches_single_engine_and_moves_the_right_blocks(pair, default_model_dir, chat_prompts):
     prefill, decode = pair
-    alone = LLMEngine.from_model_dir(default_model_dir, CONFIG)
+    alone = load_engine(default_model_dir, CONFIG)
     params = SamplingParams(max_tokens=24, temperature=0.0)
     for i, prompt in enumerate(chat_prompts[:3]):
         [want] = alone.generate([prompt], params)
@@ -46,16 +46,14 @@ def test_transferred_blocks_equal_the_prefill_workers_blocks(pair, chat_prompts)
     prefill, decode = pair
     prompt = chat_prompts[5]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    reservation = decode.reserve("bytes", prompt, params)
-    result = prefill.prefill(
-        PrefillRequest("bytes", prompt, params, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens)
-    )
+    reservation = workers.reserve(decode, "bytes", prompt, params)
+    result = workers.prefill(prefill, "bytes", prompt, params, decode.endpoint(), reservation)
     # max_tokens=1: the request ends with its first token, nothing is sent, the reservation is freed.
     assert result.output.finished and result.num_blocks_sent == 0
-    decode.abort("bytes")
+    workers.abort(decode, "bytes")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prefill.engine.block_manager.reset_prefix_cache()
-    reservation = decode.reserve("bytes2", prompt, params)
+    reservation = workers.reserve(decode, "bytes2", prompt, params)
     src_holder = {}
     real_begin_send = prefill.engine.begin_send
 
@@ -65,11 +63,7 @@ def test_transferred_blocks_equal_the_prefill_workers_blocks(pair, chat_prompts)
 
     prefill.engine.begin_send = capture_begin_send
     try:
-        result = prefill.prefill(
-            PrefillRequest(
-                "bytes2", prompt, params, decode.endpoint(), reservation.block_ids, reservation.num_cached_tokens
-            )
-        )
+        result = workers.prefill(prefill, "bytes2", prompt, params, decode.endpoint(), reservation)
     finally:
         prefill.engine.begin_send = real_begin_send
     # The blocks go back to the prefix cache after the send, their contents untouched.
@@ -77,6 +71,6 @@ def test_transferred_blocks_equal_the_prefill_workers_blocks(pair, chat_prompts)
     src = prefill.engine.runner.kv_cache[:, :, src_holder["ids"][skip:]]
     dst = decode.engine.runner.kv_cache[:, :, reservation.block_ids[skip:]]
     assert torch.equal(src, dst)
-    decode.start_decode("bytes2", result.output.token_ids[0])
+    workers.start_decode(decode, "bytes2", result.output.token_ids[0])
     while not any(o.finished for o in decode.poll_outputs(5.0)):
         pass

@@ -32,7 +32,7 @@ def thinking_tokenizer():
     """The default model's tokenizer with `<think>` and `</think>` added (not special: they stay in the text)."""
     from transformers import AutoTokenizer
 
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(quiet=True)))
     tok.add_tokens(["<think>", "</think>"])

@@ -10,9 +10,9 @@ import math
 import pytest
 
 from common.sampling_params import SamplingParams
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.evaluation import CHUNK, chat_prompts, eval_windows
+from workers.engine.evaluation import CHUNK, chat_prompts, eval_windows
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_fp8_weights_and_kv_perplexity_within_5_percent_of_float32():
     from transformers import AutoTokenizer
 
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(quiet=True))
     [window] = eval_windows(tokenizer, 1)
@@ -28,7 +28,7 @@ def test_fp8_weights_and_kv_perplexity_within_5_percent_of_float32():
     params = SamplingParams(max_tokens=8, temperature=0.0)
     results = {}
     for name, overrides in (("float32", {}), ("fp8", dict(quantization="fp8", kv_cache_dtype="fp8"))):
-        engine = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20, **overrides))
+        engine = load_engine(None, EngineConfig(kv_cache_memory=64 << 20, **overrides))
         logprobs = engine.score(window, chunk_size=CHUNK)
         results[name] = (math.exp(-float(logprobs.double().mean())), engine.generate([prompt], params)[0].token_ids)
         del engine

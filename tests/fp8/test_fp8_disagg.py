@@ -12,13 +12,12 @@ import time
 
 import pytest
 
-from common.protocol import PrefillRequest
 from common.sampling_params import SamplingParams
-from kvtransfer import KVLayoutMismatch
+from testkit import workers as calls
 from tests.engine.helpers import save_tiny_model
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.worker import EngineWorker, WorkerConfig
+from workers.shell.worker import EngineWorker, WorkerConfig
 
 PROMPT = list(range(5, 69))  # 64 tokens: 4 whole blocks of 16, so bytes / token has no rounding
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -41,9 +40,9 @@ def _pair(folder, p_config: EngineConfig, d_config: EngineConfig):
 
 
 def _disaggregated(P, D, request_id: str) -> tuple[list[int], int]:
-    r = D.reserve(request_id, PROMPT, PARAMS)
-    res = P.prefill(PrefillRequest(request_id, PROMPT, PARAMS, D.endpoint(), r.block_ids, r.num_cached_tokens))
-    D.start_decode(request_id, res.output.token_ids[0])
+    r = calls.reserve(D, request_id, PROMPT, PARAMS)
+    res = calls.prefill(P, request_id, PROMPT, PARAMS, D.endpoint(), r)
+    calls.start_decode(D, request_id, res.output.token_ids[0])
     tokens = list(res.output.token_ids)
     deadline = time.monotonic() + 60
     while True:
@@ -72,7 +71,7 @@ def test_fp8_kv_handoff_is_exact_and_moves_a_quarter_of_float32(tiny_llama):
                 assert P.engine.runner.kv_scales == D.engine.runner.kv_scales
                 assert P.transport.endpoint().layout.kv_scales == P.engine.runner.kv_scales
                 # Oracle: one engine with the same FP8 cache, no handoff.
-                alone = LLMEngine.from_model_dir(tiny_llama, config).generate([PROMPT], PARAMS)[0].token_ids
+                alone = load_engine(tiny_llama, config).generate([PROMPT], PARAMS)[0].token_ids
                 assert tokens == alone
         finally:
             P.shutdown()
@@ -94,10 +93,11 @@ def test_fp8_kv_handoff_is_exact_and_moves_a_quarter_of_float32(tiny_llama):
 def test_workers_with_different_kv_dtype_or_scales_refuse_to_pair(tiny_llama, decode_config, field):
     P, D = _pair(tiny_llama, EngineConfig(num_kv_blocks=32, kv_cache_dtype="fp8"), decode_config)
     try:
-        r = D.reserve("bad", PROMPT, PARAMS)
-        with pytest.raises(KVLayoutMismatch, match=field):
-            P.prefill(PrefillRequest("bad", PROMPT, PARAMS, D.endpoint(), r.block_ids, r.num_cached_tokens))
-        D.abort("bad")
+        r = calls.reserve(D, "bad", PROMPT, PARAMS)
+        # The handoff's handshake refuses the pair (KVLayoutMismatch): the prefill ends as PrefillFailed.
+        with pytest.raises(calls.PrefillError, match=f"KV layout mismatch.*{field}"):
+            calls.prefill(P, "bad", PROMPT, PARAMS, D.endpoint(), r)
+        calls.abort(D, "bad")
         # Nothing leaked on either side.
         assert P.stats().num_free_blocks == P.stats().num_blocks
         assert D.stats().num_free_blocks == D.stats().num_blocks

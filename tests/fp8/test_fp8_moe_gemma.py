@@ -17,8 +17,8 @@ import torch
 
 from common.sampling_params import SamplingParams
 from tests.engine.helpers import compare_greedy, hf_greedy, run_with_logits, save_tiny_model
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
 from workers.models.moe import MoeExperts
 
 pytestmark = pytest.mark.slow
@@ -73,18 +73,18 @@ def test_fp8_weights_match_transformers_on_round_tripped_weights(family, prompts
     folder, hf = save_tiny_model(kind, **overrides)
     oracle = fp8_oracle(hf)
     oracle.generation_config.eos_token_id = None
-    engine = LLMEngine.from_model_dir(folder, EngineConfig(num_kv_blocks=64, quantization="fp8"))
+    engine = load_engine(folder, EngineConfig(num_kv_blocks=64, quantization="fp8"))
     experts = [m for m in engine.runner.model.modules() if isinstance(m, MoeExperts)]
     assert all(e.w13.dtype == FP8 and e.w2.dtype == FP8 for e in experts) and (experts or family == "gemma3")
     assert_matches(engine, oracle, prompts, family)
 
 
 def test_fp8_experts_split_over_two_ranks_match_one(prompts):
-    from workers.tp_testing import GroupJob, run_group
+    from testkit.tensor_parallel import GroupJob, run_group
 
     folder, _ = save_tiny_model("mixtral", tie_word_embeddings=False, num_attention_heads=8, num_key_value_heads=4)
     config = EngineConfig(num_kv_blocks=64, quantization="fp8")
-    one = LLMEngine.from_model_dir(folder, config)
+    one = load_engine(folder, config)
     want = [
         c.token_ids
         for c in one.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
@@ -143,7 +143,7 @@ def test_a_prequantized_checkpoint_loads_its_dequantized_weights(kind, fmt, prom
     oracle = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
     oracle.generation_config.eos_token_id = None
 
-    engine = LLMEngine.from_model_dir(quantized, EngineConfig(num_kv_blocks=64))
+    engine = load_engine(quantized, EngineConfig(num_kv_blocks=64))
     experts = [m for m in engine.runner.model.modules() if isinstance(m, MoeExperts)]
     assert all(e.w13.dtype == FP8 for e in experts) and (experts or kind == "gemma3")
     assert_matches(engine, oracle, prompts, f"{kind} {fmt}")

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.harness import free_port
-from cluster.testing import leave_ray, serving
 from common.sampling_params import SamplingParams
+from testkit.cluster import leave_ray, serving
+from testkit.harness import free_port
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -37,17 +37,15 @@ def test_serve_fp8_answers_like_the_fp8_engine_and_reports_float32_agreement():
 
     from cluster.config import BatonConfig
     from router.tokenizer import Tokenizer
-    from workers.model_files import resolve_model_dir
+    from workers.models.files import resolve_model_dir
 
     tokenizer = Tokenizer.from_model_dir(resolve_model_dir(quiet=True))
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    fp8 = LLMEngine.from_model_dir(
-        None, EngineConfig(kv_cache_memory=32 << 20, quantization="fp8", kv_cache_dtype="fp8")
-    )
+    fp8 = load_engine(None, EngineConfig(kv_cache_memory=32 << 20, quantization="fp8", kv_cache_dtype="fp8"))
     [want] = fp8.generate([prompt], params)
     del fp8
-    [ref] = LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=32 << 20)).generate([prompt], params)
+    [ref] = load_engine(None, EngineConfig(kv_cache_memory=32 << 20)).generate([prompt], params)
 
     config = BatonConfig.from_options(
         port=free_port(),

@@ -13,10 +13,16 @@ import torch
 
 from tests.engine.helpers import save_tiny_model
 from tests.fp8.helpers import hf_logprobs, is_linear_weight, write_fp8_checkpoint
+from workers.build import load_engine
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.kv_calibration import round_scale_up
-from workers.quantization import Fp8Linear, fp8_to_float, parse_quantization_config, quantize_per_channel, weight_memory
+from workers.engine.kv_calibration import round_scale_up
+from workers.quantization.fp8 import (
+    Fp8Linear,
+    fp8_to_float,
+    parse_quantization_config,
+    quantize_per_channel,
+    weight_memory,
+)
 
 TOKENS = [(7 * i + 3) % 500 + 5 for i in range(150)]
 
@@ -55,7 +61,7 @@ def _hf_with(model, dequantized: dict[str, torch.Tensor]):
 
 def test_load_time_fp8_equals_hand_quantized_weights(tiny_qwen2):
     folder, hf = tiny_qwen2
-    engine = LLMEngine.from_model_dir(folder, EngineConfig(num_kv_blocks=32, quantization="fp8"))
+    engine = load_engine(folder, EngineConfig(num_kv_blocks=32, quantization="fp8"))
     layers = [m for m in engine.runner.model.modules() if isinstance(m, Fp8Linear)]
     assert len(layers) == 4 * hf.config.num_hidden_layers  # qkv, o, gate_up, down per layer
     assert not any(isinstance(m, torch.nn.Linear) for m in engine.runner.model.modules())
@@ -82,7 +88,7 @@ def test_prequantized_checkpoint_loads_its_dequantized_weights(tiny_qwen2, fmt, 
     folder, hf = tiny_qwen2
     dst = str(tmp_path)
     dequantized = write_fp8_checkpoint(folder, dst, fmt)
-    engine = LLMEngine.from_model_dir(dst, EngineConfig(num_kv_blocks=32))
+    engine = load_engine(dst, EngineConfig(num_kv_blocks=32))
     model = engine.runner.model
     groups = 2 if fmt == "fp8-block" else 1  # 64 input columns in 48-wide blocks
     assert model.layers[1].self_attn.qkv_proj.weight_scale.shape == (64 + 2 * 32, groups)
@@ -111,12 +117,12 @@ def test_quantization_config_errors_name_what_is_supported(tiny_qwen2, tmp_path)
     del config["quantization_config"]
     (Path(dst) / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantization_config"):
-        LLMEngine.from_model_dir(dst, EngineConfig(num_kv_blocks=8))
+        load_engine(dst, EngineConfig(num_kv_blocks=8))
 
 
 def test_score_matches_transformers_across_chunks_and_frees_blocks(tiny_qwen2):
     folder, hf = tiny_qwen2
-    engine = LLMEngine.from_model_dir(folder, EngineConfig(num_kv_blocks=32, block_size=16))
+    engine = load_engine(folder, EngineConfig(num_kv_blocks=32, block_size=16))
     free = engine.block_manager.num_free_blocks
     # 37-token chunks straddle block boundaries; later chunks read earlier K/V from the cache.
     ours = engine.score(TOKENS, chunk_size=37)
@@ -130,12 +136,12 @@ def test_score_matches_transformers_across_chunks_and_frees_blocks(tiny_qwen2):
 def test_fp8_kv_cache_scales_capacity_and_accuracy(tiny_qwen2):
     folder, hf = tiny_qwen2
     memory = 1 << 20
-    ref = LLMEngine.from_model_dir(folder, EngineConfig(kv_cache_memory=memory, dtype="bfloat16"))
-    a = LLMEngine.from_model_dir(folder, EngineConfig(kv_cache_memory=memory, kv_cache_dtype="fp8"))
+    ref = load_engine(folder, EngineConfig(kv_cache_memory=memory, dtype="bfloat16"))
+    a = load_engine(folder, EngineConfig(kv_cache_memory=memory, kv_cache_dtype="fp8"))
     threads = torch.get_num_threads()
     torch.set_num_threads(3 if threads != 3 else 2)  # calibration must not depend on the thread count
     try:
-        b = LLMEngine.from_model_dir(folder, EngineConfig(kv_cache_memory=memory, kv_cache_dtype="fp8"))
+        b = load_engine(folder, EngineConfig(kv_cache_memory=memory, kv_cache_dtype="fp8"))
     finally:
         torch.set_num_threads(threads)
     assert a.runner.kv_cache.dtype == torch.float8_e4m3fn
@@ -152,7 +158,7 @@ def test_fp8_kv_cache_scales_capacity_and_accuracy(tiny_qwen2):
     assert 1e-5 < err < 0.05, err  # quantized (not bit-equal to float) but close
     # Given scales win over calibration.
     given = tuple((0.5, 0.25) for _ in range(hf.config.num_hidden_layers))
-    c = LLMEngine.from_model_dir(folder, EngineConfig(num_kv_blocks=8, kv_cache_dtype="fp8", kv_scales=given))
+    c = load_engine(folder, EngineConfig(num_kv_blocks=8, kv_cache_dtype="fp8", kv_scales=given))
     assert c.runner.kv_scales == given and c.runner.k_scales == [0.5, 0.5]
     with pytest.raises(ValueError, match="kv_scales has 1"):
-        LLMEngine.from_model_dir(folder, EngineConfig(num_kv_blocks=8, kv_cache_dtype="fp8", kv_scales=((1.0, 1.0),)))
+        load_engine(folder, EngineConfig(num_kv_blocks=8, kv_cache_dtype="fp8", kv_scales=((1.0, 1.0),)))

@@ -63,10 +63,10 @@ def timed(fn) -> tuple[object, float]:
 
 def run_baton(folder: Path, device: str, concurrency: int, prompts: list[list[int]], **engine_kwargs) -> dict:
     from common.sampling_params import SamplingParams
+    from workers.build import build_engine
     from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-    from workers.model_config import ModelConfig
-    from workers.model_runner import iter_safetensors
+    from workers.models.checkpoint import iter_safetensors
+    from workers.models.config import ModelConfig
 
     config = EngineConfig(
         device=device,
@@ -76,7 +76,9 @@ def run_baton(folder: Path, device: str, concurrency: int, prompts: list[list[in
         max_num_batched_tokens=max(2048, PROMPT_LEN),
         **engine_kwargs,
     )
-    (engine, start_s) = timed(lambda: LLMEngine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder)))
+    (engine, start_s) = timed(
+        lambda: build_engine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
+    )
     params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
     # Warm-up on other prompts of the same shape: every Triton specialisation the timed run needs is
     # compiled first (prefix caching sees nothing of them).

@@ -29,10 +29,10 @@ NUM_LAYERS = 4
 
 
 def make_engine(folder, device: str, enforce_eager: bool = False, dtype: str = "float32", kv_cache_dtype: str = "auto"):
+    from workers.build import build_engine
     from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-    from workers.model_config import ModelConfig
-    from workers.model_runner import iter_safetensors
+    from workers.models.checkpoint import iter_safetensors
+    from workers.models.config import ModelConfig
 
     scales = ((0.05, 0.05),) * NUM_LAYERS if kv_cache_dtype == "fp8" else None  # no calibration run needed
     config = EngineConfig(
@@ -46,7 +46,7 @@ def make_engine(folder, device: str, enforce_eager: bool = False, dtype: str = "
         max_num_batched_tokens=256,
         enforce_eager=enforce_eager,
     )
-    return LLMEngine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
+    return build_engine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
 
 
 def prompts() -> list[list[int]]:

@@ -84,10 +84,10 @@ def write_random_llama(
 def run(folder, monkeypatch, device: str, batches):
     from common.sampling_params import SamplingParams
     from tests.engine.helpers import run_with_logits
+    from workers.build import build_engine
     from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-    from workers.model_config import ModelConfig
-    from workers.model_runner import iter_safetensors
+    from workers.models.checkpoint import iter_safetensors
+    from workers.models.config import ModelConfig
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     # auto: Triton on CUDA; the oracle runs the PyTorch references on the CPU.
@@ -99,7 +99,7 @@ def run(folder, monkeypatch, device: str, batches):
         num_kv_blocks=128,
         max_num_batched_tokens=64,
     )
-    engine = LLMEngine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
+    engine = build_engine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     done, logits = [], []
     for prompts in batches:

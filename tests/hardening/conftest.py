@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.harness import free_port
-from cluster.testing import leave_ray, serving
+from testkit.cluster import leave_ray, serving
+from testkit.harness import free_port
 from tests.hardening.corpus import API_KEY, MAX_REQUEST_BODY
 
 GOOD_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -46,7 +46,7 @@ class LogCapture(logging.Handler):
 
 
 class Hardened:
-    """The running deployment (a cluster.testing.RunningServer: worker stats, waiting for idle), auth
+    """The running deployment (a testkit.cluster.RunningServer: worker stats, waiting for idle), auth
     headers and captured logs."""
 
     def __init__(self, running, logs: LogCapture) -> None:

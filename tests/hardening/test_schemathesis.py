@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, settings
 
 from router.app import build_app
 from router.config import ServerConfig
-from router.testing import FakeBackend
 from router.tokenizer import Tokenizer
+from testkit.backend import FakeBackend
 from tests.hardening.conftest import ask_good
 from tests.hardening.corpus import API_KEY
 from tests.hardening.schemathesis_run import CHECKS, MODES, cap_generation
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 pytestmark = pytest.mark.slow
 MAX_EXAMPLES = 25  # per operation and mode

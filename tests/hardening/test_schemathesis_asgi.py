@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, settings
 
 from router.app import build_app
 from router.config import ServerConfig
-from router.testing import FakeBackend
 from router.tokenizer import Tokenizer
+from testkit.backend import FakeBackend
 from tests.hardening.schemathesis_run import CHECKS, MODES, cap_generation
 from tests.router.conftest import MODEL_NAME
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 KEY = "schemathesis-key"
 MAX_EXAMPLES = 60  # per operation and mode: bounded, about 10 s in all

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from common.sampling_params import SamplingParams
+from common.worker_client import WorkerClient
 
 MARGIN = 0.01
 SUBJECTS = [
@@ -114,10 +115,10 @@ def session_oracle(config: pytest.Config) -> Oracle:
     """The test session's one Oracle (in its stash), shared by tests/healing and tests/cluster:
     the model loads once, and the same prompts are searched for once."""
     if ORACLE not in config.stash:
+        from workers.build import load_engine
         from workers.config import EngineConfig
-        from workers.engine import LLMEngine
 
-        config.stash[ORACLE] = Oracle(LLMEngine.from_model_dir(None, EngineConfig(kv_cache_memory=64 << 20)))
+        config.stash[ORACLE] = Oracle(load_engine(None, EngineConfig(kv_cache_memory=64 << 20)))
     return config.stash[ORACLE]
 
 
@@ -212,7 +213,7 @@ async def kill_when_running(worker, pids: list[int], at_least: int = 4, timeout_
     a 16-token answer was over on the worker before the client had read the other streams' first
     chunks.)"""
     deadline = time.monotonic() + timeout_s
-    while (await worker.stats.remote()).num_running < at_least:
+    while (await WorkerClient(worker).stats()).num_running < at_least:
         if time.monotonic() > deadline:
             raise AssertionError(f"the worker never ran {at_least} sequences at once in {timeout_s} s")
         await asyncio.sleep(0.002)

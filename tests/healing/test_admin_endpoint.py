@@ -13,13 +13,13 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from cluster.cli import main as cli_main
-from cluster.harness import serve_app
 from router.admin import PoolsView, ScaleResult, install_admin
 from router.app import build_app
 from router.backend import WorkerInfo
 from router.config import ADMIN_TOKEN_HEADER, AdminConfig, ServerConfig
 from router.errors import install_error_handlers
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
+from testkit.harness import serve_app
 
 LOCAL = ("127.0.0.1", 40000)
 REMOTE = ("10.1.2.3", 40000)

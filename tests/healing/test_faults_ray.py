@@ -22,8 +22,9 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import BatonConfig
-from cluster.harness import free_port, wait_until
-from cluster.testing import leave_ray, serving
+from common.worker_client import WorkerClient
+from testkit.cluster import leave_ray, serving
+from testkit.harness import free_port, wait_until
 from tests.healing.helpers import Load, check_results, kill_when_running, run_load, wait_async
 
 pytestmark = pytest.mark.slow
@@ -60,7 +61,7 @@ def handle(running, worker_id: str):
 
 
 def pid_of(running, worker_id: str) -> int:
-    return ray.get(handle(running, worker_id).stats.remote(), timeout=60).pid
+    return ray.get(WorkerClient(handle(running, worker_id)).stats(), timeout=60).pid
 
 
 def pools_whole(running, size: int = 4) -> bool:
@@ -78,11 +79,11 @@ def assert_idle_and_leak_free(running) -> None:
 
 def serve_again(running, expected, worker_id: str) -> None:
     """A round of requests after the pool healed: exact answers, and the restarted worker takes part."""
-    before = ray.get(handle(running, worker_id).stats.remote(), timeout=60)
+    before = ray.get(WorkerClient(handle(running, worker_id)).stats(), timeout=60)
     load = asyncio.run(run_load(running.base_url, expected[:8], _nothing, DEADLINE_S))
     counts = check_results(load.results, expected[:8], DEADLINE_S)
     assert counts["exact"] == 8, counts
-    after = ray.get(handle(running, worker_id).stats.remote(), timeout=60)
+    after = ray.get(WorkerClient(handle(running, worker_id)).stats(), timeout=60)
     assert after.generation_tokens + after.prompt_tokens > before.generation_tokens + before.prompt_tokens
 
 

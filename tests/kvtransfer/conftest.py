@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common import transports
-from kvtransfer.testing import KVWorker
+from testkit.kvtransfer import KVWorker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Every single backend (the pairwise transport is tested over them in test_pairwise*).
@@ -48,12 +48,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def ray_sides():
-    """Two KVWorker actors on a private Ray of this module's own (cluster.testing.private_ray:
+    """Two KVWorker actors on a private Ray of this module's own (testkit.cluster.private_ray:
     whatever Ray an earlier suite left connected in this process is ended first, and this one is
     shut down after the module)."""
     import ray
 
-    from cluster.testing import private_ray
+    from testkit.cluster import private_ray
 
     with private_ray(
         num_cpus=2,

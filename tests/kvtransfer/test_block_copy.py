@@ -15,7 +15,7 @@ import torch
 from kernels import cpu_native
 from kvtransfer import KVLayout, TransferStatus, create_transport, torch_dtype
 from kvtransfer._common import block_rows, coalesce, copy_blocks, copy_runs, transfer_key
-from kvtransfer.testing import seeded_bytes
+from testkit.kvtransfer import seeded_bytes
 
 NUM_BLOCKS = 24
 LAYOUTS = [

@@ -16,9 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer import KVLayout, KVLayoutMismatch, KVTransferError, Role, TransferStatus, create_transport, default_kind
+from kvtransfer import (
+    KVLayout,
+    KVLayoutMismatch,
+    KVTransferError,
+    TransferSide,
+    TransferStatus,
+    create_transport,
+    default_kind,
+)
 from kvtransfer.shm import sweep_stale_segments
-from kvtransfer.testing import KVWorker, seeded_bytes
+from testkit.kvtransfer import KVWorker, seeded_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 32
@@ -80,7 +88,7 @@ def test_blocks_arrive_bit_exact_in_noncontiguous_ids(kind, sides, dtype):
     dst = [30, 3, 4, 5, 11, 0, 1, 20]
     d.expect("req-1", dst, 10.0)
     p.send(peer, src, dst, "req-1", 10.0)
-    sent, received = p.wait("req-1", Role.SEND), d.wait("req-1", Role.RECV)
+    sent, received = p.wait("req-1", TransferSide.SEND), d.wait("req-1", TransferSide.RECV)
     assert (sent.status, received.status) == (TransferStatus.SUCCESS, TransferStatus.SUCCESS), (sent, received)
     assert sent.nbytes == received.nbytes == len(src) * layout.block_bytes
     assert_bytes_equal(d.cache_bytes(), expected_after(layout, src, dst))
@@ -96,13 +104,13 @@ def test_gloo_pipelined_chunks_land_in_place(sides_for, kind_):
     dst = [0, 2, 4, 10, 11, 12, 13, 6, 7, 8, 31]
     d.expect("chunked", dst, 10.0)
     p.send(peer, src, dst, "chunked", 10.0)
-    assert p.wait("chunked", Role.SEND).status == TransferStatus.SUCCESS
+    assert p.wait("chunked", TransferSide.SEND).status == TransferStatus.SUCCESS
     assert_bytes_equal(d.cache_bytes(), expected_after(F32, src, dst))
     # Payload arriving before expect() is parked whole and unpacked chunk by chunk later.
     p.send(peer, src[:5], [1, 3, 5, 14, 15], "parked", 10.0)
     time.sleep(0.2)
     d.expect("parked", [1, 3, 5, 14, 15], 10.0)
-    assert d.wait("parked", Role.RECV).status == TransferStatus.SUCCESS
+    assert d.wait("parked", TransferSide.RECV).status == TransferStatus.SUCCESS
     assert_bytes_equal(d.cache_bytes(), expected_after(F32, src + src[:5], dst + [1, 3, 5, 14, 15]))
 
 
@@ -114,8 +122,8 @@ def test_several_transfers_reuse_the_connection(kind, sides):
     for tid, src, dst in plan:
         p.send(peer, src, dst, tid, 10.0)
     for tid, _, _ in plan:
-        assert p.wait(tid, Role.SEND).status == TransferStatus.SUCCESS
-        assert d.wait(tid, Role.RECV).status == TransferStatus.SUCCESS
+        assert p.wait(tid, TransferSide.SEND).status == TransferStatus.SUCCESS
+        assert d.wait(tid, TransferSide.RECV).status == TransferStatus.SUCCESS
     src_all = [s for _, src, _ in plan for s in src]
     dst_all = [x for _, _, dst in plan for x in dst]
     assert_bytes_equal(d.cache_bytes(), expected_after(F32, src_all, dst_all))
@@ -125,10 +133,10 @@ def test_send_before_expect_completes_when_expect_arrives(kind, sides):
     p, d, peer = connect(kind, sides)
     p.send(peer, [6], [9], "late", 10.0)
     time.sleep(0.2)
-    assert p.poll("late", Role.SEND) in (TransferStatus.PENDING, TransferStatus.TRANSFERRING)
+    assert p.poll("late", TransferSide.SEND) in (TransferStatus.PENDING, TransferStatus.TRANSFERRING)
     d.expect("late", [9], 10.0)
-    assert d.wait("late", Role.RECV).status == TransferStatus.SUCCESS
-    assert p.wait("late", Role.SEND).status == TransferStatus.SUCCESS
+    assert d.wait("late", TransferSide.RECV).status == TransferStatus.SUCCESS
+    assert p.wait("late", TransferSide.SEND).status == TransferStatus.SUCCESS
     assert_bytes_equal(d.cache_bytes(), expected_after(F32, [6], [9]))
 
 
@@ -136,7 +144,7 @@ def test_zero_block_transfer_succeeds_immediately(kind, sides):
     p, d, peer = connect(kind, sides)
     d.expect("empty", [], 1.0)
     p.send(peer, [], [], "empty", 1.0)
-    for side, role in ((p, Role.SEND), (d, Role.RECV)):
+    for side, role in ((p, TransferSide.SEND), (d, TransferSide.RECV)):
         result = side.wait("empty", role, 0.0)
         assert result.status == TransferStatus.SUCCESS and result.nbytes == 0
     assert_bytes_equal(d.cache_bytes(), untouched(F32))
@@ -151,21 +159,21 @@ def test_deadline_fails_without_hanging(kind, sides):
     p.send(peer, [1], [1], "nobody-expects", 0.4)
     d.expect("nobody-sends", [2], 0.4)
     # A wait shorter than the deadline returns the current, non-terminal status.
-    assert d.wait("nobody-sends", Role.RECV, 0.05).status == TransferStatus.PENDING
+    assert d.wait("nobody-sends", TransferSide.RECV, 0.05).status == TransferStatus.PENDING
     t0 = time.monotonic()
-    sent = p.wait("nobody-expects", Role.SEND)
-    received = d.wait("nobody-sends", Role.RECV)
+    sent = p.wait("nobody-expects", TransferSide.SEND)
+    received = d.wait("nobody-sends", TransferSide.RECV)
     assert time.monotonic() - t0 < 3.0
     assert sent.status == TransferStatus.FAILED and sent.error
     if kind == "shm":  # the sender's error says what it waited for: a receiver's slot that never came
         assert "never" in sent.error, sent.error
     assert received.status == TransferStatus.FAILED and "deadline" in received.error
-    assert d.poll("nobody-sends", Role.RECV) == TransferStatus.FAILED
+    assert d.poll("nobody-sends", TransferSide.RECV) == TransferStatus.FAILED
     assert_bytes_equal(d.cache_bytes(), untouched(F32))
     # The connection still works after failures.
     d.expect("after", [3], 10.0)
     p.send(peer, [4], [3], "after", 10.0)
-    assert p.wait("after", Role.SEND).status == TransferStatus.SUCCESS
+    assert p.wait("after", TransferSide.SEND).status == TransferStatus.SUCCESS
     assert_bytes_equal(d.cache_bytes(), expected_after(F32, [4], [3]))
 
 
@@ -173,9 +181,9 @@ def test_receiver_abort_protects_its_blocks(kind, sides):
     p, d, peer = connect(kind, sides)
     d.expect("gone", [5, 6], 10.0)
     d.abort("gone")
-    assert d.poll("gone", Role.RECV) == TransferStatus.ABORTED
+    assert d.poll("gone", TransferSide.RECV) == TransferStatus.ABORTED
     p.send(peer, [0, 1], [5, 6], "gone", 5.0)
-    sent = p.wait("gone", Role.SEND)
+    sent = p.wait("gone", TransferSide.SEND)
     assert sent.status == TransferStatus.ABORTED, sent
     assert "abort" in sent.error
     assert_bytes_equal(d.cache_bytes(), untouched(F32))
@@ -186,7 +194,7 @@ def test_sender_abort_is_terminal_at_once(kind, sides):
     p.send(peer, [0], [1], "cancelled", 5.0)  # nobody expects it, so it cannot finish
     p.abort("cancelled")
     t0 = time.monotonic()
-    result = p.wait("cancelled", Role.SEND)
+    result = p.wait("cancelled", TransferSide.SEND)
     assert result.status == TransferStatus.ABORTED and time.monotonic() - t0 < 1.0
     assert "aborted" in result.error
 
@@ -195,7 +203,7 @@ def test_dst_id_disagreement_fails_both_sides(kind, sides):
     p, d, peer = connect(kind, sides)
     d.expect("mixed", [1, 2], 5.0)
     p.send(peer, [0, 1], [1, 3], "mixed", 5.0)
-    sent, received = p.wait("mixed", Role.SEND), d.wait("mixed", Role.RECV)
+    sent, received = p.wait("mixed", TransferSide.SEND), d.wait("mixed", TransferSide.RECV)
     assert sent.status == received.status == TransferStatus.FAILED
     assert "dst_block_ids" in sent.error and "dst_block_ids" in received.error
     assert_bytes_equal(d.cache_bytes(), untouched(F32))

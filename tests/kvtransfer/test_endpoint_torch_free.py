@@ -23,7 +23,8 @@ LAYOUT = KVLayout(
 # caches one through RayBackend, wraps it in a PrefillRequest, and checks torch never loaded.
 SCRIPT = r"""
 import asyncio, pickle, sys
-from common.protocol import KVEndpoint, KVLayout, PrefillRequest
+from common.protocol import KVEndpoint, KVLayout
+from common.request import PrefillRequest, RequestContext, WorkerRequest
 from common.sampling_params import SamplingParams
 from router.pools import WorkerPools
 
@@ -51,7 +52,7 @@ w = pools.get("d0")
 got = asyncio.run(pools.endpoint(w))
 again = asyncio.run(pools.endpoint(w))
 assert got is again is endpoints[0] and Handle.endpoint.calls == 1
-request = PrefillRequest("r", [1, 2, 3], SamplingParams(), got, [4], 0)
+request = PrefillRequest(WorkerRequest(RequestContext("r"), [1, 2, 3], SamplingParams()), got, [4], 0)
 assert pickle.loads(pickle.dumps(request)).peer_endpoint == got
 heavy = sorted(m for m in ("torch", "transformers", "triton") if m in sys.modules)
 print("HEAVY", ",".join(heavy))

@@ -113,12 +113,12 @@ def test_every_injected_fault_is_detected_and_nothing_leaks(backend):
         assert src_free == dst_free == set(range(NUM_BLOCKS))
         assert sender.pending_transfers() == [] and receiver.pending_transfers() == []
         if backend == "shm":  # no slot left mid-transfer (the killed sends' slots were failed by the receiver)
-            from kvtransfer.shm import _KEY, _STATE
+            from kvtransfer._segment import KEY, STATE
 
             slots = receiver._own.slots
             live = slots[
-                (slots[:, _KEY] != 0)
-                & np.isin(slots[:, _STATE], [int(TransferStatus.PENDING), int(TransferStatus.TRANSFERRING)])
+                (slots[:, KEY] != 0)
+                & np.isin(slots[:, STATE], [int(TransferStatus.PENDING), int(TransferStatus.TRANSFERRING)])
             ]
             assert len(live) == 0, live
         if backend == "gloo":

@@ -17,8 +17,8 @@ from common.protocol import KVLayout, KVLayoutMismatch
 from common.tp_split import kv_head_range
 from kvtransfer import Fault, FaultKind, FaultPlan
 from kvtransfer.resharding import HeadLink, handoff_links
-from kvtransfer.testing import handoff as run_handoff
-from kvtransfer.testing import rank_group
+from testkit.kvtransfer import handoff as run_handoff
+from testkit.kvtransfer import rank_group
 
 H3, H4, H2 = 3, 4, 2
 
@@ -59,7 +59,7 @@ def whole_cache(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
 
 
 class Group:
-    """The ranks of one worker (kvtransfer.testing.rank_group), all in this process."""
+    """The ranks of one worker (testkit.kvtransfer.rank_group), all in this process."""
 
     def __init__(self, kind: str, model: KVLayout, tp: int, num_blocks: int, peer_tp: int | None) -> None:
         self.ranks = rank_group(kind, model, tp, num_blocks, peer_tp)

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.harness import wait_until
 from router.app import build_app
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
+from testkit.harness import wait_until
 from tests.router.conftest import running_server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from router.app import build_app
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import build_app
-from router.testing import KV_BYTES_PER_TOKEN, FakeBackend
+from testkit.backend import KV_BYTES_PER_TOKEN, FakeBackend
 from tests.router.conftest import running_server
 
 MODEL = "test-model"

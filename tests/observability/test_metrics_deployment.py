@@ -10,8 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.harness import free_port, wait_until
-from cluster.testing import leave_ray, serving
+from testkit.cluster import leave_ray, serving
+from testkit.harness import free_port, wait_until
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:

@@ -8,11 +8,11 @@ from contextlib import contextmanager
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.harness import serve_app
 from router.app import build_app
-from router.testing import FakeBackend
 from router.tokenizer import Tokenizer
-from workers.model_files import resolve_model_dir
+from testkit.backend import FakeBackend
+from testkit.harness import serve_app
+from workers.models.files import resolve_model_dir
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 8192
@@ -55,7 +55,7 @@ def client(make_client, backend) -> TestClient:
 
 @contextmanager
 def running_server(app) -> Iterator[str]:
-    """Serve `app` with uvicorn on 127.0.0.1:<free port> in a thread (cluster.harness.serve_app); yield the base URL."""
+    """Serve `app` with uvicorn on 127.0.0.1:<free port> in a thread (testkit.harness.serve_app); yield the base URL."""
     with serve_app(app) as served:
         yield served.base_url
 

@@ -16,7 +16,7 @@ from router.admission import AdmissionControl, Gate, request_deadline
 from router.app import build_app
 from router.config import ServerConfig
 from router.protocol import APIError
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
 from tests.router.conftest import MAX_MODEL_LEN, MODEL_NAME, running_server
 
 USER = [{"role": "user", "content": "Hello"}]

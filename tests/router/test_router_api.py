@@ -1,4 +1,4 @@
-"""The HTTP API with FastAPI's TestClient over the in-process FakeBackend (router/testing.py).
+"""The HTTP API with FastAPI's TestClient over the in-process FakeBackend (testkit/backend.py).
 
 The fake only plays a token script; the text comes from Baton's own detokenizer. So these tests
 check Baton's behaviour against references computed here: the full decode of the tokens the
@@ -13,7 +13,7 @@ import pytest
 
 from common.detokenizer import IncrementalDetokenizer
 from router.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ModelList
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
 
 MODEL = "SmolLM2-135M-Instruct"
 USER = [{"role": "user", "content": "What is the capital of France?"}]

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from router.app import build_app
 from router.auth import APIKeyMiddleware
 from router.config import API_KEY_ENV, ServerConfig
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
 from tests.router.conftest import MAX_MODEL_LEN, MODEL_NAME
 
 USER = [{"role": "user", "content": "Hello"}]

@@ -12,7 +12,7 @@ import pytest
 
 from router.app import build_app
 from router.config import ServerConfig
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
 from tests.hardening.corpus import API_KEY, MAX_REQUEST_BODY, check_answer, corpus, send
 from tests.router.conftest import MAX_MODEL_LEN, MODEL_NAME
 

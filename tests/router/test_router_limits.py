@@ -13,7 +13,7 @@ import pytest
 
 from router.app import build_app
 from router.config import ServerConfig
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
 from tests.router.conftest import MAX_MODEL_LEN, MODEL_NAME, running_server
 
 

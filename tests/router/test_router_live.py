@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
 
 MODEL = "SmolLM2-135M-Instruct"
 USER = [{"role": "user", "content": "What is the capital of France?"}]

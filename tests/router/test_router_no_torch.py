@@ -19,9 +19,9 @@ for name in names:
     importlib.import_module(name)
 # build an app and a tokenizer too: lazy imports on these paths count as well
 from router.app import build_app
-from router.testing import FakeBackend
+from testkit.backend import FakeBackend
 from router.tokenizer import Tokenizer
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 tok = Tokenizer.from_model_dir(resolve_model_dir(None, quiet=True))
 build_app(FakeBackend(tok), tok, "m", 8192)
 heavy = sorted(m for m in ("torch", "transformers", "triton") if m in sys.modules)

@@ -11,7 +11,6 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from cluster.harness import serve_app
 from cluster.membership import Member, Membership, MembershipFollower, WorkerDirectory, changes
 from router.admin import install_admin, install_admin_forwarding
 from router.admission import share_of
@@ -20,13 +19,14 @@ from router.config import ADMIN_TOKEN_HEADER, AdminConfig, ServerConfig
 from router.errors import install_error_handlers
 from router.pools import WorkerPools
 from router.ray_backend import RayBackend
-from router.testing import FakeBackend
 from router.tokenizer import Tokenizer
+from testkit.backend import FakeBackend
+from testkit.harness import serve_app
 from tests.healing.test_admin_endpoint import LOCAL, REMOTE, RecordingScaler
 from tests.routing.fake_actors import FakeActor
 from tests.routing.test_migration import STEP_S, assert_exact, prompt_of, stream, wait_for
 from tests.routing.test_pool_manager import fake_ray, make_deployment  # noqa: F401 (fake_ray: a fixture)
-from workers.model_files import resolve_model_dir
+from workers.models.files import resolve_model_dir
 
 
 @pytest.mark.parametrize("total, routers", [(128, 1), (128, 3), (7, 4), (64, 64)])

@@ -12,8 +12,8 @@ from common.sampling_params import StructuredOutput
 from router.app import build_app
 from router.config import ServerConfig
 from router.reasoning import ReasoningSplitter, grammar_start_token_ids, split_reasoning
-from router.testing import FakeBackend
 from router.tool_parsers import ToolCallParser, default_parser, parse_calls
+from testkit.backend import FakeBackend
 from tests.router.conftest import MAX_MODEL_LEN, MODEL_NAME
 
 USER = [{"role": "user", "content": "hi"}]

@@ -1,8 +1,10 @@
 """Stand-ins for the Ray worker actors, so RayBackend runs in-process without Ray or a model.
 
-Each `FakeActor` answers the calls RayBackend and the pool manager make (`heartbeat`, `reserve`,
-`prefill`, `start_decode`, `submit`, `poll_outputs`, `abort`, `endpoint`, `ready`, `shutdown`) the
-way EngineWorker does, through `.remote(...)` returning an awaitable. It "computes" a prompt by
+Each `FakeActor` answers the calls RayBackend and the pool manager make through their typed client
+(`heartbeat`, `reserve`, `prefill`, `start_decode`, `submit`, `poll_outputs`, `abort`, `endpoint`,
+`ready`, `shutdown`), with the records of common.request, the way EngineWorker does, through
+`.remote(...)` returning an awaitable. A prefill answers at once; its first token (a PrefillResult)
+reaches the outbox `prefill_delay_s` later. It "computes" a prompt by
 publishing STORED events for its
 full blocks (as the block manager does), and reports cached tokens from what it stored before.
 
@@ -44,6 +46,18 @@ from common.protocol import (
     WorkerReady,
     WorkerStats,
 )
+from common.request import (
+    AbortRequest,
+    PrefillRequest,
+    RequestContext,
+    ReserveRequest,
+    StartDecodeRequest,
+    SubmitRequest,
+    WorkerRequest,
+)
+from common.sampling_params import SamplingParams
+from router.backend import GenerateRequest, RouteDecision
+from router.trace import RequestTrace
 
 BS = 16
 _pids = itertools.count(os.getpid() + 100000)
@@ -112,6 +126,7 @@ class FakeActor:
         self.outbox: asyncio.Queue | None = None
         self.running: dict[str, _Running] = {}
         self.reserved: set[str] = set()
+        self.prefilling: set[str] = set()  # prefills whose first token has not been queued yet
         self.handle = self
         # reserve() remembers what start_decode() needs (the real worker keeps it in its engine).
         self._prompts: dict[str, list[int]] = {}
@@ -146,6 +161,7 @@ class FakeActor:
         self.dead, self.oom = True, oom
         self.running.clear()
         self.reserved.clear()
+        self.prefilling.clear()
         if restart_after_s is not None:
             self.restarting = True
             asyncio.get_running_loop().call_later(restart_after_s, self._restart)
@@ -223,37 +239,49 @@ class FakeActor:
     async def _endpoint(self):
         return f"endpoint-{self.worker_id}-{self.pid}"
 
-    async def _reserve(self, rid, prompt, params, router=None, attempt=0):
+    async def _reserve(self, call: ReserveRequest):
+        rid, prompt = call.request_id, call.request.prompt_token_ids
         cached = self._compute(prompt)
         self.reserved.add(rid)
-        self._attempts[rid] = attempt
-        self._prompts[rid], self._max_tokens[rid] = list(prompt), params.max_tokens
+        self._attempts[rid] = call.owner.attempt
+        self._prompts[rid], self._max_tokens[rid] = list(prompt), call.request.sampling_params.max_tokens
         return KVReservation(rid, list(range(-(-len(prompt) // BS))), cached)
 
-    async def _prefill(self, req):
+    async def _prefill(self, call: PrefillRequest):
+        self.prefilling.add(call.request_id)
+        asyncio.get_running_loop().create_task(self._prefill_later(call, self.pid))
+
+    async def _prefill_later(self, call: PrefillRequest, incarnation: int):
+        """The first token after `prefill_delay_s`, into the outbox (nothing if the actor died meanwhile)."""
         await asyncio.sleep(self.prefill_delay_s)
-        cached = self._compute(req.prompt_token_ids)
-        tok = script_token(req.prompt_token_ids, 0)
-        done = req.sampling_params.max_tokens == 1
+        prompt = call.request.prompt_token_ids
+        if self.dead or self.pid != incarnation or call.request_id not in self.prefilling:
+            return
+        self.prefilling.discard(call.request_id)
+        cached = self._compute(prompt)
+        tok = script_token(prompt, 0)
+        done = call.request.sampling_params.max_tokens == 1
         out = RequestOutput(
-            req.request_id,
+            call.request_id,
             [tok],
             script_text(tok),
             finished=done,
             finish_reason="length" if done else None,
-            num_prompt_tokens=len(req.prompt_token_ids),
+            num_prompt_tokens=len(prompt),
             num_cached_tokens=cached,
             num_output_tokens=1,
         )
-        return PrefillResult(out, 3, 3 * 4096, 0.001, self.prefill_delay_s)
+        self._queue().put_nowait(PrefillResult(out, 3, 3 * 4096, 0.001, self.prefill_delay_s))
 
-    async def _start_decode(self, rid, first_token):
+    async def _start_decode(self, call: StartDecodeRequest):
+        rid = call.request_id
         if rid not in self.reserved:
             raise ValueError(f"request {rid!r} is not waiting for KV here")
         self.reserved.discard(rid)
         self._run(rid, self._prompts.pop(rid), self._max_tokens.pop(rid), 1, self._attempts.pop(rid))
 
-    async def _submit(self, rid, prompt, params, resume: ResumeState | None = None, router=None, attempt=0):
+    async def _submit(self, call: SubmitRequest):
+        rid, prompt, resume = call.request_id, call.request.prompt_token_ids, call.resume
         if rid in self.running:
             raise ValueError(f"request_id {rid!r} is already in use")
         self.submitted.append((rid, resume))
@@ -264,7 +292,7 @@ class FakeActor:
             if list(resume.output_token_ids) != expect or resume.text_chars != sum(len(script_text(t)) for t in expect):
                 raise ValueError(f"resume of {rid!r} does not match what was produced")
         self._compute(prompt)
-        self._run(rid, prompt, params.max_tokens, produced, attempt)
+        self._run(rid, prompt, call.request.sampling_params.max_tokens, produced, call.owner.attempt)
 
     async def _poll_outputs(self, timeout_s, router=None):
         q = self._queue()
@@ -295,6 +323,16 @@ class FakeActor:
     async def _shutdown(self):
         self.stopped = True
 
-    async def _abort(self, rid, final=True):
+    async def _abort(self, call: AbortRequest):
+        rid = call.request_id
         self.reserved.discard(rid)
+        self.prefilling.discard(rid)
         return self.running.pop(rid, None) is not None
+
+
+def make_request(
+    request_id: str, prompt: list[int], params: SamplingParams, route: RouteDecision, trace: RequestTrace | None = None
+) -> GenerateRequest:
+    """A GenerateRequest as router.serving makes one (a context made at the edge, a trace)."""
+    request = WorkerRequest(RequestContext(request_id), list(prompt), params)
+    return GenerateRequest(request, route, trace or RequestTrace(request_id, len(prompt)))

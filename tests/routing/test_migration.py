@@ -18,13 +18,13 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from common.sampling_params import SamplingParams
-from router.backend import BackendError, GenerateRequest, RouteDecision
+from router.backend import BackendError, RouteDecision
 from router.flow import FlowLimits
 from router.pools import WorkerPools
 from router.ray_backend import RayBackend
 from router.routing import live_workers
 
-from .fake_actors import FakeActor, script, script_text
+from .fake_actors import FakeActor, make_request, script, script_text
 
 STEP_S = 0.01
 
@@ -45,7 +45,7 @@ def prompt_of(i: int) -> list[int]:
 async def stream(backend, rid, prompt, max_tokens, decode, prefill=None):
     """(token ids, text, last output) of one request, or the exception that ended it."""
     tokens, text, last = [], "", None
-    request = GenerateRequest(
+    request = make_request(
         rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), RouteDecision(decode, prefill)
     )
     try:
@@ -108,7 +108,7 @@ def test_streams_on_a_killed_decode_worker_continue_exactly_on_the_other():
             assert len(backend.migration_gaps) == len(moved)
             assert [w.alive for w in backend.workers() if w.worker_id == "decode-0"] == [False]
             assert backend.pools.gone_workers() == ["decode-0"]  # ActorDiedError: no restart left
-            assert not backend.pools.has_streams() and all(not a.running for a in actors.values())
+            assert not len(backend.pools.requests) and all(not a.running for a in actors.values())
         finally:
             await backend.close()
 
@@ -348,7 +348,7 @@ def test_a_decode_worker_that_dies_before_starting_the_decode_moves_the_request(
         backend, actors = make(num_prefill=1, num_decode=2)
         d0 = actors["decode-0"]
 
-        async def die_instead(rid, first_token):
+        async def die_instead(call):
             d0.kill()  # the call's answer never comes: ActorUnavailableError
 
         d0.start_decode.fn = die_instead  # the fake's method table (fake_actors._Method)

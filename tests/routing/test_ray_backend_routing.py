@@ -8,13 +8,12 @@ import time
 
 from common.block_hash import hash_prefix_blocks
 from common.sampling_params import SamplingParams
-from router.backend import GenerateRequest
 from router.pools import WorkerPools
 from router.ray_backend import RayBackend
 from router.routing import KvAwarePolicy, RoutingConfig
 from router.trace import RequestTrace
 
-from .fake_actors import BS, FakeActor, _Method
+from .fake_actors import BS, FakeActor, _Method, make_request
 
 HEALTH_S = 0.1
 
@@ -32,7 +31,7 @@ async def run(backend, policy, prompt, rid):
     route = policy.choose(prompt, backend.workers())
     trace = RequestTrace(rid, len(prompt))
     trace.set_route(route)
-    outs = [o async for o in backend.generate(GenerateRequest(rid, prompt, SamplingParams(max_tokens=2), route, trace))]
+    outs = [o async for o in backend.generate(make_request(rid, prompt, SamplingParams(max_tokens=2), route, trace))]
     assert outs[-1].finished
     return route, trace
 
@@ -152,7 +151,7 @@ def test_a_finished_first_token_frees_the_reservation_when_the_consumer_stops_at
             prompt = [9000 + k for k in range(40)]
             route = policy.choose(prompt, backend.workers())
             assert route.prefill_worker == "prefill-0"
-            outputs = backend.generate(GenerateRequest("one", prompt, SamplingParams(max_tokens=1), route))
+            outputs = backend.generate(make_request("one", prompt, SamplingParams(max_tokens=1), route))
             first = await outputs.__anext__()
             assert first.finished
             await outputs.aclose()
@@ -193,7 +192,7 @@ def test_a_remote_prefills_first_token_does_not_wait_for_the_decode_worker():
                 assert route.prefill_worker == "prefill-0"
                 started, times = time.perf_counter(), []
                 async for _out in backend.generate(
-                    GenerateRequest(f"r{max_tokens}", prompt, SamplingParams(max_tokens=max_tokens), route)
+                    make_request(f"r{max_tokens}", prompt, SamplingParams(max_tokens=max_tokens), route)
                 ):
                     times.append(time.perf_counter() - started)
                 assert times[0] < 0.3, times  # not behind D's 0.5 s

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 from common.protocol import KVEvent, KVEventKind, SpecDecodeStats
 from common.sampling_params import SamplingParams
-from workers.block_manager import BlockManager
-from workers.sequence import Sequence
-from workers.worker import EngineWorker, WorkerConfig
+from workers.engine.block_manager import BlockManager
+from workers.engine.sequence import Sequence
+from workers.shell.worker import EngineWorker, WorkerConfig
 
 
 class _Engine:

@@ -11,17 +11,12 @@ from types import SimpleNamespace
 import pytest
 from fastapi import FastAPI
 
-from cluster.autoscaler import (
-    Autoscaler,
-    AutoscalerLoop,
-    RouterSignals,
-    Signals,
-    attach_to_simulator,
-    install_autoscaler,
-)
+from cluster.autoscaler import Autoscaler, Signals
 from cluster.autoscaler_config import AutoscalerConfig
+from cluster.autoscaler_loop import AutoscalerLoop, RouterSignals, install_autoscaler
 from cluster.config import BatonConfig
 from cluster.sim import SLO, ClusterSpec, FittedCostModel, LengthDist, ServingOverheads, Simulator, WorkloadSpec
+from cluster.sim.autoscaling import attach_to_simulator
 from router.backend import WorkerInfo
 from router.trace import RequestTrace
 

@@ -52,10 +52,10 @@ def test_kv_capacity_is_what_is_left_of_hbm_after_the_weights():
 
 
 def test_every_tp_the_roofline_takes_is_one_the_engine_shards_the_model_at():
-    from workers.model_config import ModelConfig
-    from workers.tensor_parallel import ShardPlan
+    from workers.models.config import ModelConfig
+    from workers.parallel.sharding import ShardPlan
 
-    # The engine's plan (workers.tensor_parallel.ShardPlan) on a config of each shape, at each size.
+    # The engine's plan (workers.parallel.sharding.ShardPlan) on a config of each shape, at each size.
     for m in MODELS.values():
         config = ModelConfig(
             "LlamaForCausalLM",

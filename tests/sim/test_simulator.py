@@ -13,8 +13,8 @@ import cluster.launcher
 import cluster.sim.simulator as simulator_module
 import router.prefix_index
 import router.routing
-import workers.block_manager
-import workers.scheduler
+import workers.engine.block_manager
+import workers.engine.scheduler
 from cluster.sim import (
     LINKS,
     SLO,
@@ -32,8 +32,8 @@ from cluster.sim import (
 from cluster.sim.engine import EventLoop
 from common.sampling_params import SamplingParams
 from router.routing import RoutingConfig
-from workers.block_manager import BlockManager
-from workers.sequence import Sequence
+from workers.engine.block_manager import BlockManager
+from workers.engine.sequence import Sequence
 
 STEP = 0.010  # a cost model where every step takes 10 ms, whatever it holds
 CONSTANT = FittedCostModel(
@@ -62,8 +62,8 @@ def test_the_simulator_runs_the_routers_policy_and_index_classes_not_copies(monk
     assert sim.policy.index is sim.index
     assert simulator_module.make_policy is router.routing.make_policy is cluster.launcher.make_policy
     worker = next(iter(sim.workers.values()))
-    assert type(worker.scheduler) is workers.scheduler.Scheduler
-    assert type(worker.block_manager) is workers.block_manager.BlockManager
+    assert type(worker.scheduler) is workers.engine.scheduler.Scheduler
+    assert type(worker.block_manager) is workers.engine.block_manager.BlockManager
     # No routing or scheduling code of its own in cluster/sim.
     for path in Path(simulator_module.__file__).parent.glob("*.py"):
         source = path.read_text()

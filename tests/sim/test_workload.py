@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from cluster import loadgen as load
+from bench import loadgen as load
 from cluster.sim import LengthDist, WorkloadSpec, read_trace
 from cluster.sim.validation import serve_requests, validation_workload
 from cluster.sim.workload import write_trace

@@ -65,7 +65,7 @@ class FixedRoute:
 @contextlib.contextmanager
 def local_backend(model_dir, config):
     """(RayBackend over a prefill worker p0 and a decode worker d0 of `model_dir`, (p0, d0))."""
-    from workers.worker import EngineWorker, WorkerConfig
+    from workers.shell.worker import EngineWorker, WorkerConfig
 
     prefill = EngineWorker(WorkerConfig("p0", "prefill", str(model_dir), config, transport="shm"))
     decode = EngineWorker(WorkerConfig("d0", "decode", str(model_dir), config, transport="shm"))

@@ -15,10 +15,10 @@ import openai
 import pydantic
 import pytest
 
+from bench.structured_load import schema_load
 from cluster.config import BatonConfig
-from cluster.harness import free_port, wait_until
-from cluster.structured_load import schema_load
-from cluster.testing import leave_ray, serving
+from testkit.cluster import leave_ray, serving
+from testkit.harness import free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ DEADLINE_S = 300.0
 MAX_TOKENS = 120  # room for the longest of the five schemas' objects
 # Prompts whose uncached part is longer than this are prefilled on the prefill worker, the others
 # on the decode worker: the long, distinct system message of every other request
-# (cluster.structured_load.schema_messages) sends half of them the remote way.
+# (bench.structured_load.schema_messages) sends half of them the remote way.
 LOCAL_THRESHOLD = 60
 
 

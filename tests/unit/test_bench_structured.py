@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jsonschema
 
-from cluster.structured_load import (
+from bench.structured_load import (
     SCHEMAS,
     aggregate,
     bench_command,

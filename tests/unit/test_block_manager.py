@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from common.protocol import KVEventKind
 from common.sampling_params import SamplingParams
-from workers.block_manager import BlockManager
-from workers.sequence import Sequence
+from workers.engine.block_manager import BlockManager
+from workers.engine.sequence import Sequence
 
 
 def seq(tokens, rid="r") -> Sequence:

@@ -1,7 +1,7 @@
 """The `baton` CLI starts without the engine's libraries: `baton --help`, `config` and `plan`, and
 the `baton serve` driver's module graph (the process that starts Ray and runs the router), load
 neither torch nor transformers, xgrammar or triton. Only the worker actors' own processes do
-(workers.actors imports the engine in the actor's constructor), and `baton env`, which reports them.
+(workers.shell.actors imports the engine in the actor's constructor), and `baton env`, which reports them.
 
 Each check runs in a fresh interpreter and reads its sys.modules afterwards.
 """
@@ -86,7 +86,7 @@ def test_the_serve_drivers_modules_load_no_engine_library():
         "import cluster.launcher, cluster.pool_manager, cluster.router_main\n"
         "from cluster.config import BatonConfig\n"
         "from cluster.placement import resolve_pool, worker_config\n"
-        "from workers.actors import actor_class\n"
+        "from workers.shell.actors import actor_class\n"
         "config = BatonConfig.load(None, {})\n"
         "for role in ('prefill', 'decode'):\n"
         "    actor_class(role)\n"
@@ -103,10 +103,10 @@ def test_a_worker_loads_xgrammar_and_transformers_only_for_a_structured_request(
     # sides: before the first grammar, neither is loaded (else the script fails); after, both are.
     code = (
         "import sys\n"
-        "import workers.worker, workers.engine, workers.sampler, workers.grammar\n"
+        "import workers.shell.worker, workers.engine.llm_engine, workers.engine.sampler, workers.engine.grammar\n"
         "early = {'xgrammar', 'transformers', 'torch'} & {m.split('.')[0] for m in sys.modules}\n"
         "assert early == {'torch'}, early\n"
-        "workers.grammar._xgrammar()\n"
+        "workers.engine.grammar._xgrammar()\n"
     )
     assert {"torch", "xgrammar", "transformers"} <= modules_after(code)
 
@@ -128,21 +128,9 @@ def remote_methods(cls: type) -> dict[str, list[tuple[str, object, object]]]:
     }
 
 
-def test_the_actor_shells_offer_every_engine_worker_call_with_its_signature():
-    from workers.actors import DecodeWorker, PrefillWorker, actor_class
-    from workers.worker import EngineWorker
-
-    for role in ("prefill", "decode"):
-        actor_class(role)  # as the driver does: Ray's hook then edits the shells' methods in place
-    expected = remote_methods(EngineWorker)
-    assert "poll_outputs" in expected and "prefill" in expected
-    for shell in (PrefillWorker, DecodeWorker):
-        assert remote_methods(shell) == expected
-
-
 def test_the_rank_actor_offers_every_rank_call_with_its_signature():
-    from workers.actors import TPRankActor
-    from workers.tp_rank import TPRankWorker
+    from workers.parallel.rank import TPRankWorker
+    from workers.shell.actors import TPRankActor
 
     expected = remote_methods(TPRankWorker)
     assert {"send", "expect", "wait", "wait_stopped"} <= set(expected)

@@ -1,5 +1,5 @@
 """A CPU decode worker borrows the cores other processes leave idle, and gives them back
-(workers.elastic_threads): hand-computed decisions on scripted CPU samples, the lock files through
+(workers.shell.elastic_threads): hand-computed decisions on scripted CPU samples, the lock files through
 which prefill workers claim their cores, and the real /proc/stat with a real busy process beside
 this one."""
 
@@ -13,9 +13,9 @@ import time
 import pytest
 
 from cluster.config import BatonConfig
-from workers import elastic_threads
 from workers.config import EngineConfig, WorkerConfig
-from workers.elastic_threads import (
+from workers.shell import elastic_threads
+from workers.shell.elastic_threads import (
     CoreClaims,
     CpuSample,
     ElasticThreads,

@@ -26,7 +26,7 @@ def test_collects_without_errors_and_without_loading_a_model_or_ray(report):
     # In a fresh process: collect() imports neither Ray nor the model's modules.
     code = (
         "import sys; from cluster.env_report import collect; collect(); "
-        "print([m for m in ('ray', 'workers.engine', 'workers.model_runner', 'workers.models.llama') "
+        "print([m for m in ('ray', 'workers.engine.llm_engine', 'workers.engine.model_runner', 'workers.models.llama') "
         "if m in sys.modules])"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

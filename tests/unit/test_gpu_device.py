@@ -1,5 +1,5 @@
 """GPU decisions made from a described device, on the CPU: FP8 refused below compute capability 8.9
-(before any kernel runs), and the KV cache sized from --gpu-memory-utilization (workers.device)."""
+(before any kernel runs), and the KV cache sized from --gpu-memory-utilization (workers.engine.device)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kernels.plan import TARGETS, DeviceSpec, fp8_supported
-from workers import model_runner
 from workers.config import CPU_KV_CACHE_MEMORY, EngineConfig
-from workers.device import check_fp8_config, gpu_kv_cache_blocks
-from workers.model_config import ModelConfig
+from workers.engine import kv_cache, loader
+from workers.engine.device import check_fp8_config, gpu_kv_cache_blocks
+from workers.models.config import ModelConfig
 
 GIB = 1 << 30
 A100 = DeviceSpec("cuda", (8, 0), 108, name="NVIDIA A100-SXM4-80GB")
@@ -91,11 +91,11 @@ def test_the_cpu_keeps_fp8_on_its_reference_kernels():
 def test_load_model_refuses_fp8_on_a_described_sm80_before_building_anything(monkeypatch):
     """The worker's start-up path (load_model) checks the device before it resolves a kernel."""
     monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: A100))
-    monkeypatch.setattr(model_runner, "kernel_ops", lambda *a, **k: pytest.fail("a kernel was resolved"))
+    monkeypatch.setattr(loader, "kernel_ops", lambda *a, **k: pytest.fail("a kernel was resolved"))
     with pytest.raises(
         ValueError, match=r"--kv-cache-dtype fp8 needs a GPU with native FP8.*8\.0.*--kv-cache-dtype auto"
     ):
-        model_runner.load_model(llama3_8b(), EngineConfig(kv_cache_dtype="fp8"), weights=None)
+        loader.load_model(llama3_8b(), EngineConfig(kv_cache_dtype="fp8"), weights=None)
 
 
 # ---------------------------------------------------------------------------- KV cache sizing
@@ -103,7 +103,7 @@ def test_load_model_refuses_fp8_on_a_described_sm80_before_building_anything(mon
 
 def test_an_8b_bf16_model_on_an_80gib_h100_gets_what_gpu_memory_utilization_leaves():
     config = llama3_8b()
-    block_bytes = model_runner.kv_block_bytes(config, 16, torch.bfloat16)
+    block_bytes = kv_cache.kv_block_bytes(config, 16, torch.bfloat16)
     assert block_bytes == 2 * 32 * 16 * 8 * 128 * 2 == 2 * 2**20  # 2 MiB per 16-token block
     weights = 8_030_261_248 * 2  # Llama-3-8B's parameters in bf16
     activations = 2 * GIB
@@ -137,12 +137,12 @@ def test_gpu_memory_utilization_is_checked_by_the_config():
 
 def test_the_cpu_keeps_its_1gib_default():
     config = llama3_8b()
-    block_bytes = model_runner.kv_block_bytes(config, 16, torch.float32)
-    assert model_runner.num_kv_blocks(config, EngineConfig()) == CPU_KV_CACHE_MEMORY // block_bytes
-    assert not model_runner.sizes_kv_cache_from_gpu_memory(EngineConfig())
-    assert not model_runner.sizes_kv_cache_from_gpu_memory(EngineConfig(device="cuda", kv_cache_memory=GIB))
-    assert not model_runner.sizes_kv_cache_from_gpu_memory(EngineConfig(device="cuda", num_kv_blocks=8))
-    assert model_runner.sizes_kv_cache_from_gpu_memory(EngineConfig(device="cuda"))
+    block_bytes = kv_cache.kv_block_bytes(config, 16, torch.float32)
+    assert kv_cache.num_kv_blocks(config, EngineConfig()) == CPU_KV_CACHE_MEMORY // block_bytes
+    assert not kv_cache.sizes_kv_cache_from_gpu_memory(EngineConfig())
+    assert not kv_cache.sizes_kv_cache_from_gpu_memory(EngineConfig(device="cuda", kv_cache_memory=GIB))
+    assert not kv_cache.sizes_kv_cache_from_gpu_memory(EngineConfig(device="cuda", num_kv_blocks=8))
+    assert kv_cache.sizes_kv_cache_from_gpu_memory(EngineConfig(device="cuda"))
 
 
 def test_a_gpu_worker_sizes_its_cache_and_logs_blocks_and_tokens(monkeypatch, caplog):
@@ -152,12 +152,12 @@ def test_a_gpu_worker_sizes_its_cache_and_logs_blocks_and_tokens(monkeypatch, ca
     monkeypatch.setattr(
         DeviceSpec, "of", classmethod(lambda cls, device: DeviceSpec("cuda", (9, 0), 132, name="NVIDIA H100 80GB HBM3"))
     )
-    monkeypatch.setattr(model_runner, "gpu_total_memory", lambda device: H100_MEMORY)
-    monkeypatch.setattr(model_runner, "profile_activation_peak", lambda *a: 3 * GIB)
+    monkeypatch.setattr(kv_cache, "gpu_total_memory", lambda device: H100_MEMORY)
+    monkeypatch.setattr(kv_cache, "profile_activation_peak", lambda *a: 3 * GIB)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79 * GIB, 80 * GIB))
     engine = EngineConfig(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5)
-    with caplog.at_level(logging.INFO, logger="workers.model_runner"):
-        blocks = model_runner.kv_cache_num_blocks(model, config, engine)
+    with caplog.at_level(logging.INFO, logger="workers.engine.kv_cache"):
+        blocks = kv_cache.kv_cache_num_blocks(model, config, engine)
     assert blocks == (40 * GIB - 4 * 2**20 - 3 * GIB) // (2 * 2**20)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
     assert f"{blocks} blocks of 16 tokens = {blocks * 16} tokens" in line and "NVIDIA H100 80GB HBM3" in line, line

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = ("router", "workers", "kvtransfer", "kernels", "cluster", "common", "bench", "tests")
+FOLDERS = ("router", "workers", "kvtransfer", "kernels", "cluster", "common", "testkit", "bench", "tests")
 
 
 def sources() -> dict[str, str]:
@@ -21,11 +21,11 @@ def sources() -> dict[str, str]:
     [
         (r"^\s*def free_port\(", "common/net.py"),
         (r"^\s*def percentile\(", "common/stats.py"),
-        (r"^\s*def healthy\(", "cluster/harness.py"),  # polling /health
-        (r"^\s*def baton_serve\(", "cluster/harness.py"),  # `baton serve` in a subprocess until healthy
-        (r"^\s*def serve_app\(", "cluster/harness.py"),  # an app in a uvicorn thread
+        (r"^\s*def healthy\(", "testkit/harness.py"),  # polling /health
+        (r"^\s*def baton_serve\(", "testkit/harness.py"),  # `baton serve` in a subprocess until healthy
+        (r"^\s*def serve_app\(", "testkit/harness.py"),  # an app in a uvicorn thread
         (r"uvicorn\.Server\(", "router/app.py"),
-        (r"^\s*def leave_ray\(", "cluster/testing.py"),
+        (r"^\s*def leave_ray\(", "testkit/cluster.py"),
     ],
 )
 def test_defined_once(pattern, home):

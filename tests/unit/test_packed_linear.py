@@ -8,11 +8,12 @@ from torch.nn import functional as F
 
 from kernels import small_m_linear
 from tests.engine.helpers import save_tiny_model
-from workers import packed_linear
 from workers.config import EngineConfig
-from workers.model_config import ModelConfig
-from workers.model_runner import iter_safetensors, load_model
-from workers.quantization import Fp8Linear, weight_memory
+from workers.engine.loader import load_model
+from workers.models.checkpoint import iter_safetensors
+from workers.models.config import ModelConfig
+from workers.quantization import packed_linear
+from workers.quantization.fp8 import Fp8Linear, weight_memory
 
 if not packed_linear.available(torch.zeros(2, 2)):
     pytest.skip("oneDNN prepacking is not available in this torch build", allow_module_level=True)

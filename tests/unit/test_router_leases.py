@@ -1,4 +1,4 @@
-"""workers.router_leases.RouterLeases on a hand-driven clock: terms, ownership, per-router
+"""workers.shell.router_leases.RouterLeases on a hand-driven clock: terms, ownership, per-router
 outboxes and KV-event queues (the engine-level behaviour is tests/engine/test_router_leases.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.protocol import DEFAULT_ROUTER_ID, KVEvent, KVEventKind, RequestOutput, RouterClaim
-from workers.router_leases import RouterLeases
+from workers.shell.router_leases import RouterLeases
 
 
 class Clock:

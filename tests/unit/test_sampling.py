@@ -12,7 +12,7 @@ import torch
 from common.block_hash import hash_prefix_blocks
 from common.detokenizer import IncrementalDetokenizer
 from common.sampling_params import SamplingParams
-from workers.sampler import SamplingRow, sample
+from workers.engine.sampler import SamplingRow, sample
 
 
 def row(params: SamplingParams, seed: int | None = None, outputs=None) -> SamplingRow:

@@ -2,7 +2,7 @@
 
 The oracle is written out here in float64 from the definitions (temperature, then top-k, top-p
 as the smallest sorted prefix reaching top_p, min-p relative to the top probability; OpenAI's
-presence/frequency penalties and the repetition penalty), independent of workers/sampler.py.
+presence/frequency penalties and the repetition penalty), independent of workers/engine/sampler.py.
 Each case draws N tokens (N identical rows of one batch: unseeded rows get independent keys) and
 runs a chi-square goodness-of-fit test at significance 1e-6, so a correct sampler fails one case
 about once in a million seeds; with the fixed generator seed the outcome is deterministic. A token
@@ -19,7 +19,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from kernels import sampling
-from workers.sampler import RACE_ATTEMPTS, SamplingRow, sample
+from workers.engine.sampler import RACE_ATTEMPTS, SamplingRow, sample
 
 N = 40_000
 ALPHA = 1e-6

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from common.sampling_params import SamplingParams
-from workers.block_manager import BlockManager
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence, SequenceStatus
+from workers.engine.block_manager import BlockManager
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence, SequenceStatus
 
 
 def simulate_step(sched: Scheduler) -> dict[str, int]:

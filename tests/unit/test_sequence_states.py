@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from common.sampling_params import SamplingParams
-from workers.block_manager import BlockManager
-from workers.scheduler import Scheduler
-from workers.sequence import TRANSITIONS, Sequence, SequenceStatus
+from workers.engine.block_manager import BlockManager
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import TRANSITIONS, Sequence, SequenceStatus
 
 S = SequenceStatus
 

@@ -107,8 +107,8 @@ def test_the_block_checksum_tag_covers_a_ranks_heads_and_is_unchanged_without_tp
 
 def test_step_inputs_of_a_mixed_batch():
     from common.sampling_params import SamplingParams
-    from workers.model_runner import StepInputs
-    from workers.sequence import ScheduledChunk, Sequence
+    from workers.engine.sequence import ScheduledChunk, Sequence
+    from workers.engine.step_inputs import StepInputs
 
     decoding = Sequence("d", [1, 2, 3, 4, 5], SamplingParams())
     decoding.block_ids, decoding.num_computed_tokens = [7, 2], 4  # its 5th token runs now
@@ -125,8 +125,8 @@ def test_step_inputs_of_a_mixed_batch():
 
 def test_step_inputs_mark_prompt_rows_and_leave_generated_tokens_and_drafts_out():
     from common.sampling_params import SamplingParams
-    from workers.model_runner import StepInputs
-    from workers.sequence import ScheduledChunk, Sequence
+    from workers.engine.sequence import ScheduledChunk, Sequence
+    from workers.engine.step_inputs import StepInputs
 
     decoding = Sequence("d", [1, 2, 3], SamplingParams())
     decoding.output_token_ids = [4]
@@ -153,12 +153,14 @@ def test_step_inputs_mark_prompt_rows_and_leave_generated_tokens_and_drafts_out(
 
 def test_the_ranks_transfer_results_add_up_to_the_worst_status():
     from kvtransfer import TransferResult, TransferStatus
-    from kvtransfer.base import Role
+    from kvtransfer.base import TransferSide
     from kvtransfer.resharding import combined
 
-    ok = TransferResult("r", Role.RECV, TransferStatus.SUCCESS, 100, 0.5)
-    bad = TransferResult("r", Role.RECV, TransferStatus.FAILED, 40, 0.25, "checksum", reason="checksum_mismatch")
-    assert combined([ok, ok]) == TransferResult("r", Role.RECV, TransferStatus.SUCCESS, 200, 0.5)
+    ok = TransferResult("r", TransferSide.RECV, TransferStatus.SUCCESS, 100, 0.5)
+    bad = TransferResult(
+        "r", TransferSide.RECV, TransferStatus.FAILED, 40, 0.25, "checksum", reason="checksum_mismatch"
+    )
+    assert combined([ok, ok]) == TransferResult("r", TransferSide.RECV, TransferStatus.SUCCESS, 200, 0.5)
     worst = combined([ok, bad, ok])
     assert (worst.status, worst.nbytes, worst.seconds, worst.reason) == (
         TransferStatus.FAILED,

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from workers.worker import Counters
+from workers.shell.worker import Counters
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Worker actors undo Ray's niceness (workers.actors.normal_priority) on every thread."""
+"""Worker actors undo Ray's niceness (workers.shell.actors.normal_priority) on every thread."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 
 SCRIPT = r"""
 import os, threading
-from workers.actors import normal_priority
+from workers.shell.actors import normal_priority
 ready, done = threading.Event(), threading.Event()
 def idle():
     ready.set()

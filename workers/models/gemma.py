@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kernels.ops import KernelOps
-from workers.model_config import ModelConfig
+from workers.models.config import ModelConfig
 from workers.models.llama import MLP, Attention, AttentionMetadata, KVCacheView, LlamaForCausalLM
 
 NORM_SUFFIXES = ("layernorm", "q_norm", "k_norm")

@@ -16,18 +16,22 @@ sequence), then the new tokens of each prefilling sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from kernels.ops import KernelOps
-from workers import packed_linear
-from workers.model_config import ModelConfig
+from workers.models.config import ModelConfig
+from workers.quantization import packed_linear
 
-if TYPE_CHECKING:
-    from workers.tensor_parallel import TPGroup
+
+class AllReduce(Protocol):
+    """What a model needs of its tensor-parallel group (workers.parallel.group.TPGroup): the sum of
+    every rank's partial output, which row-parallel o_proj and down_proj leave."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -62,7 +66,7 @@ class KVCacheView:
 
 class Attention(nn.Module):
     def __init__(
-        self, config: ModelConfig, ops: KernelOps, window: int | None = None, tp_group: TPGroup | None = None
+        self, config: ModelConfig, ops: KernelOps, window: int | None = None, tp_group: AllReduce | None = None
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -154,7 +158,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: AllReduce | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.tp_group = tp_group  # as in Attention: down_proj's partial sums are all-reduced
@@ -167,7 +171,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, layer: int = 0, tp_group: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, layer: int = 0, tp_group: AllReduce | None = None) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.ops = ops
@@ -188,9 +192,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: AllReduce | None = None) -> None:
         """tp_group: this rank's tensor-parallel group, config then being its shard
-        (workers.tensor_parallel.ShardPlan.model_config); None: the whole model."""
+        (workers.parallel.sharding.ShardPlan.model_config); None: the whole model."""
         super().__init__()
         self.config = config
         self.ops = ops  # the kernels every layer calls (kernels.ops.kernel_ops)
@@ -206,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         )
         # float32 [max_positions, head_dim]; the model runner fills it for its context length.
         self.cos_sin_cache = torch.empty(0)
-        # oneDNN-packed copy of the lm_head on CPU (workers.packed_linear.prepack), else None.
+        # oneDNN-packed copy of the lm_head on CPU (workers.quantization.packed_linear.prepack), else None.
         self.packed_lm_head: torch.Tensor | None = None
 
     @property
@@ -231,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_weights(self, weights, quant=None) -> None:
         """Load (name, tensor) pairs with Hugging Face names, fusing q/k/v and gate/up.
 
-        quant (workers.quantization.CheckpointQuantization) describes a pre-quantized FP8
+        quant (workers.quantization.fp8.CheckpointQuantization) describes a pre-quantized FP8
         checkpoint; its linear layers must already be Fp8Linear (see prepare_for_checkpoint).
         Each projection's scale (`weight_scale`, or `weight_scale_inv` in the HF fp8 format, which
         multiplies despite its name) lands in the rows of the fused matrix its weight fills.

@@ -14,7 +14,7 @@ Checkpoint layouts read: per expert (Mixtral `block_sparse_moe.experts.{e}.w1/w3
 save_pretrained writes) and fused 3-D (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
 [E, H, I], transformers 5's in-memory layout).
 
-Tensor parallelism (workers.tensor_parallel): attention as llama.py's; the router is whole on every
+Tensor parallelism (workers.parallel): attention as llama.py's; the router is whole on every
 rank; the experts are split either by their intermediate channels (each rank holds every expert's
 1/N, as a dense MLP) or, with expert parallelism, whole (each rank holds 1/N of the experts and
 runs only the (token, slot) pairs routed to them). Either way each rank's sum is partial and one
@@ -29,18 +29,13 @@ dequantizes only the experts its tokens are routed to.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from kernels.ops import KernelOps
-from workers import quantization as q8
-from workers.model_config import ModelConfig
-from workers.models.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:  # an annotation only (tensor_parallel imports the engine)
-    from workers.tensor_parallel import TPGroup
+from workers.models.config import ModelConfig
+from workers.models.llama import AllReduce, LlamaForCausalLM
+from workers.quantization import fp8 as q8
 
 MOE_PREFIXES = ("mlp", "block_sparse_moe")  # Qwen3-MoE, Mixtral
 GATE_ROWS = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}  # which half of w13 a projection fills
@@ -115,14 +110,14 @@ class MoeExperts(nn.Module):
 
 def _dequantize(weight: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """float32 [E, rows, cols] from FP8 weights and scales [E, rows, groups] of group_size columns each
-    (workers.quantization.dequantize, each expert's rows one after the other)."""
+    (workers.quantization.fp8.dequantize, each expert's rows one after the other)."""
     experts, rows, cols = weight.shape
     flat = q8.dequantize(weight.reshape(experts * rows, cols), scale.reshape(experts * rows, -1), group_size)
     return flat.reshape(experts, rows, cols)
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: AllReduce | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.top_k = config.num_experts_per_tok
@@ -159,7 +154,7 @@ class SparseMoeBlock(nn.Module):
 class MoeForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM with a SparseMoeBlock as the MLP of every MoE layer."""
 
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_group: AllReduce | None = None) -> None:
         if config.num_experts < 1:
             raise ValueError(f"{config.architecture}: MoeForCausalLM needs num_experts >= 1")
         super().__init__(config, ops, tp_group)

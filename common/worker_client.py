@@ -1,0 +1,90 @@
+"""The typed client of a worker's Ray actor: the only code that calls a worker method with `.remote(`.
+
+Each method mirrors `common.worker_api.WorkerAPI` with the same record and returns what Ray's
+call returns (an ObjectRef: `await` it on an event loop, `ray.get` it elsewhere). Creating the
+actors stays with the placement code (cluster.placement), which wraps each handle in one of these.
+Test fakes pass any object whose methods have a `.remote(...)` returning an awaitable.
+
+Imports Ray's types only for annotations: the router, which imports this module, stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from common.protocol import (
+    KVEndpoint,
+    KVReservation,
+    RouterClaim,
+    WorkerHeartbeat,
+    WorkerOutput,
+    WorkerReady,
+    WorkerStats,
+)
+from common.request import AbortRequest, PrefillRequest, ReserveRequest, StartDecodeRequest, SubmitRequest
+from common.sampling_params import SamplingParams
+from common.transports import PeerLink
+
+if TYPE_CHECKING:  # annotations only
+    from ray import ObjectRef
+
+__all__ = ["WorkerClient"]
+
+
+class WorkerClient:
+    """A worker's actor handle with `common.worker_api.WorkerAPI`'s methods, each returning the
+    call's ObjectRef."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def __repr__(self) -> str:
+        return f"WorkerClient({self.handle!r})"
+
+    # ---- start-up and the KV transport ----------------------------------------------------------
+    def ready(self) -> ObjectRef[WorkerReady]:
+        return self.handle.ready.remote()
+
+    def endpoint(self) -> ObjectRef[KVEndpoint]:
+        return self.handle.endpoint.remote()
+
+    def connect_peer(self, endpoint: KVEndpoint) -> ObjectRef[str]:
+        return self.handle.connect_peer.remote(endpoint)
+
+    def kv_links(self) -> ObjectRef[list[PeerLink]]:
+        return self.handle.kv_links.remote()
+
+    # ---- requests --------------------------------------------------------------------------------
+    def submit(self, request: SubmitRequest) -> ObjectRef[None]:
+        return self.handle.submit.remote(request)
+
+    def reserve(self, request: ReserveRequest) -> ObjectRef[KVReservation | None]:
+        return self.handle.reserve.remote(request)
+
+    def prefill(self, request: PrefillRequest) -> ObjectRef[None]:
+        return self.handle.prefill.remote(request)
+
+    def start_decode(self, request: StartDecodeRequest) -> ObjectRef[None]:
+        return self.handle.start_decode.remote(request)
+
+    def abort(self, request: AbortRequest) -> ObjectRef[bool]:
+        return self.handle.abort.remote(request)
+
+    def compile_grammar(self, params: SamplingParams) -> ObjectRef[None]:
+        return self.handle.compile_grammar.remote(params)
+
+    # ---- outputs, leases and health ---------------------------------------------------------------
+    def poll_outputs(self, timeout_s: float = 0.05, router: RouterClaim | None = None) -> ObjectRef[list[WorkerOutput]]:
+        return self.handle.poll_outputs.remote(timeout_s, router)
+
+    def renew_lease(self, router: RouterClaim) -> ObjectRef[None]:
+        return self.handle.renew_lease.remote(router)
+
+    def heartbeat(self, router: RouterClaim | None = None) -> ObjectRef[WorkerHeartbeat]:
+        return self.handle.heartbeat.remote(router)
+
+    def stats(self) -> ObjectRef[WorkerStats]:
+        return self.handle.stats.remote()
+
+    def shutdown(self) -> ObjectRef[None]:
+        return self.handle.shutdown.remote()

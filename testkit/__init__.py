@@ -1,0 +1,1 @@
+"""Test scaffolding: fakes, harnesses and builders that tests and benchmarks use; product code never imports it."""
