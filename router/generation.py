@@ -165,7 +165,7 @@ class Generation:
             request_logger.info(
                 "%s prompt (%d tokens): %r", backend_id, len(prompt_ids), self.tokenizer.decode(prompt_ids)
             )
-        route = self.policy.choose(prompt_ids, self.backend.workers())
+        route = self.policy.choose(prompt_ids, self.backend.workers(), context.kv_namespace)
         trace.set_route(route)
         request = GenerateRequest(WorkerRequest(context, prompt_ids, choice.params), route, trace)
         return self._traced(self.backend.generate(request), trace)

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
-from common.block_hash import hash_prefix_blocks
+from common.block_hash import hash_prefix_blocks, root_hash
 from common.roles import Role
 from router.backend import RouteDecision, WorkerInfo
 from router.prefix_index import PrefixIndex
@@ -75,8 +75,12 @@ class NoWorkerAvailable(RuntimeError):
 
 
 class RoutingPolicy(Protocol):
-    def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
-        """Pick the workers for one request; raise NoWorkerAvailable when a needed pool is empty."""
+    def choose(
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+    ) -> RouteDecision:
+        """Pick the workers for one request; raise NoWorkerAvailable when a needed pool is empty.
+        `namespace`: what the request's KV depends on besides its tokens (RequestContext.kv_namespace),
+        which a cache-aware policy hashes its prompt under."""
         ...
 
 
@@ -109,7 +113,9 @@ class RoundRobinPolicy:
         self._last[role] = chosen
         return chosen
 
-    def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
+    def choose(
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+    ) -> RouteDecision:
         decode = self._next(workers, Role.DECODE)
         if decode is None:
             raise NoWorkerAvailable(Role.DECODE)
@@ -227,7 +233,9 @@ class RandomPolicy:
         self._rng = random.Random(seed)
         self.local_prefill_fallback = local_prefill_fallback
 
-    def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
+    def choose(
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+    ) -> RouteDecision:
         decode = live_workers(workers, Role.DECODE)
         if not decode:
             raise NoWorkerAvailable(Role.DECODE)
@@ -250,7 +258,9 @@ class LeastLoadedPolicy:
     def __init__(self, local_prefill_fallback: bool = True) -> None:
         self.local_prefill_fallback = local_prefill_fallback
 
-    def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
+    def choose(
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+    ) -> RouteDecision:
         decode = live_workers(workers, Role.DECODE)
         if not decode:
             raise NoWorkerAvailable(Role.DECODE)
@@ -295,12 +305,14 @@ class KvAwarePolicy:
                 return i
         return best
 
-    def choose(self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> RouteDecision:
+    def choose(
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+    ) -> RouteDecision:
         c = self.config
         n = len(prompt_token_ids)
         bs = self.block_size
         # The last prompt token is always computed (it yields the logits), so never count it cached.
-        hashes = hash_prefix_blocks(prompt_token_ids[: max(0, n - 1)], bs)
+        hashes = hash_prefix_blocks(prompt_token_ids[: max(0, n - 1)], bs, root_hash(namespace))
         matched = self.index.match(hashes) if hashes else {}
         scale = float(max(n, bs))
 

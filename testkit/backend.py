@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from common.block_hash import hash_prefix_blocks
+from common.block_hash import hash_prefix_blocks, root_hash
 from common.detokenizer import IncrementalDetokenizer
 from common.protocol import RequestOutput, TokenLogprob
 from common.sampling_params import SamplingParams
@@ -99,7 +99,7 @@ class FakeBackend:
             if wid is not None and wid in self.dead:
                 raise BackendError(f"worker {wid} is dead", retryable=True)
         prompt = request.prompt_token_ids
-        cached = self._prefill(prompt, route.prefill_worker or route.decode_worker)
+        cached = self._prefill(prompt, route.prefill_worker or route.decode_worker, request.context.kv_namespace)
         request.trace.cached_tokens = cached
         if route.prefill_worker is not None:
             request.trace.kv_bytes = (len(prompt) - cached) * KV_BYTES_PER_TOKEN
@@ -116,9 +116,9 @@ class FakeBackend:
             self.active.pop(request.request_id, None)
 
     # -- internals
-    def _prefill(self, prompt: list[int], worker: str) -> int:
+    def _prefill(self, prompt: list[int], worker: str, namespace: str | None) -> int:
         """Cached prompt tokens on `worker`, then index the prompt's blocks as its KV events would."""
-        hashes = hash_prefix_blocks(prompt, self.block_size)
+        hashes = hash_prefix_blocks(prompt, self.block_size, root_hash(namespace))
         hit_blocks = self.prefix_index.match(hashes).get(worker, 0)
         self.prefix_index.add(worker, hashes)
         # Like the engine: whole blocks only, and never the last prompt token (it is computed to sample).

@@ -298,7 +298,7 @@ class Simulator:
     def _route(self, f: Flight) -> None:
         t0 = time.perf_counter()
         try:
-            d = self.policy.choose(list(f.req.prompt), self._infos)
+            d = self.policy.choose(list(f.req.prompt), self._infos, f.request.context.kv_namespace)
         except NoWorkerAvailable as exc:
             f.rec.failed = str(exc)
             f.on_done()

@@ -1,17 +1,49 @@
-"""Check or rewrite the README's headline numbers from bench/results/*.json.
+"""The README's headline numbers, from bench/results/*.json.
+
+The README is not built by MkDocs. Its headline numbers sit between markers::
+
+    <!-- num: NAME -->1.58x<!-- /num -->
+
+and ``NUMBERS[NAME]()`` below computes each from its JSON:
 
     python -m docs.hooks.readme --check   # exit 1 when a number differs from its JSON
     python -m docs.hooks.readme --write   # rewrite them in place
 
-The numbers and how each is computed are `NUMBERS` in docs/hooks/tables.py.
+``tests/unit/test_docs_numbers.py`` runs the check.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from collections.abc import Callable
 
-from docs.hooks.tables import ROOT, readme_numbers, write_readme_numbers
+from docs.hooks.results import ROOT, load, pct, ratio
+from docs.hooks.tables_compare import compare_ratio
+
+NUMBERS: dict[str, Callable[[], str]] = {
+    # workload 1, client defaults, Baton float32 over vLLM-CPU float32 (output tok/s)
+    "compare_w1_fp32": lambda: ratio(compare_ratio("baton-fp32", "default", "w1", "output_throughput", None)),
+    # the same beside the CPU hog (bench/cpu_hog.py)
+    "compare_w1_fp32_busy": lambda: ratio(
+        compare_ratio("baton-fp32", "busy: default", "w1", "output_throughput", None)
+    ),
+    # Baton engine at 32 sequences over transformers generate one at a time (float32)
+    "engine_c32_ratio": lambda: ratio(load("engine_throughput")["results"]["baton_c32"]["ratio_vs_hf_sequential"], 1),
+    # kv-aware routing's prefix-cache hit rate on the multi-turn chat
+    "routing_hit_rate": lambda: pct(load("routing_prefix")["kv_aware"]["hit_rate"]),
+}
+NUM = re.compile(r"<!-- num: ([\w.-]+) -->(.*?)<!-- /num -->")
+
+
+def readme_numbers(text: str) -> list[tuple[str, str, str]]:
+    """(name, value in the text, value computed from the JSON) for every marker in `text`."""
+    return [(m.group(1), m.group(2), NUMBERS[m.group(1)]()) for m in NUM.finditer(text)]
+
+
+def write_readme_numbers(text: str) -> str:
+    return NUM.sub(lambda m: f"<!-- num: {m.group(1)} -->{NUMBERS[m.group(1)]()}<!-- /num -->", text)
 
 
 def main(argv: list[str] | None = None) -> int:

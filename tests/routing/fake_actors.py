@@ -31,7 +31,7 @@ import itertools
 import os
 from dataclasses import dataclass
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, OutOfMemoryError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, OutOfMemoryError, RayTaskError
 
 from common.block_hash import hash_prefix_blocks
 from common.protocol import (
@@ -39,6 +39,7 @@ from common.protocol import (
     KVEventBatch,
     KVEventKind,
     KVReservation,
+    PrefillFailed,
     PrefillResult,
     RequestOutput,
     ResumeState,
@@ -56,6 +57,7 @@ from common.request import (
     WorkerRequest,
 )
 from common.sampling_params import SamplingParams
+from common.transports import KVLoadFailed
 from router.backend import GenerateRequest, RouteDecision
 from router.trace import RequestTrace
 
@@ -94,7 +96,10 @@ class _Method:
                     raise OutOfMemoryError("1 worker(s) were killed due to the node running low on memory.")
                 raise ActorDiedError()
             incarnation = actor.pid
-            result = await self.fn(*args)
+            try:
+                result = await self.fn(*args)
+            except (KVLoadFailed, ValueError) as exc:  # raised by the worker: Ray hands it over as a RayTaskError
+                raise RayTaskError(self.fn.__name__.lstrip("_"), "a fake traceback", exc).as_instanceof_cause() from exc
             if actor.dead or actor.pid != incarnation:
                 raise ActorUnavailableError("died during the call", None)  # its reply never came
             return result
@@ -124,6 +129,7 @@ class FakeActor:
         self.cached: set[int] = set()
         self.events: list[KVEvent] = []
         self.outbox: asyncio.Queue | None = None
+        self._outbox_loop: asyncio.AbstractEventLoop | None = None
         self.running: dict[str, _Running] = {}
         self.reserved: set[str] = set()
         self.prefilling: set[str] = set()  # prefills whose first token has not been queued yet
@@ -137,6 +143,8 @@ class FakeActor:
         self.stopped = False
         self.renewed = 0  # lease renewals (the router's lease loop)
         self.reply_delay_s = 0.0  # poll_outputs: from taking the outputs to the reply reaching the router
+        self.fail_prefills = False  # each prefill ends in a PrefillFailed (its KV handoff failed)
+        self.fail_kv_loads = False  # each start_decode finds the pushed KV bad (--kv-load-failure-policy fail)
         for name in (
             "heartbeat",
             "reserve",
@@ -181,8 +189,14 @@ class FakeActor:
 
     # ---- the scripted engine -----------------------------------------------------------------
     def _queue(self) -> asyncio.Queue:
-        if self.outbox is None:
-            self.outbox = asyncio.Queue()
+        """The outbox, on the running event loop (a second router app over the same workers runs
+        on another loop; what the first left queued is carried over)."""
+        loop = asyncio.get_running_loop()
+        if self.outbox is None or self._outbox_loop is not loop:
+            left = [] if self.outbox is None else [self.outbox.get_nowait() for _ in range(self.outbox.qsize())]
+            self.outbox, self._outbox_loop = asyncio.Queue(), loop
+            for item in left:
+                self.outbox.put_nowait(item)
         return self.outbox
 
     def _compute(self, prompt: list[int]) -> int:
@@ -258,6 +272,9 @@ class FakeActor:
         if self.dead or self.pid != incarnation or call.request_id not in self.prefilling:
             return
         self.prefilling.discard(call.request_id)
+        if self.fail_prefills:
+            self._queue().put_nowait(PrefillFailed(call.request_id, "the KV handoff failed (injected)"))
+            return
         cached = self._compute(prompt)
         tok = script_token(prompt, 0)
         done = call.request.sampling_params.max_tokens == 1
@@ -278,6 +295,9 @@ class FakeActor:
         if rid not in self.reserved:
             raise ValueError(f"request {rid!r} is not waiting for KV here")
         self.reserved.discard(rid)
+        if self.fail_kv_loads:  # as the `fail` policy does: free it, then say why
+            self._prompts.pop(rid), self._max_tokens.pop(rid), self._attempts.pop(rid)
+            raise KVLoadFailed(f"the KV pushed for {rid} failed its check (injected)", "checksum_mismatch")
         self._run(rid, self._prompts.pop(rid), self._max_tokens.pop(rid), 1, self._attempts.pop(rid))
 
     async def _submit(self, call: SubmitRequest):
@@ -331,8 +351,13 @@ class FakeActor:
 
 
 def make_request(
-    request_id: str, prompt: list[int], params: SamplingParams, route: RouteDecision, trace: RequestTrace | None = None
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    route: RouteDecision,
+    trace: RequestTrace | None = None,
+    context: RequestContext | None = None,
 ) -> GenerateRequest:
     """A GenerateRequest as router.serving makes one (a context made at the edge, a trace)."""
-    request = WorkerRequest(RequestContext(request_id), list(prompt), params)
+    request = WorkerRequest(context or RequestContext(request_id), list(prompt), params)
     return GenerateRequest(request, route, trace or RequestTrace(request_id, len(prompt)))

