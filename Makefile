@@ -42,13 +42,14 @@ test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
 
-# The edit-test loop: no default-model load, no Ray (tests marked slow or gpu are left out), about
-# 100 s here (2 cores). `make test` runs everything.
-FAST_TESTS := tests/unit tests/sim tests/routing tests/router tests/hardening/test_schemathesis_asgi.py \
-  tests/observability/test_metrics.py tests/observability/test_grafana_dashboard.py \
-  tests/kvtransfer/test_layout.py tests/kvtransfer/test_endpoint_torch_free.py
+# The edit-test loop: every test of tests/ (pyproject's testpaths) not marked slow or gpu, chosen by
+# marker, not by a list of paths. A test that loads the default model, starts Ray or a server
+# process (`baton serve`, a deployment), or takes more than a few seconds is marked slow: by fixture
+# name in tests/conftest.py, by `pytestmark = pytest.mark.slow` in its module, or by
+# @pytest.mark.slow, each saying why. About 2 minutes of pytest here (2 cores). `make test` runs
+# everything.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not gpu" $(FAST_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not gpu" $(PYTEST_ARGS)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
 
 # The documentation site (mkdocs.yml, docs/) into build/site; its measured tables come from bench/results/.

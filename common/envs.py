@@ -49,6 +49,12 @@ class EnvVar:
         value = (os.environ if environ is None else environ).get(self.name)
         return value if value else self.default
 
+    def value(self, environ: Mapping[str, str] | None = None) -> str:
+        """`get` of a variable that has a default, so never None."""
+        value = self.get(environ)
+        assert value is not None, f"{self.name} has no default"
+        return value
+
 
 def _home(*parts: str) -> str:
     return str(Path("~", *parts))
@@ -104,7 +110,7 @@ ENV_VARS: dict[str, EnvVar] = {
 
 def cache_dir() -> Path:
     """Baton's cache folder ($BATON_CACHE_DIR, default ~/.cache/baton)."""
-    return Path(BATON_CACHE_DIR.get()).expanduser()
+    return Path(BATON_CACHE_DIR.value()).expanduser()
 
 
 def api_key(environ: Mapping[str, str] | None = None) -> str | None:
@@ -129,17 +135,17 @@ def hf_hub_cache() -> Path:
     hub = HF_HUB_CACHE.get()
     if hub:
         return Path(hub).expanduser()
-    return Path(HF_HOME.get()).expanduser() / "hub"
+    return Path(HF_HOME.value()).expanduser() / "hub"
 
 
 def cxx() -> str:
     """The C++ compiler's name or path ($CXX, default c++)."""
-    return CXX.get()
+    return CXX.value()
 
 
 def triton_interpret() -> bool:
     """Whether Triton kernels run in Triton's interpreter ($TRITON_INTERPRET)."""
-    return TRITON_INTERPRET.get().lower() in ("1", "true", "on", "yes")
+    return TRITON_INTERPRET.value().lower() in ("1", "true", "on", "yes")
 
 
 def ensure_private_ray_env(environ: MutableMapping[str, str] | None = None) -> None:
@@ -150,4 +156,4 @@ def ensure_private_ray_env(environ: MutableMapping[str, str] | None = None) -> N
     set; `environ` (default: the process's) may be a child process's environment."""
     target = os.environ if environ is None else environ
     for var in (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER, RAY_WORKER_NICENESS):
-        target.setdefault(var.name, var.default)
+        target.setdefault(var.name, var.value({}))

@@ -12,4 +12,5 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` (an address of this machine) that nothing listens on right now."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port

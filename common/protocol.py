@@ -214,7 +214,7 @@ class KVEndpoint:
     worker_id: str
     layout: KVLayout
     num_blocks: int
-    address: dict = field(default_factory=dict, compare=False)
+    address: dict[str, object] = field(default_factory=dict, compare=False)
     # A tensor-parallel worker: the endpoints of its ranks 1..N-1 (this one is rank 0's); each
     # prefill rank pushes its heads into the ranks that hold them (kvtransfer.resharding).
     ranks: tuple[KVEndpoint, ...] = field(default=(), compare=False)

@@ -17,8 +17,11 @@ class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
 
-    __str__ = str.__str__
-    __format__ = str.__format__
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
 
 
 # Every role, in the order pools are listed (prefill first).

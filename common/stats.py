@@ -47,7 +47,7 @@ def percentiles(values: Iterable[float], qs: Iterable[float]) -> list[float]:
     return [_at(ordered, q) for q in qs]
 
 
-def summary(values: Iterable[float], scale: float = 1000.0) -> dict:
+def summary(values: Iterable[float], scale: float = 1000.0) -> dict[str, float | None]:
     """{"p50", "p90", "p99", "mean"} of `values` times `scale` (seconds to ms by default), all None
     when there are no values: the shape of every latency figure in bench/results/*.json."""
     values = list(values)

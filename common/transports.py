@@ -7,7 +7,8 @@ Two lists, and "auto" is only in one of them:
   workers hold a pairwise transport that picks a backend per pair of workers: `auto` means shared
   memory (shm) inside a node and gloo between nodes on the CPU, nccl on GPUs; `cpu` is the same
   choice restricted to the CPU backends; `shm`, `gloo` or `nccl` force that backend for every pair.
-- `BACKENDS`: the transports `kvtransfer.create_transport` builds, each one `KVTransport.kind`.
+- `BACKENDS`: the transports `kvtransfer.create_transport` builds, each one `KVTransport.kind`: the
+  kinds registered in `kvtransfer/__init__.py` (kvtransfer.registry), named here without torch.
 
 `Place` (where a worker's KV cache lives) and `offered_kinds` (the backends a choice needs there)
 live here too, so placement checks a choice against a pool's device without loading kvtransfer.
@@ -47,7 +48,7 @@ class KVLoadFailed(RuntimeError):
         super().__init__(message)
         self.reason = reason
 
-    def __reduce__(self):  # keeps `reason` across Ray's pickling
+    def __reduce__(self) -> tuple[type[KVLoadFailed], tuple[str, str]]:  # keeps `reason` across Ray's pickling
         return type(self), (str(self), self.reason)
 
 

@@ -10,7 +10,7 @@ Imports Ray's types only for annotations: the router, which imports this module,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from common.protocol import (
     KVEndpoint,
@@ -43,48 +43,48 @@ class WorkerClient:
 
     # ---- start-up and the KV transport ----------------------------------------------------------
     def ready(self) -> ObjectRef[WorkerReady]:
-        return self.handle.ready.remote()
+        return cast("ObjectRef[WorkerReady]", self.handle.ready.remote())
 
     def endpoint(self) -> ObjectRef[KVEndpoint]:
-        return self.handle.endpoint.remote()
+        return cast("ObjectRef[KVEndpoint]", self.handle.endpoint.remote())
 
     def connect_peer(self, endpoint: KVEndpoint) -> ObjectRef[str]:
-        return self.handle.connect_peer.remote(endpoint)
+        return cast("ObjectRef[str]", self.handle.connect_peer.remote(endpoint))
 
     def kv_links(self) -> ObjectRef[list[PeerLink]]:
-        return self.handle.kv_links.remote()
+        return cast("ObjectRef[list[PeerLink]]", self.handle.kv_links.remote())
 
     # ---- requests --------------------------------------------------------------------------------
     def submit(self, request: SubmitRequest) -> ObjectRef[None]:
-        return self.handle.submit.remote(request)
+        return cast("ObjectRef[None]", self.handle.submit.remote(request))
 
     def reserve(self, request: ReserveRequest) -> ObjectRef[KVReservation | None]:
-        return self.handle.reserve.remote(request)
+        return cast("ObjectRef[KVReservation | None]", self.handle.reserve.remote(request))
 
     def prefill(self, request: PrefillRequest) -> ObjectRef[None]:
-        return self.handle.prefill.remote(request)
+        return cast("ObjectRef[None]", self.handle.prefill.remote(request))
 
     def start_decode(self, request: StartDecodeRequest) -> ObjectRef[None]:
-        return self.handle.start_decode.remote(request)
+        return cast("ObjectRef[None]", self.handle.start_decode.remote(request))
 
     def abort(self, request: AbortRequest) -> ObjectRef[bool]:
-        return self.handle.abort.remote(request)
+        return cast("ObjectRef[bool]", self.handle.abort.remote(request))
 
     def compile_grammar(self, params: SamplingParams) -> ObjectRef[None]:
-        return self.handle.compile_grammar.remote(params)
+        return cast("ObjectRef[None]", self.handle.compile_grammar.remote(params))
 
     # ---- outputs, leases and health ---------------------------------------------------------------
     def poll_outputs(self, timeout_s: float = 0.05, router: RouterClaim | None = None) -> ObjectRef[list[WorkerOutput]]:
-        return self.handle.poll_outputs.remote(timeout_s, router)
+        return cast("ObjectRef[list[WorkerOutput]]", self.handle.poll_outputs.remote(timeout_s, router))
 
     def renew_lease(self, router: RouterClaim) -> ObjectRef[None]:
-        return self.handle.renew_lease.remote(router)
+        return cast("ObjectRef[None]", self.handle.renew_lease.remote(router))
 
     def heartbeat(self, router: RouterClaim | None = None) -> ObjectRef[WorkerHeartbeat]:
-        return self.handle.heartbeat.remote(router)
+        return cast("ObjectRef[WorkerHeartbeat]", self.handle.heartbeat.remote(router))
 
     def stats(self) -> ObjectRef[WorkerStats]:
-        return self.handle.stats.remote()
+        return cast("ObjectRef[WorkerStats]", self.handle.stats.remote())
 
     def shutdown(self) -> ObjectRef[None]:
-        return self.handle.shutdown.remote()
+        return cast("ObjectRef[None]", self.handle.shutdown.remote())

@@ -24,18 +24,17 @@ and gloo across nodes on the CPU, nccl on GPUs; `pair_kind()` is that rule.
 
 Every transfer is checksummed end to end and verified by the receiver before it is SUCCESS
 (`kvtransfer.integrity`: failure reasons, and the `FaultPlan` tests inject faults with).
-See `kvtransfer.base` for the interface, `common.protocol` for the torch-free layout and
-endpoint, and `bench/kv_transfer.py` for the numbers behind the CPU default.
+Backends are registered by kind in `kvtransfer.registry` (the built-ins below, once); both
+`create_transport` and the pairwise transport build from that table. See `kvtransfer.base` for the
+interface, `common.protocol` for the torch-free layout and endpoint, and `bench/kv_transfer.py` for
+the numbers behind the CPU default.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from common.protocol import KVEndpoint, KVLayout, KVLayoutMismatch
-from common.transports import BACKENDS
 
 from .base import (
     KVTransferError,
@@ -54,36 +53,21 @@ from .inprocess import InProcessTransport
 from .integrity import FailureReason, Fault, FaultKind, FaultPlan
 from .nccl import NcclTransport
 from .pairwise import PairwiseTransport, PeerLink, Place, offered_kinds, pair_kind
+from .registry import create_transport, register_transport, transport_class, transport_kinds
 from .shm import ShmTransport
 
 # shm between workers on one node: one copy into the peer's mapped cache, where gloo pays a
 # pack, the socket and an unpack (bench/kv_transfer.py). gloo is for workers on different nodes.
 CPU_DEFAULT = "shm"
-_BACKENDS: dict[str, type[KVTransport]] = {
-    "inprocess": InProcessTransport,
-    "shm": ShmTransport,
-    "gloo": GlooTransport,
-    "nccl": NcclTransport,
-    "pairwise": PairwiseTransport,
-}
+# The built-in backends, registered once (kvtransfer.registry; their kinds are common.transports.BACKENDS).
+for _backend in (InProcessTransport, ShmTransport, GlooTransport, NcclTransport, PairwiseTransport):
+    register_transport(_backend.kind, _backend)
 
 
 def default_kind() -> str:
     """The one backend for a process that talks to peers of its own kind: nccl on CUDA, else shm.
     (Serving workers choose per pair instead: `PairwiseTransport`, `common.transports.CHOICES`.)"""
     return "nccl" if torch.cuda.is_available() else CPU_DEFAULT
-
-
-def create_transport(kind: str, **options: Any) -> KVTransport:
-    """Build the backend `kind` (one of `common.transports.BACKENDS`). `options` go to its
-    constructor, e.g. `host=` for gloo/nccl (address to bind and advertise), `fault=` for
-    inprocess, `num_slots=` and `verify_chunk_bytes=` for shm, `choice=`, `place=` and `name=`
-    for pairwise (the one serving workers use); every backend takes `checksums=` (seal what it
-    sends, default on) and `fault_plan=` (a FaultPlan of faults to inject, tests:
-    kvtransfer.integrity)."""
-    if kind not in BACKENDS:
-        raise ValueError(f"unknown KV transport {kind!r}; expected one of {BACKENDS}")
-    return _BACKENDS[kind](**options)
 
 
 __all__ = [
@@ -106,6 +90,9 @@ __all__ = [
     "TransferStatus",
     "check_cache",
     "create_transport",
+    "register_transport",
+    "transport_class",
+    "transport_kinds",
     "default_kind",
     "dtype_name",
     "offered_kinds",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from common.protocol import KVEndpoint, KVLayout
+from common.transports import Place
 
 # The torch dtype behind each KVLayout.dtype name (the layout itself is torch-free).
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -156,6 +157,12 @@ class KVTransport(ABC):
     """
 
     kind: str = "abstract"
+
+    @classmethod
+    def for_place(cls, place: Place, checksums: bool = True) -> KVTransport:
+        """This backend for a worker at `place` (how the pairwise transport builds its per-pair
+        backends); backends that bind an address override it to use `place.host`."""
+        return cls(checksums=checksums)
 
     @abstractmethod
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:

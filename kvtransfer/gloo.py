@@ -32,6 +32,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from common.transports import Place
+
 from ._common import pack_blocks, unpack_blocks
 from ._control import ControlClient, ControlServer
 from ._gloo_recv import GlooReceiver
@@ -46,6 +48,11 @@ class GlooTransport(GlooReceiver, GlooSender):
     teardown."""
 
     kind = "gloo"
+
+    @classmethod
+    def for_place(cls, place: Place, checksums: bool = True) -> GlooTransport:
+        """Bound to the node's address, so peers on other nodes reach it (nccl inherits this)."""
+        return cls(host=place.host, checksums=checksums)
 
     def __init__(
         self,

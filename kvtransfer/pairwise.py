@@ -37,10 +37,8 @@ from common.transports import FIXED_CHOICES, PeerLink, Place, offered_kinds
 
 from ._common import MAX_FINISHED_RECORDS, check_transfer_id
 from .base import KVTransferError, KVTransport, TransferHandle, TransferResult, TransferSide, TransferStatus
-from .gloo import GlooTransport
 from .integrity import FaultPlan
-from .nccl import NcclTransport
-from .shm import ShmTransport
+from .registry import transport_for_place
 
 KIND = "pairwise"
 LOCAL_PLACE = Place()  # the default place (Place is frozen, so one instance serves every transport)
@@ -62,14 +60,6 @@ def pair_kind(choice: str, sender: Place, receiver: Place) -> str:
             )
         return choice
     return offered_kinds(choice, sender)[0] if same_node else offered_kinds(choice, sender)[-1]
-
-
-def _backend(kind: str, place: Place, checksums: bool) -> KVTransport:
-    if kind == "shm":
-        return ShmTransport(checksums=checksums)
-    if kind == "gloo":
-        return GlooTransport(host=place.host, checksums=checksums)
-    return NcclTransport(host=place.host, checksums=checksums)
 
 
 @dataclass
@@ -95,6 +85,10 @@ class PairwiseTransport(KVTransport):
 
     kind = KIND
 
+    @classmethod
+    def for_place(cls, place: Place, checksums: bool = True) -> PairwiseTransport:
+        return cls(place=place, checksums=checksums)
+
     def __init__(
         self,
         choice: str = "auto",
@@ -109,7 +103,9 @@ class PairwiseTransport(KVTransport):
         self.choice = choice
         self.name = name or f"kv-{uuid.uuid4().hex[:8]}"
         self._id = f"{KIND}-{uuid.uuid4().hex[:12]}"
-        self._subs: dict[str, KVTransport] = {k: _backend(k, place, checksums) for k in offered_kinds(choice, place)}
+        self._subs: dict[str, KVTransport] = {
+            k: transport_for_place(k, place, checksums) for k in offered_kinds(choice, place)
+        }
         self.set_fault_plan(fault_plan)
         self._lock = threading.Lock()
         # Held through a whole connect: the first requests to a restarted peer arrive together on

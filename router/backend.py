@@ -7,7 +7,7 @@ without Ray.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -114,7 +114,7 @@ class ServingBackend(Protocol):
         """A snapshot of every worker of both pools (cheap: called per request by the routing policy)."""
         ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         """An async generator of increments (new token ids and text) ending with one finished output."""
         ...
 

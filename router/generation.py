@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,9 @@ from router.trace import RequestTrace
 __all__ = ["Choice", "Generation", "merge_choices"]
 
 logger = logging.getLogger("baton.router")
+# A backend's outputs of one request, and a request's choices' outputs tagged with their index.
+Outputs = AsyncGenerator[RequestOutput, None]
+Tagged = AsyncGenerator[tuple[int, RequestOutput], None]
 # Prompts and completions go only here, and only when the operator sets log_prompts.
 request_logger = logging.getLogger("baton.router.requests")
 
@@ -48,7 +51,9 @@ class Choice:
     shares_prompt: bool = False  # a later sample of the same prompt: usage counts the prompt once
 
 
-async def merge_choices(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_choices(
+    streams: list[Outputs],
+) -> Tagged:
     """The outputs of every choice's stream as they come, tagged with the choice's index; closing
     it closes them all. A failure of any stream ends it with that failure."""
     if len(streams) == 1:  # the common case: no tasks, no queue
@@ -61,7 +66,7 @@ async def merge_choices(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(index: int, stream: Outputs) -> None:
         try:
             async for out in stream:
                 queue.put_nowait((index, out))
@@ -153,7 +158,7 @@ class Generation:
             return JSONResponse(fmt.full(answers), headers=headers)
         return sse_response(request_id, outputs, first, fmt, answers, abort, headers, deadline)
 
-    def _start(self, context: RequestContext, choice: Choice, started: float | None) -> AsyncIterator[RequestOutput]:
+    def _start(self, context: RequestContext, choice: Choice, started: float | None) -> Outputs:
         """Route one choice and start it in the pools; its outputs, traced."""
         backend_id = context.request_id
         prompt_ids = choice.prompt_ids
@@ -170,7 +175,7 @@ class Generation:
         request = GenerateRequest(WorkerRequest(context, prompt_ids, choice.params), route, trace)
         return self._traced(self.backend.generate(request), trace)
 
-    async def _traced(self, outputs: AsyncIterator[RequestOutput], trace: RequestTrace) -> AsyncIterator[RequestOutput]:
+    async def _traced(self, outputs: Outputs, trace: RequestTrace) -> Outputs:
         """Pass outputs through, timing tokens; record the trace however the request ends."""
         finish_reason, error = None, None
         texts: list[str] | None = [] if self.config.log_prompts else None
@@ -197,9 +202,7 @@ class Generation:
                     request_logger.info("%s completion (%s): %r", trace.request_id, trace.finish_reason, "".join(texts))
 
     @staticmethod
-    async def _ticketed(
-        outputs: AsyncIterator[tuple[int, RequestOutput]], ticket: Ticket | None
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _ticketed(outputs: Tagged, ticket: Ticket | None) -> Tagged:
         """Free the ticket's prefill slot at the first output and its decode slot at the end."""
         try:
             async for item in outputs:
@@ -214,7 +217,7 @@ class Generation:
                     ticket.release()
 
     @staticmethod
-    async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], choices: Choices) -> None:
+    async def _collect(outputs: Tagged, choices: Choices) -> None:
         unfinished = set(range(len(choices.accs)))
         try:
             async for index, out in outputs:

@@ -43,10 +43,11 @@ from common.protocol import (
     DEFAULT_ROUTER_ID,
     GrammarCounts,
     KVEndpoint,
-    PrefillResult,
+    RequestOutput,
     RouterClaim,
     RouterLeaseInfo,
     SpecDecodeStats,
+    WorkerStats,
 )
 from common.roles import Role
 from common.worker_client import WorkerClient
@@ -81,7 +82,7 @@ class PoolWorker:
     alive: bool = True
     draining: bool = False
     gone: bool = False  # dead for good (no restart left): only a replacement brings the pool back
-    stats: object | None = None
+    stats: WorkerStats | None = None
     endpoint: KVEndpoint | None = None  # a decode worker's, fetched once per incarnation
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: float | None = None  # wall clock of the last answer
@@ -361,8 +362,8 @@ class WorkerPools:
                 continue
             now = time.time()
             for out in outputs:
-                created = out.output.created_at if isinstance(out, PrefillResult) else out.created_at
-                self.stream_delays.append(now - created)
+                if isinstance(out, RequestOutput):  # a prefill's outcome is queued after its KV handoff
+                    self.stream_delays.append(now - out.created_at)
                 self.requests.deliver(w.worker_id, out)
 
     async def unless_down(self, w: PoolWorker, call):

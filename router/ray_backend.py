@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from ray.exceptions import RayActorError, RayError
@@ -103,7 +103,7 @@ class RayBackend:
         await self.pools.close()
 
     # ---- requests ----------------------------------------------------------------------------
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         flow = RequestFlow(
             request.context, len(request.prompt_token_ids), request.route, self.pools, request.trace, self.limits
         )
@@ -114,7 +114,7 @@ class RayBackend:
             self._bookkeep(live.pending.popleft())
         return self._run(live)
 
-    async def _run(self, live: LiveRequest) -> AsyncIterator[RequestOutput]:
+    async def _run(self, live: LiveRequest) -> AsyncGenerator[RequestOutput, None]:
         flow, pending = live.flow, live.pending
         try:
             self.pools.ensure_started()

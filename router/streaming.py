@@ -12,7 +12,7 @@ event once the headers are gone.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -92,13 +92,13 @@ def ended(request_id: str) -> RequestOutput:
 
 async def _frames(
     request_id: str,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     first: tuple[int, RequestOutput],
     fmt: ResponseFormat,
     choices: Choices,
     abort: Callable[[EndReason], Awaitable[None]],
     deadline: Deadline | None,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     finished = False
     why = EndReason.CLIENT_GONE  # what ends the request in the backend unless it finishes
     unfinished = set(range(len(choices.accs)))
@@ -140,7 +140,7 @@ async def _frames(
 
 def sse_response(
     request_id: str,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     first: tuple[int, RequestOutput],
     fmt: ResponseFormat,
     choices: Choices,

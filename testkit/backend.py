@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from common.block_hash import hash_prefix_blocks, root_hash
@@ -92,7 +92,7 @@ class FakeBackend:
         if event is not None:
             event.set()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         self.requests.append(request)
         route = request.route
         for wid in (route.decode_worker, route.prefill_worker):
@@ -144,7 +144,7 @@ class FakeBackend:
 
     async def _decode(
         self, request: GenerateRequest, cached: int, aborted: asyncio.Event
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """One token per step, finishing as LLMEngine._advance does."""
         sp = request.sampling_params
         eos_ids = set(self.tokenizer.eos_token_ids)

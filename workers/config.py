@@ -12,10 +12,11 @@ import json
 from dataclasses import dataclass, field
 
 from common.roles import ROLES, Role
+from workers.quantization.registry import check_quantization, quantization_help, quantization_names
 
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
-QUANTIZATIONS = (None, "fp8")
+QUANTIZATIONS = (None, *quantization_names())  # the registered methods (workers/quantization/registry.py)
 KERNEL_BACKENDS = ("auto", "triton", "native", "reference")
 FLOAT32_PROMPT_MATMULS = ("bf16x3", "ieee")
 CPU_KV_CACHE_MEMORY = 1 << 30  # kv_cache_memory's default on the CPU
@@ -109,8 +110,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.dtype and quantization are for method 'draft_model', not {self.method!r}"
             )
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"speculative_config.quantization must be null or 'fp8', got {self.quantization!r}")
+        check_quantization(self.quantization, "speculative_config.quantization")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ValueError(
                 f"speculative_config.draft_tensor_parallel_size {self.draft_tensor_parallel_size!r} is not "
@@ -188,8 +188,7 @@ class EngineConfig:
     quantization: str | None = field(
         default=None,
         metadata={
-            "help": "fp8: quantize every linear layer to FP8 (e4m3, per-channel scales) at load time; "
-            "FP8 checkpoints load as FP8 without it",
+            "help": quantization_help(),
             "choices": QUANTIZATIONS,
         },
     )
@@ -273,12 +272,12 @@ class EngineConfig:
         for name, allowed in (
             ("dtype", DTYPES),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
-            ("quantization", QUANTIZATIONS),
             ("kernel_backend", KERNEL_BACKENDS),
             ("float32_prompt_matmul", FLOAT32_PROMPT_MATMULS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        check_quantization(self.quantization)
         if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.packed_linear, bool):
             raise ValueError("enable_prefix_caching and packed_linear must be true or false")
         for name in ("enforce_eager", "enable_expert_parallel"):

@@ -130,7 +130,7 @@ class SimWorker:
         self.busy = False
         self.fail_prefills = False
         self.fail_kv_loads = False
-        self._commands: deque[Callable[[], None]] = deque()
+        self._commands: deque[Callable[[], object]] = deque()
         self._states: dict[str, _SeqState] = {}
         self._events: list[KVEvent] = []
         self._event_hashes = 0
@@ -142,7 +142,7 @@ class SimWorker:
         self.on_started: Callable[[str, float], None] | None = None  # (request id, seconds it queued here)
 
     # ---- when calls run -------------------------------------------------------------------------
-    def call(self, fn: Callable[[], None]) -> None:
+    def call(self, fn: Callable[[], object]) -> None:
         """Run fn between steps: now if idle, else at the end of the current step (dropped when dead)."""
         if self.dead:
             return
@@ -323,12 +323,12 @@ class SimWorker:
         now = self.loop.now
         plan = []
         shape_rows = []
-        for c in out.chunks:
-            seq = c.seq
-            before = seq.num_computed_tokens  # cached prefix included; the step adds c.num_tokens
-            sample = before + c.num_tokens == seq.num_tokens
-            plan.append((seq, c.num_tokens, sample))
-            shape_rows.append((before, c.num_tokens, sample))
+        for chunk in out.chunks:
+            seq = chunk.seq
+            before = seq.num_computed_tokens  # cached prefix included; the step adds chunk.num_tokens
+            sample = before + chunk.num_tokens == seq.num_tokens
+            plan.append((seq, chunk.num_tokens, sample))
+            shape_rows.append((before, chunk.num_tokens, sample))
             state = self._states.get(seq.request_id)
             if state is not None and state.started_at is None:
                 state.started_at = now

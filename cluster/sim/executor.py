@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from operator import methodcaller
+from typing import Any
 
 from cluster.sim.costs import ServingOverheads
 from cluster.sim.engine import SimWorker
@@ -133,7 +136,7 @@ class FlowExecutor:
         for f in list(self.flights.values()):
             flow = f.flow
             if flow is not None and worker_id in flow.workers():
-                self._handle(f, "on_worker_lost", lambda now, flow=flow: flow.on_worker_lost(worker_id, failure, now))
+                self._handle(f, "on_worker_lost", partial(flow.on_worker_lost, worker_id, failure))
 
     def on_worker(self, worker_id: str) -> list[str]:
         """The requests on the worker now."""
@@ -169,23 +172,19 @@ class FlowExecutor:
             elif isinstance(c, MigrationGap):
                 self.migration_gaps.append(c.seconds)
             elif isinstance(c, Reserve):
-                call = ReserveRequest(request, RequestOwner(None, c.attempt))
-                self._call(f, c.worker_id, lambda w, call=call: w.reserve(call), "on_reserved", flow.on_reserved)
+                reserve = methodcaller("reserve", ReserveRequest(request, RequestOwner(None, c.attempt)))
+                self._call(f, c.worker_id, reserve, "on_reserved", flow.on_reserved)
             elif isinstance(c, Prefill):
-                decode = self.workers[c.decode_worker]
-                call = PrefillRequest(
-                    request, decode.endpoint(), c.reservation.block_ids, c.reservation.num_cached_tokens
-                )
-                self._call(f, c.worker_id, lambda w, call=call: w.prefill(call))
+                endpoint = self.workers[c.decode_worker].endpoint()
+                blocks, cached = c.reservation.block_ids, c.reservation.num_cached_tokens
+                self._call(f, c.worker_id, methodcaller("prefill", PrefillRequest(request, endpoint, blocks, cached)))
             elif isinstance(c, StartDecode):
-                call = StartDecodeRequest(rid, c.first_token)
-                self._call(f, c.worker_id, lambda w, call=call: w.start_decode(call))
+                self._call(f, c.worker_id, methodcaller("start_decode", StartDecodeRequest(rid, c.first_token)))
             elif isinstance(c, Submit):
-                call = SubmitRequest(request, RequestOwner(None, c.attempt), c.resume)
-                self._call(f, c.worker_id, lambda w, call=call: w.submit(call), refused=flow.on_submit_refused)
+                submit = methodcaller("submit", SubmitRequest(request, RequestOwner(None, c.attempt), c.resume))
+                self._call(f, c.worker_id, submit, refused=flow.on_submit_refused)
             elif isinstance(c, Abort):
-                call = AbortRequest(rid, c.final)
-                self._call(f, c.worker_id, lambda w, call=call: w.abort(call))
+                self._call(f, c.worker_id, methodcaller("abort", AbortRequest(rid, c.final)))
             elif isinstance(c, Fail):
                 f.rec.failed = c.message
                 self._end(f)
@@ -198,9 +197,9 @@ class FlowExecutor:
         self,
         f: Flight,
         worker_id: str,
-        fn: Callable[[SimWorker], object],
+        fn: Callable[[SimWorker], Any],
         answer_name: str | None = None,
-        answer: Callable[[object, float], list[Command]] | None = None,
+        answer: Callable[[Any, float], list[Command]] | None = None,
         refused: Callable[[str, str, float], list[Command]] | None = None,
     ) -> None:
         """Call the worker (between its steps, half an RPC from now); its answer, or its failure,
@@ -217,18 +216,16 @@ class FlowExecutor:
             try:
                 result = fn(w)
             except KVLoadFailed as exc:  # --kv-load-failure-policy fail: D freed it
-                reason = exc.reason
-                self._answer(f, "on_kv_load_failed", lambda now: flow.on_kv_load_failed(worker_id, reason, now))
+                self._answer(f, "on_kv_load_failed", partial(flow.on_kv_load_failed, worker_id, exc.reason))
                 return
             except ValueError as exc:  # refused (a request id in use, a context it cannot hold)
-                message = str(exc)
                 if refused is not None:
-                    self._answer(f, "refused", lambda now: refused(worker_id, message, now))
+                    self._answer(f, "refused", partial(refused, worker_id, str(exc)))
                 else:
-                    self._answer(f, "on_error", lambda now: flow.on_error(f"{worker_id}: {message}", now))
+                    self._answer(f, "on_error", partial(flow.on_error, f"{worker_id}: {exc}"))
                 return
             if answer is not None and answer_name is not None:
-                self._answer(f, answer_name, lambda now: answer(result, now))
+                self._answer(f, answer_name, partial(answer, result))
 
         w = self.workers.get(worker_id)
         if w is not None and not w.dead:
@@ -255,9 +252,7 @@ class FlowExecutor:
                 else:
                     self._execute(f, commands)
             else:
-                self._handle(
-                    f, "on_worker_output", lambda now, flow=flow, item=item: flow.on_worker_output(worker_id, item, now)
-                )
+                self._handle(f, "on_worker_output", partial(flow.on_worker_output, worker_id, item))
 
     def _client_token(self, f: Flight, finished: bool) -> None:
         rec, now = f.rec, self.loop.now

@@ -5,6 +5,7 @@ utilisation and queueing, as JSON and PNG plots."""
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,7 +110,7 @@ class PoolStats:
 class SimResult:
     records: list[RequestRecord]
     itl: ItlSample
-    pools: dict[str, PoolStats]
+    pools: Mapping[str, PoolStats]
     timeline: list[dict]  # sampled every heartbeat: time, pool sizes, queued work
     decision_s: list[float]
     duration_s: float

@@ -371,7 +371,7 @@ class Simulator:
                 rec.failed = "not finished when the simulation stopped"
         end = self.loop.now
         lives = [(w, self._born[wid], self._gone.get(wid, end)) for wid, w in self.workers.items()] + self.retired
-        pools = {}
+        pools: dict[str, PoolStats] = {}
         for role in ROLES:
             ws = [w for w, _, _ in lives if w.role == role]
             pools[role] = PoolStats(

@@ -11,6 +11,8 @@ they ask a child process for.
 
 - tables.py: hook, ``<!-- table: NAME -->`` and ``<!-- config: reference -->``;
 - flow.py: hook, ``<!-- flow: NAME -->``: the state diagrams and the end reasons;
+- models.py: hook, ``<!-- models: table -->``: the model families, from the model registry; and
+  the README's family list (``python -m docs.hooks.models --check``);
 - results.py: bench/results/*.json by name, number formatting, the Markdown table;
 - tables_*.py: the table builders, one module per docs page or kind of table;
 - config_reference.py: the configuration reference;

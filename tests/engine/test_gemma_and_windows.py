@@ -29,6 +29,8 @@ from workers.models.checkpoint import iter_safetensors
 from workers.models.config import ModelConfig
 from workers.models.files import ModelNotFoundError, check_model_dir
 
+pytestmark = pytest.mark.slow  # tiny Gemmas against transformers, Triton kernels interpreted too: about 14 s here
+
 WINDOW = 16
 SHRUNK = dict(
     num_hidden_layers=4,

@@ -61,6 +61,7 @@ def test_kv_events_report_stored_and_removed_hashes():
     assert set(stored) <= removed
 
 
+@pytest.mark.slow  # a randomized load of many steps: about 3 s here
 def test_random_load_with_aborts_and_preemption_leaks_nothing():
     # 24 blocks of 16 tokens for up to 16 sequences of up to ~100 tokens: preemption is certain.
     engine = tiny_engine(num_kv_blocks=24, block_size=16, max_num_seqs=16, max_num_batched_tokens=64)

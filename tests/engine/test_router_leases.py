@@ -89,30 +89,27 @@ def test_a_silent_router_loses_its_requests_and_blocks_a_polling_one_keeps_its_o
         assert {"gone-1", "gone-2"} <= set(decode._call(decode.engine.request_ids))
 
         live_tokens = collect(decode, LIVE, "live-1")  # LIVE polls all along; GONE never does
+        assert live_tokens == want.token_ids  # untouched by the other router's end
 
-        def prefill_dropped() -> bool:
-            return prefill._call(lambda: "gone-2" not in {*prefill.prefills.pending, *prefill.engine.request_ids()})
+        def blocks_free(worker: EngineWorker) -> bool:
+            s = worker.stats()
+            return s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_waiting == 0
 
-        wait_until(prefill_dropped, 60, "P to drop the prefill of the router whose lease ran out")
+        wait_until(
+            lambda: blocks_free(decode) and blocks_free(prefill), 10, "both pools to free the silent router's blocks"
+        )
+        assert decode._call(decode.engine.request_ids) == []
+        assert prefill._call(lambda: "gone-2" not in {*prefill.prefills.pending, *prefill.engine.scheduler.held})
+        # Nobody owns the silent router's requests any more, and its lease is gone on both workers.
+        assert [r.router_id for r in decode.heartbeat(LIVE).routers] == ["router-live"]
+        assert "router-gone" not in [r.router_id for r in prefill.heartbeat(LIVE).routers]
+        # The prefill ended early: dropped before its first token (no outcome), or its handoff
+        # refused by D (PrefillFailed); never finished (a PrefillResult).
+        assert not any(isinstance(o, PrefillResult) for o in outcomes), (
+            f"the prefill of a router whose lease ran out should end early, got {outcomes}"
+        )
     finally:
         prefill.prefills.deliver = real_deliver
-    # It ended early: aborted before its first token (no outcome), or its handoff refused (PrefillFailed).
-    assert not any(isinstance(o, PrefillResult) for o in outcomes), (
-        f"the prefill of a router whose lease ran out should end early, got {outcomes}"
-    )
-    assert live_tokens == want.token_ids  # untouched by the other router's end
-
-    def blocks_free(worker: EngineWorker) -> bool:
-        s = worker.stats()
-        return s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_waiting == 0
-
-    wait_until(
-        lambda: blocks_free(decode) and blocks_free(prefill), 10, "both pools to free the silent router's blocks"
-    )
-    assert decode._call(decode.engine.request_ids) == []
-    # Nobody owns the silent router's requests any more, and its lease is gone on both workers.
-    assert [r.router_id for r in decode.heartbeat(LIVE).routers] == ["router-live"]
-    assert "router-gone" not in [r.router_id for r in prefill.heartbeat(LIVE).routers]
     # A late creation call of the gone router's request is refused (no blocks held by it again).
     with pytest.raises(Exception, match="aborted"):
         workers.submit(decode, "gone-1", short, params, router=GONE)

@@ -28,6 +28,8 @@ from workers.config import EngineConfig
 from workers.models.checkpoint import iter_safetensors
 from workers.models.config import ModelConfig
 
+pytestmark = pytest.mark.slow  # speculative engines on the Triton kernels in the interpreter: about 4 s here
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -244,6 +244,7 @@ def verify_many(params: SamplingParams, draft: int, output: list[int], n: int = 
 
 # Draft 1 is likely everywhere; draft 5 is cut by top-k 3 (never accepted) and unlikely at temperature 1.
 @pytest.mark.parametrize("name, draft", [(name, 1) for name in CASES] + [("top-k 3", 5), ("temperature 1", 5)])
+@pytest.mark.slow  # a chi-square test per case over many draws: about 5 s in all here
 def test_verifying_a_point_mass_draft_keeps_the_distribution(name, draft):
     params = CASES[name]
     output = [3, 3, 1]

@@ -40,6 +40,8 @@ from workers.engine.llm_engine import LLMEngine
 from workers.models.checkpoint import iter_safetensors
 from workers.models.config import ModelConfig
 
+pytestmark = pytest.mark.slow  # an engine on every Triton kernel in the interpreter: about 4 s here
+
 pytest.importorskip("triton")
 
 LOGIT_ATOL = 1e-5  # float32 on both paths; observed differences are below 1e-6

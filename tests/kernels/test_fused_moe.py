@@ -8,6 +8,8 @@ from kernel_testlib import DEVICE, assert_close, dot_tol, gen, ops
 from kernels import plan as P
 from kernels.fused_moe import align_pairs, fused_moe_reference, fused_moe_triton
 
+pytestmark = pytest.mark.slow  # the MoE kernels in the Triton interpreter: about 12 s here
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 

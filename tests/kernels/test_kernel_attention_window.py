@@ -23,6 +23,8 @@ from kernels.prefill_attention import (
     paged_prefill_attention_triton,
 )
 
+pytestmark = pytest.mark.slow  # windowed attention kernels, Triton ones in the interpreter: about 7 s here
+
 
 def naive_windowed(q, k, v, scale, q_pos, window, softcap):
     """q [m, Hq, D] at q_pos sees keys in (pos - window, pos]; logits capped; float64."""

@@ -19,6 +19,8 @@ from kernels.prefill_attention import paged_prefill_attention_cpu, paged_prefill
 from kernels.rms_norm import rms_norm_cpu, rms_norm_reference
 from kernels.rotary import build_rope_cache, rotary_embedding_cpu, rotary_embedding_reference
 
+pytestmark = pytest.mark.slow  # 100 kernel cases and a build of the native library: about 20 s here
+
 if DEVICE.type != "cpu":
     pytest.skip("native kernels are for CPU tensors", allow_module_level=True)
 

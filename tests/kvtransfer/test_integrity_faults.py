@@ -22,6 +22,8 @@ from kernels.block_checksum import sums_of_rows
 from kvtransfer import KVLayout, TransferStatus, create_transport
 from kvtransfer.integrity import FailureReason, Fault, FaultKind, FaultPlan, Manifest, seal, verify
 
+pytestmark = pytest.mark.slow  # a thousand handoffs with injected faults per backend, gloo too: about 20 s here
+
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype="float32")
 NUM_BLOCKS = 96
 HANDOFFS = 1000

@@ -47,6 +47,7 @@ def U(lo, hi):
         ("decode-heavy", WorkloadSpec(rate=1, prompt_len=U(64, 256), output_len=U(96, 160), seed=22), SLO(3.0, 0.08)),
     ],
 )
+@pytest.mark.slow  # an exhaustive search of the splits: 5-6 s a case here
 def test_the_plan_is_within_10_percent_of_exhaustive_search(name, workload, slo):
     problem = PlanProblem(
         5, workload, slo, COST, overheads=OVERHEADS, requests_per_probe=50, min_probe_s=15, rate_tolerance=0.06
@@ -99,6 +100,7 @@ def test_durations_read_like_the_issue_writes_them():
     assert parse_duration("2s") == 2.0 and parse_duration("50ms") == 0.05 and parse_duration("0.5") == 0.5
 
 
+@pytest.mark.slow  # `baton plan` in a child process, with its plot: about 5 s here
 def test_baton_plan_prints_a_plan_and_writes_json_and_a_plot(tmp_path, capsys):
     profile = tmp_path / "profile.json"
     profile.write_text(

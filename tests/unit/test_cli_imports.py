@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = {"torch", "transformers", "xgrammar", "triton"}
 
@@ -42,6 +44,7 @@ def cli_run(*argvs: list[str]) -> str:
     )
 
 
+@pytest.mark.slow  # imports torch in a child process: about 3 s here
 def test_the_check_sees_torch_where_it_is_loaded():
     # The oracle for the checks below: a module that does import torch is caught.
     assert "torch" in modules_after("import cluster.env_report")
@@ -97,6 +100,7 @@ def test_the_serve_drivers_modules_load_no_engine_library():
     assert not HEAVY & loaded
 
 
+@pytest.mark.slow  # a worker and a grammar in a child process: about 4 s here
 def test_a_worker_loads_xgrammar_and_transformers_only_for_a_structured_request():
     # A worker's start imports the engine and builds it; xgrammar (which imports transformers,
     # about a second of CPU) waits for the first structured request. One interpreter checks both
@@ -111,6 +115,7 @@ def test_a_worker_loads_xgrammar_and_transformers_only_for_a_structured_request(
     assert {"torch", "xgrammar", "transformers"} <= modules_after(code)
 
 
+@pytest.mark.slow  # imports torch in a child process: about 5 s here
 def test_baton_env_still_reports_torch():
     assert "torch" in modules_after(cli_run(["env", "--json"]))
 

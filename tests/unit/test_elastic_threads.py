@@ -140,6 +140,7 @@ def test_threads_per_worker_is_kept_and_the_automatic_split_may_borrow(monkeypat
 
 @pytest.mark.idle_host
 @pytest.mark.skipif(len(elastic_threads.os.sched_getaffinity(0)) < 2, reason="needs two cores")
+@pytest.mark.slow  # waits on a real spinning process: about 4 s here
 def test_a_real_busy_process_takes_the_borrowed_core_back(claims):
     """On this host's /proc/stat: with nothing else running the second core is borrowed; a process
     spinning beside this one makes the governor give it up; when it ends the core is borrowed again."""

@@ -122,6 +122,7 @@ def test_a_cluster_and_gpus_print_their_nodes_and_custom_resources(report):
     assert "abc 10.0.0.1 alive: CPU=8, GPU=1, baton_decode=1" in text and "custom resources: baton_decode=1" in text
 
 
+@pytest.mark.slow  # `baton env` in a child process: about 4 s here
 def test_baton_env_json_in_a_subprocess():
     proc = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "env", "--json"], capture_output=True, text=True, timeout=120

@@ -21,6 +21,8 @@ from common.sampling_params import SamplingParams
 from kernels import sampling
 from workers.engine.sampler import RACE_ATTEMPTS, SamplingRow, sample
 
+pytestmark = pytest.mark.slow  # thousands of draws per case against the reference distributions: about 10 s here
+
 N = 40_000
 ALPHA = 1e-6
 

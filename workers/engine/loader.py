@@ -13,10 +13,9 @@ from workers.engine.device import check_fp8_config
 from workers.engine.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from workers.models.config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
-from workers.models.moe import MoeForCausalLM
-from workers.models.registry import MODEL_CLASSES
-from workers.quantization import fp8 as q8
+from workers.models.registry import families, family_for, model_class
 from workers.quantization import packed_linear
+from workers.quantization.registry import checkpoint_quantization, quantization_method
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -37,43 +36,54 @@ def allocate_empty(model: torch.nn.Module, device) -> torch.nn.Module:
     return model
 
 
+def cast_float(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The floating-point parameters of a float model (nothing quantized yet) cast to `dtype`."""
+    for p in model.parameters():
+        if p.dtype.is_floating_point and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
 def load_model(
     model_config: ModelConfig, engine_config: EngineConfig, weights, max_model_len: int | None = None, tp_group=None
 ) -> LlamaForCausalLM:
     """Build the model on the kernels engine_config.kernel_backend picks, and load `weights` into it,
-    quantizing to FP8 as the config or checkpoint says. With tp_group (workers.parallel),
-    model_config and weights are this rank's shard.
+    quantized as the config or checkpoint says. With tp_group (workers.parallel), model_config and
+    weights are this rank's shard. The family (its class, whether it runs sharded) and the quantization
+    method come from their registries (workers.models.registry, workers.quantization.registry).
 
-    Pre-quantized checkpoints load their FP8 tensors as they are; a float checkpoint with
-    engine_config.quantization == "fp8" is loaded in float, then each linear layer is quantized.
+    Pre-quantized checkpoints load their quantized tensors as they are, through the method that reads
+    their `quant_method`; a float checkpoint with engine_config.quantization set (e.g. "fp8") is loaded
+    in float, then that method quantizes it.
     On the CPU, plain linear layers are prepacked for oneDNN when engine_config.packed_linear is set.
     """
     device = torch.device(engine_config.device)
     dtype = TORCH_DTYPES[engine_config.dtype]
-    checkpoint_quant = q8.parse_quantization_config(getattr(weights, "quantization_config", None))
+    checkpoint = checkpoint_quantization(getattr(weights, "quantization_config", None))
+    quantize = None  # the method quantizing a float checkpoint at load time
+    if checkpoint is None and engine_config.quantization is not None:
+        quantize = quantization_method(engine_config.quantization)
     # Before any kernel runs: FP8 on a GPU without native FP8 fails to compile at its first launch.
     check_fp8_config(
         DeviceSpec.of(device),
         engine_config.quantization,
         engine_config.kv_cache_dtype,
-        fp8_checkpoint=checkpoint_quant is not None,
+        fp8_checkpoint=checkpoint is not None and checkpoint.name == "fp8",
     )
-    model_class = MODEL_CLASSES.get(model_config.architecture)
-    if model_class is None:
+    family = family_for(model_config.architecture)  # refuses an unknown one, naming the supported ones
+    if tp_group is not None and not family.tensor_parallel:
         raise ValueError(
-            f"no model class for architecture {model_config.architecture!r}; known: {', '.join(MODEL_CLASSES)}"
+            f"{model_config.architecture}: tensor parallelism does not support the {family.name} family yet; "
+            f"families with it: {', '.join(f.name for f in families() if f.tensor_parallel)}"
         )
+    cls = model_class(model_config.architecture)
     ops = kernel_ops(engine_config.kernel_backend, device)
-    if tp_group is not None and model_class not in (LlamaForCausalLM, MoeForCausalLM):
-        raise ValueError(
-            f"{model_config.architecture}: tensor parallelism supports the Llama family and "
-            f"mixture-of-experts models only so far"
-        )
     with torch.device("meta"):
-        model = model_class(model_config, ops) if tp_group is None else model_class(model_config, ops, tp_group)
-    if checkpoint_quant is not None:
-        q8.prepare_for_checkpoint(model, checkpoint_quant, ops)
-    model = q8.cast_model(allocate_empty(model, device), dtype)
+        model = cls(model_config, ops) if tp_group is None else cls(model_config, ops, tp_group)
+    if checkpoint is not None:
+        checkpoint.method.prepare_checkpoint(model, checkpoint.scheme, ops)
+    model = allocate_empty(model, device)
+    model = checkpoint.method.cast(model, dtype) if checkpoint is not None else cast_float(model, dtype)
     # The rope table stays float32 whatever the model dtype: positions need the precision.
     model.cos_sin_cache = build_rope_cache(
         model_config.head_dim,
@@ -89,9 +99,9 @@ def load_model(
             model_config.local_rope_scaling,
         ).to(device)
     with torch.no_grad():
-        model.load_hf_weights(weights, checkpoint_quant)
-        if checkpoint_quant is None and engine_config.quantization == "fp8":
-            q8.quantize_linears(model, ops)
+        model.load_hf_weights(weights, None if checkpoint is None else checkpoint.scheme)
+        if quantize is not None:
+            quantize.quantize(model, ops)
         if device.type == "cpu" and engine_config.packed_linear:
             packed_linear.prepack(model)
     return model.eval()

@@ -70,8 +70,6 @@ class ModelFamily:
     def __post_init__(self) -> None:
         module, _, cls = self.model_class.partition(":")
         if not (self.name and self.architectures and module and cls):
-            raise ValueError(
-                f"a ModelFamily needs a name, architectures and model_class 'module:Class', got {self!r}"
-            )
+            raise ValueError(f"a ModelFamily needs a name, architectures and model_class 'module:Class', got {self!r}")
         if not self.activations:
             raise ValueError(f"model family {self.name}: activations must name at least one")

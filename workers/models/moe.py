@@ -51,7 +51,7 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights, ids
 
 
-class MoeExperts(nn.Module):
+class MoeExperts(nn.Module, q8.Fp8Weights):
     """The experts' stacked weights; after `quantize_fp8`, float8_e4m3fn with one float32 scale per
     expert and output row (w13_scale [E, 2I, 1], w2_scale [E, H, 1]), as Fp8Linear's per-channel."""
 

@@ -20,11 +20,14 @@ model dtype). torch's own float8 -> float cast is slow on the CPU, so the cast h
 integer bit operations through float16, exact for every finite e4m3 value. With the Triton
 kernels, per-channel layers run the W8A8 `fp8_gemm` kernel.
 
+Modules that hold FP8-quantizable weights outside nn.Linear (an MoE block's stacked experts) say
+so by subclassing `Fp8Weights`; `FP8` is the method workers.quantization.registry registers as "fp8".
 FP8 KV cache scales are calibrated in workers/engine/kv_calibration.py.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +41,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Below this an all-zero row would get a zero scale and divide by it.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization / --quantization
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # quantization_config.quant_method we read
 
 
@@ -160,6 +162,23 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"
 
 
+class Fp8Weights(ABC):
+    """A module with weights of its own outside nn.Linear that the FP8 method quantizes (an MoE
+    block's stacked experts): the method finds them by this base class, never by probing names."""
+
+    @abstractmethod
+    def prepare_fp8_checkpoint(self, quant: CheckpointQuantization) -> None:
+        """Make empty FP8 weights and float32 scales for a pre-quantized checkpoint to fill."""
+
+    @abstractmethod
+    def quantize_fp8(self) -> None:
+        """Quantize the loaded float weights (`--quantization fp8`)."""
+
+    @abstractmethod
+    def fp8_params(self) -> list[nn.Parameter]:
+        """The tensors a dtype cast must leave as they are (none before quantization)."""
+
+
 def _replace_linears(model: nn.Module, make) -> int:
     """Replace the nn.Linear children of every module, except those it lists in `float_children`."""
     count = 0
@@ -174,11 +193,11 @@ def _replace_linears(model: nn.Module, make) -> int:
 
 def quantize_linears(model: nn.Module, ops: KernelOps | None = None) -> int:
     """Replace every nn.Linear (loaded, float) by a per-channel Fp8Linear running on `ops`, and
-    quantize the modules that quantize themselves (`quantize_fp8`: an MoE block's experts);
+    quantize the modules that hold weights of their own (Fp8Weights: an MoE block's experts);
     returns how many linear layers were replaced."""
     count = _replace_linears(model, lambda linear: Fp8Linear.from_linear(linear, ops))
     for module in list(model.modules()):
-        if hasattr(module, "quantize_fp8"):
+        if isinstance(module, Fp8Weights):
             module.quantize_fp8()
     return count
 
@@ -189,7 +208,8 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             keep |= {id(module.weight), id(module.weight_scale)}
-        keep |= {id(p) for p in getattr(module, "fp8_params", lambda: [])()}
+        if isinstance(module, Fp8Weights):
+            keep |= {id(p) for p in module.fp8_params()}
     for p in model.parameters():
         if id(p) not in keep and p.dtype.is_floating_point and p.dtype != dtype:
             p.data = p.data.to(dtype)
@@ -278,9 +298,9 @@ def parse_quantization_config(config: dict | None) -> CheckpointQuantization | N
 
 def prepare_for_checkpoint(model: nn.Module, quant: CheckpointQuantization, ops: KernelOps | None = None) -> int:
     """Replace every nn.Linear by an empty Fp8Linear (running on `ops`) the checkpoint's FP8 tensors load
-    into, and let the modules that hold other FP8 weights (`prepare_fp8_checkpoint`: MoE experts) make theirs."""
+    into, and let the modules that hold other FP8 weights (Fp8Weights: MoE experts) make theirs."""
     for module in list(model.modules()):
-        if hasattr(module, "prepare_fp8_checkpoint"):
+        if isinstance(module, Fp8Weights):
             module.prepare_fp8_checkpoint(quant)
 
     def make(linear: nn.Linear) -> Fp8Linear:
@@ -331,3 +351,25 @@ def weight_memory(model: nn.Module) -> WeightMemory:
         else:
             other += nbytes
     return WeightMemory(linear, other, linear_params)
+
+
+class Fp8Method:
+    """FP8 weights as a workers.quantization.registry.QuantizationMethod (registered as "fp8")."""
+
+    def parse_checkpoint(self, quantization_config: dict) -> CheckpointQuantization:
+        return parse_quantization_config(quantization_config)
+
+    def prepare_checkpoint(self, model: nn.Module, scheme: CheckpointQuantization, ops: KernelOps | None = None) -> int:
+        return prepare_for_checkpoint(model, scheme, ops)
+
+    def quantize(self, model: nn.Module, ops: KernelOps | None = None) -> int:
+        return quantize_linears(model, ops)
+
+    def cast(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:
+        return cast_model(model, dtype)
+
+    def weight_memory(self, model: nn.Module) -> WeightMemory:
+        return weight_memory(model)
+
+
+FP8 = Fp8Method()

@@ -101,13 +101,13 @@ class PrefillSender:
         try:
             result = self._transfer(request, src)
         except Exception as exc:  # the decode worker prefills it instead; nothing is decoded from it
+            self.release(rid)  # queued before the outcome, as below: a call made on hearing of it runs after it
             log.warning("worker %s: the KV handoff of %s failed: %s", self.worker_id, rid, exc)
             self.fail(rid, f"the KV handoff of {rid} failed: {exc}")
             return
-        finally:
-            # Not waited for: the engine thread may be inside a long step, and the blocks only
-            # return to the pool (the router needs the first token now).
-            self.release(rid)
+        # Queued, not waited for: the engine thread may be inside a long step, and the blocks only
+        # return to the pool (the router needs the first token now).
+        self.release(rid)
         sent, nbytes, seconds, rank_pairs = result
         self.counters.add(kv_blocks_sent=sent, kv_bytes_sent=nbytes)
         self.deliver([PrefillResult(out, sent, nbytes, seconds, prefill_s, rank_pairs)])

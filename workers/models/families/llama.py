@@ -30,9 +30,7 @@ FAMILIES = (
         notes="`workers/models/llama.py`: GQA, Llama 3 rope scaling, optional attention and MLP biases",
     ),
     ModelFamily("Mistral", ("MistralForCausalLM",), LLAMA, window_rule=EVERY_LAYER, notes="as Llama"),
-    ModelFamily(
-        "Qwen2", ("Qwen2ForCausalLM",), LLAMA, config_fields=qwen2_fields, notes="as Llama, with q/k/v biases"
-    ),
+    ModelFamily("Qwen2", ("Qwen2ForCausalLM",), LLAMA, config_fields=qwen2_fields, notes="as Llama, with q/k/v biases"),
     ModelFamily(
         "Qwen3", ("Qwen3ForCausalLM",), LLAMA, config_fields=qk_norm_fields, notes="as Llama, per-head q/k RMSNorm"
     ),

@@ -35,9 +35,7 @@ def mixtral_fields(arch: str, config: dict) -> dict:
     experts, top_k = _routing(arch, config)
     inter = config["intermediate_size"]
     _no_shared_experts(arch, config)
-    return dict(
-        num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(inter), norm_topk_prob=True
-    )
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(inter), norm_topk_prob=True)
 
 
 def qwen3_moe_fields(arch: str, config: dict) -> dict:
