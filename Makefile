@@ -38,9 +38,22 @@ $(BROWSER_STAMP): $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/baton serve $(ARGS)
 
-test: $(STAMP) $(BROWSER_STAMP)
+test: $(STAMP) $(BROWSER_STAMP) check
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
+
+# Lint, import order and format (ruff), and types (mypy: strict on common/, the request flow and the
+# worker interface; pyproject.toml says which checks run where). Both read their settings from
+# pyproject.toml; `make fix` applies what ruff can fix itself.
+.PHONY: check fix
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+fix: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # The edit-test loop: every test of tests/ (pyproject's testpaths) not marked slow or gpu, chosen by
 # marker, not by a list of paths. A test that loads the default model, starts Ray or a server
@@ -48,7 +61,7 @@ test: $(STAMP) $(BROWSER_STAMP)
 # name in tests/conftest.py, by `pytestmark = pytest.mark.slow` in its module, or by
 # @pytest.mark.slow, each saying why. About 2 minutes of pytest here (2 cores). `make test` runs
 # everything.
-test-fast: $(STAMP)
+test-fast: $(STAMP) check
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not gpu" $(PYTEST_ARGS)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
 

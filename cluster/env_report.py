@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import platform
 import shutil
@@ -327,7 +328,7 @@ def _query_ray(address: str) -> RayInfo:
         return RayInfo(address, False, "ray is not installed")
     try:
         # With an address, ray.init connects to a running cluster; it never starts one.
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
         nodes = []
         custom: dict[str, float] = {}
         for n in ray.nodes():

@@ -126,7 +126,12 @@ def _section_options(cls: type, prefix: tuple[str, ...]) -> list[Option]:
         if meta.get("internal") or dataclasses.is_dataclass(hints[f.name]):
             continue
         base, optional = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name} is an option without a default")
         options.append(
             Option(
                 path=prefix + (f.name,),

@@ -9,7 +9,7 @@ with code = HTTP status.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict, cast
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
@@ -210,7 +210,8 @@ class CompletionRequest(_SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             return list(prompt)
-        return [prompt]
+        # Validation keeps a list's items of one kind: a list not of strings or lists is one prompt's ids.
+        return [cast("str | list[int]", prompt)]
 
 
 class TokenizeRequest(_Request):
@@ -370,8 +371,27 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
             raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400, "top_logprobs")
 
 
+class _SamplingKwargs(TypedDict):
+    """The SamplingParams fields a request sets (their names are the fields its errors start with)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    min_tokens: int
+    logprobs: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+
+
 def to_sampling_params(
-    req: _SamplingFields, max_tokens: int, *, max_tokens_field: str = "max_tokens"
+    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, *, max_tokens_field: str = "max_tokens"
 ) -> SamplingParams:
     """Build SamplingParams; its ValueError("<field> ...") becomes a 400 naming the request field."""
     if isinstance(req, ChatCompletionRequest):
@@ -383,7 +403,7 @@ def to_sampling_params(
     stop = req.stop
     if isinstance(stop, str):
         stop = [stop]
-    kwargs = dict(
+    kwargs = _SamplingKwargs(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -403,7 +423,7 @@ def to_sampling_params(
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
         message = str(e)
-        field = message.split(" ", 1)[0]
+        field: str | None = message.split(" ", 1)[0]
         if field not in kwargs:
             field = None
         elif field == "max_tokens":

@@ -303,6 +303,7 @@ def forced_tool_schema(tools: ToolSpec) -> StructuredOutput:
     """The grammar forcing a tool call: a named function's arguments, or for required a list of
     {name, parameters} calls of the offered functions (one when parallel calls are off)."""
     if tools.choice == "named":
+        assert tools.named is not None  # check_tools names the function of every "named" choice
         return StructuredOutput("json_schema", _canonical(tools.functions[tools.named], "tools"))
     calls = {
         "anyOf": [

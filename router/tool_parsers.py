@@ -70,6 +70,12 @@ def _loads(text: str) -> Any:
         return None
 
 
+def _all_parsed(calls: list[ToolCall | None]) -> list[ToolCall] | None:
+    """The calls when there are some and every one parsed, else None."""
+    parsed = [c for c in calls if c is not None]
+    return parsed if parsed and len(parsed) == len(calls) else None
+
+
 def parse_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole reply; a reply whose calls do not parse is all content."""
     if parser == "hermes":
@@ -77,7 +83,8 @@ def parse_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
         if start < 0:
             return text, []
         calls = [_call(_loads(m), "arguments") for m in _HERMES.findall(text[start:])]
-        return (text[:start].strip(), calls) if calls and all(calls) else (text, [])
+        parsed = _all_parsed(calls)
+        return (text[:start].strip(), parsed) if parsed else (text, [])
     if parser == "mistral":
         start = text.find("[TOOL_CALLS]")
         if start < 0:
@@ -85,12 +92,14 @@ def parse_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
         found = _loads(text[start + len("[TOOL_CALLS]") :].strip())
         found = found if isinstance(found, list) else [found]
         calls = [_call(c, "arguments") for c in found]
-        return (text[:start].strip(), calls) if calls and all(calls) else (text, [])
+        parsed = _all_parsed(calls)
+        return (text[:start].strip(), parsed) if parsed else (text, [])
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return text, []
     calls = [_call(_loads(part), "parameters") for part in body.split(";") if part.strip()]
-    return ("", calls) if calls and all(calls) else (text, [])
+    parsed = _all_parsed(calls)
+    return ("", parsed) if parsed else (text, [])
 
 
 def forced_calls(text: str, named: str | None) -> list[ToolCall]:
