@@ -1,16 +1,20 @@
-"""Simulator vs a real `baton serve` on this machine: TTFT p50/p99 and TPOT p50 on three workloads.
+"""Simulator vs a real `baton serve` on this machine: TTFT p50/p99 and TPOT p50 on five workloads.
 
 Back to back, under the same conditions: (1) profile this machine's served engine steps and Ray call
 (`bench/profile_costs.py --served`: the steps of a real server under a profiling workload of its
-own, unless --profile names an existing profile), (2) for each of the three workloads start a fresh
+own, unless --profile names an existing profile), (2) for each workload start a fresh
 `baton serve --threads-per-worker 1` (1 prefill + 1 decode worker, float32, one core each) on
-127.0.0.1, send it the workload (cluster/sim/validation.py: workload 1 and 2 of
-bench/compare_vllm.py, and a multi-turn chat with a shared system prompt) with bench/serve.py's
-request code, stop it, (3) simulate the very same requests with the profiled costs, and compare.
-Writes bench/results/sim_validate.json and prints the table the README shows.
+127.0.0.1, send it the workload (cluster/sim/validation.py: the three the model was tuned on,
+workload 1 and 2 of bench/compare_vllm.py and a multi-turn chat with a shared system prompt, and
+two held out: Poisson arrivals of 512-token prompts, two closed-loop shapes at once) with
+bench/serve.py's request code, stop it, (3) simulate the very same requests with the profiled
+costs, and compare. Before the profile and before each server starts it waits for a quiet host
+(bench.host_load: 1-minute load average below 0.6 for a minute, up to an hour), and records the
+CPU others took during each run. Writes bench/results/sim_validate.json (and each real request's
+times beside it, `*_requests.json`) and prints the table the docs show.
 
-    .venv/bin/python -m bench.sim_validate                       # ~4 minutes
-    .venv/bin/python -m bench.sim_validate --profile bench/results/cost_profile_cpu.json --sim-only
+    .venv/bin/python -m bench.sim_validate                       # ~25 minutes on a quiet host
+    .venv/bin/python -m bench.sim_validate --sim-only            # re-simulate the stored real runs
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -30,8 +35,17 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 from bench import loadgen as load
-from cluster.sim.validation import VALIDATION_WORKLOADS, compare, simulate, summarize, validation_workload
+from bench.host_load import CpuWatch, wait_for_quiet
+from cluster.sim.validation import (
+    TUNED_WORKLOADS,
+    VALIDATION_WORKLOADS,
+    compare,
+    simulate,
+    summarize,
+    validation_workload,
+)
 from cluster.sim.workload import Workload
+from common.envs import BATON_STEP_LOG_DIR
 from testkit.harness import baton_serve
 
 
@@ -47,10 +61,12 @@ async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
                 ["--model", model, "--token-ids", "--ignore-eos", "--output-len", str(req.output_len)]
             )
             args.endpoint = "/v1/completions"
+            sent = time.perf_counter() - start
             r = await load.one_request(client, args, list(req.prompt))
             rows.append(
                 {
                     "request_id": req.request_id,
+                    "sent_s": sent,
                     "ok": r.ok,
                     "ttft_s": r.ttft_s,
                     "tpot_s": r.tpot_s,
@@ -89,56 +105,86 @@ def baton_server(port: int, log_path: Path, extra_flags: tuple[str, ...] = (), e
 
 
 def table(results: dict) -> str:
-    lines = ["| workload | metric | real (ms) | simulated (ms) | error |", "|---|---|---:|---:|---:|"]
+    lines = ["| workload | | metric | real (ms) | simulated (ms) | error |", "|---|---|---|---:|---:|---:|"]
     for name, entry in results.items():
+        kind = "tuned" if entry.get("tuned", name in TUNED_WORKLOADS) else "held out"
         for row in entry["comparison"]:
 
             def fmt(v, spec):
                 return "n/a" if v is None else format(v, spec)
 
             lines.append(
-                f"| {name} | {row['metric']} | {fmt(row['real_ms'], ',.0f')} | {fmt(row['sim_ms'], ',.0f')} | "
-                f"{fmt(row['relative_error'], '+.1%')} |"
+                f"| {name} | {kind} | {row['metric']} | {fmt(row['real_ms'], ',.0f')} | "
+                f"{fmt(row['sim_ms'], ',.0f')} | {fmt(row['relative_error'], '+.1%')} |"
             )
     return "\n".join(lines)
+
+
+def run_workload(name: str, port: int, model: str, step_log_dir: Path | None) -> tuple[dict, list[dict]]:
+    """One real run on a fresh server, once the host is quiet: summarize()'s figures, the host's
+    load meanwhile, and each request's row."""
+    quiet = wait_for_quiet()
+    env = None
+    if step_log_dir is not None:
+        shutil.rmtree(step_log_dir / name, ignore_errors=True)
+        (step_log_dir / name).mkdir(parents=True)
+        env = {BATON_STEP_LOG_DIR.name: str(step_log_dir / name)}
+    # A fresh server per workload, as each simulation starts from an empty cluster (a server
+    # that ran the others first holds their blocks, its pages scattered).
+    with baton_server(port, Path("/tmp/sim_validate_serve.log"), env=env) as server:
+        watch = CpuWatch([os.getpid(), server.process.pid])
+        watch.start()
+        t0 = time.perf_counter()
+        rows = asyncio.run(run_real(validation_workload(name), f"http://127.0.0.1:{port}", model))
+        wall = time.perf_counter() - t0
+        host = watch.stop()
+    real = {
+        **summarize(rows),
+        "wall_s": wall,
+        "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5],
+        "host": {"quiet_wait": quiet, **host},
+    }
+    return real, rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default=None, help="an existing model profile (default: profile now)")
+    ap.add_argument(
+        "--profile-out", default="bench/results/cost_profile_cpu.json", help="where a profile taken now goes"
+    )
     ap.add_argument("--sim-only", action="store_true", help="re-simulate against the real results stored in --out")
     ap.add_argument("--workloads", default=",".join(VALIDATION_WORKLOADS))
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--out", default="bench/results/sim_validate.json")
+    ap.add_argument(
+        "--step-log-dir",
+        default="/tmp/sim_validate_steps",
+        help="each real run's servers log every engine step under DIR/<workload>/ (BATON_STEP_LOG_DIR); '' for none",
+    )
     args = ap.parse_args()
     names = args.workloads.split(",")
     out = Path(args.out)
-    profile = Path(args.profile or "bench/results/cost_profile_cpu.json")
+    profile = Path(args.profile or args.profile_out)
     if args.sim_only:
         stored = json.loads(out.read_text())
         real = {n: stored["results"][n]["real"] for n in names}
         extra = {k: stored[k] for k in ("real_run", "machine") if k in stored}
     else:
         if args.profile is None:
+            profile_quiet = wait_for_quiet()
             subprocess.run(
                 [sys.executable, "-m", "bench.profile_costs", "--served", "--overheads", "--out", str(profile)],
                 check=True,
                 cwd=ROOT,
             )
-        real, started = {}, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        real, requests, started = {}, {}, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        step_logs = Path(args.step_log_dir) if args.step_log_dir else None
         for name in names:
-            # A fresh server per workload, as each simulation starts from an empty cluster (a server
-            # that ran the others first holds their blocks, its pages scattered).
-            with baton_server(args.port, Path("/tmp/sim_validate_serve.log")):
-                t0 = time.perf_counter()
-                rows = asyncio.run(run_real(validation_workload(name), f"http://127.0.0.1:{args.port}", args.model))
-                real[name] = {
-                    **summarize(rows),
-                    "wall_s": time.perf_counter() - t0,
-                    "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5],
-                }
-                print(f"real {name}: {json.dumps(real[name])}", flush=True)
+            real[name], requests[name] = run_workload(name, args.port, args.model, step_logs)
+            print(f"real {name}: {json.dumps(real[name])}", flush=True)
+        out.with_name(out.stem + "_requests.json").write_text(json.dumps(requests, indent=1) + "\n")
         extra = {
             "real_run": {
                 "started": started,
@@ -146,16 +192,28 @@ def main() -> None:
                 + " ".join(SERVER_FLAGS)
                 + " (otherwise defaults: 1 prefill + 1 decode worker, float32)",
             },
-            "machine": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+            "machine": {
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "load_average_1m": os.getloadavg()[0],
+                "profile_quiet_wait": profile_quiet if args.profile is None else None,
+            },
         }
     results = {}
     for name in names:
         sim = simulate(name, profile)
-        results[name] = {"real": real[name], "sim": sim, "comparison": compare(real[name], sim)}
+        results[name] = {
+            "tuned": name in TUNED_WORKLOADS,
+            "real": real[name],
+            "sim": sim,
+            "comparison": compare(real[name], sim),
+        }
     report = {
         "benchmark": "sim_validate",
         "profile": str(profile),
         "tolerance": 0.2,
+        "tuned_workloads": [n for n in names if n in TUNED_WORKLOADS],
+        "held_out_workloads": [n for n in names if n not in TUNED_WORKLOADS],
         "all_within": all(r["within"] for e in results.values() for r in e["comparison"]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(["python"] + sys.argv),

@@ -263,26 +263,28 @@ def build_app(
     (`routers`, default api_server_count), this one, `router_index`, gets its share of every
     admission limit, so the deployment admits what one router would. The admin endpoint and the autoscaler belong to the
     process that owns the pools (deployment.pools: the launcher's)."""
-    config = deployment.config
+    config, backend = deployment.config, deployment.backend
+    if backend is None:
+        raise ValueError("the deployment has no backend yet (its workers are still starting)")
     tokenizer = Tokenizer.from_model_dir(deployment.model_dir)
-    policy = make_policy(config.routing, deployment.backend.prefix_index, deployment.block_size)
+    policy = make_policy(config.routing, backend.prefix_index, deployment.block_size)
     seqs, placement = config.engine.max_num_seqs, config.placement
     routers = routers or placement.api_server_count
-
-    def share(total: int | None) -> int | None:
-        return share_of(total, routers, router_index)
-
     server = dataclasses.replace(
         config.server.with_api_key_from_env(),
-        max_running_requests=share(config.server.max_running_requests or placement.decode_workers * seqs),
-        max_running_prefills=share(
-            config.server.max_running_prefills or (placement.prefill_workers or placement.decode_workers) * seqs
+        max_running_requests=share_of(
+            config.server.max_running_requests or placement.decode_workers * seqs, routers, router_index
         ),
-        max_waiting_requests=share(config.server.max_waiting_requests),
-        max_waiting_prefills=share(config.server.max_waiting_prefills),
+        max_running_prefills=share_of(
+            config.server.max_running_prefills or (placement.prefill_workers or placement.decode_workers) * seqs,
+            routers,
+            router_index,
+        ),
+        max_waiting_requests=share_of(config.server.max_waiting_requests, routers, router_index),
+        max_waiting_prefills=share_of(config.server.max_waiting_prefills, routers, router_index),
     )
     app = build_router_app(
-        deployment.backend,
+        backend,
         tokenizer,
         deployment.model_name,
         deployment.max_model_len,
@@ -296,7 +298,7 @@ def build_app(
     install_admin(app, deployment.pools, config.admin.with_token_from_env())
     deployment.pools.subscribe_resize(lambda targets: resize_gates(app, config, targets, routers, router_index))
     if config.autoscaler.enabled:
-        install_autoscaler(app, deployment.pools, deployment.backend, config.autoscaler)
+        install_autoscaler(app, deployment.pools, backend, config.autoscaler)
     return app
 
 
@@ -315,7 +317,9 @@ def _start_router_processes(deployment: Deployment, folder: Path, admin_port: in
     """Routers 1..api_server_count-1 as child processes joining this deployment's Ray."""
     import yaml
 
-    config = deployment.config
+    config, pools = deployment.config, deployment.pools
+    if pools is None:
+        raise ValueError("only the deployment that owns the pools starts the other routers")
     config_file = folder / "config.yaml"
     config_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     spec = RouterSpec(
@@ -329,7 +333,7 @@ def _start_router_processes(deployment: Deployment, folder: Path, admin_port: in
         block_size=deployment.block_size,
         count=config.placement.api_server_count,
         metrics_dir=str(folder / "metrics"),
-        actor_name_prefix=deployment.pools.actor_name_prefix,
+        actor_name_prefix=pools.actor_name_prefix,
         admin_port=admin_port,
     )
     (folder / "metrics").mkdir(exist_ok=True)

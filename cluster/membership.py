@@ -26,6 +26,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, cast
 
 import ray
 from ray.exceptions import RayError
@@ -124,13 +125,15 @@ class MembershipPublisher:
     def __init__(self, actor_name_prefix: str, namespace: str) -> None:
         self.name = directory_name(actor_name_prefix)
         self.namespace = namespace
-        self._actor = None
-        self._last: ray.ObjectRef | None = None
+        # The directory actor's handle: Any, as common.worker_client holds a worker's (Ray types an
+        # actor's methods only when they are declared with ray.method).
+        self._actor: Any = None
+        self._last: ray.ObjectRef[None] | None = None
 
     def publish(self, membership: Membership) -> None:
         if self._actor is None or self._last_failed():
             self._actor = _DirectoryActor.options(name=self.name, namespace=self.namespace, get_if_exists=True).remote()
-        self._last = self._actor.publish.remote(membership)
+        self._last = cast("ray.ObjectRef[None]", self._actor.publish.remote(membership))
 
     def _last_failed(self) -> bool:
         """The previous publication failed (the actor died): a new actor gets the next one."""
@@ -159,10 +162,10 @@ def read_membership(actor_name_prefix: str, namespace: str, known_version: int =
     """The published set if there is one newer than `known_version` (blocking; None without a
     directory: the pools never changed, the start-up set holds)."""
     try:
-        actor = ray.get_actor(directory_name(actor_name_prefix), namespace=namespace)
+        actor: Any = ray.get_actor(directory_name(actor_name_prefix), namespace=namespace)
     except ValueError:
         return None
-    return ray.get(actor.read.remote(known_version))
+    return ray.get(cast("ray.ObjectRef[Membership | None]", actor.read.remote(known_version)))
 
 
 class MembershipFollower:

@@ -276,15 +276,22 @@ def wait_placed(workers: list[SpawnedWorker], timeout_s: float) -> dict[str, str
                 "waiting %.0f s for Ray to place %s (each needs %s)",
                 now - started,
                 ", ".join(w.worker_id for w in waiting),
-                waiting[0].placement.describe(),
+                _needs(waiting[0]),
             )
             next_report = now + _REPORT_EVERY_S
         time.sleep(_POLL_S)
 
 
+def _needs(worker: SpawnedWorker) -> str:
+    """What the worker asked Ray for."""
+    return worker.placement.describe() if worker.placement is not None else "no placement (a stand-in)"
+
+
 def unplaced_message(waiting: list[SpawnedWorker], timeout_s: float, nodes: list[NodeOffer]) -> str:
     """Why the first waiting worker's pool cannot be placed, and what every node offers."""
     pool = waiting[0].placement
+    if pool is None:  # a stand-in, which asked Ray for nothing
+        return f"{', '.join(w.worker_id for w in waiting)} still not placed by Ray after {timeout_s:.0f} s"
     ids = [w.worker_id for w in waiting if w.role == pool.role]
     head = (
         f"the {pool.role} pool cannot be placed: {', '.join(ids)} still not placed by Ray after "

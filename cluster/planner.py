@@ -25,7 +25,7 @@ from cluster.sim.costs import CostModel, LinkModel, ServingOverheads, StepShape
 from cluster.sim.engine import EngineSettings
 from cluster.sim.metrics import SLO, RequestRecord, pyplot
 from cluster.sim.simulator import ClusterSpec, Simulator
-from cluster.sim.workload import WorkloadSpec
+from cluster.sim.workload import Client, SimRequest, WorkloadSpec
 from router.routing import RoutingConfig
 
 __all__ = [
@@ -77,6 +77,16 @@ class PlanProblem:
     @property
     def decode_gpus(self) -> int:
         return self.cost.gpus_per_worker()
+
+    @property
+    def ttft_slo_s(self) -> float:
+        assert self.slo.ttft_s is not None  # __post_init__ checked there is one
+        return self.slo.ttft_s
+
+    @property
+    def tpot_slo_s(self) -> float:
+        assert self.slo.tpot_s is not None  # __post_init__ checked there is one
+        return self.slo.tpot_s
 
     @property
     def max_workers(self) -> int:
@@ -159,7 +169,7 @@ def capacity_estimate(problem: PlanProblem) -> dict:
         if b * math.ceil((prompt + out) / eng.block_size) > kv_blocks:
             break
         step = cost.step_time(StepShape.of([(int(context), 1, True)] * b))
-        if step > 0.9 * problem.slo.tpot_s:
+        if step > 0.9 * problem.tpot_slo_s:
             break
         best_batch, best_step = b, step
     decode_cap = best_batch / best_step / out
@@ -181,19 +191,26 @@ class ProbeResult:
     attainment: float | None  # the fraction that did; None when the probe stopped once it had failed
 
 
+def _sent_s(client: Client, request: SimRequest) -> float:
+    """When an open-loop client sends the request: its start plus the request's arrival."""
+    if request.arrival_s is None:
+        raise ValueError(f"request {request.request_id} has no arrival_s: the planner's workloads are open loop")
+    return client.start_s + request.arrival_s
+
+
 def probe(problem: PlanProblem, p: int, d: int, rate: float, stop_once_failed: bool = True) -> ProbeResult:
     """One simulation of the split at the rate. With stop_once_failed it ends as soon as so many
     requests have missed (failed, late for their TTFT, or done outside the TPOT SLO) that it cannot
     pass: the verdict is the one the whole run gives (an overloaded probe would otherwise run its
     queue down to the drain limit), only the fraction is not known."""
-    slo, target = problem.slo, problem.attainment
-    min_s = problem.min_probe_s if problem.min_probe_s is not None else 10 * slo.ttft_s
+    slo, ttft_s, target = problem.slo, problem.ttft_slo_s, problem.attainment
+    min_s = problem.min_probe_s if problem.min_probe_s is not None else 10 * ttft_s
     duration = max(min(problem.requests_per_probe / rate, 20 * min_s), min_s)
     warm_up = 0.2 * duration
     workload = dataclasses.replace(problem.workload, rate=rate, duration_s=duration).generate()
     # An open-loop client sends each request at its arrival time, which becomes its sent_s.
-    counted = sum(1 for c in workload.clients for r in c.requests if c.start_s + r.arrival_s >= warm_up)
-    spec = ClusterSpec(p, d, problem.engine, problem.routing, drain_limit_s=max(10.0, 4 * slo.ttft_s))
+    counted = sum(1 for c in workload.clients for r in c.requests if _sent_s(c, r) >= warm_up)
+    spec = ClusterSpec(p, d, problem.engine, problem.routing, drain_limit_s=max(10.0, 4 * ttft_s))
     sim = Simulator(spec, problem.cost, problem.overheads, problem.link, problem.pcost, record_itl=False)
     stopped = False
 
@@ -201,8 +218,8 @@ def probe(problem: PlanProblem, p: int, d: int, rate: float, stop_once_failed: b
         if r.failed:
             return True
         if r.first_token_s is None:
-            return now - r.sent_s > slo.ttft_s  # its first token comes at now or later
-        return r.ttft_s > slo.ttft_s or (r.done_s is not None and not slo.met(r))
+            return now - r.sent_s > ttft_s  # its first token comes at now or later
+        return r.ttft_s > ttft_s or (r.done_s is not None and not slo.met(r))
 
     def check(s: Simulator) -> None:
         nonlocal stopped
@@ -213,7 +230,7 @@ def probe(problem: PlanProblem, p: int, d: int, rate: float, stop_once_failed: b
             s.stop()
 
     if stop_once_failed and counted:
-        sim.every(slo.ttft_s / 2, check)
+        sim.every(ttft_s / 2, check)
     records = [r for r in sim.run(workload).records if r.sent_s >= warm_up]
     if stopped:
         return ProbeResult(False, None)
@@ -229,35 +246,38 @@ def evaluate_split(problem: PlanProblem, p: int, d: int, rate_hint: float) -> Sp
     gpus = p * problem.pcost.gpus_per_worker() + d * problem.decode_gpus
     probes = 0
 
-    def ok(rate: float) -> tuple[bool, float | None]:
+    def passing(rate: float) -> float | None:
+        """The attainment at the rate when the split passes there; None when it fails."""
         nonlocal probes
         probes += 1
         result = probe(problem, p, d, rate)
-        return result.passed, result.attainment
+        return result.attainment if result.passed else None
 
     hint = max(rate_hint, 1e-6)
-    passed, att = ok(hint)
-    if passed:
+    att = passing(hint)
+    if att is not None:
         lo, lo_att, hi = hint, att, hint * 2
         while probes < 10:
-            passed, att = ok(hi)
-            if not passed:
+            att = passing(hi)
+            if att is None:
                 break
             lo, lo_att, hi = hi, att, hi * 2
     else:
         hi, lo = hint, 0.0
         while hi > hint / 100:
             hi_fail, hi = hi, hi / 3
-            passed, att = ok(hi)
-            if passed:
+            att = passing(hi)
+            if att is not None:
                 lo, lo_att, hi = hi, att, hi_fail
                 break
         if lo == 0.0:  # the last probe's attainment, in full (it stopped once it had failed)
-            return SplitResult(p, d, gpus, 0.0, probe(problem, p, d, hi, stop_once_failed=False).attainment, probes)
+            full = probe(problem, p, d, hi, stop_once_failed=False)
+            assert full.attainment is not None  # a probe run to its end measures its attainment
+            return SplitResult(p, d, gpus, 0.0, full.attainment, probes)
     while hi / lo - 1 > problem.rate_tolerance:
         mid = math.sqrt(lo * hi)
-        passed, att = ok(mid)
-        if passed:
+        att = passing(mid)
+        if att is not None:
             lo, lo_att = mid, att
         else:
             hi = mid

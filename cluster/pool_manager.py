@@ -178,7 +178,14 @@ class PoolManager:
                 moved,
                 time.monotonic() - started,
             )
-            return ScaleResult(before, after, added, removed, moved, round(time.monotonic() - started, 3))
+            return ScaleResult(
+                {role.value: n for role, n in before.items()},
+                {role.value: n for role, n in after.items()},
+                added,
+                removed,
+                moved,
+                round(time.monotonic() - started, 3),
+            )
 
     def _removal_order(self, role: Role) -> list[str]:
         """Dead ones first, then the least busy, then the newest."""
@@ -187,7 +194,7 @@ class PoolManager:
         infos.sort(key=lambda w: (w.alive, w.in_flight, -index.get(w.worker_id, 0)))
         return [w.worker_id for w in infos]
 
-    async def _add_workers(self, roles: list[str]) -> list[str]:
+    async def _add_workers(self, roles: list[Role]) -> list[str]:
         """Start one worker per entry of `roles` (together); all of them serve, or none does."""
         config = self.deployment.config
         restarts = config.placement.max_restarts

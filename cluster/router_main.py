@@ -56,7 +56,7 @@ class _JoinedWorker:
     """A worker actor found by name (router.pools.WorkerEntry)."""
 
     worker_id: str
-    role: object
+    role: Role
     handle: object
 
 

@@ -21,6 +21,7 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import overload
 
 from common.roles import Role
 from router.config import ServerConfig
@@ -52,6 +53,12 @@ class Deadline:
         return max(0.0, self.at - time.monotonic())
 
 
+@overload
+def share_of(total: int, routers: int, index: int) -> int: ...
+@overload
+def share_of(total: None, routers: int, index: int) -> None: ...
+@overload
+def share_of(total: int | None, routers: int, index: int) -> int | None: ...
 def share_of(total: int | None, routers: int, index: int) -> int | None:
     """Router `index`'s share of a deployment-wide limit split among `routers` router processes:
     the shares add up to `total` (the first `total % routers` get one more), and each is at least

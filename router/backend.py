@@ -105,10 +105,16 @@ class BackendError(RuntimeError):
 
 @runtime_checkable
 class ServingBackend(Protocol):
-    # What the router knows of each worker's prefix cache (None: the backend keeps no index).
-    prefix_index: PrefixIndex | None
-    # Healing and routing events so far (router.flow.COUNTERS), exported as metrics.
-    counters: Mapping[str, int]
+    # Read-only members, so a backend may hold them as attributes or give them as properties.
+    @property
+    def prefix_index(self) -> PrefixIndex | None:
+        """What the router knows of each worker's prefix cache (None: the backend keeps no index)."""
+        ...
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """Healing and routing events so far (router.flow.COUNTERS), exported as metrics."""
+        ...
 
     def workers(self) -> list[WorkerInfo]:
         """A snapshot of every worker of both pools (cheap: called per request by the routing policy)."""

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,9 +66,12 @@ DEFAULT_LEASE_S = 5.0  # a router silent this long is gone for the workers (clus
 class WorkerEntry(Protocol):
     """A started worker as the pools take it (cluster.placement.SpawnedWorker is one)."""
 
-    worker_id: str
-    role: Role
-    handle: object
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def role(self) -> Role: ...
+    @property
+    def handle(self) -> object: ...
 
 
 @dataclass
@@ -93,7 +96,7 @@ class PoolWorker:
 class WorkerPools:
     def __init__(
         self,
-        workers: list[WorkerEntry],
+        workers: Sequence[WorkerEntry],
         health_interval_s: float = 2.0,
         health_timeout_s: float = 10.0,
         poll_timeout_s: float = 0.5,

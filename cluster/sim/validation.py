@@ -10,6 +10,13 @@ and simulates them here; tests/sim/test_validation.py re-simulates the stored ru
 3. `chat`: multi-turn conversations sharing a system prompt; each turn's prompt is the previous
    turn's prompt, a fixed assistant reply and a new user message (token ids, so the real run and
    the simulation send identical prompts).
+4. `poisson512` (held out): open loop, 120 prompts of 512 tokens at Poisson arrivals of 1.2 per
+   second, 64 output tokens each.
+5. `two_shapes` (held out): two closed-loop clients at once, 40 requests of 128 in / 128 out, 4 at
+   a time, beside 16 of 1,024 in / 32 out, 2 at a time.
+
+The first three are `TUNED_WORKLOADS`: the model's choices were made looking at them. The other
+two (`HELD_OUT_WORKLOADS`) were only ever compared, never tuned on.
 
 Prompts and arrival times are drawn exactly as bench/serve.py draws them (same seeds, same order
 of random calls), so the simulated requests are the very ones the real client sent.
@@ -30,7 +37,9 @@ from router.routing import RoutingConfig
 
 __all__ = [
     "ChatShape",
+    "HELD_OUT_WORKLOADS",
     "SPEC",
+    "TUNED_WORKLOADS",
     "VALIDATION_WORKLOADS",
     "chat_conversations",
     "compare",
@@ -40,7 +49,9 @@ __all__ = [
     "validation_workload",
 ]
 
-VALIDATION_WORKLOADS = ("throughput", "mixed", "chat")
+TUNED_WORKLOADS = ("throughput", "mixed", "chat")
+HELD_OUT_WORKLOADS = ("poisson512", "two_shapes")
+VALIDATION_WORKLOADS = TUNED_WORKLOADS + HELD_OUT_WORKLOADS
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"))
 
 
@@ -104,6 +115,12 @@ def validation_workload(name: str, chat: ChatShape = ChatShape()) -> Workload:
             for c, turns in enumerate(chat_conversations(chat))
         )
         return Workload((Client("chat", units, chat.concurrency),))
+    if name == "poisson512":
+        return Workload((Client.open_loop("poisson", serve_requests("p512", 512, 64, 120, 3, request_rate=1.2)),))
+    if name == "two_shapes":
+        short = serve_requests("short", 128, 128, 40, 4)
+        long = serve_requests("long", 1024, 32, 16, 5)
+        return Workload((Client.closed_loop("short", short, 4), Client.closed_loop("long", long, 2)))
     raise ValueError(f"unknown validation workload {name!r}; known: {', '.join(VALIDATION_WORKLOADS)}")
 
 

@@ -31,6 +31,7 @@ from workers.engine.admission import checked_prompt, new_request_state, replay_o
 from workers.engine.block_manager import BlockManager
 from workers.engine.grammar import GrammarCache
 from workers.engine.model_runner import ModelRunner
+from workers.engine.offline import Completion, run_to_completion, score_tokens
 from workers.engine.request_state import RequestState
 from workers.engine.sampler import Sampler, draw_keys
 from workers.engine.scheduler import Scheduler
@@ -54,19 +55,6 @@ class EngineStats:
     num_preemptions: int
     num_computed_tokens: int  # tokens run through the model since start (prompt, output and drafts)
     spec_decode: SpecDecodeStats = SpecDecodeStats()  # zeros without speculative decoding
-
-
-@dataclass
-class Completion:
-    """A finished request, as the batch `generate` helper returns it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    num_cached_tokens: int
-    logprobs: list[TokenLogprob] | None
 
 
 class LLMEngine:
@@ -437,59 +425,9 @@ class LLMEngine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
-        """Run a batch of prompts to completion (continuous batching inside) and return them in order."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        collected: dict[str, Completion] = {
-            rid: Completion(rid, list(p), [], "", None, 0, [] if sp.logprobs is not None else None)
-            for rid, p, sp in zip(ids, prompts, params)
-        }
-        pending = set(ids)
-        while pending:
-            for out in self.step():
-                done = collected.get(out.request_id)
-                if done is None:
-                    continue
-                done.token_ids.extend(out.token_ids)
-                done.text += out.text
-                done.num_cached_tokens = out.num_cached_tokens
-                if out.logprobs is not None and done.logprobs is not None:
-                    done.logprobs.extend(out.logprobs)
-                if out.finished:
-                    done.finish_reason = out.finish_reason
-                    pending.discard(out.request_id)
-        return [collected[rid] for rid in ids]
+        """Run a batch of prompts to completion and return them in order (workers.engine.offline)."""
+        return run_to_completion(self, prompts, params)
 
     def score(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
-        """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n-1, float32 [n - 1] (for perplexity).
-
-        Runs chunked prefill (chunk_size tokens a step, default max_num_batched_tokens) through
-        the paged KV cache, so the scores see exactly what generation sees, FP8 KV included.
-        Uses fresh blocks, never the prefix cache, and frees them; call it between steps.
-        """
-        ids = list(token_ids)
-        if len(ids) < 2:
-            raise ValueError(f"score needs at least 2 tokens, got {len(ids)}")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"score got {len(ids)} tokens; this engine's context is {self.max_model_len} tokens")
-        chunk_size = chunk_size or self.config.max_num_batched_tokens
-        seq = self._new_sequence(ids, SamplingParams(max_tokens=1), request_id=f"score-{next(self._ids)}")
-        del self._requests[seq.request_id]  # never scheduled: only its blocks are used
-        bm = self.block_manager
-        if not bm.can_allocate(seq, len(ids)):
-            raise ValueError(
-                f"score needs {bm.blocks_needed(seq, len(ids))} free KV blocks, {bm.num_free_blocks} are free"
-            )
-        bm.allocate(seq, len(ids))
-        out = []
-        try:
-            while seq.num_computed_tokens < len(ids):
-                n = min(chunk_size, len(ids) - seq.num_computed_tokens)
-                out.append(self.runner.next_token_logprobs(ScheduledChunk(seq, n)))
-                seq.num_computed_tokens += n
-        finally:
-            bm.free(seq)
-        return torch.cat(out)
+        """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 (workers.engine.offline)."""
+        return score_tokens(self, token_ids, chunk_size)

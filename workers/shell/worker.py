@@ -17,7 +17,6 @@ prefills' outcomes (workers.shell.prefill_sender). The counters, added to from a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -26,9 +25,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import replace
 
-import torch
-
-from common import envs
 from common.protocol import (
     GrammarCounts,
     KVEndpoint,
@@ -56,13 +52,9 @@ from workers.shell.elastic_threads import core_sharing_for
 from workers.shell.kv_load import KVLoadFailures, PendingLoad, recompute
 from workers.shell.prefill_sender import PrefillSender
 from workers.shell.router_leases import RouterLeases
+from workers.shell.step_log import STEP_LOG_ENV, StepLog
 
 log = logging.getLogger(__name__)
-
-# A folder: every worker appends each engine step's shape and wall time to <worker id>.jsonl
-# there (bench/profile_costs.py --served fits the simulator's cost model to a real server's steps).
-STEP_LOG_ENV = envs.BATON_STEP_LOG_DIR.name
-
 
 __all__ = ["STEP_LOG_ENV", "AbortedIds", "Counters", "EngineWorker", "RequestAborted", "WorkerConfig"]
 
@@ -92,12 +84,7 @@ class EngineWorker:
         self.engine = engine
         self.kv = kv
         self.transport = kv.transport if kv is not None else None  # this rank's own cache's
-        self._step_log = None
-        self._stop_step_log = None
-        step_log_dir = envs.step_log_dir()
-        if step_log_dir:
-            self._step_log = open(os.path.join(step_log_dir, f"{self.worker_id}.jsonl"), "a", buffering=1)
-            self._stop_step_log = engine.observe_steps(self._log_step)
+        self._step_log = StepLog.if_asked(self.worker_id, self.role, engine.observe_steps)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._aborted = AbortedIds()
         self._recv_handles: dict[str, object] = {}
@@ -446,25 +433,7 @@ class EngineWorker:
         if self.kv is not None:
             self.kv.close()
         if self._step_log is not None:
-            self._stop_step_log()
             self._step_log.close()
-
-    def _log_step(self, chunks: list[tuple[int, int, bool]], seconds: float) -> None:
-        if not self._step_log.closed:  # an engine thread that outlived shutdown's join logs nothing more
-            # `end` on the monotonic clock, which every process of the host shares: steps of two
-            # workers can be laid side by side (tests/e2e/test_streams_beside_a_long_prompt.py).
-            self._step_log.write(
-                json.dumps(
-                    {
-                        "role": self.role,
-                        "seconds": seconds,
-                        "end": time.monotonic(),
-                        "threads": torch.get_num_threads(),
-                        "chunks": chunks,
-                    }
-                )
-                + "\n"
-            )
 
 
 def _build_engine_and_kv(config: WorkerConfig, group: TPGroup | None = None):
