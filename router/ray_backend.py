@@ -155,7 +155,7 @@ class RayBackend:
         self.pools.requests.close(request_id)
         live.inbox.put_nowait(Ended())
         for command in commands:
-            if isinstance(command, QueueTokens):
+            if isinstance(command, _BOOKKEEPING):
                 self._bookkeep(command)
         aborts = [c for c in commands if isinstance(c, Abort)]
         await asyncio.gather(*(self._abort_quietly(live, c) for c in aborts))

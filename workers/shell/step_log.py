@@ -11,6 +11,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -21,23 +22,28 @@ __all__ = ["STEP_LOG_ENV", "StepLog"]
 
 STEP_LOG_ENV = envs.BATON_STEP_LOG_DIR.name
 
-# An engine's step observers (workers.engine.llm_engine.StepObserver): registering returns its removal.
-Observe = Callable[[Callable[[list[tuple[int, int, bool]], float], None]], Callable[[], None]]
+StepObserver = Callable[[list[tuple[int, int, bool]], float], None]  # workers.engine.llm_engine's
+
+
+class Observable(Protocol):
+    def observe_steps(self, observer: StepObserver) -> Callable[[], None]:
+        """Call `observer` after every step; returns what stops it."""
+        ...
 
 
 class StepLog:
     """Appends every step of one engine to its worker's file until closed."""
 
-    def __init__(self, folder: str, worker_id: str, role: Role, observe: Observe) -> None:
+    def __init__(self, folder: str, worker_id: str, role: Role, engine: Observable) -> None:
         self.role = role
         self._file = open(os.path.join(folder, f"{worker_id}.jsonl"), "a", buffering=1)
-        self._stop = observe(self._write)
+        self._stop = engine.observe_steps(self._write)
 
     @classmethod
-    def if_asked(cls, worker_id: str, role: Role, observe: Observe) -> StepLog | None:
-        """A step log when $BATON_STEP_LOG_DIR names a folder, else None."""
+    def if_asked(cls, worker_id: str, role: Role, engine: Observable) -> StepLog | None:
+        """A step log when $BATON_STEP_LOG_DIR names a folder, else None (the engine is not asked)."""
         folder = envs.step_log_dir()
-        return cls(folder, worker_id, role, observe) if folder else None
+        return cls(folder, worker_id, role, engine) if folder else None
 
     def _write(self, chunks: list[tuple[int, int, bool]], seconds: float) -> None:
         if self._file.closed:  # an engine thread that outlived its worker's shutdown logs nothing more

@@ -84,7 +84,7 @@ class EngineWorker:
         self.engine = engine
         self.kv = kv
         self.transport = kv.transport if kv is not None else None  # this rank's own cache's
-        self._step_log = StepLog.if_asked(self.worker_id, self.role, engine.observe_steps)
+        self._step_log = StepLog.if_asked(self.worker_id, self.role, engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._aborted = AbortedIds()
         self._recv_handles: dict[str, object] = {}
