@@ -29,29 +29,23 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from kernels import amx_linear, cpu_native
+from kernels import amx_linear
 from kernels._checks import check_tensor, require
 from kernels.decode_attention import paged_decode_attention_reference
 from kernels.kv_store import store_kv_reference
+from kernels.layer_stack_abi import (
+    TILED,
+    LayerArgs,
+    ShapeArgs,
+    StepArgs,
+    entry_points,
+    native_layer_stack,
+)
 from kernels.prefill_attention import native_shape, paged_prefill_attention_reference
 from kernels.rms_norm import rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
 from kernels.silu_mul import silu_and_mul_reference
 from kernels.small_m_linear import unpack_weight
-
-_FP = ctypes.c_void_p
-_I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
-
-# The kernels the layers call: (field, library, symbol), in StackKernels' field order.
-KERNELS = (
-    ("rms_norm", "rms_norm", "baton_rms_norm"),
-    ("linear", "small_m_linear", "baton_small_m_linear"),
-    ("rotary", "rotary", "baton_rotary"),
-    ("store_kv", "kv_store", "baton_store_kv"),
-    ("decode_attention", "paged_decode_attention", "baton_paged_decode_attention"),
-    ("prefill_attention", "paged_prefill_attention", "baton_paged_prefill_attention"),
-    ("silu_and_mul", "silu_mul", "baton_silu_and_mul"),
-)
 
 _STAGES = (
     "input norm",
@@ -66,59 +60,6 @@ _STAGES = (
     "SiLU-and-mul",
     "down projection",
 )
-
-
-_TILED = ("qkv", "o", "gate_up", "down")
-
-
-class _Kernels(ctypes.Structure):
-    _fields_ = [(field, _FP) for field, _, _ in KERNELS] + [("amx_linear", _FP)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = (
-        [(name, _FP) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")]
-        + [("window", _I64)]
-        + [(f"{name}_tiles", _FP) for name in _TILED]
-    )
-
-
-class _Shapes(ctypes.Structure):
-    _fields_ = [
-        ("hidden", _I64),
-        ("intermediate", _I64),
-        ("num_heads", _I32),
-        ("num_kv_heads", _I32),
-        ("head_dim", _I32),
-        ("block_size", _I32),
-        ("num_blocks", _I64),
-        ("cos_sin", _FP),
-        ("max_position", _I64),
-        ("eps", _F32),
-        ("scale", _F32),
-        ("softcap", _F32),
-    ]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = (
-        [
-            ("T", _I64),
-            ("positions", _FP),
-            ("slots", _FP),
-            ("num_decode", _I64),
-            ("decode_block_tables", _FP),
-            ("decode_width", _I64),
-            ("decode_context_lens", _FP),
-            ("num_prefill", _I64),
-            ("prefill_block_tables", _FP),
-            ("prefill_width", _I64),
-            ("prefill_query_start", _FP),
-            ("prefill_context_lens", _FP),
-        ]
-        + [(name, _FP) for name in ("hidden", "residual", "normed", "qkv", "attn", "gate_up", "act")]
-        + [("prompt_runs", _FP), ("num_prompt_runs", _I64)]
-    )
 
 
 @dataclass(frozen=True)
@@ -220,20 +161,7 @@ class LayerWeights:
     down_tiles: torch.Tensor | None = None
 
     def tiles(self) -> list[torch.Tensor | None]:
-        return [getattr(self, f"{name}_tiles") for name in _TILED]
-
-
-def entry_points() -> _Kernels | None:
-    """The kernels' entry points, or None when a library (this one's included) does not build."""
-    addresses = [cpu_native.address(library, symbol) for _, library, symbol in KERNELS]
-    if None in addresses or _native_fn() is None:
-        return None
-    amx = cpu_native.address("amx_linear", "baton_amx_linear") if amx_linear.ready() else None
-    return _Kernels(*addresses, amx)
-
-
-def _native_fn():
-    return cpu_native.function("layer_stack", "baton_layer_stack", (_FP, _FP, _I32, _FP, _FP, _I32))
+        return [getattr(self, f"{name}_tiles") for name in TILED]
 
 
 def _packed(t: torch.Tensor, name: str, n: int, k: int) -> None:
@@ -291,9 +219,9 @@ class LayerStack:
         self._kernels = kernels
         self._weights = layers  # the structs below point into these tensors
         self._cos_sin = cos_sin_cache
-        self._layers = (_Layer * len(layers))(
+        self._layers = (LayerArgs * len(layers))(
             *[
-                _Layer(
+                LayerArgs(
                     w.input_norm.data_ptr(),
                     w.qkv.data_ptr(),
                     w.o.data_ptr(),
@@ -310,7 +238,7 @@ class LayerStack:
         )
         # Prompt rows go to amx_linear only where every layer has its tiles and the kernel runs here.
         self.tiled = kernels.amx_linear is not None and all(t is not None for w in layers for t in w.tiles())
-        self._shapes = _Shapes(
+        self._shapes = ShapeArgs(
             g.hidden_size,
             g.intermediate_size,
             g.num_heads,
@@ -363,7 +291,7 @@ class LayerStack:
         }
         b = batch
         runs = b.prompt_runs if b.prompt_runs is not None and self.tiled else None
-        step = _Step(
+        step = StepArgs(
             T,
             b.positions.data_ptr(),
             b.slot_mapping.data_ptr(),
@@ -382,7 +310,7 @@ class LayerStack:
             0 if runs is None else runs.shape[0],
         )
         if T:
-            err = _native_fn()(
+            err = native_layer_stack()(
                 ctypes.byref(self._kernels),
                 self._layers,
                 len(self._weights),
@@ -407,7 +335,7 @@ def _check_tiles(w: LayerWeights, layer: int) -> None:
     if all(t is None for t in tiles):
         return
     require(all(t is not None for t in tiles), f"layer {layer} has tiles for some projections only")
-    for name, t in zip(_TILED, tiles):
+    for name, t in zip(TILED, tiles):
         blocks, k, _ = getattr(w, name).shape
         shape = (blocks, -(-k // amx_linear.TILE_K), 2, 16, 32)
         check_tensor(t, f"layer {layer} {name}_tiles", 5, (torch.int16,))
