@@ -8,7 +8,14 @@ fails when Triton is missing: the CPU references must keep working on machines w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from common import envs
+
+# Triton ships no type information (no py.typed): mypy sees `triton` and `tl` as Any, here and
+# in the kernel modules that import them from this one.
+__all__ = ["HAS_TRITON", "LazyJIT", "cdiv", "interpreting", "lazy_jit", "next_pow2", "tl", "triton"]
 
 try:
     import triton
@@ -21,10 +28,10 @@ except ImportError:  # macOS or a minimal install: references only
     class _MissingTriton:
         constexpr = None  # lets `x: tl.constexpr` annotations evaluate
 
-        def __getattr__(self, name):
+        def __getattr__(self, name: str) -> Any:
             raise RuntimeError("triton is not installed; use kernel_backend='reference'")
 
-    triton = tl = _MissingTriton()  # type: ignore[assignment]  # a stand-in that fails on use, not a module
+    triton = tl = _MissingTriton()  # a stand-in that fails on use, not a module
 
 
 def interpreting() -> bool:
@@ -34,11 +41,11 @@ def interpreting() -> bool:
 class LazyJIT:
     """`kernel[grid](...)` like a JITFunction, jitted at first launch for the current mode."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[..., None]) -> None:
         self.fn = fn
-        self._jitted: dict[bool, object] = {}
+        self._jitted: dict[bool, Any] = {}  # interpreting -> Triton's JITFunction
 
-    def __getitem__(self, grid):
+    def __getitem__(self, grid: object) -> Callable[..., Any]:
         mode = interpreting()
         jitted = self._jitted.get(mode)
         if jitted is None:
@@ -49,7 +56,7 @@ class LazyJIT:
         return jitted[grid]
 
 
-def lazy_jit(fn) -> LazyJIT:
+def lazy_jit(fn: Callable[..., None]) -> LazyJIT:
     return LazyJIT(fn)
 
 

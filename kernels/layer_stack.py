@@ -177,7 +177,8 @@ class LayerStack:
 
     def __init__(self, geometry: LayerGeometry, layers: list[LayerWeights], cos_sin_cache: torch.Tensor) -> None:
         kernels = entry_points()
-        require(kernels is not None, "the native kernels are not built on this machine")
+        if kernels is None:
+            raise ValueError("the native kernels are not built on this machine")
         require(len(layers) > 0, "a model has at least one decoder layer")
         g = geometry
         require(g.num_heads % g.num_kv_heads == 0, f"{g.num_heads} query heads do not group over {g.num_kv_heads}")
@@ -332,10 +333,11 @@ def _check_tiles(w: LayerWeights, layer: int) -> None:
     """The tiles of a layer whose packed projections are already checked: all or none, each of its
     projection's shape."""
     tiles = w.tiles()
-    if all(t is None for t in tiles):
+    present = [t for t in tiles if t is not None]
+    if not present:
         return
-    require(all(t is not None for t in tiles), f"layer {layer} has tiles for some projections only")
-    for name, t in zip(TILED, tiles):
+    require(len(present) == len(tiles), f"layer {layer} has tiles for some projections only")
+    for name, t in zip(TILED, present):
         blocks, k, _ = getattr(w, name).shape
         shape = (blocks, -(-k // amx_linear.TILE_K), 2, 16, 32)
         check_tensor(t, f"layer {layer} {name}_tiles", 5, (torch.int16,))

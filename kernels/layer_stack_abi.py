@@ -80,24 +80,23 @@ class ShapeArgs(ctypes.Structure):
 class StepArgs(ctypes.Structure):
     """One step's batch (decode rows, then prefill chunks) and its work buffers."""
 
-    _fields_ = (
-        [
-            ("T", I64),
-            ("positions", FP),
-            ("slots", FP),
-            ("num_decode", I64),
-            ("decode_block_tables", FP),
-            ("decode_width", I64),
-            ("decode_context_lens", FP),
-            ("num_prefill", I64),
-            ("prefill_block_tables", FP),
-            ("prefill_width", I64),
-            ("prefill_query_start", FP),
-            ("prefill_context_lens", FP),
-        ]
-        + [(name, FP) for name in ("hidden", "residual", "normed", "qkv", "attn", "gate_up", "act")]
-        + [("prompt_runs", FP), ("num_prompt_runs", I64)]
-    )
+    _fields_ = [
+        ("T", I64),
+        ("positions", FP),
+        ("slots", FP),
+        ("num_decode", I64),
+        ("decode_block_tables", FP),
+        ("decode_width", I64),
+        ("decode_context_lens", FP),
+        ("num_prefill", I64),
+        ("prefill_block_tables", FP),
+        ("prefill_width", I64),
+        ("prefill_query_start", FP),
+        ("prefill_context_lens", FP),
+        *[(name, FP) for name in ("hidden", "residual", "normed", "qkv", "attn", "gate_up", "act")],
+        ("prompt_runs", FP),
+        ("num_prompt_runs", I64),
+    ]
 
 
 def entry_points() -> KernelTable | None:

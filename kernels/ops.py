@@ -137,7 +137,7 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
             gelu_mul.gelu_tanh_and_mul_triton,
             token_bitmask.apply_token_bitmask_gpu,
         )
-    references = dict(
+    references: dict[str, Op] = dict(
         rms_norm=_rms_norm.rms_norm_reference,
         rotary_embedding=rotary.rotary_embedding_reference,
         silu_and_mul=silu_mul.silu_and_mul_reference,
@@ -155,7 +155,7 @@ def kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ker
     )
     if resolved == "reference":
         return KernelOps("reference", **references)
-    native = dict(
+    native: dict[str, Op] = dict(
         rms_norm=_native_or_reference(
             _rms_norm.native_built(),
             _rms_norm.rms_norm_cpu,

@@ -15,9 +15,9 @@ from kernels.plan import DeviceSpec, rotary_plan
 def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     # Same float32 arithmetic as transformers' _compute_default_rope_parameters, so caches agree bit for bit.
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
-    rope_type = "default"
-    if rope_scaling:
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":

@@ -166,7 +166,8 @@ class ControlClient:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self._conn = Client(tuple(address), authkey=authkey)
+                host, port = address
+                self._conn = Client((host, port), authkey=authkey)
                 _nodelay(self._conn)
                 break
             except ConnectionRefusedError:

@@ -29,6 +29,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 # Between looks at a copy in progress that had nothing new; how long without news before looking
 # less often (a sender that died mid-copy is not polled at full speed); the longest sleep with
@@ -62,17 +63,20 @@ def wake(fd: int | None) -> None:
             pass
 
 
-class Follower:
+Item = TypeVar("Item", bound=Hashable)  # what the transport follows a receive by (its record)
+
+
+class Follower(Generic[Item]):
     """One thread per receiving transport, started with its first receive. `look(item)` is the
     transport's step for one followed receive; `closed()` says when the thread should end."""
 
-    def __init__(self, wake_fd: int | None, look: Callable[[Hashable], Progress], closed: Callable[[], bool]) -> None:
+    def __init__(self, wake_fd: int | None, look: Callable[[Item], Progress], closed: Callable[[], bool]) -> None:
         self._wake_fd, self._look, self._closed = wake_fd, look, closed
         self._lock = threading.Lock()
-        self._items: set = set()
+        self._items: set[Item] = set()
         self._thread: threading.Thread | None = None
 
-    def follow(self, item: Hashable) -> None:
+    def follow(self, item: Item) -> None:
         with self._lock:
             self._items.add(item)
             if self._thread is None:

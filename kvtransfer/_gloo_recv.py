@@ -15,18 +15,22 @@ import torch
 
 from common.protocol import KVEndpoint, KVLayoutMismatch
 
-from ._common import GRACE_S, Record, TransportCore, ids_hash, transfer_key
+from ._common import GRACE_S, Record, ids_hash, transfer_key
 from ._control import ControlClient, ControlServer, StoreAdapter
-from ._pair import ConnRequest, InPair, Parked, Staging, XferMsg, as_timedelta, chunk_spans
+from ._gloo_core import GlooCore
+from ._pair import ConnRequest, InPair, PairGroup, Parked, Staging, XferMsg, as_timedelta, chunk_spans
 from ._staged import staged_sums, take_manifest
 from .base import TransferHandle, TransferSide, TransferStatus
 from .integrity import FailureReason, Manifest, verify
 
+# What stopped a receive: its terminal status and error.
+Failure = tuple[TransferStatus, str | None]
 
-class GlooReceiver(TransportCore):
-    """The receiver's half of `kvtransfer.gloo.GlooTransport`; uses the state it sets up, its backend
-    hooks (`_device`, `_make_group`, `_sync`, `_pack_chunk`, `_unpack_chunk`: overridden by NCCL) and
-    its helpers (`_client`, `_own_address`, `_spawn`)."""
+
+class GlooReceiver(GlooCore):
+    """The receiver's half of `kvtransfer.gloo.GlooTransport`; uses GlooCore's state, backend hooks
+    (`_device`, `_make_group`, `_sync`, `_pack_chunk`, `_unpack_chunk`: overridden by NCCL) and
+    helpers (`_client`, `_own_address`, `_spawn`)."""
 
     def endpoint(self) -> KVEndpoint:
         _, layout = self._require_cache()
@@ -91,30 +95,37 @@ class GlooReceiver(TransportCore):
         for p in parked:
             p.timer.cancel()
 
-    def _receive(self, inp: InPair, group, staging: Staging, msg: XferMsg, seq: int, store: ControlClient) -> bool:
+    def _receive(
+        self, inp: InPair, group: PairGroup, staging: Staging, msg: XferMsg, seq: int, store: ControlClient
+    ) -> bool:
         """Receive one announced payload, unpacking each chunk as it lands (or park the
         whole payload if expect() has not come yet). False if the pair broke."""
         deadline = time.monotonic() + msg.remaining_s
         rec = self._get(msg.transfer_id, TransferSide.RECV)
-        live = rec is not None and not rec.status.is_terminal
+        live = rec if rec is not None and not rec.status.is_terminal else None  # the receive it lands in
         # A payload that may have to wait for its expect() gets its own buffer.
-        buf = staging.get(msg.nbytes) if live else torch.empty(msg.nbytes, dtype=torch.uint8, device=self._device())
+        buf = (
+            staging.get(msg.nbytes)
+            if live is not None
+            else torch.empty(msg.nbytes, dtype=torch.uint8, device=self._device())
+        )
         chunks = chunk_spans(msg.nblocks, msg.chunk_blocks)
         block_bytes = msg.nbytes // msg.nblocks
         works = [group.recv([buf[a * block_bytes : (a + c) * block_bytes]], 0, i) for i, (a, c) in enumerate(chunks)]
-        failure: tuple[TransferStatus, str | None] | None = None
+        failure: Failure | None = None
         sums: list[np.ndarray] = []
-        if live:
-            self._set_transferring(rec)
-            failure = self._check_ids(rec, msg)
+        if live is not None:
+            self._set_transferring(live)
+            failure = self._check_ids(live, msg)
         try:
             for (a, c), work in zip(chunks, works):
                 work.wait(as_timedelta(deadline - time.monotonic() + GRACE_S))
-                if live and failure is None:
+                if live is not None and failure is None:
                     self._sync()
                     if msg.sealed:
+                        assert self._bytes is not None  # close() ends every receive before it drops the cache
                         sums.append(staged_sums(self._bytes, buf, a, c, block_bytes))
-                    failure = self._unpack(rec, buf, a, c)
+                    failure = self._unpack(live, buf, a, c)
         except Exception as exc:
             err = f"payload of {msg.transfer_id!r} not received, pair broken: {exc}"
             if rec is not None:
@@ -122,13 +133,13 @@ class GlooReceiver(TransportCore):
             self._verdict(inp, seq, TransferStatus.FAILED, err, FailureReason.SENDER_FAILED)
             return False
         manifest = take_manifest(store, f"{inp.pair}/manifest/{seq}", deadline + GRACE_S) if msg.sealed else None
-        if live:
+        if live is not None:
             if failure is None and msg.sealed:
-                failure = self._check_manifest(rec, msg, manifest, np.concatenate(sums))
+                failure = self._check_manifest(live, msg, manifest, np.concatenate(sums))
             if failure is None:
-                self._finish(rec, TransferStatus.SUCCESS)
+                self._finish(live, TransferStatus.SUCCESS)
             status, error = failure or (TransferStatus.SUCCESS, None)
-            self._verdict(inp, seq, status, error, rec.reason)
+            self._verdict(inp, seq, status, error, live.reason)
             return True
         with self._cond:
             rec = self._get(msg.transfer_id, TransferSide.RECV)
@@ -143,9 +154,7 @@ class GlooReceiver(TransportCore):
         self._settle(inp, rec, msg, seq, buf, manifest)
         return True
 
-    def _check_manifest(
-        self, rec: Record, msg: XferMsg, manifest: Manifest | None, sums: np.ndarray
-    ) -> tuple[TransferStatus, str] | None:
+    def _check_manifest(self, rec: Record, msg: XferMsg, manifest: Manifest | None, sums: np.ndarray) -> Failure | None:
         if manifest is None:
             verdict_reason, message = FailureReason.INCOMPLETE, "the sender's manifest never arrived"
         else:
@@ -157,7 +166,7 @@ class GlooReceiver(TransportCore):
         self._finish(rec, TransferStatus.FAILED, message, verdict_reason)
         return rec.status, rec.error
 
-    def _check_ids(self, rec: Record, msg: XferMsg) -> tuple[TransferStatus, str] | None:
+    def _check_ids(self, rec: Record, msg: XferMsg) -> Failure | None:
         if msg.nbytes != rec.nbytes:
             error = (
                 f"transfer {msg.transfer_id!r}: {msg.nbytes} bytes announced for {msg.nblocks} blocks, "
@@ -171,9 +180,7 @@ class GlooReceiver(TransportCore):
         self._finish(rec, TransferStatus.FAILED, error, FailureReason.IDS_MISMATCH)
         return TransferStatus.FAILED, error
 
-    def _unpack(
-        self, rec: Record, buf: torch.Tensor, start: int, count: int
-    ) -> tuple[TransferStatus, str | None] | None:
+    def _unpack(self, rec: Record, buf: torch.Tensor, start: int, count: int) -> Failure | None:
         """Unpack blocks [start, start + count) of the payload unless the transfer was
         aborted or expired; returns the terminal (status, error) that stopped it."""
         self._expire_if_due(rec)
@@ -193,11 +200,12 @@ class GlooReceiver(TransportCore):
         self, inp: InPair, rec: Record, msg: XferMsg, seq: int, buf: torch.Tensor, manifest: Manifest | None
     ) -> None:
         """Verify and unpack a fully received (parked) payload."""
-        failure = None if rec.status.is_terminal else self._check_ids(rec, msg)
+        failure: Failure | None = None if rec.status.is_terminal else self._check_ids(rec, msg)
         if rec.status.is_terminal:
             failure = rec.status, rec.error
         spans = chunk_spans(msg.nblocks, msg.chunk_blocks)
         if failure is None and msg.sealed:
+            assert self._bytes is not None  # close() ends every receive before it drops the cache
             block_bytes = msg.nbytes // msg.nblocks
             sums = np.concatenate([staged_sums(self._bytes, buf, a, c, block_bytes) for a, c in spans])
             failure = self._check_manifest(rec, msg, manifest, sums)

@@ -13,18 +13,19 @@ import numpy as np
 
 from common.protocol import KVEndpoint, KVLayoutMismatch
 
-from ._common import GRACE_S, TransportCore, ids_hash, transfer_key
+from ._common import GRACE_S, ids_hash, transfer_key
 from ._control import ControlClient, StoreAdapter
+from ._gloo_core import GlooCore
 from ._pair import ConnRequest, OutPair, Staging, XferMsg, as_timedelta, chunk_spans
 from ._staged import spoil_staged, staged_sums
 from .base import KVTransferError, TransferHandle, TransferSide, TransferStatus
 from .integrity import FailureReason, FaultKind, Manifest, faulty_manifest
 
 
-class GlooSender(TransportCore):
-    """The sender's half of `kvtransfer.gloo.GlooTransport`; uses the state it sets up, its backend
-    hooks (`_device`, `_make_group`, `_sync`, `_pack_chunk`, `_unpack_chunk`: overridden by NCCL) and
-    its helpers (`_client`, `_own_address`, `_spawn`)."""
+class GlooSender(GlooCore):
+    """The sender's half of `kvtransfer.gloo.GlooTransport`; uses GlooCore's state, backend hooks
+    (`_device`, `_make_group`, `_sync`, `_pack_chunk`, `_unpack_chunk`: overridden by NCCL) and
+    helpers (`_client`, `_own_address`, `_spawn`)."""
 
     def connect(self, peer: KVEndpoint) -> str:
         _, layout = self._require_cache()
@@ -122,6 +123,10 @@ class GlooSender(TransportCore):
                     if rec.status.is_terminal:
                         continue  # aborted or expired before anything was announced
                     self._set_transferring(rec)
+                    # close() aborts rec, which waits for mem_lock, before it drops the cache; the group
+                    # goes only with the pair broken, checked above.
+                    cache_bytes, group = self._bytes, out.group
+                    assert cache_bytes is not None and group is not None
                     with self._lock:
                         out.in_flight[seq] = rec
                     out.store.set(
@@ -146,9 +151,9 @@ class GlooSender(TransportCore):
                         self._pack_chunk(rec.block_ids[a : a + c], region)
                         self._sync()
                         if sealed:
-                            sums.append(staged_sums(self._bytes, buf, a, c, block_bytes))
+                            sums.append(staged_sums(cache_bytes, buf, a, c, block_bytes))
                         if fault is None:
-                            works.append(out.group.send([region], 1, i))
+                            works.append(group.send([region], 1, i))
                     manifest = (
                         Manifest.of(np.concatenate(sums), transfer_key(rec.transfer_id), self._tag) if sealed else None
                     )
@@ -160,12 +165,12 @@ class GlooSender(TransportCore):
                     continue
                 if fault is not None:
                     manifest = faulty_manifest(fault, manifest) if manifest is not None else None
-                    spoil_staged(self._bytes, fault, buf, spans, block_bytes, rec.deadline)
+                    spoil_staged(cache_bytes, fault, buf, spans, block_bytes, rec.deadline)
                 if manifest is not None:
                     out.store.set(f"{out.pair}/manifest/{seq}", manifest)
                 if fault is not None:
                     works = [
-                        out.group.send([buf[a * block_bytes : (a + c) * block_bytes]], 1, i)
+                        group.send([buf[a * block_bytes : (a + c) * block_bytes]], 1, i)
                         for i, (a, c) in enumerate(spans)
                     ]
                 for work in works:

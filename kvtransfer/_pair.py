@@ -8,13 +8,16 @@ import datetime
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from common.protocol import KVLayout
 
 from ._common import Record
 from ._control import ControlClient
+from .integrity import Manifest
 
 
 def as_timedelta(seconds: float) -> datetime.timedelta:
@@ -63,6 +66,15 @@ class Staging:
         return self.buf[:nbytes]
 
 
+class PairGroup(Protocol):
+    """A pair's two-rank process group, as the transports use it (torch's stubs give the backends'
+    process groups no send or recv)."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
+
+
 @dataclass
 class OutPair:
     """Sender side of a pair."""
@@ -70,11 +82,11 @@ class OutPair:
     peer_id: str
     pair: str
     store: ControlClient  # used by the send thread only
-    group: object
+    group: PairGroup | None  # None once the pair broke on an injected kill (its sockets close)
     peer_num_blocks: int
     jobs: queue.Queue[Record | None] = field(default_factory=queue.Queue)
-    in_flight: dict = field(default_factory=dict)  # seq -> Record awaiting a verdict
-    threads: list = field(default_factory=list)
+    in_flight: dict[int, Record] = field(default_factory=dict)  # seq -> Record awaiting a verdict
+    threads: list[threading.Thread] = field(default_factory=list)
     broken: str | None = None
 
 
@@ -84,7 +96,7 @@ class Parked:
     seq: int
     buf: torch.Tensor
     timer: threading.Timer
-    manifest: object = None  # the sender's kvtransfer.integrity.Manifest (None: not sealed)
+    manifest: Manifest | None = None  # the sender's (None: not sealed)
 
 
 @dataclass
@@ -95,4 +107,4 @@ class InPair:
     reply_store: ControlClient
     reply_lock: threading.Lock = field(default_factory=threading.Lock)
     next_seq: int = 0
-    parked: dict = field(default_factory=dict)  # transfer_id -> Parked
+    parked: dict[str, Parked] = field(default_factory=dict)  # transfer_id -> Parked

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._common import Record, TransportCore, ids_hash, transfer_key
+from ._common import Record, ids_hash, transfer_key
 from ._follower import FOLLOW_WAIT_S, STALLED_S, Progress
 from ._segment import DEADLINE as _DEADLINE
 from ._segment import HASH as _HASH
@@ -28,13 +28,14 @@ from ._segment import STATE as _STATE
 from ._segment import TRANSFERRING as _TRANSFERRING
 from ._segment import UNSEALED as _UNSEALED
 from ._segment import Segment as _Segment
+from ._shm_core import ShmCore
 from .base import TransferHandle, TransferSide, TransferStatus
 from .integrity import FailureReason, Manifest
 
 
-class ShmReceiver(TransportCore):
-    """The receiver's half of `kvtransfer.shm.ShmTransport`, which sets up the state it uses (our
-    segment `_own` and the verifier thread `_follower`)."""
+class ShmReceiver(ShmCore):
+    """The receiver's half of `kvtransfer.shm.ShmTransport`; the state it uses (our segment `_own`
+    and the verifier thread `_follower`) is ShmCore's."""
 
     def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> TransferHandle:
         dst, timeout_s = self._prepare_expect(transfer_id, dst_block_ids, timeout_s)
@@ -64,6 +65,7 @@ class ShmReceiver(TransportCore):
         rec.extra.update(
             slot=slot, sums=np.empty((len(dst), 2), np.uint64), summed=np.zeros(1, np.int64), ids=array("q", dst)
         )
+        assert self._follower is not None  # made with our segment (ShmTransport.allocate_cache)
         self._follower.follow(rec)
         return rec.handle()
 
@@ -80,6 +82,7 @@ class ShmReceiver(TransportCore):
         if rec.role != TransferSide.RECV or rec.status.is_terminal or "slot" not in rec.extra:
             return
         seg, slot = self._own, rec.extra["slot"]
+        assert seg is not None  # a receive with a slot is in our segment, dropped only once every receive ended
         state = TransferStatus(int(seg.slots[slot, _STATE]))
         if state == TransferStatus.TRANSFERRING:
             self._set_transferring(rec)
@@ -142,6 +145,8 @@ class ShmReceiver(TransportCore):
         self._expire_if_due(rec)
         if rec.status != TransferStatus.TRANSFERRING:
             return Progress.ENDED if rec.status.is_terminal else Progress.WAITING
+        # Our segment outlives the receives followed in it (gone only once closed(): the follower then ends).
+        assert self._own is not None
         extra, row, now = rec.extra, self._own.slots[rec.extra["slot"]], time.monotonic()
         done = upto = int(extra["summed"][0])
         if self._summer is not None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._common import Record, TransportCore, coalesce, copy_blocks, copy_runs, ids_hash, transfer_key
+from ._common import Record, coalesce, copy_blocks, copy_runs, ids_hash, transfer_key
 from ._follower import wake
 from ._segment import ABORTED as _ABORTED
 from ._segment import FAILED as _FAILED
@@ -30,14 +30,15 @@ from ._segment import SUCCESS as _SUCCESS
 from ._segment import TRANSFERRING as _TRANSFERRING
 from ._segment import UNSEALED as _UNSEALED
 from ._segment import Segment as _Segment
+from ._shm_core import ShmCore
 from ._shm_faults import faulty_copy
 from .base import TransferHandle, TransferSide, TransferStatus
 from .integrity import FailureReason, Fault, FaultKind, Manifest, faulty_manifest
 
 
-class ShmSender(TransportCore):
-    """The sender's half of `kvtransfer.shm.ShmTransport`, which sets up the state it uses (the
-    peers' segments, copiers and wake FIFOs, and the queue of sends waiting for their receiver)."""
+class ShmSender(ShmCore):
+    """The sender's half of `kvtransfer.shm.ShmTransport`; the state it uses (the peers' segments,
+    copiers and wake FIFOs, and the queue of sends waiting for their receiver) is ShmCore's."""
 
     def send(
         self,
@@ -103,7 +104,7 @@ class ShmSender(TransportCore):
                 pass
             if None in jobs:
                 return
-            pending.extend(jobs)
+            pending.extend(rec for rec in jobs if rec is not None)
             before = len(pending)
             pending = [rec for rec in pending if not self._try_send(rec)]
             pause = 2e-5 if len(pending) < before else min(pause * 2, 0.002)
@@ -159,6 +160,8 @@ class ShmSender(TransportCore):
             # Only a holder of rec.mem_lock moves a send record on (abort and expiry take it
             # too), so no need for the transport lock here.
             rec.status = TransferStatus.TRANSFERRING
+            # close() aborts this send, which waits for rec.mem_lock, before it drops our cache.
+            assert self._bytes is not None
             fault: Fault | None = extra["fault"]
             dst, src = extra["dst"], rec.block_ids
             summing = extra["summing"]
@@ -200,6 +203,7 @@ class ShmSender(TransportCore):
         elif self._rows is not None:  # native kernels off or unbuildable
             copy_runs(seg.rows, self._rows, coalesce(src, dst))
         else:  # a registered cache on another device
+            assert self._bytes is not None  # held by the caller, _try_send
             copy_blocks(seg.cache_bytes, dst, self._bytes, src)
 
     def _late_detail(self, rec: Record) -> str:

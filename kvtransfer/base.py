@@ -23,6 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -157,6 +158,10 @@ class KVTransport(ABC):
     """
 
     kind: str = "abstract"
+
+    if TYPE_CHECKING:  # the constructor for_place's default calls (TransportCore's); declared for the checker only
+
+        def __init__(self, checksums: bool = True) -> None: ...
 
     @classmethod
     def for_place(cls, place: Place, checksums: bool = True) -> KVTransport:

@@ -25,27 +25,18 @@ state are in `_pair.py`.
 
 from __future__ import annotations
 
-import threading
 import time
-import uuid
-
-import torch
-import torch.distributed as dist
 
 from common.transports import Place
 
-from ._common import pack_blocks, unpack_blocks
-from ._control import ControlClient, ControlServer
 from ._gloo_recv import GlooReceiver
 from ._gloo_send import GlooSender
-from ._pair import CHUNK_BYTES, InPair, OutPair, as_timedelta
-from .integrity import FaultPlan
 
 
 class GlooTransport(GlooReceiver, GlooSender):
     """Both sides of the protocol above (the receiver's half in kvtransfer/_gloo_recv.py, the
-    sender's in kvtransfer/_gloo_send.py); here: the state, the backend hooks NCCL overrides, and
-    teardown."""
+    sender's in kvtransfer/_gloo_send.py, the state, the backend hooks NCCL overrides and the
+    constructor in kvtransfer/_gloo_core.py); here: teardown."""
 
     kind = "gloo"
 
@@ -53,71 +44,6 @@ class GlooTransport(GlooReceiver, GlooSender):
     def for_place(cls, place: Place, checksums: bool = True) -> GlooTransport:
         """Bound to the node's address, so peers on other nodes reach it (nccl inherits this)."""
         return cls(host=place.host, checksums=checksums)
-
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        connect_timeout_s: float = 30.0,
-        chunk_bytes: int = CHUNK_BYTES,
-        checksums: bool = True,
-        fault_plan: FaultPlan | None = None,
-    ) -> None:
-        """`host`: the address this worker's control server and pair sockets bind to and
-        advertise; loopback by default, a node IP for multi-node deployments. `chunk_bytes`:
-        payload chunk size for pipelining (rounded to whole blocks)."""
-        super().__init__(checksums, fault_plan)
-        if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-        self._chunk_bytes = chunk_bytes
-        self._host = host
-        self._port = port
-        self._connect_timeout = as_timedelta(connect_timeout_s)
-        self._worker_id = f"{self.kind}-{uuid.uuid4().hex[:12]}"
-        self._server: ControlServer | None = None
-        self._service: threading.Thread | None = None
-        self._out: dict[str, OutPair] = {}
-        self._in: dict[str, InPair] = {}
-        self._threads: list[threading.Thread] = []
-
-    # -- backend specifics (overridden by NCCL) -------------------------------------------
-    def _device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def _make_group(self, store: dist.Store, rank: int):
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = as_timedelta(3600)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._host)]
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
-
-    def _sync(self) -> None:
-        """Make device work issued so far visible (no-op on CPU)."""
-
-    def _pack_chunk(self, ids: list[int], region: torch.Tensor) -> None:
-        """Gather blocks `ids` into the flat byte buffer `region` as [L, 2, n, ...]."""
-        pack_blocks(self._bytes, ids, region)
-
-    def _unpack_chunk(self, ids: list[int], region: torch.Tensor) -> None:
-        shape = (self._bytes.shape[0], 2, len(ids)) + tuple(self._bytes.shape[3:])
-        unpack_blocks(self._bytes, ids, region.view(shape))
-
-    # -- helpers ---------------------------------------------------------------------------
-    def _client(self, address: dict) -> ControlClient:
-        return ControlClient(
-            (address["host"], int(address["port"])), address["authkey"], self._connect_timeout.total_seconds()
-        )
-
-    def _own_address(self) -> dict:
-        assert self._server is not None
-        host, port = self._server.address
-        return {"host": host, "port": port, "authkey": self._server.authkey}
-
-    def _spawn(self, target, *args, name: str) -> threading.Thread:
-        t = threading.Thread(target=target, args=args, daemon=True, name=name)
-        with self._lock:
-            self._threads.append(t)
-        t.start()
-        return t
 
     # -- teardown ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -75,7 +75,10 @@ class InProcessTransport(TransportCore):
         if peer.kind != self.kind:
             raise ValueError(f"cannot connect a {self.kind} transport to a {peer.kind} endpoint")
         layout.check_compatible(peer.layout)
-        self._peers[peer.worker_id] = peer.address["transport"]
+        transport = peer.address.get("transport")
+        if not isinstance(transport, InProcessTransport):
+            raise ValueError(f"peer {peer.worker_id}'s endpoint holds no in-process transport")
+        self._peers[peer.worker_id] = transport
         return peer.worker_id
 
     def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> TransferHandle:
@@ -149,7 +152,8 @@ class InProcessTransport(TransportCore):
         # Lock order sender -> receiver; abort/expiry take only one of the two.
         with rec.mem_lock, target.mem_lock:
             if target.status.is_terminal:
-                self._finish(rec, target.status, f"receiver side: {target.error}", target.reason)
+                reason = None if target.reason is None else FailureReason(target.reason)
+                self._finish(rec, target.status, f"receiver side: {target.error}", reason)
                 return
             if rec.status.is_terminal:
                 return
@@ -158,6 +162,8 @@ class InProcessTransport(TransportCore):
             src = rec.block_ids
             sums = self._block_sums(src) if self.checksums else None
             wrote_src, wrote_dst = faulty_pairs(fault, src, dst)
+            # Both records are live, held under their mem_locks: close() ends them before it drops a cache.
+            assert peer._bytes is not None and self._bytes is not None
             copy_blocks(peer._bytes, wrote_dst, self._bytes, wrote_src)
             if fault is not None and fault.kind == FaultKind.FLIP:
                 flip_bit(block_rows(peer._bytes), dst[clamp_block(fault, len(dst))], fault.bit)

@@ -96,7 +96,7 @@ class FaultPlan:
 
 def layout_tag(layout: KVLayout) -> int:
     """63-bit tag of everything that decides how a block's bytes are read."""
-    fields = (
+    fields: tuple[object, ...] = (
         layout.num_layers,
         layout.num_kv_heads,
         layout.head_dim,

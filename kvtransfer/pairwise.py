@@ -149,7 +149,7 @@ class PairwiseTransport(KVTransport):
         if self._layout is None:
             raise ValueError("pairwise transport has no cache: call allocate_cache() first")
         offers = {kind: sub.endpoint() for kind, sub in self._subs.items()}
-        address = {
+        address: dict[str, object] = {
             "name": self.name,
             "node_id": self.place.node_id,
             "host": self.place.host,
@@ -160,7 +160,10 @@ class PairwiseTransport(KVTransport):
 
     def peer_place(self, peer: KVEndpoint) -> Place:
         a = peer.address
-        return Place(a["node_id"], a["host"], a["device"])
+        node_id, host, device = a["node_id"], a["host"], a["device"]
+        if not (isinstance(node_id, str) and isinstance(host, str) and isinstance(device, str)):
+            raise ValueError(f"peer {peer.worker_id}'s address has no node id, host and device: {a}")
+        return Place(node_id, host, device)
 
     def kind_for(self, peer: KVEndpoint) -> str:
         """The backend this worker would use to send to `peer`."""
@@ -183,13 +186,14 @@ class PairwiseTransport(KVTransport):
             return peer_id
         kind = self.kind_for(peer)
         if peer.kind == KIND:
-            sub_endpoint = peer.address["offers"].get(kind)
-            name, node_id = peer.address["name"], peer.address["node_id"]
+            offers, name, node_id = peer.address["offers"], peer.address["name"], peer.address["node_id"]
+            if not (isinstance(offers, dict) and isinstance(name, str) and isinstance(node_id, str)):
+                raise ValueError(f"peer {peer.worker_id}'s address has no offers, name and node id: {peer.address}")
+            sub_endpoint, offered = offers.get(kind), sorted(offers)
         else:  # a plain backend endpoint (tests, tools)
-            sub_endpoint, name, node_id = peer, peer.worker_id, "?"
+            sub_endpoint, name, node_id, offered = peer, peer.worker_id, "?", [peer.kind]
         sub = self._subs.get(kind)
         if sub is None or sub_endpoint is None:
-            offered = sorted(peer.address.get("offers", {})) if peer.kind == KIND else [peer.kind]
             raise KVTransferError(
                 f"{self.name} ({self.place.short()}) needs {kind} to reach {name}, "
                 f"which offers {offered}; this side has {list(self._subs)}"
@@ -222,7 +226,7 @@ class PairwiseTransport(KVTransport):
             _bound(self._sends)
         return handle
 
-    def _sent(self, handle: TransferHandle) -> tuple[KVTransport, _Link | None]:
+    def _sent(self, handle: TransferHandle) -> tuple[KVTransport, _Link]:
         with self._lock:
             peer_id = self._sends.get(handle.transfer_id)
             link = self._links.get(peer_id) if peer_id is not None else None

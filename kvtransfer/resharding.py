@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
 
 import torch
 
@@ -41,6 +42,7 @@ from common.tp_split import kv_head_range
 
 from ._common import coalesce
 from .base import KVTransport, TransferHandle, TransferResult, TransferSide, TransferStatus
+from .integrity import FaultPlan
 
 DRAFT_SUFFIX = "/draft"  # added to a request's transfer id for the draft model's part of its handoff
 
@@ -136,12 +138,18 @@ def copy_heads(
         dst[:, :, start : start + count, :, dst_heads].copy_(src[:, :, start : start + count, :, src_heads])
 
 
+# A rank's transports: every one of a RankKV is of the kind its new_transport makes (the worker's:
+# kvtransfer.pairwise.PairwiseTransport).
+TransportT = TypeVar("TransportT", bound=KVTransport)
+_Transport_co = TypeVar("_Transport_co", bound=KVTransport, covariant=True)
+
+
 @dataclass
-class _HeadCache:
+class _HeadCache(Generic[_Transport_co]):
     """A cache of part of this rank's heads (a staging or an inlet cache) and its transport."""
 
     heads: tuple[int, int]
-    transport: KVTransport
+    transport: _Transport_co
     cache: torch.Tensor
     head_slice: slice  # where these heads sit in the rank's own cache
 
@@ -156,16 +164,16 @@ class _Route:
     id_suffix: str  # link_id_suffix
     transport: KVTransport  # the rank's own, or a staging cache's
     peer_id: str
-    staging: _HeadCache | None
+    staging: _HeadCache[KVTransport] | None
 
 
 @dataclass
 class _Receiving:
     block_ids: list[int]
-    handles: list[tuple[KVTransport, TransferHandle, _HeadCache | None]]
+    handles: list[tuple[KVTransport, TransferHandle, _HeadCache[KVTransport] | None]]
 
 
-class RankKV:
+class RankKV(Generic[TransportT]):
     """One rank's side of every KV handoff: its own transport and cache, the staging caches its
     sends to finer decode groups need (made at the first connect to such a group), and the inlet
     caches its receives from a finer prefill group need (made here: the router passes the
@@ -173,12 +181,12 @@ class RankKV:
 
     def __init__(
         self,
-        transport: KVTransport,
+        transport: TransportT,
         cache: torch.Tensor,
         layout: KVLayout,
         rank: int,
         model_kv_heads: int,
-        new_transport: Callable[[str], KVTransport],
+        new_transport: Callable[[str], TransportT],
         peer_tp_size: int | None = None,
     ) -> None:
         """`new_transport(name)`: a transport of the same kind for a staging or inlet cache.
@@ -193,21 +201,21 @@ class RankKV:
                 f"{kv_head_range(model_kv_heads, self.tp_size, rank)}"
             )
         self._new_transport = new_transport
-        self._fault_plan = None
+        self._fault_plan: FaultPlan | None = None
         self._lock = threading.Lock()
-        self._staging: dict[tuple[int, int], _HeadCache] = {}
+        self._staging: dict[tuple[int, int], _HeadCache[TransportT]] = {}
         self._routes: dict[tuple, list[_Route]] = {}
         self._receiving: dict[str, _Receiving] = {}
         src_tp = peer_tp_size or self.tp_size
         links = handoff_links(model_kv_heads, src_tp, self.tp_size)
         # What this rank receives: through its own transport, or an inlet, and under which id (link_id_suffix).
-        self._inbound: list[tuple[_HeadCache | None, str]] = [
+        self._inbound: list[tuple[_HeadCache[TransportT] | None, str]] = [
             (None if link.heads == self.heads else self._head_cache(link.heads, "inlet"), link_id_suffix(link, links))
             for link in links
             if link.dst_rank == rank
         ]
         self._inlets = [inlet for inlet, _ in self._inbound if inlet is not None]
-        self.draft: KVTransport | None = None  # the draft model's cache's transport (allocate_draft)
+        self.draft: TransportT | None = None  # the draft model's cache's transport (allocate_draft)
 
     def allocate_draft(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
         """The draft model's KV cache, allocated through a transport of its own (in shared memory
@@ -221,7 +229,7 @@ class RankKV:
         self.draft = transport
         return cache
 
-    def _head_cache(self, heads: tuple[int, int], kind: str) -> _HeadCache:
+    def _head_cache(self, heads: tuple[int, int], kind: str) -> _HeadCache[TransportT]:
         transport = self._new_transport(f"{kind}{heads[0]}-{heads[1]}")
         if self._fault_plan is not None:
             transport.set_fault_plan(self._fault_plan)
@@ -237,7 +245,7 @@ class RankKV:
             draft=self.draft.endpoint() if self.draft is not None else None,
         )
 
-    def transports(self) -> list[KVTransport]:
+    def transports(self) -> list[TransportT]:
         with self._lock:
             return [
                 self.transport,
@@ -299,7 +307,7 @@ class RankKV:
                 f"{'does not' if peer.draft is None else 'does'} (the draft's KV travels with every handoff); give "
                 f"both pools the same --speculative-config"
             )
-        if self.draft is None:
+        if self.draft is None or peer.draft is None:  # both, after the check above
             return []
         try:
             peer_id = self.draft.connect(peer.draft)
@@ -342,7 +350,7 @@ class RankKV:
     # ---- receiver -------------------------------------------------------------------------
     def expect(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
         """Announce a request's blocks to every transport that receives a part of them."""
-        handles = []
+        handles: list[tuple[KVTransport, TransferHandle, _HeadCache[KVTransport] | None]] = []
         try:
             for inlet, id_suffix in self._inbound:
                 transport = self.transport if inlet is None else inlet.transport
@@ -352,8 +360,8 @@ class RankKV:
                     (self.draft, self.draft.expect(transfer_id + DRAFT_SUFFIX, dst_block_ids, timeout_s), None)
                 )
         except BaseException:  # the parts announced already must not land in blocks the caller frees
-            for transport, handle, _ in handles:
-                transport.abort(handle.transfer_id)
+            for announced, handle, _ in handles:
+                announced.abort(handle.transfer_id)
             raise
         with self._lock:
             self._receiving[transfer_id] = _Receiving(list(dst_block_ids), handles)
@@ -385,7 +393,7 @@ class RankKV:
         for transport, handle, _ in receiving.handles if receiving else []:
             transport.abort(handle.transfer_id)
 
-    def set_fault_plan(self, plan) -> None:
+    def set_fault_plan(self, plan: FaultPlan | None) -> None:
         """Faults for this rank's sends, on every link, staging caches made later included (tests)."""
         self._fault_plan = plan
         for transport in self.transports():

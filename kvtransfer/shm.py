@@ -35,8 +35,6 @@ start time, recorded in the header) no longer exists.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import uuid
 from multiprocessing import resource_tracker
 
@@ -48,7 +46,7 @@ from kernels.block_checksum import SummingCopier
 from kernels.block_checksum import native_available as native_sums_available
 from kernels.block_copy import KVBlockCopier, copy_native_available
 
-from ._common import Record, block_rows
+from ._common import block_rows
 from ._follower import Follower
 from ._segment import HEADER_INTS as _HEADER_INTS
 from ._segment import MAGIC as _MAGIC
@@ -61,45 +59,14 @@ from ._segment import shm_dir as _shm_dir
 from ._shm_recv import ShmReceiver
 from ._shm_send import ShmSender
 from .base import torch_dtype
-from .integrity import FaultPlan
 
 
 class ShmTransport(ShmReceiver, ShmSender):
     """Both sides of the protocol above over one segment of our own (the receiver's half in
-    kvtransfer/_shm_recv.py, the sender's in kvtransfer/_shm_send.py); here: the segment's and the
-    peers' lifetimes."""
+    kvtransfer/_shm_recv.py, the sender's in kvtransfer/_shm_send.py, the state they share and
+    the constructor in kvtransfer/_shm_core.py); here: the segment's and the peers' lifetimes."""
 
     kind = "shm"
-
-    def __init__(
-        self,
-        num_slots: int = 1024,
-        checksums: bool = True,
-        fault_plan: FaultPlan | None = None,
-        verify_chunk_bytes: int = 256 << 10,
-    ) -> None:
-        """`verify_chunk_bytes`: how much a sealing send copies (whole blocks, at least one)
-        before it tells the receiver, who verifies that much while the next is copied."""
-        super().__init__(checksums, fault_plan)
-        if num_slots <= 0:
-            raise ValueError(f"num_slots must be > 0, got {num_slots}")
-        if not isinstance(verify_chunk_bytes, int) or verify_chunk_bytes <= 0:
-            raise ValueError(f"verify_chunk_bytes must be a positive int, got {verify_chunk_bytes!r}")
-        self._num_slots = num_slots
-        self._verify_chunk_bytes, self._chunk_blocks = verify_chunk_bytes, 1  # blocks: set with the layout
-        self._worker_id = f"shm-{uuid.uuid4().hex[:12]}"
-        self._own: _Segment | None = None
-        self._peers: dict[str, _Segment] = {}
-        self._jobs: queue.Queue[Record | None] = queue.Queue()
-        self._worker: threading.Thread | None = None
-        self._rows: np.ndarray | None = None  # block_rows() of our cache, when on the CPU
-        # Per peer: the native copy from our cache into its segment, when our cache is on the CPU.
-        self._copiers: dict[str, KVBlockCopier | None] = {}
-        self._summing: dict[str, SummingCopier | None] = {}  # the same, summing as it copies
-        self._wakers: dict[str, int | None] = {}  # per peer: the write end of its FIFO
-        # Receiver: the read end of our FIFO, and the verifier thread (kvtransfer._follower).
-        self._wake_fd: int | None = None
-        self._follower: Follower | None = None
 
     # -- cache ---------------------------------------------------------------------------
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
@@ -138,11 +105,14 @@ class ShmTransport(ShmReceiver, ShmSender):
 
     def endpoint(self) -> KVEndpoint:
         _, layout = self._require_cache()
-        address = {"path": None if self._own is None else self._own.path, "num_slots": self._num_slots}
+        address: dict[str, object] = {
+            "path": None if self._own is None else self._own.path,
+            "num_slots": self._num_slots,
+        }
         return KVEndpoint(self.kind, self._worker_id, layout, self._num_blocks, address)
 
     def connect(self, peer: KVEndpoint) -> str:
-        _, layout = self._require_cache()
+        ours, layout = self._require_cache()
         if peer.kind != self.kind:
             raise ValueError(f"cannot connect a {self.kind} transport to a {peer.kind} endpoint")
         layout.check_compatible(peer.layout)
@@ -154,14 +124,19 @@ class ShmTransport(ShmReceiver, ShmSender):
                 f"peer {peer.worker_id} registered a private cache; only caches made "
                 "by ShmTransport.allocate_cache() can receive over shm"
             )
+        num_slots = peer.address.get("num_slots")
+        if not isinstance(path, str) or not isinstance(num_slots, int):
+            raise ValueError(
+                f"peer {peer.worker_id}'s shm address is not a segment path and slot count: {peer.address}"
+            )
         self._forget_exited_peers()
-        seg = open_peer_segment(path, peer.layout, peer.num_blocks, int(peer.address["num_slots"]), peer.worker_id)
+        seg = open_peer_segment(path, peer.layout, peer.num_blocks, num_slots, peer.worker_id)
         self._peers[peer.worker_id] = seg
         self._copiers[peer.worker_id] = (
-            KVBlockCopier(seg.cache_bytes, self._bytes) if copy_native_available(seg.cache_bytes, self._bytes) else None
+            KVBlockCopier(seg.cache_bytes, ours) if copy_native_available(seg.cache_bytes, ours) else None
         )
         self._summing[peer.worker_id] = (
-            SummingCopier(seg.cache_bytes, self._bytes) if native_sums_available(seg.cache_bytes, self._bytes) else None
+            SummingCopier(seg.cache_bytes, ours) if native_sums_available(seg.cache_bytes, ours) else None
         )
         self._wakers[peer.worker_id] = open_waker(path)
         return peer.worker_id

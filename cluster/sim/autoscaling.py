@@ -22,7 +22,8 @@ class SimulatorSignals:
     def __call__(self) -> Signals:
         sim, window_s = self.sim, self.window_s
         now = sim.loop.now
-        while sim.recent and sim.recent[0].done_s < now - window_s:
+        # Completed records only (done_s set).
+        while sim.recent and (done_s := sim.recent[0].done_s) is not None and done_s < now - window_s:
             sim.recent.popleft()
         first = [r for r in sim.records if r.first_token_s is not None and r.first_token_s >= now - window_s]
         ttft = p90([r.ttft_s for r in first])

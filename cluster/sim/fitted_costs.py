@@ -126,7 +126,7 @@ def fit_cost_model(samples: list[dict]) -> tuple[dict[str, float], float, dict]:
     names = FittedCostModel.COEFFICIENTS
     t = np.array([s["seconds"] for s in samples])
     shapes = [StepShape(**{k: s[k] for k in StepShape.__dataclass_fields__}) for s in samples]
-    best = None
+    best: tuple[np.ndarray, int, float, np.ndarray] | None = None
     for knee in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64):
         x = np.array([FittedCostModel.features(sh, knee) for sh in shapes]) / t[:, None]
         active = list(range(len(names)))
@@ -142,6 +142,7 @@ def fit_cost_model(samples: list[dict]) -> tuple[dict[str, float], float, dict]:
         err = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
         if best is None or err < best[2]:
             best = (full, knee, err, pred)
+    assert best is not None  # the first knee sets it
     full, knee, err, pred = best
     rel = np.abs(pred - t) / t
     quality = {

@@ -216,7 +216,8 @@ class WorkloadSpec:
             for g in range(self.prefix_groups)
         ]
         weights = [1.0 / (g + 1) for g in range(self.prefix_groups)]
-        t, requests = 0.0, []
+        t = 0.0
+        requests: list[SimRequest] = []
         shape = 1.0 / (self.cv**2) if self.arrival == "bursty" else 1.0
         peak = self.rate * max([m for _, m in self.rate_points] or [1.0])
         while True:
@@ -255,7 +256,7 @@ def read_trace(path: str | Path, seed: int = 0, name: str = "trace") -> Workload
     prompt (token ids) or prompt_len with an optional prefix_group / prefix_len (shared-prefix groups)."""
     rng = random.Random(seed)
     prefixes: dict[Any, list[int]] = {}
-    requests = []
+    requests: list[SimRequest] = []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue

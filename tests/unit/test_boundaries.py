@@ -307,10 +307,10 @@ def test_the_workers_subpackages_import_each_other_without_a_cycle():
 ALLOWED_PRIVATE = {
     ("testkit.cluster", "_private"): "ray._private.ray_constants: whether Ray was imported in cluster mode, "
     "which Ray offers no public way to ask",
-    ("kvtransfer.gloo", "_Options"): "torch.distributed.ProcessGroupGloo takes its timeout and devices only "
+    ("kvtransfer._gloo_core", "_Options"): "torch.distributed.ProcessGroupGloo takes its timeout and devices only "
     "through its _Options",
-    ("kvtransfer.gloo", "_timeout"): "ProcessGroupGloo._Options' timeout field (torch names it so)",
-    ("kvtransfer.gloo", "_devices"): "ProcessGroupGloo._Options' devices field (torch names it so)",
+    ("kvtransfer._gloo_core", "_timeout"): "ProcessGroupGloo._Options' timeout field (torch names it so)",
+    ("kvtransfer._gloo_core", "_devices"): "ProcessGroupGloo._Options' devices field (torch names it so)",
     ("kvtransfer.nccl", "_timeout"): "ProcessGroupNCCL.Options' timeout field (torch names it so)",
     ("workers.quantization.packed_linear", "_reorder_linear_weight"): "oneDNN weight prepacking: torch exposes "
     "it only as this op (what torch.compile's CPU path uses)",

@@ -97,7 +97,7 @@ class BlockManager:
         bs = self.block_size
         while (len(seq.block_hashes) + 1) * bs <= num_tokens:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.context.kv_namespace)
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.kv_namespace)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

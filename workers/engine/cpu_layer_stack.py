@@ -14,11 +14,13 @@ and speculative drafts always run in float32.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from kernels import amx_linear
 from kernels.layer_stack import LayerGeometry, LayerStack, LayerWeights, StackBatch, entry_points
-from workers.models.llama import AttentionMetadata, LlamaForCausalLM
+from workers.models.llama import AttentionMetadata, DecoderLayer, LlamaForCausalLM
 from workers.quantization.packed_linear import PackedLinear
 
 
@@ -27,6 +29,11 @@ def _packed(linear) -> torch.Tensor | None:
     if not isinstance(linear, PackedLinear) or linear.bias is not None or linear.packed_weight.dim() != 3:
         return None
     return linear.packed_weight
+
+
+def _decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    """The model's decoder layers (its nn.ModuleList gives them to the checker as plain modules)."""
+    return [cast(DecoderLayer, layer) for layer in model.layers]
 
 
 def unsupported_reason(model, kv_cache: torch.Tensor, tp_group) -> str | None:
@@ -39,7 +46,7 @@ def unsupported_reason(model, kv_cache: torch.Tensor, tp_group) -> str | None:
         return "the native CPU kernels are not in use"
     if kv_cache.dtype != torch.float32 or model.embed_tokens.weight.dtype != torch.float32:
         return f"the weights or the KV cache ({kv_cache.dtype}) are not float32"
-    for layer in model.layers:
+    for layer in _decoder_layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         if attn.q_norm is not None:
             return "per-head q/k norms"
@@ -76,6 +83,11 @@ def cpu_layer_stack(model, kv_cache: torch.Tensor, tp_group=None, prompt_matmul:
             "gate_up": layer.mlp.gate_up_proj,
             "down": layer.mlp.down_proj,
         }
+        packed: dict[str, torch.Tensor] = {}
+        for name, p in projections.items():
+            weight = _packed(p)
+            assert weight is not None  # unsupported_reason found every projection packed
+            packed[name] = weight
         layers.append(
             LayerWeights(
                 input_norm=layer.input_layernorm.data,
@@ -83,8 +95,8 @@ def cpu_layer_stack(model, kv_cache: torch.Tensor, tp_group=None, prompt_matmul:
                 k_cache=kv_cache[i, 0],
                 v_cache=kv_cache[i, 1],
                 window=layer.self_attn.window,
-                **{name: _packed(p) for name, p in projections.items()},
-                **{f"{name}_tiles": amx_linear.pack_weight(_packed(p)) for name, p in projections.items() if tiled},
+                **packed,
+                **{f"{name}_tiles": amx_linear.pack_weight(w) for name, w in packed.items() if tiled},
             )
         )
     return LayerStack(geometry, layers, model.cos_sin_cache)

@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -198,7 +199,7 @@ class GrammarCache:
         self,
         model_dir: str | Path,
         vocab_size: int,
-        stop_token_ids: list[int],
+        stop_token_ids: Sequence[int],
         capacity: int = DEFAULT_CACHE_SIZE,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
@@ -208,7 +209,7 @@ class GrammarCache:
         self.capacity = capacity
         self.compile_timeout_s = compile_timeout_s
         self._compiler: xgr.GrammarCompiler | None = None
-        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._compiled: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._times: list[float] = []
@@ -220,7 +221,7 @@ class GrammarCache:
             self._compiler = _xgrammar().GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
-    def _compile(self, spec: StructuredOutput) -> object:
+    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         compiler = self._get_compiler()
         started = time.perf_counter()
         try:
@@ -246,7 +247,7 @@ class GrammarCache:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def compiled(self, spec: StructuredOutput) -> object:
+    def compiled(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         """The compiled grammar of `spec`; GrammarCompileError when it is invalid or takes too long."""
         with self._lock:
             found = self._compiled.get(spec)

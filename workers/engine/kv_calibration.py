@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
-from torch import nn
 
-from workers.models.llama import AttentionMetadata, KVCacheView
+from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
 from workers.quantization.fp8 import FP8_MAX
 
 # Calibration text for KV scales: plain English of several registers, written for this purpose.
@@ -64,7 +63,7 @@ def calibration_token_ids(model_dir: str | Path | None, vocab_size: int) -> list
 
 @torch.inference_mode()
 def calibrate_kv_scales(
-    model: nn.Module, token_ids: list[int], dtype: torch.dtype, block_size: int = 16
+    model: LlamaForCausalLM, token_ids: list[int], dtype: torch.dtype, block_size: int = 16
 ) -> tuple[tuple[float, float], ...]:
     """(k_scale, v_scale) per layer: amax / 448 of K and V over one float forward of token_ids.
 
@@ -79,15 +78,15 @@ def calibrate_kv_scales(
     cache = torch.zeros(
         (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device
     )
-    i32 = dict(dtype=torch.int32, device=device)
+    i32 = torch.int32
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
         num_decode_tokens=0,
-        decode_block_tables=torch.zeros((0, 0), **i32),
-        decode_context_lens=torch.zeros((0,), **i32),
-        prefill_block_tables=torch.arange(num_blocks, **i32).reshape(1, num_blocks),
-        prefill_query_start_loc=torch.tensor([0, n], **i32),
-        prefill_context_lens=torch.tensor([n], **i32),
+        decode_block_tables=torch.zeros((0, 0), dtype=i32, device=device),
+        decode_context_lens=torch.zeros((0,), dtype=i32, device=device),
+        prefill_block_tables=torch.arange(num_blocks, dtype=i32, device=device).reshape(1, num_blocks),
+        prefill_query_start_loc=torch.tensor([0, n], dtype=i32, device=device),
+        prefill_context_lens=torch.tensor([n], dtype=i32, device=device),
     )
     views = [KVCacheView(cache[layer, 0], cache[layer, 1]) for layer in range(cfg.num_layers)]
     threads = torch.get_num_threads()

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ class LLMEngine:
         runner: ModelRunner,
         decode: Decode | None = None,
         grammars: GrammarCache | None = None,
-        speculator: Speculation | None = None,
+        speculator: Speculation[Any] | None = None,
     ) -> None:
         self.model_config = model_config
         self.config = config
@@ -336,6 +337,8 @@ class LLMEngine:
             if not drafts:
                 outputs.append(self._advance(seq, tokens[span], logprobs[span]))
                 continue
+            # Drafts come from the speculator, which also gave the request its drafting history.
+            assert self.speculator is not None and state.drafting is not None
             accepted = self.speculator.verdict(chunk, tokens[span], state.drafting, state.generator, generator_state)
             # The last token and the accepted drafts are computed; the rejected drafts' slots go back.
             seq.num_computed_tokens += 1 + accepted
@@ -355,6 +358,7 @@ class LLMEngine:
             self.block_manager.release_out_of_window(seq)
 
     def _drafts(self, decoding: list[Sequence], budget: int) -> list[list[int]]:
+        assert self.speculator is not None  # the scheduler's drafter only with a speculator
         return self.speculator.drafts(
             decoding,
             budget,

@@ -3,6 +3,8 @@ config picks, its weights loaded (FP8-quantized or prepacked as configured), and
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 
 from kernels.ops import kernel_ops
@@ -19,8 +21,10 @@ from workers.quantization.registry import checkpoint_quantization, quantization_
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
-def allocate_empty(model: torch.nn.Module, device) -> torch.nn.Module:
+
+def allocate_empty(model: ModuleT, device: torch.device | str) -> ModuleT:
     """`model` (built on the meta device) with uninitialised storage on `device` for every parameter
     and buffer, as `Module.to_empty` gives. to_empty reaches `torch.empty_like` through PyTorch's
     reference ops, whose first call imports sympy: about 0.8 s of every worker's start on a CPU."""
@@ -36,7 +40,7 @@ def allocate_empty(model: torch.nn.Module, device) -> torch.nn.Module:
     return model
 
 
-def cast_float(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def cast_float(model: ModuleT, dtype: torch.dtype) -> ModuleT:
     """The floating-point parameters of a float model (nothing quantized yet) cast to `dtype`."""
     for p in model.parameters():
         if p.dtype.is_floating_point and p.dtype != dtype:
@@ -79,7 +83,8 @@ def load_model(
     cls = model_class(model_config.architecture)
     ops = kernel_ops(engine_config.kernel_backend, device)
     with torch.device("meta"):
-        model = cls(model_config, ops) if tp_group is None else cls(model_config, ops, tp_group)
+        # What load_model returns: the built-in families' classes are LlamaForCausalLM or subclass it.
+        model: LlamaForCausalLM = cls(model_config, ops) if tp_group is None else cls(model_config, ops, tp_group)
     if checkpoint is not None:
         checkpoint.method.prepare_checkpoint(model, checkpoint.scheme, ops)
     model = allocate_empty(model, device)

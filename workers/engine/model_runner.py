@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -22,7 +23,7 @@ from workers.engine.cuda_graphs import (
 )
 from workers.engine.kv_cache import kv_cache_num_blocks, kv_cache_torch_dtype
 from workers.engine.loader import TORCH_DTYPES, kv_cache_scales, load_model
-from workers.engine.sequence import ScheduledChunk
+from workers.engine.sequence import StepChunk
 from workers.engine.step_inputs import StepInputs
 from workers.models.config import ModelConfig
 from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
@@ -162,7 +163,7 @@ class ModelRunner:
         return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).reshape(len(rows), width)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> torch.Tensor:
+    def execute(self, chunks: Sequence[StepChunk], sample_mask: list[bool]) -> torch.Tensor:
         """Run one step. chunks must list single-token (decode) chunks first.
 
         Returns float32 logits, in chunk order, for the last token of each chunk whose sample_mask
@@ -173,7 +174,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_index])
 
     @torch.inference_mode()
-    def next_token_logprobs(self, chunk: ScheduledChunk, rows_per_slice: int = 256) -> torch.Tensor:
+    def next_token_logprobs(self, chunk: StepChunk, rows_per_slice: int = 256) -> torch.Tensor:
         """Run one prefill chunk; float32 log p(token[p + 1] | tokens[:p + 1]) for each of its
         positions p that has a next token in chunk.seq (the last position of the sequence has none).
         Logits are formed rows_per_slice at a time to bound memory ([rows, vocab] float32)."""
@@ -187,7 +188,7 @@ class ModelRunner:
             out.append(torch.log_softmax(logits, dim=-1).gather(1, rows[:, None])[:, 0])
         return torch.cat(out) if out else torch.zeros(0)
 
-    def _forward(self, chunks: list[ScheduledChunk], sample_mask: list[bool]) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, chunks: Sequence[StepChunk], sample_mask: list[bool]) -> tuple[torch.Tensor, list[int]]:
         step = StepInputs.of(chunks, sample_mask, self.block_size)
         graphs = self.decode_graphs
         if graphs is not None and step.num_decode == len(step.input_ids) and graphs.fits(step.decode_rows):

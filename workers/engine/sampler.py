@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from common.protocol import TokenLogprob
 from common.sampling_params import SamplingParams
 from kernels.sampling import exponential_race_reference, retry_keys
 from kernels.token_bitmask import allocate_token_bitmask, apply_token_bitmask_reference
+
+if TYPE_CHECKING:  # annotations only
+    from workers.engine.grammar import GrammarState
 
 # Rejection rounds for top-p before the sorted fallback; a round is accepted with probability at
 # least max(top_p, largest probability), so with the usual top_p >= 0.5 eight rounds almost never run out.
@@ -58,8 +62,8 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()  # EOS/stop tokens while min_tokens is not reached
     # The prompt as a tensor, kept by the caller across steps so penalties do not rebuild it.
     prompt_tensor: torch.Tensor | None = None
-    # The request's grammar (workers.engine.grammar.GrammarState) when it has a structured output.
-    grammar: object | None = None
+    # The request's grammar when it has a structured output.
+    grammar: GrammarState | None = None
 
 
 def draw_keys(generator: torch.Generator | None, n: int) -> torch.Tensor:
@@ -136,7 +140,7 @@ def _sample_rows(x: torch.Tensor, rows: list[SamplingRow], keys: torch.Tensor, r
     vocab = x.shape[1]
     params = [r.params for r in rows]
     inv_t = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
-    top_k_floor = None
+    top_k_floor: torch.Tensor | None = None
     top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     if top_k:
         # The k-th largest logit of each top-k row: tokens below it are cut (ties with it stay).
@@ -158,6 +162,7 @@ def _sample_rows(x: torch.Tensor, rows: list[SamplingRow], keys: torch.Tensor, r
         sub = x[missed]
         if top_k_floor is not None:
             sub = sub.masked_fill(sub < top_k_floor[missed, None], float("-inf"))
+        assert top_p is not None  # only a nucleus cut makes the race miss
         sub = _top_p_sorted(sub, inv_t[missed], top_p[missed].double())
         offsets = None if min_p_offset is None else min_p_offset[missed]
         tokens[missed] = race(sub, inv_t[missed], retry_keys(keys[missed], RACE_ATTEMPTS), None, offsets, None, 1)
@@ -173,9 +178,9 @@ def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> 
     x = raw[_rows(want, len(rows))]
     lse = torch.logsumexp(x, -1, keepdim=True)
     chosen = (x.gather(1, torch.tensor([tokens[i] for i in want])[:, None]) - lse)[:, 0].tolist()
-    n_top = max(rows[i].params.logprobs for i in want)
-    top_values, top_ids = x.topk(n_top) if n_top else (x[:, :0], x[:, :0].long())
-    top_values, top_ids = (top_values - lse).tolist(), top_ids.tolist()
+    n_top = max(n for r in rows if (n := r.params.logprobs) is not None)
+    top_logits, top_indices = x.topk(n_top) if n_top else (x[:, :0], x[:, :0].long())
+    top_values, top_ids = (top_logits - lse).tolist(), top_indices.tolist()
     for j, i in enumerate(want):
         n = rows[i].params.logprobs
         out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
@@ -189,7 +194,9 @@ def _apply_grammars(
     writes its own row of one bitmask; one masked pass then covers every constrained row."""
     bitmask = allocate_token_bitmask(len(rows), work.shape[1])
     for i in constrained:
-        rows[i].grammar.fill_bitmask(bitmask, i)
+        grammar = rows[i].grammar
+        assert grammar is not None  # `constrained` lists the rows whose grammar constrains them
+        grammar.fill_bitmask(bitmask, i)
     apply_bitmask(work, bitmask.to(work.device), constrained)
 
 

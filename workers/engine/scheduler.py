@@ -159,14 +159,15 @@ class Scheduler:
         """Extend this step's decode chunks (all of `scheduled` so far) with the drafter's tokens, in the
         budget the decodes left and the blocks free now: drafts never preempt anything and never take a
         decode's place. Returns the budget they use."""
-        bm = self.block_manager
+        bm, drafter = self.block_manager, self.drafter
+        assert drafter is not None  # _schedule adds drafts only with a drafter
         if spare <= 0:
             return 0
         # A block left free for each running sequence not in the step yet (its prefill chunk may need
         # one): drafts must not make the prefill pass preempt.
         others = sum(1 for s in self.running if s.status is SequenceStatus.RUNNING) - len(scheduled)
         used = 0
-        for i, drafts in enumerate(self.drafter([c.seq for c in scheduled], spare)):
+        for i, drafts in enumerate(drafter([c.seq for c in scheduled], spare)):
             drafts = drafts[: spare - used]
             seq = scheduled[i].seq
             if not drafts or bm.blocks_needed(seq, 1 + len(drafts)) > bm.num_free_blocks - others:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from common.request import RequestContext
 from common.sampling_params import SamplingParams
@@ -62,6 +63,12 @@ class Sequence:
             self.context = RequestContext(self.request_id)
 
     @property
+    def kv_namespace(self) -> str | None:
+        """Where the prefix cache's chain of this request starts (its context's namespace)."""
+        assert self.context is not None  # __post_init__ makes a bare context when none was given
+        return self.context.kv_namespace
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -82,15 +89,33 @@ class Sequence:
         self.output_token_ids.append(token_id)
 
 
+class StepSequence(Protocol):
+    """What the model runner reads of a chunk's sequence (StepInputs.of): a Sequence, or a draft
+    model's view of one (workers.speculative.draft_model.DraftView)."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def block_ids(self) -> list[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
 @dataclass(frozen=True)
-class ScheduledChunk:
+class StepChunk:
     """num_tokens new tokens of seq to compute this step, starting at seq.num_computed_tokens.
 
     With draft_token_ids (speculative decoding), the chunk is a decoding sequence's last token
     followed by its drafts: num_tokens = 1 + len(draft_token_ids) query positions, verified in one
-    forward pass; the drafts are not in seq.token_ids until accepted."""
+    forward pass; the drafts are not in seq.token_ids until accepted. The model runner takes these;
+    the scheduler makes ScheduledChunk, whose seq is a Sequence."""
 
-    seq: Sequence
+    seq: StepSequence
     num_tokens: int
     draft_token_ids: tuple[int, ...] = ()
 
@@ -100,3 +125,10 @@ class ScheduledChunk:
         start = self.seq.num_computed_tokens
         end = start + self.num_tokens - len(self.draft_token_ids)
         return self.seq.token_ids[start:end] + list(self.draft_token_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk(StepChunk):
+    """A chunk of a Sequence, as the scheduler plans a step (see StepChunk)."""
+
+    seq: Sequence

@@ -8,7 +8,7 @@ through `Speculation`, so it imports nothing of workers.speculative, which build
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -28,18 +28,26 @@ class SpeculationCounters(Protocol):
     def snapshot(self) -> SpecDecodeStats: ...
 
 
-class Speculation(Protocol):
+# The speculator's own record of one request's drafts: the engine keeps it in the request's state
+# and hands it back, knowing only its totals (RequestDrafts).
+History = TypeVar("History", bound=RequestDrafts)
+
+
+class Speculation(Protocol[History]):
     """An engine's speculative decoding (workers.speculative.speculator.Speculator): drafts for a step's
     decoding sequences (the scheduler's drafter) and the verdict on them once the step's tokens are drawn."""
 
-    counters: SpeculationCounters  # since start, for EngineStats.spec_decode
+    @property
+    def counters(self) -> SpeculationCounters:
+        """Since start, for EngineStats.spec_decode."""
+        ...
 
     @property
     def drafts_with_keys(self) -> bool:
         """Whether every sampled request should have keys its drafts can be drawn with."""
         ...
 
-    def new_history(self) -> RequestDrafts:
+    def new_history(self) -> History:
         """A new request's drafts (none yet), kept in its RequestState."""
         ...
 
@@ -55,7 +63,7 @@ class Speculation(Protocol):
         self,
         decoding: list[Sequence],
         budget: int,
-        history_of: Callable[[Sequence], RequestDrafts | None],
+        history_of: Callable[[Sequence], History | None],
         generator_of: Callable[[Sequence], torch.Generator | None],
     ) -> list[list[int]]:
         """Drafts for each of decoding, at most budget in all; none where history_of(seq) is None."""
@@ -73,7 +81,7 @@ class Speculation(Protocol):
         self,
         chunk: ScheduledChunk,
         tokens: list[int],
-        history: RequestDrafts,
+        history: History,
         generator: torch.Generator | None,
         generator_state: torch.Tensor | None,
     ) -> int:

@@ -3,9 +3,10 @@ and the KV cache, and what rank 0 of a tensor-parallel group broadcasts to the o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workers.engine.sequence import ScheduledChunk
+from workers.engine.sequence import StepChunk
 
 
 @dataclass(frozen=True)
@@ -29,13 +30,16 @@ class StepInputs:
     prompt_runs: list[tuple[int, int]]
 
     @classmethod
-    def of(cls, chunks: list[ScheduledChunk], sample_mask: list[bool], block_size: int) -> StepInputs:
+    def of(cls, chunks: Sequence[StepChunk], sample_mask: list[bool], block_size: int) -> StepInputs:
         bs = block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_rows, decode_lens = [], []
-        prefill_rows, prefill_lens, query_start = [], [], [0]
+        decode_rows: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefill_rows: list[list[int]] = []
+        prefill_lens: list[int] = []
+        query_start = [0]
         logits_index: list[int] = []
         prompt_runs: list[tuple[int, int]] = []
         num_decode = 0

@@ -66,7 +66,7 @@ class ModelConfig:
         """The window every layer shares when all layers are windowed (older KV blocks can be freed), else None."""
         if not self.layer_windows or any(w is None for w in self.layer_windows):
             return None
-        return max(self.layer_windows)
+        return max(w for w in self.layer_windows if w is not None)
 
     @classmethod
     def from_dict(cls, config: dict, generation_config: dict | None = None) -> ModelConfig:
@@ -174,5 +174,7 @@ def layer_windows(family: ModelFamily, arch: str, config: dict, max_positions: i
     window = config.get("sliding_window")
     if SLIDING in types and not (isinstance(window, int) and window >= 1):
         raise ValueError(f"{arch} has sliding_attention layers but sliding_window is {window!r}")
-    windows = tuple(int(window) if t == SLIDING and window < max_positions else None for t in types)
+    windows = tuple(
+        int(window) if t == SLIDING and isinstance(window, int) and window < max_positions else None for t in types
+    )
     return windows if any(w is not None for w in windows) else ()

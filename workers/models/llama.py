@@ -266,6 +266,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
             target = params[name].data
             if start is not None:
+                assert size is not None  # a slice comes with its start and its size
                 target = target[start : start + size]
             if name.endswith("weight_scale"):
                 in_features = self.get_submodule(name.rsplit(".", 1)[0]).in_features

@@ -61,7 +61,8 @@ class MoeExperts(nn.Module, q8.Fp8Weights):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
-        self.group_sizes = (0, 0)  # input columns per scale of w13 and w2 (their whole rows per channel)
+        # Input columns per scale of w13 and w2 (their whole rows per channel).
+        self.group_sizes: tuple[int, ...] = (0, 0)
 
     @property
     def is_fp8(self) -> bool:
@@ -95,12 +96,14 @@ class MoeExperts(nn.Module, q8.Fp8Weights):
 
     def fp8_params(self) -> list[nn.Parameter]:
         """The tensors a dtype cast must leave as they are."""
-        return [self.w13, self.w2, self.w13_scale, self.w2_scale] if self.is_fp8 else []
+        if self.w13_scale is None or self.w2_scale is None:  # not FP8
+            return []
+        return [self.w13, self.w2, self.w13_scale, self.w2_scale]
 
     def weights_for(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w13, w2, ids) to run `ids` [T, k] on: the weights as they are, or with FP8 experts only
         the experts `ids` name, dequantized to float32 and renumbered in `ids` (the rest are not read)."""
-        if not self.is_fp8:
+        if self.w13_scale is None or self.w2_scale is None:  # not FP8
             return self.w13, self.w2, ids
         used, renumbered = torch.unique(ids, return_inverse=True)
         w13 = _dequantize(self.w13[used], self.w13_scale[used], self.group_sizes[0])
@@ -141,6 +144,7 @@ class SparseMoeBlock(nn.Module):
     def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The (token, slot) pairs routed to the experts held here, each as a row of its own with
         top-1 routing, summed back into their tokens (the other ranks add the rest)."""
+        assert self.local is not None  # forward runs this only with local experts
         start, stop = self.local
         token, slot = ((ids >= start) & (ids < stop)).nonzero(as_tuple=True)
         out = torch.zeros_like(x)
@@ -235,7 +239,9 @@ class _ExpertLoader:
         if not (len(rest) == 4 and rest[0] == "experts" and rest[1].isdigit()):
             raise ValueError(f"{hf_name}: FP8 scales of fused expert tensors are not supported (per-expert only)")
         e, proj = int(rest[1]), rest[2]
-        experts = block.experts
+        experts, quant = block.experts, self.quant
+        # take() loads scales into FP8 experts only, prepared for the checkpoint's quantization.
+        assert experts.w13_scale is not None and experts.w2_scale is not None and quant is not None
         if e >= experts.w13.shape[0]:
             raise ValueError(f"{hf_name}: expert {e} but the model has {experts.w13.shape[0]} experts")
         inter, hidden = experts.w2.shape[2], experts.w2.shape[1]
@@ -243,13 +249,13 @@ class _ExpertLoader:
             half = GATE_ROWS[proj]
             target = experts.w13_scale.data[e, half * inter : (half + 1) * inter]
             self._put(
-                hf_name, target, self.quant.expand_scale(tensor, inter, hidden, hf_name), (layer, "w13_scale", e, half)
+                hf_name, target, quant.expand_scale(tensor, inter, hidden, hf_name), (layer, "w13_scale", e, half)
             )
         elif proj in DOWN:
             self._put(
                 hf_name,
                 experts.w2_scale.data[e],
-                self.quant.expand_scale(tensor, hidden, inter, hf_name),
+                quant.expand_scale(tensor, hidden, inter, hf_name),
                 (layer, "w2_scale", e),
             )
         else:
@@ -265,7 +271,7 @@ class _ExpertLoader:
         self.loaded.update(pieces)
 
     def check_complete(self) -> None:
-        expected = set()
+        expected: set[tuple] = set()
         for layer, block in self.blocks.items():
             experts = block.experts.w13.shape[0]
             expected |= {(layer, "gate")} | {(layer, "w2", e) for e in range(experts)}

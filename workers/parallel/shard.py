@@ -6,6 +6,9 @@ allocated through the rank's own KV transport, and the layout both are described
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from common.protocol import KVLayout
 from common.roles import Role
@@ -17,6 +20,7 @@ from workers.engine.kv_cache import kv_cache_num_blocks, kv_cache_torch_dtype
 from workers.engine.loader import kv_cache_scales
 from workers.models.config import ModelConfig
 from workers.models.files import ModelNotFoundError, resolve_model_dir
+from workers.models.llama import LlamaForCausalLM
 from workers.parallel.group import TPGroup
 from workers.parallel.sharding import load_sharded_model
 
@@ -26,12 +30,13 @@ class RankShard:
     """What one rank of a worker holds: its view of the model (its heads at TP > 1), the weights,
     and its KV cache allocated through its own transport."""
 
-    model_dir: object  # Path of the resolved model folder
+    model_dir: Path  # the resolved model folder
     model_config: ModelConfig
     engine_config: EngineConfig  # kv_scales filled in for an FP8 cache
-    model: object  # the loaded torch module
-    kv: RankKV  # its KV transports: its own cache's, and those of the parts of its heads it re-slices
-    kv_cache: object  # torch.Tensor
+    model: LlamaForCausalLM  # the loaded torch module
+    # Its KV transports: its own cache's, and those of the parts of its heads it re-slices.
+    kv: RankKV[PairwiseTransport]
+    kv_cache: torch.Tensor
 
 
 def build_rank_shard(config: WorkerConfig, group: TPGroup) -> RankShard:

@@ -16,6 +16,7 @@ from workers.config import EngineConfig
 from workers.engine.loader import kv_cache_scales, load_model
 from workers.models.checkpoint import iter_safetensors
 from workers.models.config import ModelConfig
+from workers.models.llama import LlamaForCausalLM
 from workers.parallel.group import TPGroup
 
 # Row-parallel projections (input columns split, output summed over ranks).
@@ -194,13 +195,13 @@ class ShardedCheckpoint:
 
 
 def load_sharded_model(
-    model_dir: str | os.PathLike, engine_config: EngineConfig, group: TPGroup
-) -> tuple[torch.nn.Module, ShardPlan, EngineConfig]:
+    model_dir: str | os.PathLike[str], engine_config: EngineConfig, group: TPGroup
+) -> tuple[LlamaForCausalLM, ShardPlan, EngineConfig]:
     """The rank's shard of the model in model_dir, its ShardPlan and the engine config to run it
     with (an FP8 KV cache's scales calibrated over every rank's heads: the largest of the ranks',
     so that they are those of the whole model whatever the group's size, and FP8 blocks pair
     between groups of different sizes)."""
-    config = ModelConfig.from_model_dir(model_dir)
+    config = ModelConfig.from_model_dir(Path(model_dir))
     plan = ShardPlan.of(config, group.size, group.rank, engine_config.enable_expert_parallel)
     weights = ShardedCheckpoint(iter_safetensors(Path(model_dir)), config, plan)
     max_len = engine_config.max_model_len or config.max_position_embeddings

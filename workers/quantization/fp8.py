@@ -136,6 +136,7 @@ class Fp8Linear(nn.Module):
         layer.weight.data.copy_(q)
         layer.weight_scale.data.copy_(scale)
         if linear.bias is not None:
+            assert layer.bias is not None  # made with a bias as linear has one
             layer.bias.data.copy_(linear.bias.detach())
         return layer
 
@@ -304,9 +305,8 @@ def prepare_for_checkpoint(model: nn.Module, quant: CheckpointQuantization, ops:
             module.prepare_fp8_checkpoint(quant)
 
     def make(linear: nn.Linear) -> Fp8Linear:
-        device = linear.weight.device
-        if device.type == "meta":
-            device = None
+        weight_device = linear.weight.device
+        device = None if weight_device.type == "meta" else weight_device
         return Fp8Linear(
             linear.in_features,
             linear.out_features,
@@ -356,7 +356,7 @@ def weight_memory(model: nn.Module) -> WeightMemory:
 class Fp8Method:
     """FP8 weights as a workers.quantization.registry.QuantizationMethod (registered as "fp8")."""
 
-    def parse_checkpoint(self, quantization_config: dict) -> CheckpointQuantization:
+    def parse_checkpoint(self, quantization_config: dict) -> CheckpointQuantization | None:
         return parse_quantization_config(quantization_config)
 
     def prepare_checkpoint(self, model: nn.Module, scheme: CheckpointQuantization, ops: KernelOps | None = None) -> int:

@@ -67,6 +67,8 @@ class PackedLinear(nn.Module):
     """y = x @ weight.T + bias through a prepacked copy of weight. `weight` stays a parameter
     (checkpoint tools and memory accounting read it); the packed copy is a buffer."""
 
+    packed_weight: torch.Tensor  # the buffer registered in __init__
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

@@ -18,7 +18,7 @@ import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -207,7 +207,7 @@ class RayRankFollowers:
     @classmethod
     def start(cls, config: WorkerConfig) -> RayRankFollowers:
         group = ray.util.get_current_placement_group()
-        remote = ray.remote(max_concurrency=ACTOR_MAX_CONCURRENCY)(TPRankActor)
+        remote = threaded_actor_class(TPRankActor)
         handles = []
         for rank in range(1, config.tp_size):
             if group is not None and rank < len(group.bundle_specs):
@@ -303,6 +303,11 @@ class DecodeWorker(WorkerActor):
 ACTOR_MAX_CONCURRENCY = 64
 
 
-def actor_class(role: Role):
-    cls = PrefillWorker if role == Role.PREFILL else DecodeWorker
-    return ray.remote(max_concurrency=ACTOR_MAX_CONCURRENCY)(cls)
+def threaded_actor_class(cls: type) -> Any:
+    """cls as a Ray actor class serving calls on ACTOR_MAX_CONCURRENCY threads."""
+    threads = ACTOR_MAX_CONCURRENCY
+    return ray.remote(max_concurrency=threads)(cls)  # type: ignore[call-overload]  # an actor option Ray's stubs omit
+
+
+def actor_class(role: Role) -> Any:
+    return threaded_actor_class(PrefillWorker if role == Role.PREFILL else DecodeWorker)

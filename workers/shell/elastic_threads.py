@@ -131,8 +131,9 @@ class NoSharing:
     """What a worker's engine thread calls around its steps; as itself, a worker that neither
     borrows nor claims (a GPU, threads chosen by the user, no spare core)."""
 
-    def before_step(self) -> None:
-        pass
+    def before_step(self) -> int | None:
+        """The thread count the step about to run gets, where this chooses it (None: left as it is)."""
+        return None
 
     def after_step(self) -> None:
         pass

@@ -40,6 +40,7 @@ from common.protocol import (
 from common.request import AbortRequest, PrefillRequest, ReserveRequest, StartDecodeRequest, SubmitRequest
 from common.sampling_params import SamplingParams
 from common.transports import PeerLink
+from kvtransfer import PairwiseTransport
 from kvtransfer.resharding import RankKV, combined
 from workers.build import build_engine, load_tokenizer_decode
 from workers.config import WorkerConfig
@@ -61,7 +62,11 @@ __all__ = ["STEP_LOG_ENV", "AbortedIds", "Counters", "EngineWorker", "RequestAbo
 
 class EngineWorker:
     def __init__(
-        self, config: WorkerConfig, engine=None, kv: RankKV | None = None, followers: RankFollowers | None = None
+        self,
+        config: WorkerConfig,
+        engine=None,
+        kv: RankKV[PairwiseTransport] | None = None,
+        followers: RankFollowers | None = None,
     ) -> None:
         """Without `engine`, the worker loads its own (and its KV transports); with one, `kv` gives
         the transports (None: the worker moves no KV). `followers`: the other ranks of a
@@ -87,7 +92,7 @@ class EngineWorker:
         self._step_log = StepLog.if_asked(self.worker_id, self.role, engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._aborted = AbortedIds()
-        self._recv_handles: dict[str, object] = {}
+        self._recv_handles: dict[str, PendingLoad] = {}  # receives expected, by request id
         self.counters = Counters(
             "kv_blocks_sent", "kv_bytes_sent", "kv_blocks_received", "prompt_tokens", "generation_tokens"
         )
@@ -297,15 +302,22 @@ class EngineWorker:
         before any request does: raises KVLayoutMismatch naming the field. Returns the backend
         that serves the pair (shm, gloo or nccl)."""
         peers = [endpoint, *endpoint.ranks]
-        self.kv.connect(peers)
+        kv = self._moving_kv()
+        kv.connect(peers)
         if self.followers is not None:
             self.followers.connect(peers)
-        return self.transport.kind_for(endpoint)
+        return kv.transport.kind_for(endpoint)
 
     def kv_links(self) -> list[PeerLink]:
         """The decode workers this worker has connected to: the backend of each pair and the
         blocks it carried."""
-        return [link for transport in self.kv.transports() for link in transport.links()]
+        return [link for transport in self._moving_kv().transports() for link in transport.links()]
+
+    def _moving_kv(self) -> RankKV[PairwiseTransport]:
+        """This worker's KV transports, which the calls that move KV need."""
+        if self.kv is None:
+            raise ValueError(f"worker {self.worker_id} was built without KV transports: it moves no KV")
+        return self.kv
 
     def reserve(self, request: ReserveRequest) -> KVReservation | None:
         """Set aside blocks for a prompt a prefill worker will push; None when full right now. The
@@ -335,6 +347,7 @@ class EngineWorker:
         request_id, first_token = request.request_id, request.first_token
         load = self._recv_handles.pop(request_id, None)
         if load is not None:
+            assert self.kv is not None  # reserve() expects a receive only with KV transports
             result = self.kv.wait_received(request_id)
             if self.followers is not None:
                 result = combined([result, *self.followers.wait(request_id)])
@@ -345,7 +358,8 @@ class EngineWorker:
                 self._call(lambda: self.engine.abort(request_id))
                 raise self.kv_failures.error(request_id, reason, result)
             self.counters.add(kv_blocks_received=load.num_blocks)
-        with_draft_kv = load is not None and self.kv.draft is not None  # a draft model's part came with it
+        # A draft model's part came with it.
+        with_draft_kv = load is not None and self.kv is not None and self.kv.draft is not None
         self._call(lambda: self.engine.start_decoding(request_id, first_token, with_draft_kv))
 
     def abort(self, request: AbortRequest) -> bool:
@@ -360,6 +374,7 @@ class EngineWorker:
 
     def _abort_transfer(self, request_id: str) -> None:
         """End a transfer into this worker's blocks on every rank."""
+        assert self.kv is not None  # called for a receive reserve() expected, which needs KV transports
         self.kv.abort(request_id)
         if self.followers is not None:
             self.followers.abort(request_id)

@@ -61,7 +61,7 @@ from workers.engine.kv_cache import kv_cache_torch_dtype
 from workers.engine.loader import model_bytes
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import SamplingRow, sample
-from workers.engine.sequence import ScheduledChunk, Sequence
+from workers.engine.sequence import ScheduledChunk, Sequence, StepChunk
 from workers.models.checkpoint import iter_safetensors
 from workers.models.config import ModelConfig
 
@@ -117,7 +117,7 @@ def chained_hashes(seq: Sequence, start: int, stop: int, block_size: int) -> lis
     known = seq.block_hashes
     if len(known) >= stop:
         return known[start:stop]
-    parent = known[-1] if known else root_hash(seq.context.kv_namespace)
+    parent = known[-1] if known else root_hash(seq.kv_namespace)
     more = hash_prefix_blocks(seq.token_ids[len(known) * block_size : stop * block_size], block_size, parent)
     return known[start:] + more if start <= len(known) else more[start - len(known) :]
 
@@ -136,6 +136,8 @@ def keys_ahead(seq: Sequence, generator: torch.Generator | None) -> tuple[Sampli
 
 def load_draft(config: SpeculativeConfig, target: ModelConfig) -> tuple[ModelConfig, Path]:
     """The draft's model config, checked against the target's (same vocabulary); ValueError naming `model`."""
+    if config.model is None:
+        raise ValueError("speculative_config.model must name the draft model's folder for method 'draft_model'")
     path = Path(config.model)
     if not (path / "config.json").is_file():
         raise ValueError(f"speculative_config.model {config.model!r} is not a model folder (no config.json)")
@@ -216,7 +218,7 @@ class DraftModelProposer:
             return
         ran = {id(c) for c in run}
         views = [
-            ScheduledChunk(
+            StepChunk(
                 DraftView(c.seq.token_ids, c.seq.block_ids, c.seq.num_computed_tokens, c.seq.num_prompt_tokens),
                 c.num_tokens,
             )
@@ -285,8 +287,8 @@ class DraftModelProposer:
             """The sampler's row of each sequence's next draft (None: the draft's argmax)."""
             return [
                 None
-                if keys.get(i) is None
-                else SamplingRow(keys[i][0], seqs[i].output_token_ids + drafts[i], seqs[i].prompt_token_ids, keys[i][1])
+                if (key := keys.get(i)) is None
+                else SamplingRow(key[0], seqs[i].output_token_ids + drafts[i], seqs[i].prompt_token_ids, key[1])
                 for i in order
             ]
 
@@ -305,7 +307,7 @@ class DraftModelProposer:
             done_before[i] = done
         # Step 1: every sequence's uncomputed tokens (single-token chunks first, as StepInputs wants).
         order = sorted(active, key=lambda i: seqs[i].num_tokens - views[i].num_computed_tokens != 1)
-        chunks = [ScheduledChunk(views[i], seqs[i].num_tokens - views[i].num_computed_tokens) for i in order]
+        chunks = [StepChunk(views[i], seqs[i].num_tokens - views[i].num_computed_tokens) for i in order]
         self._passes = []  # (seconds, most tokens of a sequence) of each pass: drafting_seconds
         tokens = self._next_tokens(chunks, rows(order))
         for i, token in zip(order, tokens):
@@ -317,7 +319,7 @@ class DraftModelProposer:
             running = [i for i in active if limits[i] > j]
             if not running:
                 break
-            tokens = self._next_tokens([ScheduledChunk(views[i], 1) for i in running], rows(running))
+            tokens = self._next_tokens([StepChunk(views[i], 1) for i in running], rows(running))
             for i, token in zip(running, tokens):
                 views[i].num_computed_tokens += 1
                 views[i].token_ids.append(token)
@@ -333,7 +335,7 @@ class DraftModelProposer:
             self._refill(seq, done_before[i], seq.num_tokens)
         return drafts
 
-    def _next_tokens(self, chunks: list[ScheduledChunk], rows: list[SamplingRow | None]) -> list[int]:
+    def _next_tokens(self, chunks: list[StepChunk], rows: list[SamplingRow | None]) -> list[int]:
         """The draft's next token after each chunk: drawn as `rows` say (see propose_many), else its argmax."""
         started = time.perf_counter()
         logits = self.runner.execute(chunks, [True] * len(chunks))
@@ -341,7 +343,8 @@ class DraftModelProposer:
         tokens = logits.argmax(dim=-1).tolist()
         keyed = [i for i, row in enumerate(rows) if row is not None]
         if keyed:
-            drawn, _ = sample(logits[keyed], [rows[i] for i in keyed], race=self.runner.ops.exponential_race)
+            keyed_rows = [row for row in rows if row is not None]  # in the order of `keyed`
+            drawn, _ = sample(logits[keyed], keyed_rows, race=self.runner.ops.exponential_race)
             for i, token in zip(keyed, drawn):
                 tokens[i] = token
         self._passes.append((time.perf_counter() - started, max(c.num_tokens for c in chunks)))

@@ -80,11 +80,13 @@ class SuffixIndex:
         for length in range(min(longest, len(context)), 0, -1):
             node = self.root
             for token in context[len(context) - length :]:
-                node = node.children.get(token)
-                if node is None:
+                child = node.children.get(token)
+                if child is None:
                     break
-            if node is not None and node.children:
-                return node, length
+                node = child
+            else:  # the index has seen the whole run
+                if node.children:
+                    return node, length
         return None, 0
 
     @staticmethod
