@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # MkDocs loads this file by its path; the child imports Baton from ROOT
     sys.path.insert(0, str(ROOT))
 
-PLACEHOLDER = re.compile(r"^<!--[ \t]*flow:[ \t]*([\w.-]+)[ \t]*-->[ \t]*$", re.MULTILINE)
+from docs.hooks.markers import marker, render_markers  # noqa: E402 (after the path line above)
+
+PLACEHOLDER = marker("flow")
 
 # Words on some edges, (from, to) -> label. Not every edge needs one: the moves to ABORTED and FAILED
 # that every live state has go unlabelled.
@@ -156,13 +158,7 @@ def build(name: str) -> str:
 
 
 def render(markdown: str, where: str = "") -> str:
-    def sub(m: re.Match[str]) -> str:
-        try:
-            return "\n" + build(m.group(1)) + "\n"
-        except KeyError as e:
-            raise KeyError(f"{where}: {e}") from e
-
-    return PLACEHOLDER.sub(sub, markdown)
+    return render_markers(PLACEHOLDER, build, markdown, where)
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:

@@ -71,16 +71,7 @@ def profile_activation_peak(model: LlamaForCausalLM, engine_config: EngineConfig
         dtype=kv_cache_torch_dtype(engine_config),
         device=device,
     )
-    i32 = torch.int32
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
-        num_decode_tokens=0,
-        decode_block_tables=torch.zeros((0, 0), dtype=i32, device=device),
-        decode_context_lens=torch.zeros((0,), dtype=i32, device=device),
-        prefill_block_tables=torch.arange(num_blocks, dtype=i32, device=device).reshape(1, num_blocks),
-        prefill_query_start_loc=torch.tensor([0, n], dtype=i32, device=device),
-        prefill_context_lens=torch.tensor([n], dtype=i32, device=device),
-    )
+    meta = AttentionMetadata.one_prompt(n, num_blocks, device)
     views = [KVCacheView(cache[layer, 0], cache[layer, 1]) for layer in range(cfg.num_layers)]
     hidden = model(torch.zeros(n, dtype=torch.int64, device=device), torch.arange(n, device=device), meta, views)
     rows = min(n, engine_config.max_num_seqs)

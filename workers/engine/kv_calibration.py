@@ -78,16 +78,7 @@ def calibrate_kv_scales(
     cache = torch.zeros(
         (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device
     )
-    i32 = torch.int32
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
-        num_decode_tokens=0,
-        decode_block_tables=torch.zeros((0, 0), dtype=i32, device=device),
-        decode_context_lens=torch.zeros((0,), dtype=i32, device=device),
-        prefill_block_tables=torch.arange(num_blocks, dtype=i32, device=device).reshape(1, num_blocks),
-        prefill_query_start_loc=torch.tensor([0, n], dtype=i32, device=device),
-        prefill_context_lens=torch.tensor([n], dtype=i32, device=device),
-    )
+    meta = AttentionMetadata.one_prompt(n, num_blocks, device)
     views = [KVCacheView(cache[layer, 0], cache[layer, 1]) for layer in range(cfg.num_layers)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -53,6 +53,21 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor
     prefill_context_lens: torch.Tensor
 
+    @classmethod
+    def one_prompt(cls, n: int, num_blocks: int, device: torch.device | str) -> AttentionMetadata:
+        """A batch of one n-token prompt from its first token, in blocks 0..num_blocks-1, slot t for
+        token t (a profiling or calibration pass over a scratch cache)."""
+        i32 = torch.int32
+        return cls(
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros((0, 0), dtype=i32, device=device),
+            decode_context_lens=torch.zeros((0,), dtype=i32, device=device),
+            prefill_block_tables=torch.arange(num_blocks, dtype=i32, device=device).reshape(1, num_blocks),
+            prefill_query_start_loc=torch.tensor([0, n], dtype=i32, device=device),
+            prefill_context_lens=torch.tensor([n], dtype=i32, device=device),
+        )
+
 
 @dataclass
 class KVCacheView:
