@@ -13,9 +13,12 @@ recorded with its shape (the scheduler's chunks) and its wall time; a least-squa
 decoding and prefilling meanwhile, as the other worker of a 1 + 1 deployment does part of the time.
 With --served the steps are a real `baton serve --threads-per-worker 1`'s instead, logged by its
 workers (BATON_STEP_LOG_DIR) under a profiling workload of this file's own (`served_workload`):
-what the simulator's validation uses. The serving overheads (Ray call, stream delay) are measured
-too, when --overheads is given (starts Ray on 127.0.0.1). Writes a model profile that
-`baton plan --model-profile` and bench/sim_validate.py read:
+what the simulator's validation uses. Both workers' steps are then on one clock, so the fit also
+gives how much a step slows while the other worker of the host computes
+(cluster.sim.host.fit_host_contention: the coefficients are then a step's cost alone), and the
+client's token times give the router's and the stream's overheads (bench.served_overheads). The
+Ray call round trip is measured when --overheads is given (starts Ray on 127.0.0.1). Writes a
+model profile that `baton plan --model-profile` and bench/sim_validate.py read:
 
     .venv/bin/python -m bench.profile_costs [--dtype float32] [--out bench/results/cost_profile_cpu.json]
 """
@@ -23,6 +26,7 @@ too, when --overheads is given (starts Ray on 127.0.0.1). Writes a model profile
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -33,7 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+from bench.served_overheads import served_overheads
 from cluster.sim.costs import StepShape, fit_cost_model
+from cluster.sim.host import fit_host_contention
 from cluster.sim.workload import Client, SimRequest, Workload
 from common.envs import ensure_private_ray_env
 from common.sampling_params import SamplingParams
@@ -66,9 +72,10 @@ class Recorder:
             self.step(label)
 
 
-def sample(chunks: list[tuple[int, int, bool]], seconds: float, label: str) -> dict:
-    """One fit sample: a step's shape (cluster.sim.costs.StepShape) and its wall seconds."""
-    return {"label": label, "seconds": seconds, **StepShape.of(chunks).__dict__}
+def sample(chunks: list[tuple[int, int, bool]], seconds: float, label: str, **where) -> dict:
+    """One fit sample: a step's shape (cluster.sim.costs.StepShape) and its wall seconds (`where`:
+    a served step's worker and end on the host's monotonic clock)."""
+    return {"label": label, "seconds": seconds, **where, **StepShape.of(chunks).__dict__}
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -134,16 +141,22 @@ def peer_load(dtype: str, threads: int, stop, ready) -> None:
 
 
 def served_workload(rng: random.Random) -> list[Workload]:
-    """What --served sends, phase after phase: a warm-up; prefills of 32-256 new tokens over cached
-    prefixes of 0-1,536 (each prefix sent once before), beside 4 streams; decode batches of 1-16
-    sequences of 64-512 tokens; 8 streams beside three 1,500-token prompts. Not the validation
-    workloads (cluster.sim.validation)."""
+    """What --served sends, phase after phase: a warm-up; single requests to the idle server, 0.3 s
+    apart (8 prefilled by the decode worker, 8 by the prefill worker: the overheads of a request's
+    way in); prefills of 32-256 new tokens over cached prefixes of 0-1,536 (each prefix sent once
+    before), beside 4 streams; decode batches of 1-16 sequences of 64-512 tokens; decode batches
+    whose size and context vary apart (2 x 1,024, 8 x 64, 8 x 768, 16 x 256 tokens: the context's
+    cost told from the rows'); 256-token prompts one at a time beside 1 stream and beside 16 (a
+    neighbour stepping fast or slowly); 8 streams beside three 1,500-token prompts. Not the
+    validation workloads (cluster.sim.validation)."""
     n = iter(range(1_000_000))
 
     def req(prompt, out, at=None):
         return SimRequest(f"profile-{next(n)}", tuple(prompt), out, at)
 
     warm = Workload((Client.closed_loop("warm-up", [req(tokens(rng, 64), 8) for _ in range(4)], 2),))
+    one_by_one = [req(tokens(rng, 24 + i), 8) for i in range(8)] + [req(tokens(rng, 200 + i), 8) for i in range(8)]
+    isolated = Workload((Client("isolated", (tuple(one_by_one),), 1, think_s=0.3),))
     units = []
     for cached in (0, 512, 1536):
         for new in (32, 96, 256):
@@ -162,18 +175,32 @@ def served_workload(rng: random.Random) -> list[Workload]:
             for c in (1, 4, 8, 16)
         )
     )
+    grid = [
+        Workload((Client.closed_loop(f"{b} x {ctx}", [req(tokens(rng, ctx), 48) for _ in range(2 * b)], b),))
+        for b, ctx in ((2, 1024), (8, 64), (8, 768), (16, 256))
+    ]
+    beside = [
+        Workload(
+            (
+                Client.closed_loop("prompts", [req(tokens(rng, 256), 1) for _ in range(6)], 1),
+                Client.closed_loop("streams", [req(tokens(rng, 32), out) for _ in range(b)], b),
+            )
+        )
+        for b, out in ((1, 160), (16, 96))
+    ]
     mixed = Workload(
         (
             Client.closed_loop("streams", [req(tokens(rng, 32), 192) for _ in range(8)], 8),
             Client.open_loop("long", [req(tokens(rng, 1500), 1, at) for at in (1.0, 4.0, 7.0)]),
         )
     )
-    return [warm, prefixes, decodes, mixed]
+    return [warm, isolated, prefixes, decodes, *grid, *beside, mixed]
 
 
-def served_samples(args) -> list[dict]:
+def served_samples(args) -> tuple[list[dict], list[list[dict]], dict[str, list]]:
     """Every engine step of a real `baton serve` (bench/sim_validate.py's server and client) under
-    served_workload, both workers' steps, the warm-up's left out."""
+    served_workload, both workers' steps, the warm-up's left out; each later phase's requests with
+    their tokens' arrival times; and each role's steps as (start, end, chunks), by start."""
     import asyncio
     import tempfile
 
@@ -192,14 +219,16 @@ def served_samples(args) -> list[dict]:
             warm, *phases = served_workload(random.Random(args.seed))
             asyncio.run(sim_validate.run_real(warm, url, args.model))
             skip = {path: len(path.read_text().splitlines()) for path in logs()}
-            for phase in phases:
-                asyncio.run(sim_validate.run_real(phase, url, args.model))
-        samples = []
+            rows = [asyncio.run(sim_validate.run_real(phase, url, args.model, token_times=True)) for phase in phases]
+        samples, steps = [], {"prefill": [], "decode": []}
         for path in logs():
             for line in path.read_text().splitlines()[skip.get(path, 0) :]:
                 step = json.loads(line)
-                samples.append(sample([tuple(c) for c in step["chunks"]], step["seconds"], f"served {step['role']}"))
-    return samples
+                chunks = [tuple(c) for c in step["chunks"]]
+                where = {"worker": path.stem, "end": step["end"]}
+                samples.append(sample(chunks, step["seconds"], f"served {step['role']}", **where))
+                steps[step["role"]].append((step["end"] - step["seconds"], step["end"], chunks))
+    return samples, rows, {role: sorted(s) for role, s in steps.items()}
 
 
 def measure_overheads() -> dict:
@@ -254,7 +283,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/cost_profile_cpu.json")
     args = ap.parse_args()
     started = time.perf_counter()
-    served = served_samples(args) if args.served else None
+    served, served_rows, served_steps = served_samples(args) if args.served else (None, [], {})
     config = EngineConfig(dtype=args.dtype, num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
     engine = load_engine(None, config)
     peer = None
@@ -270,13 +299,28 @@ def main() -> None:
         if peer is not None:
             stop.set()
             peer.join(30)
-    coefficients, knee, quality = fit_cost_model(samples)
+    contention = None
+    if served is not None:  # both workers' steps, on one clock: fit how they slow each other too
+        coefficients, knee, quality, contention = fit_host_contention(samples)
+    else:
+        coefficients, knee, quality = fit_cost_model(samples)
     bm = engine.block_manager
     mc = engine.model_config
     kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * (4 if args.dtype == "float32" else 2)
     overheads = {"router_s": 0.002, "rpc_s": 0.001, "stream_s": 0.0015, "heartbeat_s": 2.0}
     if args.overheads:
         overheads.update(measure_overheads())
+    measured = None
+    if served is not None:
+        isolated = served_rows[0]
+        measured = served_overheads(
+            [r for phase in served_rows for r in phase],
+            served_steps["prefill"],
+            served_steps["decode"],
+            overheads["rpc_s"],
+            isolated,
+        )
+        overheads.update({k: measured[k] for k in ("router_s", "stream_s") if measured[k] is not None})
     result = {
         "cost_model": {
             "kind": "fitted",
@@ -287,7 +331,9 @@ def main() -> None:
             "gpus_per_worker": 1,
         },
         "overheads": overheads,
+        "host_contention": None if contention is None else dataclasses.asdict(contention),
         "link": "cpu-shm",
+        "served_overheads": measured,
         "fit": quality,
         "peer_engine_busy": args.peer,
         "source": "a served `baton serve --threads-per-worker 1`'s steps" if args.served else "an engine alone",

@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -49,9 +50,11 @@ from common.envs import BATON_STEP_LOG_DIR
 from testkit.harness import baton_serve
 
 
-async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
+async def run_real(workload: Workload, base_url: str, model: str, token_times: bool = False) -> list[dict]:
     """Send a Workload to a server as the simulator does: units in order, `concurrency` units at once,
-    open-loop requests at their arrival times."""
+    open-loop requests at their arrival times, a unit's requests `think_s` apart. With `token_times`,
+    each row also has its prompt's length and when each token arrived (time.perf_counter: the
+    host's monotonic clock, the workers' step logs' too)."""
     rows: list[dict] = []
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_connections=128)) as client:
         start = time.perf_counter()
@@ -61,12 +64,13 @@ async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
                 ["--model", model, "--token-ids", "--ignore-eos", "--output-len", str(req.output_len)]
             )
             args.endpoint = "/v1/completions"
-            sent = time.perf_counter() - start
+            sent = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step logs' `end`
             r = await load.one_request(client, args, list(req.prompt))
             rows.append(
                 {
                     "request_id": req.request_id,
-                    "sent_s": sent,
+                    "sent_s": sent - start,
+                    "sent_monotonic": sent,
                     "ok": r.ok,
                     "ttft_s": r.ttft_s,
                     "tpot_s": r.tpot_s,
@@ -74,11 +78,18 @@ async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
                     "error": r.error,
                 }
             )
+            if token_times:
+                times = [sent + r.ttft_s] if r.ok else []
+                for gap in r.itl_s if r.ok else ():
+                    times.append(times[-1] + gap)
+                rows[-1].update(prompt_len=len(req.prompt), token_times=times)
 
-        async def run_unit(unit) -> None:
-            for req in unit:
+        async def run_unit(unit, think_s: float) -> None:
+            for i, req in enumerate(unit):
                 if req.arrival_s is not None:
                     await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+                elif i and think_s:
+                    await asyncio.sleep(think_s)
                 await send(req)
 
         async def run_client(c) -> None:
@@ -86,7 +97,7 @@ async def run_real(workload: Workload, base_url: str, model: str) -> list[dict]:
 
             async def gated(unit):
                 async with sem:
-                    await run_unit(unit)
+                    await run_unit(unit, c.think_s)
 
             await asyncio.gather(*(gated(u) for u in c.units))
 
@@ -105,16 +116,22 @@ def baton_server(port: int, log_path: Path, extra_flags: tuple[str, ...] = (), e
 
 
 def table(results: dict) -> str:
-    lines = ["| workload | | metric | real (ms) | simulated (ms) | error |", "|---|---|---|---:|---:|---:|"]
+    """The comparison as a Markdown table: pooled real figure, each real run's, the simulation's."""
+    lines = [
+        "| workload | | metric | real (ms) | each run (ms) | simulated (ms) | error |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+
+    def fmt(v, spec):
+        return "n/a" if v is None else format(v, spec)
+
     for name, entry in results.items():
         kind = "tuned" if entry.get("tuned", name in TUNED_WORKLOADS) else "held out"
         for row in entry["comparison"]:
-
-            def fmt(v, spec):
-                return "n/a" if v is None else format(v, spec)
-
+            metric, q = row["metric"].split()
+            runs = " / ".join(fmt(run[f"{metric.lower()}_ms"][q], ",.0f") for run in entry["real"].get("runs", []))
             lines.append(
-                f"| {name} | {kind} | {row['metric']} | {fmt(row['real_ms'], ',.0f')} | "
+                f"| {name} | {kind} | {row['metric']} | {fmt(row['real_ms'], ',.0f')} | {runs or '-'} | "
                 f"{fmt(row['sim_ms'], ',.0f')} | {fmt(row['relative_error'], '+.1%')} |"
             )
     return "\n".join(lines)
@@ -122,13 +139,13 @@ def table(results: dict) -> str:
 
 def run_workload(name: str, port: int, model: str, step_log_dir: Path | None) -> tuple[dict, list[dict]]:
     """One real run on a fresh server, once the host is quiet: summarize()'s figures, the host's
-    load meanwhile, and each request's row."""
+    load meanwhile, the router's routing decisions, and each request's row."""
     quiet = wait_for_quiet()
     env = None
     if step_log_dir is not None:
-        shutil.rmtree(step_log_dir / name, ignore_errors=True)
-        (step_log_dir / name).mkdir(parents=True)
-        env = {BATON_STEP_LOG_DIR.name: str(step_log_dir / name)}
+        shutil.rmtree(step_log_dir, ignore_errors=True)
+        step_log_dir.mkdir(parents=True)
+        env = {BATON_STEP_LOG_DIR.name: str(step_log_dir)}
     # A fresh server per workload, as each simulation starts from an empty cluster (a server
     # that ran the others first holds their blocks, its pages scattered).
     with baton_server(port, Path("/tmp/sim_validate_serve.log"), env=env) as server:
@@ -138,13 +155,40 @@ def run_workload(name: str, port: int, model: str, step_log_dir: Path | None) ->
         rows = asyncio.run(run_real(validation_workload(name), f"http://127.0.0.1:{port}", model))
         wall = time.perf_counter() - t0
         host = watch.stop()
+        routes = served_routes(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text)
     real = {
         **summarize(rows),
         "wall_s": wall,
         "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5],
+        "routes": routes,
         "host": {"quiet_wait": quiet, **host},
     }
     return real, rows
+
+
+def pooled(runs: list[tuple[dict, list[dict]]]) -> dict:
+    """The real side of a workload run `len(runs)` times, each on a fresh server: summarize()'s
+    figures over every run's requests together (the server's percentiles vary from run to run by
+    more than the tolerance on some workloads; pooling runs halves that noise), and each run's own."""
+    rows = [r for _, run_rows in runs for r in run_rows]
+    return {
+        **summarize(rows),
+        "wall_s": sum(real["wall_s"] for real, _ in runs),
+        "errors": sorted({e for real, _ in runs for e in real["errors"]})[:5],
+        "runs": [
+            {k: real[k] for k in ("ttft_ms", "tpot_ms", "completed", "wall_s", "routes", "host")} for real, _ in runs
+        ],
+    }
+
+
+def served_routes(metrics: str) -> dict[str, int]:
+    """The router's routing decisions by reason (baton:routing_decisions_total in /metrics), named
+    as the simulator's routes are (a remote prefill that fell back to local: remote_prefill_fallback_local)."""
+    routes: dict[str, int] = {}
+    for m in re.finditer(r'^baton:routing_decisions_total\{[^}]*reason="([^"]+)"[^}]*\} ([0-9.e+]+)$', metrics, re.M):
+        reason = "remote_prefill_fallback_local" if m[1] == "remote_prefill_failed" else m[1]
+        routes[reason] = routes.get(reason, 0) + int(float(m[2]))
+    return routes
 
 
 def main() -> None:
@@ -153,7 +197,14 @@ def main() -> None:
     ap.add_argument(
         "--profile-out", default="bench/results/cost_profile_cpu.json", help="where a profile taken now goes"
     )
-    ap.add_argument("--sim-only", action="store_true", help="re-simulate against the real results stored in --out")
+    ap.add_argument("--sim-only", action="store_true", help="re-simulate against the real results stored in --stored")
+    ap.add_argument("--stored", default=None, help="the stored real runs --sim-only compares with (default: --out)")
+    ap.add_argument(
+        "--client-order",
+        choices=("as-drawn", "reversed"),
+        default="as-drawn",
+        help="the order the simulated clients send their first requests in at time 0",
+    )
     ap.add_argument("--workloads", default=",".join(VALIDATION_WORKLOADS))
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -161,14 +212,17 @@ def main() -> None:
     ap.add_argument(
         "--step-log-dir",
         default="/tmp/sim_validate_steps",
-        help="each real run's servers log every engine step under DIR/<workload>/ (BATON_STEP_LOG_DIR); '' for none",
+        help="every real run's engine steps go to DIR/<workload>/<run>/ (BATON_STEP_LOG_DIR); '' for none",
+    )
+    ap.add_argument(
+        "--runs", type=int, default=2, help="real runs of each workload, each on a fresh server; compared pooled"
     )
     args = ap.parse_args()
     names = args.workloads.split(",")
     out = Path(args.out)
     profile = Path(args.profile or args.profile_out)
     if args.sim_only:
-        stored = json.loads(out.read_text())
+        stored = json.loads(Path(args.stored or out).read_text())
         real = {n: stored["results"][n]["real"] for n in names}
         extra = {k: stored[k] for k in ("real_run", "machine") if k in stored}
     else:
@@ -179,11 +233,16 @@ def main() -> None:
                 check=True,
                 cwd=ROOT,
             )
-        real, requests, started = {}, {}, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         step_logs = Path(args.step_log_dir) if args.step_log_dir else None
-        for name in names:
-            real[name], requests[name] = run_workload(name, args.port, args.model, step_logs)
-            print(f"real {name}: {json.dumps(real[name])}", flush=True)
+        runs: dict[str, list[tuple[dict, list[dict]]]] = {name: [] for name in names}
+        for k in range(args.runs):  # the workloads in turn, so a slow drift of the host touches all alike
+            for name in names:
+                logs = None if step_logs is None else step_logs / name / str(k)
+                runs[name].append(run_workload(name, args.port, args.model, logs))
+                print(f"real {name} run {k}: {json.dumps(runs[name][-1][0])}", flush=True)
+        real = {name: pooled(runs[name]) for name in names}
+        requests = {name: [dict(r, run=k) for k, (_, rows) in enumerate(runs[name]) for r in rows] for name in names}
         out.with_name(out.stem + "_requests.json").write_text(json.dumps(requests, indent=1) + "\n")
         extra = {
             "real_run": {
@@ -191,6 +250,7 @@ def main() -> None:
                 "server": "baton serve --port PORT "
                 + " ".join(SERVER_FLAGS)
                 + " (otherwise defaults: 1 prefill + 1 decode worker, float32)",
+                "runs_per_workload": args.runs,
             },
             "machine": {
                 "machine": platform.machine(),
@@ -201,7 +261,7 @@ def main() -> None:
         }
     results = {}
     for name in names:
-        sim = simulate(name, profile)
+        sim = simulate(name, profile, reverse_clients=args.client_order == "reversed")
         results[name] = {
             "tuned": name in TUNED_WORKLOADS,
             "real": real[name],
@@ -217,6 +277,7 @@ def main() -> None:
         "all_within": all(r["within"] for e in results.values() for r in e["comparison"]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(["python"] + sys.argv),
+        "client_order": args.client_order,
         **extra,
         "results": results,
     }

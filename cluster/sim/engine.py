@@ -14,8 +14,9 @@ prefill's outcome after its KV handoff) left in its outbox for `poll_outputs`. T
 Timing follows the real worker's threading (workers/shell/worker.py): the engine thread runs steps
 back to back, and a call runs only between two steps (`call`), so a call that arrives during a
 step waits for its end. A prefill's send begins as its step ends, the KV moves over the
-`LinkModel`, then the blocks are released between steps and the outcome is queued. Faults a test
-or a study injects: `kill()` (the worker is gone with everything it held), `fail_prefills` (each
+`LinkModel`, then the blocks are released between steps and the outcome is queued. Workers that
+share a CPU host (`host`, cluster.sim.host.SharedHost) slow each other's steps while both compute.
+Faults a test or a study injects: `kill()` (the worker is gone with everything it held), `fail_prefills` (each
 prefill's handoff fails), `fail_kv_loads` (each received KV fails its check under the `fail` policy).
 """
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from cluster.sim.costs import CostModel, LinkModel, StepShape
 from cluster.sim.events import EventLoop
+from cluster.sim.host import SharedHost
 from common.protocol import (
     KVEndpoint,
     KVEvent,
@@ -112,8 +114,10 @@ class SimWorker:
         cost: CostModel,
         settings: EngineSettings,
         link: LinkModel | None = None,
+        host: SharedHost | None = None,
     ) -> None:
         self.loop = loop
+        self.host = host  # None: the worker has its machine (its GPUs, its cores) to itself
         self.worker_id = worker_id
         self.role = Role(role)
         self.cost = cost
@@ -128,6 +132,7 @@ class SimWorker:
         self.removed = False  # gone from the pools (drained, or dead)
         self.dead = False
         self.busy = False
+        self._step_began = 0.0
         self.fail_prefills = False
         self.fail_kv_loads = False
         self._commands: deque[Callable[[], object]] = deque()
@@ -155,6 +160,8 @@ class SimWorker:
     def kill(self) -> None:
         """The worker's process is gone, with everything it held and queued."""
         self.dead, self.alive, self.removed = True, False, True
+        if self.host is not None:
+            self.host.cancel(self)
         self._commands.clear()
         self._states.clear()
         self.outbox.clear()
@@ -338,17 +345,21 @@ class SimWorker:
         shape = StepShape.of(shape_rows)
         dt = self.cost.step_time(shape)
         self.busy = True
+        self._step_began = now
         c = self.counters
-        c.busy_s += dt
         c.steps += 1
         c.tokens += shape.tokens
         c.prefill_tokens += shape.prefill_tokens
         c.decode_tokens += shape.decode_seqs
-        self.loop.after(dt, self._end_step, plan)
+        if self.host is not None:  # dt is the step alone; the others' steps meanwhile stretch it
+            self.host.run(self, dt, self._end_step, plan)
+        else:
+            self.loop.after(dt, self._end_step, plan)
 
     def _end_step(self, plan: list[tuple[Sequence, int, bool]]) -> None:
         if self.dead:
             return
+        self.counters.busy_s += self.loop.now - self._step_began
         bm = self.block_manager
         sampled = []
         bs = self.settings.block_size

@@ -27,6 +27,7 @@ from cluster.sim.costs import CostModel, LinkModel, ServingOverheads
 from cluster.sim.engine import EngineSettings, SimWorker
 from cluster.sim.events import EventLoop
 from cluster.sim.executor import Flight, FlowExecutor, worker_request
+from cluster.sim.host import HostContention, SharedHost
 from cluster.sim.metrics import ItlSample, PoolStats, RequestRecord, SimResult
 from cluster.sim.workload import SimRequest, Workload
 from common.roles import ROLES, Role
@@ -72,13 +73,17 @@ class Simulator:
         link: LinkModel | None = None,
         prefill_cost: CostModel | None = None,
         record_itl: bool = True,
+        host: HostContention | None = None,
     ) -> None:
+        """`host`: every worker runs on one CPU host, their steps slowing each other's as it says
+        (cluster.sim.host); None: each worker has its machine to itself."""
         self.spec = spec
         self.cost = cost
         self.prefill_cost = prefill_cost or cost
         self.overheads = overheads or ServingOverheads()
         self.link = link or LinkModel("default", 50e9)
         self.loop = EventLoop()
+        self.host = None if host is None else SharedHost(self.loop, host)
         self.index = PrefixIndex()
         self.policy = make_policy(spec.routing, self.index, spec.engine.block_size)
         self.workers: dict[str, SimWorker] = {}
@@ -126,7 +131,7 @@ class Simulator:
             worker_id = f"{role}-{self._next_id[role]}"
             self._next_id[role] += 1
         cost = self.prefill_cost if role is Role.PREFILL else self.cost
-        w = SimWorker(self.loop, worker_id, role, cost, self.spec.engine, self.link)
+        w = SimWorker(self.loop, worker_id, role, cost, self.spec.engine, self.link, self.host)
         w.on_started = self._started
         w.on_outputs = self.executor.outputs_ready
         w.alive = False
@@ -392,6 +397,7 @@ class Simulator:
             "link": dataclasses.asdict(self.link),
             "cost_model": _describe(self.cost),
             "prefill_cost_model": _describe(self.prefill_cost),
+            "host_contention": None if self.host is None else dataclasses.asdict(self.host.contention),
         }
         return SimResult(
             self.records, self.itl, pools, self.timeline, self.decision_s, end, time.perf_counter() - started, config
@@ -410,6 +416,7 @@ def simulate(
     overheads: ServingOverheads | None = None,
     link: LinkModel | None = None,
     prefill_cost: CostModel | None = None,
+    host: HostContention | None = None,
 ) -> SimResult:
     """Run one workload on one deployment and return its records and pool statistics."""
-    return Simulator(spec, cost, overheads, link, prefill_cost).run(workload)
+    return Simulator(spec, cost, overheads, link, prefill_cost, host=host).run(workload)

@@ -10,8 +10,9 @@ and simulates them here; tests/sim/test_validation.py re-simulates the stored ru
 3. `chat`: multi-turn conversations sharing a system prompt; each turn's prompt is the previous
    turn's prompt, a fixed assistant reply and a new user message (token ids, so the real run and
    the simulation send identical prompts).
-4. `poisson512` (held out): open loop, 120 prompts of 512 tokens at Poisson arrivals of 1.2 per
-   second, 64 output tokens each.
+4. `poisson512` (held out): open loop, 72 prompts of 512 tokens at Poisson arrivals of 0.5 per
+   second, 64 output tokens each (the prefill worker busy about 60% of the time: a 512-token
+   prompt is two 256-token chunks of about 0.6 s on its core).
 5. `two_shapes` (held out): two closed-loop clients at once, 40 requests of 128 in / 128 out, 4 at
    a time, beside 16 of 1,024 in / 32 out, 2 at a time.
 
@@ -25,15 +26,16 @@ of random calls), so the simulated requests are the very ones the real client se
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from cluster.config import BatonConfig
 from cluster.sim.costs import load_cost_model
 from cluster.sim.engine import EngineSettings
+from cluster.sim.host import load_host_contention
 from cluster.sim.simulator import ClusterSpec, Simulator
 from cluster.sim.workload import Client, SimRequest, Workload
 from common.stats import summary as latency_summary
-from router.routing import RoutingConfig
 
 __all__ = [
     "ChatShape",
@@ -44,6 +46,7 @@ __all__ = [
     "chat_conversations",
     "compare",
     "serve_requests",
+    "served_spec",
     "simulate",
     "summarize",
     "validation_workload",
@@ -116,7 +119,7 @@ def validation_workload(name: str, chat: ChatShape = ChatShape()) -> Workload:
         )
         return Workload((Client("chat", units, chat.concurrency),))
     if name == "poisson512":
-        return Workload((Client.open_loop("poisson", serve_requests("p512", 512, 64, 120, 3, request_rate=1.2)),))
+        return Workload((Client.open_loop("poisson", serve_requests("p512", 512, 64, 72, 3, request_rate=0.5)),))
     if name == "two_shapes":
         short = serve_requests("short", 128, 128, 40, 4)
         long = serve_requests("long", 1024, 32, 16, 5)
@@ -143,9 +146,20 @@ def compare(real: dict, simulated: dict, tolerance: float = 0.2) -> list[dict]:
     return rows
 
 
-SPEC = ClusterSpec(
-    1, 1, EngineSettings(block_size=16, max_num_seqs=64, max_num_batched_tokens=256), RoutingConfig(seed=0)
-)  # `baton serve`'s defaults
+def served_spec(config: BatonConfig | None = None, device: str = "cpu") -> ClusterSpec:
+    """The deployment `baton serve` runs with `config` (default: its defaults), as the launcher
+    builds it: the pools' sizes, the engine's scheduling knobs, and the routing with its automatic
+    prefill queue threshold set for the prefill pool's `device` (cluster.launcher.deploy:
+    `RoutingConfig.for_device`; on a CPU, past 1,024 queued prompt tokens the decode worker prefills
+    a prompt itself). The routing's seed is fixed so the simulation is repeatable."""
+    config = config or BatonConfig()
+    e, p = config.engine, config.placement
+    engine = EngineSettings(e.block_size, e.max_num_seqs, e.max_num_batched_tokens, e.enable_prefix_caching)
+    routing = replace(config.routing.for_device(device), seed=0)
+    return ClusterSpec(p.prefill_workers, p.decode_workers, engine, routing)
+
+
+SPEC = served_spec()  # what bench/sim_validate.py's `baton serve --threads-per-worker 1` runs
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -159,10 +173,17 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
-def simulate(name: str, profile: str | Path) -> dict:
+def simulate(name: str, profile: str | Path, reverse_clients: bool = False) -> dict:
     """The validation workload `name` simulated on SPEC with the model profile at `profile`:
-    summarize()'s figures, the routes taken, and the simulation's wall time."""
+    summarize()'s figures, the routes taken, and the simulation's wall time. `reverse_clients`:
+    the clients send their first requests in the reverse order (requests that arrive together
+    reach the router in the order the clients are listed)."""
     cost, overheads, link = load_cost_model(profile)
-    result = Simulator(SPEC, cost, overheads, link).run(validation_workload(name))
+    # Both workers of `baton serve` run on this one host: their steps slow each other's.
+    host = load_host_contention(profile)
+    workload = validation_workload(name)
+    if reverse_clients:
+        workload = Workload(tuple(reversed(workload.clients)))
+    result = Simulator(SPEC, cost, overheads, link, host=host).run(workload)
     rows = [{"ok": r.completed, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s} for r in result.records]
     return {**summarize(rows), "routes": result.summary()["routes"], "simulation_wall_s": result.sim_wall_s}

@@ -18,6 +18,8 @@ def t_sim_validate() -> str:
         "throughput": "1. throughput (256 in / 128 out, 64 prompts, 16 at a time)",
         "mixed": "2. mixed (24 streams 32/256, 8 at a time, + 10 prompts of 2,000 tokens at 0.25/s)",
         "chat": "3. multi-turn chat (6 conversations x 4 turns, 3 at a time)",
+        "poisson512": "4. held out: Poisson arrivals (72 prompts of 512 / 64 at 0.5/s)",
+        "two_shapes": "5. held out: two closed-loop shapes (128/128, 4 at a time, + 1,024/32, 2 at a time)",
     }
     metrics = ("TTFT p50", "TTFT p99", "TPOT p50")
     rows = []
@@ -27,6 +29,7 @@ def t_sim_validate() -> str:
             [names.get(key, key)]
             + [
                 f"{ms(by[m]['real_ms'])} / {ms(by[m]['sim_ms'])} ms ({pct(by[m]['relative_error'], 0, sign=True)})"
+                + ("" if by[m]["within"] else " **over 20%**")
                 for m in metrics
             ]
         )
