@@ -16,7 +16,7 @@ workers (BATON_STEP_LOG_DIR) under a profiling workload of this file's own (`ser
 what the simulator's validation uses. Both workers' steps are then on one clock, so the fit also
 gives how much a step slows while the other worker of the host computes
 (cluster.sim.host.fit_host_contention: the coefficients are then a step's cost alone), and the
-client's token times give the router's and the stream's overheads (bench.served_overheads). The
+client's token times give the router's and the stream's overheads (cluster.sim.served_overheads). The
 Ray call round trip is measured when --overheads is given (starts Ray on 127.0.0.1). Writes a
 model profile that `baton plan --model-profile` and bench/sim_validate.py read:
 
@@ -37,9 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.served_overheads import served_overheads
 from cluster.sim.costs import StepShape, fit_cost_model
 from cluster.sim.host import fit_host_contention
+from cluster.sim.served_overheads import served_overheads
 from cluster.sim.workload import Client, SimRequest, Workload
 from common.envs import ensure_private_ray_env
 from common.sampling_params import SamplingParams

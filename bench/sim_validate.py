@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from bench import loadgen as load
 from bench.host_load import CpuWatch, wait_for_quiet
+from cluster.sim.served_overheads import served_routes
 from cluster.sim.validation import (
     TUNED_WORKLOADS,
     VALIDATION_WORKLOADS,
@@ -179,16 +179,6 @@ def pooled(runs: list[tuple[dict, list[dict]]]) -> dict:
             {k: real[k] for k in ("ttft_ms", "tpot_ms", "completed", "wall_s", "routes", "host")} for real, _ in runs
         ],
     }
-
-
-def served_routes(metrics: str) -> dict[str, int]:
-    """The router's routing decisions by reason (baton:routing_decisions_total in /metrics), named
-    as the simulator's routes are (a remote prefill that fell back to local: remote_prefill_fallback_local)."""
-    routes: dict[str, int] = {}
-    for m in re.finditer(r'^baton:routing_decisions_total\{[^}]*reason="([^"]+)"[^}]*\} ([0-9.e+]+)$', metrics, re.M):
-        reason = "remote_prefill_fallback_local" if m[1] == "remote_prefill_failed" else m[1]
-        routes[reason] = routes.get(reason, 0) + int(float(m[2]))
-    return routes
 
 
 def main() -> None:

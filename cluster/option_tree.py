@@ -71,6 +71,7 @@ class Option:
     size: bool  # bytes, also written with a unit ("512MiB")
     example: Any  # a valid non-default value (tests use it)
     alias: str | None = None  # a short flag beside the long one, as vLLM's -tp
+    multiple: bool = False  # a string flag taking several values (vLLM's --lora-modules), joined a line each
 
     @property
     def key(self) -> str:
@@ -144,6 +145,7 @@ def _section_options(cls: type, prefix: tuple[str, ...]) -> list[Option]:
                 size=bool(meta.get("size")),
                 example=meta.get("example"),
                 alias=meta.get("alias"),
+                multiple=bool(meta.get("nargs", False)),
             )
         )
     return options
@@ -152,6 +154,13 @@ def _section_options(cls: type, prefix: tuple[str, ...]) -> list[Option]:
 def _suggestion(key: str, known: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(key.replace("-", "_"), list(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class _JoinLines(argparse.Action):
+    """A flag's several values as one string, a value per line (the option's type is a string)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, "\n".join(values))
 
 
 def _flag_parser(option: Option):
@@ -270,6 +279,9 @@ class OptionTree:
             if option.choices is not None:
                 kwargs["choices"] = [c for c in option.choices if c is not None]
             flags = (option.flag, option.alias) if option.alias else (option.flag,)
+            if option.multiple:  # several values after the flag, kept as one string, a value per line
+                parser.add_argument(*flags, nargs="+", action=_JoinLines, **kwargs)
+                continue
             parser.add_argument(*flags, type=_flag_parser(option), **kwargs)
 
     def json_schema(self, title: str, description: str) -> dict[str, Any]:

@@ -8,6 +8,11 @@
 roofline spec ({"cost_model": {"kind": "roofline", "gpu": "H200", ...}}), or the short form
 roofline:GPU:MODEL[:fp8|bf16[:TP]]. --workload is a YAML/JSON WorkloadSpec (cluster/sim/workload.py):
 its length distributions, prefix groups and arrival shape; the planner varies its rate.
+
+LoRA: --lora-adapters N (with --lora-dist, --lora-zipf-s, --lora-base-fraction) puts the
+workload's requests under N adapters (or its own `adapters:` mapping does), and --max-loras /
+--max-cpu-loras size each worker's adapter slots (default with a mix: 1, the worker's default);
+--lora-slot-load, --lora-disk-load and --lora-step-fraction replace the LoRA cost model's defaults.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from cluster.sim.costs import GPUS, LINKS, MODELS, RooflineCostModel, ServingOve
 from cluster.sim.engine import EngineSettings
 from cluster.sim.metrics import SLO
 from cluster.sim.simulator import ClusterSpec, Simulator
-from cluster.sim.workload import WorkloadSpec
+from cluster.sim.workload import AdapterMix, WorkloadSpec
 
 __all__ = ["add_plan_parser", "parse_duration", "run_plan"]
 
@@ -60,6 +65,18 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--exhaustive", action="store_true", help="also simulate every split and compare")
     p.add_argument("--plot", default=None, help="PNG of goodput per GPU against the split")
     p.add_argument("--json", default=None, help="write the plan as JSON here")
+    lora = p.add_argument_group("LoRA adapters (simulated: cluster/sim/lora.py)")
+    lora.add_argument("--lora-adapters", type=int, default=None, help="requests spread over this many adapters")
+    lora.add_argument("--lora-dist", choices=("zipf", "uniform"), default="zipf", help="adapter popularity")
+    lora.add_argument("--lora-zipf-s", type=float, default=1.0, help="Zipf exponent: adapter k has weight 1/(k+1)^s")
+    lora.add_argument("--lora-base-fraction", type=float, default=0.0, help="share of requests on the base model")
+    lora.add_argument("--max-loras", type=int, default=None, help="adapters in one step's batch (device slots)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")
+    lora.add_argument("--lora-slot-load", type=parse_duration, default=None, help="host -> device slot, per adapter")
+    lora.add_argument("--lora-disk-load", type=parse_duration, default=None, help="disk -> host memory, per adapter")
+    lora.add_argument(
+        "--lora-step-fraction", type=float, default=None, help="step time added per distinct adapter in a batch"
+    )
 
 
 def _cost(spec: str):
@@ -84,11 +101,26 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         cost, overheads, link = _cost(args.model_profile)
         workload = WorkloadSpec.load(args.workload)
+        if args.lora_adapters is not None:
+            mix = AdapterMix(args.lora_adapters, args.lora_dist, args.lora_zipf_s, args.lora_base_fraction)
+            workload = dataclasses.replace(workload, adapters=mix)
         gpu_scale = isinstance(cost, RooflineCostModel)  # GPU engines batch more than this CPU's defaults
+        lora_costs = {
+            name: value
+            for name, value in (
+                ("lora_slot_load_s", args.lora_slot_load),
+                ("lora_disk_load_s", args.lora_disk_load),
+                ("lora_step_fraction", args.lora_step_fraction),
+            )
+            if value is not None
+        }
         engine = EngineSettings(
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs or (256 if gpu_scale else 64),
             max_num_batched_tokens=args.max_num_batched_tokens or (8192 if gpu_scale else 256),
+            max_loras=args.max_loras if args.max_loras is not None else (1 if workload.adapters else 0),
+            max_cpu_loras=args.max_cpu_loras,
+            **lora_costs,
         )
         problem = PlanProblem(
             args.gpus,
@@ -130,6 +162,15 @@ def run_plan(args: argparse.Namespace) -> int:
         f"  at the workload's rate ({workload.rate:g}/s): SLO attainment {at_rate['slo_attainment']:.1%}, "
         f"TTFT p99 {at_rate['ttft_ms']['p99'] or 0:.0f} ms, TPOT p99 {at_rate['tpot_ms']['p99'] or 0:.1f} ms"
     )
+    lora = at_rate.get("lora")
+    if lora is not None and workload.adapters is not None:
+        mix = workload.adapters
+        print(
+            f"  LoRA: {mix.count} adapters ({mix.dist}"
+            + (f", s={mix.zipf_s:g}" if mix.dist == "zipf" else "")
+            + f", {mix.base_fraction:.0%} base model), max_loras {engine.max_loras}: at the workload's rate "
+            f"{lora['slot_loads']} slot loads, {lora['disk_loads']} disk loads, steps waited {lora['load_s']:.2f} s"
+        )
     print(
         f"  {chosen.simulations} simulations ({len(chosen.evaluated)} splits: "
         + ", ".join(f"{r.label} {r.goodput:.3g}/s" for r in chosen.evaluated)

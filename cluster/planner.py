@@ -12,6 +12,11 @@ worker: requests per second at the largest batch whose step still meets the TPOT
 KV fits), starts from the split that balances the two, and climbs to the better neighbour until
 neither is better; the colocated layout (no prefill pool: decode workers prefill) is one more
 candidate. `exhaustive` simulates every split, the yardstick the planner is tested against.
+
+LoRA: a workload with an adapter mix (`WorkloadSpec.adapters`: how many adapters, their
+distribution, the base model's share) is simulated with it, under the engine's `max_loras` slots
+(`EngineSettings`, which must then be at least 1) and LoRA costs; the capacity estimate stretches
+a step by the adapters a batch is expected to hold (load waits are left to the simulations).
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class PlanProblem:
     def __post_init__(self) -> None:
         if self.slo.ttft_s is None or self.slo.tpot_s is None:
             raise ValueError("the planner needs both a TTFT and a TPOT SLO")
+        if self.workload.adapters is not None and not self.engine.max_loras:
+            raise ValueError("a workload with LoRA adapters needs the engine's max_loras >= 1 (its device slots)")
         if not 0 < self.attainment <= 1:
             raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
         if self.max_workers < 2:
@@ -154,13 +161,27 @@ def _prefill_seconds(cost: CostModel, engine: EngineSettings, uncached: int, cac
     return t
 
 
+def _lora_stretch(problem: PlanProblem, batch: int) -> float:
+    """How much longer a step of `batch` requests of the workload's adapter mix is than the base
+    model's: 1 + step_fraction x the distinct adapters such a batch is expected to hold (at most
+    max_loras; what the scheduler defers to later steps is not counted)."""
+    mix, eng = problem.workload.adapters, problem.engine
+    if mix is None or not eng.max_loras:
+        return 1.0
+    shares = [p for name, p in mix.probabilities().items() if name is not None]
+    expected = sum(1 - (1 - p) ** batch for p in shares)
+    return 1 + eng.lora_step_fraction * min(float(eng.max_loras), expected)
+
+
 def capacity_estimate(problem: PlanProblem) -> dict:
     """Per-worker capacities (requests/s) and the split that balances them."""
     wl, eng = problem.workload, problem.engine
     prompt = wl.mean_prompt_len()
     cached = wl.prefix_len * wl.prefix_fraction if wl.prefix_groups else 0.0
     out = max(1.0, wl.output_len.expected())
-    prefill_cap = 1.0 / _prefill_seconds(problem.pcost, eng, int(prompt - cached), int(cached))
+    prefill_cap = 1.0 / (
+        _prefill_seconds(problem.pcost, eng, int(prompt - cached), int(cached)) * _lora_stretch(problem, 1)
+    )
     cost = problem.cost
     kv_blocks = eng.num_kv_blocks or cost.kv_capacity_tokens() // eng.block_size
     context = prompt + out / 2
@@ -168,7 +189,7 @@ def capacity_estimate(problem: PlanProblem) -> dict:
     for b in range(1, eng.max_num_seqs + 1):
         if b * math.ceil((prompt + out) / eng.block_size) > kv_blocks:
             break
-        step = cost.step_time(StepShape.of([(int(context), 1, True)] * b))
+        step = cost.step_time(StepShape.of([(int(context), 1, True)] * b)) * _lora_stretch(problem, b)
         if step > 0.9 * problem.tpot_slo_s:
             break
         best_batch, best_step = b, step

@@ -17,6 +17,7 @@ __all__ = [
     "BATON_ADMIN_TOKEN",
     "BATON_API_KEY",
     "BATON_CACHE_DIR",
+    "BATON_ALLOW_RUNTIME_LORA_UPDATING",
     "BATON_STEP_LOG_DIR",
     "CXX",
     "ENV_VARS",
@@ -71,6 +72,11 @@ BATON_API_KEY = EnvVar(
 BATON_ADMIN_TOKEN = EnvVar(
     "BATON_ADMIN_TOKEN", None, "the admin endpoint's token when --admin-token is not given (none: loopback only)"
 )
+BATON_ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
+    "BATON_ALLOW_RUNTIME_LORA_UPDATING",
+    None,
+    "1 or true: POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+)
 BATON_STEP_LOG_DIR = EnvVar(
     "BATON_STEP_LOG_DIR",
     None,
@@ -97,6 +103,7 @@ ENV_VARS: dict[str, EnvVar] = {
         BATON_CACHE_DIR,
         BATON_API_KEY,
         BATON_ADMIN_TOKEN,
+        BATON_ALLOW_RUNTIME_LORA_UPDATING,
         BATON_STEP_LOG_DIR,
         HF_HUB_CACHE,
         HF_HOME,

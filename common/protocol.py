@@ -11,6 +11,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from common.lora import LoRAStatus
 from common.roles import Role
 
 
@@ -275,6 +276,9 @@ class PrefillResult:
     # Tensor-parallel workers: (prefill rank, decode rank, bytes) of each rank pair that moved KV heads
     # (kvtransfer.resharding); bytes_sent is their sum.
     rank_pairs: tuple[tuple[int, int, int], ...] = ()
+    # What the KV was computed under besides the tokens (RequestContext.kv_namespace: the LoRA
+    # adapter): the decode worker refuses KV of another namespace than its request's.
+    kv_namespace: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -370,6 +374,7 @@ class WorkerStats:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # zeros without speculative decoding
     tp_size: int = 1  # the worker's tensor-parallel group: its ranks, rank 0 (this process) included
     rank_pids: tuple[int, ...] = ()  # the processes of ranks 1..tp_size-1
+    lora: LoRAStatus = field(default_factory=LoRAStatus)  # its LoRA adapters (max_loras 0: none served)
 
 
 @dataclass(frozen=True)

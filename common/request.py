@@ -162,6 +162,9 @@ class StartDecodeRequest:
 
     request_id: str
     first_token: int
+    # The namespace the prefill worker computed the KV under (its LoRA adapter); the decode worker
+    # refuses KV computed under another than its own request's.
+    kv_namespace: str | None = None
 
 
 @dataclass(frozen=True)

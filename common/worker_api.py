@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from common.lora import LoRAModuleSpec
 from common.protocol import (
     KVEndpoint,
     KVReservation,
@@ -89,6 +90,14 @@ class WorkerAPI(Protocol):
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile a structured output's grammar now (cached); GrammarCompileError when it cannot."""
+        ...
+
+    def load_lora_adapter(self, spec: LoRAModuleSpec) -> None:
+        """Serve the LoRA adapter `spec` names from now on; ValueError says why it cannot."""
+        ...
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving adapter `name`; False when it was not served here."""
         ...
 
     # ---- outputs, leases and health ---------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+from common.lora import LoRAModuleSpec
 from common.protocol import (
     KVEndpoint,
     KVReservation,
@@ -72,6 +73,12 @@ class WorkerClient:
 
     def compile_grammar(self, params: SamplingParams) -> ObjectRef[None]:
         return cast("ObjectRef[None]", self.handle.compile_grammar.remote(params))
+
+    def load_lora_adapter(self, spec: LoRAModuleSpec) -> ObjectRef[None]:
+        return cast("ObjectRef[None]", self.handle.load_lora_adapter.remote(spec))
+
+    def unload_lora_adapter(self, name: str) -> ObjectRef[bool]:
+        return cast("ObjectRef[bool]", self.handle.unload_lora_adapter.remote(name))
 
     # ---- outputs, leases and health ---------------------------------------------------------------
     def poll_outputs(self, timeout_s: float = 0.05, router: RouterClaim | None = None) -> ObjectRef[list[WorkerOutput]]:

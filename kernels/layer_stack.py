@@ -16,7 +16,10 @@ decode rows gains what a decode step does.
 
 What it covers: float32 weights packed for small_m_linear (no biases), a float32 KV cache, no
 per-head q/k norm, no tensor parallelism; workers/engine/cpu_layer_stack.py decides, per model, and leaves
-every other case on the layer-by-layer pass.
+every other case on the layer-by-layer pass. With LoRA adapters (`attach_lora`: the stacked
+matrices of workers/lora/manager.py), a step whose rows run under adapters (StackBatch.lora_rows)
+adds each projection's update right after it with the batched LoRA kernel (kernels/lora.py), as
+the layer-by-layer pass's LoRA projections do.
 
 The reference, `layer_stack_reference`, composes the kernels' PyTorch references.
 """
@@ -34,6 +37,7 @@ from kernels._checks import check_tensor, require
 from kernels.decode_attention import paged_decode_attention_reference
 from kernels.kv_store import store_kv_reference
 from kernels.layer_stack_abi import (
+    LORA_TARGETS,
     TILED,
     LayerArgs,
     ShapeArgs,
@@ -41,6 +45,7 @@ from kernels.layer_stack_abi import (
     entry_points,
     native_layer_stack,
 )
+from kernels.lora import lora_add_reference
 from kernels.prefill_attention import native_shape, paged_prefill_attention_reference
 from kernels.rms_norm import rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
@@ -59,6 +64,10 @@ _STAGES = (
     "gate/up projection",
     "SiLU-and-mul",
     "down projection",
+    "q/k/v LoRA",
+    "o LoRA",
+    "gate/up LoRA",
+    "down LoRA",
 )
 
 
@@ -81,6 +90,10 @@ class StackBatch:
     prefill_query_start: torch.Tensor
     prefill_context_lens: torch.Tensor
     prompt_runs: torch.Tensor | None = None
+    # LoRA: each token's adapter slot, int64 [T] (-1: the base model; None: no adapter in the step),
+    # and the targets any of the step's slots adapts (bit t for LORA_TARGETS[t]; all by default).
+    lora_rows: torch.Tensor | None = None
+    lora_targets: int = (1 << len(LORA_TARGETS)) - 1
 
     def check(self) -> tuple[int, int]:
         """(num_decode, num_prefill), or ValueError naming what is wrong."""
@@ -108,6 +121,12 @@ class StackBatch:
             chunks[0] == 0 and all(a < b for a, b in zip(chunks, chunks[1:])) and nd + chunks[-1] == t,
             f"prefill_query_start {chunks} must rise from 0 to the {t - nd} prefill tokens",
         )
+        if self.lora_rows is not None:
+            check_tensor(self.lora_rows, "lora_rows", 1, (torch.int64,))
+            require(
+                self.lora_rows.shape[0] == t and self.lora_rows.is_contiguous(),
+                f"lora_rows must be a contiguous int64 [{t}], got {tuple(self.lora_rows.shape)}",
+            )
         if self.prompt_runs is not None:
             check_tensor(self.prompt_runs, "prompt_runs", 2, (torch.int64,))
             require(
@@ -164,6 +183,17 @@ class LayerWeights:
         return [getattr(self, f"{name}_tiles") for name in TILED]
 
 
+@dataclass(frozen=True)
+class StackLoRA:
+    """LoRA adapters' device slots for a stack: per layer, per target of LORA_TARGETS, A [slots,
+    rank, in] and B [slots, out, rank] float32 (a smaller rank zero-padded), and each slot's
+    scaling [slots] float32. The stack holds their addresses: they are written in place."""
+
+    a: list[dict[str, torch.Tensor]]
+    b: list[dict[str, torch.Tensor]]
+    scaling: torch.Tensor
+
+
 def _packed(t: torch.Tensor, name: str, n: int, k: int) -> None:
     check_tensor(t, name, 3, (torch.float32,))
     require(
@@ -212,6 +242,7 @@ class LayerStack:
                 )
             require(w.window is None or w.window >= 1, f"layer {i} window must be >= 1, got {w.window}")
             _check_tiles(w, i)
+        self.lora: StackLoRA | None = None
         self.geometry, self.block_size = g, cache_shape[1]
         require(self.block_size & (self.block_size - 1) == 0, f"block size {self.block_size} is not a power of two")
         # The native prefill attention is compiled for a few block sizes and head dims only; with
@@ -254,6 +285,49 @@ class LayerStack:
             g.softcap or 0.0,
         )
 
+    @property
+    def takes_lora(self) -> bool:
+        """Whether steps with adapter rows run here (LoRA attached, its kernel built)."""
+        return self.lora is not None and bool(self._kernels.lora_add)
+
+    def attach_lora(self, lora: StackLoRA) -> None:
+        """Run adapter rows too: the update of each target after its projection (kernels/lora.py)."""
+        g = self.geometry
+        q, kv, h, i = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.hidden_size, g.intermediate_size
+        shapes = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        require(
+            len(lora.a) == len(lora.b) == len(self._weights), f"LoRA stacks for {len(self._weights)} layers expected"
+        )
+        check_tensor(lora.scaling, "lora scaling", 1, (torch.float32,))
+        slots = lora.scaling.shape[0]
+        rank = lora.a[0][LORA_TARGETS[0]].shape[1]
+        for layer, (a_stacks, b_stacks) in enumerate(zip(lora.a, lora.b)):
+            for target in LORA_TARGETS:
+                width, out = shapes[target]
+                a, b = a_stacks[target], b_stacks[target]
+                check_tensor(a, f"layer {layer} {target} A", 3, (torch.float32,))
+                check_tensor(b, f"layer {layer} {target} B", 3, (torch.float32,))
+                require(
+                    tuple(a.shape) == (slots, rank, width) and tuple(b.shape) == (slots, out, rank),
+                    f"layer {layer} {target}: A {tuple(a.shape)} and B {tuple(b.shape)} must be "
+                    f"[{slots}, {rank}, {width}] and [{slots}, {out}, {rank}]",
+                )
+                require(a.is_contiguous() and b.is_contiguous(), f"layer {layer} {target}: A and B must be contiguous")
+            args = self._layers[layer]
+            for t, target in enumerate(LORA_TARGETS):
+                args.lora_a[t] = a_stacks[target].data_ptr()
+                args.lora_b[t] = b_stacks[target].data_ptr()
+        self._shapes.lora_rank, self._shapes.lora_slots = rank, slots
+        self.lora = lora  # the structs point into these tensors
+
     def run(self, hidden: torch.Tensor, batch: StackBatch, num_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over the batch's T tokens: (the last layer's output, the residual stream),
         each [T, hidden], as the model's layer loop returns them. hidden: the tokens' embeddings
@@ -277,6 +351,14 @@ class LayerStack:
             "a decode row's context is longer than its block table holds",
         )
         require(num_threads >= 1, f"num_threads must be >= 1, got {num_threads}")
+        lora_rows = batch.lora_rows
+        if lora_rows is not None:
+            require(self.takes_lora, "a step with LoRA adapter rows on a stack without LoRA (attach_lora)")
+            assert self.lora is not None
+            require(
+                not lora_rows.numel() or int(lora_rows.max()) < self.lora.scaling.shape[0],
+                f"a LoRA slot id past the stack's {self.lora.scaling.shape[0]} slots",
+            )
         hidden = hidden.clone()  # the layers write their output over their input
         q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
         buffers = {
@@ -309,6 +391,9 @@ class LayerStack:
             *(buf.data_ptr() for buf in buffers.values()),
             None if runs is None else runs.data_ptr(),
             0 if runs is None else runs.shape[0],
+            None if lora_rows is None else lora_rows.data_ptr(),
+            None if lora_rows is None or self.lora is None else self.lora.scaling.data_ptr(),
+            batch.lora_targets,
         )
         if T:
             err = native_layer_stack()(
@@ -321,10 +406,15 @@ class LayerStack:
             )
             if err:
                 layer, stage, status = err // 1000 - 1, err % 1000 // 10, err % 10
+                why = (
+                    "a LoRA slot past the stacks, or a target without its matrices"
+                    if stage > len(_STAGES) - 4
+                    else "positions past the rope cache, slots past the KV cache, "
+                    "a context shorter than its chunk, or a context length below 1"
+                )
                 raise ValueError(
                     f"native layer stack: layer {layer}'s {_STAGES[stage - 1]} kernel refused the batch "
-                    f"(status {status}: positions past the rope cache, slots past the KV cache, "
-                    f"a context shorter than its chunk, or a context length below 1)"
+                    f"(status {status}: {why})"
                 )
         return hidden, buffers["residual"]
 
@@ -354,10 +444,26 @@ def layer_stack_reference(
     cos_sin_cache: torch.Tensor,
     hidden: torch.Tensor,
     batch: StackBatch,
+    lora: StackLoRA | None = None,
 ):
     """The same layers from the kernels' PyTorch references (KV written into the caches too); the
-    prompt runs of layers with tiles through the bf16x3 reference."""
+    prompt runs of layers with tiles through the bf16x3 reference; with `lora` and the batch's
+    lora_rows, each projection's LoRA update from kernels.lora's reference."""
     g, b = geometry, batch
+
+    def adapted(layer: int, targets: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if lora is None or b.lora_rows is None:
+            return y
+        parts, start = [], 0
+        for target in targets:
+            a_stack, b_stack = lora.a[layer][target], lora.b[layer][target]
+            width = b_stack.shape[1]
+            parts.append(
+                lora_add_reference(y[:, start : start + width], x, a_stack, b_stack, b.lora_rows, lora.scaling)
+            )
+            start += width
+        return torch.cat(parts, dim=1)
+
     runs = [] if b.prompt_runs is None else b.prompt_runs.tolist()
 
     def linear(x: torch.Tensor, packed: torch.Tensor, tiles: torch.Tensor | None) -> torch.Tensor:
@@ -370,12 +476,12 @@ def layer_stack_reference(
     nd = b.decode_block_tables.shape[0]
     q_size, kv_size = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     residual = None
-    for w in layers:
+    for i, w in enumerate(layers):
         if residual is None:
             residual, x = hidden, rms_norm_reference(hidden, w.input_norm, g.eps)
         else:
             x, residual = rms_norm_reference(hidden, w.input_norm, g.eps, residual)
-        qkv = linear(x, w.qkv, w.qkv_tiles)
+        qkv = adapted(i, ("q_proj", "k_proj", "v_proj"), x, linear(x, w.qkv, w.qkv_tiles))
         T = qkv.shape[0]
         qh = qkv[:, :q_size].view(T, g.num_heads, g.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(T, g.num_kv_heads, g.head_dim)
@@ -406,6 +512,9 @@ def layer_stack_reference(
                 window=w.window,
                 softcap=g.softcap,
             )
-        x, residual = rms_norm_reference(linear(attn.reshape(T, q_size), w.o, w.o_tiles), w.post_norm, g.eps, residual)
-        hidden = linear(silu_and_mul_reference(linear(x, w.gate_up, w.gate_up_tiles)), w.down, w.down_tiles)
+        attn = attn.reshape(T, q_size)
+        o = adapted(i, ("o_proj",), attn, linear(attn, w.o, w.o_tiles))
+        x, residual = rms_norm_reference(o, w.post_norm, g.eps, residual)
+        act = silu_and_mul_reference(adapted(i, ("gate_proj", "up_proj"), x, linear(x, w.gate_up, w.gate_up_tiles)))
+        hidden = adapted(i, ("down_proj",), act, linear(act, w.down, w.down_tiles))
     return hidden, residual

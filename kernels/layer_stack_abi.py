@@ -15,6 +15,7 @@ __all__ = [
     "I32",
     "I64",
     "KERNELS",
+    "LORA_TARGETS",
     "TILED",
     "KernelTable",
     "LayerArgs",
@@ -40,12 +41,15 @@ KERNELS = (
 
 
 TILED = ("qkv", "o", "gate_up", "down")
+# LoRA's targets in the C enum LoraTarget's order (common/lora.py LORA_TARGETS).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class KernelTable(ctypes.Structure):
-    """The entry points of the kernels the layers call (KERNELS, then AMX's linear or null)."""
+    """The entry points of the kernels the layers call (KERNELS, then AMX's linear and the batched
+    LoRA kernel, each or null)."""
 
-    _fields_ = [(field, FP) for field, _, _ in KERNELS] + [("amx_linear", FP)]
+    _fields_ = [(field, FP) for field, _, _ in KERNELS] + [("amx_linear", FP), ("lora_add", FP)]
 
 
 class LayerArgs(ctypes.Structure):
@@ -55,6 +59,7 @@ class LayerArgs(ctypes.Structure):
         [(name, FP) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")]
         + [("window", I64)]
         + [(f"{name}_tiles", FP) for name in TILED]
+        + [("lora_a", FP * len(LORA_TARGETS)), ("lora_b", FP * len(LORA_TARGETS))]
     )
 
 
@@ -74,6 +79,8 @@ class ShapeArgs(ctypes.Structure):
         ("eps", F32),
         ("scale", F32),
         ("softcap", F32),
+        ("lora_rank", I64),
+        ("lora_slots", I64),
     ]
 
 
@@ -96,6 +103,9 @@ class StepArgs(ctypes.Structure):
         *[(name, FP) for name in ("hidden", "residual", "normed", "qkv", "attn", "gate_up", "act")],
         ("prompt_runs", FP),
         ("num_prompt_runs", I64),
+        ("lora_rows", FP),
+        ("lora_scaling", FP),
+        ("lora_targets", I64),
     ]
 
 
@@ -105,7 +115,7 @@ def entry_points() -> KernelTable | None:
     if None in addresses or native_layer_stack() is None:
         return None
     amx = cpu_native.address("amx_linear", "baton_amx_linear") if amx_linear.ready() else None
-    return KernelTable(*addresses, amx)
+    return KernelTable(*addresses, amx, cpu_native.address("lora", "baton_lora_add"))
 
 
 def native_layer_stack():

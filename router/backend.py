@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from common.lora import LoRAModuleSpec, LoRAStatus
 from common.protocol import GrammarCounts, RequestOutput, SpecDecodeStats
 from common.request import RequestContext, WorkerRequest
 from common.roles import Role
@@ -53,6 +54,7 @@ class WorkerInfo:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding on the worker
     tp_size: int = 1  # its tensor-parallel group's ranks
     rank_pids: tuple[int, ...] = ()  # the processes of its ranks 1..tp_size-1 (pid is rank 0's)
+    lora: LoRAStatus = field(default_factory=LoRAStatus)  # its LoRA adapters, as its last stats said
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,19 @@ class BackendError(RuntimeError):
         super().__init__(message)
         self.reason = reason
         self.retryable = reason.retryable if reason is not None else retryable
+
+
+@runtime_checkable
+class LoRABackend(Protocol):
+    """A backend whose workers load and unload LoRA adapters while serving (the Ray backend)."""
+
+    async def load_lora_adapter(self, spec: LoRAModuleSpec) -> None:
+        """Every worker serves the adapter from now on; ValueError (naming why) when one cannot."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """No worker serves the adapter from now on."""
+        ...
 
 
 @runtime_checkable

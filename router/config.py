@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from common import envs
+from common.lora import LoRAModuleSpec
 from common.sampling_params import MAX_LOGPROBS
 from router.reasoning import REASONING_PARSERS
 from router.tool_parsers import TOOL_CALL_PARSERS
@@ -31,6 +32,10 @@ class ServerConfig:
     """The router: HTTP server, request limits, admission control, deadlines and API keys."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address the router binds", "example": "0.0.0.0"})
+    # LoRA: the engine's --enable-lora and --lora-modules, which the launcher copies here so that
+    # requests may name an adapter as their `model` and /v1/models lists them.
+    enable_lora: bool = field(default=False, metadata={"internal": True})
+    lora_adapters: tuple[LoRAModuleSpec, ...] = field(default=(), metadata={"internal": True})
     port: int = field(default=8000, metadata={"help": "port the router listens on"})
     log_level: str = field(
         default="info", metadata={"help": "log level of the router and the CLI", "choices": LOG_LEVELS}

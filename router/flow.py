@@ -100,8 +100,9 @@ class WorkerPicker(Protocol):
         """Alive and taking new requests."""
         ...
 
-    def pick(self, role: Role, exclude: frozenset[str]) -> str | None:
-        """The least busy usable worker of the pool outside `exclude`, or None."""
+    def pick(self, role: Role, exclude: frozenset[str], context: RequestContext | None = None) -> str | None:
+        """The least busy usable worker of the pool outside `exclude` that can serve `context`
+        (its LoRA adapter: router.routing.able_workers), or None."""
         ...
 
 
@@ -188,7 +189,11 @@ class RequestFlow:
         self._started_at = now
         picker = self.picker
         route = self.route
-        decode = route.decode_worker if picker.usable(route.decode_worker) else picker.pick(Role.DECODE, frozenset())
+        decode = (
+            route.decode_worker
+            if picker.usable(route.decode_worker)
+            else picker.pick(Role.DECODE, frozenset(), self.context)
+        )
         if decode is None:
             return self._fail("no live decode worker", EndReason.NO_WORKER)
         self.decode_worker = decode
@@ -198,7 +203,9 @@ class RequestFlow:
         if route.prefill_worker is None:
             return commands + self._submit_locally(now)
         prefill = (
-            route.prefill_worker if picker.usable(route.prefill_worker) else picker.pick(Role.PREFILL, frozenset())
+            route.prefill_worker
+            if picker.usable(route.prefill_worker)
+            else picker.pick(Role.PREFILL, frozenset(), self.context)
         )
         if prefill is None:
             self.trace.fell_back_to_local = True
@@ -255,7 +262,8 @@ class RequestFlow:
             self._end(FlowState.FINISHED, EndReason.FINISHED)
             return commands + [Emit(first), Abort(self.decode_worker, final=True)]
         self._move(FlowState.DECODING)
-        return commands + [StartDecode(self.decode_worker, first.token_ids[0]), Emit(first)]
+        start = StartDecode(self.decode_worker, first.token_ids[0], result.kv_namespace)
+        return commands + [start, Emit(first)]
 
     def on_prefill_failed(self, worker_id: str, died: bool, now: float) -> list[Command]:
         """The prefill failed on P: P died (another prefill worker tries, else D prefills), or P
@@ -265,7 +273,7 @@ class RequestFlow:
         assert self.decode_worker is not None
         commands: list[Command] = [Count("prefill_fallbacks"), Abort(self.decode_worker, final=False, wait=True)]
         if died:
-            retry = self.picker.pick(Role.PREFILL, frozenset(self.tried_prefill))
+            retry = self.picker.pick(Role.PREFILL, frozenset(self.tried_prefill), self.context)
             if retry is not None:
                 return commands + [Count("prefill_retries")] + self._reserve(retry)
         return commands + self._fall_back_to_local(now)
@@ -316,7 +324,7 @@ class RequestFlow:
         self.prefill_worker = None
         # Whatever the old worker still holds of the request must go (it may only have been slow).
         commands: list[Command] = [Abort(worker_id, final=False)]
-        target = self.picker.pick(Role.DECODE, frozenset({worker_id}))
+        target = self.picker.pick(Role.DECODE, frozenset({worker_id}), self.context)
         if target is None:
             return commands + [WaitForDecode(self._wait_until)]
         return commands + self._continue_on(target)
@@ -329,7 +337,7 @@ class RequestFlow:
         """A moment after WaitForDecode: is there a decode worker now (the lost one restarted included)?"""
         if self.state is not FlowState.MIGRATING:
             return []  # ended meanwhile
-        target = self.picker.pick(Role.DECODE, frozenset())
+        target = self.picker.pick(Role.DECODE, frozenset(), self.context)
         if target is None:
             if now > self._wait_until:
                 return [Count("migrations_failed")] + self._fail(

@@ -76,6 +76,7 @@ class StartDecode:
 
     worker_id: str
     first_token: int
+    kv_namespace: str | None = None  # what the prefill worker computed the KV under (PrefillResult's)
 
 
 @dataclass(frozen=True)

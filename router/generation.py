@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from common.protocol import RequestOutput
 from common.request import RequestContext, WorkerRequest
 from common.sampling_params import SamplingParams
 from router.admission import Deadline, Ticket, deadline_error
-from router.backend import GenerateRequest, ServingBackend
+from router.backend import GenerateRequest, RouteDecision, ServingBackend, WorkerInfo
 from router.config import ServerConfig
 from router.flow_commands import EndReason
 from router.formatting import Accumulator, Choices, ResponseFormat
@@ -170,8 +170,12 @@ class Generation:
             request_logger.info(
                 "%s prompt (%d tokens): %r", backend_id, len(prompt_ids), self.tokenizer.decode(prompt_ids)
             )
-        route = self.policy.choose(prompt_ids, self.backend.workers(), context.kv_namespace)
+        workers = self.backend.workers()
+        route = self.policy.choose(prompt_ids, workers, context)
         trace.set_route(route)
+        if context.adapter is not None:
+            trace.lora_adapter = context.adapter
+            trace.lora_placement = lora_placement(context.adapter, route, workers)
         request = GenerateRequest(WorkerRequest(context, prompt_ids, choice.params), route, trace)
         return self._traced(self.backend.generate(request), trace)
 
@@ -248,3 +252,11 @@ class Generation:
                 await outputs.aclose()
             except BaseException:
                 pass
+
+
+def lora_placement(adapter: str, route: RouteDecision, workers: Sequence[WorkerInfo]) -> str:
+    """Where `adapter` stood on the route's workers (RequestTrace.lora_placement)."""
+    names = {0.0: "running", 0.25: "resident", 0.5: "load", 1.0: "evict"}
+    by_id = {w.worker_id: w for w in workers}
+    chosen = [wid for wid in (route.prefill_worker, route.decode_worker) if wid is not None and wid in by_id]
+    return " ".join(f"{wid}:{names.get(by_id[wid].lora.affinity(adapter), '?')}" for wid in chosen)

@@ -113,6 +113,18 @@ class _WorkerCollector:
             "Draft tokens accepted, by draft position (0: the first draft).",
             labels=labels + ["position"],
         )
+        # vLLM's LoRA info gauge: one series per worker serving adapters, its value the scrape time.
+        lora_info = GaugeMetricFamily(
+            "baton:lora_requests_info",
+            "LoRA adapters of the worker's running and waiting requests (comma-separated), and its max_lora.",
+            labels=labels + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        lora_loads = CounterMetricFamily(
+            "baton:lora_adapter_loads",
+            "LoRA adapters loaded: into a device slot (slot) or read from disk into host memory (disk).",
+            labels=labels + ["source"],
+        )
+        now = time.time()
         indexed = GaugeMetricFamily(
             "baton:prefix_index_blocks", "KV blocks the router's prefix index holds for the worker.", labels=labels
         )
@@ -145,6 +157,11 @@ class _WorkerCollector:
             accepted_tokens.add_metric(lv, spec.num_accepted_tokens)
             for position, n in enumerate(spec.accepted_per_pos):
                 accepted_per_pos.add_metric(lv + [str(position)], n)
+            if w.lora.max_loras:
+                lo = w.lora
+                lora_info.add_metric(lv + [",".join(lo.running), ",".join(lo.waiting), str(lo.max_loras)], now)
+                lora_loads.add_metric(lv + ["slot"], lo.slot_loads)
+                lora_loads.add_metric(lv + ["disk"], lo.disk_loads)
             if index is not None:
                 indexed.add_metric(lv, index.num_blocks(w.worker_id))
             live[w.role] = live.get(w.role, 0) + (1 if w.alive else 0)
@@ -167,6 +184,8 @@ class _WorkerCollector:
             draft_tokens,
             accepted_tokens,
             accepted_per_pos,
+            lora_info,
+            lora_loads,
         )
         if index is not None:
             yield indexed
@@ -238,6 +257,14 @@ class RouterMetrics:
             "baton:request_success", "Requests that finished, by finish reason.", ml + ["finished_reason"], registry=r
         )
         self.failures = Counter("baton:request_failure", "Requests that failed in the worker pools.", ml, registry=r)
+        lora = ml + ["lora_name"]
+        self.lora_requests = Counter("baton:lora_requests", "Finished requests per LoRA adapter.", lora, registry=r)
+        self.lora_prompt_tokens = Counter(
+            "baton:lora_prompt_tokens", "Prompt tokens of finished requests per LoRA adapter.", lora, registry=r
+        )
+        self.lora_generation_tokens = Counter(
+            "baton:lora_generation_tokens", "Generated tokens of finished requests per LoRA adapter.", lora, registry=r
+        )
         self.routing = Counter(
             "baton:routing_decisions",
             "Routing decisions: remote or local prefill, and why.",
@@ -322,6 +349,10 @@ class RouterMetrics:
         self.routing_counts[(trace.decision, trace.reason or "unknown")] += 1
         self.prompt_tokens.labels(m).inc(trace.prompt_tokens)
         self.generation_tokens.labels(m).inc(trace.output_tokens)
+        if trace.lora_adapter is not None:
+            self.lora_requests.labels(m, trace.lora_adapter).inc()
+            self.lora_prompt_tokens.labels(m, trace.lora_adapter).inc(trace.prompt_tokens)
+            self.lora_generation_tokens.labels(m, trace.lora_adapter).inc(trace.output_tokens)
         t = self.totals
         t["requests"] += 1
         t["prompt_tokens"] += trace.prompt_tokens
@@ -387,6 +418,9 @@ class RouterMetrics:
                     "rank_pids": list(w.rank_pids),
                     "spec_draft_tokens": w.spec_decode.num_draft_tokens,
                     "spec_accepted_tokens": w.spec_decode.num_accepted_tokens,
+                    "lora_resident": list(w.lora.resident),
+                    "lora_running": list(w.lora.running),
+                    "max_loras": w.lora.max_loras,
                 }
             )
         in_window = [(t, tr) for t, tr in self.recent if t >= since]

@@ -33,12 +33,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError, RayTaskError
 
+from common.lora import LoRAStatus
 from common.protocol import (
     DEFAULT_ROUTER_ID,
     GrammarCounts,
@@ -49,12 +50,16 @@ from common.protocol import (
     SpecDecodeStats,
     WorkerStats,
 )
+from common.request import RequestContext
 from common.roles import Role
 from common.worker_client import WorkerClient
 from router.backend import BackendError, WorkerInfo
 from router.migration import pick_worker
 from router.prefix_index import PrefixIndex
 from router.requests import RequestTable
+from router.routing import able_workers
+
+T = TypeVar("T")
 
 __all__ = ["DEFAULT_LEASE_S", "PoolWorker", "WorkerEntry", "WorkerPools"]
 
@@ -232,6 +237,15 @@ class WorkerPools:
                 entry["idle_s"] = max(entry["idle_s"], lease.idle_s)
         return sorted(seen.values(), key=lambda e: e["router_id"])
 
+    async def on_every_worker(self, call: Callable[[WorkerClient], Awaitable[T]]) -> list[T]:
+        """`call` on every live worker's client at once; the first failure is raised (a Ray task's
+        error as the exception the worker raised)."""
+        try:
+            return list(await asyncio.gather(*(call(w.client) for w in list(self._workers.values()) if w.alive)))
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            raise cause if isinstance(cause, Exception) else exc from None
+
     def gone_workers(self) -> list[str]:
         """Workers dead for good (restarts used up): the pool manager replaces them."""
         return [w.worker_id for w in self._workers.values() if w.gone]
@@ -266,6 +280,7 @@ class WorkerPools:
                     spec_decode=s.spec_decode if s else SpecDecodeStats(),
                     tp_size=s.tp_size if s else 1,
                     rank_pids=s.rank_pids if s else (),
+                    lora=s.lora if s else LoRAStatus(),
                 )
             )
         return infos
@@ -405,8 +420,11 @@ class WorkerPools:
         w = self.get(worker_id)
         return w is not None and w.alive and not w.draining
 
-    def pick(self, role: Role, exclude: frozenset[str] = frozenset()) -> str | None:
-        return pick_worker((info for info in self.workers() if info.role is role), exclude)
+    def pick(
+        self, role: Role, exclude: frozenset[str] = frozenset(), context: RequestContext | None = None
+    ) -> str | None:
+        able = able_workers([info for info in self.workers() if info.role is role], context)
+        return pick_worker(able, exclude)
 
     async def endpoint(self, w: PoolWorker) -> KVEndpoint:
         """A decode worker's KV endpoint, fetched once per incarnation."""

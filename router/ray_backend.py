@@ -34,6 +34,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayError
 
+from common.lora import LoRAModuleSpec
 from common.protocol import GrammarCompileError, RequestOutput
 from common.request import (
     AbortRequest,
@@ -94,6 +95,25 @@ class RayBackend:
 
     def workers(self) -> list[WorkerInfo]:
         return self.pools.workers()
+
+    async def load_lora_adapter(self, spec: LoRAModuleSpec) -> None:
+        """Every live worker of both pools reads the adapter: a prefill worker must never prefill a
+        request under the base model because it lacked the adapter."""
+        try:
+            await self.pools.on_every_worker(lambda client: client.load_lora_adapter(spec))
+        except Exception:
+            # One worker refused: none keeps it (a worker that took it would list it as served).
+            try:
+                await self.pools.on_every_worker(lambda client: client.unload_lora_adapter(spec.name))
+            except Exception:
+                log.warning("could not unload LoRA adapter %r after a refused load", spec.name, exc_info=True)
+            raise
+        finally:
+            await self.pools.refresh_stats()  # this router lists and routes by what the workers now serve
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.pools.on_every_worker(lambda client: client.unload_lora_adapter(name))
+        await self.pools.refresh_stats()
 
     def routers(self) -> dict:
         """This router's id and every router holding a lease on some worker (for /v1/status)."""
@@ -208,7 +228,7 @@ class RayBackend:
             return await self._prefill(live, command)
         elif isinstance(command, StartDecode):
             decode = self._worker(command.worker_id)
-            ref = decode.client.start_decode(StartDecodeRequest(rid, command.first_token))
+            ref = decode.client.start_decode(StartDecodeRequest(rid, command.first_token, command.kv_namespace))
             live.creating = ref  # not awaited here: the client has its first token before D's step ends
             self._beside(self._watch_start(live, decode, ref, flow.moves))
         elif isinstance(command, Submit):

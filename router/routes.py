@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from common import envs
 from router import __version__
 from router.errors import RETRY_AFTER_S
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -36,6 +37,16 @@ def make_routes(serving: Serving) -> APIRouter:
     @routes.get("/v1/models")
     async def list_models() -> Response:
         return JSONResponse(serving.models())
+
+    if envs.BATON_ALLOW_RUNTIME_LORA_UPDATING.get() in ("1", "true", "True"):
+
+        @routes.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return PlainTextResponse(await serving.load_lora_adapter(request))
+
+        @routes.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return PlainTextResponse(await serving.unload_lora_adapter(request))
 
     @routes.get("/health")
     async def health() -> Response:

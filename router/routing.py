@@ -10,6 +10,7 @@ swap without touching the HTTP layer. Four are built in (`make_policy(name, ...)
               + weight_queue    * queued_prefill_tokens(W)  # prompts routed to W, not yet prefilled
               + weight_kv       * kv_usage(W)               # (decode only) 0..1, a full cache costs weight_kv
               + weight_running  * (running(W) + waiting(W)) # (decode only) per sequence in its batch
+              + weight_lora     * lora_affinity(W, adapter)   # 0 running there, .25 resident, .5 free slot, 1 evict
 
   queued_prefill_tokens counts the whole prompts (cached part included) of requests routed to W
   that have no first token yet, from the moment each route is chosen (so the requests of a burst
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 from common.block_hash import hash_prefix_blocks, root_hash
+from common.request import RequestContext
 from common.roles import Role
 from router.backend import RouteDecision, WorkerInfo
 from router.prefix_index import PrefixIndex
@@ -76,17 +78,28 @@ class NoWorkerAvailable(RuntimeError):
 
 class RoutingPolicy(Protocol):
     def choose(
-        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], context: RequestContext | None = None
     ) -> RouteDecision:
         """Pick the workers for one request; raise NoWorkerAvailable when a needed pool is empty.
-        `namespace`: what the request's KV depends on besides its tokens (RequestContext.kv_namespace),
-        which a cache-aware policy hashes its prompt under."""
+        `context`: who the request is; a cache-aware policy hashes its prompt under the context's
+        `kv_namespace` (what its KV depends on besides its tokens) and ranks workers by where its
+        LoRA adapter is resident."""
         ...
 
 
 def live_workers(workers: Sequence[WorkerInfo], role: Role) -> list[WorkerInfo]:
     """The pool's workers that take new requests: alive and not draining."""
     return [w for w in workers if w.role == role and w.alive and not w.draining]
+
+
+def able_workers(workers: Sequence[WorkerInfo], context: RequestContext | None) -> Sequence[WorkerInfo]:
+    """The workers that serve the request's LoRA adapter (all of them for a base-model request).
+    A worker started after a run-time load lacks it until loaded there; a worker yet to report
+    its stats (max_loras 0) is given the benefit of the doubt."""
+    adapter = context.adapter if context is not None else None
+    if adapter is None:
+        return workers
+    return [w for w in workers if not w.lora.max_loras or w.lora.serves(adapter)]
 
 
 class RoundRobinPolicy:
@@ -114,8 +127,9 @@ class RoundRobinPolicy:
         return chosen
 
     def choose(
-        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], context: RequestContext | None = None
     ) -> RouteDecision:
+        workers = able_workers(workers, context)
         decode = self._next(workers, Role.DECODE)
         if decode is None:
             raise NoWorkerAvailable(Role.DECODE)
@@ -167,6 +181,14 @@ class RoutingConfig:
         metadata={
             "flag": "routing_weight_running",
             "help": "kv-aware cost per sequence running or waiting on a decode worker",
+        },
+    )
+    weight_lora: float = field(
+        default=256.0,
+        metadata={
+            "flag": "routing_weight_lora",
+            "help": "kv-aware cost of a worker that must evict a LoRA adapter to load the request's "
+            "(a quarter when the adapter is resident but idle, half when a slot is free, none when it runs there)",
         },
     )
     temperature: float = field(
@@ -234,8 +256,9 @@ class RandomPolicy:
         self.local_prefill_fallback = local_prefill_fallback
 
     def choose(
-        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], context: RequestContext | None = None
     ) -> RouteDecision:
+        workers = able_workers(workers, context)
         decode = live_workers(workers, Role.DECODE)
         if not decode:
             raise NoWorkerAvailable(Role.DECODE)
@@ -259,8 +282,9 @@ class LeastLoadedPolicy:
         self.local_prefill_fallback = local_prefill_fallback
 
     def choose(
-        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], context: RequestContext | None = None
     ) -> RouteDecision:
+        workers = able_workers(workers, context)
         decode = live_workers(workers, Role.DECODE)
         if not decode:
             raise NoWorkerAvailable(Role.DECODE)
@@ -284,9 +308,10 @@ class KvAwarePolicy:
         self.config = config or RoutingConfig()
         self._rng = random.Random(self.config.seed)
 
-    def _cost(self, w: WorkerInfo, uncached: int, decode: bool) -> float:
+    def _cost(self, w: WorkerInfo, uncached: int, decode: bool, adapter: str | None = None) -> float:
         c = self.config
         cost = c.weight_uncached * uncached + c.weight_queue * w.queued_prefill_tokens
+        cost += c.weight_lora * w.lora.affinity(adapter)
         if decode:
             cost += c.weight_kv * w.kv_usage + c.weight_running * (w.running + w.waiting)
         return cost
@@ -306,12 +331,15 @@ class KvAwarePolicy:
         return best
 
     def choose(
-        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], namespace: str | None = None
+        self, prompt_token_ids: Sequence[int], workers: Sequence[WorkerInfo], context: RequestContext | None = None
     ) -> RouteDecision:
+        workers = able_workers(workers, context)
         c = self.config
         n = len(prompt_token_ids)
         bs = self.block_size
         # The last prompt token is always computed (it yields the logits), so never count it cached.
+        namespace = context.kv_namespace if context is not None else None
+        adapter = context.adapter if context is not None else None
         hashes = hash_prefix_blocks(prompt_token_ids[: max(0, n - 1)], bs, root_hash(namespace))
         matched = self.index.match(hashes) if hashes else {}
         scale = float(max(n, bs))
@@ -320,7 +348,7 @@ class KvAwarePolicy:
         if not decode:
             raise NoWorkerAvailable(Role.DECODE)
         d_uncached = [n - matched.get(w.worker_id, 0) * bs for w in decode]
-        i = self._draw(decode, [self._cost(w, u, True) for w, u in zip(decode, d_uncached)], scale)
+        i = self._draw(decode, [self._cost(w, u, True, adapter) for w, u in zip(decode, d_uncached)], scale)
         d, d_unc = decode[i], d_uncached[i]
         d_blocks = matched.get(d.worker_id, 0)
 
@@ -332,7 +360,7 @@ class KvAwarePolicy:
         if min(w.queued_prefill_tokens for w in prefill) > c.queue_threshold:
             return RouteDecision(d.worker_id, None, "local_prefill_busy", d_blocks)
         p_uncached = [n - matched.get(w.worker_id, 0) * bs for w in prefill]
-        j = self._draw(prefill, [self._cost(w, u, False) for w, u in zip(prefill, p_uncached)], scale)
+        j = self._draw(prefill, [self._cost(w, u, False, adapter) for w, u in zip(prefill, p_uncached)], scale)
         p = prefill[j]
         return RouteDecision(d.worker_id, p.worker_id, "remote_prefill", matched.get(p.worker_id, 0))
 

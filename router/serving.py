@@ -25,11 +25,12 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from common.lora import LoRAModuleSpec
 from common.protocol import GrammarCompileError
 from common.request import RequestContext
 from common.roles import ROLES
 from router.admission import AdmissionControl, Deadline, Ticket, request_deadline
-from router.backend import ServingBackend
+from router.backend import LoRABackend, ServingBackend
 from router.config import ServerConfig
 from router.formatting import ChatFormat, CompletionFormat, ResponseFormat
 from router.generation import Choice, Generation
@@ -105,6 +106,8 @@ class Serving:
         self.policy = policy
         self.config = config
         self.created = int(time.time())
+        # LoRA adapters from --lora-modules: what is served until the workers report their own.
+        self.configured_adapters: dict[str, LoRAModuleSpec] = {s.name: s for s in config.lora_adapters}
         self.admission = AdmissionControl(config)
         self.metrics = RouterMetrics(model_name, backend, self.admission)
         self.generation = Generation(backend, policy, tokenizer, self.metrics, config)
@@ -188,7 +191,9 @@ class Serving:
         constraints: Constraints,
     ) -> Response:
         requested, field_name = req.requested_max_tokens()
-        context = self.request_context(f"{endpoint.id_prefix}-{uuid.uuid4().hex}", deadline)
+        context = self.request_context(
+            f"{endpoint.id_prefix}-{uuid.uuid4().hex}", deadline, self.check_model(req.model)
+        )
         request_id = context.request_id
         choices: list[Choice] = []
         for prompt_ids in prompts:  # each prompt n times, in OpenAI's order of choice indexes
@@ -226,23 +231,27 @@ class Serving:
         except GrammarCompileError as e:  # the router's checks passed it, the workers' grammar backend did not
             raise APIError(f"{constraints.param}: {e}", 400, constraints.param) from None
 
-    def request_context(self, request_id: str, deadline: Deadline | None) -> RequestContext:
+    def request_context(self, request_id: str, deadline: Deadline | None, adapter: str | None = None) -> RequestContext:
         """The request's identity, made here once: every worker call and the engine read it from here."""
         return RequestContext(
             request_id,
-            model=self.model_name,
+            model=adapter or self.model_name,
+            adapter=adapter,
             deadline=None if deadline is None else time.time() + deadline.remaining(),
         )
 
     # -- checks and prompts
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(
-                f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
-                404,
-                "model",
-                "NotFoundError",
-            )
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for any other name."""
+        if name is None or name == self.model_name:
+            return None
+        adapters = self.adapters()
+        if name in adapters:
+            return name
+        served = ", ".join(f"`{n}`" for n in (self.model_name, *adapters))
+        raise APIError(
+            f"The model `{name}` does not exist. This server serves {served}.", 404, "model", "NotFoundError"
+        )
 
     def resolve_max_tokens(
         self, num_prompt: int, requested: int | None, field_name: str, prompt_param: str, default: int | None = None
@@ -308,7 +317,51 @@ class Serving:
             "owned_by": "baton",
             "max_model_len": self.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        adapters = [
+            {**card, "id": s.name, "root": s.path, "parent": s.base_model_name or self.model_name}
+            for s in self.adapters().values()
+        ]
+        return {"object": "list", "data": [{**card, "root": self.model_name, "parent": None}, *adapters]}
+
+    # -- LoRA adapters: listed, loaded and unloaded while serving (vLLM's endpoints)
+    def adapters(self) -> dict[str, LoRAModuleSpec]:
+        """The adapters a request may name: those the live workers report serving (so every router
+        process sees a run-time load or unload made through any of them, at the workers' next
+        stats), else, before any worker reported, those of --lora-modules."""
+        reporting = [w for w in self.backend.workers() if w.alive and w.lora.max_loras]
+        if not reporting:
+            return dict(self.configured_adapters)
+        served: dict[str, LoRAModuleSpec] = {}
+        for w in reporting:
+            for spec in w.lora.served or ():
+                served.setdefault(spec.name, spec)
+        return served
+
+    async def load_lora_adapter(self, request: Request) -> str:
+        body = await read_json(request, self.config)
+        name, path = _lora_field(body, "lora_name"), _lora_field(body, "lora_path")
+        if not self.config.enable_lora:
+            raise APIError("LoRA adapters are not served here (start with --enable-lora)", 400, "lora_name")
+        if name == self.model_name or name in self.adapters():
+            raise APIError(f"The lora adapter '{name}' has already been loaded.", 400, "lora_name")
+        if not isinstance(self.backend, LoRABackend):
+            raise APIError("this backend cannot load LoRA adapters while serving", 400, "lora_name")
+        try:
+            base = body.get("base_model_name") if isinstance(body, dict) else None
+            spec = LoRAModuleSpec(name, path, base if isinstance(base, str) else None)
+            await self.backend.load_lora_adapter(spec)
+        except ValueError as exc:
+            raise APIError(str(exc), 400, "lora_path") from None
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_lora_adapter(self, request: Request) -> str:
+        body = await read_json(request, self.config)
+        name = _lora_field(body, "lora_name")
+        if name not in self.adapters():
+            raise APIError(f"The lora adapter '{name}' cannot be found.", 404, "lora_name", "NotFoundError")
+        if isinstance(self.backend, LoRABackend):
+            await self.backend.unload_lora_adapter(name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     def health(self) -> tuple[int, dict]:
         """(status, body): 503 naming the pools without a live worker, else 200."""
@@ -341,3 +394,10 @@ class Serving:
         if bad is not None:
             raise APIError(f"token id {bad} is out of range [0, {self.tokenizer.vocab_size})", 400, "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+def _lora_field(body: object, key: str) -> str:
+    value = body.get(key) if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value:
+        raise APIError(f"{key} is required (a non-empty string)", 400, key)
+    return value

@@ -28,6 +28,10 @@ class RequestTrace:
     request_id: str
     prompt_tokens: int
     structured_output: str | None = None  # the constraint's kind (json_schema, regex, ...), None for free text
+    lora_adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    # Where its adapter stood on each chosen worker when routed ("prefill-0:resident decode-1:load"):
+    # running (a request under it runs there), resident (in a slot), load (a free slot), evict.
+    lora_placement: str = ""
     arrival: float = field(default_factory=time.time)  # wall clock, for display
     started: float = field(default_factory=time.perf_counter)  # monotonic, for durations
     # routing
@@ -113,6 +117,8 @@ class RequestTrace:
         "request_id",
         "prompt_tokens",
         "structured_output",
+        "lora_adapter",
+        "lora_placement",
         "arrival",
         "decode_worker",
         "prefill_worker",

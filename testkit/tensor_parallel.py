@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from common.net import free_port
 from common.protocol import ResumeState
+from common.request import RequestContext
 from common.sampling_params import SamplingParams
 from workers.build import build_engine, load_tokenizer_decode
 from workers.config import EngineConfig
@@ -43,6 +44,7 @@ class GroupJob:
     # Continue each prompt from these tokens, as a request migrated from a lost worker goes on
     # (LLMEngine.resume_request): token_ids are then the tokens after them, up to max_tokens in all.
     resume_from: list[list[int]] | None = None
+    adapters: list[str | None] | None = None  # each prompt's LoRA adapter (EngineConfig's lora_modules)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ def build_tp_engine(model_dir: str | os.PathLike, engine_config: EngineConfig, g
         kv_cache=kv_cache,
         grammars=GrammarCache(Path(model_dir), cfg.vocab_size, cfg.eos_token_ids),
         tp_group=group,
+        lora_sharding=plan.lora_sharding(),
     )
 
 
@@ -74,7 +77,9 @@ def build_tp_follower(model_dir: str | os.PathLike, engine_config: EngineConfig,
     """A non-zero rank: the ModelRunner of its shard, to `follow()` rank 0's steps."""
     model, plan, engine_config = load_sharded_model(model_dir, engine_config, group)
     kv_cache = _shared_size_cache(model, plan.model_config, engine_config, group)
-    return ModelRunner(plan.model_config, engine_config, model, kv_cache=kv_cache, tp_group=group)
+    return ModelRunner(
+        plan.model_config, engine_config, model, kv_cache=kv_cache, tp_group=group, lora_sharding=plan.lora_sharding()
+    )
 
 
 def _shared_size_cache(model, config: ModelConfig, engine_config: EngineConfig, group: TPGroup) -> torch.Tensor:
@@ -111,7 +116,9 @@ def _lead(job: GroupJob, engine) -> dict:
         engine.sampler = _recording(engine.sampler, logits)
     steps = [0]
     engine.observe_steps(lambda chunks, wall_s: steps.__setitem__(0, steps[0] + 1))
-    if job.resume_from is None:
+    if job.adapters is not None:
+        tokens = _under_adapters(engine, job, greedy)
+    elif job.resume_from is None:
         tokens = [c.token_ids for c in engine.generate(job.prompts, greedy)]
     else:
         tokens = _resumed(engine, job, greedy)
@@ -139,6 +146,21 @@ def _resumed(engine, job: GroupJob, greedy: SamplingParams) -> list[list[int]]:
     ids = [f"resumed-{i}" for i in range(len(job.prompts))]
     for rid, prompt, done in zip(ids, job.prompts, job.resume_from):
         engine.resume_request(prompt, greedy, rid, ResumeState(tuple(done), 0))
+    return _drain(engine, ids)
+
+
+def _under_adapters(engine, job: GroupJob, greedy: SamplingParams) -> list[list[int]]:
+    """Run each prompt under its LoRA adapter (job.adapters), all in one continuous batch."""
+    assert job.adapters is not None
+    ids = [
+        engine.add_request(p, greedy, context=RequestContext(f"lora-{i}", adapter=a))
+        for i, (p, a) in enumerate(zip(job.prompts, job.adapters))
+    ]
+    return _drain(engine, ids)
+
+
+def _drain(engine, ids: list[str]) -> list[list[int]]:
+    """Step the engine until the requests `ids` finish; each one's tokens."""
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     pending = set(ids)
     while pending:

@@ -44,8 +44,8 @@ class PrefillError(RuntimeError):
     """The worker reported the prefill failed (a PrefillFailed in its outbox)."""
 
 
-def request(request_id: str, prompt: list[int], params: SamplingParams) -> WorkerRequest:
-    return WorkerRequest(RequestContext(request_id), list(prompt), params)
+def request(request_id: str, prompt: list[int], params: SamplingParams, adapter: str | None = None) -> WorkerRequest:
+    return WorkerRequest(RequestContext(request_id, adapter=adapter), list(prompt), params)
 
 
 def submit(
@@ -56,8 +56,10 @@ def submit(
     resume: ResumeState | None = None,
     router: RouterClaim | None = None,
     attempt: int = 0,
+    adapter: str | None = None,
 ) -> None:
-    worker.submit(SubmitRequest(request(request_id, prompt, params), RequestOwner(router, attempt), resume))
+    call = SubmitRequest(request(request_id, prompt, params, adapter), RequestOwner(router, attempt), resume)
+    worker.submit(call)
 
 
 def reserve(
@@ -67,12 +69,13 @@ def reserve(
     params: SamplingParams,
     router: RouterClaim | None = None,
     attempt: int = 0,
+    adapter: str | None = None,
 ) -> KVReservation | None:
-    return worker.reserve(ReserveRequest(request(request_id, prompt, params), RequestOwner(router, attempt)))
+    return worker.reserve(ReserveRequest(request(request_id, prompt, params, adapter), RequestOwner(router, attempt)))
 
 
-def start_decode(worker: WorkerAPI, request_id: str, first_token: int) -> None:
-    worker.start_decode(StartDecodeRequest(request_id, first_token))
+def start_decode(worker: WorkerAPI, request_id: str, first_token: int, kv_namespace: str | None = None) -> None:
+    worker.start_decode(StartDecodeRequest(request_id, first_token, kv_namespace))
 
 
 def abort(worker: WorkerAPI, request_id: str, final: bool = True) -> bool:
@@ -88,12 +91,13 @@ def prefill(
     reservation: KVReservation | None = None,
     router: RouterClaim | None = None,
     timeout_s: float = 120.0,
+    adapter: str | None = None,
 ) -> PrefillResult:
     """Prefill on `worker` into `reservation` on the decode worker whose endpoint is `peer` (None:
     nothing to send), and wait for the outcome; PrefillError when it failed."""
     block_ids = list(reservation.block_ids) if reservation is not None else []
     cached = reservation.num_cached_tokens if reservation is not None else 0
-    call = PrefillRequest(request(request_id, prompt, params), peer, block_ids, cached, RequestOwner(router))
+    call = PrefillRequest(request(request_id, prompt, params, adapter), peer, block_ids, cached, RequestOwner(router))
     worker.prefill(call)
     return wait_prefilled(worker, request_id, router, timeout_s)
 

@@ -20,6 +20,7 @@ from workers.config import EngineConfig
 from workers.engine.grammar import GrammarCache
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner
+from workers.lora.adapter import LoRASharding
 from workers.models.checkpoint import iter_safetensors
 from workers.models.config import ModelConfig
 from workers.models.files import resolve_model_dir
@@ -36,13 +37,16 @@ def build_engine(
     grammars: GrammarCache | None = None,
     tp_group=None,  # rank 0 of a workers.parallel.group.TPGroup: weights are its shard
     draft_kv: AllocateKV | None = None,  # where a draft model's KV cache lives (default: its own tensor)
+    lora_sharding: LoRASharding | None = None,  # a tensor-parallel rank's cut of LoRA adapters
 ) -> LLMEngine:
     """An engine on `weights` (a checkpoint's (name, tensor) pairs, or a model load_model built),
     with its KV cache (`kv_cache`: one allocated already, e.g. by the worker's transport) and the
     speculator its config asks for."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)  # before loading: the weights load on these threads
-    runner = ModelRunner(model_config, config, weights, kv_cache=kv_cache, tp_group=tp_group)
+    runner = ModelRunner(
+        model_config, config, weights, kv_cache=kv_cache, tp_group=tp_group, lora_sharding=lora_sharding
+    )
     speculator = Speculator.for_engine(config, model_config, runner, runner.context_limit, draft_kv)
     return LLMEngine(model_config, config, runner, decode, grammars, speculator)
 

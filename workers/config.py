@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from common.lora import LoRALimits, LoRAModuleSpec, parse_lora_modules
 from common.roles import ROLES, Role
 from workers.quantization.registry import check_quantization, quantization_help, quantization_names
 
@@ -238,6 +239,24 @@ class EngineConfig:
             "and on the CPU no float32 step's decoder layers in one native call"
         },
     )
+    enable_lora: bool = field(
+        default=False, metadata={"help": "serve LoRA adapters (vLLM's flag): requests pick one by its name as `model`"}
+    )
+    lora_modules: str | None = field(
+        default=None,
+        metadata={
+            "help": "LoRA adapters served from the start, each name=path or JSON with name, path and base_model_name "
+            "(vLLM's forms; a local folder in PEFT's format); implies --enable-lora",
+            "nargs": True,
+            "example": "sql=/adapters/sql",
+        },
+    )
+    max_loras: int = field(default=1, metadata={"help": "LoRA adapters in one step's batch at most (device slots)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank served"})
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata={"help": "LoRA adapters kept loaded in host memory (default: --max-loras)", "example": 8},
+    )
     device: str = field(default="cpu", metadata={"internal": True})
     num_threads: int | None = field(default=None, metadata={"internal": True})
     # A CPU decode worker may run a step on up to this many threads while the host's other cores
@@ -288,11 +307,30 @@ class EngineConfig:
         self.speculative = (
             SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config is not None else None
         )
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        LoRALimits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks them
+        if self.lora_modules is not None:
+            if not isinstance(self.lora_modules, str):
+                raise ValueError(f"lora_modules must be a string of name=path entries, got {self.lora_modules!r}")
+            parse_lora_modules(self.lora_modules)
         if self.kv_scales is not None:
             scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
             if not all(k > 0 and v > 0 and k < float("inf") and v < float("inf") for k, v in scales):
                 raise ValueError(f"kv_scales must be finite and > 0, got {self.kv_scales!r}")
             self.kv_scales = scales
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def lora_limits(self) -> LoRALimits:
+        return LoRALimits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    @property
+    def lora_specs(self) -> tuple[LoRAModuleSpec, ...]:
+        return parse_lora_modules(self.lora_modules)
 
 
 @dataclass(frozen=True)

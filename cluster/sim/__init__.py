@@ -15,13 +15,14 @@ from cluster.sim.costs import (
 from cluster.sim.engine import EngineSettings
 from cluster.sim.metrics import SLO, SimResult
 from cluster.sim.simulator import ClusterSpec, Simulator, simulate
-from cluster.sim.workload import Client, LengthDist, SimRequest, Workload, WorkloadSpec, read_trace
+from cluster.sim.workload import AdapterMix, Client, LengthDist, SimRequest, Workload, WorkloadSpec, read_trace
 
 __all__ = [
     "GPUS",
     "LINKS",
     "MODELS",
     "SLO",
+    "AdapterMix",
     "Client",
     "ClusterSpec",
     "EngineSettings",

@@ -18,6 +18,13 @@ step waits for its end. A prefill's send begins as its step ends, the KV moves o
 share a CPU host (`host`, cluster.sim.host.SharedHost) slow each other's steps while both compute.
 Faults a test or a study injects: `kill()` (the worker is gone with everything it held), `fail_prefills` (each
 prefill's handoff fails), `fail_kv_loads` (each received KV fails its check under the `fail` policy).
+
+LoRA (`EngineSettings.max_loras` > 0): the scheduler admits at most `max_loras` distinct adapters to
+a step (its `max_adapters`, as the real engine builds it), the adapters live in device slots and
+host memory as the real worker keeps them (cluster.sim.lora), a step waits for the slot and disk
+loads it needs and costs more per distinct adapter, and the worker's stats report its
+`LoRAStatus`, which the router ranks workers by. With max_loras 0 an adapter only separates its
+requests' KV (their namespace) and costs nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +32,14 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cluster.sim.costs import CostModel, LinkModel, StepShape
+from cluster.sim.engine_settings import EngineSettings, WorkerCounters
 from cluster.sim.events import EventLoop
 from cluster.sim.host import SharedHost
+from cluster.sim.lora import AdapterResidency
+from common.lora import LoRAModuleSpec, LoRAStatus
 from common.protocol import (
     KVEndpoint,
     KVEvent,
@@ -60,25 +70,9 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 
-__all__ = ["EngineSettings", "EventLoop", "SimWorker"]
+__all__ = ["EngineSettings", "EventLoop", "SimWorker", "WorkerCounters"]
 
 PLACEHOLDER_TOKEN = 0  # sampled tokens; prompts use ids >= 1000, so they never collide with prompt blocks
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """The engine knobs that shape scheduling (workers.config.EngineConfig's names)."""
-
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 256
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None  # default: what the cost model's KV capacity holds
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -88,19 +82,6 @@ class _SeqState:
     prefill: PrefillRequest | None = None  # a prefill worker's: where the KV goes
     queued_at: float = 0.0
     started_at: float | None = None
-
-
-@dataclass
-class WorkerCounters:
-    busy_s: float = 0.0
-    steps: int = 0
-    tokens: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    queue_s: list[float] = field(default_factory=list)  # add to first chunk, per request
-    kv_blocks_sent: int = 0
-    kv_bytes_sent: int = 0
-    kv_blocks_received: int = 0
 
 
 class SimWorker:
@@ -127,13 +108,22 @@ class SimWorker:
         if num_blocks < 1:
             raise ValueError(f"worker {worker_id}: the KV cache holds no block of {settings.block_size} tokens")
         self.block_manager = BlockManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)
+        limits = settings.lora_limits
+        # None: LoRA off. As the real engine: the scheduler's adapter limit is the worker's slots.
+        self.lora = None if limits is None else AdapterResidency(limits, settings.lora_costs)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            settings.max_num_seqs,
+            settings.max_num_batched_tokens,
+            max_adapters=None if limits is None else limits.max_loras,
+        )
         self.alive = True  # the router may route here
         self.removed = False  # gone from the pools (drained, or dead)
         self.dead = False
         self.busy = False
         self._step_began = 0.0
         self.fail_prefills = False
+        self.adapters: set[str] = set()  # LoRA adapters loaded by name (any adapter a request names is served)
         self.fail_kv_loads = False
         self._commands: deque[Callable[[], object]] = deque()
         self._states: dict[str, _SeqState] = {}
@@ -236,6 +226,21 @@ class SimWorker:
     def compile_grammar(self, params: SamplingParams) -> None:
         """Nothing to compile: simulated requests have no structured output."""
 
+    def load_lora_adapter(self, spec: LoRAModuleSpec) -> None:
+        """Serve the adapter: with LoRA on it is read into host memory now (not counted as a load,
+        as the real worker's registration); a simulated worker serves any adapter a request names
+        anyway, one never loaded read from disk when a step first needs it."""
+        self.adapters.add(spec.name)
+        if self.lora is not None:
+            self.lora.add(spec.name)
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        known = name in self.adapters
+        self.adapters.discard(name)
+        if self.lora is not None:
+            known = self.lora.remove(name) or known
+        return known
+
     def poll_outputs(self, timeout_s: float = 0.05, router: RouterClaim | None = None) -> list[WorkerOutput]:
         outputs, self.outbox = self.outbox, []
         return outputs
@@ -266,7 +271,15 @@ class SimWorker:
             prompt_tokens=c.prefill_tokens,
             generation_tokens=c.decode_tokens,
             pid=os.getpid(),
+            lora=self.lora_status(),
         )
+
+    def lora_status(self) -> LoRAStatus:
+        """Its adapters as its stats report them (LoRAStatus(): LoRA off)."""
+        if self.lora is None:
+            return LoRAStatus()
+        sched = self.scheduler
+        return self.lora.status((s.adapter for s in sched.running), (s.adapter for s in sched.waiting))
 
     def shutdown(self) -> None:
         self.removed = True
@@ -344,6 +357,8 @@ class SimWorker:
                     self.on_started(seq.request_id, now - state.queued_at)
         shape = StepShape.of(shape_rows)
         dt = self.cost.step_time(shape)
+        if self.lora is not None:  # the adapters' slots loaded before the forward, their kernels in it
+            dt = self.lora.costs.step_time(dt, *self.lora.load_for(chunk.seq.adapter for chunk in out.chunks))
         self.busy = True
         self._step_began = now
         c = self.counters

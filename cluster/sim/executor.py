@@ -75,10 +75,12 @@ class Flight:
 
 
 def worker_request(req: SimRequest, model: str = "") -> WorkerRequest:
-    """A simulated request as the router's edge makes it: its context, prompt and sampling (greedy,
-    exactly `output_len` tokens)."""
+    """A simulated request as the router's edge makes it: its context (under its LoRA adapter, whose
+    name is then its `model`, as router.serving names it; the KV namespace follows the adapter),
+    prompt and sampling (greedy, exactly `output_len` tokens)."""
     params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-    return WorkerRequest(RequestContext(req.request_id, model=model), list(req.prompt), params)
+    context = RequestContext(req.request_id, model=req.adapter or model, adapter=req.adapter)
+    return WorkerRequest(context, list(req.prompt), params)
 
 
 class FlowExecutor:
@@ -179,7 +181,8 @@ class FlowExecutor:
                 blocks, cached = c.reservation.block_ids, c.reservation.num_cached_tokens
                 self._call(f, c.worker_id, methodcaller("prefill", PrefillRequest(request, endpoint, blocks, cached)))
             elif isinstance(c, StartDecode):
-                self._call(f, c.worker_id, methodcaller("start_decode", StartDecodeRequest(rid, c.first_token)))
+                start = StartDecodeRequest(rid, c.first_token, c.kv_namespace)
+                self._call(f, c.worker_id, methodcaller("start_decode", start))
             elif isinstance(c, Submit):
                 submit = methodcaller("submit", SubmitRequest(request, RequestOwner(None, c.attempt), c.resume))
                 self._call(f, c.worker_id, submit, refused=flow.on_submit_refused)

@@ -1,6 +1,6 @@
 """What a simulation reports: per-request records, their TTFT/TPOT/ITL distributions, goodput
 (CONVENTIONS.md's vocabulary, bench/serve.py's definitions, common.stats' percentiles), per-pool
-utilisation and queueing, as JSON and PNG plots."""
+utilisation and queueing, LoRA adapters' requests and loads, as JSON and PNG plots."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common.stats import summary as latency_summary
 
-__all__ = ["ItlSample", "RequestRecord", "SLO", "SimResult", "pyplot"]
+__all__ = ["ItlSample", "LoRAStats", "RequestRecord", "SLO", "SimResult", "pyplot"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class RequestRecord:
     failed: str = ""
     end_reason: str = ""  # router.flow_commands.EndReason's value
     migrations: int = 0  # decode workers it moved off (lost or drained)
+    adapter: str | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def completed(self) -> bool:
@@ -107,6 +108,46 @@ class PoolStats:
 
 
 @dataclass
+class LoRAStats:
+    """LoRA over the whole run, all workers together (cluster.sim.lora.LoRACounters summed):
+    adapter loads by adapter, seconds steps waited for them, steps by distinct adapters in their batch."""
+
+    max_loras: int  # each worker's device slots (0: LoRA not modelled)
+    max_cpu_loras: int | None
+    slot_loads: dict[str, int] = field(default_factory=dict)
+    disk_loads: dict[str, int] = field(default_factory=dict)
+    load_s: float = 0.0
+    steps_by_adapters: dict[int, int] = field(default_factory=dict)
+
+    def summary(self, records: list[RequestRecord], loads: bool = True) -> dict:
+        """Requests per adapter (and the base model's), with each adapter's loads when `loads`."""
+        adapters: dict[str, dict] = {}
+        base = 0
+        for r in records:
+            if r.adapter is None:
+                base += 1
+                continue
+            row = adapters.setdefault(r.adapter, {"requests": 0, "completed": 0})
+            row["requests"] += 1
+            row["completed"] += r.completed
+        out: dict = {"max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras, "base_requests": base}
+        if loads:
+            for name in {*self.slot_loads, *self.disk_loads}:
+                adapters.setdefault(name, {"requests": 0, "completed": 0})
+            for name, row in adapters.items():
+                row["slot_loads"] = self.slot_loads.get(name, 0)
+                row["disk_loads"] = self.disk_loads.get(name, 0)
+            out.update(
+                slot_loads=sum(self.slot_loads.values()),
+                disk_loads=sum(self.disk_loads.values()),
+                load_s=self.load_s,
+                steps_by_adapters={str(k): v for k, v in sorted(self.steps_by_adapters.items())},
+            )
+        out["adapters"] = dict(sorted(adapters.items(), key=lambda kv: (-kv[1]["requests"], kv[0])))
+        return out
+
+
+@dataclass
 class SimResult:
     records: list[RequestRecord]
     itl: ItlSample
@@ -116,6 +157,7 @@ class SimResult:
     duration_s: float
     sim_wall_s: float
     config: dict
+    lora: LoRAStats | None = None  # None: no LoRA in the run (LoRA off and no request under an adapter)
 
     def select(self, client: str | None = None) -> list[RequestRecord]:
         return [r for r in self.records if client is None or r.client == client]
@@ -147,6 +189,7 @@ class SimResult:
             "e2el_ms": latency_summary([r.e2el_s for r in done]),
             "cached_token_fraction": (sum(r.cached_tokens for r in done) / max(1, sum(r.prompt_len for r in done))),
             "routes": _count(r.route for r in recs),
+            **({"lora": self.lora.summary(recs, loads=client is None)} if self.lora is not None else {}),
         }
 
     def report(self, slo: SLO | None = None) -> dict:

@@ -6,6 +6,8 @@ real deployment (`common.worker_api.WorkerAPI`), under the router's real routing
 (`router.routing.make_policy`: `KvAwarePolicy` by default) and real `router.prefix_index.PrefixIndex`,
 fed by the simulated workers' heartbeats (stats and KV events) as the router's health loop feeds it.
 What is the simulator's own is how long things take (cluster.sim.engine, cluster.sim.costs).
+With LoRA on (`EngineSettings.max_loras`), each heartbeat's stats carry the workers' `LoRAStatus`
+into the `WorkerInfo`s the policy ranks, as the router's pools do (cluster.sim.lora).
 
 Pools change while it runs, as in production: `add_worker`, `drain_worker` (no new requests; what
 the worker runs finishes, or after `drain_timeout_s` moves to other decode workers, as the pool
@@ -28,22 +30,25 @@ from cluster.sim.engine import EngineSettings, SimWorker
 from cluster.sim.events import EventLoop
 from cluster.sim.executor import Flight, FlowExecutor, worker_request
 from cluster.sim.host import HostContention, SharedHost
-from cluster.sim.metrics import ItlSample, PoolStats, RequestRecord, SimResult
+from cluster.sim.metrics import ItlSample, LoRAStats, PoolStats, RequestRecord, SimResult
 from cluster.sim.workload import SimRequest, Workload
+from common.lora import LoRAStatus
+from common.request import RequestContext
 from common.roles import ROLES, Role
 from router.backend import WorkerInfo
 from router.flow import FlowLimits
 from router.flow_commands import COUNTERS, EndReason
 from router.migration import pick_worker
 from router.prefix_index import PrefixIndex
-from router.routing import NoWorkerAvailable, RoutingConfig, make_policy
+from router.routing import NoWorkerAvailable, RoutingConfig, able_workers, make_policy
 
 __all__ = ["ClusterSpec", "Simulator", "simulate"]
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What is simulated: pool sizes, engine and routing settings."""
+    """What is simulated: pool sizes, engine and routing settings (LoRA's among the engine's:
+    `EngineSettings.max_loras`, `max_cpu_loras` and the load costs; off by default)."""
 
     prefill_workers: int = 1
     decode_workers: int = 1
@@ -90,6 +95,7 @@ class Simulator:
         self._born: dict[str, float] = {}
         self._state: dict[str, str] = {}  # starting | up | draining | removed | dead
         self._stats: dict[str, tuple[int, int, float]] = {}  # (running, waiting, KV usage) at the last heartbeat
+        self._lora: dict[str, LoRAStatus] = {}  # each worker's adapters at the last heartbeat
         self._gone: dict[str, float] = {}
         self._next_id = dict.fromkeys(ROLES, 0)
         self._infos: list[WorkerInfo] = []
@@ -137,6 +143,7 @@ class Simulator:
         w.alive = False
         self._state[worker_id] = "starting"
         self._stats[worker_id] = (0, 0, 0.0)
+        self._lora[worker_id] = w.lora_status()
         self.workers[worker_id] = w
         self._born[worker_id] = self.loop.now
         self._queued[worker_id] = 0
@@ -243,6 +250,7 @@ class Simulator:
                         queued_prefill_tokens=self._queued[wid],
                         draining=self._state[wid] == "draining",
                         in_flight=in_flight.get(wid, 0),
+                        lora=self._lora[wid],
                     )
                 )
         self._infos = infos
@@ -252,8 +260,10 @@ class Simulator:
     def usable(self, worker_id: str) -> bool:
         return self._state.get(worker_id) == "up"
 
-    def pick(self, role: Role, exclude: frozenset[str] = frozenset()) -> str | None:
-        return pick_worker((info for info in self._infos if info.role == role), exclude)
+    def pick(
+        self, role: Role, exclude: frozenset[str] = frozenset(), context: RequestContext | None = None
+    ) -> str | None:
+        return pick_worker(able_workers([info for info in self._infos if info.role == role], context), exclude)
 
     def _set_queued(self, wid: str, delta: int) -> None:
         self._queued[wid] = max(0, self._queued.get(wid, 0) + delta)
@@ -268,6 +278,7 @@ class Simulator:
             beat = w.heartbeat()
             s = beat.stats
             self._stats[wid] = (s.num_running, s.num_waiting, s.kv_usage)
+            self._lora[wid] = s.lora
             batch = beat.kv_events
             if batch.snapshot is not None:
                 self.index.replace(wid, batch.snapshot)
@@ -294,7 +305,7 @@ class Simulator:
 
     # ---- requests ----------------------------------------------------------------------------
     def _send(self, client: str, req: SimRequest, on_done: Callable[[], None]) -> None:
-        rec = RequestRecord(req.request_id, client, len(req.prompt), req.output_len, self.loop.now)
+        rec = RequestRecord(req.request_id, client, len(req.prompt), req.output_len, self.loop.now, adapter=req.adapter)
         self.records.append(rec)
         self._last_arrival = max(self._last_arrival, self.loop.now)
         f = Flight(req, worker_request(req), rec, on_done)
@@ -303,7 +314,7 @@ class Simulator:
     def _route(self, f: Flight) -> None:
         t0 = time.perf_counter()
         try:
-            d = self.policy.choose(list(f.req.prompt), self._infos, f.request.context.kv_namespace)
+            d = self.policy.choose(list(f.req.prompt), self._infos, f.request.context)
         except NoWorkerAvailable as exc:
             f.rec.failed = str(exc)
             f.on_done()
@@ -400,8 +411,35 @@ class Simulator:
             "host_contention": None if self.host is None else dataclasses.asdict(self.host.contention),
         }
         return SimResult(
-            self.records, self.itl, pools, self.timeline, self.decision_s, end, time.perf_counter() - started, config
+            self.records,
+            self.itl,
+            pools,
+            self.timeline,
+            self.decision_s,
+            end,
+            time.perf_counter() - started,
+            config,
+            self._lora_stats([w for w, _, _ in lives]),
         )
+
+    def _lora_stats(self, workers: list[SimWorker]) -> LoRAStats | None:
+        """The workers' LoRA counters together; None where LoRA played no part."""
+        engine = self.spec.engine
+        if not engine.max_loras and all(r.adapter is None for r in self.records):
+            return None
+        out = LoRAStats(engine.max_loras, engine.max_cpu_loras)
+        for w in workers:
+            if w.lora is None:
+                continue
+            c = w.lora.counters
+            for name, n in c.slot_loads.items():
+                out.slot_loads[name] = out.slot_loads.get(name, 0) + n
+            for name, n in c.disk_loads.items():
+                out.disk_loads[name] = out.disk_loads.get(name, 0) + n
+            for k, n in c.steps_by_adapters.items():
+                out.steps_by_adapters[k] = out.steps_by_adapters.get(k, 0) + n
+            out.load_s += c.load_s
+        return out
 
 
 def _describe(cost: CostModel) -> dict:

@@ -151,10 +151,13 @@ def served_spec(config: BatonConfig | None = None, device: str = "cpu") -> Clust
     builds it: the pools' sizes, the engine's scheduling knobs, and the routing with its automatic
     prefill queue threshold set for the prefill pool's `device` (cluster.launcher.deploy:
     `RoutingConfig.for_device`; on a CPU, past 1,024 queued prompt tokens the decode worker prefills
-    a prompt itself). The routing's seed is fixed so the simulation is repeatable."""
+    a prompt itself). With LoRA enabled, the workers' adapter slots and host copies. The routing's
+    seed is fixed so the simulation is repeatable."""
     config = config or BatonConfig()
     e, p = config.engine, config.placement
     engine = EngineSettings(e.block_size, e.max_num_seqs, e.max_num_batched_tokens, e.enable_prefix_caching)
+    if e.lora_enabled:
+        engine = replace(engine, max_loras=e.max_loras, max_cpu_loras=e.max_cpu_loras)
     routing = replace(config.routing.for_device(device), seed=0)
     return ClusterSpec(p.prefill_workers, p.decode_workers, engine, routing)
 

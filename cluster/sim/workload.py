@@ -10,7 +10,12 @@ Prompts are token ids, so the simulator's prefix index and block manager hash re
 requests of one shared-prefix group start with the same tokens. `WorkloadSpec` generates
 workloads from distributions (Poisson or bursty arrivals; fixed, uniform or lognormal lengths;
 prefix groups); `read_trace` / `write_trace` handle JSON-lines traces
-(`{"arrival_s", "prompt_len", "output_len", "prefix_group", "prefix_len"}` per line).
+(`{"arrival_s", "prompt_len", "output_len", "prefix_group", "prefix_len", "adapter"}` per line).
+
+A request may run under a LoRA adapter (`SimRequest.adapter`, None: the base model). `AdapterMix`
+draws them for a workload's requests (Zipf or uniform over N adapters, with a share left on the
+base model, seeded): `WorkloadSpec.adapters` applies one as it generates, `AdapterMix.assign` to
+any workload.
 """
 
 from __future__ import annotations
@@ -25,7 +30,16 @@ from typing import Any
 
 import yaml
 
-__all__ = ["Client", "LengthDist", "SimRequest", "Workload", "WorkloadSpec", "read_trace", "write_trace"]
+__all__ = [
+    "AdapterMix",
+    "Client",
+    "LengthDist",
+    "SimRequest",
+    "Workload",
+    "WorkloadSpec",
+    "read_trace",
+    "write_trace",
+]
 
 VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # token ids drawn from here, as bench/serve.py does
 
@@ -36,10 +50,13 @@ class SimRequest:
     prompt: tuple[int, ...]
     output_len: int
     arrival_s: float | None = None  # open loop: sent at this time; None: when its client is ready
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"request {self.request_id}: adapter must be a non-empty name or None")
         if self.output_len < 1:
             raise ValueError(f"request {self.request_id}: output_len must be >= 1, got {self.output_len}")
 
@@ -81,6 +98,85 @@ class Workload:
     @property
     def num_requests(self) -> int:
         return sum(len(c.requests) for c in self.clients)
+
+
+@dataclass(frozen=True)
+class AdapterMix:
+    """Which LoRA adapter each request of a workload runs under.
+
+    `count` adapters named `{prefix}-0` .. `{prefix}-{count-1}`; a request runs on the base model
+    with probability `base_fraction`, else under adapter k with weight 1 / (k + 1)^`zipf_s`
+    (`dist: zipf`) or the same weight for all (`dist: uniform`). Draws are seeded by `seed` alone,
+    one per unit (a conversation keeps its adapter over its turns), on a generator of their own: a
+    workload's arrivals and prompts are the same with or without a mix.
+    """
+
+    count: int = 8
+    dist: str = "zipf"
+    zipf_s: float = 1.0
+    base_fraction: float = 0.0
+    seed: int = 0
+    prefix: str = "lora"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
+            raise ValueError(f"an adapter mix has count >= 1 adapters, got {self.count!r}")
+        if self.dist not in ("zipf", "uniform"):
+            raise ValueError(f"adapter dist must be zipf or uniform, got {self.dist!r}")
+        if not self.zipf_s >= 0:
+            raise ValueError(f"zipf_s must be >= 0, got {self.zipf_s!r}")
+        if not 0 <= self.base_fraction < 1:
+            raise ValueError(f"base_fraction must be in [0, 1), got {self.base_fraction!r}")
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ValueError(f"adapter prefix must be a non-empty name without spaces, got {self.prefix!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> AdapterMix:
+        if isinstance(value, AdapterMix):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(count=value)
+        if not isinstance(value, dict):
+            raise ValueError(f"an adapter mix is a count or a mapping with count, dist, ..., got {value!r}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown adapter mix keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    @property
+    def names(self) -> list[str]:
+        return [f"{self.prefix}-{k}" for k in range(self.count)]
+
+    def probabilities(self) -> dict[str | None, float]:
+        """Each adapter's share of requests (None: the base model's)."""
+        weights = [1.0 if self.dist == "uniform" else 1.0 / (k + 1) ** self.zipf_s for k in range(self.count)]
+        total = sum(weights)
+        out: dict[str | None, float] = {None: self.base_fraction} if self.base_fraction else {}
+        for name, w in zip(self.names, weights):
+            out[name] = (1 - self.base_fraction) * w / total
+        return out
+
+    def draw(self, rng: random.Random) -> str | None:
+        """One request's adapter (None: the base model)."""
+        if self.base_fraction and rng.random() < self.base_fraction:
+            return None
+        names = self.names
+        if self.dist == "uniform":
+            return names[rng.randrange(self.count)]
+        return rng.choices(names, [1.0 / (k + 1) ** self.zipf_s for k in range(self.count)])[0]
+
+    def assign(self, workload: Workload) -> Workload:
+        """The workload with each unit's requests under an adapter drawn from this mix."""
+        rng = random.Random(self.seed)
+        clients = []
+        for client in workload.clients:
+            units = []
+            for unit in client.units:
+                adapter = self.draw(rng)
+                units.append(tuple(replace(r, adapter=adapter) for r in unit))
+            clients.append(replace(client, units=tuple(units)))
+        return Workload(tuple(clients))
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -138,7 +234,8 @@ class WorkloadSpec:
 
     arrival: poisson, or bursty (gamma inter-arrival times with coefficient of variation `cv`);
     a fraction `prefix_fraction` of requests starts with one of `prefix_groups` shared prefixes
-    of `prefix_len` tokens (a system prompt), chosen by a Zipf-like weight 1/(rank+1).
+    of `prefix_len` tokens (a system prompt), chosen by a Zipf-like weight 1/(rank+1);
+    `adapters` (an `AdapterMix`, or its mapping in YAML) puts requests under LoRA adapters.
     """
 
     rate: float = 10.0
@@ -155,8 +252,11 @@ class WorkloadSpec:
     # A time-varying rate: (time s, multiple of `rate`) points, linear in between, flat after the
     # last (a load step, a diurnal curve). Arrivals then follow it by thinning.
     rate_points: tuple[tuple[float, float], ...] = ()
+    adapters: AdapterMix | None = None  # None: every request on the base model
 
     def __post_init__(self) -> None:
+        if self.adapters is not None:
+            object.__setattr__(self, "adapters", AdapterMix.parse(self.adapters))
         object.__setattr__(self, "rate_points", tuple((float(t), float(m)) for t, m in self.rate_points))
         if any(m < 0 for _, m in self.rate_points) or list(self.rate_points) != sorted(self.rate_points):
             raise ValueError("rate_points must be (time, multiple >= 0) pairs in time order")
@@ -231,29 +331,29 @@ class WorkloadSpec:
                 prefix = prefixes[rng.choices(range(len(prefixes)), weights)[0]]
             prompt = prefix + _tokens(rng, self.prompt_len.sample(rng))
             requests.append(SimRequest(f"{self.name}-{len(requests)}", tuple(prompt), self.output_len.sample(rng), t))
-        return Workload((Client.open_loop(self.name, requests),))
+        workload = Workload((Client.open_loop(self.name, requests),))
+        return workload if self.adapters is None else self.adapters.assign(workload)
 
 
 def write_trace(path: str | Path, requests: list[SimRequest]) -> None:
-    """One JSON object per request: arrival_s, prompt (token ids) and output_len."""
+    """One JSON object per request: arrival_s, prompt (token ids), output_len, and adapter if any."""
     with open(path, "w") as f:
         for r in requests:
-            f.write(
-                json.dumps(
-                    {
-                        "request_id": r.request_id,
-                        "arrival_s": r.arrival_s,
-                        "prompt": list(r.prompt),
-                        "output_len": r.output_len,
-                    }
-                )
-                + "\n"
-            )
+            row: dict[str, Any] = {
+                "request_id": r.request_id,
+                "arrival_s": r.arrival_s,
+                "prompt": list(r.prompt),
+                "output_len": r.output_len,
+            }
+            if r.adapter is not None:
+                row["adapter"] = r.adapter
+            f.write(json.dumps(row) + "\n")
 
 
 def read_trace(path: str | Path, seed: int = 0, name: str = "trace") -> Workload:
     """An open-loop workload from a JSON-lines trace. Each line has arrival_s and output_len, and either
-    prompt (token ids) or prompt_len with an optional prefix_group / prefix_len (shared-prefix groups)."""
+    prompt (token ids) or prompt_len with an optional prefix_group / prefix_len (shared-prefix groups);
+    optionally adapter (a LoRA adapter's name)."""
     rng = random.Random(seed)
     prefixes: dict[Any, list[int]] = {}
     requests: list[SimRequest] = []
@@ -276,6 +376,7 @@ def read_trace(path: str | Path, seed: int = 0, name: str = "trace") -> Workload
                     tuple(prompt),
                     int(row["output_len"]),
                     float(row["arrival_s"]),
+                    row.get("adapter"),
                 )
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:

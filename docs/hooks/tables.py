@@ -33,6 +33,7 @@ from docs.hooks import (  # noqa: E402 - needs the sys.path line above
     tables_compare,
     tables_engine,
     tables_kv,
+    tables_lora,
     tables_operations,
     tables_sim,
     tables_speculative,
@@ -48,6 +49,7 @@ MODULES = (
     tables_compare,  # performance.md: vLLM comparison, engine throughput, GPU, serving, routing
     tables_engine,  # performance.md: step profiles, sampler, FP8, AMX
     tables_kv,  # performance.md: the KV handoff and its checksums
+    tables_lora,  # lora.md
     tables_tp,  # tensor-parallel.md
     tables_operations,  # operations.md
     tables_sim,  # sim.md, scale.md

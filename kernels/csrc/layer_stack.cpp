@@ -40,6 +40,13 @@ using PrefillAttentionFn = int (*)(const void* q, int64_t q_stride_t, int64_t q_
                                    float softcap, int num_threads);
 using SiluMulFn = int (*)(const void* x, int64_t x_stride, void* out, int64_t out_stride, int64_t T,
                           int64_t inter, int dtype, int num_threads);
+using LoraAddFn = int (*)(const void* x, int64_t x_stride, void* y, int64_t y_stride, const void* a,
+                          int64_t a_stride_s, int64_t a_stride_r, const void* b, int64_t b_stride_s,
+                          int64_t b_stride_n, const int64_t* slots, const float* scaling, int64_t rows,
+                          int64_t in, int64_t out, int64_t rank, int64_t nslots, int dtype, int num_threads);
+
+// LoRA targets, in the order of StackLayer's lora_a / lora_b (common/lora.py LORA_TARGETS).
+enum LoraTarget { kQ = 0, kK, kV, kO, kGate, kUp, kDown, kNumLoraTargets };
 
 constexpr int kFloat32 = 0;  // kernels/cpu_native.py DTYPE_CODES
 
@@ -56,6 +63,7 @@ struct StackKernels {
     PrefillAttentionFn prefill_attention;
     SiluMulFn silu_and_mul;
     AmxLinearFn amx_linear;  // null: every row on `linear`
+    LoraAddFn lora_add;      // null: no LoRA (a step with lora_rows is then refused)
 };
 
 // One layer's weights (float32; the projections packed by kernels/small_m_linear.py) and KV cache.
@@ -75,6 +83,10 @@ struct StackLayer {
     const uint16_t* o_tiles;
     const uint16_t* gate_up_tiles;
     const uint16_t* down_tiles;
+    // LoRA adapters' stacked matrices per target (workers/lora/manager.py): A [slots, rank, in],
+    // B [slots, out, rank] float32, or null where the stack has no LoRA.
+    const float* lora_a[kNumLoraTargets];
+    const float* lora_b[kNumLoraTargets];
 };
 
 struct StackShapes {
@@ -84,6 +96,7 @@ struct StackShapes {
     const float* cos_sin;      // the rotary cache [max_position, head_dim]
     int64_t max_position;
     float eps, scale, softcap;  // softcap 0: none
+    int64_t lora_rank, lora_slots;  // of the LoRA stacks (0: none)
 };
 
 // One step's batch and its buffers. The batch's T tokens hold one token of each of the first
@@ -117,12 +130,18 @@ struct StackStep {
     float* act;
     const int64_t* prompt_runs;  // [num_prompt_runs, 2]
     int64_t num_prompt_runs;
+    // LoRA: each row's adapter slot (-1: the base model), or null for a step without adapters; the
+    // slots' scalings; the targets any slot in use adapts (bit t for LoraTarget t).
+    const int64_t* lora_rows;
+    const float* lora_scaling;
+    int64_t lora_targets;
 };
 
 // Returns 0, or 1000 * (layer + 1) + 10 * stage + the kernel's own status (1 or 2) for the first
 // kernel that refuses (stage: 1 input norm, 2 qkv, 3 rotary, 4 KV store, 5 decode attention,
-// 6 prefill attention, 7 o, 8 post-attention norm, 9 gate_up, 10 SiLU-and-mul, 11 down); the step's
-// later kernels do not run.
+// 6 prefill attention, 7 o, 8 post-attention norm, 9 gate_up, 10 SiLU-and-mul, 11 down, 12 LoRA
+// of q/k/v, 13 LoRA of o, 14 LoRA of gate/up, 15 LoRA of down); the step's later kernels do not
+// run. A projection's LoRA update is added right after it, as workers/lora/layers.py adds it.
 int baton_layer_stack(const StackKernels* k, const StackLayer* layers, int num_layers, const StackShapes* s,
                       const StackStep* st, int num_threads) {
     // B: the step's tokens (rows of every buffer); nd: its decode rows, the first of them.
@@ -153,6 +172,15 @@ int baton_layer_stack(const StackKernels* k, const StackLayer* layers, int num_l
         }
         return 0;
     };
+    // y[r, :out] += scaling[s] * B[s] @ (A[s] @ x[r]) for rows r of slot s >= 0 (kernels/lora.py).
+    auto lora = [&](const StackLayer& w, int target, const float* x, int64_t xs, float* y, int64_t ys, int64_t in,
+                    int64_t out) {
+        if (st->lora_rows == nullptr || !(st->lora_targets >> target & 1)) return 0;
+        if (k->lora_add == nullptr || w.lora_a[target] == nullptr || w.lora_b[target] == nullptr) return 3;
+        const int64_t r = s->lora_rank;
+        return k->lora_add(x, xs, y, ys, w.lora_a[target], r * in, in, w.lora_b[target], out * r, r, st->lora_rows,
+                           st->lora_scaling, B, in, out, r, s->lora_slots, kFloat32, num_threads);
+    };
     for (int l = 0; l < num_layers; ++l) {
         const StackLayer& w = layers[l];
         int status = 0, stage = 0;
@@ -169,6 +197,12 @@ int baton_layer_stack(const StackKernels* k, const StackLayer* layers, int num_l
                                s->eps, kFloat32, num_threads);
         });
         then(2, [&] { return project(st->normed, H, w.qkv, w.qkv_tiles, st->qkv, qkv_width, H, qkv_width); });
+        then(12, [&] {
+            int st_q = lora(w, kQ, st->normed, H, st->qkv, qkv_width, H, q_size);
+            if (st_q) return st_q;
+            int st_k = lora(w, kK, st->normed, H, k_rows, qkv_width, H, kv_size);
+            return st_k ? st_k : lora(w, kV, st->normed, H, v_rows, qkv_width, H, kv_size);
+        });
         then(3, [&] {
             return k->rotary(st->positions, st->qkv, qkv_width, D, Hq, k_rows, qkv_width, D, Hk, int(D), s->cos_sin,
                              s->max_position, B, kFloat32, num_threads);
@@ -194,13 +228,19 @@ int baton_layer_stack(const StackKernels* k, const StackLayer* layers, int num_l
                                         Hq, Hk, int(D), s->block_size, s->scale, w.window, s->softcap, num_threads);
         });
         then(7, [&] { return project(st->attn, q_size, w.o, w.o_tiles, st->hidden, H, q_size, H); });
+        then(13, [&] { return lora(w, kO, st->attn, q_size, st->hidden, H, q_size, H); });
         then(8, [&] {
             return k->rms_norm(st->hidden, H, st->residual, H, w.post_norm, kFloat32, st->normed, H, st->residual, H,
                                B, H, s->eps, kFloat32, num_threads);
         });
         then(9, [&] { return project(st->normed, H, w.gate_up, w.gate_up_tiles, st->gate_up, 2 * I, H, 2 * I); });
+        then(14, [&] {
+            int st_gate = lora(w, kGate, st->normed, H, st->gate_up, 2 * I, H, I);
+            return st_gate ? st_gate : lora(w, kUp, st->normed, H, st->gate_up + I, 2 * I, H, I);
+        });
         then(10, [&] { return k->silu_and_mul(st->gate_up, 2 * I, st->act, I, B, I, kFloat32, num_threads); });
         then(11, [&] { return project(st->act, I, w.down, w.down_tiles, st->hidden, H, I, H); });
+        then(15, [&] { return lora(w, kDown, st->act, I, st->hidden, H, I, H); });
         if (status != 0) return 1000 * (l + 1) + 10 * stage + status;
     }
     return 0;

@@ -8,18 +8,21 @@ a cloud), Baton's real argument parser, and BatonConfig.load.
 from __future__ import annotations
 
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from cluster.cli import _parser
+from cluster.cli import _load, _parser
 from cluster.config import BatonConfig
+from common.lora import LoRAModuleSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY_UP = ROOT / "cluster" / "ray-up"
-CLUSTER_FILES = ["aws.yaml", "gcp.yaml", "local.yaml"]
+CLUSTER_FILES = ["aws.yaml", "aws-lora.yaml", "gcp.yaml", "local.yaml"]
 SHELL_OPERATORS = {">", ">>", "2>&1", "&", ";", "&&", "||", "|"}
 
 
@@ -59,7 +62,7 @@ def test_passes_rays_validation(name):
     assert ray_start < baton
 
 
-@pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml"])
+@pytest.mark.parametrize("name", ["aws.yaml", "aws-lora.yaml", "gcp.yaml"])
 def test_cloud_files_have_a_cpu_head_and_gpu_pools_with_the_baton_resources(name):
     config = load(name)
     types = config["available_node_types"]
@@ -102,3 +105,55 @@ def test_head_command_is_one_baton_serve_accepts(name):
 def test_a_flag_baton_serve_lacks_would_be_caught():
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--adress", "auto"])
+
+
+# -- LoRA adapters (aws-lora.yaml): aws.yaml plus the adapters' folder on every node and vLLM's flags
+
+LORA_MOUNT = "~/lora-adapters"
+LORA_FLAGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--lora-modules"]
+
+
+def test_the_lora_file_is_the_aws_file_plus_adapters():
+    """Everything but the adapters' file mount and the serve command's LoRA flags is aws.yaml's,
+    so the two files cannot drift apart."""
+    aws, lora = load("aws.yaml"), load("aws-lora.yaml")
+    assert lora["file_mounts"].pop(LORA_MOUNT) == LORA_MOUNT  # remote: local, both home folders
+    serve = [i for i, c in enumerate(lora["head_start_ray_commands"]) if "baton serve" in c]
+    assert serve == [i for i, c in enumerate(aws["head_start_ray_commands"]) if "baton serve" in c]
+    base, extra = baton_serve_args(aws), baton_serve_args(lora)
+    assert extra[: len(base)] == base
+    assert extra[len(base) : len(base) + len(LORA_FLAGS)] == LORA_FLAGS
+    assert [w.split("=")[0] for w in extra[len(base) + len(LORA_FLAGS) :]] == ["sql", "chat"]
+    for config in (aws, lora):
+        del config["head_start_ray_commands"][serve[0]]
+    assert lora == aws
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_lora_serve_command_loads_adapters_from_the_file_mount(tmp_path):
+    """Run the head's serve command in bash (as the node's ssh user, with a stand-in `baton`):
+    its adapters are absolute paths inside the folder that file_mounts copies to every node, and
+    `baton serve` reads them as its --lora-modules."""
+    config = load("aws-lora.yaml")
+    [command] = [c for c in config["head_start_ray_commands"] if "baton serve" in c]
+    home = tmp_path / "home" / config["auth"]["ssh_user"]
+    home.mkdir(parents=True)
+    (home / "baton").symlink_to(ROOT)  # file_mounts "~/baton": "."
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "baton"
+    stub.write_text(f'#!/bin/bash\nfor a in "$@"; do echo "$a"; done > {tmp_path}/baton.args\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home)}
+    result = subprocess.run(["bash", "-c", command + "\nwait"], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    argv = (tmp_path / "baton.args").read_text().split("\n")[:-1]
+    engine = _load(_parser().parse_args(argv)).engine
+    mount = Path(LORA_MOUNT.replace("~", str(home), 1))
+    assert LORA_MOUNT in config["file_mounts"]
+    assert engine.lora_enabled and engine.lora_specs == (
+        LoRAModuleSpec("sql", str(mount / "sql-lora")),
+        LoRAModuleSpec("chat", str(mount / "chat-lora")),
+    )
+    assert (engine.max_loras, engine.max_lora_rank) == (2, 16)
+    assert (home / "baton-serve.log").exists()  # the redirect still applies to the whole command

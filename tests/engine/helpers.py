@@ -217,3 +217,21 @@ def handoff(prefill, decode, request_id, prompt, params):
             tokens += out.token_ids
             if out.finished:
                 return tokens, result, reservation, out.finish_reason
+
+
+def save_lora_adapter(
+    base: torch.nn.Module, folder: Path, rank: int, alpha: int, targets: list[str], seed: int
+) -> None:
+    """A PEFT LoRA adapter of `base` (rank, alpha, target modules) with random A and B large enough
+    to change greedy tokens, saved in PEFT's format to `folder`; `base` is left as it was."""
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(folder))
+    model.unload()

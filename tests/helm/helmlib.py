@@ -44,7 +44,7 @@ def render(values: dict[str, Any] | None = None, *, name: str = RELEASE) -> dict
 
 def objects(rendered: dict[str, str]) -> list[dict[str, Any]]:
     """The Kubernetes objects of a render (NOTES.txt and empty documents left out)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for path, text in sorted(rendered.items()):
         if path.endswith("NOTES.txt"):
             continue

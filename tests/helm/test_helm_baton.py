@@ -92,6 +92,10 @@ def test_the_baton_values_reach_baton_unchanged(variant, tmp_path):
         ("placement", "decode_workers"),
         ("placement", "gpus_per_worker"),
     }
+    if (values.get("lora") or {}).get("adapters"):  # the `lora` values, written into the engine section
+        derived |= {
+            ("engine", k) for k in ("enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
+        }
     for section, options in expected.items():
         if not isinstance(options, dict):
             assert rendered[section] == options, section

@@ -42,6 +42,7 @@ pytest.importorskip("triton")
 
 from kernels import plan as P
 from kernels.fp8_quant import MIN_SCALE
+from kernels.lora import lora_plan
 from tests import idle_priority
 from tests.kernels.aot_compile import RESULT_PREFIX
 from tests.kernels.background import COMPILES
@@ -430,10 +431,50 @@ def moe_jobs() -> list[dict]:
     return jobs
 
 
+# Batched LoRA (kernels/lora.py): ranks 16 (the default --max-lora-rank) and 64 (the plan's widest
+# rank tile; larger ranks loop over tiles of 64); rows of a decode batch (8: one tile of rows, left
+# unsorted) and of prefills (256, 1024: sorted by slot, the larger row tiles). The tiles do not
+# depend on the projection's widths (those only set the split-K, a runtime argument).
+LORA_RANKS = (16, 64)
+LORA_ROWS = (8, 256, 1024)
+
+
+def lora_jobs() -> list[dict]:
+    """The shrink and expand launches for Llama-3-8B's q projection: bfloat16 on every target,
+    float16 on sm_90 / sm_100, float32 (TF32 dots) on sm_90."""
+    jobs = []
+    hq, _, d, hidden, _ = MODELS["llama3-8b"]
+    for act in ACT:
+        a = TT[act]
+        arches = {torch.bfloat16: _arches(False), torch.float16: (90, 100), torch.float32: (90,)}[act]
+        for arch in arches:
+            for rank in LORA_RANKS:
+                for rows in LORA_ROWS:
+                    lp = lora_plan(
+                        _spec(arch), rows=rows, in_features=hidden, out_features=hq * d, rank=rank, dtype=act
+                    )
+                    order = "i64" if lp.gather else "i32"  # torch.sort's indices, or the (unused) slot ids
+                    tag = f"{a} r{rank} rows{rows}"
+                    args = {
+                        **_ptrs(x_ptr=a, a_ptr=a, slots_ptr="i32", order_ptr=order, t_ptr="fp32"),
+                        **_i32("rows", "K", "R", "k_per_split", "stride_x", "stride_as", "stride_ar"),
+                    }
+                    div = [x for x in args if x.endswith("_ptr")] + ["K", "R", "k_per_split", "stride_x"]
+                    div += ["stride_as", "stride_ar"]
+                    jobs.append(_job(f"lora_shrink {tag}", arch, lp.shrink, args, div, dtypes=(a, a)))
+                    args = {
+                        **_ptrs(t_ptr="fp32", b_ptr=a, slots_ptr="i32", order_ptr=order, scaling_ptr="fp32", y_ptr=a),
+                        **_i32("rows", "N", "R", "split_k", "stride_bs", "stride_bn", "stride_y"),
+                    }
+                    div = [x for x in args if x.endswith("_ptr")] + ["N", "R", "stride_bs", "stride_bn", "stride_y"]
+                    jobs.append(_job(f"lora_expand {tag}", arch, lp.expand, args, div, dtypes=(a, a)))
+    return jobs
+
+
 def all_jobs() -> list[dict]:
     """Every distinct specialisation (same kernel, constexprs, options, argument types and target: once)."""
     seen, out = set(), []
-    for job in attention_jobs() + fp8_jobs() + elementwise_jobs() + moe_jobs():
+    for job in attention_jobs() + fp8_jobs() + elementwise_jobs() + moe_jobs() + lora_jobs():
         key = json.dumps({k: v for k, v in job.items() if k != "id"}, sort_keys=True, default=str)
         if key not in seen:
             seen.add(key)
@@ -443,9 +484,12 @@ def all_jobs() -> list[dict]:
 
 def compile_group(job: dict) -> tuple:
     """What a covering run must compile at least once: (kernel, target, activation dtype, KV cache /
-    weight dtype, sliding-window + soft-cap variant)."""
+    weight dtype, variant: sliding-window + soft-cap attention, LoRA rows sorted by slot, or plain)."""
     consts = job["constexprs"]
-    variant = "window+softcap" if consts.get("HAS_WINDOW") or consts.get("SOFTCAP") else "plain"
+    if consts.get("HAS_WINDOW") or consts.get("SOFTCAP"):
+        variant = "window+softcap"
+    else:
+        variant = "sorted" if consts.get("GATHER") else "plain"
     return job["kernel"], job["arch"], *job["dtypes"], variant
 
 
@@ -653,7 +697,7 @@ def test_covering_subset_rule():
     assert tc_full == {tensor_core_config(j) for j in subset} - {None}
 
 
-@pytest.mark.slow  # the subset, 155 specialisations: about a third of the CPU time of BATON_COMPILE_ALL=1's 451
+@pytest.mark.slow  # the subset, 183 specialisations: about a third of the CPU time of BATON_COMPILE_ALL=1's 535
 def test_kernels_compile_for_targets(request):
     background = request.config.stash.get(COMPILES, None)  # tests/kernels/conftest.py
     if background is not None:  # started at collection, in the time earlier tests left a core idle

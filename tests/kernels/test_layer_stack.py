@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from kernels import amx_linear, small_m_linear
-from kernels.layer_stack import LayerGeometry, LayerStack, LayerWeights, StackBatch, entry_points, layer_stack_reference
+from kernels.layer_stack import (
+    LayerGeometry,
+    LayerStack,
+    LayerWeights,
+    StackBatch,
+    StackLoRA,
+    entry_points,
+    layer_stack_reference,
+)
 from kernels.rotary import build_rope_cache
 
 if entry_points() is None:
@@ -192,3 +200,56 @@ def test_an_empty_batch_and_bad_inputs():
     half = [LayerWeights(**{**layers[0].__dict__, "k_cache": layers[0].k_cache.bfloat16()})]
     with pytest.raises(ValueError, match="layer 0 k_cache dtype"):
         LayerStack(g, half, rope)
+
+
+def random_lora(g: LayerGeometry, num_layers: int, slots: int, rank: int, gen) -> StackLoRA:
+    """Random adapters in `slots` slots, each adapting some targets only (the others zeros, as the
+    engine's slots hold an adapter that does not adapt them)."""
+    q, kv, h, i = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.hidden_size, g.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    shapes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    a_layers, b_layers = [], []
+    for _ in range(num_layers):
+        a_stacks, b_stacks = {}, {}
+        for n, (target, (width, out)) in enumerate(shapes.items()):
+            a = torch.randn(slots, rank, width, generator=gen) * 0.3
+            b = torch.randn(slots, out, rank, generator=gen) * 0.3
+            a[n % slots] = 0.0  # slot n % slots does not adapt this target
+            a_stacks[target], b_stacks[target] = a, b
+        a_layers.append(a_stacks)
+        b_layers.append(b_stacks)
+    return StackLoRA(a_layers, b_layers, torch.rand(slots, generator=gen) + 0.5)
+
+
+@pytest.mark.parametrize("rows", ["decode", "both"])
+def test_lora_rows_match_the_references_and_leave_base_rows_alone(rows):
+    from kernels.lora import native_built
+
+    if not native_built():
+        pytest.skip("the native LoRA kernel does not build here")
+    gen = torch.Generator().manual_seed(11)
+    g = geometry(None, 64)
+    layers = random_layers(g, [None, None], gen)
+    copies = [
+        LayerWeights(**{**w.__dict__, "k_cache": w.k_cache.clone(), "v_cache": w.v_cache.clone()}) for w in layers
+    ]
+    rope = build_rope_cache(g.head_dim, 64, 10000.0, None)
+    lora = random_lora(g, len(layers), slots=3, rank=4, gen=gen)
+    step = batch([5, 17, 40, 9], gen, [(0, 19)] if rows == "both" else [])
+    slots = ([2, -1, 0, 1] + [1] * 19)[: step.positions.shape[0]]
+    step = replace(step, lora_rows=torch.tensor(slots, dtype=torch.int64))
+    hidden = torch.randn(step.positions.shape[0], g.hidden_size, generator=gen)
+
+    stack = LayerStack(g, layers, rope)
+    stack.attach_lora(lora)
+    out, residual = stack.run(hidden, step, num_threads=2)
+    want_out, want_residual = layer_stack_reference(g, copies, rope, hidden, step, lora)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(residual, want_residual, atol=1e-4, rtol=1e-4)
+    # Base rows (slot -1) get exactly what a stack without LoRA gives them; adapter rows do not.
+    base, _ = LayerStack(g, copies, rope).run(hidden, replace(step, lora_rows=None), num_threads=2)
+    assert torch.equal(out[1], base[1]) and not torch.allclose(out[0], base[0], atol=1e-3)
+    with pytest.raises(ValueError, match="without LoRA"):
+        LayerStack(g, copies, rope).run(hidden, step, num_threads=1)
+    with pytest.raises(ValueError, match="past the stack's 3 slots"):
+        stack.run(hidden, replace(step, lora_rows=torch.tensor([3] + slots[1:], dtype=torch.int64)), num_threads=1)

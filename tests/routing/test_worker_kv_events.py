@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from common.lora import LoRAStatus
 from common.protocol import KVEvent, KVEventKind, SpecDecodeStats
 from common.sampling_params import SamplingParams
 from workers.engine.block_manager import BlockManager
@@ -33,6 +34,7 @@ class _Engine:
             prefix_cache_hits=0,
             num_preemptions=0,
             spec_decode=SpecDecodeStats(),
+            lora=LoRAStatus(),
         )
 
 

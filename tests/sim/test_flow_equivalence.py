@@ -164,7 +164,7 @@ def cost_model() -> FittedCostModel:
 def run_simulated(script: Script, monkeypatch) -> list[tuple[str, tuple]]:
     spec = ClusterSpec(2, 2, EngineSettings(block_size=16), drain_timeout_s=0.0, limits=FlowLimits(migration_wait_s=1))
     sim = Simulator(spec, cost_model(), ServingOverheads(heartbeat_s=0.05), record_itl=False)
-    monkeypatch.setattr(sim.policy, "choose", lambda prompt, infos, namespace=None: script.route)
+    monkeypatch.setattr(sim.policy, "choose", lambda prompt, infos, context=None: script.route)
     sim.workers["prefill-0"].fail_prefills = script.prefill_fails
     sim.workers["decode-0"].fail_kv_loads = script.kv_load_fails
     state = {"decode": "decode-0"}

@@ -1,13 +1,12 @@
-"""The serving overheads read off a real server's step logs and client (bench.served_overheads), and
-its routing decisions off /metrics (bench.sim_validate.served_routes), on made-up logs worked out
+"""The serving overheads read off a real server's step logs and client (cluster.sim.served_overheads), and
+its routing decisions off /metrics (served_routes there), on made-up logs worked out
 by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.served_overheads import served_overheads
-from bench.sim_validate import served_routes
+from cluster.sim.served_overheads import served_overheads, served_routes
 
 RPC_S = 0.002
 

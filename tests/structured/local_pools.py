@@ -58,7 +58,7 @@ class FixedRoute:
     def __init__(self, remote: bool) -> None:
         self.remote = remote
 
-    def choose(self, prompt_token_ids, workers, namespace=None) -> RouteDecision:
+    def choose(self, prompt_token_ids, workers, context=None) -> RouteDecision:
         return RouteDecision("d0", "p0" if self.remote else None, "fixed")
 
 

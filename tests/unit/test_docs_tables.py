@@ -29,6 +29,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("docs/structured-outputs.md", "`baton:structured_output_compile_seconds`"): (
         "metric definitions; '1 ms to 10 s' is the histogram's bucket range"
     ),
+    ("docs/sim.md", "`lora_slot_load_s`"): (
+        "the simulator's LoRA cost parameters: estimated defaults with their reasoning, not runs"
+    ),
     ("docs/sim.md", "`nvlink`"): (
         "the simulator's KV-link presets: constants of the cost model (datasheet figures derated), not runs"
     ),

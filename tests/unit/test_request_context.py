@@ -85,8 +85,8 @@ def test_the_routers_index_matches_a_prompt_under_its_own_adapter_only():
     index.add("decode-0", hash_prefix_blocks(PROMPT, BS, root_hash("adapter-a")))
     policy = KvAwarePolicy(index, BS, RoutingConfig(seed=0, temperature=0.0))
     workers = [WorkerInfo("decode-0", Role.DECODE), WorkerInfo("prefill-0", Role.PREFILL)]
-    assert policy.choose(PROMPT + [7], workers, "adapter-a").cached_blocks == 4
-    assert policy.choose(PROMPT + [7], workers, "adapter-b").cached_blocks == 0
+    assert policy.choose(PROMPT + [7], workers, RequestContext("r1", adapter="adapter-a")).cached_blocks == 4
+    assert policy.choose(PROMPT + [7], workers, RequestContext("r2", adapter="adapter-b")).cached_blocks == 0
     assert policy.choose(PROMPT + [7], workers).cached_blocks == 0
 
 

@@ -41,7 +41,7 @@ class Pools:
     def usable(self, worker_id: str) -> bool:
         return worker_id in self.live
 
-    def pick(self, role: Role, exclude: frozenset[str] = frozenset()) -> str | None:
+    def pick(self, role: Role, exclude: frozenset[str] = frozenset(), context=None) -> str | None:
         ids = sorted(w for w in self.live if w.startswith(role.value) and w not in exclude)
         return ids[0] if ids else None
 

@@ -18,8 +18,10 @@ from typing import cast
 
 import torch
 
+from common.lora import LORA_TARGETS
 from kernels import amx_linear
-from kernels.layer_stack import LayerGeometry, LayerStack, LayerWeights, StackBatch, entry_points
+from kernels.layer_stack import LayerGeometry, LayerStack, LayerWeights, StackBatch, StackLoRA, entry_points
+from workers.lora.manager import LoRAManager
 from workers.models.llama import AttentionMetadata, DecoderLayer, LlamaForCausalLM
 from workers.quantization.packed_linear import PackedLinear
 
@@ -102,6 +104,29 @@ def cpu_layer_stack(model, kv_cache: torch.Tensor, tp_group=None, prompt_matmul:
     return LayerStack(geometry, layers, model.cos_sin_cache)
 
 
+def attach_stack_lora(stack: LayerStack, manager: LoRAManager) -> None:
+    """Let the stack run steps with adapter rows, on the manager's device slots (written in place
+    as adapters move in and out). A stack whose LoRA kernel did not build keeps such steps on the
+    layer-by-layer pass."""
+    if manager.dtype != torch.float32 or manager.device.type != "cpu":
+        return
+    layers = range(manager.config.num_layers)
+    stack.attach_lora(
+        StackLoRA(
+            [{t: manager.a[(i, t)] for t in LORA_TARGETS} for i in layers],
+            [{t: manager.b[(i, t)] for t in LORA_TARGETS} for i in layers],
+            manager.scaling,
+        )
+    )
+
+
+def stack_lora_rows(manager: LoRAManager, rows: list[int]) -> tuple[torch.Tensor, int]:
+    """A step's adapter rows as the stack takes them: int64 slots [T] and the targets' bitmask."""
+    active = manager.targets_of(rows)
+    mask = sum(1 << i for i, t in enumerate(LORA_TARGETS) if t in active)
+    return torch.tensor(rows, dtype=torch.int64), mask
+
+
 def stack_hidden(
     model,
     stack: LayerStack,
@@ -109,9 +134,10 @@ def stack_hidden(
     positions: torch.Tensor,
     meta: AttentionMetadata,
     prompt_runs: torch.Tensor | None = None,
+    lora_rows: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """The model's final hidden states [tokens, hidden] (normed), as model.forward returns them
-    (prompt_runs: see StackBatch)."""
+    (prompt_runs: see StackBatch; lora_rows: stack_lora_rows' adapter slots and targets)."""
     batch = StackBatch(
         positions,
         meta.slot_mapping,
@@ -121,6 +147,7 @@ def stack_hidden(
         meta.prefill_query_start_loc,
         meta.prefill_context_lens,
         prompt_runs,
+        *(lora_rows or (None,)),
     )
     hidden, residual = stack.run(model.embed_tokens(input_ids), batch, torch.get_num_threads())
     hidden, _ = model.ops.rms_norm(hidden, model.norm, model.config.rms_norm_eps, residual)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from common.detokenizer import Decode
+from common.lora import LoRAModuleSpec, LoRAStatus
 from common.protocol import KVReservation, RequestOutput, ResumeState, SpecDecodeStats, TokenLogprob
 from common.request import RequestContext
 from common.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class EngineStats:
     num_preemptions: int
     num_computed_tokens: int  # tokens run through the model since start (prompt, output and drafts)
     spec_decode: SpecDecodeStats = SpecDecodeStats()  # zeros without speculative decoding
+    lora: LoRAStatus = LoRAStatus()  # max_loras 0: no adapters served
 
 
 class LLMEngine:
@@ -86,6 +88,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self._drafts if self.speculator is not None else None,
+            max_adapters=config.max_loras if runner.lora is not None else None,
         )
         self.decode = decode
         self.eos_token_ids = set(model_config.eos_token_ids)
@@ -175,6 +178,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.stop and self.decode is None:
             raise ValueError("stop strings need a tokenizer; this engine was built without one")
+        adapter = context.adapter if context is not None else None
+        if adapter is not None and (self.runner.lora is None or adapter not in self.runner.lora):
+            served = "none (start with --enable-lora)" if self.runner.lora is None else self.runner.lora.names
+            raise ValueError(f"LoRA adapter {adapter!r} is not served here; served: {served}")
         seed = params.seed
         if seed is None and not params.greedy and self.speculator is not None and self.speculator.drafts_with_keys:
             seed = int(draw_keys(self.sampler.generator, 1)[0])  # keys of its own, which a draft can draw ahead
@@ -214,6 +221,16 @@ class LLMEngine:
             del self._requests[request_id]
             return None
         return KVReservation(request_id, list(seq.block_ids), seq.num_cached_tokens)
+
+    def check_kv_namespace(self, request_id: str, kv_namespace: str | None) -> None:
+        """Refuse KV computed under another namespace (LoRA adapter) than the request's own: its
+        blocks would be cached under the wrong prefix and its tokens decoded from the wrong KV."""
+        state = self._requests.get(request_id)
+        if state is not None and state.seq.kv_namespace != kv_namespace:
+            raise ValueError(
+                f"request {request_id!r}: KV computed under {kv_namespace or 'the base model'!r}, "
+                f"the request runs under {state.seq.kv_namespace or 'the base model'!r}"
+            )
 
     def start_decoding(self, request_id: str, first_token: int, with_draft_kv: bool = False) -> None:
         """The prompt's KV (`with_draft_kv`: and a draft model's) arrived, its first token sampled
@@ -410,6 +427,22 @@ class LLMEngine:
             del self._requests[seq.request_id]
         return out
 
+    # ---- LoRA adapters -------------------------------------------------------------------
+    def load_lora_adapter(self, spec: LoRAModuleSpec) -> None:
+        """Serve the adapter `spec` names from now on (read and checked now: ValueError says why not)."""
+        if self.runner.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.runner.lora.add(spec)
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving adapter `name`; requests under it already admitted finish first. False if unknown."""
+        lora = self.runner.lora
+        if lora is None or name not in lora:
+            return False
+        if any(state.seq.adapter == name for state in self._requests.values()):
+            raise ValueError(f"LoRA adapter {name!r} still has requests running; unload it once they finish")
+        return lora.remove(name)
+
     # ---- conveniences --------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -424,6 +457,25 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_tokens=self.num_computed_tokens,
             spec_decode=self.speculator.counters.snapshot() if self.speculator is not None else SpecDecodeStats(),
+            lora=self._lora_status(),
+        )
+
+    def _lora_status(self) -> LoRAStatus:
+        lora = self.runner.lora
+        if lora is None:
+            return LoRAStatus()
+
+        def adapters(seqs) -> tuple[str, ...]:
+            return tuple(sorted({s.adapter for s in seqs if s.adapter is not None}))
+
+        return LoRAStatus(
+            running=adapters(self.scheduler.running),
+            waiting=adapters(self.scheduler.waiting),
+            resident=tuple(lora.resident),
+            max_loras=lora.limits.max_loras,
+            disk_loads=lora.stats.disk_loads,
+            slot_loads=lora.stats.slot_loads,
+            served=tuple(lora.specs.values()),
         )
 
     def generate(

@@ -6,6 +6,7 @@ tensor-parallel group, broadcasts each step to the other ranks or follows rank 0
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from workers.config import EngineConfig
-from workers.engine.cpu_layer_stack import cpu_layer_stack, stack_hidden
+from workers.engine.cpu_layer_stack import attach_stack_lora, cpu_layer_stack, stack_hidden, stack_lora_rows
 from workers.engine.cuda_graphs import (
     DecodeGraphs,
     GraphBuckets,
@@ -25,6 +26,9 @@ from workers.engine.kv_cache import kv_cache_num_blocks, kv_cache_torch_dtype
 from workers.engine.loader import TORCH_DTYPES, kv_cache_scales, load_model
 from workers.engine.sequence import StepChunk
 from workers.engine.step_inputs import StepInputs
+from workers.lora.adapter import LoRASharding
+from workers.lora.layers import attach_lora
+from workers.lora.manager import LoRAManager
 from workers.models.config import ModelConfig
 from workers.models.llama import AttentionMetadata, KVCacheView, LlamaForCausalLM
 
@@ -39,6 +43,7 @@ class ModelRunner:
         weights,
         kv_cache: torch.Tensor | None = None,
         tp_group=None,
+        lora_sharding: LoRASharding | None = None,
     ):
         self.model_config = model_config
         # A tensor-parallel group of more than one rank (workers.parallel.group.TPGroup): rank 0
@@ -92,7 +97,9 @@ class ModelRunner:
         # hold the cache's address: it is written in place (KV handoff included), never replaced.
         self.decode_graphs: DecodeGraphs | None = None
         # Not with tensor parallelism yet: a replayed graph would skip the step's broadcast.
-        if self.tp_group is None and decode_graphs_wanted(engine_config.enforce_eager, self.device, self.ops.backend):
+        # LoRA: decode graphs would replay one step's adapter rows; steps with adapters run eagerly.
+        eager_graphs = engine_config.enforce_eager or engine_config.lora_enabled
+        if self.tp_group is None and decode_graphs_wanted(eager_graphs, self.device, self.ops.backend):
             self.capture_decode_graphs(cuda_graph_factory())
         # On the CPU, steps run the decoder layers in one native call where the model allows
         # (workers/engine/cpu_layer_stack.py); it holds the cache's and the packed weights' addresses.
@@ -101,6 +108,27 @@ class ModelRunner:
             if engine_config.enforce_eager
             else cpu_layer_stack(self.model, kv_cache, self.tp_group, engine_config.float32_prompt_matmul)
         )
+        # LoRA adapters (workers/lora): the projections add each row's adapter update. Attached after
+        # the layer stack, which keeps the base weights: a step without adapter rows still runs
+        # natively, one with them layer by layer.
+        self.lora = self._attach_lora(engine_config, lora_sharding) if engine_config.lora_enabled else None
+
+    def _attach_lora(self, engine_config: EngineConfig, sharding: LoRASharding | None) -> LoRAManager:
+        if self.tp_group is not None and sharding is None:
+            raise ValueError(
+                "a tensor-parallel rank serving LoRA adapters needs its LoRASharding (ShardPlan.lora_sharding)"
+            )
+        if not all(hasattr(layer.mlp, "gate_up_proj") for layer in self.model.layers):
+            raise ValueError(
+                f"LoRA adapters are served on dense Llama-family models, not {self.model_config.architecture}"
+            )
+        manager = LoRAManager(
+            self.model_config, engine_config.lora_limits, engine_config.lora_specs, self.dtype, self.device, sharding
+        )
+        attach_lora(self.model, manager)
+        if self.layer_stack is not None:
+            attach_stack_lora(self.layer_stack, manager)
+        return manager
 
     @property
     def context_limit(self) -> int:
@@ -190,6 +218,8 @@ class ModelRunner:
 
     def _forward(self, chunks: Sequence[StepChunk], sample_mask: list[bool]) -> tuple[torch.Tensor, list[int]]:
         step = StepInputs.of(chunks, sample_mask, self.block_size)
+        if self.lora is not None:
+            step = self._with_lora_rows(step, chunks)
         graphs = self.decode_graphs
         if graphs is not None and step.num_decode == len(step.input_ids) and graphs.fits(step.decode_rows):
             # Decode only: replay the bucket's graph; the rows past num_decode are padding, not returned.
@@ -199,6 +229,26 @@ class ModelRunner:
         if self.tp_group is not None:
             self.tp_group.broadcast_step(step)  # the other ranks run the same step on their shards
         return self.forward(step), step.logits_index
+
+    def _with_lora_rows(self, step: StepInputs, chunks: Sequence[StepChunk]) -> StepInputs:
+        """The step with each token row's adapter slot (none where every row runs the base model),
+        loading into the slots the adapters it needs."""
+        assert self.lora is not None
+        names = [c.seq.adapter for c in chunks]
+        if not any(names):
+            return step
+        slots = self.lora.slots_for(names)
+        rows = [s for c, s in zip(chunks, slots) for _ in range(c.num_tokens)]
+        return dataclasses.replace(step, lora_rows=rows, lora_slots=self.lora.slot_table())
+
+    def _use_lora_rows(self, step: StepInputs) -> None:
+        assert self.lora is not None
+        if step.lora_rows is None:
+            self.lora.row_slots = None
+            return
+        self.lora.adopt(step.lora_slots)  # rank 0 holds them already; the other ranks copy its slots
+        self.lora.row_slots = torch.tensor(step.lora_rows, dtype=torch.int32, device=self.device)
+        self.lora.active_targets = self.lora.targets_of(step.lora_rows)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         """The model over one step's inputs: hidden states [tokens, hidden]. Every rank of a
@@ -215,10 +265,19 @@ class ModelRunner:
         )
         input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=device)
         positions = torch.tensor(step.positions, dtype=torch.int64, device=device)
+        if self.lora is not None:
+            self._use_lora_rows(step)
         with torch.inference_mode():
-            if self.layer_stack is not None and (self.layer_stack.takes_prefill or not step.prefill_rows):
+            lora = self.lora if self.lora is not None and self.lora.row_slots is not None else None
+            stack = self.layer_stack
+            if (
+                stack is not None
+                and (lora is None or stack.takes_lora)
+                and (stack.takes_prefill or not step.prefill_rows)
+            ):
                 runs = torch.tensor(step.prompt_runs, dtype=torch.int64).reshape(-1, 2) if step.prompt_runs else None
-                return stack_hidden(self.model, self.layer_stack, input_ids, positions, meta, runs)
+                adapter_rows = None if lora is None else stack_lora_rows(lora, step.lora_rows or [])
+                return stack_hidden(self.model, stack, input_ids, positions, meta, runs, adapter_rows)
             return self.model(input_ids, positions, meta, self.kv_views())
 
     def stop_followers(self) -> None:

@@ -52,8 +52,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         drafter: Drafter | None = None,
+        max_adapters: int | None = None,
     ) -> None:
         self.block_manager = block_manager
+        # LoRA: distinct adapters one step may run (the worker's device slots); None: no limit.
+        self.max_adapters = max_adapters
         self.drafter = drafter
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -106,6 +109,7 @@ class Scheduler:
         # Decodes first, then the running prefills' next chunks: a long prompt being prefilled must
         # not take the budget from sequences that joined the batch after it and only need a token.
         computing: set[int] = set()
+        adapters: set[str] = set()  # this step's LoRA adapters
         for decode_pass in (True, False):
             if not decode_pass and self.drafter is not None and scheduled:
                 budget -= self._add_drafts(scheduled, budget)
@@ -117,6 +121,7 @@ class Scheduler:
                     seq.status is not SequenceStatus.RUNNING
                     or id(seq) in computing
                     or (seq.num_uncomputed_tokens == 1) != decode_pass
+                    or not self._adapter_fits(seq, adapters)
                 ):
                     i += 1
                     continue
@@ -138,6 +143,8 @@ class Scheduler:
         # Admitting new work while preempting would only thrash.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq, adapters):
+                break  # first come, first served: it waits for a step with room for its adapter
             cached = bm.find_cached_prefix(seq) if not seq.block_ids else []
             n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
             if not bm.allocate_prefix_and_new(seq, cached, n):
@@ -154,6 +161,16 @@ class Scheduler:
         # The model runner wants single-token chunks first.
         out.chunks = [c for c in scheduled if c.num_tokens == 1] + [c for c in scheduled if c.num_tokens != 1]
         return out
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[str]) -> bool:
+        """Whether seq may join this step under the adapter limit; if so its adapter joins `adapters`."""
+        name = seq.adapter
+        if name is None or self.max_adapters is None or name in adapters:
+            return True
+        if len(adapters) >= self.max_adapters:
+            return False
+        adapters.add(name)
+        return True
 
     def _add_drafts(self, scheduled: list[ScheduledChunk], spare: int) -> int:
         """Extend this step's decode chunks (all of `scheduled` so far) with the drafter's tokens, in the

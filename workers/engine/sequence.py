@@ -69,6 +69,12 @@ class Sequence:
         return self.context.kv_namespace
 
     @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter this request runs under (None: the base model)."""
+        assert self.context is not None
+        return self.context.adapter
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -104,6 +110,9 @@ class StepSequence(Protocol):
 
     @property
     def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def adapter(self) -> str | None: ...
 
 
 @dataclass(frozen=True)

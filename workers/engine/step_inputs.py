@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.lora import LoRAModuleSpec
 from workers.engine.sequence import StepChunk
 
 
@@ -28,6 +29,10 @@ class StepInputs:
     # [start, end) row ranges of tokens in their sequence's prompt (merged where they touch): a
     # CPU layer stack may project them at float32_prompt_matmul's precision (workers/engine/cpu_layer_stack.py)
     prompt_runs: list[tuple[int, int]]
+    # LoRA (workers/lora): each row's adapter slot (-1: the base model; None: no adapter this step),
+    # and the adapter in each slot, which the other ranks of a tensor-parallel group adopt.
+    lora_rows: list[int] | None = None
+    lora_slots: tuple[LoRAModuleSpec | None, ...] = ()
 
     @classmethod
     def of(cls, chunks: Sequence[StepChunk], sample_mask: list[bool], block_size: int) -> StepInputs:

@@ -80,7 +80,12 @@ class TPRankWorker:
         group = TPGroup.connect(rank, config.tp_size, config.tp_init_method, config.engine.device)
         shard = build_rank_shard(config, group)
         self.runner = ModelRunner(
-            shard.model_config, shard.engine_config, shard.model, kv_cache=shard.kv_cache, tp_group=group
+            shard.model_config,
+            shard.engine_config,
+            shard.model,
+            kv_cache=shard.kv_cache,
+            tp_group=group,
+            lora_sharding=shard.lora_sharding,
         )
         self.rank = rank
         self.kv = shard.kv

@@ -18,6 +18,7 @@ from kvtransfer.resharding import RankKV, handoff_links
 from workers.config import EngineConfig, WorkerConfig
 from workers.engine.kv_cache import kv_cache_num_blocks, kv_cache_torch_dtype
 from workers.engine.loader import kv_cache_scales
+from workers.lora.adapter import LoRASharding
 from workers.models.config import ModelConfig
 from workers.models.files import ModelNotFoundError, resolve_model_dir
 from workers.models.llama import LlamaForCausalLM
@@ -37,6 +38,7 @@ class RankShard:
     # Its KV transports: its own cache's, and those of the parts of its heads it re-slices.
     kv: RankKV[PairwiseTransport]
     kv_cache: torch.Tensor
+    lora_sharding: LoRASharding | None = None  # its cut of LoRA adapters (ShardPlan.lora_sharding)
 
 
 def build_rank_shard(config: WorkerConfig, group: TPGroup) -> RankShard:
@@ -85,7 +87,7 @@ def build_rank_shard(config: WorkerConfig, group: TPGroup) -> RankShard:
         lambda part: PairwiseTransport(config.transport, place, f"{name}.{part}"),
         config.peer_tp_size if config.role == Role.DECODE else None,
     )
-    return RankShard(model_dir, model_config, ec, model, kv, kv_cache)
+    return RankShard(model_dir, model_config, ec, model, kv, kv_cache, plan.lora_sharding())
 
 
 def reslices_heads(config: WorkerConfig, model_kv_heads: int, rank: int) -> bool:

@@ -14,6 +14,7 @@ import torch
 from common.tp_split import check_tp_split, kv_head_range
 from workers.config import EngineConfig
 from workers.engine.loader import kv_cache_scales, load_model
+from workers.lora.adapter import LoRASharding
 from workers.models.checkpoint import iter_safetensors
 from workers.models.config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
@@ -89,6 +90,23 @@ class ShardPlan:
             moe_inter,
             kv,
         )
+
+    def lora_sharding(self) -> LoRASharding:
+        """The rank's cut of LoRA adapters (workers.lora): B's rows of q/k/v/gate/up, A's columns of o/down."""
+        shard = self.model_config
+        full = dataclasses.replace(
+            shard,
+            num_heads=shard.num_heads * self.tp_size,
+            num_kv_heads=self.model_kv_heads or shard.num_kv_heads,
+            intermediate_size=shard.intermediate_size * self.tp_size,
+            local_experts=None,
+        )
+        if self.tp_size == 1:
+            return LoRASharding(full, {})
+        inter = self.intermediate_rows
+        cuts = {"q_proj": self.q_rows, "k_proj": self.kv_rows, "v_proj": self.kv_rows, "o_proj": self.q_rows}
+        cuts |= {"gate_proj": inter, "up_proj": inter, "down_proj": inter}
+        return LoRASharding(full, cuts)
 
     @property
     def q_rows(self) -> slice:

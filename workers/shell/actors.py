@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.lora import LoRAModuleSpec
 from common.net import free_port
 from common.protocol import (
     KVEndpoint,
@@ -133,6 +134,12 @@ class WorkerActor:
 
     def compile_grammar(self, params: SamplingParams) -> None:
         return self.worker.compile_grammar(params)
+
+    def load_lora_adapter(self, spec: LoRAModuleSpec) -> None:
+        return self.worker.load_lora_adapter(spec)
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        return self.worker.unload_lora_adapter(name)
 
     def poll_outputs(self, timeout_s: float = 0.05, router: RouterClaim | None = None) -> list[WorkerOutput]:
         return self.worker.poll_outputs(timeout_s, router)

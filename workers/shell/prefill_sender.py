@@ -84,7 +84,8 @@ class PrefillSender:
         prefill_s = time.perf_counter() - pending.started
         if pending.request.peer_endpoint is None or out.finished:  # nothing to send
             self.release(rid)
-            self.deliver([PrefillResult(out, 0, 0, 0.0, prefill_s)])
+            namespace = pending.request.request.context.kv_namespace
+            self.deliver([PrefillResult(out, 0, 0, 0.0, prefill_s, kv_namespace=namespace)])
             return
         try:
             src = begin_send(rid)
@@ -110,7 +111,8 @@ class PrefillSender:
         self.release(rid)
         sent, nbytes, seconds, rank_pairs = result
         self.counters.add(kv_blocks_sent=sent, kv_bytes_sent=nbytes)
-        self.deliver([PrefillResult(out, sent, nbytes, seconds, prefill_s, rank_pairs)])
+        namespace = request.request.context.kv_namespace
+        self.deliver([PrefillResult(out, sent, nbytes, seconds, prefill_s, rank_pairs, namespace)])
 
     def _transfer(self, request: PrefillRequest, src: list[int]) -> tuple[int, int, float, tuple]:
         """(blocks sent, bytes, seconds, rank pairs) of pushing `src` into the reserved blocks."""

@@ -25,6 +25,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import replace
 
+from common.lora import LoRAModuleSpec
 from common.protocol import (
     GrammarCounts,
     KVEndpoint,
@@ -275,6 +276,13 @@ class EngineWorker:
         if params.structured_output is not None and self.engine.grammars is not None:
             self.engine.grammars.compiled(params.structured_output)
 
+    def load_lora_adapter(self, spec: LoRAModuleSpec) -> None:
+        """Read and check the adapter on the engine thread, between two steps (a step reads the slots)."""
+        self._call(lambda: self.engine.load_lora_adapter(spec))
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        return self._call(lambda: self.engine.unload_lora_adapter(name))
+
     def prefill(self, request: PrefillRequest) -> None:
         """Queue the prompt to its first token; the KV handoff into the decode worker's reserved
         blocks and the outcome (a PrefillResult or PrefillFailed in the owner's outbox) follow
@@ -345,6 +353,7 @@ class EngineWorker:
         """The prefill worker has pushed the KV: check it landed intact (else see workers.shell.kv_load)
         and decode on."""
         request_id, first_token = request.request_id, request.first_token
+        self._call(lambda: self.engine.check_kv_namespace(request_id, request.kv_namespace))
         load = self._recv_handles.pop(request_id, None)
         if load is not None:
             assert self.kv is not None  # reserve() expects a receive only with KV transports
@@ -430,6 +439,7 @@ class EngineWorker:
             spec_decode=s.spec_decode,
             tp_size=self.config.tp_size,
             rank_pids=tuple(self.followers.pids()) if self.followers is not None else (),
+            lora=s.lora,
         )
 
     def shutdown(self) -> None:
@@ -466,5 +476,6 @@ def _build_engine_and_kv(config: WorkerConfig, group: TPGroup | None = None):
         grammars=grammars,
         tp_group=group,
         draft_kv=shard.kv.allocate_draft,
+        lora_sharding=shard.lora_sharding,
     )
     return engine, shard.kv

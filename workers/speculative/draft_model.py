@@ -74,6 +74,7 @@ class DraftView:
     block_ids: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int  # as the target's: prompt rows run at float32_prompt_matmul's precision in both
+    adapter: str | None = None  # the draft model serves no LoRA adapter
 
 
 @dataclass
@@ -182,6 +183,9 @@ class DraftModelProposer:
             quantization=config.quantization,
             enforce_eager=True,
             max_model_len=max_model_len,
+            # The draft proposes under the base model; the target verifies under the request's adapter.
+            enable_lora=False,
+            lora_modules=None,
         )
         kv_dtype = kv_cache_torch_dtype(draft_engine)
         self.layout = KVLayout(

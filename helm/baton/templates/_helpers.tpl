@@ -84,7 +84,118 @@ Argument: (list $section "key" value "explanation"). Returns nothing; mutates $s
 {{- end }}
 {{- end }}
 {{- $_ := set $cfg "placement" $placement }}
+{{- $engine := deepCopy (get $cfg "engine" | default dict) }}
+{{- include "baton.loraEngine" (list . $engine) }}
+{{- if $engine }}
+{{- $_ := set $cfg "engine" $engine }}
+{{- end }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/* LoRA is on: lora.enableLora, or adapters listed. Returns "true" or nothing. */}}
+{{- define "baton.loraEnabled" -}}
+{{- $lora := .Values.lora | default dict }}
+{{- if or $lora.enableLora $lora.adapters }}true{{ end }}
+{{- end }}
+
+{{/* Baton's engine.lora_modules from lora.adapters: one entry a line, vLLM's `name=path`, or its
+JSON form when baseModelName is given. Checks names (unique, no spaces or "=") and absolute paths. */}}
+{{- define "baton.loraModules" -}}
+{{- $entries := list }}
+{{- $seen := dict }}
+{{- range $i, $adapter := (.Values.lora.adapters | default list) }}
+{{- $name := toString ($adapter.name | default "") }}
+{{- $path := toString ($adapter.path | default "") }}
+{{- if or (not $name) (regexMatch "[\\s=]" $name) (hasPrefix "{" $name) }}
+{{- fail (printf "lora.adapters[%d].name %q: an adapter's name is what requests send as `model`: non-empty, without spaces or '=', not starting with '{'" $i $name) }}
+{{- end }}
+{{- if hasKey $seen $name }}
+{{- fail (printf "lora.adapters: the name %q is listed twice" $name) }}
+{{- end }}
+{{- $_ := set $seen $name true }}
+{{- if not (hasPrefix "/" $path) }}
+{{- fail (printf "lora.adapters[%d] (%s): path %q must be an absolute path inside the pods (e.g. below lora.volume.mountPath, %s)" $i $name $path $.Values.lora.volume.mountPath) }}
+{{- end }}
+{{- if $adapter.baseModelName }}
+{{- $entries = append $entries (toJson (dict "name" $name "path" $path "base_model_name" (toString $adapter.baseModelName))) }}
+{{- else }}
+{{- $entries = append $entries (printf "%s=%s" $name $path) }}
+{{- end }}
+{{- end }}
+{{- join "\n" $entries }}
+{{- end }}
+
+{{/* The `lora` values into Baton's engine section (every worker of both pools runs it).
+Argument: (list $ $engine). Returns nothing; mutates $engine. */}}
+{{- define "baton.loraEngine" -}}
+{{- $root := index . 0 }}
+{{- $engine := index . 1 }}
+{{- $lora := $root.Values.lora | default dict }}
+{{- if include "baton.loraEnabled" $root }}
+{{- include "baton.derive" (list $engine "enable_lora" true "from lora.enableLora / lora.adapters" "baton.engine.enable_lora") }}
+{{- end }}
+{{- with (include "baton.loraModules" $root) }}
+{{- include "baton.derive" (list $engine "lora_modules" . "from lora.adapters" "baton.engine.lora_modules") }}
+{{- end }}
+{{- range $key, $value := dict "maxLoras" "max_loras" "maxLoraRank" "max_lora_rank" "maxCpuLoras" "max_cpu_loras" }}
+{{- $given := index $lora $key }}
+{{- if not (kindIs "invalid" $given) }}
+{{- include "baton.derive" (list $engine $value (int $given) (printf "from lora.%s" $key) (printf "baton.engine.%s" $value)) }}
+{{- end }}
+{{- end }}
+{{- $maxLoras := index $engine "max_loras" | default 1 | int }}
+{{- $maxCpu := index $engine "max_cpu_loras" }}
+{{- if and (not (kindIs "invalid" $maxCpu)) (lt (int $maxCpu) $maxLoras) }}
+{{- fail (printf "lora.maxCpuLoras (%v) must be at least lora.maxLoras (%d): adapters in a step's batch are also kept in host memory" $maxCpu $maxLoras) }}
+{{- end }}
+{{- if and $lora.allowRuntimeLoraUpdating (not (or (get $engine "enable_lora") (get $engine "lora_modules"))) }}
+{{- fail "lora.allowRuntimeLoraUpdating needs LoRA on: set lora.enableLora (or list lora.adapters)" }}
+{{- end }}
+{{- if and $lora.allowRuntimeLoraUpdating (or $root.Values.router.separate (gt (int $root.Values.router.apiServerCount) 1)) }}
+{{- /* Each router process keeps its own list of the adapters requests may name: a run-time load
+through one router would leave the others answering 404 for it. */}}
+{{- fail "lora.allowRuntimeLoraUpdating needs a single router process (router.separate false, router.apiServerCount 1): each router keeps its own list of adapters, so a load through one would leave the others answering 404 for it; list the adapters in lora.adapters instead" }}
+{{- end }}
+{{- end }}
+
+{{/* The LoRA adapters' volume (none for lora.volume.type none). */}}
+{{- define "baton.loraVolume" -}}
+{{- $v := .Values.lora.volume }}
+{{- if eq $v.type "pvc" }}
+{{- if not $v.pvc.claimName }}{{ fail "lora.volume.pvc.claimName is required with lora.volume.type pvc" }}{{ end }}
+- name: lora-adapters
+  persistentVolumeClaim:
+    claimName: {{ $v.pvc.claimName }}
+    readOnly: {{ $v.readOnly }}
+{{- else if eq $v.type "hostPath" }}
+{{- if not $v.hostPath.path }}{{ fail "lora.volume.hostPath.path is required with lora.volume.type hostPath" }}{{ end }}
+- name: lora-adapters
+  hostPath:
+    path: {{ $v.hostPath.path }}
+    type: {{ $v.hostPath.type }}
+{{- else if eq $v.type "custom" }}
+{{- $source := omit ($v.custom | default dict) "name" }}
+{{- if not $source }}{{ fail "lora.volume.custom is required with lora.volume.type custom: a Kubernetes volume source such as {nfs: {server: ..., path: ...}}" }}{{ end }}
+- name: lora-adapters
+  {{- toYaml $source | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "baton.loraVolumeMount" -}}
+{{- $v := .Values.lora.volume }}
+{{- if ne $v.type "none" }}
+{{- if and (ne .Values.modelSource.type "image") (eq (clean $v.mountPath) (clean .Values.modelSource.mountPath)) }}
+{{- fail (printf "lora.volume.mountPath and modelSource.mountPath are both %s: mount the adapters elsewhere (or keep them on the model's volume with lora.volume.type none)" $v.mountPath) }}
+{{- end }}
+- name: lora-adapters
+  mountPath: {{ $v.mountPath }}
+  {{- if and (eq $v.type "pvc") $v.pvc.subPath }}
+  subPath: {{ $v.pvc.subPath }}
+  {{- end }}
+  {{- if $v.readOnly }}
+  readOnly: true
+  {{- end }}
+{{- end }}
 {{- end }}
 
 {{/* GPUs per Baton worker: one value for both pools in Baton's placement. */}}
@@ -245,6 +356,14 @@ initContainers:
 {{- $root := index . 0 }}
 {{- $group := index . 1 }}
 {{- $env := concat ($root.Values.env | default list) ($group.env | default list) }}
+{{- if ($root.Values.lora | default dict).allowRuntimeLoraUpdating }}
+{{- $named := false }}
+{{- range $env }}{{ if eq .name "BATON_ALLOW_RUNTIME_LORA_UPDATING" }}{{ $named = true }}{{ end }}{{ end }}
+{{- if not $named }}
+{{- /* vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: the routers read it, in the head and router pods. */}}
+{{- $env = prepend $env (dict "name" "BATON_ALLOW_RUNTIME_LORA_UPDATING" "value" "1") }}
+{{- end }}
+{{- end }}
 {{- $envFrom := concat ($root.Values.envFrom | default list) ($group.envFrom | default list) }}
 {{- with $env }}
 env:

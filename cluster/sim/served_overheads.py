@@ -16,6 +16,7 @@ token times (both on the host's monotonic clock), for the simulator's `ServingOv
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Iterable
 
@@ -95,3 +96,13 @@ def served_overheads(
         "tokens": len(lags),
         "isolated_requests": len(routes),
     }
+
+
+def served_routes(metrics: str) -> dict[str, int]:
+    """The router's routing decisions by reason (baton:routing_decisions_total in /metrics), named
+    as the simulator's routes are (a remote prefill that fell back to local: remote_prefill_fallback_local)."""
+    routes: dict[str, int] = {}
+    for m in re.finditer(r'^baton:routing_decisions_total\{[^}]*reason="([^"]+)"[^}]*\} ([0-9.e+]+)$', metrics, re.M):
+        reason = "remote_prefill_fallback_local" if m[1] == "remote_prefill_failed" else m[1]
+        routes[reason] = routes.get(reason, 0) + int(float(m[2]))
+    return routes
