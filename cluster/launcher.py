@@ -283,6 +283,7 @@ def build_app(
         max_waiting_requests=share_of(config.server.max_waiting_requests, routers, router_index),
         max_waiting_prefills=share_of(config.server.max_waiting_prefills, routers, router_index),
         enable_lora=config.engine.lora_enabled,
+        scheduling_policy=config.engine.scheduling_policy,
         lora_adapters=config.engine.lora_specs,
     )
     app = build_router_app(

@@ -11,10 +11,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-__all__ = ["LORA_TARGETS", "LoRALimits", "LoRAModuleSpec", "LoRAStatus", "parse_lora_modules"]
+__all__ = ["LORA_TARGETS", "LoRALimits", "LoRAModuleSpec", "LoRAStatus", "lora_target_shapes", "parse_lora_modules"]
 
 # The projections an adapter may target (PEFT's module names for the Llama family).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_target_shapes(hidden: int, q_size: int, kv_size: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of each target projection of a Llama-family layer with these widths."""
+    return {
+        "q_proj": (hidden, q_size),
+        "k_proj": (hidden, kv_size),
+        "v_proj": (hidden, kv_size),
+        "o_proj": (q_size, hidden),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ class RequestContext:
     HTTP request it belongs to (shared by its choices, sent back as X-Request-Id). `deadline` is a
     wall-clock time (`time.time()`, which every host of a cluster shares closely enough; the
     monotonic clock is per host); None: none. `adapter` is a LoRA adapter's name (None: the base
-    model)."""
+    model). `priority`: lower runs first (vLLM's); `ttft_target`: a wall-clock time its first token
+    is wanted by (llm-d's x-llm-d-slo-ttft-ms), which orders requests of one priority."""
 
     request_id: str
     model: str = ""
@@ -53,6 +54,7 @@ class RequestContext:
     priority: int = 0
     tenant: str = DEFAULT_TENANT
     deadline: float | None = None
+    ttft_target: float | None = None
     trace_id: str = ""
     arrival_time: float = field(default_factory=time.time)
 
@@ -65,8 +67,10 @@ class RequestContext:
             raise ValueError("RequestContext.tenant must not be empty")
         if self.adapter is not None and not self.adapter:
             raise ValueError("RequestContext.adapter must be a name or None, not an empty string")
-        if self.deadline is not None and not math.isfinite(self.deadline):
-            raise ValueError(f"RequestContext.deadline must be a finite time or None, got {self.deadline!r}")
+        for name in ("deadline", "ttft_target"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"RequestContext.{name} must be a finite time or None, got {value!r}")
         if not self.trace_id:
             object.__setattr__(self, "trace_id", self.request_id)
 

@@ -7,6 +7,12 @@ first token (wherever the prefill runs). A gate lets `capacity` requests through
 any tokenization. Requests wait here, not inside a worker, so a deadline or a client that leaves
 costs nothing in the pools, and routing sees each request's prompt when it really starts.
 
+Under `--scheduling-policy priority` the waiting requests are let through in priority order (lower
+first, then the earlier TTFT target, then arrival), and a request that finds the queue full takes
+the place of the lowest-priority waiting one (that one gets the 429) when it outranks it: overload
+refuses the lowest priority present. The refusal then happens after the body is read (its priority
+is in it), not in the middleware.
+
 A request's **deadline** is its arrival plus `request_timeout` (shortened by the
 x-stainless-read-timeout header that OpenAI SDKs send): waiting past it is a 503 with Retry-After
 (the server is saturated), running past it a 504, in-band as an SSE error event once streaming;
@@ -19,7 +25,7 @@ import asyncio
 import json
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from typing import overload
 
@@ -110,14 +116,23 @@ class GateState:
     max_waiting: int
 
 
-class Gate:
-    """`capacity` requests at once (None: no limit), then at most `max_waiting` in FIFO order."""
+@dataclass
+class _Waiter:
+    key: tuple[int, float, int]  # (priority, TTFT target, arrival number): the lowest goes first
+    granted: asyncio.Future
 
-    def __init__(self, pool: str, capacity: int | None, max_waiting: int) -> None:
+
+class Gate:
+    """`capacity` requests at once (None: no limit), then at most `max_waiting` waiting, let through
+    in arrival order or (`by_priority`) in priority order."""
+
+    def __init__(self, pool: str, capacity: int | None, max_waiting: int, by_priority: bool = False) -> None:
         self.pool = pool
         self.max_waiting = max_waiting
+        self.by_priority = by_priority
         self.running = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: list[_Waiter] = []
+        self._arrivals = 0
         self._capacity = capacity
 
     @property
@@ -151,28 +166,35 @@ class Gate:
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
 
-    async def acquire(self, deadline: Deadline | None) -> float:
+    async def acquire(self, deadline: Deadline | None, priority: int = 0, ttft_target: float | None = None) -> float:
         """Take a slot, waiting in line until `deadline`; returns the seconds waited."""
         if self._free() and not self._waiters:
             self.running += 1
             return 0.0
+        self._arrivals += 1
+        key = (
+            (priority, math.inf if ttft_target is None else ttft_target, self._arrivals)
+            if self.by_priority
+            else (0, 0.0, self._arrivals)
+        )
         if len(self._waiters) >= self.max_waiting:
-            raise self.overloaded()
+            worst = max(self._waiters, key=lambda w: w.key, default=None)
+            if worst is None or not self.by_priority or worst.key[0] <= priority:
+                raise self.overloaded()
+            self._waiters.remove(worst)  # the lowest priority present is refused, not this request
+            worst.granted.set_exception(self.overloaded())
         started = time.monotonic()
         granted = asyncio.get_running_loop().create_future()
-        self._waiters.append(granted)
+        self._waiters.append(_Waiter(key, granted))
         try:
             async with asyncio.timeout(None if deadline is None else deadline.remaining()):
                 await granted
         except BaseException as e:
-            if granted.done() and not granted.cancelled():
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
                 self.release()  # the slot came just as we gave up: pass it on
             else:
                 granted.cancel()
-                try:
-                    self._waiters.remove(granted)
-                except ValueError:
-                    pass
+                self._waiters = [w for w in self._waiters if w.granted is not granted]
             if isinstance(e, TimeoutError):
                 raise deadline_error(deadline.seconds if deadline else 0.0, running=False) from None
             raise
@@ -183,12 +205,13 @@ class Gate:
         self._admit_waiters()
 
     def _admit_waiters(self) -> None:
-        # Free slots go to the waiting requests in arrival order (one that gave up is skipped).
+        # Free slots go to the waiting requests in order (one that gave up is skipped).
         while self._waiters and self._free():
-            waiter = self._waiters.popleft()
-            if not waiter.done():
+            waiter = min(self._waiters, key=lambda w: w.key)
+            self._waiters.remove(waiter)
+            if not waiter.granted.done():
                 self.running += 1
-                waiter.set_result(None)
+                waiter.granted.set_result(None)
 
 
 class Ticket:
@@ -216,23 +239,27 @@ class AdmissionControl:
     """The decode and prefill gates, and counts of what they refused."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self.decode = Gate(Role.DECODE, config.max_running_requests, config.max_waiting_requests)
-        self.prefill = Gate(Role.PREFILL, config.max_running_prefills, config.max_waiting_prefills)
+        self.by_priority = config.scheduling_policy == "priority"
+        self.decode = Gate(Role.DECODE, config.max_running_requests, config.max_waiting_requests, self.by_priority)
+        self.prefill = Gate(Role.PREFILL, config.max_running_prefills, config.max_waiting_prefills, self.by_priority)
         self.rejected: Counter[str] = Counter()  # by reason
 
     def check(self) -> None:
-        """Refuse at once (429) when the request could not even wait; cheap, before reading the body."""
+        """Refuse at once (429) when the request could not even wait; cheap, before reading the body.
+        Under the priority policy the gates decide once the request's priority is known."""
+        if self.by_priority:
+            return
         for gate in (self.decode, self.prefill):
             if gate.full():
                 self.rejected[f"{gate.pool}_queue_full"] += 1
                 raise gate.overloaded()
 
-    async def admit(self, deadline: Deadline | None) -> Ticket:
+    async def admit(self, deadline: Deadline | None, priority: int = 0, ttft_target: float | None = None) -> Ticket:
         """Wait for a decode slot, then a prefill slot (always in that order, so nothing deadlocks)."""
         waited = 0.0
         for gate in (self.decode, self.prefill):
             try:
-                waited += await gate.acquire(deadline)
+                waited += await gate.acquire(deadline, priority, ttft_target)
             except APIError as e:
                 self.rejected[f"{gate.pool}_queue_full" if e.status == 429 else "deadline_waiting"] += 1
                 if gate is self.prefill:

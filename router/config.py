@@ -35,6 +35,9 @@ class ServerConfig:
     # LoRA: the engine's --enable-lora and --lora-modules, which the launcher copies here so that
     # requests may name an adapter as their `model` and /v1/models lists them.
     enable_lora: bool = field(default=False, metadata={"internal": True})
+    # The engine's --scheduling-policy, copied here too: the router's queues follow it, and a
+    # request's `priority` is refused without it.
+    scheduling_policy: str = field(default="fcfs", metadata={"internal": True})
     lora_adapters: tuple[LoRAModuleSpec, ...] = field(default=(), metadata={"internal": True})
     port: int = field(default=8000, metadata={"help": "port the router listens on"})
     log_level: str = field(

@@ -122,6 +122,7 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # common extras (vLLM names)
+    priority: StrictInt = Field(0, ge=INT64[0], le=INT64[1])  # lower runs first (--scheduling-policy priority)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)

@@ -15,6 +15,7 @@ routing and the backend. Prompts and completions are logged only with `log_promp
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -141,24 +142,27 @@ class Serving:
         """Cheapest refusal first: load (429), body and fields (400), then wait for slots (or the
         deadline), then tokenize, route and run."""
         deadline = request_deadline(self.config, request.headers, time.monotonic())
+        ttft_target = request_ttft_target(request.headers)
         self.admission.check()
         req, constraints = await self._request(request, endpoint.schema)
         endpoint.check(req)
-        ticket = await self._admit(request, deadline)
+        ticket = await self._admit(request, deadline, req.priority, ttft_target)
         if ticket is None:
             return Response(status_code=499)
         try:
             return await self._complete(
-                request, started, req, endpoint.prompts(req), endpoint, ticket, deadline, constraints
+                request, started, req, endpoint.prompts(req), endpoint, ticket, deadline, constraints, ttft_target
             )
         except BaseException:
             ticket.release()
             raise
 
-    async def _admit(self, request: Request, deadline: Deadline | None) -> Ticket | None:
+    async def _admit(
+        self, request: Request, deadline: Deadline | None, priority: int = 0, ttft_target: float | None = None
+    ) -> Ticket | None:
         """Wait for the request's slots; None when the client left while it waited."""
         try:
-            return await await_unless_disconnected(request, self.admission.admit(deadline))
+            return await await_unless_disconnected(request, self.admission.admit(deadline, priority, ttft_target))
         except ClientGone:
             return None
 
@@ -171,6 +175,12 @@ class Serving:
         check_unsupported(body, schema, self.tokenizer.vocab_size)
         req = parse(schema, body)
         self.check_model(req.model)
+        if req.priority != 0 and self.config.scheduling_policy != "priority":
+            raise APIError(
+                f"priority {req.priority}: priority scheduling is not enabled (--scheduling-policy priority)",
+                400,
+                "priority",
+            )
         check_common(req)
         check_limits(req, self.config, self.tokenizer.vocab_size)
         # Structured output, tools and reasoning: checked here, before any slot is taken.
@@ -189,10 +199,15 @@ class Serving:
         ticket: Ticket,
         deadline: Deadline | None,
         constraints: Constraints,
+        ttft_target: float | None = None,
     ) -> Response:
         requested, field_name = req.requested_max_tokens()
         context = self.request_context(
-            f"{endpoint.id_prefix}-{uuid.uuid4().hex}", deadline, self.check_model(req.model)
+            f"{endpoint.id_prefix}-{uuid.uuid4().hex}",
+            deadline,
+            self.check_model(req.model),
+            priority=req.priority,
+            ttft_target=ttft_target,
         )
         request_id = context.request_id
         choices: list[Choice] = []
@@ -231,13 +246,22 @@ class Serving:
         except GrammarCompileError as e:  # the router's checks passed it, the workers' grammar backend did not
             raise APIError(f"{constraints.param}: {e}", 400, constraints.param) from None
 
-    def request_context(self, request_id: str, deadline: Deadline | None, adapter: str | None = None) -> RequestContext:
+    def request_context(
+        self,
+        request_id: str,
+        deadline: Deadline | None,
+        adapter: str | None = None,
+        priority: int = 0,
+        ttft_target: float | None = None,
+    ) -> RequestContext:
         """The request's identity, made here once: every worker call and the engine read it from here."""
         return RequestContext(
             request_id,
             model=adapter or self.model_name,
             adapter=adapter,
+            priority=priority,
             deadline=None if deadline is None else time.time() + deadline.remaining(),
+            ttft_target=ttft_target,
         )
 
     # -- checks and prompts
@@ -401,3 +425,20 @@ def _lora_field(body: object, key: str) -> str:
     if not isinstance(value, str) or not value:
         raise APIError(f"{key} is required (a non-empty string)", 400, key)
     return value
+
+
+TTFT_TARGET_HEADER = "x-llm-d-slo-ttft-ms"  # llm-d's: the TTFT the client wants, in milliseconds
+
+
+def request_ttft_target(headers) -> float | None:
+    """The wall-clock time by which the request wants its first token (x-llm-d-slo-ttft-ms), or None."""
+    value = headers.get(TTFT_TARGET_HEADER)
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and ms > 0):
+        raise APIError(f"{TTFT_TARGET_HEADER} must be a positive number of milliseconds, got {value!r}", 400, None)
+    return time.time() + ms / 1000

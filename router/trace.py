@@ -28,6 +28,7 @@ class RequestTrace:
     request_id: str
     prompt_tokens: int
     structured_output: str | None = None  # the constraint's kind (json_schema, regex, ...), None for free text
+    priority: int = 0  # its scheduling priority (lower first; 0 unless --scheduling-policy priority)
     lora_adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
     # Where its adapter stood on each chosen worker when routed ("prefill-0:resident decode-1:load"):
     # running (a request under it runs there), resident (in a slot), load (a free slot), evict.
@@ -117,6 +118,7 @@ class RequestTrace:
         "request_id",
         "prompt_tokens",
         "structured_output",
+        "priority",
         "lora_adapter",
         "lora_placement",
         "arrival",

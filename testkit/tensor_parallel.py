@@ -146,7 +146,7 @@ def _resumed(engine, job: GroupJob, greedy: SamplingParams) -> list[list[int]]:
     ids = [f"resumed-{i}" for i in range(len(job.prompts))]
     for rid, prompt, done in zip(ids, job.prompts, job.resume_from):
         engine.resume_request(prompt, greedy, rid, ResumeState(tuple(done), 0))
-    return _drain(engine, ids)
+    return drain(engine, ids)
 
 
 def _under_adapters(engine, job: GroupJob, greedy: SamplingParams) -> list[list[int]]:
@@ -156,10 +156,10 @@ def _under_adapters(engine, job: GroupJob, greedy: SamplingParams) -> list[list[
         engine.add_request(p, greedy, context=RequestContext(f"lora-{i}", adapter=a))
         for i, (p, a) in enumerate(zip(job.prompts, job.adapters))
     ]
-    return _drain(engine, ids)
+    return drain(engine, ids)
 
 
-def _drain(engine, ids: list[str]) -> list[list[int]]:
+def drain(engine, ids: list[str]) -> list[list[int]]:
     """Step the engine until the requests `ids` finish; each one's tokens."""
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     pending = set(ids)

@@ -20,6 +20,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 QUANTIZATIONS = (None, *quantization_names())  # the registered methods (workers/quantization/registry.py)
 KERNEL_BACKENDS = ("auto", "triton", "native", "reference")
 FLOAT32_PROMPT_MATMULS = ("bf16x3", "ieee")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # workers.engine.scheduling_policy's
 CPU_KV_CACHE_MEMORY = 1 << 30  # kv_cache_memory's default on the CPU
 
 
@@ -239,6 +240,14 @@ class EngineConfig:
             "and on the CPU no float32 step's decoder layers in one native call"
         },
     )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={
+            "help": "fcfs: requests in arrival order; priority: by the request's `priority` (lower first), then its "
+            "TTFT target, then arrival, preempting running requests of a lower priority (vLLM's flag)",
+            "choices": SCHEDULING_POLICIES,
+        },
+    )
     enable_lora: bool = field(
         default=False, metadata={"help": "serve LoRA adapters (vLLM's flag): requests pick one by its name as `model`"}
     )
@@ -293,6 +302,7 @@ class EngineConfig:
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("kernel_backend", KERNEL_BACKENDS),
             ("float32_prompt_matmul", FLOAT32_PROMPT_MATMULS),
+            ("scheduling_policy", SCHEDULING_POLICIES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -68,6 +68,7 @@ from common.sampling_params import SamplingParams
 from common.transports import KVLoadFailed, PeerLink
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler
+from workers.engine.scheduling_policy import SchedulingPolicy
 from workers.engine.sequence import Sequence
 
 __all__ = ["EngineSettings", "EventLoop", "SimWorker", "WorkerCounters"]
@@ -116,6 +117,7 @@ class SimWorker:
             settings.max_num_seqs,
             settings.max_num_batched_tokens,
             max_adapters=None if limits is None else limits.max_loras,
+            policy=SchedulingPolicy(settings.scheduling_policy),
         )
         self.alive = True  # the router may route here
         self.removed = False  # gone from the pools (drained, or dead)

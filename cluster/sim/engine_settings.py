@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from cluster.sim.lora import LoRACosts
 from common.lora import LoRALimits
+from workers.engine.scheduling_policy import SchedulingPolicy
 
 __all__ = ["EngineSettings", "WorkerCounters"]
 
@@ -26,6 +27,7 @@ class EngineSettings:
     max_num_batched_tokens: int = 256
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # default: what the cost model's KV capacity holds
+    scheduling_policy: str = "fcfs"  # or "priority": the real scheduler's (workers.engine.scheduling_policy)
     max_loras: int = 0  # 0: LoRA not modelled (adapters cost nothing and share no limit)
     max_cpu_loras: int | None = None
     lora_slot_load_s: float = LoRACosts.slot_load_s  # host memory -> a device slot, per adapter
@@ -43,6 +45,7 @@ class EngineSettings:
         elif self.max_cpu_loras is not None:
             raise ValueError("max_cpu_loras needs max_loras >= 1 (LoRA on)")
         LoRACosts(self.lora_slot_load_s, self.lora_disk_load_s, self.lora_step_fraction)  # checks the costs
+        SchedulingPolicy(self.scheduling_policy)  # checks its name
 
     @property
     def lora_limits(self) -> LoRALimits | None:

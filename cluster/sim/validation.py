@@ -155,7 +155,13 @@ def served_spec(config: BatonConfig | None = None, device: str = "cpu") -> Clust
     seed is fixed so the simulation is repeatable."""
     config = config or BatonConfig()
     e, p = config.engine, config.placement
-    engine = EngineSettings(e.block_size, e.max_num_seqs, e.max_num_batched_tokens, e.enable_prefix_caching)
+    engine = EngineSettings(
+        e.block_size,
+        e.max_num_seqs,
+        e.max_num_batched_tokens,
+        e.enable_prefix_caching,
+        scheduling_policy=e.scheduling_policy,
+    )
     if e.lora_enabled:
         engine = replace(engine, max_loras=e.max_loras, max_cpu_loras=e.max_cpu_loras)
     routing = replace(config.routing.for_device(device), seed=0)

@@ -51,6 +51,7 @@ class SimRequest:
     output_len: int
     arrival_s: float | None = None  # open loop: sent at this time; None: when its client is ready
     adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    priority: int = 0  # lower runs first under the priority scheduling policy (EngineSettings)
 
     def __post_init__(self) -> None:
         if not self.prompt:

@@ -220,10 +220,11 @@ def handoff(prefill, decode, request_id, prompt, params):
 
 
 def save_lora_adapter(
-    base: torch.nn.Module, folder: Path, rank: int, alpha: int, targets: list[str], seed: int
+    base: torch.nn.Module, folder: Path, rank: int, alpha: int, targets: list[str], seed: int, std: float = 0.3
 ) -> None:
-    """A PEFT LoRA adapter of `base` (rank, alpha, target modules) with random A and B large enough
-    to change greedy tokens, saved in PEFT's format to `folder`; `base` is left as it was."""
+    """A PEFT LoRA adapter of `base` (rank, alpha, target modules) with random A and B (standard
+    deviation `std`: the default changes a tiny model's greedy tokens), saved in PEFT's format to
+    `folder`; `base` is left as it was."""
     import peft
 
     torch.manual_seed(seed)
@@ -232,6 +233,6 @@ def save_lora_adapter(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.normal_(0, 0.3)
+                p.normal_(0, std)
     model.save_pretrained(str(folder))
     model.unload()

@@ -16,6 +16,7 @@ import torch
 from common.lora import LoRAModuleSpec, parse_lora_modules
 from common.request import RequestContext
 from common.sampling_params import SamplingParams
+from testkit.tensor_parallel import drain
 from tests.engine.helpers import hf_greedy, save_lora_adapter, save_tiny_model
 from workers.build import build_engine
 from workers.config import EngineConfig
@@ -71,14 +72,7 @@ def _run(engine, jobs: list[tuple[str | None, list[int]]]) -> list[list[int]]:
         engine.add_request(prompt, params, context=RequestContext(f"r{i}", adapter=adapter))
         for i, (adapter, prompt) in enumerate(jobs)
     ]
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    pending = set(ids)
-    while pending:
-        for out in engine.step():
-            tokens[out.request_id].extend(out.token_ids)
-            if out.finished:
-                pending.discard(out.request_id)
-    return [tokens[rid] for rid in ids]
+    return drain(engine, ids)
 
 
 def _references(hf, root: Path, jobs: list[tuple[str | None, list[int]]]) -> list[list[int]]:
@@ -235,3 +229,36 @@ def test_steps_with_adapter_rows_run_in_the_native_layer_stack(served, monkeypat
     jobs: list[tuple[str | None, list[int]]] = [("attn-r4", [5, 6, 7, 8, 9]), (None, [3, 4, 5]), ("all-r16", [11, 12])]
     assert _run(engine, jobs) == _references(hf, root, jobs)
     assert runs["with_adapters"] >= NEW_TOKENS - 1  # every decode step of the batch
+
+
+@pytest.mark.parametrize("base", ["bfloat16", "fp8"])
+def test_bfloat16_and_fp8_bases_apply_the_adapter(served, base):
+    """On a bfloat16 model and on FP8 weights the first token's logits under an adapter are those
+    of transformers + peft in float32 up to the base's rounding, far closer than the base model's
+    (so the adapter is applied whatever the base's dtype)."""
+    folder, hf, root = served
+    overrides = {"dtype": "bfloat16"} if base == "bfloat16" else {"quantization": "fp8"}
+    modules = "\n".join(f"{n}={root / n}" for n in ADAPTERS)
+    config = EngineConfig(num_kv_blocks=64, enable_lora=True, lora_modules=modules, max_loras=3, **overrides)
+    engine = build_engine(ModelConfig.from_model_dir(folder), config, iter_safetensors(folder))
+    rng = random.Random(17)
+    prompts = {name: [rng.randrange(3, 512) for _ in range(20)] for name in ADAPTERS}
+    first: dict[tuple[int, ...], torch.Tensor] = {}
+    sampler = engine.sampler
+
+    def recording(logits, rows):
+        for row_logits, row in zip(logits, rows):
+            first.setdefault(tuple(row.prompt_token_ids), row_logits.float().clone())
+        return sampler(logits, rows)
+
+    engine.sampler = recording
+    _run(engine, [(name, prompt) for name, prompt in prompts.items()])
+    for name, prompt in prompts.items():
+        with torch.inference_mode():
+            base_logits = hf(torch.tensor([prompt])).logits[0, -1].float()
+            model = _peft_model(hf, root, name)
+            adapted = model(torch.tensor([prompt])).logits[0, -1].float()
+            model.unload()
+        ours = first[tuple(prompt)]
+        off_adapter, off_base = (ours - adapted).abs().max(), (ours - base_logits).abs().max()
+        assert off_adapter < 0.2 * off_base, (name, float(off_adapter), float(off_base))

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from common.lora import lora_target_shapes
 from kernels import amx_linear, small_m_linear
 from kernels.layer_stack import (
     LayerGeometry,
@@ -205,9 +206,9 @@ def test_an_empty_batch_and_bad_inputs():
 def random_lora(g: LayerGeometry, num_layers: int, slots: int, rank: int, gen) -> StackLoRA:
     """Random adapters in `slots` slots, each adapting some targets only (the others zeros, as the
     engine's slots hold an adapter that does not adapt them)."""
-    q, kv, h, i = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.hidden_size, g.intermediate_size
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
-    shapes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = lora_target_shapes(
+        g.hidden_size, g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.intermediate_size
+    )
     a_layers, b_layers = [], []
     for _ in range(num_layers):
         a_stacks, b_stacks = {}, {}

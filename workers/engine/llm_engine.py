@@ -37,6 +37,7 @@ from workers.engine.offline import Completion, run_to_completion, score_tokens
 from workers.engine.request_state import RequestState
 from workers.engine.sampler import Sampler, draw_keys
 from workers.engine.scheduler import Scheduler
+from workers.engine.scheduling_policy import SchedulingPolicy
 from workers.engine.sequence import ScheduledChunk, Sequence
 from workers.engine.speculation import RequestDrafts, Speculation
 from workers.models.config import ModelConfig
@@ -89,6 +90,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self._drafts if self.speculator is not None else None,
             max_adapters=config.max_loras if runner.lora is not None else None,
+            policy=SchedulingPolicy(config.scheduling_policy),
         )
         self.decode = decode
         self.eos_token_ids = set(model_config.eos_token_ids)

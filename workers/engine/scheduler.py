@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.engine.block_manager import BlockManager
+from workers.engine.scheduling_policy import SchedulingPolicy
 from workers.engine.sequence import TRANSITIONS, ScheduledChunk, Sequence, SequenceStatus
 
 # Speculative decoding: (this step's decoding sequences, tokens of budget left after their one token
@@ -53,8 +54,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         drafter: Drafter | None = None,
         max_adapters: int | None = None,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.block_manager = block_manager
+        # Which waiting sequence goes first and which running one is preempted (fcfs or priority).
+        self.policy = policy or SchedulingPolicy()
         # LoRA: distinct adapters one step may run (the worker's device slots); None: no limit.
         self.max_adapters = max_adapters
         self.drafter = drafter
@@ -69,7 +73,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence to be computed here."""
         self._check_new(seq)
-        self.waiting.append(seq)
+        self.policy.enqueue(self.waiting, seq)
 
     def add_reserved(self, seq: Sequence) -> bool:
         """Decode side: reserve blocks for a new sequence whose prompt KV a peer will push.
@@ -106,6 +110,9 @@ class Scheduler:
         bm = self.block_manager
         scheduled: list[ScheduledChunk] = []
 
+        # Under the priority policy, a waiting sequence that finds no room first preempts running
+        # ones of a lower priority (they go back to waiting, recomputed later).
+        made_room = self._make_room(out, budget)
         # Decodes first, then the running prefills' next chunks: a long prompt being prefilled must
         # not take the budget from sequences that joined the batch after it and only need a token.
         computing: set[int] = set()
@@ -140,8 +147,9 @@ class Scheduler:
                 budget -= n
                 i = self.running.index(seq) + 1  # preempting later sequences never moves seq
 
-        # Admitting new work while preempting would only thrash.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Admitting new work while running sequences lack blocks would only thrash.
+        thrashing = len(out.preempted) > made_room
+        while not thrashing and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._adapter_fits(seq, adapters):
                 break  # first come, first served: it waits for a step with room for its adapter
@@ -194,12 +202,34 @@ class Scheduler:
             used += len(drafts)
         return used
 
+    def _make_room(self, out: SchedulerOutput, budget: int) -> int:
+        """Priority policy: preempt running sequences of a lower priority than the first waiting
+        one while it lacks a sequence slot or the blocks of its first chunk. Returns how many."""
+        if not self.policy.by_priority or not self.waiting:
+            return 0
+        head, bm, made = self.waiting[0], self.block_manager, 0
+        blocks = -(-min(head.num_tokens, budget) // bm.block_size)
+        while len(self.running) >= self.max_num_seqs or bm.num_free_blocks < blocks:
+            victim = self.policy.victim(s for s in self.running if s.status is SequenceStatus.RUNNING)
+            if victim is None or not self.policy.outranks(head, victim):
+                break
+            self._preempt(victim)
+            out.preempted.append(victim)
+            made += 1
+        return made
+
     def _pick_victim(self, current: Sequence, computing: set[int]) -> Sequence:
-        """The latest-arrived running sequence not yet given work this step (current last of all)."""
-        for seq in reversed(self.running):
-            if seq.status is SequenceStatus.RUNNING and id(seq) not in computing and seq is not current:
-                return seq
-        return current
+        """The running sequence to preempt so `current` gets its blocks: under fcfs the
+        latest-arrived one not yet given work this step (current last of all); under priority the
+        lowest-priority one, latest arrived first (current itself when it ranks lowest)."""
+        others = [
+            s
+            for s in self.running
+            if s.status is SequenceStatus.RUNNING and id(s) not in computing and s is not current
+        ]
+        if self.policy.by_priority:
+            return self.policy.victim([*others, current]) or current
+        return self.policy.victim(others) or current
 
     def _preempt(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.RUNNING, seq
@@ -208,7 +238,7 @@ class Scheduler:
         self._move(seq, SequenceStatus.WAITING)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.policy.enqueue(self.waiting, seq, front=True)
 
     # ---- prefill side of a remote prefill --------------------------------------------------
     def hold(self, seq: Sequence) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from common.lora import LORA_TARGETS, LoRAModuleSpec
+from common.lora import LORA_TARGETS, LoRAModuleSpec, lora_target_shapes
 from workers.models.config import ModelConfig
 
 __all__ = ["COLUMN_PARALLEL", "LoRAAdapter", "LoRASharding", "load_adapter", "target_shape"]
@@ -65,21 +65,8 @@ class LoRASharding:
 
 def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
     """(in, out) of one projection of the served model (the whole model, not a TP shard)."""
-    hidden, q, kv, inter = (
-        config.hidden_size,
-        config.num_heads * config.head_dim,
-        config.num_kv_heads * config.head_dim,
-        config.intermediate_size,
-    )
-    return {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }[target]
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return lora_target_shapes(config.hidden_size, q, kv, config.intermediate_size)[target]
 
 
 def _refuse(spec: LoRAModuleSpec, why: str) -> ValueError:
