@@ -284,6 +284,7 @@ def build_app(
         max_waiting_prefills=share_of(config.server.max_waiting_prefills, routers, router_index),
         enable_lora=config.engine.lora_enabled,
         scheduling_policy=config.engine.scheduling_policy,
+        tenant_weights=config.engine.tenant_weights,
         lora_adapters=config.engine.lora_specs,
     )
     app = build_router_app(

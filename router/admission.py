@@ -8,7 +8,9 @@ any tokenization. Requests wait here, not inside a worker, so a deadline or a cl
 costs nothing in the pools, and routing sees each request's prompt when it really starts.
 
 Under `--scheduling-policy priority` the waiting requests are let through in priority order (lower
-first, then the earlier TTFT target, then arrival), and a request that finds the queue full takes
+first; within a priority, the tenant holding the fewest slots for its `--tenant-weights` weight,
+then the one let through least often for its weight, so tenants take turns; then the earlier TTFT
+target, then arrival), and a request that finds the queue full takes
 the place of the lowest-priority waiting one (that one gets the 429) when it outranks it: overload
 refuses the lowest priority present. The refusal then happens after the body is read (its priority
 is in it), not in the middleware.
@@ -26,10 +28,13 @@ import json
 import math
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import overload
 
+from common.request import DEFAULT_TENANT
 from common.roles import Role
+from common.tenants import parse_tenant_weights
 from router.config import ServerConfig
 from router.errors import RETRY_AFTER_S
 from router.protocol import APIError
@@ -120,16 +125,27 @@ class GateState:
 class _Waiter:
     key: tuple[int, float, int]  # (priority, TTFT target, arrival number): the lowest goes first
     granted: asyncio.Future
+    tenant: str = DEFAULT_TENANT
 
 
 class Gate:
     """`capacity` requests at once (None: no limit), then at most `max_waiting` waiting, let through
     in arrival order or (`by_priority`) in priority order."""
 
-    def __init__(self, pool: str, capacity: int | None, max_waiting: int, by_priority: bool = False) -> None:
+    def __init__(
+        self,
+        pool: str,
+        capacity: int | None,
+        max_waiting: int,
+        by_priority: bool = False,
+        tenant_weights: Mapping[str, float] | None = None,
+    ) -> None:
         self.pool = pool
         self.max_waiting = max_waiting
         self.by_priority = by_priority
+        self.weights = dict(tenant_weights or {})
+        self.vtime: dict[str, float] = {}  # per tenant: requests admitted / its weight
+        self.holding: dict[str, int] = {}  # per tenant: slots held now
         self.running = 0
         self._waiters: list[_Waiter] = []
         self._arrivals = 0
@@ -166,10 +182,17 @@ class Gate:
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
 
-    async def acquire(self, deadline: Deadline | None, priority: int = 0, ttft_target: float | None = None) -> float:
+    async def acquire(
+        self,
+        deadline: Deadline | None,
+        priority: int = 0,
+        ttft_target: float | None = None,
+        tenant: str = DEFAULT_TENANT,
+    ) -> float:
         """Take a slot, waiting in line until `deadline`; returns the seconds waited."""
+        self._arrived(tenant)
         if self._free() and not self._waiters:
-            self.running += 1
+            self._grant(tenant)
             return 0.0
         self._arrivals += 1
         key = (
@@ -185,13 +208,13 @@ class Gate:
             worst.granted.set_exception(self.overloaded())
         started = time.monotonic()
         granted = asyncio.get_running_loop().create_future()
-        self._waiters.append(_Waiter(key, granted))
+        self._waiters.append(_Waiter(key, granted, tenant))
         try:
             async with asyncio.timeout(None if deadline is None else deadline.remaining()):
                 await granted
         except BaseException as e:
             if granted.done() and not granted.cancelled() and granted.exception() is None:
-                self.release()  # the slot came just as we gave up: pass it on
+                self.release(tenant)  # the slot came just as we gave up: pass it on
             else:
                 granted.cancel()
                 self._waiters = [w for w in self._waiters if w.granted is not granted]
@@ -200,39 +223,60 @@ class Gate:
             raise
         return time.monotonic() - started
 
-    def release(self) -> None:
+    def release(self, tenant: str = DEFAULT_TENANT) -> None:
         self.running -= 1
+        self.holding[tenant] = max(0, self.holding.get(tenant, 0) - 1)
         self._admit_waiters()
+
+    def _order(self, w: _Waiter) -> tuple[int, float, float, float, int]:
+        if not self.by_priority:
+            return (0, 0.0, 0.0, 0.0, w.key[2])
+        weight = self.weights.get(w.tenant, 1.0)
+        return (w.key[0], self.holding.get(w.tenant, 0) / weight, self.vtime.get(w.tenant, 0.0), w.key[1], w.key[2])
+
+    def _arrived(self, tenant: str) -> None:
+        """A tenant with no request waiting starts at the waiting tenants' earliest virtual time."""
+        waiting = {w.tenant for w in self._waiters}
+        if not self.by_priority or tenant in waiting:
+            return
+        times = [self.vtime.get(t, 0.0) for t in waiting]
+        self.vtime[tenant] = max(self.vtime.get(tenant, 0.0), min(times) if times else 0.0)
+
+    def _grant(self, tenant: str) -> None:
+        self.running += 1
+        self.holding[tenant] = self.holding.get(tenant, 0) + 1
+        self.vtime[tenant] = self.vtime.get(tenant, 0.0) + 1.0 / self.weights.get(tenant, 1.0)
 
     def _admit_waiters(self) -> None:
         # Free slots go to the waiting requests in order (one that gave up is skipped).
         while self._waiters and self._free():
-            waiter = min(self._waiters, key=lambda w: w.key)
+            waiter = min(self._waiters, key=self._order)
             self._waiters.remove(waiter)
             if not waiter.granted.done():
-                self.running += 1
+                self._grant(waiter.tenant)
                 waiter.granted.set_result(None)
 
 
 class Ticket:
     """One admitted request's slots; each release is idempotent."""
 
-    def __init__(self, admission: AdmissionControl, waited_s: float) -> None:
+    def __init__(self, admission: AdmissionControl, waited_s: float, tenant: str = DEFAULT_TENANT) -> None:
         self._admission = admission
         self.waited_s = waited_s
+        self.tenant = tenant
         self._prefill = True
         self._decode = True
 
     def first_token(self) -> None:
         if self._prefill:
             self._prefill = False
-            self._admission.prefill.release()
+            self._admission.prefill.release(self.tenant)
 
     def release(self) -> None:
         self.first_token()
         if self._decode:
             self._decode = False
-            self._admission.decode.release()
+            self._admission.decode.release(self.tenant)
 
 
 class AdmissionControl:
@@ -240,8 +284,13 @@ class AdmissionControl:
 
     def __init__(self, config: ServerConfig) -> None:
         self.by_priority = config.scheduling_policy == "priority"
-        self.decode = Gate(Role.DECODE, config.max_running_requests, config.max_waiting_requests, self.by_priority)
-        self.prefill = Gate(Role.PREFILL, config.max_running_prefills, config.max_waiting_prefills, self.by_priority)
+        weights = parse_tenant_weights(config.tenant_weights)
+        self.decode = Gate(
+            Role.DECODE, config.max_running_requests, config.max_waiting_requests, self.by_priority, weights
+        )
+        self.prefill = Gate(
+            Role.PREFILL, config.max_running_prefills, config.max_waiting_prefills, self.by_priority, weights
+        )
         self.rejected: Counter[str] = Counter()  # by reason
 
     def check(self) -> None:
@@ -254,22 +303,28 @@ class AdmissionControl:
                 self.rejected[f"{gate.pool}_queue_full"] += 1
                 raise gate.overloaded()
 
-    async def admit(self, deadline: Deadline | None, priority: int = 0, ttft_target: float | None = None) -> Ticket:
+    async def admit(
+        self,
+        deadline: Deadline | None,
+        priority: int = 0,
+        ttft_target: float | None = None,
+        tenant: str = DEFAULT_TENANT,
+    ) -> Ticket:
         """Wait for a decode slot, then a prefill slot (always in that order, so nothing deadlocks)."""
         waited = 0.0
         for gate in (self.decode, self.prefill):
             try:
-                waited += await gate.acquire(deadline, priority, ttft_target)
+                waited += await gate.acquire(deadline, priority, ttft_target, tenant)
             except APIError as e:
                 self.rejected[f"{gate.pool}_queue_full" if e.status == 429 else "deadline_waiting"] += 1
                 if gate is self.prefill:
-                    self.decode.release()
+                    self.decode.release(tenant)
                 raise
             except BaseException:
                 if gate is self.prefill:
-                    self.decode.release()
+                    self.decode.release(tenant)
                 raise
-        return Ticket(self, waited)
+        return Ticket(self, waited, tenant)
 
     def state(self) -> dict:
         return {

@@ -38,6 +38,7 @@ class ServerConfig:
     # The engine's --scheduling-policy, copied here too: the router's queues follow it, and a
     # request's `priority` is refused without it.
     scheduling_policy: str = field(default="fcfs", metadata={"internal": True})
+    tenant_weights: str | None = field(default=None, metadata={"internal": True})
     lora_adapters: tuple[LoRAModuleSpec, ...] = field(default=(), metadata={"internal": True})
     port: int = field(default=8000, metadata={"help": "port the router listens on"})
     log_level: str = field(

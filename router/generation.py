@@ -173,7 +173,7 @@ class Generation:
         workers = self.backend.workers()
         route = self.policy.choose(prompt_ids, workers, context)
         trace.set_route(route)
-        trace.priority = context.priority
+        trace.priority, trace.tenant = context.priority, context.tenant
         if context.adapter is not None:
             trace.lora_adapter = context.adapter
             trace.lora_placement = lora_placement(context.adapter, route, workers)

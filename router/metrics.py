@@ -42,6 +42,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # A thinned version of vLLM's buckets reaching lower (GPU runs are fast) and higher (CPU runs are
 # slow). Thinned because every bucket is a series to scrape: /metrics must stay cheap (< 5 ms).
+MAX_CLASS_LABELS = 32  # distinct priorities and tenants labelled on their own
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -286,6 +287,16 @@ class RouterMetrics:
             return Histogram(name, doc, ml, buckets=buckets, registry=r)
 
         self.ttft = hist("baton:time_to_first_token_seconds", "Arrival at the router to the first token.", TTFT_BUCKETS)
+        # By scheduling class: each request's priority and tenant, at most MAX_CLASS_LABELS distinct
+        # values of each (later ones count as "other"), so the label sets stay bounded.
+        self.ttft_by_class = Histogram(
+            "baton:time_to_first_token_by_class_seconds",
+            "Arrival at the router to the first token, by request priority and tenant.",
+            ml + ["priority", "tenant"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self._labels: dict[str, set[str]] = {"priority": set(), "tenant": set()}
         self.itl = hist("baton:inter_token_latency_seconds", "Gap between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = hist("baton:e2e_request_latency_seconds", "Arrival to the last token.", REQUEST_BUCKETS)
         self.queue = hist(
@@ -330,6 +341,13 @@ class RouterMetrics:
         }
 
     # ---- recording -----------------------------------------------------------------------
+    def _bounded(self, label: str, value: str) -> str:
+        seen = self._labels[label]
+        if value in seen or len(seen) < MAX_CLASS_LABELS:
+            seen.add(value)
+            return value
+        return "other"
+
     def count_structured(self, kind: str) -> None:
         self.structured.labels(self.model_name, kind).inc()
 
@@ -365,6 +383,8 @@ class RouterMetrics:
             self.success.labels(m, trace.finish_reason or "abort").inc()
         if trace.ttft_s is not None:
             self.ttft.labels(m).observe(trace.ttft_s)
+            priority, tenant = self._bounded("priority", str(trace.priority)), self._bounded("tenant", trace.tenant)
+            self.ttft_by_class.labels(m, priority, tenant).observe(trace.ttft_s)
             self.queue.labels(m).observe(trace.queue_s)
             self.prefill.labels(m).observe(trace.prefill_s)
             self.decode.labels(m).observe(trace.decode_s)

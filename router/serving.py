@@ -28,8 +28,9 @@ from pydantic import BaseModel, ValidationError
 
 from common.lora import LoRAModuleSpec
 from common.protocol import GrammarCompileError
-from common.request import RequestContext
+from common.request import DEFAULT_TENANT, RequestContext
 from common.roles import ROLES
+from common.tenants import tenant_from_header
 from router.admission import AdmissionControl, Deadline, Ticket, request_deadline
 from router.backend import LoRABackend, ServingBackend
 from router.config import ServerConfig
@@ -143,26 +144,45 @@ class Serving:
         deadline), then tokenize, route and run."""
         deadline = request_deadline(self.config, request.headers, time.monotonic())
         ttft_target = request_ttft_target(request.headers)
+        try:
+            tenant = tenant_from_header(request.headers)
+        except ValueError as exc:
+            raise APIError(str(exc), 400, None) from None
         self.admission.check()
         req, constraints = await self._request(request, endpoint.schema)
         endpoint.check(req)
-        ticket = await self._admit(request, deadline, req.priority, ttft_target)
+        ticket = await self._admit(request, deadline, req.priority, ttft_target, tenant)
         if ticket is None:
             return Response(status_code=499)
         try:
             return await self._complete(
-                request, started, req, endpoint.prompts(req), endpoint, ticket, deadline, constraints, ttft_target
+                request,
+                started,
+                req,
+                endpoint.prompts(req),
+                endpoint,
+                ticket,
+                deadline,
+                constraints,
+                ttft_target,
+                tenant,
             )
         except BaseException:
             ticket.release()
             raise
 
     async def _admit(
-        self, request: Request, deadline: Deadline | None, priority: int = 0, ttft_target: float | None = None
+        self,
+        request: Request,
+        deadline: Deadline | None,
+        priority: int = 0,
+        ttft_target: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> Ticket | None:
         """Wait for the request's slots; None when the client left while it waited."""
+        admit = self.admission.admit(deadline, priority, ttft_target, tenant)
         try:
-            return await await_unless_disconnected(request, self.admission.admit(deadline, priority, ttft_target))
+            return await await_unless_disconnected(request, admit)
         except ClientGone:
             return None
 
@@ -200,6 +220,7 @@ class Serving:
         deadline: Deadline | None,
         constraints: Constraints,
         ttft_target: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> Response:
         requested, field_name = req.requested_max_tokens()
         context = self.request_context(
@@ -208,6 +229,7 @@ class Serving:
             self.check_model(req.model),
             priority=req.priority,
             ttft_target=ttft_target,
+            tenant=tenant,
         )
         request_id = context.request_id
         choices: list[Choice] = []
@@ -253,6 +275,7 @@ class Serving:
         adapter: str | None = None,
         priority: int = 0,
         ttft_target: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> RequestContext:
         """The request's identity, made here once: every worker call and the engine read it from here."""
         return RequestContext(
@@ -262,6 +285,7 @@ class Serving:
             priority=priority,
             deadline=None if deadline is None else time.time() + deadline.remaining(),
             ttft_target=ttft_target,
+            tenant=tenant,
         )
 
     # -- checks and prompts

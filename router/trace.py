@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from common.request import DEFAULT_TENANT
+
 __all__ = ["RequestTrace"]
 
 
@@ -29,6 +31,7 @@ class RequestTrace:
     prompt_tokens: int
     structured_output: str | None = None  # the constraint's kind (json_schema, regex, ...), None for free text
     priority: int = 0  # its scheduling priority (lower first; 0 unless --scheduling-policy priority)
+    tenant: str = DEFAULT_TENANT  # who it is billed to (x-llm-d-inference-fairness-id)
     lora_adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
     # Where its adapter stood on each chosen worker when routed ("prefill-0:resident decode-1:load"):
     # running (a request under it runs there), resident (in a slot), load (a free slot), evict.
@@ -119,6 +122,7 @@ class RequestTrace:
         "prompt_tokens",
         "structured_output",
         "priority",
+        "tenant",
         "lora_adapter",
         "lora_placement",
         "arrival",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from common.lora import LoRALimits, LoRAModuleSpec, parse_lora_modules
 from common.roles import ROLES, Role
+from common.tenants import parse_tenant_weights
 from workers.quantization.registry import check_quantization, quantization_help, quantization_names
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -248,6 +249,15 @@ class EngineConfig:
             "choices": SCHEDULING_POLICIES,
         },
     )
+    tenant_weights: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --scheduling-policy priority, each tenant's weight in the fair share of a pool's tokens "
+            "and the router's queues, as name=weight,... (a tenant not named weighs 1; a request's tenant is its "
+            "x-llm-d-inference-fairness-id header)",
+            "example": "interactive=4,batch=1",
+        },
+    )
     enable_lora: bool = field(
         default=False, metadata={"help": "serve LoRA adapters (vLLM's flag): requests pick one by its name as `model`"}
     )
@@ -317,6 +327,10 @@ class EngineConfig:
         self.speculative = (
             SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config is not None else None
         )
+        if self.tenant_weights is not None:
+            if not isinstance(self.tenant_weights, str):
+                raise ValueError(f"tenant_weights must be a string of name=weight entries, got {self.tenant_weights!r}")
+            parse_tenant_weights(self.tenant_weights)
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         LoRALimits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks them

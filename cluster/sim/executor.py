@@ -79,7 +79,9 @@ def worker_request(req: SimRequest, model: str = "") -> WorkerRequest:
     name is then its `model`, as router.serving names it; the KV namespace follows the adapter),
     prompt and sampling (greedy, exactly `output_len` tokens)."""
     params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-    context = RequestContext(req.request_id, model=req.adapter or model, adapter=req.adapter, priority=req.priority)
+    context = RequestContext(
+        req.request_id, model=req.adapter or model, adapter=req.adapter, priority=req.priority, tenant=req.tenant
+    )
     return WorkerRequest(context, list(req.prompt), params)
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from common.request import DEFAULT_TENANT
+
 __all__ = [
     "AdapterMix",
     "Client",
@@ -52,6 +54,7 @@ class SimRequest:
     arrival_s: float | None = None  # open loop: sent at this time; None: when its client is ready
     adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
     priority: int = 0  # lower runs first under the priority scheduling policy (EngineSettings)
+    tenant: str = DEFAULT_TENANT  # whose share it counts against under that policy
 
     def __post_init__(self) -> None:
         if not self.prompt:

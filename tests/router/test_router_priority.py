@@ -92,3 +92,72 @@ def test_scheduling_policy_is_vllms_engine_option(policy):
     assert BatonConfig.from_options(scheduling_policy=policy).engine.scheduling_policy == policy
     with pytest.raises(ValueError, match="scheduling_policy"):
         BatonConfig.from_options(scheduling_policy="lifo")
+
+
+async def _tenant_run(by_priority: bool, weights: dict[str, float]) -> list[str]:
+    """One slot, held by "big"; four more of big's wait, then two of "small": the order they get it."""
+    gate = Gate("decode", capacity=1, max_waiting=16, by_priority=by_priority, tenant_weights=weights)
+    await gate.acquire(None, tenant="big")
+    order: list[str] = []
+
+    async def one(name: str, tenant: str) -> None:
+        await gate.acquire(None, tenant=tenant)
+        order.append(name)
+        await asyncio.sleep(0)
+        gate.release(tenant)
+
+    tasks = []
+    for name, tenant in [("b1", "big"), ("b2", "big"), ("b3", "big"), ("b4", "big"), ("s1", "small"), ("s2", "small")]:
+        tasks.append(asyncio.create_task(one(name, tenant)))
+        await asyncio.sleep(0)
+    gate.release("big")
+    await asyncio.gather(*tasks)
+    return order
+
+
+def test_a_tenant_holding_fewer_slots_goes_first():
+    async def run() -> list[str]:
+        gate = Gate("decode", capacity=3, max_waiting=16, by_priority=True)
+        for _ in range(3):
+            await gate.acquire(None, tenant="big")  # big holds every slot
+        order: list[str] = []
+
+        async def one(name: str, tenant: str) -> None:
+            await gate.acquire(None, tenant=tenant)
+            order.append(name)
+
+        tasks = []
+        for name, tenant in [("b1", "big"), ("b2", "big"), ("b3", "big"), ("s1", "small")]:
+            tasks.append(asyncio.create_task(one(name, tenant)))
+            await asyncio.sleep(0)
+        gate.release("big")  # one slot frees: small holds none, big two
+        await asyncio.sleep(0)
+        for t in tasks:
+            t.cancel()
+        return order
+
+    assert asyncio.run(run()) == ["s1"]  # though it came last
+
+
+def test_the_gate_lets_tenants_take_turns_by_weight():
+    assert asyncio.run(_tenant_run(False, {})) == ["b1", "b2", "b3", "b4", "s1", "s2"]  # FIFO
+    assert asyncio.run(_tenant_run(True, {})) == ["b1", "s1", "b2", "s2", "b3", "b4"]
+    # big weighs 3: three of its requests for each of small's (small, new, starts level with big).
+    assert asyncio.run(_tenant_run(True, {"big": 3.0})) == ["b1", "s1", "b2", "b3", "b4", "s2"]
+
+
+def test_the_fairness_header_names_the_tenant(tokenizer):
+    prio, backend = client(tokenizer, "priority")
+    headers = {"x-llm-d-inference-fairness-id": "team-a"}
+    assert prio.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers).status_code == 200
+    assert backend.requests[-1].request.context.tenant == "team-a"
+    assert complete(prio).status_code == 200 and backend.requests[-1].request.context.tenant == "default"
+    # The trace and the TTFT histogram by class carry the request's priority and tenant.
+    recent = prio.get("/v1/status").json()["recent"]
+    assert {(t["priority"], t["tenant"]) for t in recent} == {(0, "team-a"), (0, "default")}
+    metrics = prio.get("/metrics").text
+    series = 'model_name="SmolLM2-135M-Instruct",priority="0",tenant="team-a"'
+    assert f"baton:time_to_first_token_by_class_seconds_count{{{series}}} 1.0" in metrics
+    bad = {"x-llm-d-inference-fairness-id": "x" * 200}
+    r = prio.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=bad)
+    assert r.status_code == 400 and "x-llm-d-inference-fairness-id" in r.json()["error"]["message"]

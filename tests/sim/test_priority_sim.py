@@ -45,3 +45,18 @@ def test_urgent_requests_overtake_a_flood_only_under_the_priority_policy(prefill
     assert ttft["priority"] < 0.5 * ttft["fcfs"], ttft
     with pytest.raises(ValueError, match="scheduling policy"):
         dataclasses.replace(EngineSettings(), scheduling_policy="lifo")
+
+
+def test_a_small_tenant_overtakes_a_flooding_one_only_under_the_priority_policy():
+    flood = [SimRequest(f"big-{i}", tuple(range(3, 67)), 32, arrival_s=0.0, tenant="big") for i in range(32)]
+    small = [SimRequest(f"small-{i}", tuple(range(5, 69)), 32, arrival_s=0.5, tenant="small") for i in range(6)]
+    workload = Workload((Client.open_loop("big", flood), Client.open_loop("small", small)))
+    ttft = {}
+    for policy in ("fcfs", "priority"):
+        spec = ClusterSpec(0, 1, EngineSettings(max_num_seqs=4, scheduling_policy=policy), RoutingConfig(seed=0))
+        result = simulate(
+            workload, spec, COST, ServingOverheads(heartbeat_s=0.5), LinkModel("t", bandwidth_bytes_s=1e9)
+        )
+        assert all(r.completed for r in result.records)
+        ttft[policy] = statistics.median(r.ttft_s for r in result.records if r.request_id.startswith("small"))
+    assert ttft["priority"] < 0.5 * ttft["fcfs"], ttft

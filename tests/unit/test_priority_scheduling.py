@@ -144,3 +144,66 @@ def test_randomized_priorities_keep_the_block_manager_consistent_and_finish_ever
         if not pending and not sched.running and not sched.waiting:
             break
     assert len(finished) == 24 and sched.block_manager.num_free_blocks == start
+
+
+def _tenant_seq(rid: str, tenant: str, arrival: float, n: int = 8) -> Sequence:
+    context = RequestContext(rid, tenant=tenant)
+    return Sequence(rid, [3 + i for i in range(n)], SamplingParams(), arrival_time=arrival, context=context)
+
+
+def _token_shares(weights: dict[str, float], offered: dict[str, int], steps: int = 400) -> tuple[dict[str, int], int]:
+    """Tenants offering `offered` new sequences per 10 steps (8 prompt + 8 output tokens each) to a
+    scheduler of 2 sequences at a time: the tokens each got in the steps where all were backlogged,
+    and the number of such steps."""
+    sched = Scheduler(
+        BlockManager(256, 4, enable_prefix_caching=False),
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        policy=SchedulingPolicy("priority", weights),
+    )
+    tokens = dict.fromkeys(offered, 0)
+    both, count = 0, 0
+    for step in range(steps):
+        if step % 10 == 0:
+            for tenant, n in offered.items():
+                for _ in range(n):
+                    count += 1
+                    sched.add(_tenant_seq(f"{tenant}-{count}", tenant, float(count)))
+        backlogged = {s.context.tenant for s in sched.waiting}
+        out = sched.schedule()
+        for chunk in out.chunks:
+            s = chunk.seq
+            s.num_computed_tokens += chunk.num_tokens
+            if s.num_computed_tokens == s.num_tokens:
+                s.append_token(7)
+            if backlogged == set(offered):
+                tokens[s.context.tenant] += chunk.num_tokens
+        both += backlogged == set(offered)
+        for s in list(sched.running):
+            if s.num_output_tokens >= 8:
+                sched.finish(s)
+        sched.check_invariants()
+    return tokens, both
+
+
+@pytest.mark.parametrize("weights", [{}, {"big": 3.0}])
+def test_backlogged_tenants_share_tokens_by_weight_whatever_they_offer(weights):
+    # "big" offers 10 times the load of "small", and both more than their share of the 2 slots.
+    tokens, both = _token_shares(weights, {"big": 20, "small": 2})
+    assert both > 100
+    want = weights.get("big", 1.0) / (weights.get("big", 1.0) + 1.0)
+    share = tokens["big"] / (tokens["big"] + tokens["small"])
+    assert abs(share - want) <= 0.1 * want, (share, want)
+
+
+def test_a_tenant_alone_gets_every_token():
+    sched = Scheduler(
+        BlockManager(256, 4, enable_prefix_caching=False),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        policy=SchedulingPolicy("priority", {"big": 9.0, "small": 1.0}),
+    )
+    for i in range(8):
+        sched.add(_tenant_seq(f"small-{i}", "small", float(i)))
+    out = sched.schedule()
+    assert len(out.chunks) == 4 and sum(c.num_tokens for c in out.chunks) == 32  # the whole batch

@@ -28,6 +28,7 @@ from common.lora import LoRAModuleSpec, LoRAStatus
 from common.protocol import KVReservation, RequestOutput, ResumeState, SpecDecodeStats, TokenLogprob
 from common.request import RequestContext
 from common.sampling_params import SamplingParams
+from common.tenants import parse_tenant_weights
 from workers.config import EngineConfig
 from workers.engine.admission import checked_prompt, new_request_state, replay_outputs
 from workers.engine.block_manager import BlockManager
@@ -90,7 +91,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self._drafts if self.speculator is not None else None,
             max_adapters=config.max_loras if runner.lora is not None else None,
-            policy=SchedulingPolicy(config.scheduling_policy),
+            policy=SchedulingPolicy(config.scheduling_policy, parse_tenant_weights(config.tenant_weights)),
         )
         self.decode = decode
         self.eos_token_ids = set(model_config.eos_token_ids)

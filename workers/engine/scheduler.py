@@ -73,6 +73,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence to be computed here."""
         self._check_new(seq)
+        self.policy.arrived(seq, [*self.waiting, *self.running])
         self.policy.enqueue(self.waiting, seq)
 
     def add_reserved(self, seq: Sequence) -> bool:
@@ -84,6 +85,7 @@ class Scheduler:
         self._check_new(seq)
         if len(self.running) >= self.max_num_seqs:
             return False
+        self.policy.arrived(seq, [*self.waiting, *self.running])
         bm = self.block_manager
         cached = bm.find_cached_prefix(seq)
         if not bm.allocate_prefix_and_new(seq, cached, seq.num_tokens - len(cached) * bm.block_size):
@@ -150,7 +152,7 @@ class Scheduler:
         # Admitting new work while running sequences lack blocks would only thrash.
         thrashing = len(out.preempted) > made_room
         while not thrashing and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.policy.next_waiting(self.waiting)
             if not self._adapter_fits(seq, adapters):
                 break  # first come, first served: it waits for a step with room for its adapter
             cached = bm.find_cached_prefix(seq) if not seq.block_ids else []
@@ -159,7 +161,7 @@ class Scheduler:
                 break
             if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             assert seq.status is SequenceStatus.WAITING, seq
             self._move(seq, SequenceStatus.RUNNING)
             self.running.append(seq)
@@ -168,6 +170,7 @@ class Scheduler:
 
         # The model runner wants single-token chunks first.
         out.chunks = [c for c in scheduled if c.num_tokens == 1] + [c for c in scheduled if c.num_tokens != 1]
+        self.policy.charge(out.chunks)
         return out
 
     def _adapter_fits(self, seq: Sequence, adapters: set[str]) -> bool:
@@ -207,7 +210,7 @@ class Scheduler:
         one while it lacks a sequence slot or the blocks of its first chunk. Returns how many."""
         if not self.policy.by_priority or not self.waiting:
             return 0
-        head, bm, made = self.waiting[0], self.block_manager, 0
+        head, bm, made = self.policy.next_waiting(self.waiting), self.block_manager, 0
         blocks = -(-min(head.num_tokens, budget) // bm.block_size)
         while len(self.running) >= self.max_num_seqs or bm.num_free_blocks < blocks:
             victim = self.policy.victim(s for s in self.running if s.status is SequenceStatus.RUNNING)
