@@ -11,9 +11,9 @@ Under `--scheduling-policy priority` the waiting requests are let through in pri
 first; within a priority, the tenant holding the fewest slots for its `--tenant-weights` weight,
 then the one let through least often for its weight, so tenants take turns; then the earlier TTFT
 target, then arrival), and a request that finds the queue full takes
-the place of the lowest-priority waiting one (that one gets the 429) when it outranks it: overload
-refuses the lowest priority present. The refusal then happens after the body is read (its priority
-is in it), not in the middleware.
+the place of a waiting one it outranks (that one gets the 429): overload refuses the lowest priority
+present and, within it, the tenant furthest over its share. The refusal then happens after the body
+is read (its priority is in it), not in the middleware.
 
 A request's **deadline** is its arrival plus `request_timeout` (shortened by the
 x-stainless-read-timeout header that OpenAI SDKs send): waiting past it is a 503 with Retry-After
@@ -201,10 +201,13 @@ class Gate:
             else (0, 0.0, self._arrivals)
         )
         if len(self._waiters) >= self.max_waiting:
-            worst = max(self._waiters, key=lambda w: w.key, default=None)
-            if worst is None or not self.by_priority or worst.key[0] <= priority:
+            # Under the priority policy the refused request is the lowest priority present and,
+            # within it, of the tenant furthest over its share: this one, or a waiting one it outranks.
+            worst = max(self._waiters, key=self._refusal_order, default=None)
+            newcomer = _Waiter(key, asyncio.get_running_loop().create_future(), tenant)
+            if worst is None or not self.by_priority or self._refusal_order(worst) <= self._refusal_order(newcomer):
                 raise self.overloaded()
-            self._waiters.remove(worst)  # the lowest priority present is refused, not this request
+            self._waiters.remove(worst)
             worst.granted.set_exception(self.overloaded())
         started = time.monotonic()
         granted = asyncio.get_running_loop().create_future()
@@ -233,6 +236,12 @@ class Gate:
             return (0, 0.0, 0.0, 0.0, w.key[2])
         weight = self.weights.get(w.tenant, 1.0)
         return (w.key[0], self.holding.get(w.tenant, 0) / weight, self.vtime.get(w.tenant, 0.0), w.key[1], w.key[2])
+
+    def _refusal_order(self, w: _Waiter) -> tuple[int, float, float, int]:
+        """The larger, the sooner refused under overload: priority, then the tenant's share held and
+        let through (for its weight), then the latest arrival."""
+        weight = self.weights.get(w.tenant, 1.0)
+        return (w.key[0], self.holding.get(w.tenant, 0) / weight, self.vtime.get(w.tenant, 0.0), w.key[2])
 
     def _arrived(self, tenant: str) -> None:
         """A tenant with no request waiting starts at the waiting tenants' earliest virtual time."""

@@ -161,3 +161,33 @@ def test_the_fairness_header_names_the_tenant(tokenizer):
     bad = {"x-llm-d-inference-fairness-id": "x" * 200}
     r = prio.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=bad)
     assert r.status_code == 400 and "x-llm-d-inference-fairness-id" in r.json()["error"]["message"]
+
+
+def test_overload_refuses_the_tenant_furthest_over_its_share():
+    async def run() -> tuple[list[str], list[str]]:
+        gate = Gate("decode", capacity=1, max_waiting=3, by_priority=True)
+        await gate.acquire(None, tenant="big")  # big holds the slot
+        admitted: list[str] = []
+        refused: list[str] = []
+
+        async def one(name: str, tenant: str) -> None:
+            try:
+                await gate.acquire(None, tenant=tenant)
+            except APIError as e:
+                assert e.status == 429
+                refused.append(name)
+                return
+            admitted.append(name)
+            gate.release(tenant)
+
+        tasks = []
+        for name, tenant in [("b1", "big"), ("b2", "big"), ("s1", "small"), ("s2", "small"), ("b3", "big")]:
+            tasks.append(asyncio.create_task(one(name, tenant)))
+            await asyncio.sleep(0)
+        gate.release("big")
+        await asyncio.gather(*tasks)
+        return admitted, refused
+
+    admitted, refused = asyncio.run(run())
+    # Full at b1, b2, s1: s2 takes the place of big's latest (b2); b3, big's, is refused itself.
+    assert refused == ["b2", "b3"] and sorted(admitted) == ["b1", "s1", "s2"]
