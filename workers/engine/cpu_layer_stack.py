@@ -120,11 +120,12 @@ def attach_stack_lora(stack: LayerStack, manager: LoRAManager) -> None:
     )
 
 
-def stack_lora_rows(manager: LoRAManager, rows: list[int]) -> tuple[torch.Tensor, int]:
-    """A step's adapter rows as the stack takes them: int64 slots [T] and the targets' bitmask."""
-    active = manager.targets_of(rows)
-    mask = sum(1 << i for i, t in enumerate(LORA_TARGETS) if t in active)
-    return torch.tensor(rows, dtype=torch.int64), mask
+def stack_lora_rows(manager: LoRAManager) -> tuple[torch.Tensor, int]:
+    """The step's adapter rows as the stack takes them: the manager's int64 slots [T] (set for the
+    step by the model runner) and its active targets as a bitmask."""
+    assert manager.row_slots is not None
+    mask = sum(1 << i for i, t in enumerate(LORA_TARGETS) if t in manager.active_targets)
+    return manager.row_slots, mask
 
 
 def stack_hidden(

@@ -247,7 +247,8 @@ class ModelRunner:
             self.lora.row_slots = None
             return
         self.lora.adopt(step.lora_slots)  # rank 0 holds them already; the other ranks copy its slots
-        self.lora.row_slots = torch.tensor(step.lora_rows, dtype=torch.int32, device=self.device)
+        # int64: what the native kernel and the layer stack take (kernels/lora.py), made once a step.
+        self.lora.row_slots = torch.tensor(step.lora_rows, dtype=torch.int64, device=self.device)
         self.lora.active_targets = self.lora.targets_of(step.lora_rows)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -276,7 +277,7 @@ class ModelRunner:
                 and (stack.takes_prefill or not step.prefill_rows)
             ):
                 runs = torch.tensor(step.prompt_runs, dtype=torch.int64).reshape(-1, 2) if step.prompt_runs else None
-                adapter_rows = None if lora is None else stack_lora_rows(lora, step.lora_rows or [])
+                adapter_rows = None if lora is None else stack_lora_rows(lora)
                 return stack_hidden(self.model, stack, input_ids, positions, meta, runs, adapter_rows)
             return self.model(input_ids, positions, meta, self.kv_views())
 
