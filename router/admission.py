@@ -123,7 +123,7 @@ class GateState:
 
 @dataclass
 class _Waiter:
-    key: tuple[int, float, int]  # (priority, TTFT target, arrival number): the lowest goes first
+    key: tuple[int, float, int]  # (priority, TTFT target, arrival number); fcfs orders by arrival alone
     granted: asyncio.Future
     tenant: str = DEFAULT_TENANT
 
@@ -195,23 +195,20 @@ class Gate:
             self._grant(tenant)
             return 0.0
         self._arrivals += 1
-        key = (
-            (priority, math.inf if ttft_target is None else ttft_target, self._arrivals)
-            if self.by_priority
-            else (0, 0.0, self._arrivals)
-        )
+        key = (priority, math.inf if ttft_target is None else ttft_target, self._arrivals)
+        waiter = _Waiter(key, asyncio.get_running_loop().create_future(), tenant)
         if len(self._waiters) >= self.max_waiting:
-            # Under the priority policy the refused request is the lowest priority present and,
-            # within it, of the tenant furthest over its share: this one, or a waiting one it outranks.
+            # Under fcfs this request is refused. Under the priority policy the refused one is the
+            # lowest priority present and, within it, of the tenant furthest over its share: this
+            # one, or a waiting one it outranks.
             worst = max(self._waiters, key=self._refusal_order, default=None)
-            newcomer = _Waiter(key, asyncio.get_running_loop().create_future(), tenant)
-            if worst is None or not self.by_priority or self._refusal_order(worst) <= self._refusal_order(newcomer):
+            if worst is None or not self.by_priority or self._refusal_order(worst) <= self._refusal_order(waiter):
                 raise self.overloaded()
             self._waiters.remove(worst)
             worst.granted.set_exception(self.overloaded())
         started = time.monotonic()
-        granted = asyncio.get_running_loop().create_future()
-        self._waiters.append(_Waiter(key, granted, tenant))
+        granted = waiter.granted
+        self._waiters.append(waiter)
         try:
             async with asyncio.timeout(None if deadline is None else deadline.remaining()):
                 await granted

@@ -149,38 +149,32 @@ class Serving:
         except ValueError as exc:
             raise APIError(str(exc), 400, None) from None
         self.admission.check()
-        req, constraints = await self._request(request, endpoint.schema)
+        req, constraints, adapter = await self._request(request, endpoint.schema)
         endpoint.check(req)
-        ticket = await self._admit(request, deadline, req.priority, ttft_target, tenant)
+        context = self.request_context(
+            f"{endpoint.id_prefix}-{uuid.uuid4().hex}",
+            deadline,
+            adapter,
+            priority=req.priority,
+            ttft_target=ttft_target,
+            tenant=tenant,
+        )
+        ticket = await self._admit(request, deadline, context)
         if ticket is None:
             return Response(status_code=499)
         try:
+            prompts = endpoint.prompts(req)
             return await self._complete(
-                request,
-                started,
-                req,
-                endpoint.prompts(req),
-                endpoint,
-                ticket,
-                deadline,
-                constraints,
-                ttft_target,
-                tenant,
+                request, started, req, prompts, endpoint, ticket, deadline, constraints, context
             )
         except BaseException:
             ticket.release()
             raise
 
-    async def _admit(
-        self,
-        request: Request,
-        deadline: Deadline | None,
-        priority: int = 0,
-        ttft_target: float | None = None,
-        tenant: str = DEFAULT_TENANT,
-    ) -> Ticket | None:
-        """Wait for the request's slots; None when the client left while it waited."""
-        admit = self.admission.admit(deadline, priority, ttft_target, tenant)
+    async def _admit(self, request: Request, deadline: Deadline | None, context: RequestContext) -> Ticket | None:
+        """Wait for the request's slots (in its priority's and tenant's turn); None when the client
+        left while it waited."""
+        admit = self.admission.admit(deadline, context.priority, context.ttft_target, context.tenant)
         try:
             return await await_unless_disconnected(request, admit)
         except ClientGone:
@@ -188,13 +182,14 @@ class Serving:
 
     async def _request(
         self, request: Request, schema: type[ChatCompletionRequest | CompletionRequest]
-    ) -> tuple[Any, Constraints]:
+    ) -> tuple[Any, Constraints, str | None]:
+        """The request parsed and checked, its constraints, and the LoRA adapter its `model` names."""
         body = await read_json(request, self.config)
         if not isinstance(body, dict):
             raise APIError("request body must be a JSON object", 400, None)
         check_unsupported(body, schema, self.tokenizer.vocab_size)
         req = parse(schema, body)
-        self.check_model(req.model)
+        adapter = self.check_model(req.model)
         if req.priority != 0 and self.config.scheduling_policy != "priority":
             raise APIError(
                 f"priority {req.priority}: priority scheduling is not enabled (--scheduling-policy priority)",
@@ -207,7 +202,7 @@ class Serving:
         constraints = request_constraints(
             body, schema is ChatCompletionRequest, self.config, self.tokenizer.chat_template
         )
-        return req, constraints
+        return req, constraints, adapter
 
     async def _complete(
         self,
@@ -219,18 +214,9 @@ class Serving:
         ticket: Ticket,
         deadline: Deadline | None,
         constraints: Constraints,
-        ttft_target: float | None = None,
-        tenant: str = DEFAULT_TENANT,
+        context: RequestContext,
     ) -> Response:
         requested, field_name = req.requested_max_tokens()
-        context = self.request_context(
-            f"{endpoint.id_prefix}-{uuid.uuid4().hex}",
-            deadline,
-            self.check_model(req.model),
-            priority=req.priority,
-            ttft_target=ttft_target,
-            tenant=tenant,
-        )
         request_id = context.request_id
         choices: list[Choice] = []
         for prompt_ids in prompts:  # each prompt n times, in OpenAI's order of choice indexes
