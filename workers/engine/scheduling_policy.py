@@ -14,7 +14,6 @@ backlogged tenants' earliest virtual time (`arrived`), so idleness banks no cred
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -44,17 +43,19 @@ class SchedulingPolicy:
         self.weights = dict(tenant_weights or {})
         self.vtime: dict[str, float] = {}  # per tenant: tokens computed for it / its weight
 
-    def key(self, seq: Sequence) -> tuple[int, float, float]:
-        """A waiting sequence's static place: priority, then its TTFT target, then arrival."""
+    def key(self, seq: Sequence) -> tuple[int, float, float, float]:
+        """A waiting sequence's place under the priority policy: priority, then its tenant's virtual
+        time (which moves as tenants are served), then its TTFT target, then arrival."""
         ctx = seq.context
         target = ctx.ttft_target if ctx is not None and ctx.ttft_target is not None else math.inf
-        return (_priority(seq), target, seq.arrival_time)
+        return (_priority(seq), self.vtime.get(_tenant(seq), 0.0), target, seq.arrival_time)
 
     def next_waiting(self, waiting: deque[Sequence]) -> Sequence:
-        """The waiting sequence to admit next (waiting must not be empty)."""
+        """The waiting sequence to admit next (waiting must not be empty): the first in line under
+        fcfs, the lowest `key` under priority (the line's order then does not matter)."""
         if not self.by_priority:
             return waiting[0]
-        return min(waiting, key=lambda s: (_priority(s), self.vtime.get(_tenant(s), 0.0), *self.key(s)[1:]))
+        return min(waiting, key=self.key)
 
     def arrived(self, seq: Sequence, present: Iterable[Sequence]) -> None:
         """A new sequence: its tenant, idle until now, starts at the backlogged tenants' earliest
@@ -73,13 +74,10 @@ class SchedulingPolicy:
             self.vtime[tenant] = self.vtime.get(tenant, 0.0) + chunk.num_tokens / self.weights.get(tenant, 1.0)
 
     def enqueue(self, waiting: deque[Sequence], seq: Sequence, front: bool = False) -> None:
-        """Put seq in line: at the back (front: a preempted one, at the front) under fcfs, in key
-        order under priority (a preempted sequence keeps its arrival, so its place)."""
-        if not self.by_priority:
-            (waiting.appendleft if front else waiting.append)(seq)
-            return
-        keys = [self.key(s) for s in waiting]
-        waiting.insert(bisect.bisect_right(keys, self.key(seq)), seq)
+        """Put seq in line: at the back, or (front: a preempted one) at the front. Under priority
+        `next_waiting` picks by `key` whatever the line's order; a preempted sequence keeps its
+        arrival, so its place."""
+        (waiting.appendleft if front else waiting.append)(seq)
 
     def victim(self, running: Iterable[Sequence]) -> Sequence | None:
         """Of the candidates, the one to preempt first (None when there is none)."""
