@@ -236,3 +236,17 @@ def save_lora_adapter(
                 p.normal_(0, std)
     model.save_pretrained(str(folder))
     model.unload()
+
+
+def poll_until(worker, request_id: str, tokens: list[int], count: int | None) -> list[int]:
+    """Append `worker`'s outputs for the request until it finished (or holds `count` tokens)."""
+    while count is None or len(tokens) < count:
+        outputs = worker.poll_outputs(5.0)
+        assert outputs, f"{worker.worker_id} produced nothing for 5 s"
+        for out in outputs:
+            if out.request_id != request_id:  # what a request taken away had left in the worker's queue
+                continue
+            tokens += out.token_ids
+            if out.finished:
+                return tokens
+    return tokens

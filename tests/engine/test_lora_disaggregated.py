@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from common.protocol import ResumeState
+from common.request import RequestContext
 from common.sampling_params import SamplingParams
 from testkit import workers as calls
-from tests.engine.helpers import save_lora_adapter, save_tiny_model
+from testkit.tensor_parallel import drain
+from tests.engine.helpers import poll_until, save_lora_adapter, save_tiny_model
 from workers.build import load_engine
 from workers.config import EngineConfig
 from workers.shell.worker import EngineWorker, WorkerConfig
@@ -26,19 +28,6 @@ pytest.importorskip("peft")
 NEW_TOKENS, MIGRATE_AFTER = 14, 5
 ADAPTERS = {"attn": (4, 8, ["q_proj", "k_proj", "v_proj"]), "mlp": (8, 16, ["gate_proj", "up_proj", "down_proj"])}
 PROMPTS = [[(11 * i + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((21, 40))]
-
-
-def poll_until(worker: EngineWorker, request_id: str, tokens: list[int], count: int | None) -> list[int]:
-    while count is None or len(tokens) < count:
-        outputs = worker.poll_outputs(5.0)
-        assert outputs, f"{worker.worker_id} produced nothing for 5 s"
-        for out in outputs:
-            if out.request_id != request_id:
-                continue
-            tokens += out.token_ids
-            if out.finished:
-                return tokens
-    return tokens
 
 
 def test_remote_prefill_fp8_kv_and_a_migration_under_adapters_are_exact():
@@ -59,15 +48,12 @@ def test_remote_prefill_fp8_kv_and_a_migration_under_adapters_are_exact():
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         oracle_engine = load_engine(folder, config)
         jobs = [(adapter, prompt) for adapter in (*ADAPTERS, None) for prompt in PROMPTS]
-        oracle = []
-        for i, (adapter, prompt) in enumerate(jobs):
-            from common.request import RequestContext
-
-            rid = oracle_engine.add_request(prompt, params, context=RequestContext(f"o{i}", adapter=adapter))
-            tokens: list[int] = []
-            while oracle_engine.has_unfinished_requests():
-                tokens += [t for out in oracle_engine.step() if out.request_id == rid for t in out.token_ids]
-            oracle.append(tokens)
+        oracle = [
+            drain(
+                oracle_engine, [oracle_engine.add_request(prompt, params, context=RequestContext(f"o{i}", adapter=a))]
+            )[0]
+            for i, (a, prompt) in enumerate(jobs)
+        ]
         # The adapters change the tokens, so a base-model prefill anywhere would show.
         assert len({tuple(t) for t in oracle}) == len(oracle)
         workers = [

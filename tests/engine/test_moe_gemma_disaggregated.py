@@ -16,7 +16,7 @@ import torch
 from common.protocol import ResumeState
 from common.sampling_params import SamplingParams
 from testkit import workers as calls
-from tests.engine.helpers import save_tiny_model
+from tests.engine.helpers import poll_until, save_tiny_model
 from tests.engine.test_gemma_and_windows import GEMMA_CASES, WINDOW
 from workers.build import load_engine
 from workers.config import EngineConfig
@@ -32,20 +32,6 @@ MODELS = {"qwen3_moe": dict(num_hidden_layers=2, vocab_size=512), "gemma3": GEMM
 def prompts(seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (3 * WINDOW, 5 * WINDOW + 3)]
-
-
-def poll_until(worker: EngineWorker, request_id: str, tokens: list[int], count: int | None) -> list[int]:
-    """Append `worker`'s outputs for the request until it finished (or holds `count` tokens)."""
-    while count is None or len(tokens) < count:
-        outputs = worker.poll_outputs(5.0)
-        assert outputs, f"{worker.worker_id} produced nothing for 5 s"
-        for out in outputs:
-            if out.request_id != request_id:  # what a request taken away had left in the worker's queue
-                continue
-            tokens += out.token_ids
-            if out.finished:
-                return tokens
-    return tokens
 
 
 @pytest.mark.parametrize("kind", list(MODELS))

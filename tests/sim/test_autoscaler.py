@@ -15,10 +15,11 @@ from cluster.autoscaler import Autoscaler, Signals
 from cluster.autoscaler_config import AutoscalerConfig
 from cluster.autoscaler_loop import AutoscalerLoop, RouterSignals, install_autoscaler
 from cluster.config import BatonConfig
-from cluster.sim import SLO, ClusterSpec, FittedCostModel, LengthDist, ServingOverheads, Simulator, WorkloadSpec
+from cluster.sim import SLO, ClusterSpec, LengthDist, ServingOverheads, Simulator, WorkloadSpec
 from cluster.sim.autoscaling import attach_to_simulator
 from router.backend import WorkerInfo
 from router.trace import RequestTrace
+from tests.sim.machine import MACHINE_COST
 
 CONFIG = AutoscalerConfig(
     enabled=True,
@@ -93,19 +94,7 @@ def test_bad_settings_are_refused_naming_them():
 
 
 def test_a_load_step_grows_then_shrinks_the_pools_without_oscillating():
-    cost = FittedCostModel(
-        {
-            "c0": 0.012,
-            "c_token": 0.0011,
-            "c_sampled": 0.0004,
-            "c_decode_ctx": 2e-6,
-            "c_prefill_pairs": 4e-8,
-            "c_decode_seq": 0.0003,
-        },
-        knee=8,
-        kv_bytes_per_token=46080,
-        kv_capacity_tokens=23296,
-    )
+    cost = MACHINE_COST
     spec = WorkloadSpec(
         rate=4.0,
         duration_s=420,

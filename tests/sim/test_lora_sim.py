@@ -34,21 +34,9 @@ from cluster.sim.lora import AdapterResidency, LoRACosts
 from cluster.sim.workload import AdapterMix, read_trace, write_trace
 from common.lora import LoRALimits
 from router.routing import RoutingConfig
+from tests.sim.machine import MACHINE_COST, write_profile
 
-# A worker like this machine's (tests/sim/test_planner.py's).
-COST = FittedCostModel(
-    {
-        "c0": 0.012,
-        "c_token": 0.0011,
-        "c_sampled": 0.0004,
-        "c_decode_ctx": 2e-6,
-        "c_prefill_pairs": 4e-8,
-        "c_decode_seq": 0.0003,
-    },
-    knee=8,
-    kv_bytes_per_token=46080,
-    kv_capacity_tokens=23296,
-)
+COST = MACHINE_COST  # a worker like this machine's
 STEP = 0.010  # every step 10 ms, whatever it holds
 CONSTANT = FittedCostModel(
     {"c0": STEP, "c_token": 0.0, "c_sampled": 0.0, "c_decode_ctx": 0.0, "c_prefill_pairs": 0.0, "c_decode_seq": 0.0},
@@ -277,16 +265,7 @@ def test_the_planner_simulates_an_adapter_mix(monkeypatch):
 
 
 def test_baton_plan_takes_an_adapter_mix(tmp_path, capsys):
-    profile = tmp_path / "profile.json"
-    profile.write_text(
-        json.dumps(
-            {
-                "cost_model": {"kind": "fitted", **{k: v for k, v in COST.to_dict().items() if k != "kind"}},
-                "overheads": {"heartbeat_s": 1.0},
-                "link": "cpu-shm",
-            }
-        )
-    )
+    profile = write_profile(tmp_path / "profile.json")
     workload = tmp_path / "w.yaml"
     workload.write_text("rate: 0.5\nduration_s: 20\nprompt_len: {dist: uniform, low: 64, high: 256}\noutput_len: 32\n")
     args = ["plan", "--gpus", "2", "--model-profile", str(profile), "--slo-ttft", "3s", "--slo-tpot", "200ms"]

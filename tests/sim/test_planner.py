@@ -17,22 +17,10 @@ from cluster.planner import (
     plan,
     probe,
 )
-from cluster.sim import SLO, FittedCostModel, LengthDist, ServingOverheads, StepShape, WorkloadSpec
+from cluster.sim import SLO, LengthDist, ServingOverheads, StepShape, WorkloadSpec
+from tests.sim.machine import MACHINE_COST, write_profile
 
-# A worker like this machine's (bench/results/cost_profile_cpu.json, rounded).
-COST = FittedCostModel(
-    {
-        "c0": 0.012,
-        "c_token": 0.0011,
-        "c_sampled": 0.0004,
-        "c_decode_ctx": 2e-6,
-        "c_prefill_pairs": 4e-8,
-        "c_decode_seq": 0.0003,
-    },
-    knee=8,
-    kv_bytes_per_token=46080,
-    kv_capacity_tokens=23296,
-)
+COST = MACHINE_COST
 OVERHEADS = ServingOverheads(heartbeat_s=1.0)
 
 
@@ -102,16 +90,7 @@ def test_durations_read_like_the_issue_writes_them():
 
 @pytest.mark.slow  # `baton plan` in a child process, with its plot: about 5 s here
 def test_baton_plan_prints_a_plan_and_writes_json_and_a_plot(tmp_path, capsys):
-    profile = tmp_path / "profile.json"
-    profile.write_text(
-        json.dumps(
-            {
-                "cost_model": {"kind": "fitted", **{k: v for k, v in COST.to_dict().items() if k != "kind"}},
-                "overheads": {"heartbeat_s": 1.0},
-                "link": "cpu-shm",
-            }
-        )
-    )
+    profile = write_profile(tmp_path / "profile.json")
     workload = tmp_path / "w.yaml"
     workload.write_text("rate: 0.5\nduration_s: 30\nprompt_len: {dist: uniform, low: 64, high: 256}\noutput_len: 32\n")
     code = baton(
